@@ -1,0 +1,144 @@
+"""The ``mtrace-live`` command line.
+
+Subcommands import the tracing machinery (and with it bcc) only when they run,
+so ``--help`` and ``--version`` work without root and without bcc.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .errors import MtraceError
+
+PROG = "mtrace-live"
+
+
+def _version() -> str:
+    try:
+        return version("mtrace-live")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(_version(), "-V", "--version", prog_name=PROG)
+def cli() -> None:
+    """Live memory-allocation tracer for Linux.
+
+    mtrace-live attaches through eBPF to glibc's allocator probes (SDT/USDT)
+    and to the kernel's kmem tracepoints, and shows what they report.
+    """
+
+
+@cli.command(context_settings={"allow_interspersed_args": False})
+@click.option("--pid", "-p", type=int, help="Count hits of this running process.")
+@click.option(
+    "--lib",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Attach to this libc instead of the one the target maps.",
+)
+@click.option(
+    "--sdt-glibc",
+    is_flag=True,
+    help="Run COMMAND under the SDT-enabled glibc built by 'make sdt-glibc'.",
+)
+@click.option(
+    "--probes",
+    "patterns",
+    multiple=True,
+    default=("*",),
+    show_default=True,
+    help="Glob of libc probe names to count; repeatable.",
+)
+@click.option("--kmem", is_flag=True, help="Also count the kmem tracepoints for the target.")
+@click.option(
+    "--follow-forks/--no-follow-forks",
+    default=True,
+    show_default=True,
+    help="Count the target's child processes too.",
+)
+@click.option("--duration", type=float, help="With --pid: stop after this many seconds.")
+@click.option("--json", "as_json", is_flag=True, help="Print the counts as JSON.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def count(
+    pid: int | None,
+    lib: Path | None,
+    sdt_glibc: bool,
+    patterns: tuple[str, ...],
+    kmem: bool,
+    follow_forks: bool,
+    duration: float | None,
+    as_json: bool,
+    command: tuple[str, ...],
+) -> None:
+    """Count libc probe hits, exactly, in the kernel.
+
+    Either trace a running process (--pid N) or start COMMAND with the probes
+    attached before its first instruction:
+
+        mtrace-live count --sdt-glibc -- ./my-program arg
+
+    Counts are printed when the target exits (or on Ctrl-C). With COMMAND,
+    mtrace-live exits with the command's exit code.
+    """
+    from .count_command import CountRequest, run_count
+
+    if (pid is None) == (not command):
+        raise click.UsageError("give either --pid N or a COMMAND to run, not both or neither")
+    if sdt_glibc and pid is not None:
+        raise click.UsageError("--sdt-glibc starts a COMMAND; it cannot apply to --pid")
+    request = CountRequest(
+        pid=pid,
+        command=list(command),
+        lib=lib,
+        sdt_glibc=sdt_glibc,
+        patterns=list(patterns),
+        kmem=kmem,
+        follow_forks=follow_forks,
+        duration=duration,
+    )
+    report = run_count(request)
+    if as_json:
+        click.echo(json.dumps(report.as_json(), indent=2, sort_keys=True))
+    else:
+        _print_table(report.as_json())
+    if report.exit_code is not None:
+        sys.exit(report.exit_code)
+
+
+def _print_table(report: dict[str, Any]) -> None:
+    click.echo(f"pid {report['pid']}  libc {report['libc']}")
+    sections = (("libc probe", "usdt"), ("kmem tracepoint", "kmem"), ("cache", "kmem_cache_allocs"))
+    for title, key in sections:
+        rows = sorted(report[key].items(), key=lambda kv: (-kv[1], kv[0]))
+        if not rows:
+            continue
+        width = max(len(title), *(len(name) for name, _ in rows))
+        click.echo(f"\n{title:<{width}}  {'hits':>10}")
+        for name, hits in rows:
+            click.echo(f"{name:<{width}}  {hits:>10}")
+
+
+def main() -> None:
+    # A closed pipe (| head) ends the output quietly, as for other Unix tools.
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    try:
+        cli.main(prog_name=PROG, standalone_mode=False)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except MtraceError as exc:
+        click.echo(f"{PROG}: error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)
+

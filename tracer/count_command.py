@@ -1,0 +1,90 @@
+"""``mtrace-live count``: attach the counters, run or watch the target, report."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import sdt_glibc, target
+from .counting import CountReport, HitCounter
+from .errors import TargetError
+from .launch import GatedCommand
+
+
+@dataclass(frozen=True)
+class CountRequest:
+    pid: int | None
+    command: list[str]
+    lib: Path | None
+    sdt_glibc: bool
+    patterns: list[str]
+    kmem: bool
+    follow_forks: bool
+    duration: float | None
+
+
+def run_count(request: CountRequest) -> CountReport:
+    if request.pid is not None:
+        return _count_pid(request, request.pid)
+    return _count_command(request)
+
+
+def _count_pid(request: CountRequest, pid: int) -> CountReport:
+    if not Path(f"/proc/{pid}").is_dir():
+        raise TargetError(f"no process with pid {pid}")
+    libc = target.library_file(request.lib) if request.lib else target.mapped_libc(pid)
+    counter = _counter(request, libc)
+    try:
+        counter.follow([pid])
+        _watch(pid, request.duration)
+        return counter.report(pid, exit_code=None)
+    finally:
+        counter.close()
+
+
+def _count_command(request: CountRequest) -> CountReport:
+    argv = list(request.command)
+    if request.sdt_glibc:
+        build = sdt_glibc.locate()
+        libc = build.libc
+        argv = build.wrap(argv)
+    elif request.lib:
+        libc = target.library_file(request.lib)
+    else:
+        libc = target.default_libc()
+    child = GatedCommand(argv)
+    try:
+        counter = _counter(request, libc)
+    except BaseException:
+        child.abandon()
+        raise
+    try:
+        counter.follow([child.pid])
+        child.release()
+        try:
+            exit_code = child.wait()
+        except KeyboardInterrupt:
+            child.interrupt()
+            exit_code = child.wait()
+        return counter.report(child.pid, exit_code)
+    finally:
+        counter.close()
+
+
+def _counter(request: CountRequest, libc: Path) -> HitCounter:
+    return HitCounter(libc, request.patterns, request.follow_forks, request.kmem)
+
+
+def _watch(pid: int, duration: float | None) -> None:
+    """Return when the process exits, the duration passes, or on Ctrl-C."""
+    deadline = None if duration is None else time.monotonic() + duration
+    with contextlib.suppress(KeyboardInterrupt):
+        while deadline is None or time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)

@@ -1,0 +1,131 @@
+"""Exact in-kernel hit counts for libc USDT probes and kmem tracepoints.
+
+This is the smallest complete chain (probe -> BPF -> map -> user space) and the
+reference the richer tracers are checked against: counts are kept per probe in
+the kernel, so nothing is lost however fast probes fire.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mtrace_live.probes.sdt_notes import SdtNoteError, SdtSite, read_sites
+
+from .bpf_backend import BpfProgram, tracepoint_format
+from .errors import NoProbesError, TargetError, UsageError
+
+LIBC_PROVIDER = "libc"
+MAX_USDT_PROBES = 100  # the handlers count_0 ... count_99 in usdt_count.bpf.c
+
+# Order matches enum kmem_event in kmem_count.bpf.c.
+KMEM_TRACEPOINTS = (
+    "kmalloc",
+    "kfree",
+    "kmem_cache_alloc",
+    "kmem_cache_free",
+    "mm_page_alloc",
+    "mm_page_free",
+)
+
+
+def select_probes(sites: Iterable[SdtSite], patterns: Sequence[str]) -> list[str]:
+    """Names of the libc-provider probes matching any glob, in note order, once each."""
+    names = dict.fromkeys(site.name for site in sites if site.provider == LIBC_PROVIDER)
+    return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+
+
+@dataclass
+class CountReport:
+    pid: int
+    libc: Path | None
+    usdt: dict[str, int] = field(default_factory=dict)
+    kmem: dict[str, int] = field(default_factory=dict)
+    kmem_cache_allocs: dict[str, int] = field(default_factory=dict)
+    exit_code: int | None = None
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "pid": self.pid,
+            "libc": str(self.libc) if self.libc else None,
+            "usdt": self.usdt,
+            "kmem": self.kmem,
+            "kmem_cache_allocs": self.kmem_cache_allocs,
+            "exit_code": self.exit_code,
+        }
+
+
+class HitCounter:
+    """Counts hits of the chosen libc probes, and optionally the kmem
+    tracepoints, for one followed process tree, in a single BPF program."""
+
+    def __init__(
+        self,
+        libc: Path,
+        patterns: Sequence[str],
+        follow_forks: bool = True,
+        kmem: bool = False,
+    ) -> None:
+        try:
+            sites = read_sites(libc)
+        except SdtNoteError as exc:
+            raise TargetError(str(exc)) from None
+        if not any(site.provider == LIBC_PROVIDER for site in sites):
+            raise NoProbesError(
+                f"{libc} has no libc SDT probes (glibc built without --enable-systemtap); "
+                "build one with 'make sdt-glibc' and use --sdt-glibc or --lib"
+            )
+        self.probes = select_probes(sites, patterns)
+        if not self.probes:
+            raise UsageError(f"no libc probe in {libc} matches {', '.join(patterns)}")
+        if len(self.probes) > MAX_USDT_PROBES:
+            raise UsageError(f"at most {MAX_USDT_PROBES} probes can be counted at once")
+        defines = {"FOLLOW_FORKS": int(follow_forks), "WITH_KMEM": int(kmem)}
+        self.kmem = kmem
+        self._has_cache_name = False
+        if kmem:
+            formats = {tp: tracepoint_format("kmem", tp) for tp in KMEM_TRACEPOINTS}
+            self._has_cache_name = re.search(r"\bname;", formats["kmem_cache_alloc"]) is not None
+            defines["HAVE_CACHE_NAME"] = int(self._has_cache_name)
+        self.libc = libc
+        self._program = BpfProgram("count", defines)
+        # One uprobe per site, as bpftrace does: bcc's USDT helper refuses
+        # shared-object probes with several sites unless given a pid.
+        slots = {name: slot for slot, name in enumerate(self.probes)}
+        for site in sites:
+            if site.provider == LIBC_PROVIDER and site.name in slots:
+                self._program.attach_uprobe(libc, site.file_offset, f"count_{slots[site.name]}")
+
+    def follow(self, pids: Iterable[int]) -> None:
+        self._program.follow(pids)
+
+    def usdt_counts(self) -> dict[str, int]:
+        totals = self._program.percpu_array_totals("hits")
+        return {name: totals[slot] for slot, name in enumerate(self.probes)}
+
+    def kmem_counts(self) -> dict[str, int]:
+        if not self.kmem:
+            return {}
+        totals = self._program.percpu_array_totals("kmem_hits")
+        return dict(zip(KMEM_TRACEPOINTS, totals, strict=True))
+
+    def cache_allocs(self) -> dict[str, int]:
+        if not self._has_cache_name:
+            return {}
+        return self._program.string_keyed_counts("cache_allocs")
+
+    def report(self, pid: int, exit_code: int | None) -> CountReport:
+        return CountReport(
+            pid=pid,
+            libc=self.libc,
+            usdt=self.usdt_counts(),
+            kmem=self.kmem_counts(),
+            kmem_cache_allocs=self.cache_allocs(),
+            exit_code=exit_code,
+        )
+
+    def close(self) -> None:
+        self._program.close()

@@ -1,0 +1,54 @@
+"""The one error hierarchy of mtrace-live.
+
+Library code raises these; only ``cli.main`` turns them into a single
+``mtrace-live: error: ...`` line and the exit code below. Codes are stable and
+documented in docs/exit-codes.md.
+"""
+
+
+class MtraceError(Exception):
+    """Base class; ``exit_code`` is what the command-line tool exits with."""
+
+    exit_code = 1
+
+
+class NotPrivilegedError(MtraceError):
+    """Not root, or lacking CAP_BPF/CAP_PERFMON/CAP_SYS_ADMIN."""
+
+    exit_code = 3
+
+
+class BccUnavailableError(MtraceError):
+    """The distro's bcc Python bindings cannot be imported."""
+
+    exit_code = 4
+
+
+class NoProbesError(MtraceError):
+    """The target libc carries no SDT probes (built without --enable-systemtap)."""
+
+    exit_code = 5
+
+
+class TargetError(MtraceError):
+    """The target process, command or library does not exist or cannot be read."""
+
+    exit_code = 6
+
+
+class AttachError(MtraceError):
+    """A BPF program failed to compile, load or attach."""
+
+    exit_code = 7
+
+
+class TracepointMissingError(MtraceError):
+    """The running kernel lacks a tracepoint mtrace-live needs."""
+
+    exit_code = 8
+
+
+class UsageError(MtraceError):
+    """The command line asks for something that cannot be done (e.g. no probe matches)."""
+
+    exit_code = 2

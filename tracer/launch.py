@@ -1,0 +1,76 @@
+"""Start a command held at the door, so tracing is attached before it runs.
+
+The child is forked and waits on a pipe before exec; once the BPF programs are
+attached and the child's pid is in the follow set, ``release()`` lets it exec.
+Its very first instruction is then traced.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from collections.abc import Mapping, Sequence
+
+from .errors import TargetError
+
+
+class GatedCommand:
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+        if not argv:
+            raise TargetError("no command given to run")
+        program = argv[0]
+        resolved = program if "/" in program else shutil.which(program)
+        if resolved is None or not os.access(resolved, os.X_OK) or os.path.isdir(resolved):
+            raise TargetError(f"command not found or not executable: {program}")
+        self.argv = [resolved, *argv[1:]]
+        gate_r, self._gate_w = os.pipe()
+        self._err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        self.pid = os.fork()
+        if self.pid == 0:  # child: wait at the door, then become the command
+            os.close(self._gate_w)
+            os.close(self._err_r)
+            try:
+                go = os.read(gate_r, 1)
+                os.close(gate_r)
+                if go == b"1":
+                    os.execve(self.argv[0], self.argv, dict(env if env is not None else os.environ))
+            except OSError as exc:
+                os.write(err_w, f"{exc.strerror}".encode())
+            os._exit(127)
+        os.close(gate_r)
+        os.close(err_w)
+        self.status: int | None = None
+
+    def release(self) -> None:
+        """Let the command exec; raise TargetError if exec failed."""
+        os.write(self._gate_w, b"1")
+        os.close(self._gate_w)
+        failure = os.read(self._err_r, 512)
+        os.close(self._err_r)
+        if failure:
+            self.wait()
+            raise TargetError(f"cannot run {self.argv[0]}: {failure.decode(errors='replace')}")
+
+    def abandon(self) -> None:
+        """Close the door without running the command (attach failed)."""
+        os.close(self._gate_w)
+        os.close(self._err_r)
+        self.wait()
+
+    def wait(self) -> int:
+        """Wait for the command; returns its exit code the way a shell reports it."""
+        if self.status is None:
+            while True:
+                try:
+                    _, raw = os.waitpid(self.pid, 0)
+                    break
+                except InterruptedError:
+                    continue
+            self.status = os.waitstatus_to_exitcode(raw)
+        code = self.status
+        return 128 - code if code < 0 else code
+
+    def interrupt(self) -> None:
+        if self.status is None:
+            os.kill(self.pid, signal.SIGINT)
