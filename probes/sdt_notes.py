@@ -12,12 +12,13 @@ address of ``.stapsdt.base`` must be added to the site and semaphore.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
+from elftools.elf.segments import Segment
 
 NT_STAPSDT = 3
 _OWNER = b"stapsdt\0"
@@ -100,9 +101,9 @@ def _align4(size: int) -> int:
     return (size + 3) & ~3
 
 
-def _file_offset(loads: list[object], vaddr: int) -> int:
+def _file_offset(loads: Sequence[Segment], vaddr: int) -> int:
     for seg in loads:
-        start = seg["p_vaddr"]  # type: ignore[index]
-        if start <= vaddr < start + seg["p_filesz"]:  # type: ignore[index]
-            return int(vaddr - start + seg["p_offset"])  # type: ignore[index]
+        start = seg["p_vaddr"]
+        if start <= vaddr < start + seg["p_filesz"]:
+            return int(vaddr - start + seg["p_offset"])
     raise SdtNoteError(f"probe address {vaddr:#x} lies in no loadable segment")

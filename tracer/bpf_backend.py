@@ -43,8 +43,11 @@ def require_privileges() -> None:
 
 def tracefs_root() -> Path:
     for root in TRACEFS_ROOTS:
-        if (root / "events").is_dir():
-            return root
+        try:
+            if (root / "events").is_dir():
+                return root
+        except PermissionError:
+            raise NotPrivilegedError(f"cannot read {root}: permission denied") from None
     raise TracepointMissingError(
         "tracefs is not mounted; mount it with: mount -t tracefs tracefs /sys/kernel/tracing"
     )
@@ -54,10 +57,10 @@ def tracepoint_format(category: str, event: str) -> str:
     fmt = tracefs_root() / "events" / category / event / "format"
     try:
         return fmt.read_text(encoding="ascii", errors="replace")
+    except PermissionError:
+        raise NotPrivilegedError(f"cannot read {fmt}: permission denied") from None
     except FileNotFoundError:
-        raise TracepointMissingError(
-            f"this kernel has no tracepoint {category}:{event}"
-        ) from None
+        raise TracepointMissingError(f"this kernel has no tracepoint {category}:{event}") from None
 
 
 def import_bcc() -> Any:

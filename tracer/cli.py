@@ -59,6 +59,9 @@ def cli() -> None:
 )
 @click.option("--kmem", is_flag=True, help="Also count the kmem tracepoints for the target.")
 @click.option(
+    "--kmem-only", is_flag=True, help="Count only the kmem tracepoints (any libc will do)."
+)
+@click.option(
     "--follow-forks/--no-follow-forks",
     default=True,
     show_default=True,
@@ -73,6 +76,7 @@ def count(
     sdt_glibc: bool,
     patterns: tuple[str, ...],
     kmem: bool,
+    kmem_only: bool,
     follow_forks: bool,
     duration: float | None,
     as_json: bool,
@@ -100,7 +104,8 @@ def count(
         lib=lib,
         sdt_glibc=sdt_glibc,
         patterns=list(patterns),
-        kmem=kmem,
+        kmem=kmem or kmem_only,
+        usdt=not kmem_only,
         follow_forks=follow_forks,
         duration=duration,
     )
@@ -142,3 +147,6 @@ def main() -> None:
     except KeyboardInterrupt:
         sys.exit(130)
 
+
+if __name__ == "__main__":
+    main()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ class CountRequest:
     sdt_glibc: bool
     patterns: list[str]
     kmem: bool
+    usdt: bool
     follow_forks: bool
     duration: float | None
 
@@ -39,6 +41,7 @@ def _count_pid(request: CountRequest, pid: int) -> CountReport:
     counter = _counter(request, libc)
     try:
         counter.follow([pid])
+        _announce(counter, pid)
         _watch(pid, request.duration)
         return counter.report(pid, exit_code=None)
     finally:
@@ -63,6 +66,7 @@ def _count_command(request: CountRequest) -> CountReport:
         raise
     try:
         counter.follow([child.pid])
+        _announce(counter, child.pid)
         child.release()
         try:
             exit_code = child.wait()
@@ -74,8 +78,22 @@ def _count_command(request: CountRequest) -> CountReport:
         counter.close()
 
 
+def _announce(counter: HitCounter, pid: int) -> None:
+    """Say that counting has begun, as bpftrace says "Attaching N probes"."""
+    what = [f"{len(counter.probes)} libc probes"] if counter.probes else []
+    if counter.kmem:
+        what.append("the kmem tracepoints")
+    print(
+        f"mtrace-live: counting {' and '.join(what)} for pid {pid}; Ctrl-C to stop",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def _counter(request: CountRequest, libc: Path) -> HitCounter:
-    return HitCounter(libc, request.patterns, request.follow_forks, request.kmem)
+    return HitCounter(
+        libc if request.usdt else None, request.patterns, request.follow_forks, request.kmem
+    )
 
 
 def _watch(pid: int, duration: float | None) -> None:

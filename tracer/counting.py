@@ -15,7 +15,7 @@ from pathlib import Path
 
 from mtrace_live.probes.sdt_notes import SdtNoteError, SdtSite, read_sites
 
-from .bpf_backend import BpfProgram, tracepoint_format
+from .bpf_backend import BpfProgram, require_privileges, tracepoint_format
 from .errors import NoProbesError, TargetError, UsageError
 
 LIBC_PROVIDER = "libc"
@@ -64,22 +64,16 @@ class HitCounter:
 
     def __init__(
         self,
-        libc: Path,
+        libc: Path | None,
         patterns: Sequence[str],
         follow_forks: bool = True,
         kmem: bool = False,
     ) -> None:
-        try:
-            sites = read_sites(libc)
-        except SdtNoteError as exc:
-            raise TargetError(str(exc)) from None
-        if not any(site.provider == LIBC_PROVIDER for site in sites):
-            raise NoProbesError(
-                f"{libc} has no libc SDT probes (glibc built without --enable-systemtap); "
-                "build one with 'make sdt-glibc' and use --sdt-glibc or --lib"
-            )
+        """``libc=None`` counts no USDT probe (kmem tracepoints only)."""
+        require_privileges()
+        sites = _libc_sites(libc) if libc is not None else []
         self.probes = select_probes(sites, patterns)
-        if not self.probes:
+        if libc is not None and not self.probes:
             raise UsageError(f"no libc probe in {libc} matches {', '.join(patterns)}")
         if len(self.probes) > MAX_USDT_PROBES:
             raise UsageError(f"at most {MAX_USDT_PROBES} probes can be counted at once")
@@ -96,7 +90,7 @@ class HitCounter:
         # shared-object probes with several sites unless given a pid.
         slots = {name: slot for slot, name in enumerate(self.probes)}
         for site in sites:
-            if site.provider == LIBC_PROVIDER and site.name in slots:
+            if libc is not None and site.provider == LIBC_PROVIDER and site.name in slots:
                 self._program.attach_uprobe(libc, site.file_offset, f"count_{slots[site.name]}")
 
     def follow(self, pids: Iterable[int]) -> None:
@@ -129,3 +123,16 @@ class HitCounter:
 
     def close(self) -> None:
         self._program.close()
+
+
+def _libc_sites(libc: Path) -> list[SdtSite]:
+    try:
+        sites = read_sites(libc)
+    except SdtNoteError as exc:
+        raise TargetError(str(exc)) from None
+    if not any(site.provider == LIBC_PROVIDER for site in sites):
+        raise NoProbesError(
+            f"{libc} has no libc SDT probes (glibc built without --enable-systemtap); "
+            "build one with 'make sdt-glibc' and use --sdt-glibc or --lib"
+        )
+    return sites

@@ -34,9 +34,10 @@ def mapped_libc(pid: int) -> Path:
 def _reachable(pid: int, path: Path) -> Path:
     root = Path(f"/proc/{pid}/root")
     try:
-        same_root = os.stat(root).st_ino == os.stat("/").st_ino and os.stat(
-            root
-        ).st_dev == os.stat("/").st_dev
+        same_root = (
+            os.stat(root).st_ino == os.stat("/").st_ino
+            and os.stat(root).st_dev == os.stat("/").st_dev
+        )
     except OSError:
         same_root = True
     return path if same_root else root / path.relative_to("/")

@@ -1,0 +1,71 @@
+# mtrace-live developer entry points. `make test` is the one CI runs.
+SHELL := /bin/bash
+VENV := .venv
+BIN := $(VENV)/bin
+BUILD := build
+CFLAGS_WORKLOAD := -O1 -g -Wall -Wextra -fno-builtin -U_FORTIFY_SOURCE -pthread
+SETUP_STAMP := $(VENV)/.mtrace-live-setup
+
+.PHONY: all setup sdt-glibc exercisers test test-unit test-privileged lint typecheck vagrant-validate demo clean
+
+all: setup exercisers
+
+setup:
+	bash scripts/setup.sh
+
+sdt-glibc: setup
+	bash scripts/sdt-glibc.sh
+
+exercisers: $(BUILD)/probe_exerciser $(BUILD)/kmem_exerciser
+
+$(BUILD)/probe_exerciser: tests/workloads/probe_exerciser.c | $(BUILD)
+	gcc $(CFLAGS_WORKLOAD) -o $@ $<
+
+$(BUILD)/kmem_exerciser: tests/workloads/kmem_exerciser.c | $(BUILD)
+	gcc $(CFLAGS_WORKLOAD) -o $@ $<
+
+$(BUILD):
+	mkdir -p $@
+
+# Everything: set-up, the SDT glibc, the exercisers, lint, and all tests,
+# privileged ones included (they fail, never skip, when BPF cannot run).
+test: sdt-glibc exercisers lint vagrant-validate
+	$(BIN)/pytest tests
+
+# Needs no root once the set-up has run (as root) once.
+test-unit: $(SETUP_STAMP)
+	$(BIN)/pytest tests/unit
+
+$(SETUP_STAMP): pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+
+test-privileged: sdt-glibc exercisers
+	$(BIN)/pytest tests/privileged
+
+# mypy cannot follow setuptools' editable import finder, so it reads the
+# package through a link tree with the installed names.
+typecheck: setup
+	mkdir -p $(BUILD)/typecheck/mtrace_live
+	for d in probes tracer exporters; do ln -sfn ../../../$$d $(BUILD)/typecheck/mtrace_live/$$d; done
+	$(BIN)/mypy -p mtrace_live
+
+lint: setup typecheck
+	$(BIN)/ruff check probes tracer exporters tests
+	$(BIN)/ruff format --check probes tracer exporters tests
+
+# The Vagrantfile must stay valid. This machine has no VM provider, so the
+# provider block is not checked; Debian's vagrant package is installed if absent.
+vagrant-validate:
+	@command -v vagrant >/dev/null || { echo "installing Debian's vagrant package to validate vagrant/Vagrantfile"; \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends vagrant >/tmp/mtrace-live-vagrant.log 2>&1; }
+	cd vagrant && vagrant validate --ignore-provider
+
+# The main job on the bundled default: the probe exerciser under the SDT
+# glibc, traced from its first instruction, with its own ground truth beside.
+demo: sdt-glibc exercisers
+	$(BIN)/mtrace-live count --sdt-glibc -- $(BUILD)/probe_exerciser --out $(BUILD)/ground-truth.json
+	@echo
+	@echo "The exerciser's own ground truth is in $(BUILD)/ground-truth.json"
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,156 @@
+#!/usr/bin/env bash
+# mtrace-live's one set-up, used by the README, by CI (through make) and by
+# vagrant/. It installs the distro packages, makes kernel headers reachable
+# by bcc, mounts tracefs if needed, and creates .venv. Idempotent: a second
+# run checks and returns in seconds. It changes nothing it does not report.
+#
+# Exit codes: 10 not root, 11 unknown distro, 12 package repositories
+# unreachable or a package missing, 13 Python package index unreachable,
+# 14 no usable kernel headers, 15 tracefs cannot be mounted.
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV="$REPO/.venv"
+STAMP="$VENV/.mtrace-live-setup"
+
+say() { printf 'setup: %s\n' "$*"; }
+fail() { printf 'setup: error: %s\n' "$2" >&2; exit "$1"; }
+
+[ "$(id -u)" = 0 ] || fail 10 "must run as root: it installs distro packages and links kernel headers (try: sudo $0)"
+
+[ -r /etc/os-release ] || fail 11 "cannot identify the distro (/etc/os-release is missing); Debian and Ubuntu are supported"
+# shellcheck disable=SC1091
+. /etc/os-release
+case " ${ID:-} ${ID_LIKE:-} " in
+  *" debian "* | *" ubuntu "*) ;;
+  *) fail 11 "unsupported distro '${ID:-unknown}': only Debian and Ubuntu (apt) are supported" ;;
+esac
+command -v apt-get >/dev/null || fail 11 "apt-get not found on this ${ID} system"
+
+KERNEL=$(uname -r)
+ARCH=$(dpkg --print-architecture)
+
+# ---- distro packages ------------------------------------------------------
+packages=(python3-bpfcc libbpfcc bpfcc-tools bpftrace gcc make libc6-dev
+          systemtap-sdt-dev python3-venv binutils)
+if [ "${ID}" = ubuntu ]; then
+  packages+=(linux-tools-common "linux-tools-$KERNEL")
+else
+  packages+=(linux-perf)
+fi
+
+missing() {
+  local p
+  for p in "$@"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q '^install ok installed$' || echo "$p"
+  done
+}
+
+apt_updated=0
+apt_update() {
+  [ "$apt_updated" = 1 ] && return 0
+  say "refreshing the package lists (apt-get update)"
+  if ! apt-get update -qq >/tmp/mtrace-live-apt-update.log 2>&1 \
+     || grep -qE '^(W|E): (Failed to fetch|Some index files failed)' /tmp/mtrace-live-apt-update.log; then
+    fail 12 "cannot reach the distro's package repositories (see /tmp/mtrace-live-apt-update.log)"
+  fi
+  apt_updated=1
+}
+
+apt_install() {
+  apt_update
+  say "installing: $*"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" \
+    >/tmp/mtrace-live-apt-install.log 2>&1 \
+    || fail 12 "apt-get install failed for: $* (see /tmp/mtrace-live-apt-install.log)"
+}
+
+# ---- kernel headers -------------------------------------------------------
+# bcc compiles against /lib/modules/$(uname -r)/build. Debian splits each
+# headers tree in two (an -ARCH tree that includes a -common tree), so a
+# kernel without its own headers package needs both links: build and source.
+headers_ok() { [ -e "/lib/modules/$KERNEL/build/include/generated/autoconf.h" ] \
+                 || [ -e "/lib/modules/$KERNEL/build/include/linux/kconfig.h" ]; }
+
+candidate() { apt-cache policy "$1" 2>/dev/null | awk '/Candidate:/ {print $2}'; }
+
+headers_package=""
+if ! headers_ok; then
+  apt_update
+  if [ -n "$(candidate "linux-headers-$KERNEL")" ] && [ "$(candidate "linux-headers-$KERNEL")" != "(none)" ]; then
+    headers_package="linux-headers-$KERNEL"
+  else
+    # No package for this kernel (a custom or cloud kernel): use the distro's
+    # default headers series. Newer series may use compiler features that the
+    # distro's bcc (built with the distro's clang) does not know.
+    if [ "${ID}" = ubuntu ]; then headers_package=linux-headers-generic; else headers_package="linux-headers-$ARCH"; fi
+  fi
+  packages+=("$headers_package")
+fi
+
+# shellcheck disable=SC2207
+todo=($(missing "${packages[@]}"))
+if [ ${#todo[@]} -gt 0 ]; then
+  apt_install "${todo[@]}"
+else
+  say "distro packages already installed"
+fi
+
+if ! headers_ok; then
+  # The meta package depends on one versioned tree, which depends on its
+  # common tree; link those two.
+  tree=$(dpkg-query -W -f='${Depends}' "$headers_package" 2>/dev/null | tr ',' '\n' \
+         | awk '{print $1}' | grep -E '^linux-headers-[0-9]' | head -n1)
+  [ -n "$tree" ] && [ -d "/usr/src/$tree" ] || fail 14 "no kernel headers for $KERNEL and none found through $headers_package"
+  common=$(dpkg-query -W -f='${Depends}' "$tree" 2>/dev/null | tr ',' '\n' \
+           | awk '{print $1}' | grep -E '^linux-headers-.*-common' | head -n1)
+  mkdir -p "/lib/modules/$KERNEL"
+  ln -sfn "/usr/src/$tree" "/lib/modules/$KERNEL/build"
+  say "linked /lib/modules/$KERNEL/build -> /usr/src/$tree (no headers package exists for $KERNEL)"
+  if [ -n "$common" ] && [ -d "/usr/src/$common" ]; then
+    ln -sfn "/usr/src/$common" "/lib/modules/$KERNEL/source"
+    say "linked /lib/modules/$KERNEL/source -> /usr/src/$common"
+  fi
+  headers_ok || fail 14 "the linked headers in /usr/src/$tree are incomplete"
+else
+  say "kernel headers for $KERNEL are reachable"
+fi
+
+# ---- tracefs ----------------------------------------------------------------
+# bcc and bpftrace read tracepoint formats from tracefs.
+if [ ! -d /sys/kernel/tracing/events ] && [ ! -d /sys/kernel/debug/tracing/events ]; then
+  mount -t tracefs tracefs /sys/kernel/tracing 2>/dev/null \
+    || fail 15 "tracefs is not mounted and cannot be mounted at /sys/kernel/tracing"
+  say "mounted tracefs at /sys/kernel/tracing (not persistent across reboots)"
+fi
+if ! mountpoint -q /sys/kernel/debug 2>/dev/null; then
+  # bcc 0.26 looks up some tracepoint data under debugfs.
+  if mount -t debugfs debugfs /sys/kernel/debug 2>/dev/null; then
+    say "mounted debugfs at /sys/kernel/debug (not persistent across reboots)"
+  fi
+fi
+
+# ---- the virtual environment -----------------------------------------------
+# Made from the distro's python3 with --system-site-packages, so that it sees
+# python3-bpfcc. A .venv left half-made by an interrupted run is rebuilt.
+want_stamp=$(sha256sum "$REPO/pyproject.toml" | cut -d' ' -f1)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want_stamp" ] \
+   && "$VENV/bin/python" -c 'import bcc, mtrace_live.tracer.cli' 2>/dev/null; then
+  say ".venv is up to date"
+else
+  if [ ! -x "$VENV/bin/pip" ] || ! "$VENV/bin/python" -c 'import bcc' 2>/dev/null; then
+    rm -rf "$VENV"
+    say "creating .venv from /usr/bin/python3 with the distro's site packages"
+    /usr/bin/python3 -m venv --system-site-packages "$VENV"
+  fi
+  rm -f "$STAMP"
+  say "installing mtrace-live (editable) and its development tools into .venv"
+  if ! "$VENV/bin/pip" install --quiet --disable-pip-version-check -e "$REPO[dev]" \
+       >/tmp/mtrace-live-pip.log 2>&1; then
+    fail 13 "pip could not install the Python dependencies (is the package index reachable? see /tmp/mtrace-live-pip.log)"
+  fi
+  "$VENV/bin/python" -c 'import bcc' 2>/dev/null \
+    || fail 12 "the venv cannot import bcc: python3-bpfcc does not match /usr/bin/python3"
+  echo "$want_stamp" >"$STAMP"
+fi
+say "ready: $("$VENV/bin/mtrace-live" --version)"

@@ -1,0 +1,64 @@
+"""Privileged tests: root, bcc, BPF and the SDT-enabled glibc, for real.
+
+They never skip. If BPF cannot run here, the session fails at once with the
+reason, so CI cannot pass by skipping them.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mtrace_live.tracer import sdt_glibc
+
+REPO = Path(__file__).resolve().parents[2]
+BUILD = REPO / "build"
+MTRACE = [sys.executable, "-m", "mtrace_live.tracer.cli"]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if Path(str(item.fspath)).is_relative_to(Path(__file__).parent):
+            item.add_marker(pytest.mark.privileged)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def bpf_works() -> None:
+    """Fail (never skip) the privileged tests when BPF cannot run here."""
+    if os.geteuid() != 0:
+        pytest.fail("privileged tests need root: run them with sudo (make test does in CI)")
+    try:
+        import bcc  # noqa: F401
+    except ImportError:
+        pytest.fail("bcc's Python bindings are missing: run scripts/setup.sh")
+    probe = subprocess.run(
+        [*MTRACE, "count", "--kmem-only", "--json", "--", "/bin/true"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if probe.returncode != 0:
+        pytest.fail(f"BPF does not work on this machine: {probe.stderr.strip()[-500:]}")
+
+
+@pytest.fixture(scope="session")
+def sdt() -> sdt_glibc.SdtGlibc:
+    return sdt_glibc.locate()
+
+
+def built(name: str) -> Path:
+    path = BUILD / name
+    if not path.is_file():
+        pytest.fail(f"{path} is missing: build it with 'make exercisers'")
+    return path
+
+
+@pytest.fixture(scope="session")
+def probe_exerciser() -> Path:
+    return built("probe_exerciser")
+
+
+@pytest.fixture(scope="session")
+def kmem_exerciser() -> Path:
+    return built("kmem_exerciser")

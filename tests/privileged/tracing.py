@@ -1,0 +1,84 @@
+"""Helpers for running a workload held at a gate while tracers attach."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+
+class GatedWorkload:
+    """A command started under `sh`, waiting on a FIFO until released.
+
+    `sh` reads the FIFO and then execs the command, so the pid tracers follow
+    is the command's own pid from its first instruction on.
+    """
+
+    def __init__(self, argv: list[str], tmp: Path) -> None:
+        self.fifo = tmp / "gate"
+        os.mkfifo(self.fifo)
+        script = 'read _ < "$0"; exec "$@"'
+        self.proc = subprocess.Popen(["/bin/sh", "-c", script, str(self.fifo), *argv])
+        self.pid = self.proc.pid
+
+    def release(self) -> None:
+        with open(self.fifo, "w") as gate:
+            gate.write("go\n")
+
+    def wait(self, timeout: float = 120) -> int:
+        return self.proc.wait(timeout=timeout)
+
+
+def wait_for_line(path: Path, needle: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and needle in path.read_text(errors="replace"):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"tracer exited early: {path.read_text(errors='replace')}")
+        time.sleep(0.1)
+    raise AssertionError(f"no {needle!r} in {path} after {timeout}s")
+
+
+def bpftrace_counts(
+    libc: Path, probes: list[str], pid: int, tmp: Path
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """Start bpftrace counting `probes` of `libc` for `pid` and its children.
+
+    bpftrace 0.17 cannot expand `libc:*` on glibc (it fails on an nptl probe),
+    so every probe is named.
+    """
+    attach = ",".join(f"usdt:{libc}:libc:{name}" for name in probes)
+    script = tmp / "count.bt"
+    script.write_text(
+        "tracepoint:task:task_newtask /pid == $1 || @follow[pid]/ {\n"
+        "  if ((args->clone_flags & 0x10000) == 0) { @follow[args->pid] = 1; }\n"
+        "}\n"
+        f"{attach} /pid == $1 || @follow[pid]/ {{ @hits[probe] = count(); }}\n"
+        "END { clear(@follow); }\n"
+    )
+    out = tmp / "bpftrace.out"
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen(
+            ["bpftrace", "-f", "json", str(script), str(pid)], stdout=sink, stderr=sink
+        )
+    return proc, out
+
+
+def stop_bpftrace(proc: subprocess.Popen[bytes], out: Path) -> dict[str, int]:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    for line in out.read_text(errors="replace").splitlines():
+        if not line.startswith("{"):
+            continue
+        record = json.loads(line)
+        if record.get("type") == "map" and "@hits" in record["data"]:
+            return {key.rsplit(":", 1)[1]: int(v) for key, v in record["data"]["@hits"].items()}
+    raise AssertionError(f"bpftrace printed no counts: {out.read_text(errors='replace')}")

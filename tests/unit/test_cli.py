@@ -1,0 +1,80 @@
+"""The command line without root and without bcc: help, version, bad input."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+MTRACE = [sys.executable, "-m", "mtrace_live.tracer.cli"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*MTRACE, *args], capture_output=True, text=True, timeout=60)
+
+
+def test_version_and_help_need_neither_root_nor_bcc(tmp_path: Path) -> None:
+    # GIVEN a Python that cannot import bcc (the module is shadowed)
+    shadow = tmp_path / "bcc"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('no bcc here')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    for args in (["--version"], ["--help"], ["count", "--help"]):
+        # WHEN mtrace-live is asked for its version or help
+        done = subprocess.run([*MTRACE, *args], capture_output=True, text=True, env=env)
+        # THEN it answers
+        assert done.returncode == 0, done.stderr
+    assert "mtrace-live, version" in run("--version").stdout
+
+
+def test_dead_pid_is_one_line_and_exit_code_6() -> None:
+    # pid_max is at most 2^22, so this pid cannot exist
+    done = run("count", "--pid", "4194304")
+    assert done.returncode == 6
+    assert done.stderr.strip() == "mtrace-live: error: no process with pid 4194304"
+
+
+def test_unknown_command_is_one_line_and_exit_code_6() -> None:
+    done = run("count", "--", "/nonexistent/program")
+    assert done.returncode == 6
+    assert done.stderr.count("\n") == 1
+    assert "command not found" in done.stderr
+
+
+def test_neither_pid_nor_command_is_a_usage_error() -> None:
+    done = run("count")
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+
+
+# Imports happen as root; only then does the process become "nobody", so the
+# test does not depend on that user being able to read the checkout.
+AS_NOBODY = """
+import os, sys
+import mtrace_live.tracer.count_command, mtrace_live.tracer.cli as cli
+os.setgroups([]); os.setresgid(65534, 65534, 65534); os.setresuid(65534, 65534, 65534)
+sys.argv = ["mtrace-live", "count", "--kmem-only", "--", "/bin/true"]
+cli.main()
+"""
+
+
+def test_non_root_user_gets_one_line_and_exit_code_3() -> None:
+    if os.geteuid() != 0:
+        done = run("count", "--kmem-only", "--", "/bin/true")
+    else:
+        done = subprocess.run(
+            [sys.executable, "-c", AS_NOBODY], capture_output=True, text=True, timeout=60
+        )
+    assert done.returncode == 3, done.stderr
+    assert done.stderr.strip().startswith("mtrace-live: error: loading BPF programs needs root")
+
+
+def test_libc_without_probes_is_one_line_and_exit_code_5(tmp_path: Path) -> None:
+    # The distro's own libc has no SDT probes on Debian; a copy of any ELF
+    # file without notes stands for it on systems whose libc has them.
+    plain = tmp_path / "libc.so.6"
+    (tmp_path / "plain.c").write_text("int main(void) { return 0; }\n")
+    subprocess.run(["gcc", "-o", str(plain), str(tmp_path / "plain.c")], check=True)
+    done = run("count", "--lib", str(plain), "--", "/bin/true")
+    assert done.returncode == 5, done.stderr
+    assert "has no libc SDT probes" in done.stderr
+    assert "Traceback" not in done.stderr
