@@ -35,7 +35,9 @@ fi
 
 version=$(dpkg-query -W -f='${Version}' libc6 2>/dev/null) \
   || fail 12 "libc6 is not a dpkg package here; build an SDT glibc by hand and use --lib"
-top="$CACHE/$version"
+# Characters such as the "+" of Debian versions break bpftrace's parser when
+# they appear in a probe path, so the directory name keeps only plain ones.
+top="$CACHE/${version//[^A-Za-z0-9._-]/_}"
 build="$top/build"
 if [ -f "$build/.mtrace-live-built" ] && [ -x "$build/testrun.sh" ]; then
   echo "$build" >"$CACHE/current"

@@ -6,6 +6,7 @@ without root and without bcc; they receive plain data from here.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -66,12 +67,38 @@ def tracepoint_format(category: str, event: str) -> str:
 def import_bcc() -> Any:
     try:
         import bcc
+        from bcc import libbcc
     except ImportError:
         raise BccUnavailableError(
             "the bcc Python bindings are not importable; install Debian's python3-bpfcc "
             "(scripts/setup.sh does) and run from a Python that sees the distro's packages"
         ) from None
+    _pass_ref_ctr_offset(libbcc.lib)
     return bcc
+
+
+def _pass_ref_ctr_offset(lib: Any) -> None:
+    """Make bcc's Python bindings pass bpf_attach_uprobe's 7th argument.
+
+    Since bcc 0.17 the C function takes (..., pid, uint32 ref_ctr_offset), but
+    the Python declaration (bcc 0.26 included; iovisor/bcc#5236) stops at pid,
+    so the kernel receives whatever the register held. A uprobe registered
+    with a stray ref_ctr_offset makes every later uprobe on the same site
+    with another offset fail ("ref_ctr_offset mismatch" in dmesg, EINVAL),
+    e.g. bpftrace's. mtrace-live's sites have no semaphore: pass 0.
+    """
+    declared = getattr(lib.bpf_attach_uprobe, "argtypes", None)
+    if declared is None or len(declared) != 6:
+        return  # already fixed upstream, or already wrapped
+    full = lib["bpf_attach_uprobe"]  # a fresh function pointer
+    full.restype = ctypes.c_int
+    full.argtypes = [*declared, ctypes.c_uint32]
+
+    def attach_uprobe(*args: Any) -> int:
+        return int(full(*args, 0))
+
+    attach_uprobe.argtypes = full.argtypes  # type: ignore[attr-defined]
+    lib.bpf_attach_uprobe = attach_uprobe
 
 
 class BpfProgram:

@@ -8,7 +8,14 @@ from pathlib import Path
 from mtrace_live.tracer.sdt_glibc import SdtGlibc
 
 from .conftest import MTRACE
-from .tracing import GatedWorkload, bpftrace_counts, stop_bpftrace, wait_for_line
+from .tracing import (
+    BPFTRACE_READY,
+    GatedWorkload,
+    Reaper,
+    bpftrace_counts,
+    stop_bpftrace,
+    wait_for_line,
+)
 
 # The 32 probes of the glibc manual's "Internal probes" chapter.
 DOCUMENTED_PROBES = [
@@ -88,33 +95,40 @@ def test_all_documented_probes_agree_with_ground_truth_and_bpftrace(
     # GIVEN the exerciser held at a gate under the SDT glibc, with two tracers
     # attached to its pid: mtrace-live and bpftrace
     truth_file = tmp_path / "truth.json"
-    workload = GatedWorkload(sdt.wrap([str(probe_exerciser), "--out", str(truth_file)]), tmp_path)
     ours_out, ours_err = tmp_path / "mtrace.json", tmp_path / "mtrace.err"
     probe_args = [arg for name in DOCUMENTED_PROBES for arg in ("--probes", name)]
-    with open(ours_out, "wb") as out, open(ours_err, "wb") as err:
-        ours = subprocess.Popen(
-            [
-                *MTRACE,
-                "count",
-                "--lib",
-                str(sdt.libc),
-                "--pid",
-                str(workload.pid),
-                "--json",
-                *probe_args,
-            ],
-            stdout=out,
-            stderr=err,
+    with Reaper() as reaper:
+        argv = sdt.wrap([str(probe_exerciser), "--out", str(truth_file)])
+        workload = GatedWorkload(argv, tmp_path, reaper)
+        with open(ours_out, "wb") as out, open(ours_err, "wb") as err:
+            ours = reaper.add(
+                subprocess.Popen(
+                    [
+                        *MTRACE,
+                        "count",
+                        "--lib",
+                        str(sdt.libc),
+                        "--pid",
+                        str(workload.pid),
+                        "--json",
+                        *probe_args,
+                    ],
+                    stdout=out,
+                    stderr=err,
+                )
+            )
+        wait_for_line(ours_err, "counting", ours, timeout=120)
+        bpftrace, bpftrace_out = bpftrace_counts(
+            sdt.libc, DOCUMENTED_PROBES, workload.pid, tmp_path
         )
-    wait_for_line(ours_err, "counting", ours, timeout=120)
-    bpftrace, bpftrace_out = bpftrace_counts(sdt.libc, DOCUMENTED_PROBES, workload.pid, tmp_path)
-    wait_for_line(bpftrace_out, "attached_probes", bpftrace, timeout=120)
+        reaper.add(bpftrace)
+        wait_for_line(bpftrace_out, BPFTRACE_READY, bpftrace, timeout=120)
 
-    # WHEN the exerciser runs to its end
-    workload.release()
-    assert workload.wait() == 0
-    assert ours.wait(timeout=60) == 0, ours_err.read_text()
-    theirs = stop_bpftrace(bpftrace, bpftrace_out)
+        # WHEN the exerciser runs to its end
+        workload.release()
+        assert workload.wait() == 0
+        assert ours.wait(timeout=60) == 0, ours_err.read_text()
+        theirs = stop_bpftrace(bpftrace, bpftrace_out)
     truth = ground_truth(truth_file)
     counted = json.loads(ours_out.read_text())["usdt"]
 

@@ -9,6 +9,29 @@ import subprocess
 import time
 from pathlib import Path
 
+BPFTRACE_READY = "mtrace-live-test-ready"
+
+
+class Reaper:
+    """Kills, at the end of a `with` block, every process still running, so a
+    failing test leaves no tracer attached and no workload waiting."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def __enter__(self) -> Reaper:
+        return self
+
+    def add(self, proc: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
+        self.procs.append(proc)
+        return proc
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
 
 class GatedWorkload:
     """A command started under `sh`, waiting on a FIFO until released.
@@ -17,11 +40,11 @@ class GatedWorkload:
     is the command's own pid from its first instruction on.
     """
 
-    def __init__(self, argv: list[str], tmp: Path) -> None:
+    def __init__(self, argv: list[str], tmp: Path, reaper: Reaper) -> None:
         self.fifo = tmp / "gate"
         os.mkfifo(self.fifo)
         script = 'read _ < "$0"; exec "$@"'
-        self.proc = subprocess.Popen(["/bin/sh", "-c", script, str(self.fifo), *argv])
+        self.proc = reaper.add(subprocess.Popen(["/bin/sh", "-c", script, str(self.fifo), *argv]))
         self.pid = self.proc.pid
 
     def release(self) -> None:
@@ -53,7 +76,9 @@ def bpftrace_counts(
     """
     attach = ",".join(f"usdt:{libc}:libc:{name}" for name in probes)
     script = tmp / "count.bt"
+    # bpftrace prints "attached_probes" before it attaches; BEGIN runs after.
     script.write_text(
+        f'BEGIN {{ printf("{BPFTRACE_READY}\\n"); }}\n'
         "tracepoint:task:task_newtask /pid == $1 || @follow[pid]/ {\n"
         "  if ((args->clone_flags & 0x10000) == 0) { @follow[args->pid] = 1; }\n"
         "}\n"
