@@ -65,7 +65,10 @@ vagrant-validate:
 demo: sdt-glibc exercisers
 	$(BIN)/mtrace-live count --sdt-glibc -- $(BUILD)/probe_exerciser --out $(BUILD)/ground-truth.json
 	@echo
-	@echo "The exerciser's own ground truth is in $(BUILD)/ground-truth.json"
+	@echo "Again with --json, side by side with what the exerciser says it caused:"
+	@$(BIN)/mtrace-live count --sdt-glibc --json -- $(BUILD)/probe_exerciser \
+	  --out $(BUILD)/ground-truth.json >$(BUILD)/demo-counts.json
+	@$(BIN)/python scripts/compare-ground-truth $(BUILD)/demo-counts.json $(BUILD)/ground-truth.json
 
 clean:
 	rm -rf $(BUILD)

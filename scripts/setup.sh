@@ -134,7 +134,7 @@ fi
 # Made from the distro's python3 with --system-site-packages, so that it sees
 # python3-bpfcc. A .venv left half-made by an interrupted run is rebuilt.
 want_stamp=$(sha256sum "$REPO/pyproject.toml" | cut -d' ' -f1)
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want_stamp" ] \
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want_stamp" ] && [ -x "$VENV/bin/pip" ] \
    && "$VENV/bin/python" -c 'import bcc, mtrace_live.tracer.cli' 2>/dev/null; then
   say ".venv is up to date"
 else

@@ -122,13 +122,19 @@ def _print_table(report: dict[str, Any]) -> None:
     click.echo(f"pid {report['pid']}  libc {report['libc']}")
     sections = (("libc probe", "usdt"), ("kmem tracepoint", "kmem"), ("cache", "kmem_cache_allocs"))
     for title, key in sections:
-        rows = sorted(report[key].items(), key=lambda kv: (-kv[1], kv[0]))
-        if not rows:
+        rows = sorted(
+            ((name, hits) for name, hits in report[key].items() if hits),
+            key=lambda kv: (-kv[1], kv[0]),
+        )
+        silent = len(report[key]) - len(rows)
+        if not report[key]:
             continue
-        width = max(len(title), *(len(name) for name, _ in rows))
+        width = max(len(title), *(len(name) for name in report[key]))
         click.echo(f"\n{title:<{width}}  {'hits':>10}")
         for name, hits in rows:
             click.echo(f"{name:<{width}}  {hits:>10}")
+        if silent:
+            click.echo(f"({silent} more attached, not hit; --json lists them all)")
 
 
 def main() -> None:
