@@ -119,7 +119,7 @@ def count(
 
 
 def _print_table(report: dict[str, Any]) -> None:
-    click.echo(f"pid {report['pid']}  libc {report['libc']}")
+    click.echo(f"pid {report['pid']}" + (f"  libc {report['libc']}" if report["libc"] else ""))
     sections = (("libc probe", "usdt"), ("kmem tracepoint", "kmem"), ("cache", "kmem_cache_allocs"))
     for title, key in sections:
         rows = sorted(

@@ -37,7 +37,9 @@ def run_count(request: CountRequest) -> CountReport:
 def _count_pid(request: CountRequest, pid: int) -> CountReport:
     if not Path(f"/proc/{pid}").is_dir():
         raise TargetError(f"no process with pid {pid}")
-    libc = target.library_file(request.lib) if request.lib else target.mapped_libc(pid)
+    libc: Path | None = None  # kmem-only counting needs no libc at all
+    if request.usdt:
+        libc = target.library_file(request.lib) if request.lib else target.mapped_libc(pid)
     counter = _counter(request, libc)
     try:
         counter.follow([pid])
@@ -90,7 +92,7 @@ def _announce(counter: HitCounter, pid: int) -> None:
     )
 
 
-def _counter(request: CountRequest, libc: Path) -> HitCounter:
+def _counter(request: CountRequest, libc: Path | None) -> HitCounter:
     return HitCounter(
         libc if request.usdt else None, request.patterns, request.follow_forks, request.kmem
     )

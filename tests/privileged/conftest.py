@@ -32,12 +32,7 @@ def bpf_works() -> None:
         import bcc  # noqa: F401
     except ImportError:
         pytest.fail("bcc's Python bindings are missing: run scripts/setup.sh")
-    probe = subprocess.run(
-        [*MTRACE, "count", "--kmem-only", "--json", "--", "/bin/true"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    probe = mtrace_count("--kmem-only", "--json", "--", "/bin/true")
     if probe.returncode != 0:
         pytest.fail(f"BPF does not work on this machine: {probe.stderr.strip()[-500:]}")
 
@@ -45,6 +40,11 @@ def bpf_works() -> None:
 @pytest.fixture(scope="session")
 def sdt() -> sdt_glibc.SdtGlibc:
     return sdt_glibc.locate()
+
+
+def mtrace_count(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run `mtrace-live count ARGS` to its end and capture what it printed."""
+    return subprocess.run([*MTRACE, "count", *args], capture_output=True, text=True, timeout=300)
 
 
 def built(name: str) -> Path:

@@ -4,7 +4,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from .conftest import MTRACE
+from .conftest import mtrace_count
 
 SOCKETS = 500
 
@@ -26,24 +26,17 @@ def test_sock_inode_cache_allocations_equal_sockets_made_by_the_traced_pid_only(
     )
     # WHEN mtrace-live starts the exerciser and counts kmem tracepoints for it
     truth_file = tmp_path / "truth.json"
-    done = subprocess.run(
-        [
-            *MTRACE,
-            "count",
-            "--kmem-only",
-            "--json",
-            "--",
-            str(kmem_exerciser),
-            "--sockets",
-            str(SOCKETS),
-            "--pipes",
-            str(SOCKETS),
-            "--out",
-            str(truth_file),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    done = mtrace_count(
+        "--kmem-only",
+        "--json",
+        "--",
+        str(kmem_exerciser),
+        "--sockets",
+        str(SOCKETS),
+        "--pipes",
+        str(SOCKETS),
+        "--out",
+        str(truth_file),
     )
     assert decoy.wait(timeout=120) == 0
     assert done.returncode == 0, done.stderr

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from mtrace_live.tracer.sdt_glibc import SdtGlibc
 
-from .conftest import MTRACE
+from .conftest import MTRACE, mtrace_count
 from .tracing import (
     BPFTRACE_READY,
     GatedWorkload,
@@ -65,22 +65,15 @@ def test_one_probe_counted_exactly_from_the_first_instruction(
     # GIVEN the exerciser, started by mtrace-live under the SDT glibc
     truth_file = tmp_path / "truth.json"
     # WHEN only memory_mallopt is counted
-    done = subprocess.run(
-        [
-            *MTRACE,
-            "count",
-            "--sdt-glibc",
-            "--probes",
-            "memory_mallopt",
-            "--json",
-            "--",
-            str(probe_exerciser),
-            "--out",
-            str(truth_file),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    done = mtrace_count(
+        "--sdt-glibc",
+        "--probes",
+        "memory_mallopt",
+        "--json",
+        "--",
+        str(probe_exerciser),
+        "--out",
+        str(truth_file),
     )
     # THEN the kernel's count is exactly the number of mallopt calls it made
     assert done.returncode == 0, done.stderr
@@ -141,10 +134,5 @@ def test_all_documented_probes_agree_with_ground_truth_and_bpftrace(
 
 
 def test_run_passes_the_command_exit_code_through(sdt: SdtGlibc) -> None:
-    done = subprocess.run(
-        [*MTRACE, "count", "--sdt-glibc", "--probes", "setjmp", "--", "/bin/sh", "-c", "exit 7"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = mtrace_count("--sdt-glibc", "--probes", "setjmp", "--", "/bin/sh", "-c", "exit 7")
     assert done.returncode == 7, done.stderr
