@@ -80,10 +80,13 @@ if ! headers_ok; then
   if [ -n "$(candidate "linux-headers-$KERNEL")" ] && [ "$(candidate "linux-headers-$KERNEL")" != "(none)" ]; then
     headers_package="linux-headers-$KERNEL"
   else
-    # No package for this kernel (a custom or cloud kernel): use the distro's
-    # default headers series. Newer series may use compiler features that the
-    # distro's bcc (built with the distro's clang) does not know.
-    if [ "${ID}" = ubuntu ]; then headers_package=linux-headers-generic; else headers_package="linux-headers-$ARCH"; fi
+    # No package for this kernel (a custom or cloud kernel): take the newest
+    # headers of the distro's standard flavour (bcc needs only the headers'
+    # own consistency; tracepoint layouts come from the running kernel).
+    flavour=$ARCH; [ "${ID}" = ubuntu ] && flavour=generic
+    headers_package=$(apt-cache search --names-only "^linux-headers-[0-9].*[0-9]-$flavour\$" \
+                      | awk '{print $1}' | sort -V | tail -n1)
+    [ -n "$headers_package" ] || fail 14 "no headers package for $KERNEL and no linux-headers-*-$flavour at all"
   fi
   packages+=("$headers_package")
 fi
@@ -97,11 +100,9 @@ else
 fi
 
 if ! headers_ok; then
-  # The meta package depends on one versioned tree, which depends on its
-  # common tree; link those two.
-  tree=$(dpkg-query -W -f='${Depends}' "$headers_package" 2>/dev/null | tr ',' '\n' \
-         | awk '{print $1}' | grep -E '^linux-headers-[0-9]' | head -n1)
-  [ -n "$tree" ] && [ -d "/usr/src/$tree" ] || fail 14 "no kernel headers for $KERNEL and none found through $headers_package"
+  # Link the chosen tree, and the common tree it depends on.
+  tree=$headers_package
+  [ -d "/usr/src/$tree" ] || fail 14 "no kernel headers for $KERNEL: $tree did not install /usr/src/$tree"
   common=$(dpkg-query -W -f='${Depends}' "$tree" 2>/dev/null | tr ',' '\n' \
            | awk '{print $1}' | grep -E '^linux-headers-.*-common' | head -n1)
   mkdir -p "/lib/modules/$KERNEL"
