@@ -299,17 +299,28 @@ static int blocked_in_futex(pid_t tid)
     return strtol(buf, NULL, 10) == SYS_futex;
 }
 
+/* Waits in 1 ms steps; ten seconds without progress means glibc did not
+ * behave as this program expects, which must fail loudly, not hang. */
+static void wait_until(volatile int *flag, pid_t futex_tid, const char *what)
+{
+    for (int ms = 0; ms < 10000; ms++) {
+        if (flag ? *flag : blocked_in_futex(futex_tid))
+            return;
+        usleep(1000);
+    }
+    errno = ETIMEDOUT;
+    die(what);
+}
+
 static ssize_t stalling_write(void *cookie, const char *buf, size_t len)
 {
     (void)cookie;
     (void)buf;
     if (!held_once) {
         held_once = 1;
-        while (!waiter_ready)
-            usleep(1000);
+        wait_until((volatile int *)&waiter_ready, 0, "contending thread never started");
         waiter_go = 1; /* the main arena's mutex is held from here on */
-        while (!blocked_in_futex(waiter_tid))
-            usleep(1000);
+        wait_until(NULL, waiter_tid, "contending thread never waited for the arena");
     }
     return (ssize_t)len;
 }
@@ -319,8 +330,7 @@ static void *contending_thread(void *arg)
     void **out = arg;
     waiter_tid = (pid_t)syscall(SYS_gettid);
     waiter_ready = 1;
-    while (!waiter_go)
-        usleep(1000);
+    wait_until((volatile int *)&waiter_go, 0, "main thread never took the arena");
     *out = malloc(64); /* blocks in reused_arena until malloc_stats is done */
     return NULL;
 }
