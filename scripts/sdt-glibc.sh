@@ -17,6 +17,10 @@ CACHE=${MTRACE_SDT_GLIBC_DIR:-/var/cache/mtrace-live/sdt-glibc}
 say() { printf 'sdt-glibc: %s\n' "$*"; }
 fail() { printf 'sdt-glibc: error: %s\n' "$2" >&2; exit "$1"; }
 
+# grep -c reads all of readelf's output: with pipefail, grep -q could stop
+# early and fail the pipeline through readelf's SIGPIPE.
+has_libc_probes() { [ "$(readelf -n "$1" 2>/dev/null | grep -c 'Provider: libc')" -gt 0 ]; }
+
 system_libc=$(/usr/bin/python3 - <<'PY'
 import re
 for line in open("/proc/self/maps"):
@@ -26,7 +30,7 @@ for line in open("/proc/self/maps"):
         break
 PY
 )
-if readelf -n "$system_libc" 2>/dev/null | grep -q 'Provider: libc'; then
+if has_libc_probes "$system_libc"; then
   mkdir -p "$CACHE"
   echo / >"$CACHE/current"
   say "the system libc ($system_libc) already carries SDT probes; using it"
@@ -93,7 +97,7 @@ fi
 jobs=$(( $(nproc) + 1 ))
 say "building with make -j$jobs (about five minutes on two cores; log in $build/make.log)"
 (cd "$build" && make -j"$jobs" >"$build/make.log" 2>&1) || fail 16 "the glibc build failed (see $build/make.log)"
-readelf -n "$build/libc.so.6" | grep -q 'Provider: libc' || fail 16 "the built libc has no SDT probes"
+has_libc_probes "$build/libc.so.6" || fail 16 "the built libc has no SDT probes"
 touch "$build/.mtrace-live-built"
 echo "$build" >"$CACHE/current"
 say "built glibc $version with SDT probes in $build"
