@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elftools.common.exceptions import ELFError
+from elftools.construct import ConstructError
 from elftools.elf.elffile import ELFFile
 from elftools.elf.segments import Segment
 
@@ -26,6 +27,18 @@ _OWNER = b"stapsdt\0"
 
 class SdtNoteError(Exception):
     """The file is not a readable ELF file, or its SDT notes are malformed."""
+
+
+class NotElfError(SdtNoteError):
+    """Not an ELF file, or a truncated one."""
+
+
+class MalformedNoteError(SdtNoteError):
+    """An ELF file whose .note.stapsdt section does not parse."""
+
+
+# What pyelftools may raise on a damaged file; all become NotElfError.
+_ELF_FAILURES = (ELFError, ConstructError, struct.error, ValueError, EOFError, IndexError, KeyError)
 
 
 @dataclass(frozen=True)
@@ -48,62 +61,91 @@ def read_sites(path: str | Path) -> list[SdtSite]:
     """All SDT probe sites of an ELF file, in note order."""
     try:
         with open(path, "rb") as stream:
-            elf = ELFFile(stream)
-            return list(_sites(elf))
-    except (ELFError, struct.error) as exc:
-        raise SdtNoteError(f"{path}: not a readable ELF file ({exc})") from None
+            try:
+                elf = ELFFile(stream)
+                notes = elf.get_section_by_name(".note.stapsdt")
+                data = notes.data() if notes is not None else b""
+                base_section = elf.get_section_by_name(".stapsdt.base")
+                actual_base = base_section["sh_addr"] if base_section is not None else None
+                loads = [seg for seg in elf.iter_segments() if seg["p_type"] == "PT_LOAD"]
+                layout = _Layout(elf.little_endian, 8 if elf.elfclass == 64 else 4, actual_base)
+            except _ELF_FAILURES as exc:
+                raise NotElfError(
+                    f"{path}: not a readable ELF file ({exc or 'truncated'})"
+                ) from None
+            return list(_sites(data, layout, loads, path))
     except OSError as exc:
         raise SdtNoteError(f"{path}: {exc.strerror}") from None
 
 
-def _sites(elf: ELFFile) -> Iterator[SdtSite]:
-    notes = elf.get_section_by_name(".note.stapsdt")
-    if notes is None:
-        return
-    base_section = elf.get_section_by_name(".stapsdt.base")
-    actual_base = base_section["sh_addr"] if base_section is not None else None
-    address_size = 8 if elf.elfclass == 64 else 4
-    byte_order = "<" if elf.little_endian else ">"
-    address_format = byte_order + ("QQQ" if address_size == 8 else "III")
+@dataclass(frozen=True)
+class _Layout:
+    little_endian: bool
+    address_size: int
+    actual_base: int | None  # where .stapsdt.base really is, if present
+
+
+def _sites(
+    data: bytes, layout: _Layout, loads: Sequence[Segment], path: str | Path
+) -> Iterator[SdtSite]:
+    byte_order = "<" if layout.little_endian else ">"
+    address_format = byte_order + ("QQQ" if layout.address_size == 8 else "III")
     header_format = byte_order + "III"
-    loads = [seg for seg in elf.iter_segments() if seg["p_type"] == "PT_LOAD"]
-    data = notes.data()
     offset = 0
-    while offset + 12 <= len(data):
+    while offset < len(data):
+        if offset + 12 > len(data):
+            raise MalformedNoteError(f"{path}: .note.stapsdt ends inside a note header")
         namesz, descsz, note_type = struct.unpack_from(header_format, data, offset)
         offset += 12
+        if offset + _align4(namesz) + descsz > len(data):
+            raise MalformedNoteError(f"{path}: a note in .note.stapsdt runs past its section")
         owner = data[offset : offset + namesz]
         offset += _align4(namesz)
         desc = data[offset : offset + descsz]
         offset += _align4(descsz)
         if note_type != NT_STAPSDT or owner != _OWNER:
             continue
-        pc, link_base, semaphore = struct.unpack_from(address_format, desc, 0)
-        strings = desc[3 * address_size :].split(b"\0")
-        if len(strings) < 3:
-            raise SdtNoteError("truncated stapsdt note")
-        if actual_base is not None and link_base:
-            pc += actual_base - link_base
-            if semaphore:
-                semaphore += actual_base - link_base
-        provider, name, args = (s.decode("ascii", errors="replace") for s in strings[:3])
-        yield SdtSite(
-            provider=provider,
-            name=name,
-            address=pc,
-            file_offset=_file_offset(loads, pc),
-            semaphore=semaphore,
-            arguments=tuple(args.split()),
-        )
+        yield _site(desc, layout, address_format, loads, path)
+
+
+def _site(
+    desc: bytes, layout: _Layout, address_format: str, loads: Sequence[Segment], path: str | Path
+) -> SdtSite:
+    head = 3 * layout.address_size
+    strings = desc[head:].split(b"\0")
+    if len(desc) < head or len(strings) < 4:
+        raise MalformedNoteError(f"{path}: a stapsdt note lacks its addresses or strings")
+    pc, link_base, semaphore = struct.unpack_from(address_format, desc, 0)
+    if layout.actual_base is not None and link_base:
+        pc += layout.actual_base - link_base
+        if semaphore:
+            semaphore += layout.actual_base - link_base
+    try:
+        provider, name, args = (s.decode("ascii") for s in strings[:3])
+    except UnicodeDecodeError:
+        raise MalformedNoteError(f"{path}: a stapsdt note has non-ASCII names") from None
+    if not provider or not name:
+        raise MalformedNoteError(f"{path}: a stapsdt note has an empty provider or name")
+    offset = _file_offset(loads, pc)
+    if offset is None:
+        raise MalformedNoteError(f"{path}: probe {provider}:{name} at {pc:#x} is outside the file")
+    return SdtSite(
+        provider=provider,
+        name=name,
+        address=pc,
+        file_offset=offset,
+        semaphore=semaphore,
+        arguments=tuple(args.split()),
+    )
 
 
 def _align4(size: int) -> int:
     return (size + 3) & ~3
 
 
-def _file_offset(loads: Sequence[Segment], vaddr: int) -> int:
+def _file_offset(loads: Sequence[Segment], vaddr: int) -> int | None:
     for seg in loads:
         start = seg["p_vaddr"]
         if start <= vaddr < start + seg["p_filesz"]:
             return int(vaddr - start + seg["p_offset"])
-    raise SdtNoteError(f"probe address {vaddr:#x} lies in no loadable segment")
+    return None

@@ -9,8 +9,8 @@
 # system libc already has probes (Ubuntu, Fedora), in which case nothing is
 # built. scripts/with-sdt-glibc and `mtrace-live --sdt-glibc` read it.
 #
-# Exit codes: 10 not root (when a build is needed), 12 packages or sources
-# unavailable, 16 the build failed.
+# Exit codes: 20 not root (when a build is needed), 22 packages or sources
+# unavailable, 26 the build failed.
 set -euo pipefail
 
 CACHE=${MTRACE_SDT_GLIBC_DIR:-/var/cache/mtrace-live/sdt-glibc}
@@ -38,7 +38,7 @@ if has_libc_probes "$system_libc"; then
 fi
 
 version=$(dpkg-query -W -f='${Version}' libc6 2>/dev/null) \
-  || fail 12 "libc6 is not a dpkg package here; build an SDT glibc by hand and use --lib"
+  || fail 22 "libc6 is not a dpkg package here; build an SDT glibc by hand and use --lib"
 # Characters such as the "+" of Debian versions break bpftrace's parser when
 # they appear in a probe path, so the directory name keeps only plain ones.
 top="$CACHE/${version//[^A-Za-z0-9._-]/_}"
@@ -49,7 +49,7 @@ if [ -f "$build/.mtrace-live-built" ] && [ -x "$build/testrun.sh" ]; then
   exit 0
 fi
 
-[ "$(id -u)" = 0 ] || fail 10 "building glibc $version needs root (apt-get source and build dependencies); try: sudo make sdt-glibc"
+[ "$(id -u)" = 0 ] || fail 20 "building glibc $version needs root (apt-get source and build dependencies); try: sudo make sdt-glibc"
 mkdir -p "$top"
 
 # apt-get source needs deb-src entries. Add them, beside the existing deb
@@ -69,20 +69,20 @@ if ! grep -q '^Package: glibc' <<<"$showsrc"; then
   if grep -q 'deb-src' "$src_list.tmp"; then mv "$src_list.tmp" "$src_list"; else rm -f "$src_list.tmp"; fi
   say "added deb-src entries ($src_list) so that apt-get source works"
   apt-get update -qq >/tmp/mtrace-live-apt-update.log 2>&1 \
-    || fail 12 "apt-get update failed (see /tmp/mtrace-live-apt-update.log)"
+    || fail 22 "apt-get update failed (see /tmp/mtrace-live-apt-update.log)"
 fi
 
 say "installing glibc's build tools"
 DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
   dpkg-dev gawk bison gettext perl python3 make gcc systemtap-sdt-dev xz-utils \
   >/tmp/mtrace-live-apt-install.log 2>&1 \
-  || fail 12 "cannot install glibc's build tools (see /tmp/mtrace-live-apt-install.log)"
+  || fail 22 "cannot install glibc's build tools (see /tmp/mtrace-live-apt-install.log)"
 
 src=$(find "$top" -maxdepth 1 -type d -name 'glibc-*' | head -n1)
 if [ -z "$src" ]; then
   say "fetching the source of glibc $version"
   (cd "$top" && apt-get source -qq "glibc=$version" >/tmp/mtrace-live-apt-source.log 2>&1) \
-    || fail 12 "apt-get source glibc=$version failed (see /tmp/mtrace-live-apt-source.log)"
+    || fail 22 "apt-get source glibc=$version failed (see /tmp/mtrace-live-apt-source.log)"
   src=$(find "$top" -maxdepth 1 -type d -name 'glibc-*' | head -n1)
 fi
 # Debian's source package has no manual/ directory; the build must not ask for it.
@@ -92,12 +92,12 @@ mkdir -p "$build"
 if [ ! -f "$build/config.make" ]; then
   say "configuring with --enable-systemtap"
   (cd "$build" && "$src/configure" --prefix=/usr --enable-systemtap --disable-werror \
-     >"$build/configure.log" 2>&1) || fail 16 "configure failed (see $build/configure.log)"
+     >"$build/configure.log" 2>&1) || fail 26 "configure failed (see $build/configure.log)"
 fi
 jobs=$(( $(nproc) + 1 ))
 say "building with make -j$jobs (about five minutes on two cores; log in $build/make.log)"
-(cd "$build" && make -j"$jobs" >"$build/make.log" 2>&1) || fail 16 "the glibc build failed (see $build/make.log)"
-has_libc_probes "$build/libc.so.6" || fail 16 "the built libc has no SDT probes"
+(cd "$build" && make -j"$jobs" >"$build/make.log" 2>&1) || fail 26 "the glibc build failed (see $build/make.log)"
+has_libc_probes "$build/libc.so.6" || fail 26 "the built libc has no SDT probes"
 touch "$build/.mtrace-live-built"
 echo "$build" >"$CACHE/current"
 say "built glibc $version with SDT probes in $build"

@@ -4,9 +4,9 @@
 # by bcc, mounts tracefs if needed, and creates .venv. Idempotent: a second
 # run checks and returns in seconds. It changes nothing it does not report.
 #
-# Exit codes: 10 not root, 11 unknown distro, 12 package repositories
-# unreachable or a package missing, 13 Python package index unreachable,
-# 14 no usable kernel headers, 15 tracefs cannot be mounted.
+# Exit codes: 20 not root, 21 unknown distro, 22 package repositories
+# unreachable or a package missing, 23 Python package index unreachable,
+# 24 no usable kernel headers, 25 tracefs cannot be mounted.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -16,16 +16,16 @@ STAMP="$VENV/.mtrace-live-setup"
 say() { printf 'setup: %s\n' "$*"; }
 fail() { printf 'setup: error: %s\n' "$2" >&2; exit "$1"; }
 
-[ "$(id -u)" = 0 ] || fail 10 "must run as root: it installs distro packages and links kernel headers (try: sudo $0)"
+[ "$(id -u)" = 0 ] || fail 20 "must run as root: it installs distro packages and links kernel headers (try: sudo $0)"
 
-[ -r /etc/os-release ] || fail 11 "cannot identify the distro (/etc/os-release is missing); Debian and Ubuntu are supported"
+[ -r /etc/os-release ] || fail 21 "cannot identify the distro (/etc/os-release is missing); Debian and Ubuntu are supported"
 # shellcheck disable=SC1091
 . /etc/os-release
 case " ${ID:-} ${ID_LIKE:-} " in
   *" debian "* | *" ubuntu "*) ;;
-  *) fail 11 "unsupported distro '${ID:-unknown}': only Debian and Ubuntu (apt) are supported" ;;
+  *) fail 21 "unsupported distro '${ID:-unknown}': only Debian and Ubuntu (apt) are supported" ;;
 esac
-command -v apt-get >/dev/null || fail 11 "apt-get not found on this ${ID} system"
+command -v apt-get >/dev/null || fail 21 "apt-get not found on this ${ID} system"
 
 KERNEL=$(uname -r)
 ARCH=$(dpkg --print-architecture)
@@ -52,7 +52,7 @@ apt_update() {
   say "refreshing the package lists (apt-get update)"
   if ! apt-get update -qq >/tmp/mtrace-live-apt-update.log 2>&1 \
      || grep -qE '^(W|E): (Failed to fetch|Some index files failed)' /tmp/mtrace-live-apt-update.log; then
-    fail 12 "cannot reach the distro's package repositories (see /tmp/mtrace-live-apt-update.log)"
+    fail 22 "cannot reach the distro's package repositories (see /tmp/mtrace-live-apt-update.log)"
   fi
   apt_updated=1
 }
@@ -62,7 +62,7 @@ apt_install() {
   say "installing: $*"
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" \
     >/tmp/mtrace-live-apt-install.log 2>&1 \
-    || fail 12 "apt-get install failed for: $* (see /tmp/mtrace-live-apt-install.log)"
+    || fail 22 "apt-get install failed for: $* (see /tmp/mtrace-live-apt-install.log)"
 }
 
 # ---- kernel headers -------------------------------------------------------
@@ -86,7 +86,7 @@ if ! headers_ok; then
     flavour=$ARCH; [ "${ID}" = ubuntu ] && flavour=generic
     headers_package=$(apt-cache search --names-only "^linux-headers-[0-9].*[0-9]-$flavour\$" \
                       | awk '{print $1}' | sort -V | tail -n1)
-    [ -n "$headers_package" ] || fail 14 "no headers package for $KERNEL and no linux-headers-*-$flavour at all"
+    [ -n "$headers_package" ] || fail 24 "no headers package for $KERNEL and no linux-headers-*-$flavour at all"
   fi
   packages+=("$headers_package")
 fi
@@ -102,7 +102,7 @@ fi
 if ! headers_ok; then
   # Link the chosen tree, and the common tree it depends on.
   tree=$headers_package
-  [ -d "/usr/src/$tree" ] || fail 14 "no kernel headers for $KERNEL: $tree did not install /usr/src/$tree"
+  [ -d "/usr/src/$tree" ] || fail 24 "no kernel headers for $KERNEL: $tree did not install /usr/src/$tree"
   common=$(dpkg-query -W -f='${Depends}' "$tree" 2>/dev/null | tr ',' '\n' \
            | awk '{print $1}' | grep -E '^linux-headers-.*-common' | head -n1)
   mkdir -p "/lib/modules/$KERNEL"
@@ -112,7 +112,7 @@ if ! headers_ok; then
     ln -sfn "/usr/src/$common" "/lib/modules/$KERNEL/source"
     say "linked /lib/modules/$KERNEL/source -> /usr/src/$common"
   fi
-  headers_ok || fail 14 "the linked headers in /usr/src/$tree are incomplete"
+  headers_ok || fail 24 "the linked headers in /usr/src/$tree are incomplete"
 else
   say "kernel headers for $KERNEL are reachable"
 fi
@@ -121,7 +121,7 @@ fi
 # bcc and bpftrace read tracepoint formats from tracefs.
 if [ ! -d /sys/kernel/tracing/events ] && [ ! -d /sys/kernel/debug/tracing/events ]; then
   mount -t tracefs tracefs /sys/kernel/tracing 2>/dev/null \
-    || fail 15 "tracefs is not mounted and cannot be mounted at /sys/kernel/tracing"
+    || fail 25 "tracefs is not mounted and cannot be mounted at /sys/kernel/tracing"
   say "mounted tracefs at /sys/kernel/tracing (not persistent across reboots)"
 fi
 if ! mountpoint -q /sys/kernel/debug 2>/dev/null; then
@@ -148,10 +148,10 @@ else
   say "installing mtrace-live (editable) and its development tools into .venv"
   if ! "$VENV/bin/pip" install --quiet --disable-pip-version-check -e "$REPO[dev]" \
        >/tmp/mtrace-live-pip.log 2>&1; then
-    fail 13 "pip could not install the Python dependencies (is the package index reachable? see /tmp/mtrace-live-pip.log)"
+    fail 23 "pip could not install the Python dependencies (is the package index reachable? see /tmp/mtrace-live-pip.log)"
   fi
   "$VENV/bin/python" -c 'import bcc' 2>/dev/null \
-    || fail 12 "the venv cannot import bcc: python3-bpfcc does not match /usr/bin/python3"
+    || fail 22 "the venv cannot import bcc: python3-bpfcc does not match /usr/bin/python3"
   echo "$want_stamp" >"$STAMP"
 fi
 say "ready: $("$VENV/bin/mtrace-live" --version)"

@@ -32,14 +32,20 @@ def _effective_capabilities() -> int:
     return 0
 
 
-def require_privileges() -> None:
-    """Fail early, with one line, when BPF programs cannot be loaded."""
+def privilege_problem() -> str | None:
+    """Why BPF programs cannot be loaded by this process, or None."""
     caps = _effective_capabilities()
     has_bpf = caps & (1 << CAP_BPF) and caps & (1 << CAP_PERFMON)
     if os.geteuid() != 0 and not has_bpf and not caps & (1 << CAP_SYS_ADMIN):
-        raise NotPrivilegedError(
-            "loading BPF programs needs root (or CAP_BPF and CAP_PERFMON); run with sudo"
-        )
+        return "loading BPF programs needs root (or CAP_BPF and CAP_PERFMON); run with sudo"
+    return None
+
+
+def require_privileges() -> None:
+    """Fail early, with one line, when BPF programs cannot be loaded."""
+    problem = privilege_problem()
+    if problem:
+        raise NotPrivilegedError(problem)
 
 
 def tracefs_root() -> Path:

@@ -118,6 +118,76 @@ def count(
         sys.exit(report.exit_code)
 
 
+def _target_options(command: Any) -> Any:
+    command = click.option(
+        "--lib",
+        type=click.Path(dir_okay=False, path_type=Path),
+        help="Look at this file (a libc, ld.so or any ELF file).",
+    )(command)
+    return click.option("--pid", "-p", type=int, help="Look at what this process maps.")(command)
+
+
+def _targets(pid: int | None, lib: Path | None, with_ld_so: bool) -> list[Path]:
+    from . import target
+
+    if pid is not None and lib is not None:
+        raise click.UsageError("give --pid or --lib, not both")
+    if lib is not None:
+        return [target.library_file(lib)]
+    if pid is not None:
+        mapped = target.mapped_glibc(pid)
+        return [mapped.libc, *([mapped.ld_so] if with_ld_so and mapped.ld_so else [])]
+    return [target.default_libc()]
+
+
+@cli.command()
+@_target_options
+@click.option("--json", "as_json", is_flag=True, help="Print the listing as JSON.")
+def probes(pid: int | None, lib: Path | None, as_json: bool) -> None:
+    """List the SDT probes of a libc (and ld.so), decoded by the catalog.
+
+    Each probe is shown with its sites and its arguments as
+    name:type@location, and whether the catalog knows it. With --pid, the
+    libc and ld.so the process really maps are listed; with neither option,
+    the system's default libc.
+    """
+    from mtrace_live.probes.catalog import load_catalog
+
+    from .probe_listing import list_file, render_json, render_text
+
+    catalog = load_catalog()
+    listings = [list_file(path, catalog) for path in _targets(pid, lib, with_ld_so=True)]
+    if as_json:
+        click.echo(json.dumps([render_json(item) for item in listings], indent=2))
+        return
+    for index, item in enumerate(listings):
+        if index:
+            click.echo()
+        for line in render_text(item):
+            click.echo(line)
+
+
+@cli.command()
+@_target_options
+def doctor(pid: int | None, lib: Path | None) -> None:
+    """Check that everything a trace of the target needs is here.
+
+    One line per check, in order: privileges, kernel support, tracefs, kernel
+    headers, bcc, the target libc's SDT notes, the kmem tracepoints. Exits 0
+    only when all pass; 3 when something is not permitted; 8 when something
+    is not supported here.
+    """
+    from mtrace_live.probes.catalog import load_catalog
+
+    from .doctor import exit_code, run_checks
+
+    checks = []
+    for check in run_checks(_targets(pid, lib, with_ld_so=False)[0], load_catalog()):
+        click.echo(str(check))
+        checks.append(check)
+    sys.exit(exit_code(checks))
+
+
 def _print_table(report: dict[str, Any]) -> None:
     click.echo(f"pid {report['pid']}" + (f"  libc {report['libc']}" if report["libc"] else ""))
     sections = (("libc probe", "usdt"), ("kmem tracepoint", "kmem"), ("cache", "kmem_cache_allocs"))

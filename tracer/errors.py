@@ -52,3 +52,15 @@ class UsageError(MtraceError):
     """The command line asks for something that cannot be done (e.g. no probe matches)."""
 
     exit_code = 2
+
+
+class NotElfError(MtraceError):
+    """A file that should be ELF is not, or is truncated."""
+
+    exit_code = 9
+
+
+class MalformedNoteError(MtraceError):
+    """An ELF file whose SDT notes do not parse."""
+
+    exit_code = 10

@@ -4,12 +4,55 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import TargetError
+from .errors import NotPrivilegedError, TargetError
 
 # glibc's soname, and the versioned file name older glibcs installed.
 _LIBC_NAME = re.compile(r"^libc(\.so\.6|-\d+\.\d+\.so)$")
+# The dynamic linker: ld-linux-x86-64.so.2, ld-linux-aarch64.so.1, ld.so ...
+_LDSO_NAME = re.compile(r"^ld(-linux[-\w.]*\.so\.\d+|\.so|-\d+\.\d+\.so)$")
+
+
+@dataclass(frozen=True)
+class MappedGlibc:
+    """The glibc objects a process maps, as paths readable from here."""
+
+    libc: Path
+    ld_so: Path | None
+
+
+def mapped_glibc(pid: int) -> MappedGlibc:
+    """The libc and dynamic linker process ``pid`` really maps."""
+    found: dict[str, Path] = {}
+    for path in _mapped_paths(pid):
+        name = os.path.basename(path)
+        if "libc" not in found and _LIBC_NAME.match(name):
+            found["libc"] = _reachable(pid, Path(path))
+        elif "ld" not in found and _LDSO_NAME.match(name):
+            found["ld"] = _reachable(pid, Path(path))
+    if "libc" not in found:
+        raise TargetError(f"process {pid} maps no glibc libc (statically linked, or not glibc)")
+    return MappedGlibc(libc=found["libc"], ld_so=found.get("ld"))
+
+
+def _mapped_paths(pid: int) -> list[str]:
+    maps = Path(f"/proc/{pid}/maps")
+    try:
+        lines = maps.read_text(encoding="utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        raise TargetError(f"no process with pid {pid}") from None
+    except PermissionError:
+        raise NotPrivilegedError(f"cannot read {maps}: permission denied") from None
+    except ProcessLookupError:
+        raise TargetError(f"process {pid} exited") from None
+    paths = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith("/"):
+            paths.append(fields[5])
+    return paths
 
 
 def mapped_libc(pid: int) -> Path:
@@ -17,37 +60,27 @@ def mapped_libc(pid: int) -> Path:
 
     A process in another mount namespace is reached through /proc/PID/root.
     """
-    maps = Path(f"/proc/{pid}/maps")
-    try:
-        lines = maps.read_text(encoding="utf-8", errors="replace").splitlines()
-    except FileNotFoundError:
-        raise TargetError(f"no process with pid {pid}") from None
-    except PermissionError:
-        raise TargetError(f"cannot read {maps}: permission denied") from None
-    for line in lines:
-        fields = line.split(maxsplit=5)
-        if len(fields) == 6 and _LIBC_NAME.match(os.path.basename(fields[5])):
-            return _reachable(pid, Path(fields[5]))
-    raise TargetError(f"process {pid} maps no glibc libc (statically linked, or not glibc)")
+    return mapped_glibc(pid).libc
 
 
 def _reachable(pid: int, path: Path) -> Path:
     root = Path(f"/proc/{pid}/root")
     try:
-        same_root = (
-            os.stat(root).st_ino == os.stat("/").st_ino
-            and os.stat(root).st_dev == os.stat("/").st_dev
-        )
-    except OSError:
-        same_root = True
-    return path if same_root else root / path.relative_to("/")
+        here, there = os.stat("/"), os.stat(root)
+    except PermissionError:
+        raise NotPrivilegedError(f"cannot read {root}: permission denied") from None
+    except FileNotFoundError:
+        raise TargetError(f"process {pid} exited") from None
+    if (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino):
+        return path
+    return root / path.relative_to("/")
 
 
 def library_file(path: str | os.PathLike[str]) -> Path:
     lib = Path(path)
     if not lib.is_file():
         raise TargetError(f"no such library file: {lib}")
-    return lib.resolve()
+    return lib.absolute()
 
 
 def default_libc() -> Path:

@@ -1,0 +1,133 @@
+"""``mtrace-live doctor``: can a trace of this target work here, and if not, why.
+
+Each check gives one line. A failed check says how to fix it, and is either
+"not permitted" (exit 3) or "not supported here" (exit 8).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from mtrace_live.probes.catalog import Catalog
+
+from . import bpf_backend
+from .errors import MtraceError, NotPrivilegedError, TracepointMissingError
+from .probe_listing import no_probes_error, read_file_sites
+
+OK, NOT_PERMITTED, NOT_SUPPORTED = "ok", "not permitted", "not supported"
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str
+    detail: str
+
+    @property
+    def passed(self) -> bool:
+        return self.status == OK
+
+    def __str__(self) -> str:
+        mark = "ok  " if self.passed else "FAIL"
+        return f"{mark}  {self.name}: {self.detail}"
+
+
+def run_checks(libc: Path, catalog: Catalog) -> Iterator[Check]:
+    yield _privileges()
+    yield _kernel_support()
+    yield _guarded("tracefs", lambda: f"mounted at {bpf_backend.tracefs_root()}")
+    yield _headers()
+    yield _guarded("bcc", _bcc)
+    yield _libc_notes(libc, catalog)
+    for tracepoint in catalog.tracepoints.values():
+        yield _tracepoint(tracepoint.category, tracepoint.name,
+                          [f.name for f in tracepoint.fields if f.required])  # fmt: skip
+
+
+def exit_code(checks: list[Check]) -> int:
+    if all(c.passed for c in checks):
+        return 0
+    if any(c.status == NOT_PERMITTED for c in checks):
+        return NotPrivilegedError.exit_code
+    return TracepointMissingError.exit_code  # "not supported here"
+
+
+def _guarded(name: str, probe: Callable[[], str]) -> Check:
+    try:
+        return Check(name, OK, probe())
+    except NotPrivilegedError as exc:
+        return Check(name, NOT_PERMITTED, str(exc))
+    except MtraceError as exc:
+        return Check(name, NOT_SUPPORTED, str(exc))
+
+
+def _privileges() -> Check:
+    problem = bpf_backend.privilege_problem()
+    if problem:
+        return Check("privileges", NOT_PERMITTED, problem)
+    return Check("privileges", OK, "root" if os.geteuid() == 0 else "CAP_BPF and CAP_PERFMON")
+
+
+def _kernel_support() -> Check:
+    # Each file exists only when the kernel was built with the feature.
+    needs = {
+        "BPF (CONFIG_BPF_SYSCALL)": Path("/proc/sys/kernel/unprivileged_bpf_disabled"),
+        "uprobes (CONFIG_UPROBE_EVENTS)": Path("/sys/bus/event_source/devices/uprobe"),
+        "tracepoints (CONFIG_TRACEPOINTS)": Path("/sys/bus/event_source/devices/tracepoint"),
+    }
+    missing = [what for what, path in needs.items() if not path.exists()]
+    release = platform.release()
+    if missing:
+        lacks = ", ".join(missing)
+        return Check(
+            "kernel", NOT_SUPPORTED, f"Linux {release} lacks {lacks}; use one built with them"
+        )
+    return Check("kernel", OK, f"Linux {release} has BPF, uprobes and tracepoints")
+
+
+def _headers() -> Check:
+    build = Path("/lib/modules") / platform.release() / "build"
+    if (build / "include").is_dir():
+        return Check("kernel headers", OK, f"{build} -> {build.resolve()}")
+    return Check("kernel headers", NOT_SUPPORTED,
+                 f"bcc needs headers at {build}; run scripts/setup.sh (it links the newest "
+                 "headers package when the running kernel has none)")  # fmt: skip
+
+
+def _bcc() -> str:
+    bcc = bpf_backend.import_bcc()
+    return f"bcc importable from {Path(bcc.__file__).parent}"
+
+
+def _libc_notes(libc: Path, catalog: Catalog) -> Check:
+    name = "libc probes"
+    try:
+        sites = read_file_sites(libc)
+    except MtraceError as exc:
+        return Check(name, NOT_SUPPORTED, str(exc))
+    ours = [s for s in sites if s.provider == "libc"]
+    if not ours:
+        return Check(name, NOT_SUPPORTED, str(no_probes_error(libc)))
+    known = sum(1 for n in {s.name for s in ours} if catalog.probe("libc", n))
+    return Check(name, OK, f"{libc}: {len({s.name for s in ours})} probes at {len(ours)} sites, "
+                           f"{known} in the catalog")  # fmt: skip
+
+
+def _tracepoint(category: str, event: str, required: list[str]) -> Check:
+    name = f"tracepoint {category}:{event}"
+    try:
+        fmt = bpf_backend.tracepoint_format(category, event)
+    except NotPrivilegedError as exc:
+        return Check(name, NOT_PERMITTED, str(exc))
+    except MtraceError as exc:
+        return Check(name, NOT_SUPPORTED, str(exc))
+    fields = set(re.findall(r"field:[^;]*?(\w+)(?:\[\d*\])?;", fmt))
+    absent = [f for f in required if f not in fields]
+    if absent:
+        return Check(name, NOT_SUPPORTED, f"lacks the fields {', '.join(absent)} mtrace-live needs")
+    return Check(name, OK, f"has {', '.join(required)}")

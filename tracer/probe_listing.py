@@ -1,0 +1,191 @@
+"""``mtrace-live probes``: what can be traced in a file, decoded by the catalog."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mtrace_live.probes import sdt_notes
+from mtrace_live.probes.catalog import Catalog, Comparison, compare, parse_note_arg
+
+from .errors import MalformedNoteError, NoProbesError, NotElfError, TargetError
+
+
+@dataclass(frozen=True)
+class ListedArg:
+    name: str
+    c_type: str
+    location: str
+    size: int | None
+    signed: bool
+    note: str
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.c_type}@{self.location}"
+
+
+@dataclass(frozen=True)
+class ListedSite:
+    address: int
+    file_offset: int
+    semaphore: int
+    args: tuple[ListedArg, ...]
+
+
+@dataclass(frozen=True)
+class ListedProbe:
+    provider: str
+    name: str
+    known: bool
+    fires: str
+    meaning: str
+    manual: str
+    sites: tuple[ListedSite, ...]
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.provider}:{self.name}"
+
+
+@dataclass(frozen=True)
+class FileListing:
+    path: Path
+    probes: tuple[ListedProbe, ...]
+    comparison: Comparison
+
+    @property
+    def site_count(self) -> int:
+        return sum(len(p.sites) for p in self.probes)
+
+
+def read_file_sites(path: Path) -> list[sdt_notes.SdtSite]:
+    """The SDT sites of a file, with the file's problems as mtrace-live errors."""
+    try:
+        return sdt_notes.read_sites(path)
+    except sdt_notes.NotElfError as exc:
+        raise NotElfError(str(exc)) from None
+    except sdt_notes.MalformedNoteError as exc:
+        raise MalformedNoteError(str(exc)) from None
+    except sdt_notes.SdtNoteError as exc:
+        raise TargetError(str(exc)) from None
+
+
+def no_probes_error(path: Path) -> NoProbesError:
+    return NoProbesError(
+        f"{path} has no SDT probes: its glibc was built without --enable-systemtap "
+        "(Debian's is); build one with 'make sdt-glibc' and run the target under it "
+        "(scripts/with-sdt-glibc CMD, or mtrace-live count --sdt-glibc -- CMD)"
+    )
+
+
+def list_file(path: Path, catalog: Catalog) -> FileListing:
+    sites = read_file_sites(path)
+    if not sites:
+        raise no_probes_error(path)
+    grouped: dict[tuple[str, str], list[sdt_notes.SdtSite]] = {}
+    for site in sites:
+        grouped.setdefault((site.provider, site.name), []).append(site)
+    probes = []
+    for (provider, name), its_sites in grouped.items():
+        spec = catalog.probe(provider, name)
+        listed_sites = []
+        for site in its_sites:
+            args = []
+            for index, text in enumerate(site.arguments):
+                note = parse_note_arg(text)
+                if spec is not None and index < len(spec.args):
+                    a = spec.args[index]
+                    args.append(
+                        ListedArg(a.name, a.c_type, note.location, note.size, note.signed, a.note)
+                    )
+                else:
+                    args.append(
+                        ListedArg(f"arg{index + 1}", _type_of(note.size, note.signed),
+                                  note.location, note.size, note.signed, "")
+                    )  # fmt: skip
+            listed_sites.append(
+                ListedSite(site.address, site.file_offset, site.semaphore, tuple(args))
+            )
+        probes.append(
+            ListedProbe(
+                provider=provider,
+                name=name,
+                known=spec is not None,
+                fires=spec.fires if spec else "",
+                meaning=spec.meaning if spec else "",
+                manual=spec.manual if spec else "",
+                sites=tuple(listed_sites),
+            )
+        )
+    providers = {p for p, _ in grouped} & catalog.providers()
+    return FileListing(path, tuple(probes), compare(catalog, sites, providers))
+
+
+def _type_of(size: int | None, signed: bool) -> str:
+    if size is None:
+        return "?"
+    return f"{'' if signed else 'u'}int{size * 8}_t"
+
+
+def render_text(listing: FileListing) -> list[str]:
+    c = listing.comparison
+    lines = [
+        f"{listing.path}: {len(listing.probes)} probes at {listing.site_count} sites; "
+        f"catalog: {len(c.present)} known, {len(c.missing)} missing, {len(c.unknown)} unknown, "
+        f"{len(c.mismatches)} mismatches"
+    ]
+    for probe in listing.probes:
+        if probe.known:
+            lines.append(f"{probe.qualified_name}  ({probe.fires}) {probe.meaning}")
+        else:
+            lines.append(f"{probe.qualified_name}  [not in the catalog]")
+        for site in probe.sites:
+            args = "  ".join(str(a) for a in site.args) or "(no arguments)"
+            semaphore = f"  semaphore {site.semaphore:#x}" if site.semaphore else ""
+            lines.append(f"    {site.address:#x}  {args}{semaphore}")
+    lines += [f"missing: {name}" for name in c.missing]
+    lines += [f"mismatch: {line}" for line in c.mismatches]
+    return lines
+
+
+def render_json(listing: FileListing) -> dict[str, Any]:
+    c = listing.comparison
+    return {
+        "path": str(listing.path),
+        "probes": [
+            {
+                "provider": p.provider,
+                "name": p.name,
+                "known": p.known,
+                "fires": p.fires or None,
+                "meaning": p.meaning or None,
+                "manual_disagrees": p.manual or None,
+                "sites": [
+                    {
+                        "address": s.address,
+                        "file_offset": s.file_offset,
+                        "semaphore": s.semaphore,
+                        "arguments": [
+                            {
+                                "name": a.name,
+                                "type": a.c_type,
+                                "location": a.location,
+                                "size": a.size,
+                                "signed": a.signed,
+                            }
+                            for a in s.args
+                        ],
+                    }
+                    for s in p.sites
+                ],
+            }
+            for p in listing.probes
+        ],
+        "catalog": {
+            "present": c.present,
+            "missing": c.missing,
+            "unknown": c.unknown,
+            "mismatches": c.mismatches,
+        },
+    }
