@@ -6,7 +6,9 @@ BUILD := build
 CFLAGS_WORKLOAD := -O1 -g -Wall -Wextra -fno-builtin -U_FORTIFY_SOURCE -pthread
 SETUP_STAMP := $(VENV)/.mtrace-live-setup
 
-.PHONY: all setup sdt-glibc exercisers test test-unit test-privileged lint typecheck vagrant-validate demo clean
+# fixtures is not part of test: the ELF fixtures are committed, and rebuilt
+# only when their sources change.
+.PHONY: fixtures all setup sdt-glibc exercisers test test-unit test-privileged lint typecheck vagrant-validate demo clean
 
 all: setup exercisers
 
@@ -26,6 +28,12 @@ $(BUILD)/kmem_exerciser: tests/workloads/kmem_exerciser.c | $(BUILD)
 
 $(BUILD):
 	mkdir -p $@
+
+FIXTURES := tests/fixtures
+fixtures:
+	gcc -O2 -fPIC -shared -o $(FIXTURES)/elf/sdt_fixture.so $(FIXTURES)/sdt_fixture.c $(FIXTURES)/sdt_semaphore.c
+	strip -o $(FIXTURES)/elf/sdt_fixture_stripped.so $(FIXTURES)/elf/sdt_fixture.so
+	gcc -O2 -fPIC -shared -o $(FIXTURES)/elf/no_notes.so $(FIXTURES)/no_notes.c
 
 # Everything: set-up, the SDT glibc, the exercisers, lint, and all tests,
 # privileged ones included (they fail, never skip, when BPF cannot run).

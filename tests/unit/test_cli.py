@@ -2,14 +2,10 @@
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
-MTRACE = [sys.executable, "-m", "mtrace_live.tracer.cli"]
-
-
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*MTRACE, *args], capture_output=True, text=True, timeout=60)
+from .cli_runs import MTRACE, assert_one_line, mtrace_unprivileged
+from .cli_runs import mtrace as run
 
 
 def test_version_and_help_need_neither_root_nor_bcc(tmp_path: Path) -> None:
@@ -46,26 +42,9 @@ def test_neither_pid_nor_command_is_a_usage_error() -> None:
     assert "Traceback" not in done.stderr
 
 
-# Imports happen as root; only then does the process become "nobody", so the
-# test does not depend on that user being able to read the checkout.
-AS_NOBODY = """
-import os, sys
-import mtrace_live.tracer.count_command, mtrace_live.tracer.cli as cli
-os.setgroups([]); os.setresgid(65534, 65534, 65534); os.setresuid(65534, 65534, 65534)
-sys.argv = ["mtrace-live", "count", "--kmem-only", "--", "/bin/true"]
-cli.main()
-"""
-
-
 def test_non_root_user_gets_one_line_and_exit_code_3() -> None:
-    if os.geteuid() != 0:
-        done = run("count", "--kmem-only", "--", "/bin/true")
-    else:
-        done = subprocess.run(
-            [sys.executable, "-c", AS_NOBODY], capture_output=True, text=True, timeout=60
-        )
-    assert done.returncode == 3, done.stderr
-    assert done.stderr.strip().startswith("mtrace-live: error: loading BPF programs needs root")
+    done = mtrace_unprivileged("count", "--kmem-only", "--", "/bin/true")
+    assert_one_line(done, 3, "mtrace-live: error: loading BPF programs needs root")
 
 
 def test_libc_without_probes_is_one_line_and_exit_code_5(tmp_path: Path) -> None:
@@ -77,4 +56,12 @@ def test_libc_without_probes_is_one_line_and_exit_code_5(tmp_path: Path) -> None
     done = run("count", "--lib", str(plain), "--", "/bin/true")
     assert done.returncode == 5, done.stderr
     assert "has no libc SDT probes" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_doctor_without_privileges_says_not_permitted_exit_3() -> None:
+    done = mtrace_unprivileged("doctor")
+    assert done.returncode == 3, done.stdout + done.stderr
+    first = done.stdout.splitlines()[0]
+    assert first.startswith("FAIL  privileges: loading BPF programs needs root")
     assert "Traceback" not in done.stderr

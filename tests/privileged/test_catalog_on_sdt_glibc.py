@@ -1,0 +1,94 @@
+"""The catalog and the listings against the real SDT-enabled glibc 2.36."""
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+from mtrace_live.probes.catalog import compare, load_catalog
+from mtrace_live.probes.sdt_notes import read_sites
+from mtrace_live.tracer.sdt_glibc import SdtGlibc
+
+from .conftest import MTRACE
+
+
+def test_every_libc_entry_matches_the_built_libc_notes(sdt: SdtGlibc) -> None:
+    # GIVEN the notes of the built libc, 78 sites under 57 names
+    sites = read_sites(sdt.libc)
+    assert len(sites) == 78
+    # WHEN they are compared with the catalog
+    result = compare(load_catalog(), sites, ["libc"])
+    # THEN every probe is known, none is missing, and every site's argument
+    # count, sizes and signedness equal the catalog's types
+    assert result.mismatches == []
+    assert result.unknown == []
+    assert result.missing == []
+    assert len(result.present) == 57
+
+
+def test_every_rtld_entry_matches_the_built_ld_so(sdt: SdtGlibc) -> None:
+    ld_so = sdt.libc.parent / "elf" / "ld.so"
+    result = compare(load_catalog(), read_sites(ld_so), ["rtld"])
+    assert result.mismatches == []
+    assert result.unknown == []
+    # dl-load.c's map_failed site is not in this build of ld.so
+    assert result.missing == ["rtld:map_failed"]
+
+
+def readelf_notes(path: Path) -> list[tuple[str, str, int, str]]:
+    text = subprocess.run(
+        ["readelf", "-n", str(path)], check=True, capture_output=True, text=True
+    ).stdout
+    pattern = re.compile(
+        r"Provider: (\S+)\s+Name: (\S+)\s+Location: (0x[0-9a-f]+).*?\n\s+Arguments: ?([^\n]*)"
+    )
+    return [(p, n, int(loc, 16), args.strip()) for p, n, loc, args in pattern.findall(text)]
+
+
+def note_text(arg: dict[str, object]) -> str:
+    """An argument back in the note's own form, e.g. -4@%esi."""
+    return f"{'-' if arg['signed'] else ''}{arg['size']}@{arg['location']}"
+
+
+def test_probes_listing_agrees_with_readelf(sdt: SdtGlibc) -> None:
+    # GIVEN readelf's view of the notes
+    expected = sorted(readelf_notes(sdt.libc))
+    assert len(expected) == 78
+    # WHEN mtrace-live lists the same file as JSON
+    done = subprocess.run(
+        [*MTRACE, "probes", "--lib", str(sdt.libc), "--json"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    (listing,) = json.loads(done.stdout)
+    ours = sorted(
+        (
+            p["provider"], p["name"], site["address"],
+            " ".join(note_text(a) for a in site["arguments"]),
+        )
+        for p in listing["probes"]
+        for site in p["sites"]
+    )  # fmt: skip
+    # THEN every site, address and argument string is the same
+    assert ours == expected
+    assert all(p["known"] for p in listing["probes"])
+
+
+def test_doctor_passes_for_the_sdt_glibc(sdt: SdtGlibc) -> None:
+    done = subprocess.run(
+        [*MTRACE, "doctor", "--lib", str(sdt.libc)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 12  # privileges, kernel, tracefs, headers, bcc, libc, six tracepoints
+    assert all(line.startswith("ok") for line in lines)
+
+
+def test_doctor_names_cause_and_fix_for_the_system_libc() -> None:
+    done = subprocess.run([*MTRACE, "doctor"], capture_output=True, text=True, timeout=120)
+    libc_line = next(line for line in done.stdout.splitlines() if "libc probes" in line)
+    if libc_line.startswith("ok"):  # a distro whose libc has probes
+        assert done.returncode == 0
+        return
+    assert done.returncode == 8  # not supported here (as root nothing is "not permitted")
+    assert "built without --enable-systemtap" in libc_line
+    assert "make sdt-glibc" in libc_line

@@ -1,0 +1,43 @@
+"""Running the mtrace-live command line from tests."""
+
+import os
+import subprocess
+import sys
+
+MTRACE = [sys.executable, "-m", "mtrace_live.tracer.cli"]
+
+# Everything mtrace-live reads from the checkout is loaded while still root;
+# only then does the process become "nobody". The tests thus do not depend on
+# that user being able to read wherever the checkout lives.
+_AS_NOBODY = """
+import os, sys
+import mtrace_live.tracer.cli as cli
+import mtrace_live.tracer.count_command, mtrace_live.tracer.doctor
+import mtrace_live.tracer.probe_listing, mtrace_live.tracer.target
+import mtrace_live.probes.catalog as catalog
+catalog.load_catalog()
+os.setgroups([]); os.setresgid(65534, 65534, 65534); os.setresuid(65534, 65534, 65534)
+sys.argv = ["mtrace-live", *sys.argv[1:]]
+cli.main()
+"""
+
+
+def mtrace(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*MTRACE, *args], capture_output=True, text=True, timeout=120)
+
+
+def mtrace_unprivileged(*args: str) -> subprocess.CompletedProcess[str]:
+    """mtrace-live as an ordinary user: as 'nobody' when the tests run as root."""
+    if os.geteuid() != 0:
+        return mtrace(*args)
+    return subprocess.run(
+        [sys.executable, "-c", _AS_NOBODY, *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def assert_one_line(done: subprocess.CompletedProcess[str], code: int, words: str) -> None:
+    """One clear error line, the expected exit code, never a traceback."""
+    assert done.returncode == code, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert words in done.stderr
