@@ -26,18 +26,19 @@ class MappedGlibc:
 def mapped_glibc(pid: int) -> MappedGlibc:
     """The libc and dynamic linker process ``pid`` really maps."""
     found: dict[str, Path] = {}
-    for path in _mapped_paths(pid):
+    for path, inode in _mapped_paths(pid):
         name = os.path.basename(path)
         if "libc" not in found and _LIBC_NAME.match(name):
-            found["libc"] = _reachable(pid, Path(path))
+            found["libc"] = _reachable(pid, Path(path), inode)
         elif "ld" not in found and _LDSO_NAME.match(name):
-            found["ld"] = _reachable(pid, Path(path))
+            found["ld"] = _reachable(pid, Path(path), inode)
     if "libc" not in found:
         raise TargetError(f"process {pid} maps no glibc libc (statically linked, or not glibc)")
     return MappedGlibc(libc=found["libc"], ld_so=found.get("ld"))
 
 
-def _mapped_paths(pid: int) -> list[str]:
+def _mapped_paths(pid: int) -> list[tuple[str, int]]:
+    """(path, inode) of each file mapping, as /proc/PID/maps shows them."""
     maps = Path(f"/proc/{pid}/maps")
     try:
         lines = maps.read_text(encoding="utf-8", errors="replace").splitlines()
@@ -50,8 +51,8 @@ def _mapped_paths(pid: int) -> list[str]:
     paths = []
     for line in lines:
         fields = line.split(maxsplit=5)
-        if len(fields) == 6 and fields[5].startswith("/"):
-            paths.append(fields[5])
+        if len(fields) == 6 and fields[5].startswith("/") and fields[4].isdigit():
+            paths.append((fields[5], int(fields[4])))
     return paths
 
 
@@ -63,17 +64,28 @@ def mapped_libc(pid: int) -> Path:
     return mapped_glibc(pid).libc
 
 
-def _reachable(pid: int, path: Path) -> Path:
+def _reachable(pid: int, path: Path, inode: int) -> Path:
+    """A path, valid from here, to the file the process maps at ``path``.
+
+    The kernel prints map paths relative to the reader's root: a chrooted
+    process's libc already shows with its full path from here, while a file
+    in another mount namespace that is not visible here shows relative to
+    that namespace's root and must be reached through /proc/PID/root. The
+    candidate whose inode is the one the maps line names is the file.
+    """
     root = Path(f"/proc/{pid}/root")
-    try:
-        here, there = os.stat("/"), os.stat(root)
-    except PermissionError:
-        raise NotPrivilegedError(f"cannot read {root}: permission denied") from None
-    except FileNotFoundError:
-        raise TargetError(f"process {pid} exited") from None
-    if (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino):
-        return path
-    return root / path.relative_to("/")
+    candidates = (path, root / path.relative_to("/"))
+    for candidate in candidates:
+        try:
+            if os.stat(candidate).st_ino == inode:
+                return candidate
+        except PermissionError:
+            raise NotPrivilegedError(f"cannot read {root}: permission denied") from None
+        except OSError:
+            continue
+    if not Path(f"/proc/{pid}").exists():
+        raise TargetError(f"process {pid} exited")
+    raise TargetError(f"cannot find the file process {pid} maps as {path}")
 
 
 def library_file(path: str | os.PathLike[str]) -> Path:
