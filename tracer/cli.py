@@ -153,18 +153,30 @@ def probes(pid: int | None, lib: Path | None, as_json: bool) -> None:
     """
     from mtrace_live.probes.catalog import load_catalog
 
+    from .errors import NoProbesError
     from .probe_listing import list_file, render_json, render_text
 
     catalog = load_catalog()
-    listings = [list_file(path, catalog) for path in _targets(pid, lib, with_ld_so=True)]
+    libc, *others = _targets(pid, lib, with_ld_so=True)
+    listings = [list_file(libc, catalog)]  # a libc without probes is the error
+    bare = []  # ld.so without probes is only worth a line
+    for path in others:
+        try:
+            listings.append(list_file(path, catalog))
+        except NoProbesError:
+            bare.append(path)
     if as_json:
-        click.echo(json.dumps([render_json(item) for item in listings], indent=2))
+        documents = [render_json(item) for item in listings]
+        documents += [{"path": str(path), "probes": [], "catalog": None} for path in bare]
+        click.echo(json.dumps(documents, indent=2))
         return
     for index, item in enumerate(listings):
         if index:
             click.echo()
         for line in render_text(item):
             click.echo(line)
+    for path in bare:
+        click.echo(f"\n{path}: no SDT probes")
 
 
 @cli.command()

@@ -9,8 +9,10 @@ from pathlib import Path
 
 from .errors import NotPrivilegedError, TargetError
 
-# glibc's soname, and the versioned file name older glibcs installed.
-_LIBC_NAME = re.compile(r"^libc(\.so\.6|-\d+\.\d+\.so)$")
+# glibc's soname; the versioned file name older glibcs installed; and libc.so,
+# the real file name in a glibc build tree, where libc.so.6 is a symlink to it
+# (/proc/PID/maps shows the file, not the link).
+_LIBC_NAME = re.compile(r"^libc(\.so\.6|\.so|-\d+\.\d+\.so)$")
 # The dynamic linker: ld-linux-x86-64.so.2, ld-linux-aarch64.so.1, ld.so ...
 _LDSO_NAME = re.compile(r"^ld(-linux[-\w.]*\.so\.\d+|\.so|-\d+\.\d+\.so)$")
 

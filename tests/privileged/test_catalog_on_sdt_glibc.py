@@ -1,8 +1,10 @@
 """The catalog and the listings against the real SDT-enabled glibc 2.36."""
 
 import json
+import os
 import re
 import subprocess
+import time
 from pathlib import Path
 
 from mtrace_live.probes.catalog import compare, load_catalog
@@ -10,6 +12,7 @@ from mtrace_live.probes.sdt_notes import read_sites
 from mtrace_live.tracer.sdt_glibc import SdtGlibc
 
 from .conftest import MTRACE
+from .tracing import Reaper
 
 
 def test_every_libc_entry_matches_the_built_libc_notes(sdt: SdtGlibc) -> None:
@@ -92,3 +95,27 @@ def test_doctor_names_cause_and_fix_for_the_system_libc() -> None:
     assert done.returncode == 8  # not supported here (as root nothing is "not permitted")
     assert "built without --enable-systemtap" in libc_line
     assert "make sdt-glibc" in libc_line
+
+
+def test_probes_of_a_running_process_list_its_libc_and_ld_so(sdt: SdtGlibc) -> None:
+    # GIVEN a process running under the SDT glibc (through its testrun.sh,
+    # which execs ld.so in the same pid)
+    with Reaper() as reaper:
+        proc = reaper.add(subprocess.Popen(sdt.wrap(["/bin/sleep", "60"])))
+        deadline = time.monotonic() + 30
+        while "ld.so" not in Path(f"/proc/{proc.pid}/maps").read_text():
+            assert time.monotonic() < deadline, "the process never mapped the SDT ld.so"
+            time.sleep(0.05)
+        # WHEN its probes are listed by pid
+        done = subprocess.run(
+            [*MTRACE, "probes", "--pid", str(proc.pid), "--json"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    # THEN both the libc and the ld.so it maps are listed, each fully known
+    assert done.returncode == 0, done.stderr
+    libc, ld_so = json.loads(done.stdout)
+    assert os.path.samefile(libc["path"], sdt.libc)
+    assert len(libc["probes"]) == 57
+    assert ld_so["path"].endswith("/elf/ld.so")
+    assert {p["provider"] for p in ld_so["probes"]} == {"rtld"}
+    assert ld_so["catalog"]["missing"] == ["rtld:map_failed"]
