@@ -51,6 +51,7 @@ class SdtSite:
     file_offset: int  # what a uprobe attaches to
     semaphore: int  # 0 when the probe has none
     arguments: tuple[str, ...]  # e.g. ("8@%rcx", "-8@%r15")
+    base: int = 0  # the .stapsdt.base address the note was linked against
 
     @property
     def qualified_name(self) -> str:
@@ -136,6 +137,7 @@ def _site(
         file_offset=offset,
         semaphore=semaphore,
         arguments=tuple(args.split()),
+        base=link_base,
     )
 
 

@@ -30,6 +30,7 @@ class ListedSite:
     address: int
     file_offset: int
     semaphore: int
+    base: int
     args: tuple[ListedArg, ...]
 
 
@@ -105,7 +106,7 @@ def list_file(path: Path, catalog: Catalog) -> FileListing:
                                   note.location, note.size, note.signed, "")
                     )  # fmt: skip
             listed_sites.append(
-                ListedSite(site.address, site.file_offset, site.semaphore, tuple(args))
+                ListedSite(site.address, site.file_offset, site.semaphore, site.base, tuple(args))
             )
         probes.append(
             ListedProbe(
@@ -166,6 +167,7 @@ def render_json(listing: FileListing) -> dict[str, Any]:
                         "address": s.address,
                         "file_offset": s.file_offset,
                         "semaphore": s.semaphore,
+                        "base": s.base,
                         "arguments": [
                             {
                                 "name": a.name,

@@ -43,6 +43,33 @@ def test_rip_relative_arguments_are_kept_whole() -> None:
     assert site.arguments == ("-8@demo_counter(%rip)", "-4@demo_level(%rip)")
 
 
+def test_sites_move_with_the_stapsdt_base_section(tmp_path: Path) -> None:
+    # GIVEN a copy whose notes say they were linked with .stapsdt.base 0x40
+    # higher than where the section is (as after prelinking)
+    data = bytearray(FIXTURE.read_bytes())
+    offset, size = note_section()
+    first = read_sites(FIXTURE)
+    position = offset
+    while position < offset + size:
+        namesz, descsz = (
+            int.from_bytes(data[position + i : position + i + 4], "little") for i in (0, 4)
+        )
+        desc = position + 12 + (namesz + 3) // 4 * 4
+        base = int.from_bytes(data[desc + 8 : desc + 16], "little")
+        data[desc + 8 : desc + 16] = (base + 0x40).to_bytes(8, "little")
+        position = desc + (descsz + 3) // 4 * 4
+    moved = tmp_path / "moved.so"
+    moved.write_bytes(bytes(data))
+    # WHEN the copy is read
+    sites = read_sites(moved)
+    # THEN every site (and the semaphore) moves 0x40 back with it
+    assert [s.address for s in sites] == [s.address - 0x40 for s in first]
+    assert [s.base for s in sites] == [s.base + 0x40 for s in first]
+    (guarded,) = [s for s in sites if s.name == "guarded"]
+    (original,) = [s for s in first if s.name == "guarded"]
+    assert guarded.semaphore == original.semaphore - 0x40
+
+
 def test_stripped_binary_keeps_every_site() -> None:
     stripped = ELF / "sdt_fixture_stripped.so"
     with open(stripped, "rb") as stream:
