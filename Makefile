@@ -42,7 +42,7 @@ test: sdt-glibc exercisers lint vagrant-validate
 
 # Needs no root once the set-up has run (as root) once.
 test-unit: $(SETUP_STAMP)
-	$(BIN)/pytest tests/unit
+	$(BIN)/pytest -p no:cacheprovider tests/unit
 
 $(SETUP_STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh

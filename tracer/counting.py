@@ -70,8 +70,9 @@ class HitCounter:
         kmem: bool = False,
     ) -> None:
         """``libc=None`` counts no USDT probe (kmem tracepoints only)."""
-        require_privileges()
+        # A libc without probes is worth saying even to a user without root.
         sites = _libc_sites(libc) if libc is not None else []
+        require_privileges()
         self.probes = select_probes(sites, patterns)
         if libc is not None and not self.probes:
             raise UsageError(f"no libc probe in {libc} matches {', '.join(patterns)}")
