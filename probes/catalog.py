@@ -123,8 +123,9 @@ class Catalog:
 def load_catalog() -> Catalog:
     """The bundled catalog, loaded and validated once per process."""
     documents = {}
-    for entry in sorted(files(__name__.rsplit(".", 1)[0]).joinpath("specs").iterdir(),
-                        key=lambda e: e.name):  # fmt: skip
+    for entry in sorted(
+        files("mtrace_live.probes").joinpath("specs").iterdir(), key=lambda e: e.name
+    ):
         if entry.name.endswith(".toml"):
             try:
                 documents[entry.name] = tomllib.loads(entry.read_text(encoding="utf-8"))

@@ -115,8 +115,7 @@ class BpfProgram:
         tracefs_root()
         bcc = import_bcc()
         src = bpf_source(name)
-        cflags = [f"-I{src.parent}", "-Wno-macro-redefined"]
-        cflags += [f"-D{key}={value}" for key, value in (defines or {}).items()]
+        cflags = [f"-D{key}={value}" for key, value in (defines or {}).items()]
         try:
             self._bpf = bcc.BPF(src_file=str(src).encode(), cflags=cflags)
         except Exception as exc:

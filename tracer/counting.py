@@ -13,15 +13,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mtrace_live.probes.sdt_notes import SdtNoteError, SdtSite, read_sites
+from mtrace_live.probes.sdt_notes import SdtSite
 
 from .bpf_backend import BpfProgram, require_privileges, tracepoint_format
-from .errors import NoProbesError, TargetError, UsageError
+from .errors import NoProbesError, UsageError
+from .target import read_file_sites
 
 LIBC_PROVIDER = "libc"
-MAX_USDT_PROBES = 100  # the handlers count_0 ... count_99 in usdt_count.bpf.c
+MAX_USDT_PROBES = 100  # the handlers count_0 ... count_99 in count.bpf.c
 
-# Order matches enum kmem_event in kmem_count.bpf.c.
+# Order matches enum kmem_event in count.bpf.c.
 KMEM_TRACEPOINTS = (
     "kmalloc",
     "kfree",
@@ -127,10 +128,7 @@ class HitCounter:
 
 
 def _libc_sites(libc: Path) -> list[SdtSite]:
-    try:
-        sites = read_sites(libc)
-    except SdtNoteError as exc:
-        raise TargetError(str(exc)) from None
+    sites = read_file_sites(libc)
     if not any(site.provider == LIBC_PROVIDER for site in sites):
         raise NoProbesError(
             f"{libc} has no libc SDT probes (glibc built without --enable-systemtap); "

@@ -17,7 +17,8 @@ from mtrace_live.probes.catalog import Catalog
 
 from . import bpf_backend
 from .errors import MtraceError, NotPrivilegedError, TracepointMissingError
-from .probe_listing import no_probes_error, read_file_sites
+from .probe_listing import no_probes_error
+from .target import read_file_sites
 
 OK, NOT_PERMITTED, NOT_SUPPORTED = "ok", "not permitted", "not supported"
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from .errors import TargetError
 
 
 class GatedCommand:
-    def __init__(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, argv: Sequence[str]) -> None:
         if not argv:
             raise TargetError("no command given to run")
         program = argv[0]
@@ -34,7 +34,7 @@ class GatedCommand:
                 go = os.read(gate_r, 1)
                 os.close(gate_r)
                 if go == b"1":
-                    os.execve(self.argv[0], self.argv, dict(env if env is not None else os.environ))
+                    os.execv(self.argv[0], self.argv)
             except OSError as exc:
                 os.write(err_w, f"{exc.strerror}".encode())
             os._exit(127)
@@ -60,13 +60,8 @@ class GatedCommand:
 
     def wait(self) -> int:
         """Wait for the command; returns its exit code the way a shell reports it."""
-        if self.status is None:
-            while True:
-                try:
-                    _, raw = os.waitpid(self.pid, 0)
-                    break
-                except InterruptedError:
-                    continue
+        if self.status is None:  # waitpid retries by itself on EINTR (PEP 475)
+            _, raw = os.waitpid(self.pid, 0)
             self.status = os.waitstatus_to_exitcode(raw)
         code = self.status
         return 128 - code if code < 0 else code

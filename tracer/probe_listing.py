@@ -9,7 +9,8 @@ from typing import Any
 from mtrace_live.probes import sdt_notes
 from mtrace_live.probes.catalog import Catalog, Comparison, compare, parse_note_arg
 
-from .errors import MalformedNoteError, NoProbesError, NotElfError, TargetError
+from .errors import NoProbesError
+from .target import read_file_sites
 
 
 @dataclass(frozen=True)
@@ -58,18 +59,6 @@ class FileListing:
     @property
     def site_count(self) -> int:
         return sum(len(p.sites) for p in self.probes)
-
-
-def read_file_sites(path: Path) -> list[sdt_notes.SdtSite]:
-    """The SDT sites of a file, with the file's problems as mtrace-live errors."""
-    try:
-        return sdt_notes.read_sites(path)
-    except sdt_notes.NotElfError as exc:
-        raise NotElfError(str(exc)) from None
-    except sdt_notes.MalformedNoteError as exc:
-        raise MalformedNoteError(str(exc)) from None
-    except sdt_notes.SdtNoteError as exc:
-        raise TargetError(str(exc)) from None
 
 
 def no_probes_error(path: Path) -> NoProbesError:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import TargetError
+from .target import default_libc
 
 DEFAULT_CACHE = Path("/var/cache/mtrace-live/sdt-glibc")
 
@@ -40,8 +41,6 @@ def locate() -> SdtGlibc:
             f"no SDT-enabled glibc under {cache_dir()}; build it with: make sdt-glibc"
         ) from None
     if build == Path("/"):  # the system libc already carries probes
-        from .target import default_libc
-
         return SdtGlibc(libc=default_libc(), runner=())
     libc = build / "libc.so.6"
     testrun = build / "testrun.sh"

@@ -65,3 +65,11 @@ def test_doctor_without_privileges_says_not_permitted_exit_3() -> None:
     first = done.stdout.splitlines()[0]
     assert first.startswith("FAIL  privileges: loading BPF programs needs root")
     assert "Traceback" not in done.stderr
+
+
+def test_count_on_a_file_that_is_not_elf_is_exit_9_as_for_probes(tmp_path: Path) -> None:
+    text = tmp_path / "libc.so.6"
+    text.write_text("GROUP ( /lib/libc.so.6 )\n")
+    assert_one_line(
+        run("count", "--lib", str(text), "--", "/bin/true"), 9, "not a readable ELF file"
+    )
