@@ -8,7 +8,7 @@ SETUP_STAMP := $(VENV)/.mtrace-live-setup
 
 # fixtures is not part of test: the ELF fixtures are committed, and rebuilt
 # only when their sources change.
-.PHONY: fixtures all setup sdt-glibc exercisers test test-unit test-privileged lint typecheck vagrant-validate demo clean
+.PHONY: fixtures all setup sdt-glibc exercisers bench test test-unit test-privileged lint typecheck vagrant-validate demo clean
 
 all: setup exercisers
 
@@ -18,12 +18,10 @@ setup:
 sdt-glibc: setup
 	bash scripts/sdt-glibc.sh
 
-exercisers: $(BUILD)/probe_exerciser $(BUILD)/kmem_exerciser
+WORKLOADS := probe_exerciser kmem_exerciser mallopt_loop jmp_loop
+exercisers: $(addprefix $(BUILD)/,$(WORKLOADS))
 
-$(BUILD)/probe_exerciser: tests/workloads/probe_exerciser.c | $(BUILD)
-	gcc $(CFLAGS_WORKLOAD) -o $@ $<
-
-$(BUILD)/kmem_exerciser: tests/workloads/kmem_exerciser.c | $(BUILD)
+$(BUILD)/%: tests/workloads/%.c | $(BUILD)
 	gcc $(CFLAGS_WORKLOAD) -o $@ $<
 
 $(BUILD):
@@ -58,8 +56,8 @@ typecheck: setup
 	$(BIN)/mypy -p mtrace_live
 
 lint: setup typecheck
-	$(BIN)/ruff check probes tracer exporters tests
-	$(BIN)/ruff format --check probes tracer exporters tests
+	$(BIN)/ruff check probes tracer exporters tests bench
+	$(BIN)/ruff format --check probes tracer exporters tests bench
 
 # The Vagrantfile must stay valid. This machine has no VM provider, so the
 # provider block is not checked; Debian's vagrant package is installed if absent.
@@ -68,15 +66,21 @@ vagrant-validate:
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends vagrant >/tmp/mtrace-live-vagrant.log 2>&1; }
 	cd vagrant && vagrant validate --ignore-provider
 
-# The main job on the bundled default: the probe exerciser under the SDT
-# glibc, traced from its first instruction, with its own ground truth beside.
+# The main job on the bundled default: the live view of the probe exerciser
+# under the SDT glibc, traced from its first instruction (on a terminal; plain
+# lines otherwise), then its counts checked against its own ground truth.
 demo: sdt-glibc exercisers
-	$(BIN)/mtrace-live count --sdt-glibc -- $(BUILD)/probe_exerciser --out $(BUILD)/ground-truth.json
+	$(BIN)/mtrace-live run --sdt-glibc --probes '*' --interval 0.5 -- \
+	  $(BUILD)/probe_exerciser --out $(BUILD)/ground-truth.json
 	@echo
-	@echo "Again with --json, side by side with what the exerciser says it caused:"
+	@echo "Counted again, side by side with what the exerciser says it caused:"
 	@$(BIN)/mtrace-live count --sdt-glibc --json -- $(BUILD)/probe_exerciser \
 	  --out $(BUILD)/ground-truth.json >$(BUILD)/demo-counts.json
 	@$(BIN)/python scripts/compare-ground-truth $(BUILD)/demo-counts.json $(BUILD)/ground-truth.json
+
+# Benchmarks of the live trace; writes docs/performance.md. QUICK=1: fewer runs.
+bench: sdt-glibc exercisers
+	$(BIN)/python bench/live_bench.py
 
 clean:
 	rm -rf $(BUILD)

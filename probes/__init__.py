@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def bpf_source(name: str) -> Path:
-    """Path of a bundled BPF C program, e.g. ``bpf_source("count")``."""
+    """Path of a bundled BPF C program, e.g. ``bpf_source("trace")``."""
     path = Path(str(files(__name__) / "bpf" / f"{name}.bpf.c"))
     if not path.is_file():
         raise FileNotFoundError(path)

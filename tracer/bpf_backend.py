@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from mtrace_live.probes import bpf_source
+from mtrace_live.probes.locations import ArgLocation
 
 from .errors import AttachError, BccUnavailableError, NotPrivilegedError, TracepointMissingError
 
@@ -116,6 +117,9 @@ class BpfProgram:
         bcc = import_bcc()
         src = bpf_source(name)
         cflags = [f"-D{key}={value}" for key, value in (defines or {}).items()]
+        # Two warnings every kernel header of 6.x raises under bcc's clang;
+        # they say nothing about mtrace-live's own C.
+        cflags += ["-Wno-duplicate-decl-specifier", "-Wno-ignored-attributes"]
         try:
             self._bpf = bcc.BPF(src_file=str(src).encode(), cflags=cflags)
         except Exception as exc:
@@ -127,6 +131,35 @@ class BpfProgram:
             self._bpf.attach_uprobe(name=str(path), addr=file_offset, fn_name=handler, pid=-1)
         except Exception as exc:
             raise AttachError(f"cannot attach to {path} at {file_offset:#x}: {exc}") from None
+
+    def write_sites(self, layouts: Sequence[tuple[int, Sequence[ArgLocation]]]) -> None:
+        """Fill the ``sites`` array: index i gets (probe slot, argument locations)."""
+        table = self._bpf["sites"]
+        for index, (probe, args) in enumerate(layouts):
+            leaf = table.Leaf()
+            leaf.probe = probe
+            leaf.nargs = len(args)
+            for slot, arg in enumerate(args[: len(leaf.args)]):
+                desc = leaf.args[slot]
+                desc.kind = int(arg.kind)
+                desc.size = arg.size
+                desc.is_signed = int(arg.signed)
+                desc.reg = arg.reg
+                desc.value = arg.value
+            table[table.Key(index)] = leaf
+
+    def map_fd(self, name: str) -> int:
+        return int(self._bpf[name].map_fd)
+
+    def pair_keyed_counts(self, table: str) -> dict[tuple[int, int], int]:
+        """A hash keyed by struct {u32 tgid; u32 probe;} -> {(tgid, probe): count}."""
+        counts = self._bpf[table]
+        return {(int(k.tgid), int(k.probe)): int(v.value) for k, v in counts.items()}
+
+    def set_gate(self, open_: bool) -> None:
+        """Open or close trace.bpf.c's ``control`` gate for the site handlers."""
+        control = self._bpf["control"]
+        control[control.Key(0)] = control.Leaf(int(open_))
 
     def follow(self, pids: Iterable[int]) -> None:
         followed = self._bpf["followed"]

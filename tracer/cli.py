@@ -27,14 +27,154 @@ def _version() -> str:
         return "unknown"
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def _trace_options(command: Any) -> Any:
+    """Options shared by the live trace (--pid/--all) and ``run``."""
+    options = [
+        click.option(
+            "--lib",
+            type=click.Path(dir_okay=False, path_type=Path),
+            help="Attach to this libc (e.g. the SDT build) instead of the target's.",
+        ),
+        click.option(
+            "--probes",
+            "patterns",
+            multiple=True,
+            help="Glob of libc probe names; repeatable. Default: memory_* and "
+            "lll_lock_wait_private (see docs/probe-rates.md).",
+        ),
+        click.option(
+            "--output",
+            "-o",
+            type=click.Choice(["live", "text", "json", "summary"]),
+            help="live: a top-like view (the default on a terminal); text: a line per "
+            "event (the default otherwise); json: JSON lines of events; summary: "
+            "only the summary at the end.",
+        ),
+        click.option(
+            "--buffer-pages",
+            type=int,
+            default=2048,
+            show_default=True,
+            help="Ring buffer size in pages (a power of two).",
+        ),
+        click.option("--duration", type=float, help="Stop after this many seconds."),
+        click.option(
+            "--interval",
+            type=float,
+            default=1.0,
+            show_default=True,
+            help="Live view refresh, seconds.",
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _trace(
+    *,
+    pid: int | None = None,
+    all_processes: bool = False,
+    command: tuple[str, ...] = (),
+    sdt_glibc: bool = False,
+    follow_forks: bool,
+    lib: Path | None,
+    patterns: tuple[str, ...],
+    output: str | None,
+    buffer_pages: int,
+    duration: float | None,
+    interval: float,
+) -> None:
+    from .live import TraceRequest, run_trace
+    from .usdt import DEFAULT_PATTERNS
+
+    if buffer_pages < 1 or buffer_pages & (buffer_pages - 1):
+        raise click.BadParameter("must be a power of two", param_hint="--buffer-pages")
+    if interval <= 0:
+        raise click.BadParameter("must be positive", param_hint="--interval")
+    if output is None:
+        output = "live" if sys.stdout.isatty() else "text"
+    request = TraceRequest(
+        pid=pid,
+        all_processes=all_processes,
+        command=command,
+        lib=lib,
+        sdt_glibc=sdt_glibc,
+        patterns=patterns or DEFAULT_PATTERNS,
+        output=output,
+        follow_forks=follow_forks,
+        buffer_pages=buffer_pages,
+        duration=duration,
+        interval=interval,
+    )
+    result = run_trace(request)
+    if result.exit_code is not None:
+        sys.exit(result.exit_code)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, invoke_without_command=True)
 @click.version_option(_version(), "-V", "--version", prog_name=PROG)
-def cli() -> None:
+@click.option("--pid", "-p", type=int, help="Trace this running process.")
+@click.option("--all", "all_processes", is_flag=True, help="Trace every process mapping the libc.")
+@click.option(
+    "--follow-forks/--no-follow-forks",
+    default=False,
+    show_default=True,
+    help="With --pid: trace the processes it forks from now on too.",
+)
+@_trace_options
+@click.pass_context
+def cli(ctx: click.Context, /, pid: int | None, all_processes: bool, **options: Any) -> None:
     """Live memory-allocation tracer for Linux.
 
     mtrace-live attaches through eBPF to glibc's allocator probes (SDT/USDT)
     and to the kernel's kmem tracepoints, and shows what they report.
+
+    \b
+      mtrace-live --pid 1234              trace a running process
+      mtrace-live --all                   every process mapping the libc
+      mtrace-live run -- CMD ARGS         start CMD traced from its first instruction
+      mtrace-live run --sdt-glibc -- CMD  ... under the SDT glibc 'make sdt-glibc' built
     """
+    if ctx.invoked_subcommand is not None:
+        if pid is not None or all_processes:
+            raise click.UsageError(
+                f"--pid and --all go without a subcommand, not with {ctx.invoked_subcommand}"
+            )
+        return
+    if pid is None and not all_processes:
+        click.echo(ctx.get_help())
+        raise click.UsageError("give --pid N or --all, or a subcommand such as run")
+    if pid is not None and all_processes:
+        raise click.UsageError("give --pid or --all, not both")
+    _trace(pid=pid, all_processes=all_processes, **options)
+
+
+@cli.command(context_settings={"allow_interspersed_args": False})
+@click.option(
+    "--sdt-glibc",
+    is_flag=True,
+    help="Run COMMAND under the SDT-enabled glibc built by 'make sdt-glibc'.",
+)
+@click.option(
+    "--follow-forks/--no-follow-forks",
+    default=True,
+    show_default=True,
+    help="Trace the processes the command forks too.",
+)
+@_trace_options
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def run(command: tuple[str, ...], sdt_glibc: bool, **options: Any) -> None:
+    """Start COMMAND with the probes attached before its first instruction.
+
+    The trace ends when the command exits; mtrace-live then exits with the
+    command's exit code.
+
+        mtrace-live run --sdt-glibc -- ./my-program arg
+    """
+    if sdt_glibc and options.get("lib"):
+        raise click.UsageError("give --sdt-glibc or --lib, not both")
+    _trace(command=command, sdt_glibc=sdt_glibc, **options)
 
 
 @cli.command(context_settings={"allow_interspersed_args": False})

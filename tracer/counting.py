@@ -7,22 +7,15 @@ the kernel, so nothing is lost however fast probes fire.
 
 from __future__ import annotations
 
-import fnmatch
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mtrace_live.probes.sdt_notes import SdtSite
-
+from . import usdt
 from .bpf_backend import BpfProgram, require_privileges, tracepoint_format
-from .errors import NoProbesError, UsageError
-from .target import read_file_sites
 
-LIBC_PROVIDER = "libc"
-MAX_USDT_PROBES = 100  # the handlers count_0 ... count_99 in count.bpf.c
-
-# Order matches enum kmem_event in count.bpf.c.
+# Order matches enum kmem_event in trace.bpf.c.
 KMEM_TRACEPOINTS = (
     "kmalloc",
     "kfree",
@@ -31,12 +24,6 @@ KMEM_TRACEPOINTS = (
     "mm_page_alloc",
     "mm_page_free",
 )
-
-
-def select_probes(sites: Iterable[SdtSite], patterns: Sequence[str]) -> list[str]:
-    """Names of the libc-provider probes matching any glob, in note order, once each."""
-    names = dict.fromkeys(site.name for site in sites if site.provider == LIBC_PROVIDER)
-    return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
 
 
 @dataclass
@@ -72,14 +59,15 @@ class HitCounter:
     ) -> None:
         """``libc=None`` counts no USDT probe (kmem tracepoints only)."""
         # A libc without probes is worth saying even to a user without root.
-        sites = _libc_sites(libc) if libc is not None else []
+        self.selection = usdt.choose(libc, patterns) if libc is not None else None
         require_privileges()
-        self.probes = select_probes(sites, patterns)
-        if libc is not None and not self.probes:
-            raise UsageError(f"no libc probe in {libc} matches {', '.join(patterns)}")
-        if len(self.probes) > MAX_USDT_PROBES:
-            raise UsageError(f"at most {MAX_USDT_PROBES} probes can be counted at once")
-        defines = {"FOLLOW_FORKS": int(follow_forks), "WITH_KMEM": int(kmem)}
+        self.probes = list(self.selection.probes) if self.selection else []
+        defines = {
+            "FOLLOW_FORKS": int(follow_forks),
+            "WITH_KMEM": int(kmem),
+            "WITH_EVENTS": 0,
+            "SITE_COUNT": len(self.selection.layouts) if self.selection else 0,
+        }
         self.kmem = kmem
         self._has_cache_name = False
         if kmem:
@@ -87,13 +75,9 @@ class HitCounter:
             self._has_cache_name = re.search(r"\bname;", formats["kmem_cache_alloc"]) is not None
             defines["HAVE_CACHE_NAME"] = int(self._has_cache_name)
         self.libc = libc
-        self._program = BpfProgram("count", defines)
-        # One uprobe per site, as bpftrace does: bcc's USDT helper refuses
-        # shared-object probes with several sites unless given a pid.
-        slots = {name: slot for slot, name in enumerate(self.probes)}
-        for site in sites:
-            if libc is not None and site.provider == LIBC_PROVIDER and site.name in slots:
-                self._program.attach_uprobe(libc, site.file_offset, f"count_{slots[site.name]}")
+        self._program = BpfProgram("trace", defines)
+        if self.selection is not None:
+            usdt.attach(self._program, self.selection)
 
     def follow(self, pids: Iterable[int]) -> None:
         self._program.follow(pids)
@@ -125,13 +109,3 @@ class HitCounter:
 
     def close(self) -> None:
         self._program.close()
-
-
-def _libc_sites(libc: Path) -> list[SdtSite]:
-    sites = read_file_sites(libc)
-    if not any(site.provider == LIBC_PROVIDER for site in sites):
-        raise NoProbesError(
-            f"{libc} has no libc SDT probes (glibc built without --enable-systemtap); "
-            "build one with 'make sdt-glibc' and use --sdt-glibc or --lib"
-        )
-    return sites

@@ -64,3 +64,21 @@ class MalformedNoteError(MtraceError):
     """An ELF file whose SDT notes do not parse."""
 
     exit_code = 10
+
+
+class TargetExecError(MtraceError):
+    """The traced process exec'd another program: its allocator state is gone."""
+
+    exit_code = 11
+
+
+class OutputClosedError(MtraceError):
+    """The reader of the event output went away (e.g. ``| head``)."""
+
+    exit_code = 12
+
+
+class NoMatchingProbeError(MtraceError):
+    """No probe of the libc matches the --probes patterns."""
+
+    exit_code = 13

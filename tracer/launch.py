@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import time
 from collections.abc import Sequence
 
 from .errors import TargetError
@@ -65,6 +66,29 @@ class GatedCommand:
             self.status = os.waitstatus_to_exitcode(raw)
         code = self.status
         return 128 - code if code < 0 else code
+
+    def finish(self, grace: float) -> int:
+        """Wait for the command; if it still runs after ``grace`` seconds (the
+        trace was stopped, not ended by its exit), SIGTERM it, then SIGKILL."""
+        for sig, patience in ((None, grace), (signal.SIGTERM, 2.0), (signal.SIGKILL, None)):
+            if sig is not None and self.status is None:
+                os.kill(self.pid, sig)
+            if self._wait_for(patience):
+                break
+        return self.wait()
+
+    def _wait_for(self, seconds: float | None) -> bool:
+        if self.status is not None or seconds is None:
+            return True
+        deadline = time.monotonic() + seconds
+        while True:
+            pid, raw = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.status = os.waitstatus_to_exitcode(raw)
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
 
     def interrupt(self) -> None:
         if self.status is None:

@@ -73,3 +73,36 @@ def test_count_on_a_file_that_is_not_elf_is_exit_9_as_for_probes(tmp_path: Path)
     assert_one_line(
         run("count", "--lib", str(text), "--", "/bin/true"), 9, "not a readable ELF file"
     )
+
+
+def test_trace_of_a_dead_pid_is_exit_6() -> None:
+    assert_one_line(run("--pid", "4194304"), 6, "no process with pid 4194304")
+
+
+def test_trace_of_a_pid_whose_libc_has_no_probes_points_to_doctor(tmp_path: Path) -> None:
+    # A process of the distro's libc (Debian's has no probes), or, where the
+    # distro's libc has probes, the same error through --lib on a plain file.
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        done = run("--pid", str(sleeper.pid))
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    if done.returncode != 5:
+        plain = tmp_path / "libc.so.6"
+        subprocess.run(["cp", "/bin/true", str(plain)], check=True)
+        done = run("--pid", str(os.getpid()), "--lib", str(plain))
+    assert_one_line(done, 5, "has no libc SDT probes")
+    assert "mtrace-live doctor" in done.stderr
+
+
+def test_trace_needs_pid_all_or_run() -> None:
+    done = run()
+    assert done.returncode == 2
+    assert "give --pid N or --all" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_trace_options_are_checked_before_anything_runs() -> None:
+    done = run("run", "--buffer-pages", "3", "--", "/bin/true")
+    assert done.returncode == 2 and "power of two" in done.stderr

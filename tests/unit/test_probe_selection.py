@@ -3,7 +3,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 from mtrace_live.probes.sdt_notes import SdtSite
-from mtrace_live.tracer.counting import select_probes
+from mtrace_live.tracer.usdt import select_probes
 
 
 def site(provider: str, name: str) -> SdtSite:

@@ -83,7 +83,9 @@ static const char *const probe_names[P_COUNT] = {
 /* Counts caused by this process; children send theirs through a pipe. */
 static long counts[P_COUNT];
 
-/* Known argument values, as JSON object members, appended in order. */
+/* Known argument values, as JSON object members, appended in the order the
+ * probes fire; each member is named as the catalog (probes/specs) names the
+ * argument. */
 static char args_json[P_COUNT][2048];
 
 static void note_args(enum probe p, const char *fmt, ...)
@@ -196,7 +198,7 @@ static void heaps_note(void *fresh)
                 die("too many heaps");
             heaps[nheaps++] = (struct heap_view){h, h->size, 1};
             counts[P_HEAP_NEW]++;
-            note_args(P_HEAP_NEW, "\"heap\": %lu, \"size\": %lu",
+            note_args(P_HEAP_NEW, "\"h\": %lu, \"size\": %lu",
                       (unsigned long)(uintptr_t)h, (unsigned long)h->size);
         }
     }
@@ -212,11 +214,11 @@ static void heaps_note(void *fresh)
         }
         if (v->heap->size > v->size) {
             counts[P_HEAP_MORE]++;
-            note_args(P_HEAP_MORE, "\"heap\": %lu, \"new_size\": %lu",
+            note_args(P_HEAP_MORE, "\"h\": %lu, \"size\": %lu",
                       (unsigned long)(uintptr_t)v->heap, (unsigned long)v->heap->size);
         } else if (v->heap->size < v->size) {
             counts[P_HEAP_LESS]++;
-            note_args(P_HEAP_LESS, "\"heap\": %lu, \"new_size\": %lu",
+            note_args(P_HEAP_LESS, "\"h\": %lu, \"size\": %lu",
                       (unsigned long)(uintptr_t)v->heap, (unsigned long)v->heap->size);
         }
         v->size = v->heap->size;
@@ -361,10 +363,10 @@ static void contention_child(int report_fd, uintptr_t main_arena)
     stderr = saved_stderr;
 
     counts[P_ARENA_REUSE_WAIT]++;
-    note_args(P_ARENA_REUSE_WAIT, "\"mutex\": %lu, \"arena\": %lu, \"previous\": 0",
+    note_args(P_ARENA_REUSE_WAIT, "\"mutex\": %lu, \"result\": %lu, \"avoid_arena\": 0",
               (unsigned long)main_arena, (unsigned long)main_arena);
     counts[P_ARENA_REUSE]++;
-    note_args(P_ARENA_REUSE, "\"arena\": %lu, \"previous\": 0", (unsigned long)main_arena);
+    note_args(P_ARENA_REUSE, "\"result\": %lu, \"avoid_arena\": 0", (unsigned long)main_arena);
     send_counts(report_fd);
     _exit(block ? 0 : 3);
 }
@@ -379,15 +381,26 @@ static void thresholds_and_mallopt(void)
      * must come before any mallopt that sets no_dyn_threshold. */
     void *big;
     MAIN(KEEP(big = malloc(200 * 1024)));
+    /* An mmapped chunk's usable size is its chunk size less two size
+     * fields; free sets mmap_threshold to the chunk size, trim_threshold to
+     * twice that. */
+    size_t chunk = malloc_usable_size(big) + 2 * sizeof(size_t);
     MAIN(free(big));
     counts[P_MALLOPT_FREE_DYN_THRESHOLDS]++;
+    note_args(P_MALLOPT_FREE_DYN_THRESHOLDS, "\"mmap_threshold\": %zu, \"trim_threshold\": %zu",
+              chunk, 2 * chunk);
+    char mmap_old[32], trim_old[32];
+    snprintf(mmap_old, sizeof mmap_old, "%zu", chunk);
+    snprintf(trim_old, sizeof trim_old, "%zu", 2 * chunk);
 
-    static const struct { int param, value; enum probe probe; const char *old; } calls[] = {
+    /* top_pad starts at DEFAULT_TOP_PAD, which sysdeps/generic/
+     * malloc-machine.h sets to 128 KiB before malloc.c's fallback of 0. */
+    const struct { int param, value; enum probe probe; const char *old; } calls[] = {
         {M_MXFAST, 64, P_MALLOPT_MXFAST, "96"},
         {M_MXFAST, 1000, P_COUNT, NULL}, /* out of range: only memory_mallopt */
-        {M_TRIM_THRESHOLD, 256 * 1024, P_MALLOPT_TRIM_THRESHOLD, NULL},
-        {M_TOP_PAD, 64 * 1024, P_MALLOPT_TOP_PAD, "0"},
-        {M_MMAP_THRESHOLD, 32 * 1024 * 1024, P_MALLOPT_MMAP_THRESHOLD, NULL},
+        {M_TRIM_THRESHOLD, 256 * 1024, P_MALLOPT_TRIM_THRESHOLD, trim_old},
+        {M_TOP_PAD, 64 * 1024, P_MALLOPT_TOP_PAD, "131072"},
+        {M_MMAP_THRESHOLD, 32 * 1024 * 1024, P_MALLOPT_MMAP_THRESHOLD, mmap_old},
         {M_MMAP_MAX, 65536, P_MALLOPT_MMAP_MAX, "65536"},
         {M_PERTURB, 0, P_MALLOPT_PERTURB, "0"},
         {M_ARENA_TEST, 16, P_MALLOPT_ARENA_TEST, "8"},
@@ -396,7 +409,7 @@ static void thresholds_and_mallopt(void)
     for (size_t i = 0; i < sizeof calls / sizeof calls[0]; i++) {
         MAIN(mallopt(calls[i].param, calls[i].value));
         counts[P_MALLOPT]++;
-        note_args(P_MALLOPT, "\"param\": %d, \"value\": %d", calls[i].param, calls[i].value);
+        note_args(P_MALLOPT, "\"param_number\": %d, \"value\": %d", calls[i].param, calls[i].value);
         if (calls[i].probe == P_COUNT)
             continue;
         counts[calls[i].probe]++;
@@ -429,7 +442,7 @@ static void *heap_thread(void *arg)
     struct heap_info_head *h = heap_of(first);
     thread_arena = (uintptr_t)h->ar_ptr;
     counts[P_ARENA_NEW]++;
-    note_args(P_ARENA_NEW, "\"arena\": %lu", (unsigned long)thread_arena);
+    note_args(P_ARENA_NEW, "\"a\": %lu", (unsigned long)thread_arena);
 
     /* Three 30 MiB blocks (below the 32 MiB mmap threshold set above): the
      * first two grow the 64 MiB heap, the third needs a second heap. */
@@ -470,7 +483,7 @@ static void *retry_thread(void *arg)
     if ((uintptr_t)heap_of(small)->ar_ptr != thread_arena)
         die("thread 2 did not get thread 1's arena from the free list");
     counts[P_ARENA_REUSE_FREE_LIST]++;
-    note_args(P_ARENA_REUSE_FREE_LIST, "\"arena\": %lu", (unsigned long)thread_arena);
+    note_args(P_ARENA_REUSE_FREE_LIST, "\"result\": %lu", (unsigned long)thread_arena);
 
     /* Cap the address space just above what is mapped now, so a 1 GiB
      * request fails both in this thread's arena and in the main arena. */
@@ -502,7 +515,7 @@ static void *retry_thread(void *arg)
     counts[P_MALLOC_RETRY]++;
     counts[P_ARENA_RETRY]++;
     counts[P_SBRK_MORE]++;
-    note_args(P_REALLOC_RETRY, "\"bytes\": %zu, \"pointer\": %lu", HUGE_REQUEST,
+    note_args(P_REALLOC_RETRY, "\"bytes\": %zu, \"oldmem\": %lu", HUGE_REQUEST,
               (unsigned long)(uintptr_t)small);
     note_args(P_MALLOC_RETRY, "\"bytes\": %zu", HUGE_REQUEST);
 
@@ -517,7 +530,7 @@ static void *retry_thread(void *arg)
     counts[P_CALLOC_RETRY]++;
     counts[P_ARENA_RETRY]++;
     counts[P_SBRK_MORE]++;
-    note_args(P_CALLOC_RETRY, "\"bytes\": %zu", HUGE_REQUEST);
+    note_args(P_CALLOC_RETRY, "\"sz\": %zu", HUGE_REQUEST);
 
     if (setrlimit(RLIMIT_AS, &saved))
         die("restore RLIMIT_AS");
@@ -543,7 +556,7 @@ static void double_free_child(int report_fd)
     uintptr_t address = (uintptr_t)p;
     MAIN(free(p));
     counts[P_TCACHE_DOUBLE_FREE]++;
-    note_args(P_TCACHE_DOUBLE_FREE, "\"pointer\": %lu, \"tcache_bin\": 11",
+    note_args(P_TCACHE_DOUBLE_FREE, "\"e\": %lu, \"tc_idx\": 11",
               (unsigned long)address);
     send_counts(report_fd);
     int devnull = open("/dev/null", O_WRONLY);
@@ -628,10 +641,10 @@ static void nonlocal_gotos(void)
     counts[P_SETJMP] += 2;
     counts[P_LONGJMP] += 2;
     counts[P_LONGJMP_TARGET] += 2;
-    note_args(P_LONGJMP, "\"env\": %lu, \"value\": 7", (unsigned long)(uintptr_t)env);
-    note_args(P_LONGJMP, "\"env\": %lu, \"value\": 9", (unsigned long)(uintptr_t)sigenv);
-    note_args(P_LONGJMP_TARGET, "\"env\": %lu, \"value\": 7", (unsigned long)(uintptr_t)env);
-    note_args(P_LONGJMP_TARGET, "\"env\": %lu, \"value\": 9", (unsigned long)(uintptr_t)sigenv);
+    note_args(P_LONGJMP, "\"env\": %lu, \"val\": 7", (unsigned long)(uintptr_t)env);
+    note_args(P_LONGJMP, "\"env\": %lu, \"val\": 9", (unsigned long)(uintptr_t)sigenv);
+    note_args(P_LONGJMP_TARGET, "\"env\": %lu, \"val\": 7", (unsigned long)(uintptr_t)env);
+    note_args(P_LONGJMP_TARGET, "\"env\": %lu, \"val\": 9", (unsigned long)(uintptr_t)sigenv);
 }
 
 /* ------------------------------------------------------------------ */

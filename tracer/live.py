@@ -1,0 +1,321 @@
+"""The live trace: attach, stream events into the model and the output, end
+cleanly, summarise.
+
+``run_trace`` serves ``mtrace-live --pid N``, ``--all`` and ``run -- CMD``.
+The loop polls the ring buffer's file descriptor (and a pidfd for the
+target), reads everything committed in one bulk copy per wake-up, and hands
+the batch to the allocator model and the output sink. At the end the handlers' gate
+is closed first, then the ring is drained and the counters read, so that for
+every probe kernel count = delivered + lost holds exactly. (Detaching the
+uprobes comes last: the kernel takes about 0.1 s per site to unregister one.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import select
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+import numpy as np
+from mtrace_live.probes.catalog import load_catalog
+
+from . import sdt_glibc, target, usdt
+from .bpf_backend import BpfProgram, require_privileges
+from .errors import MtraceError, OutputClosedError, TargetError, TargetExecError
+from .events import EVENT_DTYPE, Event, EventDecoder, EventKind
+from .launch import GatedCommand
+from .model import AllocatorModel
+from .output import Sink, make_sink
+from .ringbuf import RingReader
+
+DEFAULT_BUFFER_PAGES = 2048  # 8 MiB: about 95,000 events of slack
+GATE_SETTLE_S = 0.01
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    pid: int | None = None
+    all_processes: bool = False
+    command: tuple[str, ...] = ()
+    lib: Path | None = None
+    sdt_glibc: bool = False
+    patterns: tuple[str, ...] = usdt.DEFAULT_PATTERNS
+    output: str = "text"  # live, text or json
+    follow_forks: bool = False
+    buffer_pages: int = DEFAULT_BUFFER_PAGES
+    duration: float | None = None
+    interval: float = 1.0
+
+
+@dataclass
+class TraceResult:
+    """What the trace saw; ``exit_code`` is the command's, for ``run``."""
+
+    probes: tuple[str, ...]
+    kernel_hits: dict[str, int]
+    lost: dict[str, int]
+    delivered: int
+    lost_lifecycle: int
+    per_process: dict[int, dict[str, int]]
+    duration_s: float
+    model: AllocatorModel
+    exit_code: int | None = None
+    ended_by: str = ""
+    unreadable: list[str] = field(default_factory=list)
+
+    @property
+    def total_hits(self) -> int:
+        return sum(self.kernel_hits.values())
+
+    @property
+    def total_lost(self) -> int:
+        return sum(self.lost.values())
+
+
+class _Stop:
+    """SIGINT and SIGTERM end the trace at the next wake-up, not mid-batch."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.signal = signum
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        old = {sig: signal.signal(sig, self) for sig in (signal.SIGINT, signal.SIGTERM)}
+        old_pipe = signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # EPIPE, not death
+        try:
+            yield
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+            signal.signal(signal.SIGPIPE, old_pipe)
+
+
+def _resolve_libc(request: TraceRequest) -> tuple[Path, list[str] | None]:
+    """The libc to attach to, and for ``run`` the argv to start."""
+    if request.command:
+        argv = list(request.command)
+        if request.sdt_glibc:
+            build = sdt_glibc.locate()
+            return build.libc, build.wrap(argv)
+        return (target.library_file(request.lib) if request.lib else target.default_libc()), argv
+    if request.pid is not None:
+        if not Path(f"/proc/{request.pid}").is_dir():
+            raise TargetError(f"no process with pid {request.pid}")
+        if request.lib:
+            return target.library_file(request.lib), None
+        return target.mapped_libc(request.pid), None
+    return (target.library_file(request.lib) if request.lib else target.default_libc()), None
+
+
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        raise TargetError(f"no process with pid {pid}") from None
+    except OSError:
+        return None
+
+
+class LiveTrace:
+    """One attached program, its ring buffer and its consumers."""
+
+    def __init__(self, request: TraceRequest, libc: Path) -> None:
+        self.request = request
+        self.selection = usdt.choose(libc, request.patterns)  # no-probe errors before root
+        require_privileges()
+        catalog = load_catalog()
+        infos = self.selection.site_infos(catalog)
+        self.decoder = EventDecoder(infos)
+        main_arena = self.selection.symbol("main_arena")
+        site_addresses = [lay.site.address for lay in self.selection.layouts]
+
+        def main_arena_of(event: Event, site: int) -> int | None:
+            if main_arena is None or event.ip == 0 or site >= len(site_addresses):
+                return None
+            return event.ip - site_addresses[site] + main_arena
+
+        self.model = AllocatorModel(self.decoder, self.selection.probes, main_arena_of)
+        filtered = not request.all_processes
+        self.program = BpfProgram(
+            "trace",
+            {
+                "FILTER_PIDS": int(filtered),
+                "FOLLOW_FORKS": int(request.follow_forks),
+                "WITH_EVENTS": 1,
+                "RINGBUF_PAGES": request.buffer_pages,
+                "SITE_COUNT": len(self.selection.layouts),
+            },
+        )
+        try:
+            usdt.attach(self.program, self.selection)
+            self.program.set_gate(True)
+            self.reader = RingReader(
+                self.program.map_fd("events"), request.buffer_pages * mmap.PAGESIZE, EVENT_DTYPE
+            )
+        except BaseException:
+            self.program.close()
+            raise
+
+    def follow(self, pid: int) -> None:
+        self.program.follow([pid])
+
+    delivered = 0  # probe events read from the ring (exec/exit ones not counted)
+
+    def drain(self) -> Iterator[np.ndarray]:
+        while True:
+            batch = self.reader.read()
+            if len(batch) == 0:
+                return
+            self.delivered += int(np.count_nonzero(batch["kind"] == EventKind.PROBE))
+            yield batch
+
+    def result(self, started: float, ended_by: str, exit_code: int | None) -> TraceResult:
+        totals = self.program.percpu_array_totals("hits")
+        lost = self.program.percpu_array_totals("lost")
+        names = self.selection.probes
+        per_process: dict[int, dict[str, int]] = {}
+        for (pid, slot), count in self.program.pair_keyed_counts("proc_hits").items():
+            if slot < len(names):
+                per_process.setdefault(pid, {})[names[slot]] = count
+        return TraceResult(
+            probes=names,
+            kernel_hits={name: totals[slot] for slot, name in enumerate(names)},
+            lost={name: lost[slot] for slot, name in enumerate(names)},
+            delivered=self.delivered,
+            lost_lifecycle=self.program.percpu_array_totals("lost_lifecycle")[0]
+            if not self.request.all_processes
+            else 0,
+            per_process=per_process,
+            duration_s=time.monotonic() - started,
+            model=self.model,
+            exit_code=exit_code,
+            ended_by=ended_by,
+            unreadable=self.selection.unreadable(),
+        )
+
+    def close(self) -> None:
+        self.reader.close()
+        self.program.close()
+
+
+def run_trace(request: TraceRequest, sink: Sink | None = None) -> TraceResult:
+    libc, argv = _resolve_libc(request)
+    child = GatedCommand(argv) if argv is not None else None
+    try:
+        trace = LiveTrace(request, libc)
+    except BaseException:
+        if child is not None:
+            child.abandon()
+        raise
+    stop = _Stop()
+    sink = sink or make_sink(request.output)
+    try:
+        with stop.installed():
+            return _loop(trace, request, child, stop, sink)
+    finally:
+        trace.close()
+
+
+def _loop(
+    trace: LiveTrace,
+    request: TraceRequest,
+    child: GatedCommand | None,
+    stop: _Stop,
+    sink: Sink,
+) -> TraceResult:
+    target_pid = child.pid if child is not None else request.pid
+    if target_pid is not None:
+        trace.follow(target_pid)
+    pidfd = _pidfd(target_pid) if target_pid is not None else None
+    poller = select.poll()
+    poller.register(trace.reader.fd, select.POLLIN)
+    if pidfd is not None:
+        poller.register(pidfd, select.POLLIN)
+    started = time.monotonic()
+    deadline = started + request.duration if request.duration else None
+    sink.start(trace, target_pid)
+    if child is not None:
+        child.release()
+    ended_by = ""
+    failure: MtraceError | None = None
+    exit_code: int | None = None
+    wait_ms = int(min(request.interval, 0.25) * 1000)
+    try:
+        while not ended_by:
+            ready = {fd for fd, _ in poller.poll(wait_ms)}
+            for batch in trace.drain():
+                trace.model.consume(batch)
+                sink.consume(batch)
+                failure = failure or _exec_failure(request, batch)
+            if failure is not None:
+                ended_by = "exec"
+            elif pidfd is not None and pidfd in ready:
+                ended_by = "exit"
+            elif stop.signal is not None:
+                ended_by = signal.Signals(stop.signal).name
+            elif deadline is not None and time.monotonic() >= deadline:
+                ended_by = "duration"
+            sink.tick()
+    except BrokenPipeError:
+        ended_by = "output closed"
+        failure = OutputClosedError(f"the output was closed after {sink.written} events")
+        _silence_stdout()
+    finally:
+        trace.program.set_gate(False)
+        time.sleep(GATE_SETTLE_S)  # a handler past the gate finishes its record
+        if child is not None:
+            exit_code = child.finish(grace=0.0 if ended_by == "exit" else 1.0)
+        if pidfd is not None:
+            os.close(pidfd)
+    for batch in trace.drain():  # everything committed before the detach
+        trace.model.consume(batch)
+        if failure is None:
+            try:
+                sink.consume(batch)
+            except BrokenPipeError:
+                failure = OutputClosedError(f"the output was closed after {sink.written} events")
+                _silence_stdout()
+    result = trace.result(started, ended_by, exit_code)
+    sink.finish(result)
+    if failure is not None:
+        raise failure
+    return result
+
+
+def _exec_failure(request: TraceRequest, batch: np.ndarray) -> MtraceError | None:
+    """With --pid, the target exec'ing ends the trace: its allocator is gone."""
+    if request.pid is None:
+        return None
+    execs = batch[(batch["kind"] == EventKind.EXEC) & (batch["tgid"] == request.pid)]
+    if len(execs) == 0:
+        return None
+    program = _exe(request.pid)
+    return TargetExecError(
+        f"pid {request.pid} exec'd {program}; its allocator state is gone, so the trace ends here"
+    )
+
+
+def _exe(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return "another program"
+
+
+def _silence_stdout() -> None:
+    """After EPIPE, point stdout at /dev/null so the final flush cannot fail."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)

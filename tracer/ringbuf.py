@@ -1,0 +1,117 @@
+"""Reading a BPF ring buffer in bulk, straight from its memory map.
+
+bcc's Python ring buffer API calls back into Python once per record, which
+caps delivery at a few hundred thousand records a second. The kernel lets the
+consumer map the buffer instead (kernel/bpf/ringbuf.c): page 0 holds the
+consumer position (read-write), page 1 the producer position, and the data
+pages follow, mapped twice in a row so that a record that wraps around the
+end is still contiguous. Each record is an 8-byte header (length, with a
+busy bit while the producer writes it and a discard bit) and the data,
+rounded up to 8 bytes.
+
+``RingReader.read()`` copies everything committed since the last call in one
+slice, views it as a numpy structured array and advances the consumer
+position once. All of mtrace-live's records have one size, so the records sit
+at a fixed stride; a record of another size is skipped by walking headers.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+
+import numpy as np
+
+BUSY_BIT = 1 << 31
+DISCARD_BIT = 1 << 30
+HEADER_SIZE = 8
+
+
+def record_stride(size: int) -> int:
+    return (size + HEADER_SIZE + 7) & ~7
+
+
+class RingReader:
+    """Consumer side of one BPF_MAP_TYPE_RINGBUF map."""
+
+    def __init__(self, map_fd: int, data_size: int, dtype: np.dtype) -> None:
+        if data_size & (data_size - 1) or data_size % mmap.PAGESIZE:
+            raise ValueError("ring buffer size must be a power-of-two multiple of the page size")
+        page = mmap.PAGESIZE
+        self.fd = map_fd
+        self.dtype = dtype
+        self.stride = record_stride(dtype.itemsize)
+        self._mask = data_size - 1
+        self._consumer = mmap.mmap(
+            map_fd, page, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=0
+        )
+        self._producer = mmap.mmap(
+            map_fd, page + 2 * data_size, mmap.MAP_SHARED, mmap.PROT_READ, offset=page
+        )
+        self._page = page
+        # The positions are 8-byte words the kernel reads and writes
+        # concurrently; they must be loaded and stored whole. struct's
+        # little-endian "<Q" goes byte by byte, and a torn consumer position
+        # makes the kernel see a full ring and drop records. A memoryview of
+        # native unsigned 64-bit items is one aligned 8-byte access.
+        self._consumer_word = memoryview(self._consumer).cast("Q")
+        self._producer_word = memoryview(self._producer).cast("Q")
+        self._record = np.dtype([("len", "<u4"), ("pgoff", "<u4"), ("event", dtype)], align=False)
+        if self._record.itemsize != self.stride:
+            pad = self.stride - self._record.itemsize
+            self._record = np.dtype(
+                [("len", "<u4"), ("pgoff", "<u4"), ("event", dtype), ("pad", f"V{pad}")]
+            )
+        self.delivered = 0
+
+    def _positions(self) -> tuple[int, int]:
+        return self._consumer_word[0], self._producer_word[0]
+
+    def read(self, limit: int | None = None) -> np.ndarray:
+        """Every committed record since the last call (at most ``limit`` bytes' worth)."""
+        consumer, producer = self._positions()
+        available = producer - consumer
+        if limit is not None:
+            available = min(available, limit * self.stride)
+        if available <= 0:
+            return np.zeros(0, dtype=self.dtype)
+        start = self._page + (consumer & self._mask)
+        raw = bytes(self._producer[start : start + available])
+        count = len(raw) // self.stride
+        records = np.frombuffer(raw, dtype=self._record, count=count)
+        lengths = records["len"]
+        wrong = np.flatnonzero(lengths != self.dtype.itemsize)
+        if len(wrong):
+            return self._read_walking(raw, consumer)
+        consumed = count * self.stride
+        self._advance(consumer + consumed)
+        self.delivered += count
+        return records["event"].copy()
+
+    def _read_walking(self, raw: bytes, consumer: int) -> np.ndarray:
+        """Slow path: stop at a busy record, skip discarded or foreign ones."""
+        offset = 0
+        keep: list[bytes] = []
+        while offset + HEADER_SIZE <= len(raw):
+            (length,) = struct.unpack_from("<I", raw, offset)
+            if length & BUSY_BIT:
+                break
+            size = length & ~(BUSY_BIT | DISCARD_BIT)
+            step = record_stride(size)
+            if offset + step > len(raw):
+                break
+            if not length & DISCARD_BIT and size == self.dtype.itemsize:
+                keep.append(raw[offset + HEADER_SIZE : offset + HEADER_SIZE + size])
+            offset += step
+        self._advance(consumer + offset)
+        self.delivered += len(keep)
+        return np.frombuffer(b"".join(keep), dtype=self.dtype).copy()
+
+    def _advance(self, position: int) -> None:
+        self._consumer_word[0] = position
+
+    def close(self) -> None:
+        self._consumer_word.release()
+        self._producer_word.release()
+        self._consumer.close()
+        self._producer.close()

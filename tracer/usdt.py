@@ -1,0 +1,101 @@
+"""Choosing libc probe sites and attaching trace.bpf.c's handlers to them.
+
+One uprobe per SDT site, as bpftrace does: bcc's USDT helper refuses
+shared-object probes with several sites unless it is given a pid, and it
+cannot read rip-relative operands without one. Site i runs handler site_<i>,
+which finds its probe slot and argument locations at index i of the
+``sites`` map.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from mtrace_live.probes.catalog import Catalog
+from mtrace_live.probes.locations import SiteLayout, layout_sites, symbol_addresses
+from mtrace_live.probes.sdt_notes import SdtSite
+
+from .bpf_backend import BpfProgram
+from .errors import NoMatchingProbeError, NoProbesError, UsageError
+from .events import SiteInfo, site_info
+from .target import read_file_sites
+
+LIBC_PROVIDER = "libc"
+MAX_SITES = 128  # the handlers site_0 ... site_127 in trace.bpf.c
+
+# The default probe set, chosen by measuring hit rates (docs/probe-rates.md):
+# the allocator's own probes and the private-lock wait that arena contention
+# goes through fire at most hundreds of times a second even under load, while
+# setjmp/longjmp and the pthread mutex probes fire on every call.
+DEFAULT_PATTERNS = ("memory_*", "lll_lock_wait_private")
+
+
+def select_probes(sites: Iterable[SdtSite], patterns: Sequence[str]) -> list[str]:
+    """Names of the libc-provider probes matching any glob, in note order, once each."""
+    names = dict.fromkeys(site.name for site in sites if site.provider == LIBC_PROVIDER)
+    return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+
+
+@dataclass(frozen=True)
+class ProbeSelection:
+    """The probes chosen in one libc: slot order for probes, index order for sites."""
+
+    libc: Path
+    probes: tuple[str, ...]
+    layouts: tuple[SiteLayout, ...]
+
+    def site_infos(self, catalog: Catalog) -> list[SiteInfo]:
+        return [site_info(lay, catalog.probe(LIBC_PROVIDER, lay.site.name)) for lay in self.layouts]
+
+    def slot(self, name: str) -> int:
+        return self.probes.index(name)
+
+    def symbol(self, name: str) -> int | None:
+        """Link-time address of a symbol of the libc, e.g. main_arena."""
+        return symbol_addresses(self.libc, [name]).get(name)
+
+    def unreadable(self) -> list[str]:
+        """One line per argument the BPF side cannot read, and why."""
+        return [
+            f"{lay.site.name} at {lay.site.address:#x}: {arg.why}"
+            for lay in self.layouts
+            for arg in lay.args
+            if not arg.readable
+        ]
+
+
+def libc_sites(libc: Path) -> list[SdtSite]:
+    sites = read_file_sites(libc)
+    if not any(site.provider == LIBC_PROVIDER for site in sites):
+        raise NoProbesError(
+            f"{libc} has no libc SDT probes (glibc built without --enable-systemtap); "
+            "build one with 'make sdt-glibc' and use --sdt-glibc or --lib; "
+            "'mtrace-live doctor' checks the rest"
+        )
+    return sites
+
+
+def choose(libc: Path, patterns: Sequence[str]) -> ProbeSelection:
+    sites = libc_sites(libc)
+    probes = select_probes(sites, patterns)
+    if not probes:
+        raise NoMatchingProbeError(
+            f"no libc probe in {libc} matches {', '.join(patterns)}; "
+            f"'mtrace-live probes --lib {libc}' lists them"
+        )
+    chosen = [s for s in sites if s.provider == LIBC_PROVIDER and s.name in probes]
+    if len(chosen) > MAX_SITES:
+        raise UsageError(
+            f"the chosen probes have {len(chosen)} sites; at most {MAX_SITES} can be traced at once"
+        )
+    return ProbeSelection(libc, tuple(probes), tuple(layout_sites(libc, chosen)))
+
+
+def attach(program: BpfProgram, selection: ProbeSelection) -> None:
+    slots = {name: slot for slot, name in enumerate(selection.probes)}
+    program.write_sites([(slots[lay.site.name], lay.args) for lay in selection.layouts])
+    for index, lay in enumerate(selection.layouts):
+        program.attach_uprobe(selection.libc, lay.site.file_offset, f"site_{index}")

@@ -1,0 +1,182 @@
+"""The live view on a terminal, like top: probe rates and totals, arenas and
+their contention, heaps and sbrk, the mallopt and tunables log, lost events.
+
+Rendered with rich on the terminal's alternate screen, refreshed every
+interval from the kernel's counters and the allocator model; the summary is
+printed on the normal screen when the trace ends.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from .model import AllocatorModel, ProcessState
+from .output import announce, print_summary, setting_change
+
+if TYPE_CHECKING:
+    from .live import LiveTrace, TraceResult
+
+SETTINGS_SHOWN = 8
+ARENAS_SHOWN = 12
+
+
+class LiveView:
+    def __init__(self, interval: float = 1.0) -> None:
+        self.interval = interval
+        self.written = 0
+        self._trace: LiveTrace | None = None
+        self._pid: int | None = None
+        self._live: Live | None = None
+        self._started = 0.0
+        self._last = 0.0
+        self._previous_hits: dict[str, int] = {}
+        self._previous_waits: dict[tuple[int, int], int] = {}
+        self._rates: dict[str, float] = {}
+        self._wait_rates: dict[tuple[int, int], float] = {}
+
+    def start(self, trace: LiveTrace, pid: int | None) -> None:
+        self._trace = trace
+        self._pid = pid
+        self.interval = trace.request.interval
+        announce(trace, pid)
+        self._started = self._last = time.monotonic()
+        self._live = Live(
+            self._render({}, {}), console=Console(file=sys.stdout), screen=True, auto_refresh=False
+        )
+        self._live.start()
+
+    def consume(self, batch: np.ndarray) -> None:
+        self.written += len(batch)
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if self._live is None or self._trace is None or now - self._last < self.interval:
+            return
+        program = self._trace.program
+        names = self._trace.selection.probes
+        hits = dict(zip(names, program.percpu_array_totals("hits"), strict=False))
+        lost = dict(zip(names, program.percpu_array_totals("lost"), strict=False))
+        elapsed = now - self._last
+        self._rates = {
+            name: (count - self._previous_hits.get(name, 0)) / elapsed
+            for name, count in hits.items()
+        }
+        self._previous_hits = hits
+        waits = _arena_waits(self._trace.model)
+        self._wait_rates = {
+            key: (count - self._previous_waits.get(key, 0)) / elapsed
+            for key, count in waits.items()
+        }
+        self._previous_waits = waits
+        self._last = now
+        self._live.update(self._render(hits, lost), refresh=True)
+
+    def finish(self, result: TraceResult) -> None:
+        if self._live is not None:
+            self._live.stop()
+        print_summary(result, sys.stdout)
+
+    # ---- rendering -----------------------------------------------------------
+
+    def _render(self, hits: dict[str, int], lost: dict[str, int]) -> Group:
+        assert self._trace is not None or not hits
+        trace = self._trace
+        up = time.monotonic() - self._started
+        total_lost = sum(lost.values())
+        target = (
+            "all processes" if trace is None or trace.request.all_processes else f"pid {self._pid}"
+        )
+        header = Text.assemble(
+            ("mtrace-live ", "bold"),
+            f"{target}  up {up:.0f}s  events {sum(hits.values())}  ",
+            (f"lost {total_lost}", "bold red" if total_lost else ""),
+            "  (Ctrl-C to stop)",
+        )
+        parts: list[RenderableType] = [header, self._probe_table(hits, lost)]
+        if trace is not None:
+            processes = sorted(trace.model.processes.values(), key=lambda p: p.pid)
+            parts.append(self._arena_table(processes))
+            parts.append(self._memory_table(processes))
+            parts.append(self._settings_table(processes))
+        return Group(*parts)
+
+    def _probe_table(self, hits: dict[str, int], lost: dict[str, int]) -> Table:
+        table = Table(title="probes", title_justify="left", expand=False)
+        for column in ("probe", "rate/s", "total", "lost"):
+            table.add_column(column, justify="left" if column == "probe" else "right")
+        rows = sorted(((n, c) for n, c in hits.items() if c), key=lambda kv: (-kv[1], kv[0]))
+        for name, count in rows:
+            table.add_row(
+                name, f"{self._rates.get(name, 0.0):.0f}", str(count), str(lost.get(name, 0))
+            )
+        if not rows:
+            table.add_row("(no hits yet)", "", "", "")
+        return table
+
+    def _arena_table(self, processes: list[ProcessState]) -> Table:
+        table = Table(title="arenas and contention", title_justify="left")
+        for column in (
+            "pid",
+            "arena",
+            "reused",
+            "free-list",
+            "reuse waits",
+            "lock waits",
+            "waits/s",
+        ):
+            table.add_column(column, justify="left" if column in ("pid", "arena") else "right")
+        shown = 0
+        for state in processes:
+            for arena in sorted(state.arenas.values(), key=lambda a: (not a.main, a.address)):
+                if shown == ARENAS_SHOWN:
+                    break
+                rate = self._wait_rates.get((state.pid, arena.address), 0.0)
+                table.add_row(
+                    str(state.pid),
+                    f"{arena.address:#x}" + (" main" if arena.main else ""),
+                    str(arena.reused), str(arena.free_list), str(arena.reuse_waits),
+                    str(state.arena_lock_waits(arena)), f"{rate:.1f}",
+                )  # fmt: skip
+                shown += 1
+        return table
+
+    def _memory_table(self, processes: list[ProcessState]) -> Table:
+        table = Table(title="heaps, sbrk, retries, checks", title_justify="left")
+        for column in ("pid", "comm", "heaps", "heap bytes", "sbrk net", "retries",
+                       "double-free checks", "setjmp/longjmp"):  # fmt: skip
+            table.add_column(column, justify="left" if column in ("pid", "comm") else "right")
+        for state in processes:
+            setjmps, longjmps = state.jumps
+            table.add_row(
+                str(state.pid), state.comm, str(len(state.heaps)), str(state.heap_bytes),
+                str(state.sbrk_grown - state.sbrk_shrunk), str(sum(state.retries.values())),
+                str(state.double_free_checks), f"{setjmps}/{longjmps}",
+            )  # fmt: skip
+        return table
+
+    def _settings_table(self, processes: list[ProcessState]) -> Table:
+        table = Table(title="mallopt and tunables (latest)", title_justify="left")
+        for column in ("pid", "setting", "old -> new"):
+            table.add_column(column)
+        changes = sorted(
+            (change for state in processes for change in state.settings), key=lambda c: c.ts_ns
+        )
+        for change in changes[-SETTINGS_SHOWN:]:
+            table.add_row(str(change.pid), change.setting, setting_change(change))
+        return table
+
+
+def _arena_waits(model: AllocatorModel) -> dict[tuple[int, int], int]:
+    return {
+        (state.pid, arena.address): arena.reuse_waits + state.arena_lock_waits(arena)
+        for state in model.processes.values()
+        for arena in state.arenas.values()
+    }
