@@ -18,7 +18,7 @@ setup:
 sdt-glibc: setup
 	bash scripts/sdt-glibc.sh
 
-WORKLOADS := probe_exerciser kmem_exerciser mallopt_loop jmp_loop
+WORKLOADS := probe_exerciser kmem_exerciser mallopt_loop jmp_loop arena_contention
 exercisers: $(addprefix $(BUILD)/,$(WORKLOADS))
 
 $(BUILD)/%: tests/workloads/%.c | $(BUILD)
@@ -66,14 +66,13 @@ vagrant-validate:
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends vagrant >/tmp/mtrace-live-vagrant.log 2>&1; }
 	cd vagrant && vagrant validate --ignore-provider
 
-# The main job on the bundled default: the live view of the probe exerciser
-# under the SDT glibc, traced from its first instruction (on a terminal; plain
-# lines otherwise), then its counts checked against its own ground truth.
+# The main job: the live view (on a terminal; plain event lines otherwise) of
+# a multithreaded arena-contention workload under the SDT glibc, for 10 s;
+# then the probe exerciser counted against its own ground truth.
 demo: sdt-glibc exercisers
-	$(BIN)/mtrace-live run --sdt-glibc --probes '*' --interval 0.5 -- \
-	  $(BUILD)/probe_exerciser --out $(BUILD)/ground-truth.json
+	$(BIN)/mtrace-live run --sdt-glibc -- $(BUILD)/arena_contention 10
 	@echo
-	@echo "Counted again, side by side with what the exerciser says it caused:"
+	@echo "The probe exerciser, counted, side by side with what it says it caused:"
 	@$(BIN)/mtrace-live count --sdt-glibc --json -- $(BUILD)/probe_exerciser \
 	  --out $(BUILD)/ground-truth.json >$(BUILD)/demo-counts.json
 	@$(BIN)/python scripts/compare-ground-truth $(BUILD)/demo-counts.json $(BUILD)/ground-truth.json

@@ -49,7 +49,6 @@ STATEFUL_PROBES = frozenset(
         "memory_heap_less", "memory_heap_free", "memory_arena_new", "memory_arena_reuse",
         "memory_arena_reuse_wait", "memory_arena_reuse_free_list", "memory_mallopt",
         "memory_mallopt_free_dyn_thresholds", "memory_tcache_double_free",
-        "lll_lock_wait_private",
         *RETRY_PROBES, *SETTING_PROBES,
     }
 )  # fmt: skip
@@ -154,6 +153,13 @@ class AllocatorModel:
         self.processes: dict[int, ProcessState] = {}
         self.events = 0
         self._main_arena = main_arena
+        # Lock waits can come by the hundred thousand a second under
+        # contention: they are counted per (process, futex) in bulk.
+        self._lock_wait_slot = (
+            self.probe_names.index("lll_lock_wait_private")
+            if "lll_lock_wait_private" in self.probe_names
+            else None
+        )
         self._stateful_slots = np.array(
             [slot for slot, name in enumerate(self.probe_names) if name in STATEFUL_PROBES],
             dtype=np.uint16,
@@ -173,7 +179,6 @@ class AllocatorModel:
             "memory_mallopt": _mallopt,
             "memory_mallopt_free_dyn_thresholds": _dyn_thresholds,
             "memory_tcache_double_free": _double_free,
-            "lll_lock_wait_private": _lock_wait,
         }
 
     def process(self, pid: int) -> ProcessState:
@@ -188,6 +193,8 @@ class AllocatorModel:
         self.events += len(batch)
         probe_rows = batch["kind"] == EventKind.PROBE
         self._count(batch[probe_rows])
+        if self._lock_wait_slot is not None:
+            self._count_lock_waits(batch[probe_rows & (batch["probe"] == self._lock_wait_slot)])
         special = ~probe_rows | np.isin(batch["probe"], self._stateful_slots)
         if special.any():
             rows = batch[special]
@@ -220,6 +227,14 @@ class AllocatorModel:
             state = self.process(pid)
             state.first_ns = stamp if not state.first_ns else min(state.first_ns, stamp)
             state.last_ns = max(state.last_ns, last[pid])
+
+    def _count_lock_waits(self, rows: np.ndarray) -> None:
+        if len(rows) == 0:
+            return
+        pairs = np.stack([rows["tgid"].astype(np.uint64), rows["args"][:, 0]], axis=1)
+        unique, counts = np.unique(pairs, axis=0, return_counts=True)
+        for (pid, futex), count in zip(unique.tolist(), counts.tolist(), strict=True):
+            self.process(pid).lock_waits[futex] += count
 
     def _apply(self, event: Event, site: int) -> None:
         state = self.process(event.pid)
@@ -339,7 +354,3 @@ def _double_free(state: ProcessState, event: Event) -> None:
     _log(
         state.double_frees, DoubleFreeCheck(event.ts_ns, event.tid, _arg(event, 0), _arg(event, 1))
     )
-
-
-def _lock_wait(state: ProcessState, event: Event) -> None:
-    state.lock_waits[_arg(event, 0)] += 1

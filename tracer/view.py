@@ -51,7 +51,7 @@ class LiveView:
         self._live = Live(
             self._render({}, {}), console=Console(file=sys.stdout), screen=True, auto_refresh=False
         )
-        self._live.start()
+        self._live.start(refresh=True)
 
     def consume(self, batch: np.ndarray) -> None:
         self.written += len(batch)
@@ -132,7 +132,12 @@ class LiveView:
             "lock waits",
             "waits/s",
         ):
-            table.add_column(column, justify="left" if column in ("pid", "arena") else "right")
+            table.add_column(
+                column,
+                justify="left" if column in ("pid", "arena") else "right",
+                no_wrap=column == "arena",
+                min_width=19 if column == "arena" else None,
+            )
         shown = 0
         for state in processes:
             for arena in sorted(state.arenas.values(), key=lambda a: (not a.main, a.address)):
