@@ -36,8 +36,6 @@ EVENT_DTYPE = np.dtype(
 )
 assert EVENT_DTYPE.itemsize == 80
 
-EMPTY_BATCH = np.zeros(0, dtype=EVENT_DTYPE)
-
 
 class EventKind(IntEnum):
     """Must match enum event_kind in bpf/trace.bpf.c."""

@@ -62,17 +62,14 @@ class RingReader:
             self._record = np.dtype(
                 [("len", "<u4"), ("pgoff", "<u4"), ("event", dtype), ("pad", f"V{pad}")]
             )
-        self.delivered = 0
 
     def _positions(self) -> tuple[int, int]:
         return self._consumer_word[0], self._producer_word[0]
 
-    def read(self, limit: int | None = None) -> np.ndarray:
-        """Every committed record since the last call (at most ``limit`` bytes' worth)."""
+    def read(self) -> np.ndarray:
+        """Every record committed since the last call."""
         consumer, producer = self._positions()
         available = producer - consumer
-        if limit is not None:
-            available = min(available, limit * self.stride)
         if available <= 0:
             return np.zeros(0, dtype=self.dtype)
         start = self._page + (consumer & self._mask)
@@ -85,7 +82,6 @@ class RingReader:
             return self._read_walking(raw, consumer)
         consumed = count * self.stride
         self._advance(consumer + consumed)
-        self.delivered += count
         return records["event"].copy()
 
     def _read_walking(self, raw: bytes, consumer: int) -> np.ndarray:
@@ -104,7 +100,6 @@ class RingReader:
                 keep.append(raw[offset + HEADER_SIZE : offset + HEADER_SIZE + size])
             offset += step
         self._advance(consumer + offset)
-        self.delivered += len(keep)
         return np.frombuffer(b"".join(keep), dtype=self.dtype).copy()
 
     def _advance(self, position: int) -> None:

@@ -87,7 +87,6 @@ class LiveView:
     # ---- rendering -----------------------------------------------------------
 
     def _render(self, hits: dict[str, int], lost: dict[str, int]) -> Group:
-        assert self._trace is not None or not hits
         trace = self._trace
         up = time.monotonic() - self._started
         total_lost = sum(lost.values())
