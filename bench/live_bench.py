@@ -62,7 +62,7 @@ def untraced(runner: Path) -> float:
     return loop_seconds(done.stdout)
 
 
-def mtrace_counters(runner: Path) -> float:
+def mtrace_counters() -> float:
     probes = [arg for p in JMP_PROBES for arg in ("--probes", p)]
     done = subprocess.run(
         [*MTRACE, "count", "--sdt-glibc", *probes, "--json", "--",
@@ -72,7 +72,7 @@ def mtrace_counters(runner: Path) -> float:
     return loop_seconds(done.stdout.split("{", 1)[0])
 
 
-def mtrace_events(runner: Path) -> float:
+def mtrace_events() -> float:
     probes = [arg for p in JMP_PROBES for arg in ("--probes", p)]
     done = subprocess.run(
         [*MTRACE, "run", "--sdt-glibc", *probes, "-o", "summary", "--",
@@ -110,8 +110,8 @@ def per_hit_cost() -> dict[str, object]:
     runner, libc = sdt_runner()
     configs = {
         "untraced": lambda: untraced(runner),
-        "mtrace-live counters only": lambda: mtrace_counters(runner),
-        "mtrace-live event stream": lambda: mtrace_events(runner),
+        "mtrace-live counters only": mtrace_counters,
+        "mtrace-live event stream": mtrace_events,
         "bpftrace count()": lambda: bpftrace_count(runner, libc),
     }
     times: dict[str, list[float]] = {name: [] for name in configs}

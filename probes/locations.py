@@ -174,7 +174,8 @@ def symbol_addresses(path: str | Path, names: Iterable[str]) -> dict[str, int]:
     return found
 
 
-def _rip_symbols(sites: Iterable[SdtSite]) -> set[str]:
+def rip_symbols(sites: Iterable[SdtSite]) -> set[str]:
+    """The symbols the sites' rip-relative operands name."""
     names = set()
     for site in sites:
         for text in site.arguments:
@@ -184,10 +185,14 @@ def _rip_symbols(sites: Iterable[SdtSite]) -> set[str]:
     return names
 
 
-def layout_sites(path: str | Path, sites: Iterable[SdtSite]) -> list[SiteLayout]:
-    """Where every argument of every site lives; symbols read from ``path``."""
+def layout_sites(
+    path: str | Path, sites: Iterable[SdtSite], symbols: Mapping[str, int] | None = None
+) -> list[SiteLayout]:
+    """Where every argument of every site lives; ``symbols`` (link-time
+    addresses) are read from ``path`` when not given."""
     sites = list(sites)
-    symbols: Mapping[str, int] = symbol_addresses(path, _rip_symbols(sites))
+    if symbols is None:
+        symbols = symbol_addresses(path, rip_symbols(sites))
     return [
         SiteLayout(
             site,

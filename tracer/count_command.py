@@ -9,9 +9,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import sdt_glibc, target
+from . import target, usdt
 from .counting import CountReport, HitCounter
-from .errors import TargetError
 from .launch import GatedCommand
 
 
@@ -35,11 +34,10 @@ def run_count(request: CountRequest) -> CountReport:
 
 
 def _count_pid(request: CountRequest, pid: int) -> CountReport:
-    if not Path(f"/proc/{pid}").is_dir():
-        raise TargetError(f"no process with pid {pid}")
+    target.require_process(pid)
     libc: Path | None = None  # kmem-only counting needs no libc at all
     if request.usdt:
-        libc = target.library_file(request.lib) if request.lib else target.mapped_libc(pid)
+        libc, _ = usdt.resolve_libc(pid, (), request.lib, sdt=False)
     counter = _counter(request, libc)
     try:
         counter.follow([pid])
@@ -51,15 +49,8 @@ def _count_pid(request: CountRequest, pid: int) -> CountReport:
 
 
 def _count_command(request: CountRequest) -> CountReport:
-    argv = list(request.command)
-    if request.sdt_glibc:
-        build = sdt_glibc.locate()
-        libc = build.libc
-        argv = build.wrap(argv)
-    elif request.lib:
-        libc = target.library_file(request.lib)
-    else:
-        libc = target.default_libc()
+    libc, argv = usdt.resolve_libc(None, request.command, request.lib, request.sdt_glibc)
+    assert argv is not None
     child = GatedCommand(argv)
     try:
         counter = _counter(request, libc)

@@ -27,7 +27,7 @@ from types import FrameType
 import numpy as np
 from mtrace_live.probes.catalog import load_catalog
 
-from . import sdt_glibc, target, usdt
+from . import usdt
 from .bpf_backend import BpfProgram, require_privileges
 from .errors import MtraceError, OutputClosedError, TargetError, TargetExecError
 from .events import EVENT_DTYPE, Event, EventDecoder, EventKind
@@ -99,23 +99,6 @@ class _Stop:
             for sig, handler in old.items():
                 signal.signal(sig, handler)
             signal.signal(signal.SIGPIPE, old_pipe)
-
-
-def _resolve_libc(request: TraceRequest) -> tuple[Path, list[str] | None]:
-    """The libc to attach to, and for ``run`` the argv to start."""
-    if request.command:
-        argv = list(request.command)
-        if request.sdt_glibc:
-            build = sdt_glibc.locate()
-            return build.libc, build.wrap(argv)
-        return (target.library_file(request.lib) if request.lib else target.default_libc()), argv
-    if request.pid is not None:
-        if not Path(f"/proc/{request.pid}").is_dir():
-            raise TargetError(f"no process with pid {request.pid}")
-        if request.lib:
-            return target.library_file(request.lib), None
-        return target.mapped_libc(request.pid), None
-    return (target.library_file(request.lib) if request.lib else target.default_libc()), None
 
 
 def _pidfd(pid: int) -> int | None:
@@ -210,7 +193,7 @@ class LiveTrace:
 
 
 def run_trace(request: TraceRequest, sink: Sink | None = None) -> TraceResult:
-    libc, argv = _resolve_libc(request)
+    libc, argv = usdt.resolve_libc(request.pid, request.command, request.lib, request.sdt_glibc)
     child = GatedCommand(argv) if argv is not None else None
     try:
         trace = LiveTrace(request, libc)

@@ -104,6 +104,7 @@ class ProcessState:
     double_frees: list[DoubleFreeCheck] = field(default_factory=list)
     execs: int = 0
     exited: bool = False
+    main_arena_known: bool = False
 
     def arena(self, address: int) -> ArenaState:
         state = self.arenas.get(address)
@@ -245,10 +246,11 @@ class AllocatorModel:
         if event.probe == "exit":
             state.exited = True
             return
-        if self._main_arena is not None and not any(a.main for a in state.arenas.values()):
+        if self._main_arena is not None and not state.main_arena_known:
             address = self._main_arena(event, site)
             if address:
                 state.arena(address).main = True
+                state.main_arena_known = True
         handler = self._handlers.get(event.probe)
         if handler is not None:
             handler(state, event)

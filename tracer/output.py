@@ -126,6 +126,8 @@ def summary_lines(result: TraceResult) -> list[str]:
         f"events: {result.total_hits} in the kernel, {result.delivered} delivered, "
         f"{result.total_lost} lost",
     ]
+    if result.lost_lifecycle:
+        lines.append(f"exec/exit records lost: {result.lost_lifecycle}")
     hit = sorted(
         ((name, n) for name, n in result.kernel_hits.items() if n),
         key=lambda kv: (-kv[1], kv[0]),

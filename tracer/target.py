@@ -27,6 +27,11 @@ class MappedGlibc:
     ld_so: Path | None
 
 
+def require_process(pid: int) -> None:
+    if not Path(f"/proc/{pid}").is_dir():
+        raise TargetError(f"no process with pid {pid}")
+
+
 def mapped_glibc(pid: int) -> MappedGlibc:
     """The libc and dynamic linker process ``pid`` really maps."""
     found: dict[str, Path] = {}

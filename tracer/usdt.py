@@ -10,18 +10,18 @@ which finds its probe slot and argument locations at index i of the
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from mtrace_live.probes.catalog import Catalog
-from mtrace_live.probes.locations import SiteLayout, layout_sites, symbol_addresses
+from mtrace_live.probes.locations import SiteLayout, layout_sites, rip_symbols, symbol_addresses
 from mtrace_live.probes.sdt_notes import SdtSite
 
+from . import sdt_glibc, target
 from .bpf_backend import BpfProgram
 from .errors import NoMatchingProbeError, NoProbesError, UsageError
 from .events import SiteInfo, site_info
-from .target import read_file_sites
 
 LIBC_PROVIDER = "libc"
 MAX_SITES = 128  # the handlers site_0 ... site_127 in trace.bpf.c
@@ -31,6 +31,9 @@ MAX_SITES = 128  # the handlers site_0 ... site_127 in trace.bpf.c
 # goes through fire at most hundreds of times a second even under load, while
 # setjmp/longjmp and the pthread mutex probes fire on every call.
 DEFAULT_PATTERNS = ("memory_*", "lll_lock_wait_private")
+
+# Symbols the model needs besides the operands', read in the same pass.
+SYMBOLS_WANTED = ("main_arena",)
 
 
 def select_probes(sites: Iterable[SdtSite], patterns: Sequence[str]) -> list[str]:
@@ -46,6 +49,7 @@ class ProbeSelection:
     libc: Path
     probes: tuple[str, ...]
     layouts: tuple[SiteLayout, ...]
+    symbols: Mapping[str, int]  # link-time addresses: the operands' and SYMBOLS_WANTED
 
     def site_infos(self, catalog: Catalog) -> list[SiteInfo]:
         return [site_info(lay, catalog.probe(LIBC_PROVIDER, lay.site.name)) for lay in self.layouts]
@@ -54,8 +58,8 @@ class ProbeSelection:
         return self.probes.index(name)
 
     def symbol(self, name: str) -> int | None:
-        """Link-time address of a symbol of the libc, e.g. main_arena."""
-        return symbol_addresses(self.libc, [name]).get(name)
+        """Link-time address of one of SYMBOLS_WANTED, e.g. main_arena."""
+        return self.symbols.get(name)
 
     def unreadable(self) -> list[str]:
         """One line per argument the BPF side cannot read, and why."""
@@ -68,7 +72,7 @@ class ProbeSelection:
 
 
 def libc_sites(libc: Path) -> list[SdtSite]:
-    sites = read_file_sites(libc)
+    sites = target.read_file_sites(libc)
     if not any(site.provider == LIBC_PROVIDER for site in sites):
         raise NoProbesError(
             f"{libc} has no libc SDT probes (glibc built without --enable-systemtap); "
@@ -91,7 +95,27 @@ def choose(libc: Path, patterns: Sequence[str]) -> ProbeSelection:
         raise UsageError(
             f"the chosen probes have {len(chosen)} sites; at most {MAX_SITES} can be traced at once"
         )
-    return ProbeSelection(libc, tuple(probes), tuple(layout_sites(libc, chosen)))
+    symbols = symbol_addresses(libc, rip_symbols(chosen) | set(SYMBOLS_WANTED))
+    return ProbeSelection(libc, tuple(probes), tuple(layout_sites(libc, chosen, symbols)), symbols)
+
+
+def resolve_libc(
+    pid: int | None, command: Sequence[str], lib: Path | None, sdt: bool
+) -> tuple[Path, list[str] | None]:
+    """The libc a trace attaches to, and for a COMMAND the argv to start: the
+    SDT build (--sdt-glibc, which wraps the argv), else --lib, else the one
+    the pid maps, else the system's."""
+    if pid is not None:
+        target.require_process(pid)
+    argv = list(command) if command else None
+    if sdt and argv is not None:
+        build = sdt_glibc.locate()
+        return build.libc, build.wrap(argv)
+    if lib is not None:
+        return target.library_file(lib), argv
+    if pid is not None:
+        return target.mapped_libc(pid), argv
+    return target.default_libc(), argv
 
 
 def attach(program: BpfProgram, selection: ProbeSelection) -> None:
