@@ -77,9 +77,11 @@ demo: sdt-glibc exercisers
 	  --out $(BUILD)/ground-truth.json >$(BUILD)/demo-counts.json
 	@$(BIN)/python scripts/compare-ground-truth $(BUILD)/demo-counts.json $(BUILD)/ground-truth.json
 
-# Benchmarks of the live trace; writes docs/performance.md. QUICK=1: fewer runs.
+# Benchmarks of the live trace and of kmem tracing; writes docs/performance.md
+# and docs/kmem-performance.md. QUICK=1: fewer runs.
 bench: sdt-glibc exercisers
 	$(BIN)/python bench/live_bench.py
+	$(BIN)/python bench/kmem_bench.py
 
 clean:
 	rm -rf $(BUILD)

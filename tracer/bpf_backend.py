@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from mtrace_live.probes import bpf_source
 from mtrace_live.probes.locations import ArgLocation
 
@@ -169,6 +170,17 @@ class BpfProgram:
     def percpu_array_totals(self, table: str) -> list[int]:
         values = self._bpf[table]
         return [sum(values[values.Key(i)]) for i in range(len(values))]
+
+    def percpu_struct_totals(self, table: str) -> list[tuple[Any, list[int]]]:
+        """Each entry of a per-CPU hash or array of u64-only structs, its
+        fields summed over the CPUs: [(key, [field sums in declaration order])]."""
+        values = self._bpf[table]
+        fields = len(values.sLeaf._fields_)
+        rows = []
+        for key, per_cpu in values.items():
+            summed = np.frombuffer(bytes(per_cpu), dtype=np.uint64).reshape(-1, fields).sum(axis=0)
+            rows.append((key, [int(v) for v in summed]))
+        return rows
 
     def string_keyed_counts(self, table: str) -> dict[str, int]:
         counts = self._bpf[table]

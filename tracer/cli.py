@@ -65,6 +65,21 @@ def _trace_options(command: Any) -> Any:
             show_default=True,
             help="Live view refresh, seconds.",
         ),
+        click.option(
+            "--kmem",
+            is_flag=True,
+            help="Also trace the kernel's kmem tracepoints, aggregated per call site.",
+        ),
+        click.option(
+            "--kmem-only",
+            is_flag=True,
+            help="Trace only the kmem tracepoints (any libc will do).",
+        ),
+        click.option(
+            "--kmemtrace",
+            type=click.Path(file_okay=False, path_type=Path),
+            help="Write kmemtrace records (kernel and libc events) to this new directory.",
+        ),
     ]
     for option in reversed(options):
         command = option(command)
@@ -84,6 +99,9 @@ def _trace(
     buffer_pages: int,
     duration: float | None,
     interval: float,
+    kmem: bool = False,
+    kmem_only: bool = False,
+    kmemtrace: Path | None = None,
 ) -> None:
     from .live import TraceRequest, run_trace
     from .usdt import DEFAULT_PATTERNS
@@ -106,6 +124,9 @@ def _trace(
         buffer_pages=buffer_pages,
         duration=duration,
         interval=interval,
+        kmem=kmem or kmem_only,
+        libc_probes=not kmem_only,
+        kmemtrace=kmemtrace,
     )
     result = run_trace(request)
     if result.exit_code is not None:
@@ -175,6 +196,140 @@ def run(command: tuple[str, ...], sdt_glibc: bool, **options: Any) -> None:
     if sdt_glibc and options.get("lib"):
         raise click.UsageError("give --sdt-glibc or --lib, not both")
     _trace(command=command, sdt_glibc=sdt_glibc, **options)
+
+
+@cli.command(context_settings={"allow_interspersed_args": False})
+@click.option("--pid", "-p", type=int, help="Record this running process.")
+@click.option("--all", "all_processes", is_flag=True, help="Record system-wide.")
+@click.option(
+    "--output",
+    "-o",
+    "directory",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("kmemtrace.d"),
+    show_default=True,
+    help="The record set directory to create.",
+)
+@click.option("--libc", "with_libc", is_flag=True, help="Record the libc probes' events too.")
+@click.option(
+    "--lib", type=click.Path(dir_okay=False, path_type=Path), help="With --libc: this libc."
+)
+@click.option("--sdt-glibc", is_flag=True, help="Run COMMAND under the SDT glibc (implies --libc).")
+@click.option("--probes", "patterns", multiple=True, help="With --libc: glob of probe names.")
+@click.option(
+    "--follow-forks/--no-follow-forks",
+    default=None,
+    help="Record the processes the target forks too (default: yes for COMMAND, no for --pid).",
+)
+@click.option("--buffer-pages", type=int, default=2048, show_default=True,
+              help="Ring buffer size in pages (a power of two).")  # fmt: skip
+@click.option("--duration", type=float, help="Stop after this many seconds.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def record(
+    pid: int | None,
+    all_processes: bool,
+    directory: Path,
+    with_libc: bool,
+    lib: Path | None,
+    sdt_glibc: bool,
+    patterns: tuple[str, ...],
+    follow_forks: bool | None,
+    buffer_pages: int,
+    duration: float | None,
+    command: tuple[str, ...],
+) -> None:
+    """Record kernel allocations (and libc events) as kmemtrace records.
+
+    Writes a directory laid out as kmemtrace's was: cpuN files, abi_version,
+    total_overruns, plus kallsyms so that 'mtrace-live report' works on any
+    machine. Give --pid N, --all or a COMMAND; stop with Ctrl-C or --duration.
+
+        mtrace-live record -o out.d --all --duration 10
+        mtrace-live record -o out.d --libc --sdt-glibc -- ./my-program
+    """
+    if sum((pid is not None, all_processes, bool(command))) != 1:
+        raise click.UsageError("give exactly one of --pid N, --all or a COMMAND")
+    if sdt_glibc and not command:
+        raise click.UsageError("--sdt-glibc starts a COMMAND")
+    _trace(
+        pid=pid,
+        all_processes=all_processes,
+        command=command,
+        sdt_glibc=sdt_glibc,
+        follow_forks=bool(command) if follow_forks is None else follow_forks,
+        lib=lib,
+        patterns=patterns,
+        output="summary",
+        buffer_pages=buffer_pages,
+        duration=duration,
+        interval=1.0,
+        kmem=True,
+        kmem_only=not (with_libc or sdt_glibc),
+        kmemtrace=directory,
+    )
+
+
+@cli.command()
+@click.argument("source", type=click.Path(path_type=Path))
+@click.option(
+    "--format",
+    "-f",
+    "fmt",
+    type=click.Choice(["table", "allocinfo", "json"]),
+    default="table",
+    show_default=True,
+    help="table: per call site, kmemtrace-report style; allocinfo: /proc/allocinfo lines; "
+    "json: everything.",
+)
+@click.option(
+    "--sort",
+    type=click.Choice(["bytes", "calls", "fragmentation", "live"]),
+    default="bytes",
+    show_default=True,
+    help="Order of the call sites in the table.",
+)
+@click.option("--limit", type=int, default=30, show_default=True, help="Table rows; 0 for all.")
+@click.option(
+    "--kallsyms",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Symbols to use instead of the ones saved with the records.",
+)
+def report(source: Path, fmt: str, sort: str, limit: int, kallsyms: Path | None) -> None:
+    """Analyse a kmemtrace record set (a directory, or one cpuN file).
+
+    Per call site: allocations, frees, bytes requested and allocated,
+    fragmentation, cross-CPU frees, mismatched and unknown frees. Call sites
+    are named from the kallsyms saved at record time. Exits 14 when SOURCE is
+    not a readable record set, 15 when a file is damaged (after reporting
+    what was read).
+    """
+    from mtrace_live.exporters.allocinfo import render_allocinfo
+    from mtrace_live.exporters.kmemtrace import read_record_set
+
+    from .errors import DamagedRecordsError
+    from .kallsyms import KernelSymbols
+    from .report import analyse, render_text
+
+    records = read_record_set(source)
+    if kallsyms is not None:
+        symbols = KernelSymbols.load(kallsyms)
+    elif records.kallsyms:
+        symbols = KernelSymbols(records.kallsyms)
+    else:
+        symbols = KernelSymbols.load()
+    result = analyse(records, symbols)
+    if fmt == "json":
+        click.echo(json.dumps(result.as_json(), indent=2))
+    elif fmt == "allocinfo":
+        click.echo("\n".join(render_allocinfo(result.kernel)))
+    else:
+        keys = {"bytes": "bytes_alloc", "calls": "allocs", "fragmentation": "fragmentation",
+                "live": "outstanding_bytes"}  # fmt: skip
+        click.echo("\n".join(render_text(result, limit or None, keys[sort])))
+    if records.damage:
+        for line in records.damage[1:]:
+            click.echo(f"{PROG}: error: {line}", err=True)
+        raise DamagedRecordsError(records.damage[0])
 
 
 @cli.command(context_settings={"allow_interspersed_args": False})

@@ -7,23 +7,14 @@ the kernel, so nothing is lost however fast probes fire.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import usdt
 from .bpf_backend import BpfProgram, require_privileges, tracepoint_format
-
-# Order matches enum kmem_event in trace.bpf.c.
-KMEM_TRACEPOINTS = (
-    "kmalloc",
-    "kfree",
-    "kmem_cache_alloc",
-    "kmem_cache_free",
-    "mm_page_alloc",
-    "mm_page_free",
-)
+from .kmem import KMEM_EVENTS
+from .tracefs import kmem_defines
 
 
 @dataclass
@@ -71,9 +62,9 @@ class HitCounter:
         self.kmem = kmem
         self._has_cache_name = False
         if kmem:
-            formats = {tp: tracepoint_format("kmem", tp) for tp in KMEM_TRACEPOINTS}
-            self._has_cache_name = re.search(r"\bname;", formats["kmem_cache_alloc"]) is not None
-            defines["HAVE_CACHE_NAME"] = int(self._has_cache_name)
+            variants = kmem_defines(tracepoint_format)
+            self._has_cache_name = bool(variants["HAVE_CACHE_NAME"])
+            defines.update(variants)
         self.libc = libc
         self._program = BpfProgram("trace", defines)
         if self.selection is not None:
@@ -90,7 +81,7 @@ class HitCounter:
         if not self.kmem:
             return {}
         totals = self._program.percpu_array_totals("kmem_hits")
-        return dict(zip(KMEM_TRACEPOINTS, totals, strict=True))
+        return dict(zip(KMEM_EVENTS, totals, strict=True))
 
     def cache_allocs(self) -> dict[str, int]:
         if not self._has_cache_name:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import platform
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from . import bpf_backend
 from .errors import MtraceError, NotPrivilegedError, TracepointMissingError
 from .probe_listing import no_probes_error
 from .target import read_file_sites
+from .tracefs import parse_format
 
 OK, NOT_PERMITTED, NOT_SUPPORTED = "ok", "not permitted", "not supported"
 
@@ -127,7 +127,7 @@ def _tracepoint(category: str, event: str, required: list[str]) -> Check:
         return Check(name, NOT_PERMITTED, str(exc))
     except MtraceError as exc:
         return Check(name, NOT_SUPPORTED, str(exc))
-    fields = set(re.findall(r"field:[^;]*?(\w+)(?:\[\d*\])?;", fmt))
+    fields = parse_format(category, event, fmt).fields
     absent = [f for f in required if f not in fields]
     if absent:
         return Check(name, NOT_SUPPORTED, f"lacks the fields {', '.join(absent)} mtrace-live needs")

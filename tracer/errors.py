@@ -82,3 +82,16 @@ class NoMatchingProbeError(MtraceError):
     """No probe of the libc matches the --probes patterns."""
 
     exit_code = 13
+
+
+class RecordSetError(MtraceError):
+    """A kmemtrace record set that cannot be read at all: not a record set, a
+    missing or unknown abi_version, a missing cpuN file."""
+
+    exit_code = 14
+
+
+class DamagedRecordsError(MtraceError):
+    """Records were read, but a file is damaged (truncated, a bad event size)."""
+
+    exit_code = 15

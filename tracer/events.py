@@ -43,6 +43,7 @@ class EventKind(IntEnum):
     PROBE = 0
     EXEC = 1
     EXIT = 2
+    KMEM = 3  # a kmem tracepoint: probe = enum kmem_event, site = kmemtrace type id
 
 
 # Roles whose values read best in hex.

@@ -25,16 +25,27 @@ from pathlib import Path
 from types import FrameType
 
 import numpy as np
+from mtrace_live.exporters.kmemtrace import (
+    ALLOC_TASK_RECORD,
+    FREE_TASK_RECORD,
+    LIBC_ALLOCS,
+    LIBC_FREES,
+    PROBE_TASK_RECORD,
+    KmemtraceWriter,
+)
 from mtrace_live.probes.catalog import load_catalog
 
 from . import usdt
-from .bpf_backend import BpfProgram, require_privileges
+from .bpf_backend import BpfProgram, require_privileges, tracepoint_format
 from .errors import MtraceError, OutputClosedError, TargetError, TargetExecError
 from .events import EVENT_DTYPE, Event, EventDecoder, EventKind
+from .kallsyms import saved_text
+from .kmem import KmemTotals, kernel_lost, read_kernel_totals
 from .launch import GatedCommand
 from .model import AllocatorModel
 from .output import Sink, make_sink
 from .ringbuf import RingReader
+from .tracefs import kmem_defines
 
 DEFAULT_BUFFER_PAGES = 2048  # 8 MiB: about 95,000 events of slack
 GATE_SETTLE_S = 0.01
@@ -53,6 +64,19 @@ class TraceRequest:
     buffer_pages: int = DEFAULT_BUFFER_PAGES
     duration: float | None = None
     interval: float = 1.0
+    kmem: bool = False  # the kmem tracepoints too, aggregated per call site
+    libc_probes: bool = True  # False: the kmem tracepoints only
+    kmemtrace: Path | None = None  # write kmemtrace records here (implies kmem)
+
+
+@dataclass
+class KmemResult:
+    totals: KmemTotals
+    delivered: int
+    lost: int
+    records_written: int = 0
+    overrun_bytes: int = 0
+    directory: Path | None = None
 
 
 @dataclass
@@ -70,6 +94,7 @@ class TraceResult:
     exit_code: int | None = None
     ended_by: str = ""
     unreadable: list[str] = field(default_factory=list)
+    kmem: KmemResult | None = None
 
     @property
     def total_hits(self) -> int:
@@ -115,8 +140,12 @@ class LiveTrace:
 
     def __init__(self, request: TraceRequest, libc: Path) -> None:
         self.request = request
-        self.selection = usdt.choose(libc, request.patterns)  # no-probe errors before root
+        if request.libc_probes:
+            self.selection = usdt.choose(libc, request.patterns)  # no-probe errors before root
+        else:
+            self.selection = usdt.ProbeSelection(libc, (), (), {})
         require_privileges()
+        self.kmem = request.kmem or request.kmemtrace is not None or not request.libc_probes
         catalog = load_catalog()
         infos = self.selection.site_infos(catalog)
         self.decoder = EventDecoder(infos)
@@ -130,16 +159,22 @@ class LiveTrace:
 
         self.model = AllocatorModel(self.decoder, self.selection.probes, main_arena_of)
         filtered = not request.all_processes
-        self.program = BpfProgram(
-            "trace",
-            {
-                "FILTER_PIDS": int(filtered),
-                "FOLLOW_FORKS": int(request.follow_forks),
-                "WITH_EVENTS": 1,
-                "RINGBUF_PAGES": request.buffer_pages,
-                "SITE_COUNT": len(self.selection.layouts),
-            },
-        )
+        defines = {
+            "FILTER_PIDS": int(filtered),
+            "FOLLOW_FORKS": int(request.follow_forks),
+            "WITH_EVENTS": 1,
+            "RINGBUF_PAGES": request.buffer_pages,
+            "SITE_COUNT": len(self.selection.layouts),
+            "WITH_KMEM": int(self.kmem),
+            "KMEM_EVENTS": int(request.kmemtrace is not None),
+            "PAGE_SHIFT_": mmap.PAGESIZE.bit_length() - 1,
+        }
+        if self.kmem:
+            defines.update(kmem_defines(tracepoint_format))
+        self.writer: KmemtraceWriter | None = None
+        if request.kmemtrace is not None:
+            self.writer = KmemtraceWriter(request.kmemtrace, self.selection.probes, saved_text())
+        self.program = BpfProgram("trace", defines)
         try:
             usdt.attach(self.program, self.selection)
             self.program.set_gate(True)
@@ -154,19 +189,44 @@ class LiveTrace:
         self.program.follow([pid])
 
     delivered = 0  # probe events read from the ring (exec/exit ones not counted)
+    kmem_delivered = 0
+    _overrun_bytes = 0
 
     def drain(self) -> Iterator[np.ndarray]:
+        """Batches of libc events; kmem events go to the record writer here."""
         while True:
             batch = self.reader.read()
             if len(batch) == 0:
                 return
             self.delivered += int(np.count_nonzero(batch["kind"] == EventKind.PROBE))
+            if self.kmem:
+                kmem_rows = batch["kind"] == EventKind.KMEM
+                self.kmem_delivered += int(np.count_nonzero(kmem_rows))
+                if self.writer is not None:
+                    self.writer.write(batch, EventKind.KMEM, EventKind.PROBE)
+                batch = batch[~kmem_rows]
+            elif self.writer is not None:
+                self.writer.write(batch, EventKind.KMEM, EventKind.PROBE)
             yield batch
 
     def result(self, started: float, ended_by: str, exit_code: int | None) -> TraceResult:
         totals = self.program.percpu_array_totals("hits")
         lost = self.program.percpu_array_totals("lost")
         names = self.selection.probes
+        kmem = None
+        if self.kmem:
+            lost_allocs, lost_frees = kernel_lost(self.program)
+            kmem = KmemResult(read_kernel_totals(self.program), self.kmem_delivered,
+                              lost_allocs + lost_frees)  # fmt: skip
+            if self.writer is not None:
+                kmem.records_written = self.writer.records
+                kmem.directory = self.writer.directory
+                kmem.overrun_bytes = (
+                    lost_allocs * ALLOC_TASK_RECORD.itemsize
+                    + lost_frees * FREE_TASK_RECORD.itemsize
+                    + sum(lost[slot] * _record_size(name) for slot, name in enumerate(names))
+                )
+                self._overrun_bytes = kmem.overrun_bytes
         per_process: dict[int, dict[str, int]] = {}
         for (pid, slot), count in self.program.pair_keyed_counts("proc_hits").items():
             if slot < len(names):
@@ -185,11 +245,24 @@ class LiveTrace:
             exit_code=exit_code,
             ended_by=ended_by,
             unreadable=self.selection.unreadable(),
+            kmem=kmem,
         )
 
     def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close(self._overrun_bytes)
+            self.writer = None
         self.reader.close()
         self.program.close()
+
+
+def _record_size(probe: str) -> int:
+    """The kmemtrace record a libc probe's event becomes."""
+    if probe in LIBC_ALLOCS:
+        return ALLOC_TASK_RECORD.itemsize
+    if probe in LIBC_FREES:
+        return FREE_TASK_RECORD.itemsize
+    return PROBE_TASK_RECORD.itemsize
 
 
 def run_trace(request: TraceRequest, sink: Sink | None = None) -> TraceResult:

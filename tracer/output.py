@@ -9,10 +9,12 @@ from typing import TYPE_CHECKING, Protocol, TextIO
 import numpy as np
 
 from .events import format_value
+from .kallsyms import KernelSymbols
+from .kmem import name_sites
 from .model import ProcessState, SettingChange
 
 if TYPE_CHECKING:
-    from .live import LiveTrace, TraceResult
+    from .live import KmemResult, LiveTrace, TraceResult
 
 
 class Sink(Protocol):
@@ -96,15 +98,21 @@ def announce(trace: LiveTrace, pid: int | None) -> None:
     """Say that tracing has begun, as bpftrace says "Attaching N probes"."""
     request = trace.request
     if request.all_processes:
-        whom = "every process mapping it"
+        whom = "every process mapping it" if request.libc_probes else "every process"
     elif request.command:
         whom = f"command pid {pid}" + (" and its children" if request.follow_forks else "")
     else:
         whom = f"pid {pid}" + (" and its children" if request.follow_forks else "")
+    what = []
+    if request.libc_probes:
+        what.append(f"{len(trace.selection.probes)} probes ({len(trace.selection.layouts)} "
+                    f"sites) in {trace.selection.libc}")  # fmt: skip
+    if trace.kmem:
+        what.append("the kmem tracepoints")
+    if request.kmemtrace is not None:
+        what[-1] += f", records to {request.kmemtrace}"
     print(
-        f"mtrace-live: tracing {len(trace.selection.probes)} probes "
-        f"({len(trace.selection.layouts)} sites) in {trace.selection.libc} for {whom}; "
-        "Ctrl-C to stop",
+        f"mtrace-live: tracing {' and '.join(what)} for {whom}; Ctrl-C to stop",
         file=sys.stderr,
         flush=True,
     )
@@ -121,11 +129,10 @@ def summary_lines(result: TraceResult) -> list[str]:
     ended = f"ended by {result.ended_by}" if result.ended_by else "ended"
     if result.exit_code is not None:
         ended += f", command exit code {result.exit_code}"
-    lines = [
-        f"mtrace-live: {result.duration_s:.1f} s, {ended}",
-        f"events: {result.total_hits} in the kernel, {result.delivered} delivered, "
-        f"{result.total_lost} lost",
-    ]
+    lines = [f"mtrace-live: {result.duration_s:.1f} s, {ended}"]
+    if result.probes:
+        lines.append(f"events: {result.total_hits} in the kernel, {result.delivered} delivered, "
+                     f"{result.total_lost} lost")  # fmt: skip
     if result.lost_lifecycle:
         lines.append(f"exec/exit records lost: {result.lost_lifecycle}")
     hit = sorted(
@@ -141,6 +148,28 @@ def summary_lines(result: TraceResult) -> list[str]:
         lines.append(f"({silent} more probes attached, not hit)")
     for state in sorted(result.model.processes.values(), key=lambda p: p.pid):
         lines += process_lines(state)
+    if result.kmem is not None:
+        lines += kmem_lines(result.kmem)
+    return lines
+
+
+def kmem_lines(kmem: KmemResult, limit: int = 10) -> list[str]:
+    from mtrace_live.exporters.kmem_table import render_table
+
+    totals = kmem.totals
+    name_sites(totals.sites, KernelSymbols.load())
+    hits = sum(totals.hits.values())
+    lines = ["", f"kmem: {hits} tracepoint hits in the kernel; top call sites by bytes allocated:"]
+    lines += render_table(totals, limit)
+    if totals.untracked or totals.sites_dropped:
+        lines.append(f"kmem tables full: {totals.untracked} objects not tracked by pointer, "
+                     f"{totals.sites_dropped} updates of call sites dropped")  # fmt: skip
+    if kmem.directory is not None:
+        lines.append(
+            f"kmemtrace: {kmem.records_written} records in {kmem.directory} "
+            f"({kmem.delivered} kmem events delivered, {kmem.lost} lost; "
+            f"total_overruns {kmem.overrun_bytes} bytes)"
+        )
     return lines
 
 

@@ -75,16 +75,31 @@ def bpftrace_counts(
     so every probe is named.
     """
     attach = ",".join(f"usdt:{libc}:libc:{name}" for name in probes)
-    script = tmp / "count.bt"
-    # bpftrace prints "attached_probes" before it attaches; BEGIN runs after.
-    script.write_text(
-        f'BEGIN {{ printf("{BPFTRACE_READY}\\n"); }}\n'
+    return start_bpftrace(
         "tracepoint:task:task_newtask /pid == $1 || @follow[pid]/ {\n"
         "  if ((args->clone_flags & 0x10000) == 0) { @follow[args->pid] = 1; }\n"
         "}\n"
         f"{attach} /pid == $1 || @follow[pid]/ {{ @hits[probe] = count(); }}\n"
-        "END { clear(@follow); }\n"
+        "END { clear(@follow); }\n",
+        pid,
+        tmp,
     )
+
+
+KMEM_TRACEPOINTS = ("kmalloc", "kfree", "kmem_cache_alloc", "kmem_cache_free", "mm_page_alloc",
+                    "mm_page_free", "mm_page_free_batched")  # fmt: skip
+
+
+def bpftrace_kmem_counts(pid: int, tmp: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    """Start bpftrace counting the kmem tracepoints that fire in `pid`'s context."""
+    attach = ",".join(f"tracepoint:kmem:{name}" for name in KMEM_TRACEPOINTS)
+    return start_bpftrace(f"{attach} /pid == $1/ {{ @hits[probe] = count(); }}\n", pid, tmp)
+
+
+def start_bpftrace(body: str, pid: int, tmp: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    script = tmp / "count.bt"
+    # bpftrace prints "attached_probes" before it attaches; BEGIN runs after.
+    script.write_text(f'BEGIN {{ printf("{BPFTRACE_READY}\\n"); }}\n{body}')
     out = tmp / "bpftrace.out"
     with open(out, "wb") as sink:
         proc = subprocess.Popen(

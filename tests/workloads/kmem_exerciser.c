@@ -6,13 +6,18 @@
  * constructor and therefore never merged with another; each pipe() allocates
  * its pipe_inode_info and buffers with kmalloc.
  *
- * Usage: kmem_exerciser --sockets N --pipes M --out FILE.json
+ * Usage: kmem_exerciser --sockets N --pipes M --out FILE.json [--gated]
+ *
+ * --gated: print "ready" and wait for a line on stdin before the work, then
+ * print "done" and wait for another before exiting, so that tracers can be
+ * attached and stopped while the process is asleep (and makes no events).
  */
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 static int fail(const char *what)
@@ -21,22 +26,43 @@ static int fail(const char *what)
     return 2;
 }
 
+static void gate(const char *say)
+{
+    char line[64];
+    printf("%s\n", say);
+    fflush(stdout);
+    if (!fgets(line, sizeof line, stdin))
+        exit(3);
+}
+
 int main(int argc, char **argv)
 {
     long sockets = 0, pipes = 0;
     const char *out = NULL;
-    for (int i = 1; i + 1 < argc; i += 2) {
+    int gated = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--gated")) {
+            gated = 1;
+            continue;
+        }
+        if (i + 1 >= argc)
+            break;
         if (!strcmp(argv[i], "--sockets"))
             sockets = strtol(argv[i + 1], NULL, 10);
         else if (!strcmp(argv[i], "--pipes"))
             pipes = strtol(argv[i + 1], NULL, 10);
         else if (!strcmp(argv[i], "--out"))
             out = argv[i + 1];
+        i++;
     }
     if (!out || sockets < 0 || pipes < 0) {
         fprintf(stderr, "usage: kmem_exerciser --sockets N --pipes M --out FILE.json\n");
         return 2;
     }
+    if (gated)
+        gate("ready");
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
     for (long i = 0; i < sockets; i++) {
         int fd = socket(AF_UNIX, SOCK_DGRAM, 0);
         if (fd < 0)
@@ -50,11 +76,17 @@ int main(int argc, char **argv)
         close(fds[0]);
         close(fds[1]);
     }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    long long work_ns = (t1.tv_sec - t0.tv_sec) * 1000000000LL + (t1.tv_nsec - t0.tv_nsec);
     FILE *f = fopen(out, "w");
     if (!f)
         return fail(out);
-    fprintf(f, "{\"pid\": %d, \"sockets\": %ld, \"pipes\": %ld,\n"
+    fprintf(f, "{\"pid\": %d, \"sockets\": %ld, \"pipes\": %ld, \"work_ns\": %lld,\n"
                " \"expected\": {\"kmem_cache_alloc\": {\"sock_inode_cache\": %ld}}}\n",
-            (int)getpid(), sockets, pipes, sockets);
-    return fclose(f) ? fail(out) : 0;
+            (int)getpid(), sockets, pipes, work_ns, sockets);
+    if (fclose(f))
+        return fail(out);
+    if (gated)
+        gate("done");
+    return 0;
 }

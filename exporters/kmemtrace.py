@@ -1,0 +1,602 @@
+"""kmemtrace record sets: the 2008 kmemtrace ABI, written and read.
+
+A record set is a directory laid out as kmemtrace's debugfs directory was:
+one ``cpuN`` file of binary records per CPU, ``abi_version`` and
+``total_overruns``. mtrace-live writes ABI version 2: the 2008 records
+(version 1) byte for byte, plus new ids and a feature block, as the ABI's own
+extension rules allow. docs/kmemtrace-format.md describes every byte.
+
+Writing converts batches of ring-buffer events (tracer/events.py) with numpy;
+reading walks the records of each file in one compiled pass (numba), because
+each record's size is in its own header and no array operation can follow
+that chain.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from mtrace_live.tracer.errors import RecordSetError
+
+ABI_VERSION = 2
+READABLE_ABI_VERSIONS = (1, 2)
+CORE_SIZE = 24
+ALLOC_SIZE = 48  # core + the allocation fields
+PROBE_SIZE = 80  # core + the probe block
+FEATURE_HEADER = 3
+MAX_ARGS = 6
+
+
+class EventId(IntEnum):
+    ALLOC = 0  # 2008
+    FREE = 1  # 2008
+    PROBE = 2  # ABI 2: a libc probe hit with its arguments
+
+
+class TypeId(IntEnum):
+    KMALLOC = 0  # 2008
+    CACHE = 1  # 2008
+    PAGES = 2  # 2008
+    SBRK = 3  # ABI 2: memory_sbrk_more / memory_sbrk_less
+    HEAP = 4  # ABI 2: memory_heap_new / memory_heap_free
+    ARENA = 5  # ABI 2: memory_arena_new
+    LIBC_PROBE = 6  # ABI 2: with EventId.PROBE
+
+
+KERNEL_TYPES = (TypeId.KMALLOC, TypeId.CACHE, TypeId.PAGES)
+
+
+class FeatureId(IntEnum):
+    TASK = 1  # ABI 2: pid, tid and a CLOCK_MONOTONIC timestamp
+
+
+# libc probes written as allocation / free records: (type id, pointer arg, size arg).
+LIBC_ALLOCS = {
+    "memory_sbrk_more": TypeId.SBRK,
+    "memory_heap_new": TypeId.HEAP,
+    "memory_arena_new": TypeId.ARENA,
+}
+LIBC_FREES = {"memory_sbrk_less": TypeId.SBRK, "memory_heap_free": TypeId.HEAP}
+
+# Native byte order, packed: the layouts of docs/kmemtrace-format.md.
+_CORE = [
+    ("event_id", "u1"),
+    ("type_id", "u1"),
+    ("event_size", "=u2"),
+    ("seq", "=i4"),
+    ("call_site", "=u8"),
+    ("ptr", "=u8"),
+]
+_ALLOC = [("bytes_req", "=u8"), ("bytes_alloc", "=u8"), ("gfp_flags", "=u4"), ("target", "=i4")]
+_PROBE = [("probe", "=u2"), ("nargs", "u1"), ("reserved", "u1"), ("reserved2", "=u4"),
+          ("args", "=u8", (MAX_ARGS,))]  # fmt: skip
+_TASK = [("f_size", "=u2"), ("f_id", "u1"), ("f_reserved", "u1"), ("pid", "=u4"),
+         ("tid", "=u4"), ("f_reserved2", "=u4"), ("timestamp", "=u8")]  # fmt: skip
+TASK_FEATURE_SIZE = 24
+
+ALLOC_RECORD = np.dtype(_CORE + _ALLOC)
+FREE_RECORD = np.dtype(_CORE)
+PROBE_RECORD = np.dtype(_CORE + _PROBE)
+ALLOC_TASK_RECORD = np.dtype(_CORE + _ALLOC + _TASK)
+FREE_TASK_RECORD = np.dtype(_CORE + _TASK)
+PROBE_TASK_RECORD = np.dtype(_CORE + _PROBE + _TASK)
+assert (FREE_RECORD.itemsize, ALLOC_RECORD.itemsize, PROBE_RECORD.itemsize) == (24, 48, 80)
+assert PROBE_TASK_RECORD.itemsize == PROBE_SIZE + TASK_FEATURE_SIZE
+
+# Files of a record set besides cpuN.
+ABI_FILE = "abi_version"
+OVERRUNS_FILE = "total_overruns"
+CPUS_FILE = "cpus"  # ABI 2: the cpuN files written, "0-1"
+KALLSYMS_FILE = "kallsyms"  # ABI 2: /proc/kallsyms at record time
+PROBES_FILE = "libc_probes"  # ABI 2: probe names, line i = probe number i
+NODES_FILE = "cpu_nodes"  # ABI 2: "cpu node" per line
+
+
+def possible_cpus() -> list[int]:
+    return parse_cpu_list(Path("/sys/devices/system/cpu/possible").read_text())
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """ "0-3,5" -> [0, 1, 2, 3, 5]."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        cpus.extend(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def _cpu_nodes() -> str:
+    lines = []
+    for node_dir in sorted(Path("/sys/devices/system/node").glob("node[0-9]*")):
+        try:
+            cpus = parse_cpu_list((node_dir / "cpulist").read_text())
+        except (OSError, ValueError):
+            continue
+        lines += [f"{cpu} {node_dir.name[4:]}" for cpu in cpus]
+    return "".join(f"{line}\n" for line in sorted(lines, key=lambda s: int(s.split()[0])))
+
+
+# ---- writing ----------------------------------------------------------------
+
+
+@dataclass
+class Encoded:
+    """One batch as bytes per CPU file, and how many records of each kind."""
+
+    per_cpu: dict[int, bytes]
+    records: int
+    next_seq: int
+
+
+def encode(
+    batch: np.ndarray,
+    seq: int,
+    libc_probes: Sequence[str],
+    kmem_kind: int,
+    probe_kind: int,
+    page_shift: int = 12,
+) -> Encoded:
+    """Turn ring events (tracer.events.EVENT_DTYPE) into kmemtrace records.
+
+    Sequence numbers follow the rows' order, which is the order the kernel
+    reserved them in mtrace-live's single ring buffer: one total order across
+    CPUs. ``kmem_kind`` and ``probe_kind`` are EventKind values."""
+    rows = batch[(batch["kind"] == kmem_kind) | (batch["kind"] == probe_kind)]
+    n = len(rows)
+    if n == 0:
+        return Encoded({}, 0, seq)
+    seqs = ((np.arange(n, dtype=np.int64) + seq) & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
+    kmem = rows["kind"] == kmem_kind
+    event_number = rows["probe"].astype(np.int64)
+    args = rows["args"]
+
+    # Classify every row: event id, type id, pointer, sizes.
+    event_id = np.full(n, EventId.PROBE, dtype=np.uint8)
+    type_id = np.full(n, TypeId.LIBC_PROBE, dtype=np.uint8)
+    ptr = np.zeros(n, dtype=np.uint64)
+    req = np.zeros(n, dtype=np.uint64)
+    alloc = np.zeros(n, dtype=np.uint64)
+    gfp = np.zeros(n, dtype=np.uint32)
+    target = np.full(n, -1, dtype=np.int32)
+
+    kfree = kmem & np.isin(event_number, (1, 3, 5, 6))
+    event_id[kmem] = np.where(kfree[kmem], EventId.FREE, EventId.ALLOC)
+    type_id[kmem] = rows["site"][kmem].astype(np.uint8)  # enum kmem_type: kmemtrace's ids
+    pages = kmem & (type_id == TypeId.PAGES)
+    ptr[kmem] = args[kmem, 0]
+    ptr[pages] = args[pages, 0] << np.uint64(page_shift)
+    req[kmem] = args[kmem, 1]
+    alloc[kmem] = args[kmem, 2]
+    gfp[kmem] = args[kmem, 3].astype(np.uint32)
+    target[kmem] = args[kmem, 4].astype(np.int64).astype(np.int32)
+
+    libc = ~kmem
+    for table, eid in ((LIBC_ALLOCS, EventId.ALLOC), (LIBC_FREES, EventId.FREE)):
+        for name, tid in table.items():
+            if name not in libc_probes:
+                continue
+            hit = libc & (event_number == libc_probes.index(name))
+            event_id[hit] = eid
+            type_id[hit] = tid
+            ptr[hit] = args[hit, 0]
+            if eid == EventId.ALLOC:
+                req[hit] = alloc[hit] = args[hit, 1]
+
+    out = np.zeros((n, PROBE_TASK_RECORD.itemsize), dtype=np.uint8)
+    sizes = np.empty(n, dtype=np.int64)
+    for eid, dtype in (
+        (EventId.ALLOC, ALLOC_TASK_RECORD),
+        (EventId.FREE, FREE_TASK_RECORD),
+        (EventId.PROBE, PROBE_TASK_RECORD),
+    ):
+        pick = np.flatnonzero(event_id == eid)
+        if len(pick) == 0:
+            continue
+        rec = np.zeros(len(pick), dtype=dtype)
+        rec["event_id"] = eid
+        rec["type_id"] = type_id[pick]
+        rec["event_size"] = dtype.itemsize
+        rec["seq"] = seqs[pick]
+        rec["call_site"] = rows["ip"][pick]
+        rec["ptr"] = ptr[pick]
+        if eid == EventId.ALLOC:
+            rec["bytes_req"] = req[pick]
+            rec["bytes_alloc"] = alloc[pick]
+            rec["gfp_flags"] = gfp[pick]
+            rec["target"] = target[pick]
+        if eid == EventId.PROBE:
+            rec["probe"] = event_number[pick]
+            rec["nargs"] = rows["nargs"][pick]
+            rec["args"] = args[pick]
+        rec["f_size"] = TASK_FEATURE_SIZE
+        rec["f_id"] = FeatureId.TASK
+        rec["pid"] = rows["tgid"][pick]
+        rec["tid"] = rows["tid"][pick]
+        rec["timestamp"] = rows["ts"][pick]
+        out[pick, : dtype.itemsize] = rec.view(np.uint8).reshape(len(pick), dtype.itemsize)
+        sizes[pick] = dtype.itemsize
+
+    columns = np.arange(out.shape[1])
+    per_cpu = {}
+    cpus = rows["cpu"]
+    for cpu in np.unique(cpus):
+        mine = cpus == cpu
+        per_cpu[int(cpu)] = out[mine][columns < sizes[mine, None]].tobytes()
+    return Encoded(per_cpu, n, seq + n)
+
+
+class KmemtraceWriter:
+    """Appends records to a record set directory as batches arrive."""
+
+    def __init__(self, directory: Path, libc_probes: Sequence[str], kallsyms: str) -> None:
+        self.directory = directory
+        self.libc_probes = list(libc_probes)
+        self.records = 0
+        self.bytes = 0
+        self._seq = 0
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            stale = [p.name for p in directory.iterdir() if p.name.startswith("cpu")]
+            if stale:
+                raise RecordSetError(
+                    f"{directory} already holds a record set ({stale[0]}); give a new directory"
+                )
+            self.cpus = possible_cpus()
+            self._files = {cpu: open(directory / f"cpu{cpu}", "wb") for cpu in self.cpus}  # noqa: SIM115
+            (directory / ABI_FILE).write_text(f"{ABI_VERSION}\n")
+            (directory / CPUS_FILE).write_text(f"{self.cpus[0]}-{self.cpus[-1]}\n")
+            (directory / PROBES_FILE).write_text("".join(f"{p}\n" for p in self.libc_probes))
+            (directory / NODES_FILE).write_text(_cpu_nodes())
+            (directory / KALLSYMS_FILE).write_text(kallsyms)
+        except OSError as exc:
+            raise RecordSetError(f"cannot write the record set {directory}: {exc}") from None
+
+    def write(self, batch: np.ndarray, kmem_kind: int, probe_kind: int) -> None:
+        encoded = encode(batch, self._seq, self.libc_probes, kmem_kind, probe_kind)
+        self._seq = encoded.next_seq
+        self.records += encoded.records
+        for cpu, data in encoded.per_cpu.items():
+            self._files[cpu].write(data)
+            self.bytes += len(data)
+
+    def close(self, overrun_bytes: int) -> None:
+        for handle in self._files.values():
+            handle.close()
+        (self.directory / OVERRUNS_FILE).write_text(f"{overrun_bytes}\n")
+
+
+# ---- reading ----------------------------------------------------------------
+
+# One decoded record; args only mean something for EventId.PROBE.
+DECODED = np.dtype(
+    [
+        ("seq", "<i8"),  # unwrapped, then made global across files
+        ("call_site", "<u8"),
+        ("ptr", "<u8"),
+        ("bytes_req", "<u8"),
+        ("bytes_alloc", "<u8"),
+        ("timestamp", "<u8"),
+        ("pid", "<u4"),
+        ("tid", "<u4"),
+        ("gfp_flags", "<u4"),
+        ("target", "<i4"),
+        ("probe", "<u2"),
+        ("cpu", "<u2"),
+        ("event_id", "u1"),
+        ("type_id", "u1"),
+        ("has_task", "u1"),
+        ("pad", "u1"),
+    ]
+)
+
+# Why a file's walk stopped (the scanner's status codes).
+_OK, _TRUNCATED, _BAD_SIZE = 0, 1, 2
+# Counters the scanner keeps of records it skipped.
+SKIP_REASONS = ("unknown event id", "unknown type id", "allocation shorter than 48 bytes",
+                "bad feature block")  # fmt: skip
+
+
+@dataclass
+class RecordSet:
+    directory: Path
+    abi_version: int
+    records: np.ndarray  # DECODED, ordered by sequence number
+    args: (
+        np.ndarray
+    )  # (probe records, 6) uint64: the arguments of the EventId.PROBE records, in order
+    skipped: dict[str, int] = field(default_factory=dict)
+    damage: list[str] = field(default_factory=list)  # one line per damaged file
+    total_overruns: int | None = None
+    libc_probes: list[str] = field(default_factory=list)
+    kallsyms: str | None = None
+    cpu_nodes: dict[int, int] = field(default_factory=dict)
+    bytes_read: int = 0
+
+
+def _scanner() -> Any:
+    """Compile the record walker once, on first use (numba's import and
+    compile cost nothing to commands that never read records)."""
+    import numba
+
+    @numba.njit(inline="always")
+    def u16(buf, o, big):  # type: ignore[no-untyped-def]
+        if big:
+            return (np.uint64(buf[o]) << np.uint64(8)) | np.uint64(buf[o + 1])
+        return np.uint64(buf[o]) | (np.uint64(buf[o + 1]) << np.uint64(8))
+
+    @numba.njit(inline="always")
+    def uint(buf, o, width, big):  # type: ignore[no-untyped-def]
+        v = np.uint64(0)
+        for k in range(width):
+            shift = np.uint64(8 * (width - 1 - k)) if big else np.uint64(8 * k)
+            v |= np.uint64(buf[o + k]) << shift
+        return v
+
+    def scan(buf, big, cpu, out, args, skipped):  # type: ignore[no-untyped-def]
+        n = buf.shape[0]
+        o = 0
+        k = 0
+        p = 0
+        while o < n:
+            if n - o < 4:
+                return k, p, o, 1
+            size = int(u16(buf, o + 2, big))
+            if size < 24:
+                return k, p, o, 2
+            if o + size > n:
+                return k, p, o, 1
+            eid = buf[o]
+            tid = buf[o + 1]
+            if eid > 2:
+                skipped[0] += 1
+                o += size
+                continue
+            if (eid < 2 and tid > 5) or (eid == 2 and tid != 6):
+                skipped[1] += 1
+                o += size
+                continue
+            if eid == 0 and size < 48:
+                skipped[2] += 1
+                o += size
+                continue
+            if eid == 2 and size < 80:
+                skipped[2] += 1
+                o += size
+                continue
+            r = out[k]
+            r.event_id = eid
+            r.type_id = tid
+            r.cpu = cpu
+            r.seq = np.int64(np.int32(np.uint32(uint(buf, o + 4, 4, big))))
+            r.call_site = uint(buf, o + 8, 8, big)
+            r.ptr = uint(buf, o + 16, 8, big)
+            r.bytes_req = 0
+            r.bytes_alloc = 0
+            r.gfp_flags = 0
+            r.target = -1
+            r.probe = 0
+            r.has_task = 0
+            r.pid = 0
+            r.tid = 0
+            r.timestamp = 0
+            body = 24
+            if eid == 0:
+                r.bytes_req = uint(buf, o + 24, 8, big)
+                r.bytes_alloc = uint(buf, o + 32, 8, big)
+                r.gfp_flags = np.uint32(uint(buf, o + 40, 4, big))
+                r.target = np.int32(np.uint32(uint(buf, o + 44, 4, big)))
+                body = 48
+            elif eid == 2:
+                r.probe = np.uint16(u16(buf, o + 24, big))
+                for a in range(6):
+                    args[p, a] = uint(buf, o + 32 + 8 * a, 8, big)
+                p += 1
+                body = 80
+            f = o + body
+            end = o + size
+            while f + 3 <= end:
+                fsize = int(u16(buf, f, big))
+                if fsize < 3 or f + fsize > end:
+                    skipped[3] += 1
+                    break
+                if buf[f + 2] == 1 and fsize >= 24:
+                    r.has_task = 1
+                    r.pid = np.uint32(uint(buf, f + 4, 4, big))
+                    r.tid = np.uint32(uint(buf, f + 8, 4, big))
+                    r.timestamp = uint(buf, f + 16, 8, big)
+                f += fsize
+            k += 1
+            o += size
+        return k, p, o, 0
+
+    try:
+        return numba.njit(cache=True, nogil=True)(scan)
+    except RuntimeError:  # no writable cache directory: compile each run
+        return numba.njit(nogil=True)(scan)
+
+
+_SCAN: Any = None
+
+
+def _scan_file(
+    data: np.ndarray, big: bool, cpu: int, out: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, int, int, list[int]]:
+    """Decode one file's records into ``out`` (room for len(data) // 24)."""
+    global _SCAN
+    if _SCAN is None:
+        _SCAN = _scanner()
+    args = np.empty((len(data) // PROBE_SIZE + 1, MAX_ARGS), dtype=np.uint64)
+    skipped = np.zeros(len(SKIP_REASONS), dtype=np.int64)
+    count, probes, offset, status = _SCAN(data, big, cpu, out, args, skipped)
+    return out[:count], args[:probes], int(offset), int(status), [int(s) for s in skipped]
+
+
+def unwrap(seq32: np.ndarray) -> np.ndarray:
+    """32-bit sequence numbers in file order -> int64, wraparound undone:
+    consecutive records are taken to be less than 2**31 apart."""
+    if len(seq32) == 0:
+        return seq32.astype(np.int64)
+    steps = np.diff(seq32.astype(np.int64)).astype(np.int64)
+    steps = ((steps + 2**31) % 2**32) - 2**31
+    unwrapped: np.ndarray = seq32[0].astype(np.int64) + np.concatenate(([0], np.cumsum(steps)))
+    return unwrapped
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="ascii", errors="replace")
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise RecordSetError(f"cannot read {path}: {exc.strerror}") from None
+
+
+_CPU_FILE = re.compile(r"cpu(\d+)(?:\.out)?")  # kmemtrace-user's kmemtraced wrote cpuN.out
+
+
+def cpu_files(directory: Path) -> dict[int, Path]:
+    files = {}
+    for path in directory.iterdir():
+        match = _CPU_FILE.fullmatch(path.name)
+        if match and path.is_file():
+            files[int(match[1])] = path
+    return files
+
+
+def read_record_set(path: Path, big_endian: bool | None = None) -> RecordSet:
+    """Read every cpuN file of a record set (or, given one cpuN file, that
+    file with its directory's abi_version), ordered by sequence number.
+
+    Problems that leave the set unusable raise RecordSetError. A damaged file
+    (a truncated record, an event size below the core's) keeps every record
+    before the damage and adds a line to ``damage``; unknown ids are skipped
+    by their event size and counted."""
+    if path.is_file():
+        directory = path.parent
+        match = _CPU_FILE.fullmatch(path.name)
+        if match is None:
+            raise RecordSetError(f"{path} is not a kmemtrace cpuN file")
+        files = {int(match[1]): path}
+    elif path.is_dir():
+        directory = path
+        files = cpu_files(directory)
+    else:
+        raise RecordSetError(f"{path} does not exist")
+    abi_text = _read_text(directory / ABI_FILE)
+    if not files:
+        raise RecordSetError(f"{directory} is not a kmemtrace record set: it has no cpuN files")
+    if abi_text is None:
+        raise RecordSetError(f"{directory / ABI_FILE} is missing; cannot tell the record ABI")
+    try:
+        abi = int(abi_text.strip())
+    except ValueError:
+        raise RecordSetError(
+            f"{directory / ABI_FILE}: {abi_text.strip()[:40]!r} is not an ABI version"
+        ) from None
+    if abi not in READABLE_ABI_VERSIONS:
+        raise RecordSetError(
+            f"{directory / ABI_FILE}: ABI version {abi} is unknown (this reader knows "
+            f"{', '.join(map(str, READABLE_ABI_VERSIONS))})"
+        )
+    cpus_text = _read_text(directory / CPUS_FILE) if path.is_dir() else None
+    try:
+        expected = parse_cpu_list(cpus_text) if cpus_text else sorted(files)
+    except ValueError:
+        raise RecordSetError(f"{directory / CPUS_FILE}: not a CPU list") from None
+    if not cpus_text:
+        expected = list(range(min(files), max(files) + 1))
+    missing = [cpu for cpu in expected if cpu not in files]
+    if missing:
+        raise RecordSetError(f"{directory} lacks the file cpu{missing[0]} of CPU {missing[0]}")
+    big = sys.byteorder == "big" if big_endian is None else big_endian
+
+    parts = []
+    arg_parts = []
+    skipped = dict.fromkeys(SKIP_REASONS, 0)
+    damage = []
+    total_bytes = 0
+    sizes = {cpu: path.stat().st_size for cpu, path in files.items()}
+    # One buffer for every file's records, so that merging needs no concatenation.
+    decoded = np.empty(sum(size // CORE_SIZE for size in sizes.values()), dtype=DECODED)
+    used = 0
+    for cpu in sorted(files):
+        path = files[cpu]
+        try:
+            data = np.fromfile(path, dtype=np.uint8)
+        except OSError as exc:
+            raise RecordSetError(f"cannot read {path}: {exc.strerror}") from None
+        total_bytes += len(data)
+        room = decoded[used : used + len(data) // CORE_SIZE]
+        records, args, offset, status, skips = _scan_file(data, big, cpu, room)
+        used += len(records)
+        for reason, count in zip(SKIP_REASONS, skips, strict=True):
+            skipped[reason] += count
+        if status == _TRUNCATED:
+            damage.append(
+                f"{path}: truncated record at offset {offset} ({len(data) - offset} bytes left); "
+                f"the {len(records)} records before it were read"
+            )
+        elif status == _BAD_SIZE:
+            damage.append(
+                f"{path}: event size below {CORE_SIZE} at offset {offset}; the rest of the file "
+                f"cannot be walked; the {len(records)} records before it were read"
+            )
+        records["seq"] = unwrap(records["seq"].astype(np.int32))
+        parts.append(records)
+        arg_parts.append(args)
+
+    records, args = _merge(decoded[:used], parts, arg_parts)
+    overruns_text = _read_text(directory / OVERRUNS_FILE)
+    probes_text = _read_text(directory / PROBES_FILE)
+    nodes = {}
+    for line in (_read_text(directory / NODES_FILE) or "").splitlines():
+        cpu_text, _, node_text = line.partition(" ")
+        if cpu_text.isdigit() and node_text.strip().isdigit():
+            nodes[int(cpu_text)] = int(node_text)
+    return RecordSet(
+        directory=directory,
+        abi_version=abi,
+        records=records,
+        args=args,
+        skipped={k: v for k, v in skipped.items() if v},
+        damage=damage,
+        total_overruns=int(overruns_text)
+        if overruns_text and overruns_text.strip().isdigit()
+        else None,
+        libc_probes=probes_text.splitlines() if probes_text else [],
+        kallsyms=_read_text(directory / KALLSYMS_FILE),
+        cpu_nodes=nodes,
+        bytes_read=total_bytes,
+    )
+
+
+def _merge(
+    decoded: np.ndarray, parts: list[np.ndarray], arg_parts: list[np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+    """All files' records in one sequence order. Each file's numbers are
+    already unwrapped; they are put on one scale by unwrapping each file's
+    first number against the first file's."""
+    nonempty = [i for i, part in enumerate(parts) if len(part)]
+    if not nonempty:
+        return np.empty(0, dtype=DECODED), np.zeros((0, MAX_ARGS), dtype=np.uint64)
+    base = int(parts[nonempty[0]]["seq"][0])
+    for i in nonempty:
+        first = int(parts[i]["seq"][0])
+        delta = ((first - base + 2**31) % 2**32) - 2**31
+        parts[i]["seq"] += base + delta - first
+    order = np.argsort(decoded["seq"], kind="stable")
+    # Whole rows as plain words: numpy copies structured rows field by field.
+    words = decoded.view(np.uint64).reshape(len(decoded), DECODED.itemsize // 8)
+    records = words[order].reshape(-1).view(DECODED)
+    args = np.concatenate(arg_parts)
+    probe_seq = np.concatenate([p["seq"][p["event_id"] == EventId.PROBE] for p in parts])
+    return records, args[np.argsort(probe_seq, kind="stable")]

@@ -1,0 +1,71 @@
+"""Kernel addresses to ``function+0xoffset [module]``, from a kallsyms text.
+
+``record`` saves /proc/kallsyms beside the records, so that ``report`` names
+call sites on any machine, or where /proc/kallsyms is unreadable.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+KALLSYMS = Path("/proc/kallsyms")
+_TEXT_TYPES = frozenset("tTwW")
+
+
+class KernelSymbols:
+    def __init__(self, text: str) -> None:
+        addresses = []
+        names = []
+        for line in text.splitlines():
+            parts = line.split()
+            if len(parts) < 3 or parts[1] not in _TEXT_TYPES:
+                continue
+            try:
+                address = int(parts[0], 16)
+            except ValueError:
+                continue
+            if address == 0:
+                continue  # kptr_restrict hid the addresses
+            module = f" {parts[3]}" if len(parts) > 3 else ""
+            addresses.append(address)
+            names.append(parts[2] + module)
+        order = np.argsort(np.array(addresses, dtype=np.uint64), kind="stable")
+        self._addresses = np.array(addresses, dtype=np.uint64)[order]
+        self._names = [names[i] for i in order]
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    @classmethod
+    def load(cls, path: Path = KALLSYMS) -> KernelSymbols:
+        try:
+            return cls(path.read_text(encoding="ascii", errors="replace"))
+        except OSError:
+            return cls("")
+
+    def function(self, address: int) -> tuple[str, int, str] | None:
+        """(function, offset, "[module]" or "") for a text address, or None."""
+        if not self._names or address == 0:
+            return None
+        index = int(np.searchsorted(self._addresses, np.uint64(address), side="right")) - 1
+        if index < 0:
+            return None
+        name, _, module = self._names[index].partition(" ")
+        return name, address - int(self._addresses[index]), module
+
+    def describe(self, address: int) -> str:
+        found = self.function(address)
+        if found is None:
+            return f"{address:#x}"
+        name, offset, module = found
+        return f"{name}+{offset:#x}" + (f" {module}" if module else "")
+
+
+def saved_text() -> str:
+    """The live kallsyms, for saving beside records ("" if unreadable)."""
+    try:
+        return KALLSYMS.read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return ""
