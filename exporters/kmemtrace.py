@@ -309,7 +309,7 @@ SKIP_REASONS = ("unknown event id", "unknown type id", "allocation shorter than 
 class RecordSet:
     directory: Path
     abi_version: int
-    records: np.ndarray  # DECODED, ordered by sequence number
+    unordered: np.ndarray  # DECODED, file by file; sequence numbers on one scale
     args: (
         np.ndarray
     )  # (probe records, 6) uint64: the arguments of the EventId.PROBE records, in order
@@ -320,6 +320,18 @@ class RecordSet:
     kallsyms: str | None = None
     cpu_nodes: dict[int, int] = field(default_factory=dict)
     bytes_read: int = 0
+    _ordered: np.ndarray | None = None
+
+    @property
+    def records(self) -> np.ndarray:
+        """Every record, ordered by sequence number (sorted on first use:
+        analyses that sort anyway work on ``unordered``)."""
+        if self._ordered is None:
+            order = np.argsort(self.unordered["seq"], kind="stable")
+            # Whole rows as plain words: numpy copies structured rows field by field.
+            words = self.unordered.view(np.uint64).reshape(-1, DECODED.itemsize // 8)
+            self._ordered = words[order].reshape(-1).view(DECODED)
+        return self._ordered
 
 
 def _scanner() -> Any:
@@ -554,7 +566,7 @@ def read_record_set(path: Path, big_endian: bool | None = None) -> RecordSet:
         parts.append(records)
         arg_parts.append(args)
 
-    records, args = _merge(decoded[:used], parts, arg_parts)
+    args = _one_scale(parts, arg_parts)
     overruns_text = _read_text(directory / OVERRUNS_FILE)
     probes_text = _read_text(directory / PROBES_FILE)
     nodes = {}
@@ -565,7 +577,7 @@ def read_record_set(path: Path, big_endian: bool | None = None) -> RecordSet:
     return RecordSet(
         directory=directory,
         abi_version=abi,
-        records=records,
+        unordered=decoded[:used],
         args=args,
         skipped={k: v for k, v in skipped.items() if v},
         damage=damage,
@@ -579,24 +591,18 @@ def read_record_set(path: Path, big_endian: bool | None = None) -> RecordSet:
     )
 
 
-def _merge(
-    decoded: np.ndarray, parts: list[np.ndarray], arg_parts: list[np.ndarray]
-) -> tuple[np.ndarray, np.ndarray]:
-    """All files' records in one sequence order. Each file's numbers are
-    already unwrapped; they are put on one scale by unwrapping each file's
-    first number against the first file's."""
-    nonempty = [i for i, part in enumerate(parts) if len(part)]
+def _one_scale(parts: list[np.ndarray], arg_parts: list[np.ndarray]) -> np.ndarray:
+    """Put every file's (already unwrapped) sequence numbers on one scale, by
+    unwrapping each file's first number against the first file's; return
+    the probe records' arguments in sequence order."""
+    nonempty = [part for part in parts if len(part)]
     if not nonempty:
-        return np.empty(0, dtype=DECODED), np.zeros((0, MAX_ARGS), dtype=np.uint64)
-    base = int(parts[nonempty[0]]["seq"][0])
-    for i in nonempty:
-        first = int(parts[i]["seq"][0])
+        return np.zeros((0, MAX_ARGS), dtype=np.uint64)
+    base = int(nonempty[0]["seq"][0])
+    for part in nonempty:
+        first = int(part["seq"][0])
         delta = ((first - base + 2**31) % 2**32) - 2**31
-        parts[i]["seq"] += base + delta - first
-    order = np.argsort(decoded["seq"], kind="stable")
-    # Whole rows as plain words: numpy copies structured rows field by field.
-    words = decoded.view(np.uint64).reshape(len(decoded), DECODED.itemsize // 8)
-    records = words[order].reshape(-1).view(DECODED)
+        part["seq"] += base + delta - first
     args = np.concatenate(arg_parts)
     probe_seq = np.concatenate([p["seq"][p["event_id"] == EventId.PROBE] for p in parts])
-    return records, args[np.argsort(probe_seq, kind="stable")]
+    return args[np.argsort(probe_seq, kind="stable")]

@@ -49,7 +49,7 @@ class Report:
         return {
             "record_set": str(rs.directory),
             "abi_version": rs.abi_version,
-            "records": len(rs.records),
+            "records": len(rs.unordered),
             "bytes": rs.bytes_read,
             "total_overruns": rs.total_overruns,
             "skipped": rs.skipped,
@@ -79,14 +79,14 @@ def _sum(group: np.ndarray, n: int, values: np.ndarray | None = None) -> np.ndar
 
 
 def analyse(rs: RecordSet, symbols: KernelSymbols | None = None) -> Report:
-    recs = rs.records
-    kernel = recs[np.isin(recs["type_id"], KERNEL_TYPES) & (recs["event_id"] <= EventId.FREE)]
+    recs = rs.unordered
+    kernel = recs[(recs["type_id"] <= max(KERNEL_TYPES)) & (recs["event_id"] <= EventId.FREE)]
     is_alloc = kernel["event_id"] == EventId.ALLOC
     findings = Findings()
 
     # Match frees to allocations: per pointer, in sequence order, a free
     # belongs to the allocation right before it.
-    order = np.argsort(kernel["ptr"], kind="stable")
+    order = np.lexsort((kernel["seq"], kernel["ptr"]))
     k = kernel[order]
     alloc_k = is_alloc[order]
     same_ptr = np.zeros(len(k), dtype=bool)
@@ -182,7 +182,7 @@ def _libc_totals(recs: np.ndarray) -> dict[str, dict[str, int]]:
 
 
 def _probe_hits(rs: RecordSet) -> dict[str, int]:
-    probes = rs.records["probe"][rs.records["event_id"] == EventId.PROBE]
+    probes = rs.unordered["probe"][rs.unordered["event_id"] == EventId.PROBE]
     numbers, counts = np.unique(probes, return_counts=True)
     names = rs.libc_probes
     return {
@@ -195,10 +195,10 @@ def render_text(report: Report, limit: int | None, sort: str) -> list[str]:
     from mtrace_live.exporters.kmem_table import render_orders, render_table
 
     rs = report.records
-    cpus = len(np.unique(rs.records["cpu"])) if len(rs.records) else 0
+    cpus = len(np.unique(rs.unordered["cpu"])) if len(rs.unordered) else 0
     overruns = "unknown" if rs.total_overruns is None else str(rs.total_overruns)
     lines = [
-        f"record set {rs.directory}: ABI {rs.abi_version}, {len(rs.records)} records "
+        f"record set {rs.directory}: ABI {rs.abi_version}, {len(rs.unordered)} records "
         f"({rs.bytes_read} bytes, from {cpus} CPUs), total_overruns {overruns}"
     ]
     lines += [f"skipped: {count} ({reason})" for reason, count in rs.skipped.items()]

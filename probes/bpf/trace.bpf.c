@@ -561,22 +561,30 @@ static __always_inline void count_order(u32 order, int freed)
         o->allocs++;
 }
 
+/* The allocation tracepoints share their fields; node is the variant's. */
+#define ALLOC_FROM_ARGS(event, type, node)                                                    \
+    on_kmem_alloc(event, type, args->call_site, (u64)args->ptr, args->bytes_req,           \
+                  args->bytes_alloc, args->gfp_flags, node, 0)
+#if KMALLOC_HAS_NODE
+#define KMALLOC_NODE args->node
+#else
+#define KMALLOC_NODE -1
+#endif
+#if CACHE_ALLOC_HAS_NODE
+#define CACHE_ALLOC_NODE args->node
+#else
+#define CACHE_ALLOC_NODE -1
+#endif
+
 TRACEPOINT_PROBE(kmem, kmalloc)
 {
-#if KMALLOC_HAS_NODE
-    s64 node = args->node;
-#else
-    s64 node = -1;
-#endif
-    return on_kmem_alloc(KM_KMALLOC, KT_KMALLOC, args->call_site, (u64)args->ptr,
-                         args->bytes_req, args->bytes_alloc, args->gfp_flags, node, 0);
+    return ALLOC_FROM_ARGS(KM_KMALLOC, KT_KMALLOC, KMALLOC_NODE);
 }
 
 #if HAVE_KMALLOC_NODE
 TRACEPOINT_PROBE(kmem, kmalloc_node)
 {
-    return on_kmem_alloc(KM_KMALLOC, KT_KMALLOC, args->call_site, (u64)args->ptr,
-                         args->bytes_req, args->bytes_alloc, args->gfp_flags, args->node, 0);
+    return ALLOC_FROM_ARGS(KM_KMALLOC, KT_KMALLOC, args->node);
 }
 #endif
 
@@ -587,11 +595,6 @@ TRACEPOINT_PROBE(kmem, kfree)
 
 TRACEPOINT_PROBE(kmem, kmem_cache_alloc)
 {
-#if CACHE_ALLOC_HAS_NODE
-    s64 node = args->node;
-#else
-    s64 node = -1;
-#endif
 #if HAVE_CACHE_NAME
     /* Not every kernel's format has the "name" field (6.18 has it). */
     if (!kmem_gate_closed() && tgid_is_followed(bpf_get_current_pid_tgid() >> 32)) {
@@ -600,15 +603,13 @@ TRACEPOINT_PROBE(kmem, kmem_cache_alloc)
         cache_allocs.increment(key);
     }
 #endif
-    return on_kmem_alloc(KM_KMEM_CACHE_ALLOC, KT_CACHE, args->call_site, (u64)args->ptr,
-                         args->bytes_req, args->bytes_alloc, args->gfp_flags, node, 0);
+    return ALLOC_FROM_ARGS(KM_KMEM_CACHE_ALLOC, KT_CACHE, CACHE_ALLOC_NODE);
 }
 
 #if HAVE_CACHE_ALLOC_NODE
 TRACEPOINT_PROBE(kmem, kmem_cache_alloc_node)
 {
-    return on_kmem_alloc(KM_KMEM_CACHE_ALLOC, KT_CACHE, args->call_site, (u64)args->ptr,
-                         args->bytes_req, args->bytes_alloc, args->gfp_flags, args->node, 0);
+    return ALLOC_FROM_ARGS(KM_KMEM_CACHE_ALLOC, KT_CACHE, args->node);
 }
 #endif
 

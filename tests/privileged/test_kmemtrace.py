@@ -236,7 +236,7 @@ def test_kmemtrace_while_tracing_libc_writes_the_probes_events_as_records(
             str(probe_exerciser),
             "--out",
             str(truth_file),
-        ],  # fmt: skip
+        ],
         capture_output=True,
         text=True,
         timeout=300,
