@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 from mtrace_live.tracer.errors import RecordSetError
+from mtrace_live.tracer.kmem import KMEM_FREE_EVENTS
 
 ABI_VERSION = 2
 READABLE_ABI_VERSIONS = (1, 2)
@@ -168,7 +169,7 @@ def encode(
     gfp = np.zeros(n, dtype=np.uint32)
     target = np.full(n, -1, dtype=np.int32)
 
-    kfree = kmem & np.isin(event_number, (1, 3, 5, 6))
+    kfree = kmem & np.isin(event_number, tuple(KMEM_FREE_EVENTS))
     event_id[kmem] = np.where(kfree[kmem], EventId.FREE, EventId.ALLOC)
     type_id[kmem] = rows["site"][kmem].astype(np.uint8)  # enum kmem_type: kmemtrace's ids
     pages = kmem & (type_id == TypeId.PAGES)
@@ -245,10 +246,11 @@ class KmemtraceWriter:
         self._seq = 0
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            stale = [p.name for p in directory.iterdir() if p.name.startswith("cpu")]
+            stale = sorted(cpu_files(directory).values())
             if stale:
                 raise RecordSetError(
-                    f"{directory} already holds a record set ({stale[0]}); give a new directory"
+                    f"{directory} already holds a record set ({stale[0].name}); "
+                    "give a new directory"
                 )
             self.cpus = possible_cpus()
             self._files = {cpu: open(directory / f"cpu{cpu}", "wb") for cpu in self.cpus}  # noqa: SIM115

@@ -24,7 +24,7 @@ KMEM_EVENTS = (
     "mm_page_free",
     "mm_page_free_batched",
 )
-KMEM_FREE_EVENTS = frozenset({1, 3, 5, 6})
+KMEM_FREE_EVENTS = frozenset(i for i, name in enumerate(KMEM_EVENTS) if "free" in name)
 
 
 class KmemType(IntEnum):

@@ -199,14 +199,12 @@ class LiveTrace:
             if len(batch) == 0:
                 return
             self.delivered += int(np.count_nonzero(batch["kind"] == EventKind.PROBE))
+            if self.writer is not None:
+                self.writer.write(batch, EventKind.KMEM, EventKind.PROBE)
             if self.kmem:
                 kmem_rows = batch["kind"] == EventKind.KMEM
                 self.kmem_delivered += int(np.count_nonzero(kmem_rows))
-                if self.writer is not None:
-                    self.writer.write(batch, EventKind.KMEM, EventKind.PROBE)
                 batch = batch[~kmem_rows]
-            elif self.writer is not None:
-                self.writer.write(batch, EventKind.KMEM, EventKind.PROBE)
             yield batch
 
     def result(self, started: float, ended_by: str, exit_code: int | None) -> TraceResult:

@@ -519,6 +519,18 @@ static __always_inline int on_kmem_alloc(u32 event, u32 type, u64 call_site, u64
     return 0;
 }
 
+static __always_inline void count_order(u32 order, int freed)
+{
+    struct order_stats *o = page_orders.lookup(&order);
+    if (!o)
+        return;
+    if (freed)
+        o->frees++;
+    else
+        o->allocs++;
+}
+
+/* For pages (type KT_PAGES), order is counted per order too. */
 static __always_inline int on_kmem_free(u32 event, u32 type, u64 call_site, u64 ptr, u64 order)
 {
     if (kmem_gate_closed())
@@ -545,21 +557,13 @@ static __always_inline int on_kmem_free(u32 event, u32 type, u64 call_site, u64 
                 s->unknown_frees++;
         }
     }
+    if (type == KT_PAGES)
+        count_order(order, 1);
     kmem_hits.increment(event);
     kmem_event(event, type, call_site, ptr, 0, 0, 0, -1, order, 1);
     return 0;
 }
 
-static __always_inline void count_order(u32 order, int freed)
-{
-    struct order_stats *o = page_orders.lookup(&order);
-    if (!o)
-        return;
-    if (freed)
-        o->frees++;
-    else
-        o->allocs++;
-}
 
 /* The allocation tracepoints share their fields; node is the variant's. */
 #define ALLOC_FROM_ARGS(event, type, node)                                                    \
@@ -633,24 +637,15 @@ TRACEPOINT_PROBE(kmem, mm_page_alloc)
                          order);
 }
 
-static __always_inline int on_page_free(u32 event, u64 pfn, u32 order)
-{
-    if (kmem_gate_closed())
-        return 0;
-    if (live_objects.lookup(&pfn) || tgid_is_followed(bpf_get_current_pid_tgid() >> 32))
-        count_order(order, 1);
-    return on_kmem_free(event, KT_PAGES, 0, pfn, order);
-}
-
 TRACEPOINT_PROBE(kmem, mm_page_free)
 {
-    return on_page_free(KM_MM_PAGE_FREE, args->pfn, args->order);
+    return on_kmem_free(KM_MM_PAGE_FREE, KT_PAGES, 0, args->pfn, args->order);
 }
 
 #if HAVE_PAGE_FREE_BATCHED
 TRACEPOINT_PROBE(kmem, mm_page_free_batched)
 {
-    return on_page_free(KM_MM_PAGE_FREE_BATCHED, args->pfn, 0);
+    return on_kmem_free(KM_MM_PAGE_FREE_BATCHED, KT_PAGES, 0, args->pfn, 0);
 }
 #endif
 #endif

@@ -102,7 +102,7 @@ def recorded(kmem_exerciser: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         work.stdin.flush()
         assert work.stdout.readline() == b"done\n"
         assert decoy.wait(timeout=120) == 0
-        time.sleep(1.0)  # an RCU grace period: closed sockets' inodes are freed by callbacks
+        time.sleep(2.0)  # RCU grace periods: closed sockets' inodes are freed by callbacks
         record.send_signal(signal.SIGINT)
         exit_code = record.wait(timeout=120)
         theirs = stop_bpftrace(bpftrace, bpftrace_out)

@@ -256,3 +256,9 @@ def test_the_reader_never_crashes_on_damaged_bytes(
     assert len(rs.damage) <= 1
     if not rs.damage:
         assert sum(rs.skipped.values()) + len(rs.records) >= 1
+
+
+def test_a_writer_refuses_to_mix_into_an_existing_record_set(tmp_path: Path) -> None:
+    write_set(tmp_path / "set", [mixed_batch(1)])
+    with pytest.raises(RecordSetError, match="already holds a record set"):
+        KmemtraceWriter(tmp_path / "set", [], "")
