@@ -327,9 +327,9 @@ def report(source: Path, fmt: str, sort: str, limit: int, kallsyms: Path | None)
                 "live": "outstanding_bytes"}  # fmt: skip
         click.echo("\n".join(render_text(result, limit or None, keys[sort])))
     if records.damage:
-        for line in records.damage[1:]:
+        for line in records.damage[:-1]:
             click.echo(f"{PROG}: error: {line}", err=True)
-        raise DamagedRecordsError(records.damage[0])
+        raise DamagedRecordsError(records.damage[-1])
 
 
 @cli.command(context_settings={"allow_interspersed_args": False})

@@ -114,6 +114,8 @@ class KmemTotals:
     hits: dict[str, int] = field(default_factory=dict)
     untracked: int = 0  # objects the pointer table had no room for
     sites_dropped: int = 0
+    lost_allocs: int = 0  # allocation events the ring buffer had no room for
+    lost_frees: int = 0
 
     def total(self, name: str) -> int:
         return sum(getattr(site, name) for site in self.sites)
@@ -166,13 +168,9 @@ def read_kernel_totals(program: BpfProgram) -> KmemTotals:
         hits=dict(zip(KMEM_EVENTS, hits, strict=True)),
         untracked=misc[0],
         sites_dropped=misc[1],
+        lost_allocs=misc[2],
+        lost_frees=misc[3],
     )
-
-
-def kernel_lost(program: BpfProgram) -> tuple[int, int]:
-    """(allocation, free) events the ring buffer had no room for."""
-    misc = program.percpu_array_totals("kmem_misc")
-    return misc[2], misc[3]
 
 
 def name_sites(sites: Iterable[CallSite], symbols: KernelSymbols) -> None:

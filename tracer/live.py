@@ -40,7 +40,7 @@ from .bpf_backend import BpfProgram, require_privileges, tracepoint_format
 from .errors import MtraceError, OutputClosedError, TargetError, TargetExecError
 from .events import EVENT_DTYPE, Event, EventDecoder, EventKind
 from .kallsyms import saved_text
-from .kmem import KmemTotals, kernel_lost, read_kernel_totals
+from .kmem import KmemTotals, read_kernel_totals
 from .launch import GatedCommand
 from .model import AllocatorModel
 from .output import Sink, make_sink
@@ -213,15 +213,14 @@ class LiveTrace:
         names = self.selection.probes
         kmem = None
         if self.kmem:
-            lost_allocs, lost_frees = kernel_lost(self.program)
-            kmem = KmemResult(read_kernel_totals(self.program), self.kmem_delivered,
-                              lost_allocs + lost_frees)  # fmt: skip
+            kernel = read_kernel_totals(self.program)
+            kmem = KmemResult(kernel, self.kmem_delivered, kernel.lost_allocs + kernel.lost_frees)
             if self.writer is not None:
                 kmem.records_written = self.writer.records
                 kmem.directory = self.writer.directory
                 kmem.overrun_bytes = (
-                    lost_allocs * ALLOC_TASK_RECORD.itemsize
-                    + lost_frees * FREE_TASK_RECORD.itemsize
+                    kernel.lost_allocs * ALLOC_TASK_RECORD.itemsize
+                    + kernel.lost_frees * FREE_TASK_RECORD.itemsize
                     + sum(lost[slot] * _record_size(name) for slot, name in enumerate(names))
                 )
                 self._overrun_bytes = kmem.overrun_bytes

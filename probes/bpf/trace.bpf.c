@@ -492,7 +492,19 @@ static __always_inline void kmem_event(u32 event, u32 type, u64 call_site, u64 p
 #endif
 }
 
-/* ptr is the object, or for pages the pfn (user space writes pfn << PAGE_SHIFT). */
+static __always_inline void count_order(u32 order, int freed)
+{
+    struct order_stats *o = page_orders.lookup(&order);
+    if (!o)
+        return;
+    if (freed)
+        o->frees++;
+    else
+        o->allocs++;
+}
+
+/* ptr is the object, or for pages the pfn (user space writes pfn << PAGE_SHIFT);
+ * order is counted per order for pages. */
 static __always_inline int on_kmem_alloc(u32 event, u32 type, u64 call_site, u64 ptr, u64 req,
                                          u64 alloc, u64 gfp, s64 node, u64 order)
 {
@@ -510,6 +522,8 @@ static __always_inline int on_kmem_alloc(u32 event, u32 type, u64 call_site, u64
         if (node >= 0 && node != bpf_get_numa_node_id())
             s->cross_node++;
     }
+    if (type == KT_PAGES)
+        count_order(order, 0);
     if (ptr) {
         struct live_object o = {.call_site = call_site, .bytes = alloc, .cpu = cpu, .type = type};
         if (live_objects.update(&ptr, &o))
@@ -517,17 +531,6 @@ static __always_inline int on_kmem_alloc(u32 event, u32 type, u64 call_site, u64
     }
     kmem_event(event, type, call_site, ptr, req, alloc, gfp, node, order, 0);
     return 0;
-}
-
-static __always_inline void count_order(u32 order, int freed)
-{
-    struct order_stats *o = page_orders.lookup(&order);
-    if (!o)
-        return;
-    if (freed)
-        o->frees++;
-    else
-        o->allocs++;
 }
 
 /* For pages (type KT_PAGES), order is counted per order too. */
@@ -630,9 +633,6 @@ TRACEPOINT_PROBE(kmem, mm_page_alloc)
     u64 bytes = (u64)1 << (PAGE_SHIFT_ + (order & 31));
     if (pfn == (u64)-1)
         pfn = 0; /* a failed allocation */
-    if (kmem_gate_closed() || !tgid_is_followed(bpf_get_current_pid_tgid() >> 32))
-        return 0;
-    count_order(order, 0);
     return on_kmem_alloc(KM_MM_PAGE_ALLOC, KT_PAGES, 0, pfn, bytes, bytes, args->gfp_flags, -1,
                          order);
 }
