@@ -10,12 +10,13 @@ import ctypes
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from mtrace_live.probes import bpf_source
 from mtrace_live.probes.locations import ArgLocation
 
+from .bpf_syscalls import BatchReader
 from .errors import AttachError, BccUnavailableError, NotPrivilegedError, TracepointMissingError
 
 TRACEFS_ROOTS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
@@ -109,6 +110,13 @@ def _pass_ref_ctr_offset(lib: Any) -> None:
     lib.bpf_attach_uprobe = attach_uprobe
 
 
+class ProcessHits(NamedTuple):
+    tgid: int
+    probe: int  # slot
+    hits: int
+    comm: str
+
+
 class BpfProgram:
     """A compiled and attached bcc program built from one bundled .bpf.c file."""
 
@@ -121,6 +129,7 @@ class BpfProgram:
         # Two warnings every kernel header of 6.x raises under bcc's clang;
         # they say nothing about mtrace-live's own C.
         cflags += ["-Wno-duplicate-decl-specifier", "-Wno-ignored-attributes"]
+        self._readers: dict[str, BatchReader] = {}
         try:
             self._bpf = bcc.BPF(src_file=str(src).encode(), cflags=cflags)
         except Exception as exc:
@@ -152,10 +161,31 @@ class BpfProgram:
     def map_fd(self, name: str) -> int:
         return int(self._bpf[name].map_fd)
 
-    def pair_keyed_counts(self, table: str) -> dict[tuple[int, int], int]:
-        """A hash keyed by struct {u32 tgid; u32 probe;} -> {(tgid, probe): count}."""
-        counts = self._bpf[table]
-        return {(int(k.tgid), int(k.probe)): int(v.value) for k, v in counts.items()}
+    def process_hits(self, tgids: set[int] | None = None, take: bool = False) -> list[ProcessHits]:
+        """The ``proc_hits`` table: hits by (tgid, probe slot), with the name of
+        the thread that hit first. ``tgids`` limits it to those processes;
+        ``take`` also deletes what it returns (for processes that are gone)."""
+        got = self._read_all("proc_hits")
+        if got is None:
+            table = self._bpf["proc_hits"]
+            entries = [
+                (bytes(key), int(value.count), bytes(value.comm)) for key, value in table.items()
+            ]
+        else:
+            table, keys, values = got
+            entries = [(key.tobytes(), int(value[0, 0]), value[0, 1:].tobytes())
+                       for key, value in zip(keys, values, strict=True)]  # fmt: skip
+        rows = []
+        for raw_key, count, raw_comm in entries:
+            key = table.Key.from_buffer_copy(raw_key)
+            tgid = int(key.tgid)
+            if tgids is not None and tgid not in tgids:
+                continue
+            comm = raw_comm.split(b"\0", 1)[0].decode(errors="replace")
+            rows.append(ProcessHits(tgid, int(key.probe), count, comm))
+            if take:
+                del table[key]
+        return rows
 
     def set_gate(self, open_: bool) -> None:
         """Open or close trace.bpf.c's ``control`` gate for the site handlers."""
@@ -167,13 +197,38 @@ class BpfProgram:
         for pid in pids:
             followed[followed.Key(pid)] = followed.Leaf(1)
 
+    def _read_all(self, table: str) -> tuple[Any, np.ndarray, np.ndarray] | None:
+        """(bcc table, raw keys (n, key bytes), u64 values (n, cpus, words))
+        of a whole map in one batched read; None where the kernel cannot."""
+        bcc_table = self._bpf[table]
+        reader = self._readers.get(table)
+        if reader is None:
+            percpu = hasattr(bcc_table, "total_cpu")
+            leaf = ctypes.sizeof(bcc_table.sLeaf if percpu else bcc_table.Leaf)
+            cpus = bcc_table.total_cpu if percpu else 1
+            reader = BatchReader(bcc_table.map_fd, ctypes.sizeof(bcc_table.Key), leaf,
+                                 bcc_table.max_entries, cpus)  # fmt: skip
+            reader.supported = percpu or leaf % 8 == 0
+            self._readers[table] = reader
+        got = reader.read()
+        return None if got is None else (bcc_table, *got)
+
     def percpu_array_totals(self, table: str) -> list[int]:
+        got = self._read_all(table)
+        if got is not None:
+            return [int(v) for v in got[2][:, :, 0].sum(axis=1)]
         values = self._bpf[table]
         return [sum(values[values.Key(i)]) for i in range(len(values))]
 
     def percpu_struct_totals(self, table: str) -> list[tuple[Any, list[int]]]:
         """Each entry of a per-CPU hash or array of u64-only structs, its
         fields summed over the CPUs: [(key, [field sums in declaration order])]."""
+        got = self._read_all(table)
+        if got is not None:
+            bcc_table, keys, values = got
+            sums = values.sum(axis=1).tolist()
+            return [(bcc_table.Key.from_buffer_copy(key.tobytes()), [int(v) for v in row])
+                    for key, row in zip(keys, sums, strict=True)]  # fmt: skip
         values = self._bpf[table]
         fields = len(values.sLeaf._fields_)
         rows = []
@@ -181,6 +236,11 @@ class BpfProgram:
             summed = np.frombuffer(bytes(per_cpu), dtype=np.uint64).reshape(-1, fields).sum(axis=0)
             rows.append((key, [int(v) for v in summed]))
         return rows
+
+    def program_fds(self) -> dict[str, int]:
+        """The loaded programs (handlers) by function name."""
+        return {name.decode() if isinstance(name, bytes) else str(name): int(func.fd)
+                for name, func in self._bpf.funcs.items()}  # fmt: skip
 
     def string_keyed_counts(self, table: str) -> dict[str, int]:
         counts = self._bpf[table]
@@ -190,4 +250,13 @@ class BpfProgram:
         }
 
     def close(self) -> None:
+        if os.geteuid() != 0:
+            # Privileges were dropped (serve). bcc's detach would also look
+            # in tracefs for a legacy uprobe event, which this user may not
+            # read, and fail; the uprobes were made through the perf PMU,
+            # and closing their perf event goes away with them.
+            lib = import_bcc().libbcc.lib
+            for name, fd in list(self._bpf.uprobe_fds.items()):
+                lib.bpf_close_perf_event_fd(fd)
+                self._bpf.uprobe_fds.pop(name)
         self._bpf.cleanup()

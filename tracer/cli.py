@@ -27,6 +27,15 @@ def _version() -> str:
         return "unknown"
 
 
+_web_config_option = click.option(
+    "--web.config.file",
+    "web_config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="TLS and basic auth for the metrics endpoint, in the Prometheus exporters' "
+    "web config format (docs/prometheus.md).",
+)
+
+
 def _trace_options(command: Any) -> Any:
     """Options shared by the live trace (--pid/--all) and ``run``."""
     options = [
@@ -80,6 +89,12 @@ def _trace_options(command: Any) -> Any:
             type=click.Path(file_okay=False, path_type=Path),
             help="Write kmemtrace records (kernel and libc events) to this new directory.",
         ),
+        click.option(
+            "--prometheus",
+            metavar="ADDR",
+            help="Also serve Prometheus metrics at ADDR (host:port) while tracing.",
+        ),
+        _web_config_option,
     ]
     for option in reversed(options):
         command = option(command)
@@ -102,6 +117,8 @@ def _trace(
     kmem: bool = False,
     kmem_only: bool = False,
     kmemtrace: Path | None = None,
+    prometheus: str | None = None,
+    web_config: Path | None = None,
 ) -> None:
     from .live import TraceRequest, run_trace
     from .usdt import DEFAULT_PATTERNS
@@ -128,7 +145,14 @@ def _trace(
         libc_probes=not kmem_only,
         kmemtrace=kmemtrace,
     )
-    result = run_trace(request)
+    if web_config is not None and prometheus is None:
+        raise click.UsageError("--web.config.file goes with --prometheus ADDR")
+    if prometheus is not None:
+        from .serve import ExportOptions, serve_trace
+
+        result = serve_trace(request, ExportOptions(prometheus, web_config))
+    else:
+        result = run_trace(request)
     if result.exit_code is not None:
         sys.exit(result.exit_code)
 
@@ -267,6 +291,107 @@ def record(
         kmem_only=not (with_libc or sdt_glibc),
         kmemtrace=directory,
     )
+
+
+@cli.command(context_settings={"allow_interspersed_args": False})
+@click.option("--pid", "-p", type=int, help="Serve the metrics of this process only.")
+@click.option("--comm", help="... of the processes with this kernel name (comm) only.")
+@click.option("--cgroup", help="... of the tasks in this cgroup v2 (and below) only.")
+@click.option(
+    "--lib",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The libc to attach to (default: the pid's, else the system's).",
+)
+@click.option("--sdt-glibc", is_flag=True, help="Attach to the SDT glibc 'make sdt-glibc' built.")
+@click.option("--probes", "patterns", multiple=True, help="Glob of libc probe names; repeatable.")
+@click.option("--no-libc", is_flag=True, help="Kernel kmem tracepoints only.")
+@click.option("--no-kmem", is_flag=True, help="libc probes only.")
+@click.option(
+    "--web.listen-address",
+    "--listen",
+    "address",
+    default="127.0.0.1:9477",
+    show_default=True,
+    help="Address to serve /metrics on; ':9477' means every address.",
+)
+@_web_config_option
+@click.option("--max-processes", type=click.IntRange(1), default=50, show_default=True,
+              help="Process names with a label of their own; the rest are 'other'.")  # fmt: skip
+@click.option("--top-functions", type=click.IntRange(1), default=20, show_default=True,
+              help="Kernel functions with a label of their own; the rest are 'other'.")  # fmt: skip
+@click.option("--user", default="nobody", show_default=True,
+              help="When started as root, run as this user once attached.")  # fmt: skip
+@click.option("--keep-privileges", is_flag=True, help="Stay root after attaching.")
+@click.option("--bpf-stats", is_flag=True,
+              help="Count the BPF programs' run time (costs ~20 ns per probe hit).")  # fmt: skip
+@click.option("--buffer-pages", type=int, default=2048, show_default=True,
+              help="Ring buffer size in pages (a power of two).")  # fmt: skip
+def serve(
+    pid: int | None,
+    comm: str | None,
+    cgroup: str | None,
+    lib: Path | None,
+    sdt_glibc: bool,
+    patterns: tuple[str, ...],
+    no_libc: bool,
+    no_kmem: bool,
+    address: str,
+    web_config: Path | None,
+    max_processes: int,
+    top_functions: int,
+    user: str,
+    keep_privileges: bool,
+    bpf_stats: bool,
+    buffer_pages: int,
+) -> None:
+    """Serve Prometheus metrics of libc allocator probes and kernel kmem
+    tracepoints until stopped (SIGTERM or Ctrl-C).
+
+    System-wide by default; --pid, --comm or --cgroup narrow it. Binds
+    127.0.0.1 unless told otherwise; --web.config.file adds TLS and basic
+    auth. When started as root it runs as --user once attached.
+
+    \b
+      mtrace-live serve --sdt-glibc
+      mtrace-live serve --no-libc --web.listen-address :9477
+      mtrace-live serve --comm nginx --lib /opt/glibc-sdt/lib/libc.so.6
+    """
+    from .live import TraceRequest
+    from .sdt_glibc import locate
+    from .serve import ExportOptions, ServeSink, serve_trace
+    from .usdt import DEFAULT_PATTERNS
+
+    if sum(x is not None for x in (pid, comm, cgroup)) > 1:
+        raise click.UsageError("give at most one of --pid, --comm and --cgroup")
+    if no_libc and no_kmem:
+        raise click.UsageError("--no-libc and --no-kmem leave nothing to serve")
+    if sdt_glibc and lib is not None:
+        raise click.UsageError("give --sdt-glibc or --lib, not both")
+    if buffer_pages < 1 or buffer_pages & (buffer_pages - 1):
+        raise click.BadParameter("must be a power of two", param_hint="--buffer-pages")
+    request = TraceRequest(
+        pid=pid,
+        all_processes=pid is None and comm is None and cgroup is None,
+        lib=locate().libc if sdt_glibc and not no_libc else lib,
+        patterns=patterns or DEFAULT_PATTERNS,
+        output="summary",
+        follow_forks=True,
+        buffer_pages=buffer_pages,
+        kmem=not no_kmem,
+        libc_probes=not no_libc,
+        comm=comm,
+        cgroup=cgroup,
+        end_with_target=False,
+    )
+    options = ExportOptions(
+        address=address,
+        web_config=web_config,
+        max_processes=max_processes,
+        top_functions=top_functions,
+        run_as=None if keep_privileges else user,
+        bpf_stats=bpf_stats,
+    )
+    serve_trace(request, options, ServeSink())
 
 
 @cli.command()

@@ -95,3 +95,21 @@ class DamagedRecordsError(MtraceError):
     """Records were read, but a file is damaged (truncated, a bad event size)."""
 
     exit_code = 15
+
+
+class ListenError(MtraceError):
+    """The metrics endpoint cannot listen: address in use, not permitted, malformed."""
+
+    exit_code = 16
+
+
+class WebConfigError(MtraceError):
+    """The --web.config.file is unreadable or invalid (TLS files, auth hashes, keys)."""
+
+    exit_code = 17
+
+
+class PrivilegeDropError(MtraceError):
+    """The user to run as after attaching does not exist or cannot be switched to."""
+
+    exit_code = 18

@@ -19,7 +19,7 @@ import select
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -35,7 +35,7 @@ from mtrace_live.exporters.kmemtrace import (
 )
 from mtrace_live.probes.catalog import load_catalog
 
-from . import usdt
+from . import target, usdt
 from .bpf_backend import BpfProgram, require_privileges, tracepoint_format
 from .errors import MtraceError, OutputClosedError, TargetError, TargetExecError
 from .events import EVENT_DTYPE, Event, EventDecoder, EventKind
@@ -67,6 +67,14 @@ class TraceRequest:
     kmem: bool = False  # the kmem tracepoints too, aggregated per call site
     libc_probes: bool = True  # False: the kmem tracepoints only
     kmemtrace: Path | None = None  # write kmemtrace records here (implies kmem)
+    comm: str | None = None  # trace the processes with this kernel name (serve)
+    cgroup: str | None = None  # trace the tasks of this cgroup v2 and below (serve)
+    end_with_target: bool = True  # False: go on after a --pid target exits (serve)
+
+    @property
+    def filtered_by_pid(self) -> bool:
+        """The ``followed`` table decides (--pid, COMMAND, --comm)."""
+        return not self.all_processes and self.cgroup is None
 
 
 @dataclass
@@ -158,10 +166,9 @@ class LiveTrace:
             return event.ip - site_addresses[site] + main_arena
 
         self.model = AllocatorModel(self.decoder, self.selection.probes, main_arena_of)
-        filtered = not request.all_processes
         defines = {
-            "FILTER_PIDS": int(filtered),
-            "FOLLOW_FORKS": int(request.follow_forks),
+            "FILTER_PIDS": int(request.filtered_by_pid),
+            "FOLLOW_FORKS": int(request.follow_forks or request.comm is not None),
             "WITH_EVENTS": 1,
             "RINGBUF_PAGES": request.buffer_pages,
             "SITE_COUNT": len(self.selection.layouts),
@@ -169,6 +176,12 @@ class LiveTrace:
             "KMEM_EVENTS": int(request.kmemtrace is not None),
             "PAGE_SHIFT_": mmap.PAGESIZE.bit_length() - 1,
         }
+        if request.comm is not None:
+            low, high = target.comm_words(request.comm)
+            defines.update({"FILTER_COMM": 1, "COMM_LO": low, "COMM_HI": high})
+        if request.cgroup is not None:
+            cgroup_id, level, _ = target.cgroup_target(request.cgroup)
+            defines.update({"FILTER_CGROUP": 1, "CGROUP_ID": cgroup_id, "CGROUP_LEVEL": level})
         if self.kmem:
             defines.update(kmem_defines(tracepoint_format))
         self.writer: KmemtraceWriter | None = None
@@ -225,16 +238,16 @@ class LiveTrace:
                 )
                 self._overrun_bytes = kmem.overrun_bytes
         per_process: dict[int, dict[str, int]] = {}
-        for (pid, slot), count in self.program.pair_keyed_counts("proc_hits").items():
-            if slot < len(names):
-                per_process.setdefault(pid, {})[names[slot]] = count
+        for row in self.program.process_hits():
+            if row.probe < len(names):
+                per_process.setdefault(row.tgid, {})[names[row.probe]] = row.hits
         return TraceResult(
             probes=names,
             kernel_hits={name: totals[slot] for slot, name in enumerate(names)},
             lost={name: lost[slot] for slot, name in enumerate(names)},
             delivered=self.delivered,
             lost_lifecycle=self.program.percpu_array_totals("lost_lifecycle")[0]
-            if not self.request.all_processes
+            if self.request.filtered_by_pid
             else 0,
             per_process=per_process,
             duration_s=time.monotonic() - started,
@@ -262,7 +275,13 @@ def _record_size(probe: str) -> int:
     return PROBE_TASK_RECORD.itemsize
 
 
-def run_trace(request: TraceRequest, sink: Sink | None = None) -> TraceResult:
+def run_trace(
+    request: TraceRequest,
+    sink: Sink | None = None,
+    attached: Callable[[LiveTrace, Sink], Sink] | None = None,
+) -> TraceResult:
+    """``attached``, when given, runs once the programs are attached and
+    returns the sink to use (the metrics exporter wraps the output there)."""
     libc, argv = usdt.resolve_libc(request.pid, request.command, request.lib, request.sdt_glibc)
     child = GatedCommand(argv) if argv is not None else None
     try:
@@ -274,6 +293,13 @@ def run_trace(request: TraceRequest, sink: Sink | None = None) -> TraceResult:
     stop = _Stop()
     sink = sink or make_sink(request.output)
     try:
+        if attached is not None:
+            try:
+                sink = attached(trace, sink)
+            except BaseException:
+                if child is not None:
+                    child.abandon()
+                raise
         with stop.installed():
             return _loop(trace, request, child, stop, sink)
     finally:
@@ -290,6 +316,9 @@ def _loop(
     target_pid = child.pid if child is not None else request.pid
     if target_pid is not None:
         trace.follow(target_pid)
+    if request.comm is not None:  # later ones are followed from their exec, in the kernel
+        for pid in target.processes_with_comm(request.comm):
+            trace.follow(pid)
     pidfd = _pidfd(target_pid) if target_pid is not None else None
     poller = select.poll()
     poller.register(trace.reader.fd, select.POLLIN)
@@ -314,7 +343,12 @@ def _loop(
             if failure is not None:
                 ended_by = "exec"
             elif pidfd is not None and pidfd in ready:
-                ended_by = "exit"
+                if request.end_with_target:
+                    ended_by = "exit"
+                else:
+                    poller.unregister(pidfd)
+                    print(f"mtrace-live: pid {target_pid} exited; still serving its metrics",
+                          file=sys.stderr, flush=True)  # fmt: skip
             elif stop.signal is not None:
                 ended_by = signal.Signals(stop.signal).name
             elif deadline is not None and time.monotonic() >= deadline:

@@ -14,6 +14,7 @@ is the arena's address; those waits are attributed to the arena.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from .events import MALLOPT_PARAMS, Event, EventDecoder, EventKind
+from .target import process_name
 
 RETRY_PROBES = {
     "memory_malloc_retry": "malloc",
@@ -153,6 +155,9 @@ class AllocatorModel:
         self.probe_names = list(probe_names)
         self.processes: dict[int, ProcessState] = {}
         self.events = 0
+        # Held while a batch is applied; readers on other threads (the
+        # metrics exporter) take it to see a consistent model.
+        self.lock = threading.Lock()
         self._main_arena = main_arena
         # Lock waits can come by the hundred thousand a second under
         # contention: they are counted per (process, futex) in bulk.
@@ -185,12 +190,16 @@ class AllocatorModel:
     def process(self, pid: int) -> ProcessState:
         state = self.processes.get(pid)
         if state is None:
-            state = self.processes[pid] = ProcessState(pid, comm=_comm(pid))
+            state = self.processes[pid] = ProcessState(pid, comm=process_name(pid))
         return state
 
     def consume(self, batch: np.ndarray) -> None:
         if len(batch) == 0:
             return
+        with self.lock:
+            self._consume(batch)
+
+    def _consume(self, batch: np.ndarray) -> None:
         self.events += len(batch)
         probe_rows = batch["kind"] == EventKind.PROBE
         self._count(batch[probe_rows])
@@ -241,7 +250,7 @@ class AllocatorModel:
         state = self.process(event.pid)
         if event.probe == "exec":
             state.execs += 1
-            state.comm = _comm(event.pid) or state.comm
+            state.comm = process_name(event.pid) or state.comm
             return
         if event.probe == "exit":
             state.exited = True
@@ -264,14 +273,6 @@ class AllocatorModel:
                     event.args.get("old"), event.args.get("value"),
                 ),
             )  # fmt: skip
-
-
-def _comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as comm:
-            return comm.read().strip()
-    except OSError:
-        return ""
 
 
 def _arg(event: Event, index: int) -> int:

@@ -97,7 +97,11 @@ def make_sink(output: str) -> Sink:
 def announce(trace: LiveTrace, pid: int | None) -> None:
     """Say that tracing has begun, as bpftrace says "Attaching N probes"."""
     request = trace.request
-    if request.all_processes:
+    if request.comm is not None:
+        whom = f"the processes named {request.comm}"
+    elif request.cgroup is not None:
+        whom = f"cgroup {request.cgroup}"
+    elif request.all_processes:
         whom = "every process mapping it" if request.libc_probes else "every process"
     elif request.command:
         whom = f"command pid {pid}" + (" and its children" if request.follow_forks else "")

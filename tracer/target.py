@@ -120,3 +120,106 @@ def library_file(path: str | os.PathLike[str]) -> Path:
 def default_libc() -> Path:
     """The system's default libc: the one this very process maps."""
     return mapped_libc(os.getpid())
+
+
+# ---- serve's targets: a process name, a cgroup ------------------------------
+
+COMM_LEN = 16  # TASK_COMM_LEN, the terminating NUL included
+# ld.so's options that take a value (elf/rtld.c), for naming programs run
+# through the loader explicitly (as the SDT glibc's testrun.sh does).
+_LDSO_VALUE_OPTIONS = frozenset(
+    {"--library-path", "--inhibit-rpath", "--audit", "--preload", "--argv0",
+     "--glibc-hwcaps-prefix", "--glibc-hwcaps-mask"}
+)  # fmt: skip
+
+
+def _read_proc(pid: int, name: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as file:
+            return file.read()
+    except OSError:
+        return b""
+
+
+def kernel_comm(pid: int) -> str:
+    """The kernel's name of a process (its main thread's comm), or ""."""
+    return _read_proc(pid, "comm").rstrip(b"\n").decode(errors="replace")
+
+
+def process_name(pid: int) -> str:
+    """The name a process is shown and labelled by: its comm, except that a
+    program run through the dynamic loader (``ld-linux-x86-64.so.2 PROG``,
+    whose comm is the loader's) is named after PROG. "" once it is gone."""
+    comm = kernel_comm(pid)
+    if not comm.startswith(("ld-linux", "ld.so", "ld64.so")):
+        return comm
+    args = _read_proc(pid, "cmdline").split(b"\0")[1:]
+    index = 0
+    while index < len(args):
+        arg = args[index].decode(errors="replace")
+        if arg in _LDSO_VALUE_OPTIONS:
+            index += 2
+        elif arg.startswith("--"):
+            index += 1
+        elif arg:
+            return os.path.basename(arg)
+        else:
+            break
+    return comm
+
+
+def comm_words(name: str) -> tuple[int, int]:
+    """``name`` as the kernel stores a comm: 16 bytes (NUL-padded), read by
+    trace.bpf.c as two little-endian u64."""
+    raw = name.encode()
+    if not raw or len(raw) >= COMM_LEN or b"\0" in raw:
+        raise TargetError(
+            f"process name {name!r} cannot be a kernel comm: it must be 1 to "
+            f"{COMM_LEN - 1} bytes (the kernel truncates longer names)"
+        )
+    padded = raw.ljust(COMM_LEN, b"\0")
+    return int.from_bytes(padded[:8], "little"), int.from_bytes(padded[8:], "little")
+
+
+def processes_with_comm(name: str) -> list[int]:
+    """The running processes whose main thread's comm is ``name``."""
+    pids = (int(entry) for entry in os.listdir("/proc") if entry.isdigit())
+    return sorted(pid for pid in pids if kernel_comm(pid) == name)
+
+
+def cgroup_target(path: str) -> tuple[int, int, Path]:
+    """(id, level, directory) of a cgroup v2, given as a path under the
+    cgroup2 mount (as /proc/PID/cgroup shows it) or as its directory; its id
+    is the directory's inode, its level the depth below the root."""
+    root = cgroup2_root()
+    given = Path(path)
+    if given.is_relative_to(root):
+        directory = given
+    else:  # "/system.slice/x.service" as /proc/PID/cgroup shows it, or relative
+        directory = root / given.relative_to(given.anchor) if given.is_absolute() else root / given
+    try:
+        directory = directory.resolve(strict=True)
+        stat = os.stat(directory)
+    except OSError:
+        raise TargetError(f"no cgroup {path} (looked for {directory})") from None
+    if not (directory / "cgroup.procs").is_file():
+        raise TargetError(f"{directory} is not a cgroup v2 directory")
+    try:
+        level = len(directory.relative_to(root.resolve()).parts)
+    except ValueError:
+        raise TargetError(f"{directory} is not under the cgroup v2 mount {root}") from None
+    return stat.st_ino, level, directory
+
+
+def cgroup2_root() -> Path:
+    """Where the cgroup v2 hierarchy is mounted (/sys/fs/cgroup, or
+    /sys/fs/cgroup/unified on a hybrid layout)."""
+    try:
+        mounts = Path("/proc/self/mounts").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        mounts = []
+    for line in mounts:
+        fields = line.split()
+        if len(fields) > 2 and fields[2] == "cgroup2":
+            return Path(fields[1])
+    raise TargetError("no cgroup v2 hierarchy is mounted; --cgroup needs cgroup v2")

@@ -15,6 +15,12 @@
  * an instruction (task_newtask fires in copy_process, ahead of
  * wake_up_new_task). Exec and exit of a followed process are sent as events.
  *
+ * Two more filters, for `serve`: FILTER_COMM (with FILTER_PIDS) follows a
+ * process from the exec that gives it the name COMM_LO/COMM_HI (the 16 bytes
+ * of the kernel's comm, as two little-endian u64) and forgets it when it
+ * exec's another program; FILTER_CGROUP keeps the tasks whose cgroup v2
+ * ancestor at CGROUP_LEVEL has id CGROUP_ID (the cgroup and its children).
+ *
  * bcc only rewrites map calls in the main source file, so everything is in
  * this one. */
 #include <uapi/linux/ptrace.h>
@@ -61,6 +67,12 @@
 #endif
 #ifndef PAGE_SHIFT_
 #define PAGE_SHIFT_ 12
+#endif
+#ifndef FILTER_COMM
+#define FILTER_COMM 0
+#endif
+#ifndef FILTER_CGROUP
+#define FILTER_CGROUP 0
 #endif
 #ifndef KMEM_OBJECTS
 #define KMEM_OBJECTS 262144 /* live objects tracked by pointer */
@@ -126,10 +138,15 @@ struct proc_key {
     u32 probe;
 };
 
+struct proc_hit {
+    u64 count;
+    char comm[16]; /* of the thread that hit first: names processes gone before user space looked */
+};
+
 BPF_HASH(followed, u32, u8, MAX_FOLLOWED);
 BPF_ARRAY(sites, struct site_desc, MAX_SITES);
 BPF_PERCPU_ARRAY(hits, u64, MAX_PROBES);          /* every hit that passed the filter */
-BPF_HASH(proc_hits, struct proc_key, u64, MAX_PROC_COUNTERS);
+BPF_HASH(proc_hits, struct proc_key, struct proc_hit, MAX_PROC_COUNTERS);
 BPF_PERCPU_ARRAY(proc_hits_dropped, u64, 1);      /* hits proc_hits had no room for */
 #if WITH_EVENTS
 /* control[0] != 0 while tracing. Unregistering a uprobe takes the kernel
@@ -143,7 +160,9 @@ BPF_PERCPU_ARRAY(lost_lifecycle, u64, 1);         /* exec/exit events without ro
 
 static __always_inline int tgid_is_followed(u32 tgid)
 {
-#if FILTER_PIDS
+#if FILTER_CGROUP
+    return bpf_get_current_ancestor_cgroup_id(CGROUP_LEVEL) == CGROUP_ID;
+#elif FILTER_PIDS
     return followed.lookup(&tgid) != NULL;
 #else
     return 1;
@@ -192,6 +211,17 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     if (tgid_is_followed(tgid))
         lifecycle_event(tgid, EV_EXEC, args->old_pid);
+#if FILTER_COMM
+    /* The comm is the new program's by now (begin_new_exec set it). */
+    u64 comm[2] = {};
+    bpf_get_current_comm(comm, sizeof(comm));
+    if (comm[0] == COMM_LO && comm[1] == COMM_HI) {
+        u8 one = 1;
+        followed.update(&tgid, &one);
+    } else {
+        followed.delete(&tgid);
+    }
+#endif
     return 0;
 }
 #endif
@@ -280,12 +310,15 @@ static __always_inline int on_site(struct pt_regs *ctx, u32 site)
     u32 probe = d->probe;
     hits.increment(probe);
     struct proc_key key = {.tgid = tgid, .probe = probe};
-    u64 zero = 0;
-    u64 *n = proc_hits.lookup_or_try_init(&key, &zero);
-    if (n)
-        __sync_fetch_and_add(n, 1);
-    else
+    struct proc_hit fresh = {};
+    struct proc_hit *n = proc_hits.lookup_or_try_init(&key, &fresh);
+    if (n) {
+        if (n->count == 0) /* two first hits at once both write a name: harmless */
+            bpf_get_current_comm(n->comm, sizeof(n->comm));
+        __sync_fetch_and_add(&n->count, 1);
+    } else {
         proc_hits_dropped.increment(0);
+    }
 #if WITH_EVENTS
     struct event *e = events.ringbuf_reserve(sizeof(struct event));
     if (!e) {

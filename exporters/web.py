@@ -1,0 +1,367 @@
+"""The metrics endpoint: HTTP or HTTPS, optional basic auth, configured by
+a web configuration file in the format of the Prometheus exporters'
+``--web.config.file`` (exporter-toolkit):
+
+    tls_server_config:
+      cert_file: server.crt
+      key_file: server.key
+      client_auth_type: RequireAndVerifyClientCert   # optional
+      client_ca_file: clients.crt                     # with the Verify types
+      min_version: TLS12                              # TLS10..TLS13
+      max_version: TLS13
+    http_server_config:
+      headers: {X-Frame-Options: deny}
+    basic_auth_users:
+      alice: $2y$10$...   # bcrypt hashes, as htpasswd -B makes them
+
+Paths are relative to the file's directory. Keys mtrace-live does not
+implement (cipher_suites, curve_preferences, ...) are refused, never
+ignored: a security setting that silently does nothing is worse than an
+error at start.
+
+The server must never disturb the tracing it serves: every connection has
+its own thread with a socket timeout (slow clients time out, the TLS
+handshake happens on that thread too), the number of connections served at
+once is capped (the rest get 503), collecting the metrics is serialised,
+and any failure in a request becomes an HTTP error for that request only.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import gzip
+import hashlib
+import hmac
+import ipaddress
+import socket
+import socketserver
+import ssl
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+from typing import Any
+
+import bcrypt
+import yaml
+from mtrace_live.tracer.errors import ListenError, WebConfigError
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+
+DEFAULT_ADDRESS = "127.0.0.1:9477"
+CONNECTION_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 16
+TLS_VERSIONS = {
+    "TLS10": ssl.TLSVersion.TLSv1,
+    "TLS11": ssl.TLSVersion.TLSv1_1,
+    "TLS12": ssl.TLSVersion.TLSv1_2,
+    "TLS13": ssl.TLSVersion.TLSv1_3,
+}
+CLIENT_AUTH = {
+    "NoClientCert": ssl.CERT_NONE,
+    "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
+    "RequireAndVerifyClientCert": ssl.CERT_REQUIRED,
+}
+_TLS_KEYS = {
+    "cert_file",
+    "key_file",
+    "client_auth_type",
+    "client_ca_file",
+    "min_version",
+    "max_version",
+}
+_TOP_KEYS = {"tls_server_config", "http_server_config", "basic_auth_users"}
+_HTTP_KEYS = {"headers", "http2"}
+# A valid hash of a random password: unknown users cost one bcrypt check
+# too, so that response times do not tell which user names exist.
+_DUMMY_HASH = bcrypt.hashpw(b"mtrace-live: no such user", bcrypt.gensalt(rounds=10))
+
+
+@dataclass
+class WebConfig:
+    tls: ssl.SSLContext | None = None
+    users: Mapping[str, bytes] = field(default_factory=dict)  # user -> bcrypt hash
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+def load_web_config(path: Path | None) -> WebConfig:
+    """Parse and check a web configuration file; WebConfigError on any problem."""
+    if path is None:
+        return WebConfig()
+    try:
+        document = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise WebConfigError(f"cannot read the web config {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise WebConfigError(f"the web config {path}{where} is not valid YAML") from None
+    if document is None:
+        return WebConfig()
+    where = str(path)
+    top = _mapping(document, where)
+    _known_keys(top, _TOP_KEYS, where)
+    config = WebConfig()
+    if top.get("tls_server_config") is not None:
+        config.tls = _tls_context(
+            _mapping(top["tls_server_config"], f"{where}: tls_server_config"), path.parent, where
+        )
+    if top.get("http_server_config") is not None:
+        http = _mapping(top["http_server_config"], f"{where}: http_server_config")
+        _known_keys(http, _HTTP_KEYS, f"{where}: http_server_config")
+        headers = _mapping(http.get("headers") or {}, f"{where}: http_server_config.headers")
+        config.headers = {str(k): str(v) for k, v in headers.items()}
+    if top.get("basic_auth_users") is not None:
+        users = _mapping(top["basic_auth_users"], f"{where}: basic_auth_users")
+        checked = {}
+        for user, hashed in users.items():
+            raw = str(hashed).encode()
+            if not raw.startswith((b"$2a$", b"$2b$", b"$2y$")) or len(raw) != 60:
+                raise WebConfigError(f"{where}: basic_auth_users.{user} is not a bcrypt hash")
+            checked[str(user)] = raw
+        config.users = checked
+    return config
+
+
+def _mapping(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise WebConfigError(f"{where} must be a mapping")
+    return value
+
+
+def _known_keys(section: Mapping[str, Any], known: set[str], where: str) -> None:
+    unknown = sorted(set(section) - known)
+    if unknown:
+        raise WebConfigError(
+            f"{where}: {', '.join(map(str, unknown))} not supported by mtrace-live"
+        )
+
+
+def _tls_context(tls: Mapping[str, Any], base: Path, where: str) -> ssl.SSLContext:
+    where = f"{where}: tls_server_config"
+    _known_keys(tls, _TLS_KEYS, where)
+    if not tls.get("cert_file") or not tls.get("key_file"):
+        raise WebConfigError(f"{where} needs both cert_file and key_file")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = _tls_version(tls.get("min_version", "TLS12"), f"{where}.min_version")
+    if "max_version" in tls:
+        context.maximum_version = _tls_version(tls["max_version"], f"{where}.max_version")
+    cert, key = base / str(tls["cert_file"]), base / str(tls["key_file"])
+    try:
+        context.load_cert_chain(cert, key)
+    except FileNotFoundError as exc:
+        raise WebConfigError(f"{where}: cannot read {exc.filename}") from None
+    except (ssl.SSLError, OSError) as exc:
+        raise WebConfigError(
+            f"{where}: {cert} and {key} are not a usable certificate and key "
+            f"({exc.__class__.__name__}: {exc})"
+        ) from None
+    auth = str(tls.get("client_auth_type", "NoClientCert"))
+    if auth not in CLIENT_AUTH:
+        raise WebConfigError(
+            f"{where}.client_auth_type {auth} is not one of {', '.join(CLIENT_AUTH)}"
+        )
+    context.verify_mode = CLIENT_AUTH[auth]
+    if auth != "NoClientCert":
+        if not tls.get("client_ca_file"):
+            raise WebConfigError(f"{where}.client_auth_type {auth} needs client_ca_file")
+        try:
+            context.load_verify_locations(base / str(tls["client_ca_file"]))
+        except (ssl.SSLError, OSError) as exc:
+            raise WebConfigError(f"{where}.client_ca_file: {exc}") from None
+    return context
+
+
+def _tls_version(value: Any, where: str) -> ssl.TLSVersion:
+    version = TLS_VERSIONS.get(str(value))
+    if version is None:
+        raise WebConfigError(f"{where} {value} is not one of {', '.join(TLS_VERSIONS)}")
+    return version
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """host:port, [v6]:port or :port (every address, as the Go exporters read it)."""
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ListenError(f"listen address {address!r} is not host:port")
+    host = host.strip("[]")
+    if host:
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            if host != "localhost":
+                raise ListenError(
+                    f"listen address {address!r}: {host} is not an IP address"
+                ) from None
+    return host, int(port_text)
+
+
+class _Server(socketserver.ThreadingMixIn, HTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    block_on_close = False
+
+    def __init__(self, address: tuple[str, int], family: int, app: MetricsEndpoint) -> None:
+        self.address_family = family
+        self.app = app
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(address, _Handler, bind_and_activate=True)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            with contextlib.suppress(OSError):
+                request.sendall(_BUSY)
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            request.settimeout(CONNECTION_TIMEOUT_S)
+            if self.app.config.tls is not None:
+                try:  # the handshake runs here, on the connection's own thread
+                    request = self.app.config.tls.wrap_socket(request, server_side=True)
+                except (ssl.SSLError, OSError):
+                    self.shutdown_request(request)
+                    return
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        self.app.errors += 1  # a broken connection; never a traceback
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"
+    server_version = "mtrace-live"
+    sys_version = ""
+    timeout = CONNECTION_TIMEOUT_S
+
+    def do_GET(self) -> None:
+        app = self.server.app
+        if not app.authorised(self.headers.get("Authorization")):
+            self._reply(401, b"Unauthorized\n", {"WWW-Authenticate": 'Basic realm="mtrace-live"'})
+            return
+        path = self.path.split("?", 1)[0]
+        if path == "/metrics":
+            try:
+                body, content_type = app.render(self.headers.get("Accept"))
+            except Exception as exc:  # a failed scrape is reported, and tracing goes on
+                app.errors += 1
+                app.report(f"scrape failed: {exc.__class__.__name__}: {exc}")
+                self._reply(500, f"collecting the metrics failed: {exc}\n".encode())
+                return
+            headers = {"Content-Type": content_type}
+            if "gzip" in (self.headers.get("Accept-Encoding") or ""):
+                body = gzip.compress(body, compresslevel=1)
+                headers["Content-Encoding"] = "gzip"
+            self._reply(200, body, headers)
+        elif path == "/":
+            self._reply(200, _LANDING, {"Content-Type": "text/html; charset=utf-8"})
+        else:
+            self._reply(404, b"Not Found\n")
+
+    def do_HEAD(self) -> None:
+        self._reply(405, b"")
+
+    do_POST = do_PUT = do_DELETE = do_HEAD
+
+    def _reply(self, code: int, body: bytes, headers: Mapping[str, str] | None = None) -> None:
+        self.send_response(code)
+        for name, value in {**self.server.app.config.headers, **(headers or {})}.items():
+            self.send_header(name, value)
+        if code == 405:
+            self.send_header("Allow", "GET")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # no access log on the tracer's stderr
+
+
+_BUSY = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+_LANDING = (
+    b"<html><head><title>mtrace-live</title></head><body><h1>mtrace-live</h1>"
+    b'<p><a href="/metrics">Metrics</a></p></body></html>\n'
+)
+
+
+class MetricsEndpoint:
+    """Bound at construction (so that a busy port is an error at start),
+    served from ``start()`` on a background thread."""
+
+    def __init__(self, address: str, registry: CollectorRegistry, config: WebConfig) -> None:
+        self.registry = registry
+        self.config = config
+        self.errors = 0
+        self._render_lock = threading.Lock()
+        self._verified: set[bytes] = set()
+        self._last_report = 0.0
+        host, port = parse_address(address)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        if not host:
+            host, family = "::", socket.AF_INET6
+        try:
+            self._server = _Server((host, port), family, self)
+        except OSError as exc:
+            raise ListenError(f"cannot listen on {address}: {exc.strerror or exc}") from None
+        self.port = self._server.server_address[1]
+        self.scheme = "https" if config.tls is not None else "http"
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host = str(self._server.server_address[0])
+        shown = f"[{host}]" if ":" in host else host
+        return f"{self.scheme}://{shown}:{self.port}/metrics"
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="metrics", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._server.shutdown()
+            self._thread = None
+        self._server.server_close()
+
+    def render(self, accept: str | None) -> tuple[bytes, str]:
+        encoder, content_type = choose_encoder(accept or "")
+        with self._render_lock:  # one collection at a time, however many scrapers
+            return encoder(self.registry), content_type
+
+    def authorised(self, header: str | None) -> bool:
+        if not self.config.users:
+            return True
+        if not header or not header.startswith("Basic "):
+            return False
+        try:
+            user, _, password = base64.b64decode(header[6:], validate=True).decode().partition(":")
+        except (binascii.Error, UnicodeDecodeError):
+            return False
+        hashed = self.config.users.get(user)
+        key = hashlib.sha256(f"{user}\0{password}".encode()).digest()
+        if hashed is not None and any(hmac.compare_digest(key, seen) for seen in self._verified):
+            return True
+        ok = bcrypt.checkpw(password.encode(), hashed or _DUMMY_HASH) and hashed is not None
+        if ok:
+            self._verified.add(key)  # bcrypt costs ~50 ms: checked once per password
+        return ok
+
+    def report(self, line: str) -> None:
+        """One line on stderr, at most every 10 s."""
+        now = time.monotonic()
+        if now - self._last_report >= 10.0:
+            self._last_report = now
+            print(f"mtrace-live: warning: {line}", file=sys.stderr, flush=True)

@@ -1,0 +1,124 @@
+"""bpf(2) calls that bcc's Python bindings do not offer, made through
+file descriptors bcc already holds.
+
+Batched map reads: a whole map in one BPF_MAP_LOOKUP_BATCH into a numpy
+buffer, instead of bcc's one lookup (and one ctypes conversion) per key. A
+scrape reads every map it needs this way.
+
+BPF programs' run time, as the kernel counts it (``bpftool prog`` shows the
+same ``run_time_ns`` and ``run_cnt``). The kernel counts only while
+statistics are enabled: the sysctl ``kernel.bpf_stats_enabled``, or as long
+as someone holds the file descriptor BPF_ENABLE_STATS returned. Both cost a
+little on every program run, so mtrace-live enables them only when asked
+(``serve --bpf-stats``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+import struct
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+SYS_BPF = {"x86_64": 321, "aarch64": 280, "riscv64": 280, "ppc64le": 361, "s390x": 351}
+BPF_OBJ_GET_INFO_BY_FD = 15
+BPF_MAP_LOOKUP_BATCH = 24
+BPF_ENABLE_STATS = 32
+BPF_STATS_RUN_TIME = 0
+STATS_SYSCTL = Path("/proc/sys/kernel/bpf_stats_enabled")
+# struct bpf_prog_info (include/uapi/linux/bpf.h): run_time_ns, run_cnt and
+# recursion_misses are the u64s at bytes 192, 200 and 208; the kernel fills
+# min(info_len, its own size) and leaves the rest zero.
+_INFO_SIZE = 216
+_RUN_TIME_AT = 192
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def _bpf(cmd: int, attr: ctypes.Array[ctypes.c_char]) -> int:
+    number = SYS_BPF.get(platform.machine())
+    if number is None:
+        ctypes.set_errno(errno.ENOSYS)
+        return -1
+    return int(_LIBC.syscall(number, cmd, ctypes.byref(attr), len(attr)))
+
+
+class BatchReader:
+    """Reads a whole BPF hash or array map, per-CPU or not, with
+    BPF_MAP_LOOKUP_BATCH into buffers allocated once. ``read`` returns the
+    keys as raw bytes (n, key_size) and the values as u64 words, shaped
+    (n, cpus, words) for per-CPU maps and (n, 1, words) otherwise; None
+    when the kernel cannot (before Linux 5.6), so callers fall back."""
+
+    def __init__(
+        self, map_fd: int, key_size: int, value_size: int, max_entries: int, cpus: int
+    ) -> None:
+        self.map_fd = map_fd
+        self.key_size = key_size
+        self.words = (value_size + 7) // 8  # per-CPU values are padded to 8 bytes
+        self.cpus = cpus
+        self.max_entries = max_entries
+        self._keys = np.zeros((max_entries, key_size), dtype=np.uint8)
+        self._values = np.zeros((max_entries, cpus, self.words), dtype=np.uint64)
+        self._batch = ctypes.create_string_buffer(8)
+        self.supported = True
+
+    def read(self) -> tuple[np.ndarray, np.ndarray] | None:
+        if not self.supported:
+            return None
+        attr = ctypes.create_string_buffer(56)
+        # in_batch NULL (from the start), out_batch, keys, values, count, map_fd
+        pointers = (ctypes.addressof(self._batch), self._keys.ctypes.data, self._values.ctypes.data)
+        struct.pack_into("=QQQQII", attr, 0, 0, *pointers, self.max_entries, self.map_fd)
+        if _bpf(BPF_MAP_LOOKUP_BATCH, attr) < 0:
+            error = ctypes.get_errno()
+            if error != errno.ENOENT:  # ENOENT: that was everything (or the map is empty)
+                self.supported = False
+                return None
+        (count,) = struct.unpack_from("=I", attr, 32)
+        return self._keys[:count].copy(), self._values[:count].copy()
+
+
+def sysctl_enabled() -> bool:
+    try:
+        return STATS_SYSCTL.read_text(encoding="ascii").strip() == "1"
+    except OSError:
+        return False
+
+
+def enable_run_time_stats() -> int | None:
+    """Turn run-time counting on for as long as the returned fd is open;
+    None when this kernel cannot (before Linux 5.8) or we may not."""
+    attr = ctypes.create_string_buffer(int(BPF_STATS_RUN_TIME).to_bytes(4, sys.byteorder), 8)
+    fd = _bpf(BPF_ENABLE_STATS, attr)
+    return fd if fd >= 0 else None
+
+
+class RunStats(NamedTuple):
+    run_time_ns: int  # counted only while statistics are enabled
+    run_cnt: int
+    misses: int  # runs skipped: another BPF program, or a map syscall, was active on that CPU
+
+
+def run_stats(prog_fd: int) -> RunStats | None:
+    """What the kernel counted for a loaded program, or None."""
+    info = ctypes.create_string_buffer(_INFO_SIZE)
+    attr = ctypes.create_string_buffer(16)
+    ctypes.memmove(attr, prog_fd.to_bytes(4, sys.byteorder) + _INFO_SIZE.to_bytes(4, sys.byteorder)
+                   + ctypes.addressof(info).to_bytes(8, sys.byteorder), 16)  # fmt: skip
+    if _bpf(BPF_OBJ_GET_INFO_BY_FD, attr) < 0:
+        return None
+    words = np.frombuffer(info.raw, dtype=np.uint64, count=3, offset=_RUN_TIME_AT)
+    return RunStats(int(words[0]), int(words[1]), int(words[2]))
+
+
+def close(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)
