@@ -82,6 +82,7 @@ demo: sdt-glibc exercisers
 bench: sdt-glibc exercisers
 	$(BIN)/python bench/live_bench.py
 	$(BIN)/python bench/kmem_bench.py
+	$(BIN)/python bench/scrape_bench.py
 
 clean:
 	rm -rf $(BUILD)

@@ -114,6 +114,10 @@ def load_web_config(path: Path | None) -> WebConfig:
     if top.get("http_server_config") is not None:
         http = _mapping(top["http_server_config"], f"{where}: http_server_config")
         _known_keys(http, _HTTP_KEYS, f"{where}: http_server_config")
+        if http.get("http2"):
+            raise WebConfigError(
+                f"{where}: http_server_config.http2 is not supported (HTTP/1.1 only)"
+            )
         headers = _mapping(http.get("headers") or {}, f"{where}: http_server_config.headers")
         config.headers = {str(k): str(v) for k, v in headers.items()}
     if top.get("basic_auth_users") is not None:
@@ -223,6 +227,10 @@ class _Server(socketserver.ThreadingMixIn, HTTPServer):
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             request.settimeout(CONNECTION_TIMEOUT_S)
+            # Headers and body go out in two writes: without this, Nagle's
+            # algorithm holds the body until the client's delayed ACK (40 ms).
+            with contextlib.suppress(OSError):
+                request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.app.config.tls is not None:
                 try:  # the handshake runs here, on the connection's own thread
                     request = self.app.config.tls.wrap_socket(request, server_side=True)

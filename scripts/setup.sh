@@ -96,6 +96,14 @@ fi
 todo=($(missing "${packages[@]}"))
 if [ ${#todo[@]} -gt 0 ]; then
   apt_install "${todo[@]}"
+  # Debian's prometheus package enables and starts a server of its own where
+  # systemd runs; the tests start theirs on loopback, so a server we caused
+  # to be installed is stopped and disabled again.
+  if printf '%s\n' "${todo[@]}" | grep -qx prometheus && command -v systemctl >/dev/null \
+     && systemctl is-enabled --quiet prometheus 2>/dev/null; then
+    systemctl disable --now prometheus >/dev/null 2>&1 || true
+    say "disabled the prometheus.service the package enabled (the tests run their own)"
+  fi
 else
   say "distro packages already installed"
 fi

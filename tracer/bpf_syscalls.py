@@ -39,7 +39,11 @@ _INFO_SIZE = 216
 _RUN_TIME_AT = 192
 
 
-_LIBC = ctypes.CDLL(None, use_errno=True)
+# PyDLL: the call keeps the interpreter lock. These syscalls take
+# microseconds; releasing the lock for each would hand it to the tracing
+# loop, which under a flood of events keeps it for the whole switch interval
+# (5 ms) before the scrape gets it back.
+_LIBC = ctypes.PyDLL(None, use_errno=True)
 
 
 def _bpf(cmd: int, attr: ctypes.Array[ctypes.c_char]) -> int:

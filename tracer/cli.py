@@ -324,6 +324,9 @@ def record(
 @click.option("--keep-privileges", is_flag=True, help="Stay root after attaching.")
 @click.option("--bpf-stats", is_flag=True,
               help="Count the BPF programs' run time (costs ~20 ns per probe hit).")  # fmt: skip
+@click.option("--read-interval", type=click.FloatRange(0), default=0.5, show_default=True,
+              help="Read the BPF maps at most this often (seconds); scrapes in between "
+              "get the last reading.")  # fmt: skip
 @click.option("--buffer-pages", type=int, default=2048, show_default=True,
               help="Ring buffer size in pages (a power of two).")  # fmt: skip
 def serve(
@@ -342,6 +345,7 @@ def serve(
     user: str,
     keep_privileges: bool,
     bpf_stats: bool,
+    read_interval: float,
     buffer_pages: int,
 ) -> None:
     """Serve Prometheus metrics of libc allocator probes and kernel kmem
@@ -390,6 +394,7 @@ def serve(
         top_functions=top_functions,
         run_as=None if keep_privileges else user,
         bpf_stats=bpf_stats,
+        read_interval=read_interval,
     )
     serve_trace(request, options, ServeSink())
 

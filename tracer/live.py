@@ -35,7 +35,7 @@ from mtrace_live.exporters.kmemtrace import (
 )
 from mtrace_live.probes.catalog import load_catalog
 
-from . import target, usdt
+from . import bpf_syscalls, target, usdt
 from .bpf_backend import BpfProgram, require_privileges, tracepoint_format
 from .errors import MtraceError, OutputClosedError, TargetError, TargetExecError
 from .events import EVENT_DTYPE, Event, EventDecoder, EventKind
@@ -103,6 +103,7 @@ class TraceResult:
     ended_by: str = ""
     unreadable: list[str] = field(default_factory=list)
     kmem: KmemResult | None = None
+    missed: dict[str, int] = field(default_factory=dict)  # handler runs the kernel skipped
 
     @property
     def total_hits(self) -> int:
@@ -255,8 +256,30 @@ class LiveTrace:
             exit_code=exit_code,
             ended_by=ended_by,
             unreadable=self.selection.unreadable(),
+            missed={label: s.misses for label, s in self.program_stats().items() if s.misses},
             kmem=kmem,
         )
+
+    def program_stats(self) -> dict[str, bpf_syscalls.RunStats]:
+        """What the kernel counted for each handler, summed by what it
+        traces: ``usdt:PROBE`` (over the probe's sites), ``tracepoint:CAT:NAME``."""
+        layouts = self.selection.layouts
+        totals: dict[str, bpf_syscalls.RunStats] = {}
+        for name, fd in self.program.program_fds().items():
+            if name.startswith("site_"):
+                index = int(name[5:])
+                label = f"usdt:{layouts[index].site.name}" if index < len(layouts) else name
+            elif name.startswith("tracepoint__"):
+                label = "tracepoint:" + name[len("tracepoint__") :].replace("__", ":", 1)
+            else:
+                label = name
+            stats = bpf_syscalls.run_stats(fd)
+            if stats is not None:
+                before = totals.get(label, bpf_syscalls.RunStats(0, 0, 0))
+                totals[label] = bpf_syscalls.RunStats(
+                    *(a + b for a, b in zip(before, stats, strict=True))
+                )
+        return totals
 
     def close(self) -> None:
         if self.writer is not None:

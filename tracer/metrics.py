@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from importlib.metadata import PackageNotFoundError, version
 
 from mtrace_live.exporters.prometheus import ProcessFigures, Snapshot
@@ -55,7 +55,9 @@ class MetricsSource:
         self._last_housekeeping = time.monotonic()
         self._bpf_stats_fd = bpf_stats_fd
         self.started = time.time()
-        self._program_fds = self.program.program_fds()
+        self._tracepoints = sum(
+            1 for name in self.program.program_fds() if name.startswith("tracepoint__")
+        )
         self._build = {
             "version": _version("mtrace-live"),
             "bcc": _bcc_version(),
@@ -199,8 +201,7 @@ class MetricsSource:
         return name
 
     def _attached(self) -> dict[str, int]:
-        tracepoints = sum(1 for name in self._program_fds if name.startswith("tracepoint__"))
-        attached = {"tracepoint": tracepoints}
+        attached = {"tracepoint": self._tracepoints}
         if self.trace.request.libc_probes:
             attached["usdt_probe"] = len(self.probes)
             attached["usdt_site"] = len(self.trace.selection.layouts)
@@ -208,29 +209,11 @@ class MetricsSource:
 
     def _program_stats(self) -> tuple[dict[str, tuple[int, int]] | None, dict[str, int]]:
         """Run time and runs (None unless the kernel counts them), and runs
-        the kernel skipped, by program: the site handlers summed by probe,
-        the tracepoint handlers by tracepoint."""
-        layouts = self.trace.selection.layouts
-        runs: Counter[str] = Counter()
-        counts: Counter[str] = Counter()
-        misses: Counter[str] = Counter()
-        for name, fd in self._program_fds.items():
-            if name.startswith("site_"):
-                index = int(name[5:])
-                label = f"usdt:{layouts[index].site.name}" if index < len(layouts) else name
-            elif name.startswith("tracepoint__"):
-                label = "tracepoint:" + name[len("tracepoint__") :].replace("__", ":", 1)
-            else:
-                label = name
-            stats = bpf_syscalls.run_stats(fd)
-            if stats is not None:
-                runs[label] += stats.run_time_ns
-                counts[label] += stats.run_cnt
-                misses[label] += stats.misses
+        the kernel skipped, by what each handler traces."""
+        stats = self.trace.program_stats()
         timed = self._bpf_stats_fd is not None or bpf_syscalls.sysctl_enabled()
-        return ({label: (runs[label], counts[label]) for label in runs} if timed else None), dict(
-            misses
-        )
+        runs = {label: (s.run_time_ns, s.run_cnt) for label, s in stats.items()} if timed else None
+        return runs, {label: s.misses for label, s in stats.items()}
 
     def close(self) -> None:
         bpf_syscalls.close(self._bpf_stats_fd)

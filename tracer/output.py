@@ -139,6 +139,11 @@ def summary_lines(result: TraceResult) -> list[str]:
                      f"{result.total_lost} lost")  # fmt: skip
     if result.lost_lifecycle:
         lines.append(f"exec/exit records lost: {result.lost_lifecycle}")
+    if result.missed:
+        lines.append(
+            "runs the kernel skipped (another BPF program, or a BPF map system call, was active "
+            "on that CPU): " + ", ".join(f"{k} {v}" for k, v in sorted(result.missed.items()))
+        )
     hit = sorted(
         ((name, n) for name, n in result.kernel_hits.items() if n),
         key=lambda kv: (-kv[1], kv[0]),

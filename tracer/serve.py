@@ -13,6 +13,7 @@ Order matters and is the point of this module:
 
 from __future__ import annotations
 
+import gc
 import pwd
 import sys
 from dataclasses import dataclass
@@ -71,6 +72,11 @@ class ExportingSink:
         self.inner.start(trace, pid)
         if self.run_as is not None:  # before the first request is answered
             print(f"mtrace-live: {drop_privileges(self.run_as)}", file=sys.stderr, flush=True)
+        # Everything loaded so far (bcc, numpy, the symbol table ...) lives
+        # as long as the process: out of the collector's sight, a full
+        # collection takes a fraction of a millisecond instead of 10-15 ms
+        # in the middle of a scrape.
+        gc.freeze()
         self.endpoint.start()
         print(f"mtrace-live: serving metrics at {self.endpoint.url}", file=sys.stderr, flush=True)
 

@@ -120,6 +120,15 @@ def recorded(kmem_exerciser: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     )
 
 
+def skipped_runs(summary: str) -> dict[str, int]:
+    """The summary's count of handler runs the kernel skipped, by handler."""
+    for line in summary.splitlines():
+        if line.startswith("runs the kernel skipped"):
+            pairs = line.split(": ", 1)[1].split(", ")
+            return {name: int(count) for name, count in (pair.rsplit(" ", 1) for pair in pairs)}
+    return {}
+
+
 def test_records_in_the_pids_context_equal_bpftrace_counts_per_tracepoint(
     recorded: Recorded,
 ) -> None:
@@ -152,7 +161,13 @@ def test_socket_inodes_are_counted_per_call_site_and_their_rcu_frees_follow_the_
     # THEN it made exactly one inode per socket() of the traced pid (none of
     # the decoy's), and each was freed, whoever ran the RCU callback
     assert len(sites) == 1
-    assert (sites[0].allocs, sites[0].frees, sites[0].outstanding) == (SOCKETS, SOCKETS, 0)
+    assert sites[0].allocs == SOCKETS
+    # (an RCU callback freeing in an interrupt while a BPF program - ours or
+    # bpftrace's - runs on that CPU is skipped by the kernel, which counts it)
+    skipped = skipped_runs(recorded.summary).get("tracepoint:kmem:kmem_cache_free", 0)
+    assert SOCKETS - skipped <= sites[0].frees <= SOCKETS, (sites[0].frees, skipped)
+    if not skipped:
+        assert (sites[0].frees, sites[0].outstanding) == (SOCKETS, 0)
     # AND the in-kernel aggregation that `record` printed says the same
     row = next(line for line in recorded.summary.splitlines() if line.startswith(sites[0].symbol))
     cells = row.split()
@@ -210,9 +225,12 @@ def test_allocinfo_lines_carry_bytes_calls_location_and_function(recorded: Recor
     header, columns, *lines = done.stdout.splitlines()
     assert (header, columns) == ("allocinfo - version: 1.0", "#     <size>  <calls> <tag info>")
     assert lines and all(ALLOCINFO_LINE.match(line) for line in lines), lines[:5]
-    # AND the socket inodes, all freed, hold nothing
+    # AND the socket inodes, all freed, hold nothing (unless the kernel
+    # skipped the handler for some frees, and says how many)
     inode = next(line for line in lines if "func:sock_alloc_inode" in line)
-    assert inode.split()[:2] == ["0", "0"]
+    live_bytes, live_calls = map(int, inode.split()[:2])
+    skipped = skipped_runs(recorded.summary).get("tracepoint:kmem:kmem_cache_free", 0)
+    assert live_calls <= skipped and (live_calls == 0) == (live_bytes == 0)
 
 
 def test_kmemtrace_while_tracing_libc_writes_the_probes_events_as_records(
