@@ -5,8 +5,9 @@
 
 serve traces system-wide (the SDT glibc's probes and the kmem tracepoints)
 with the map reads uncached (--read-interval 0), so that every scrape reads
-every BPF map. Copies of the probe exerciser under distinct names give it
-per-process series; the kernel's own activity gives it per-function ones.
+every BPF map. The probe exerciser, and short runs of arena_contention under
+distinct names, give it per-process series; the kernel's own activity gives
+it per-function ones.
 One client then scrapes back to back over a kept-alive connection, first
 with only that background, then while arena_contention floods the event
 path (every lock wait is an event the tracing loop decodes, competing with
@@ -31,7 +32,7 @@ from mtrace_live.tracer import sdt_glibc
 from prometheus_client.parser import text_string_to_metric_families
 
 SCRAPES = 200 if QUICK else 1000
-NAMES = 16  # exerciser copies: each name adds its per-process series
+NAMES = 16  # arena_contention copies: each name adds its per-process series
 PORT = 9499
 
 
@@ -85,11 +86,12 @@ def main() -> None:
                 if serve.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"serve did not start: {err.read_text()}")
                 time.sleep(0.2)
+            subprocess.run(sdt.wrap([str(BUILD / "probe_exerciser"), "--out", str(tmp / "t.json")]),
+                           check=True, stdout=subprocess.DEVNULL)  # fmt: skip
             for index in range(NAMES):
-                copy = tmp / f"exerciser_{index:02d}"
-                shutil.copy(BUILD / "probe_exerciser", copy)
-                subprocess.run(sdt.wrap([str(copy), "--out", str(tmp / "truth.json")]),
-                               check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+                copy = tmp / f"contention_{index:02d}"
+                shutil.copy(BUILD / "arena_contention", copy)
+                subprocess.run(sdt.wrap([str(copy), "1"]), check=True, stdout=subprocess.DEVNULL)
             time.sleep(12)  # the copies are retired into per-name totals
             print("scrapes, tracing ...", file=sys.stderr)
             idle = latencies(SCRAPES)

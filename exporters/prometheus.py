@@ -19,8 +19,9 @@ import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
-from mtrace_live.tracer.kmem import CallSite, KmemTotals, KmemType
+from mtrace_live.tracer.kmem import TYPE_NAMES, CallSite, KmemTotals, KmemType
 from mtrace_live.tracer.model import RETRY_PROBES, SETTING_PROBES
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
@@ -34,11 +35,9 @@ SETTINGS = {**SETTING_PROBES, "memory_mallopt_free_dyn_thresholds": "dynamic_thr
 DOUBLE_FREE_PROBE = "memory_tcache_double_free"
 REUSE_WAIT_PROBE = "memory_arena_reuse_wait"
 MALLOPT_PROBE = "memory_mallopt"
-KIND_NAMES: dict[int, str] = {
-    KmemType.KMALLOC: "kmalloc",
-    KmemType.CACHE: "kmem_cache",
-    KmemType.PAGES: "pages",
-}
+
+
+Family = TypeVar("Family", CounterMetricFamily, GaugeMetricFamily)
 
 
 @dataclass
@@ -121,18 +120,15 @@ class MtraceCollector(Collector):
 
     # ---- libc -------------------------------------------------------------
     def _libc(self, snap: Snapshot) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        hits = _counter("libc_probe_hits", "libc SDT probe hits counted in the kernel.", ["probe"])
-        for probe, value in sorted(snap.probe_hits.items()):
-            hits.add_metric([probe], value)
-        yield hits
-        lost = _counter(
-            "libc_probe_events_lost",
-            "libc probe hits whose event the ring buffer had no room for (counted, not decoded).",
-            ["probe"],
+        yield _by_label(
+            _counter("libc_probe_hits", "libc SDT probe hits counted in the kernel.", ["probe"]),
+            snap.probe_hits,
         )
-        for probe, value in sorted(snap.probe_lost.items()):
-            lost.add_metric([probe], value)
-        yield lost
+        yield _by_label(
+            _counter("libc_probe_events_lost", "libc probe hits whose event the ring buffer had "
+                     "no room for (counted, not decoded).", ["probe"]),
+            snap.probe_lost,
+        )  # fmt: skip
 
         self._processes.admit(
             sorted(snap.processes, key=lambda n: (-sum(snap.processes[n].hits.values()), n))
@@ -210,17 +206,17 @@ class MtraceCollector(Collector):
 
     # ---- kmem -------------------------------------------------------------
     def _kmem(self, kmem: KmemTotals) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        hits = _counter(
-            "kmem_tracepoint_hits", "kmem tracepoint hits by the traced tasks.", ["tracepoint"]
+        yield _by_label(
+            _counter(
+                "kmem_tracepoint_hits", "kmem tracepoint hits by the traced tasks.", ["tracepoint"]
+            ),
+            kmem.hits,
         )
-        for name, value in kmem.hits.items():
-            hits.add_metric([name], value)
-        yield hits
 
-        kinds = {name: CallSite(0, type_) for type_, name in KIND_NAMES.items()}
+        kinds = {name: CallSite(0, type_) for type_, name in TYPE_NAMES.items()}
         functions: dict[str, CallSite] = {}
         for site in kmem.sites:
-            kind = kinds.get(KIND_NAMES.get(site.type, ""))
+            kind = kinds.get(TYPE_NAMES.get(site.type, ""))
             if kind is None:
                 continue
             _accumulate(kind, site)
@@ -322,31 +318,22 @@ def _accumulate(total: CallSite, site: CallSite) -> None:
 def _self_metrics(
     snap: Snapshot,
 ) -> Iterator[CounterMetricFamily | GaugeMetricFamily | InfoMetricFamily]:
-    processed = _counter(
-        "events_processed",
-        "Events the tracer processed: libc events read from the ring buffer, kmem tracepoint "
-        "hits aggregated in the kernel.",
-        ["source"],
+    yield _by_label(
+        _counter("events_processed", "Events the tracer processed: libc events read from the "
+                 "ring buffer, kmem tracepoint hits aggregated in the kernel.", ["source"]),
+        snap.events_processed,
+    )  # fmt: skip
+    yield _by_label(
+        _counter("events_lost", "Events lost: libc and kmem, events the ring buffer had no room "
+                 "for (the kernel's counts stay exact); *_missed, probe and tracepoint runs the "
+                 "kernel skipped (not counted anywhere); lifecycle, exec and exit records.",
+                 ["source"]),
+        snap.events_lost,
+    )  # fmt: skip
+    yield _by_label(
+        _gauge("probes_attached", "Probes attached: USDT probes and sites, tracepoints.", ["kind"]),
+        snap.probes_attached,
     )
-    for source, value in sorted(snap.events_processed.items()):
-        processed.add_metric([source], value)
-    yield processed
-    lost = _counter(
-        "events_lost",
-        "Events lost: libc and kmem, events the ring buffer had no room for (the kernel's "
-        "counts stay exact); *_missed, probe and tracepoint runs the kernel skipped (not "
-        "counted anywhere); lifecycle, exec and exit records.",
-        ["source"],
-    )
-    for source, value in sorted(snap.events_lost.items()):
-        lost.add_metric([source], value)
-    yield lost
-    attached = _gauge(
-        "probes_attached", "Probes attached: USDT probes and sites, tracepoints.", ["kind"]
-    )
-    for kind, value in sorted(snap.probes_attached.items()):
-        attached.add_metric([kind], value)
-    yield attached
     if snap.bpf_runs is not None:
         seconds = _counter(
             "bpf_program_run_seconds",
@@ -358,21 +345,25 @@ def _self_metrics(
             seconds.add_metric([program], ns / 1e9)
             runs.add_metric([program], count)
         yield from (seconds, runs)
-    missed = _counter(
-        "bpf_program_missed_runs",
-        "Runs of mtrace-live's BPF programs the kernel skipped because another BPF program or "
-        "a BPF map system call was active on that CPU: events not seen at all.",
-        ["program"],
-    )
-    for program, count in sorted(snap.bpf_misses.items()):
-        missed.add_metric([program], count)
-    yield missed
+    yield _by_label(
+        _counter("bpf_program_missed_runs", "Runs of mtrace-live's BPF programs the kernel "
+                 "skipped because another BPF program or a BPF map system call was active on "
+                 "that CPU: events not seen at all.", ["program"]),
+        snap.bpf_misses,
+    )  # fmt: skip
     start = _gauge("start_time_seconds", "Unix time the trace began.", [])
     start.add_metric([], snap.started)
     yield start
     info = InfoMetricFamily(f"{PREFIX}_build", "mtrace-live's version and what it runs on.")
     info.add_metric([], {**snap.build, "python": platform.python_version()})
     yield info
+
+
+def _by_label(family: Family, values: Mapping[str, float]) -> Family:
+    """A family with one label, a sample per value, in label order."""
+    for label, value in sorted(values.items()):
+        family.add_metric([label], value)
+    return family
 
 
 def _counter(name: str, help_: str, labels: list[str]) -> CounterMetricFamily:

@@ -124,11 +124,11 @@ class _Stop:
         self.signal = signum
 
     @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
+    def installed(self) -> Iterator[_Stop]:
         old = {sig: signal.signal(sig, self) for sig in (signal.SIGINT, signal.SIGTERM)}
         old_pipe = signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # EPIPE, not death
         try:
-            yield
+            yield self
         finally:
             for sig, handler in old.items():
                 signal.signal(sig, handler)
@@ -307,23 +307,20 @@ def run_trace(
     returns the sink to use (the metrics exporter wraps the output there)."""
     libc, argv = usdt.resolve_libc(request.pid, request.command, request.lib, request.sdt_glibc)
     child = GatedCommand(argv) if argv is not None else None
+    trace: LiveTrace | None = None
     try:
         trace = LiveTrace(request, libc)
+        sink = sink or make_sink(request.output)
+        if attached is not None:
+            sink = attached(trace, sink)
     except BaseException:
         if child is not None:
-            child.abandon()
+            child.abandon()  # the command never ran
+        if trace is not None:
+            trace.close()
         raise
-    stop = _Stop()
-    sink = sink or make_sink(request.output)
     try:
-        if attached is not None:
-            try:
-                sink = attached(trace, sink)
-            except BaseException:
-                if child is not None:
-                    child.abandon()
-                raise
-        with stop.installed():
+        with _Stop().installed() as stop:
             return _loop(trace, request, child, stop, sink)
     finally:
         trace.close()

@@ -87,9 +87,8 @@ class MetricsSource:
                         retire[pid] = name
                     continue
                 current = process_name(pid)
-                if (
-                    current and current != name
-                ):  # exec'd: what it did so far stays with the old name
+                renamed = bool(current) and current != name
+                if renamed:  # exec'd: what it did so far stays with the old name
                     retire[pid] = name
             self._gone_before = gone - set(retire)
             if not retire:

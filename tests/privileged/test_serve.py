@@ -427,3 +427,30 @@ def test_cgroup_filter_counts_only_the_tasks_in_the_cgroup(
         assert stop(serve) == 0, err.read_text()
     # THEN only the cgroup's socket inodes were counted
     assert_socket_inodes_counted(final)
+
+
+def test_prometheus_option_serves_a_live_trace_while_it_runs(kmem_exerciser: Path) -> None:
+    # GIVEN `run --prometheus` starting the gated kmem exerciser
+    port = free_port()
+    argv = [*MTRACE, "run", "--kmem-only", "-o", "summary", "--prometheus", f"127.0.0.1:{port}",
+            "--", str(kmem_exerciser), "--sockets", str(SOCKETS), "--pipes", "0",
+            "--out", os.devnull, "--gated"]  # fmt: skip
+    with Reaper() as reaper:
+        run = reaper.add(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+        gate(run, b"", b"ready\n")  # the exerciser's lines come through mtrace-live's stdout
+        # WHEN it has done its work and waits, and the endpoint is scraped
+        gate(run, b"go\n", b"done\n")
+        text = settled(f"http://127.0.0.1:{port}/metrics")
+        # THEN the scrape has the trace's numbers while the trace goes on
+        assert_socket_inodes_counted(text)
+        assert run.poll() is None
+        # AND the trace ends with the command, as without --prometheus
+        assert run.stdin is not None and run.stdout is not None
+        run.stdin.write(b"end\n")
+        run.stdin.close()
+        summary = run.stdout.read().decode()
+        run.stdout.close()
+        assert run.wait(timeout=60) == 0, summary
+        assert "ended by exit, command exit code 0" in summary
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()

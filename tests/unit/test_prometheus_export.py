@@ -123,7 +123,7 @@ def test_every_family_has_help_counters_end_in_total_and_no_label_is_an_address(
         values[("mtrace_kmem_function_allocated_bytes_total", (("function", "sock_alloc_inode"),))]
         == 8192
     )
-    assert values[("mtrace_kmem_fragmentation_ratio", (("kind", "kmem_cache"),))] == 0.5
+    assert values[("mtrace_kmem_fragmentation_ratio", (("kind", "cache"),))] == 0.5
     assert values[("mtrace_kmem_page_allocations_total", (("order", "3"),))] == 1
 
 
