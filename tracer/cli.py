@@ -462,6 +462,35 @@ def report(source: Path, fmt: str, sort: str, limit: int, kallsyms: Path | None)
         raise DamagedRecordsError(records.damage[-1])
 
 
+@cli.command()
+@click.argument("source", type=click.Path(path_type=Path))
+@click.option("--to", "target", type=click.Choice(["sp-rtrace", "json"]), default="sp-rtrace",
+              show_default=True,
+              help="sp-rtrace: the sp-rtrace text protocol; json: JSON lines.")  # fmt: skip
+@click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write here instead of standard output.")  # fmt: skip
+@click.option("--leaks", is_flag=True, help="Drop allocations that were freed, and the frees.")
+@click.option("--compress", is_flag=True, help="Group the calls by backtrace.")
+@click.option("--resolve", is_flag=True, help="Name unnamed kernel frames from kallsyms.")
+@click.option("--kallsyms", type=click.Path(dir_okay=False, path_type=Path),
+              help="Symbols to use instead of the ones saved with the records.")  # fmt: skip
+def convert(**options: Any) -> None:
+    """Convert a kmemtrace record set, or an sp-rtrace report, to an
+    sp-rtrace text report (or a record set to JSON lines).
+
+    An sp-rtrace report can be read back and post-processed again: --leaks,
+    --compress and --resolve are applied in that order and recorded in the
+    header's filter key, and temporary ('# ') comments are dropped.
+
+    \b
+      mtrace-live convert out.d --to sp-rtrace --leaks -o leaks.txt
+      mtrace-live convert leaks.txt --compress
+    """
+    from .convert import run_convert
+
+    run_convert(version=_version(), **options)
+
+
 @cli.command(context_settings={"allow_interspersed_args": False})
 @click.option("--pid", "-p", type=int, help="Count hits of this running process.")
 @click.option(

@@ -113,3 +113,9 @@ class PrivilegeDropError(MtraceError):
     """The user to run as after attaching does not exist or cannot be switched to."""
 
     exit_code = 18
+
+
+class SpRtraceError(MtraceError):
+    """Text that is not an sp-rtrace report, or a malformed record in one."""
+
+    exit_code = 19

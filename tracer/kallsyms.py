@@ -55,6 +55,14 @@ class KernelSymbols:
         name, _, module = self._names[index].partition(" ")
         return name, address - int(self._addresses[index]), module
 
+    def module_range(self, module: str) -> tuple[int, int] | None:
+        """The lowest and highest text symbol address of a module ("" for
+        the kernel itself), or None."""
+        wanted = [i for i, name in enumerate(self._names) if name.partition(" ")[2] == module]
+        if not wanted:
+            return None
+        return int(self._addresses[wanted[0]]), int(self._addresses[wanted[-1]])
+
     def describe(self, address: int) -> str:
         found = self.function(address)
         if found is None:

@@ -6,7 +6,11 @@
  * constructor and therefore never merged with another; each pipe() allocates
  * its pipe_inode_info and buffers with kmalloc.
  *
- * Usage: kmem_exerciser --sockets N --pipes M --out FILE.json [--gated]
+ * Usage: kmem_exerciser --sockets N --pipes M --out FILE.json [--gated] [--leak K]
+ *
+ * --leak K: the first K sockets are left open until the process exits, so
+ * K socket inodes are allocated and not freed while it waits at "done": a
+ * leak of known count (the inode's size is the cache's object size).
  *
  * --gated: print "ready" and wait for a line on stdin before the work, then
  * print "done" and wait for another before exiting, so that tracers can be
@@ -37,7 +41,7 @@ static void gate(const char *say)
 
 int main(int argc, char **argv)
 {
-    long sockets = 0, pipes = 0;
+    long sockets = 0, pipes = 0, leak = 0;
     const char *out = NULL;
     int gated = 0;
     for (int i = 1; i < argc; i++) {
@@ -53,10 +57,12 @@ int main(int argc, char **argv)
             pipes = strtol(argv[i + 1], NULL, 10);
         else if (!strcmp(argv[i], "--out"))
             out = argv[i + 1];
+        else if (!strcmp(argv[i], "--leak"))
+            leak = strtol(argv[i + 1], NULL, 10);
         i++;
     }
-    if (!out || sockets < 0 || pipes < 0) {
-        fprintf(stderr, "usage: kmem_exerciser --sockets N --pipes M --out FILE.json\n");
+    if (!out || sockets < 0 || pipes < 0 || leak < 0 || leak > sockets) {
+        fprintf(stderr, "usage: kmem_exerciser --sockets N --pipes M --out FILE.json [--gated] [--leak K]\n");
         return 2;
     }
     if (gated)
@@ -67,7 +73,8 @@ int main(int argc, char **argv)
         int fd = socket(AF_UNIX, SOCK_DGRAM, 0);
         if (fd < 0)
             return fail("socket");
-        close(fd);
+        if (i >= leak)
+            close(fd);
     }
     for (long i = 0; i < pipes; i++) {
         int fds[2];
@@ -81,9 +88,10 @@ int main(int argc, char **argv)
     FILE *f = fopen(out, "w");
     if (!f)
         return fail(out);
-    fprintf(f, "{\"pid\": %d, \"sockets\": %ld, \"pipes\": %ld, \"work_ns\": %lld,\n"
+    fprintf(f, "{\"pid\": %d, \"sockets\": %ld, \"pipes\": %ld, \"leaked\": %ld, "
+               "\"work_ns\": %lld,\n"
                " \"expected\": {\"kmem_cache_alloc\": {\"sock_inode_cache\": %ld}}}\n",
-            (int)getpid(), sockets, pipes, work_ns, sockets);
+            (int)getpid(), sockets, pipes, leak, work_ns, sockets);
     if (fclose(f))
         return fail(out);
     if (gated)

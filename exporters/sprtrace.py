@@ -1,0 +1,382 @@
+"""sp-rtrace text reports: write, read back, and post-process (leaks,
+compress), as ../shared/specs/sp-rtrace-text-protocol.txt defines them.
+
+The line formats follow the protocol and what sp-rtrace's own tools read:
+
+    version=1.0,arch=x86_64,timestamp=2026.11.21 08:30:00,process=app,pid=42,...
+    <1> : kmalloc (kernel kmalloc() allocations)
+    @ 1 : context name
+    : /usr/lib/libc.so.6 => 0x7f0000000000-0x7f0000200000
+    12. [00:00:01.250] kmalloc<kmalloc>(192) = 0xffff888004a1c000
+    \t$1 = 256
+    \t0xffffffff81a2b3c4 in sock_alloc_inode() from [kernel.kallsyms]
+    (an empty line ends each backtrace)
+    13. kfree<kmalloc>(0xffff888004a1c000)
+    # temporary comment (dropped by the next post-processing run)
+    ## permanent comment (passed through)
+
+Calls without a resource type tag are of the only resource, as the protocol
+allows when one resource type is traced. Unrecognised lines are comments and
+are kept as they are; a line that is plainly a call, backtrace, argument or
+map record but malformed is an error naming its line.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from mtrace_live.tracer.errors import SpRtraceError
+
+HEADER_KEYS = (
+    "version",
+    "arch",
+    "timestamp",
+    "process",
+    "pid",
+    "filter",
+    "backtrace depth",
+    "origin",
+)
+FILTERS = ("leaks", "compress", "resolve")  # the header's filter tags, in this order
+MAX_SIZE = (1 << 63) - 1
+
+_CALL = re.compile(
+    r"^(?P<index>\S+)\. (?:@(?P<context>[0-9a-fA-F]+) )?"
+    r"(?:\[(?P<h>\d+):(?P<m>\d+):(?P<s>\d+)\.(?P<ms>\d+)\] )?"
+    r"(?P<function>[^(<\s]+)(?:<(?P<type>[^>]+)>)?"
+    r"\((?P<inner>[^)]*)\)(?: = (?P<id>\S+))?\s*$"
+)
+_FRAME = re.compile(
+    r"^\t(?P<address>0x[0-9a-fA-F]+|\S+)(?: in (?P<function>.+?)\(\))?"
+    r"(?: from (?P<module>\S+)| at (?P<location>\S+))?\s*$"
+)
+_ARG = re.compile(r"^\t\$(?P<n>\d+) = (?P<value>.*)$")
+_MMAP = re.compile(r"^: (?P<module>\S+) => (?P<start>\S+)-(?P<end>\S+)\s*$")
+_CONTEXT = re.compile(r"^@ (?P<id>[0-9a-fA-F]+) : (?P<name>.+)$")
+_RESOURCE = re.compile(
+    r"^<(?P<id>[0-9a-fA-F]+)> : (?P<type>\S+) \((?P<desc>[^)]*)\)(?: \[(?P<flags>[^\]]*)\])?\s*$"
+)
+_ATTACHMENT = re.compile(r"^& (?P<name>\S+) : (?P<path>\S+)\s*$")
+
+
+@dataclass
+class Frame:
+    address: int
+    function: str | None = None
+    module: str | None = None
+    location: str | None = None  # file:line
+
+    def text(self) -> str:
+        line = f"\t{self.address:#x}"
+        if self.function:
+            line += f" in {self.function}()"
+        if self.location:
+            line += f" at {self.location}"
+        elif self.module:
+            line += f" from {self.module}"
+        return line
+
+
+def clock(ms: int) -> str:
+    """A call's timestamp, HH:MM:SS.mmm."""
+    return f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}.{ms % 1000:03d}"
+
+
+@dataclass
+class Call:
+    index: int
+    function: str
+    resource: str | None  # the resource type's name
+    res_id: int
+    size: int | None  # None: a deallocation
+    timestamp_ms: int = 0  # since the trace began; 0 is not written
+    context: int = 0
+    args: list[str] = field(default_factory=list)
+    frames: list[Frame] = field(default_factory=list)
+
+    @property
+    def is_alloc(self) -> bool:
+        return self.size is not None
+
+    def head(self) -> str:
+        line = f"{self.index}. "
+        if self.context:
+            line += f"@{self.context:x} "
+        if self.timestamp_ms:
+            line += f"[{clock(self.timestamp_ms)}] "
+        line += self.function + (f"<{self.resource}>" if self.resource else "")
+        if self.size is not None:
+            return line + f"({self.size}) = {self.res_id:#x}"
+        return line + f"({self.res_id:#x})"
+
+
+@dataclass
+class Resource:
+    bit: int  # 1-based: the registry writes 1 << (bit - 1)
+    name: str
+    desc: str
+    refcount: bool = False
+
+    def text(self) -> str:
+        return f"<{1 << (self.bit - 1):x}> : {self.name} ({self.desc})" + (
+            " [refcount]" if self.refcount else ""
+        )
+
+
+@dataclass
+class Comment:
+    text: str
+
+    @property
+    def temporary(self) -> bool:
+        return self.text.startswith("# ")
+
+
+@dataclass
+class Trace:
+    header: dict[str, str] = field(default_factory=dict)
+    resources: list[Resource] = field(default_factory=list)
+    contexts: dict[int, str] = field(default_factory=dict)
+    mmaps: list[tuple[str, int, int]] = field(default_factory=list)
+    attachments: list[tuple[str, str]] = field(default_factory=list)
+    items: list[Call | Comment] = field(default_factory=list)  # in file order
+
+    @property
+    def calls(self) -> list[Call]:
+        return [item for item in self.items if isinstance(item, Call)]
+
+    def add_filter(self, name: str) -> None:
+        tags = set(self.header.get("filter", "").split("|")) - {""}
+        tags.add(name)
+        self.header["filter"] = "|".join(tag for tag in FILTERS if tag in tags)
+
+    def resource(self, name: str | None) -> Resource | None:
+        return next((r for r in self.resources if r.name == name), None)
+
+
+# ---- writing ------------------------------------------------------------------
+
+
+def header_line(header: dict[str, str]) -> str:
+    keys = [key for key in HEADER_KEYS if header.get(key)] + sorted(set(header) - set(HEADER_KEYS))
+    return ",".join(f"{key}={header[key].replace(',', ';')}" for key in keys)
+
+
+def lines(trace: Trace, compressed: bool = False) -> Iterator[str]:
+    yield header_line(trace.header)
+    for context, name in sorted(trace.contexts.items()):
+        yield f"@ {context:x} : {name}"
+    yield from (resource.text() for resource in trace.resources)
+    for name, path in trace.attachments:
+        yield f"& {name} : {path}"
+    for module, start, end in trace.mmaps:
+        yield f": {module} => {start:#x}-{end:#x}"
+    if compressed:
+        yield from _compressed(trace)
+        return
+    for item in trace.items:
+        if isinstance(item, Comment):
+            yield item.text
+            continue
+        yield item.head()
+        yield from (f"\t${n} = {value}" for n, value in enumerate(item.args, 1))
+        yield from (frame.text() for frame in item.frames)
+        yield ""  # an empty line ends the backtrace
+
+
+def _compressed(trace: Trace) -> Iterator[str]:
+    """Calls grouped by backtrace: each group's calls, a summary, the
+    backtrace once (sp-rtrace-postproc --compress's layout)."""
+    groups: dict[tuple[tuple[int, str | None], ...], list[Call]] = {}
+    for item in trace.items:
+        if isinstance(item, Comment):
+            yield item.text
+        else:
+            key = tuple((frame.address, frame.function) for frame in item.frames)
+            groups.setdefault(key, []).append(item)
+    ranked = sorted(
+        groups.values(), key=lambda calls: (-sum(c.size or 0 for c in calls), calls[0].index)
+    )
+    for calls in ranked:
+        for call in calls:
+            yield call.head()
+            yield from (f"\t${n} = {value}" for n, value in enumerate(call.args, 1))
+        allocs = [call for call in calls if call.is_alloc]
+        total = sum(c.size or 0 for c in allocs)
+        yield f"# allocation summary: {len(allocs)} block(s) with total size {total}"
+        yield from (frame.text() for frame in calls[0].frames)
+        yield ""
+
+
+def write(trace: Trace, stream: TextIO, compressed: bool = False) -> None:
+    for line in lines(trace, compressed):
+        stream.write(line + "\n")
+
+
+# ---- reading ------------------------------------------------------------------
+
+
+def parse(text: Iterable[str], source: str = "input") -> Trace:
+    """Read a report; SpRtraceError names the line of anything malformed.
+
+    Temporary comments ("# ...") are dropped, as the protocol asks of the
+    next post-processing run; every other unrecognised line is kept."""
+    trace = Trace()
+    last: Call | None = None
+    for number, raw in enumerate(text, 1):
+        line = raw.rstrip("\n")
+        where = f"{source}: line {number}"
+        if number == 1:
+            trace.header = _header(line, where)
+            continue
+        if not line:
+            continue
+        if line.startswith("\t"):
+            if last is None:
+                raise SpRtraceError(f"{where}: a backtrace or argument line before any record")
+            arg = _ARG.match(line)
+            if arg:
+                last.args.append(arg["value"])
+                continue
+            frame = _FRAME.match(line)
+            if frame is None or not frame["address"].lower().startswith("0x"):
+                raise SpRtraceError(
+                    f"{where}: a backtrace address that is not hex: {line.strip()!r}"
+                )
+            address = _hex(frame["address"], where)
+            last.frames.append(
+                Frame(address, frame["function"], frame["module"], frame["location"])
+            )
+            continue
+        if line.startswith("# "):
+            continue  # a temporary comment: dropped by this run
+        call = _CALL.match(line)
+        if call is not None:
+            last = _call(call, where)
+            trace.items.append(last)
+            continue
+        if _record(trace, line, where):
+            continue
+        trace.items.append(Comment(line))
+    return trace
+
+
+def _header(line: str, where: str) -> dict[str, str]:
+    fields = {}
+    for part in line.split(","):
+        key, sep, value = part.strip().partition("=")
+        if sep and key:
+            fields[key] = value
+    if "version" not in fields or not re.fullmatch(r"\d+\.\d+", fields["version"]):
+        raise SpRtraceError(
+            f"{where}: not an sp-rtrace text report (no version=MAJOR.MINOR header)"
+        )
+    return fields
+
+
+def _hex(text: str, where: str) -> int:
+    if not re.fullmatch(r"0[xX][0-9a-fA-F]+", text):
+        raise SpRtraceError(f"{where}: {text!r} is not a hex id (0x...)")
+    return int(text, 16)
+
+
+def _call(match: re.Match[str], where: str) -> Call:
+    if not match["index"].isdigit():
+        raise SpRtraceError(f"{where}: record index {match['index']!r} is not a decimal number")
+    inner, res_id = match["inner"].strip(), match["id"]
+    if res_id is not None:  # allocation: (size) = 0xid
+        if not inner.isdigit():
+            raise SpRtraceError(f"{where}: resource size {inner!r} is not a decimal number")
+        size: int | None = int(inner)
+        if int(inner) > MAX_SIZE:
+            raise SpRtraceError(f"{where}: resource size {inner} is over 2^63 - 1")
+        ident = _hex(res_id, where)
+    else:  # deallocation: (0xid)
+        size, ident = None, _hex(inner, where)
+    stamp = 0
+    if match["h"] is not None:
+        stamp = ((int(match["h"]) * 60 + int(match["m"])) * 60 + int(match["s"])) * 1000 + int(
+            match["ms"]
+        )
+    return Call(int(match["index"]), match["function"], match["type"], ident, size, stamp,
+                int(match["context"], 16) if match["context"] else 0)  # fmt: skip
+
+
+def _record(trace: Trace, line: str, where: str) -> bool:
+    found = _MMAP.match(line)
+    if found:
+        trace.mmaps.append(
+            (found["module"], _hex(found["start"], where), _hex(found["end"], where))
+        )
+        return True
+    found = _RESOURCE.match(line)
+    if found:
+        bits = int(found["id"], 16)
+        if bits == 0 or bits & (bits - 1):
+            raise SpRtraceError(f"{where}: resource id <{found['id']}> is not a single bit")
+        flags = (found["flags"] or "").split("|")
+        trace.resources.append(
+            Resource(bits.bit_length(), found["type"], found["desc"], "refcount" in flags)
+        )
+        return True
+    found = _CONTEXT.match(line)
+    if found:
+        trace.contexts[int(found["id"], 16)] = found["name"]
+        return True
+    found = _ATTACHMENT.match(line)
+    if found:
+        trace.attachments.append((found["name"], found["path"]))
+        return True
+    return False
+
+
+# ---- post-processing ----------------------------------------------------------
+
+
+def filter_leaks(trace: Trace) -> None:
+    """Drop every deallocation and the allocation it frees, as
+    sp-rtrace-postproc --filter-leaks does: an id allocated again before it
+    is freed leaves the older allocation as a leak; a reference-counted
+    resource's repeated allocations only count up."""
+    owner: dict[tuple[str | None, int], Call] = {}  # the allocation an id is matched to
+    refs: dict[tuple[str | None, int], int] = {}
+    dropped: set[int] = set()
+    for item in trace.items:
+        if not isinstance(item, Call):
+            continue
+        key = (item.resource, item.res_id)
+        resource = trace.resource(item.resource)
+        refcount = resource is not None and resource.refcount
+        if item.is_alloc:
+            if key in owner and refcount:
+                refs[key] += 1
+                dropped.add(id(item))
+            else:
+                owner[key], refs[key] = item, 1
+            continue
+        dropped.add(id(item))
+        if key in owner:
+            refs[key] -= 1
+            if refs[key] == 0 or not refcount:
+                dropped.add(id(owner.pop(key)))
+                del refs[key]
+    trace.items = [item for item in trace.items if id(item) not in dropped]
+    trace.add_filter("leaks")
+
+
+def leak_summary(trace: Trace) -> list[str]:
+    """Per resource, what is still allocated: sp-rtrace-postproc's lines."""
+    lines = []
+    for resource in trace.resources:
+        calls = [
+            c
+            for c in trace.calls
+            if c.is_alloc and (c.resource or trace.resources[0].name) == resource.name
+        ]
+        lines.append(f"# Resource - {resource.name} ({resource.desc}):")
+        total = sum(c.size or 0 for c in calls)
+        lines.append(f"# {len(calls)} block(s) leaked with total size of {total} bytes")
+    return lines

@@ -1,0 +1,104 @@
+"""``mtrace-live convert``: what the source is, and where the result goes."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+from mtrace_live.exporters import sprtrace
+from mtrace_live.exporters.kmemtrace import ABI_FILE, cpu_files, read_record_set
+
+from .errors import DamagedRecordsError, SpRtraceError, TargetError, UsageError
+from .kallsyms import KernelSymbols
+
+
+def _is_record_set(source: Path) -> bool:
+    if source.is_dir():
+        return (source / ABI_FILE).exists() or bool(cpu_files(source))
+    return source.name.startswith("cpu")
+
+
+def run_convert(
+    *,
+    source: Path,
+    target: str,
+    output: Path | None,
+    leaks: bool,
+    compress: bool,
+    resolve: bool,
+    kallsyms: Path | None,
+    version: str,
+) -> None:
+    if not source.exists():
+        raise TargetError(f"no such file or directory: {source}")
+    symbols = KernelSymbols.load(kallsyms) if kallsyms is not None else None
+    damage: list[str] = []
+    if _is_record_set(source):
+        from mtrace_live.exporters.sprtrace_convert import from_record_set, json_lines
+
+        records = read_record_set(source)
+        damage = records.damage
+        if symbols is None:
+            symbols = KernelSymbols(records.kallsyms) if records.kallsyms else KernelSymbols.load()
+        if target == "json":
+            if leaks or compress or resolve:
+                raise UsageError("--leaks, --compress and --resolve apply to sp-rtrace output")
+            _emit(json_lines(records, symbols), output)
+            _report_damage(damage)
+            return
+        trace = from_record_set(records, symbols, version)
+    else:
+        if target == "json":
+            raise UsageError(
+                f"{source} is not a kmemtrace record set; --to json converts record sets"
+            )
+        trace = _read_report(source)
+        if resolve:
+            _resolve(trace, symbols or KernelSymbols.load())
+    if leaks:
+        sprtrace.filter_leaks(trace)
+    if compress:
+        trace.add_filter("compress")
+    lines = sprtrace.lines(trace, compressed=compress)
+    summary = sprtrace.leak_summary(trace) if leaks else []
+    _emit([*lines, *summary], output)
+    _report_damage(damage)
+
+
+def _read_report(source: Path) -> sprtrace.Trace:
+    try:
+        with open(source, encoding="utf-8", errors="strict") as stream:
+            return sprtrace.parse(stream, str(source))
+    except UnicodeDecodeError:
+        raise SpRtraceError(f"{source}: not an sp-rtrace text report (not text)") from None
+    except IsADirectoryError:
+        raise SpRtraceError(f"{source}: a directory, but not a kmemtrace record set") from None
+
+
+def _resolve(trace: sprtrace.Trace, symbols: KernelSymbols) -> None:
+    for call in trace.calls:
+        for frame in call.frames:
+            if frame.function is None:
+                found = symbols.function(frame.address)
+                if found:
+                    frame.function = found[0]
+                    frame.module = found[2] or "[kernel.kallsyms]"
+    trace.add_filter("resolve")
+
+
+def _emit(lines: Iterable[str], output: Path | None) -> None:
+    stream = open(output, "w", encoding="utf-8") if output is not None else sys.stdout  # noqa: SIM115
+    try:
+        for line in lines:
+            stream.write(line + "\n")
+    finally:
+        if output is not None:
+            stream.close()
+
+
+def _report_damage(damage: list[str]) -> None:
+    if damage:
+        for line in damage[:-1]:
+            print(f"mtrace-live: error: {line}", file=sys.stderr)
+        raise DamagedRecordsError(damage[-1])
