@@ -347,6 +347,28 @@ def _scan_file(
     return out[:count], args[:probes], int(offset), int(status), [int(s) for s in skipped]
 
 
+def decode_batch(
+    batch: np.ndarray, seq: int, libc_probes: Sequence[str], kmem_kind: int, probe_kind: int
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Ring events as decoded records (DECODED, in sequence order) and the
+    probe records' arguments, exactly as writing and reading them back would
+    give; and the next sequence number. For writers of other formats."""
+    encoded = encode(batch, seq, libc_probes, kmem_kind, probe_kind)
+    parts, arg_parts = [], []
+    for cpu, data in encoded.per_cpu.items():
+        raw = np.frombuffer(data, dtype=np.uint8)
+        records, args, _, _, _ = _scan_file(
+            raw, False, cpu, np.zeros(len(raw) // CORE_SIZE, DECODED)
+        )
+        parts.append(records)
+        arg_parts.append(args)
+    if not parts:
+        return np.zeros(0, DECODED), np.zeros((0, MAX_ARGS), dtype=np.uint64), encoded.next_seq
+    args = _one_scale(parts, arg_parts)
+    records = np.concatenate(parts)
+    return records[np.argsort(records["seq"], kind="stable")], args, encoded.next_seq
+
+
 def unwrap(seq32: np.ndarray) -> np.ndarray:
     """32-bit sequence numbers in file order -> int64, wraparound undone:
     consecutive records are taken to be less than 2**31 apart."""

@@ -14,13 +14,17 @@ import json
 import platform
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 from mtrace_live.tracer.kallsyms import KernelSymbols
 
 from .kmemtrace import EventId, RecordSet, TypeId
 from .sprtrace import Call, Comment, Frame, Resource, Trace, clock
+
+if TYPE_CHECKING:
+    from mtrace_live.tracer.symbolize import Symbol
 
 KERNEL_MODULE = "[kernel.kallsyms]"
 # type id -> (resource name, description, allocating function, freeing function, refcount)
@@ -46,70 +50,115 @@ RESOURCES = {
 }
 
 
-def from_record_set(
-    records: RecordSet, symbols: KernelSymbols, version: str, depth: int = 1
-) -> Trace:
-    recs = records.records
-    pids = Counter(int(p) for p in recs["pid"][recs["has_task"] == 1]) if len(recs) else Counter()
-    pid = pids.most_common(1)[0][0] if pids else 0
-    start = int(recs["timestamp"].min()) if len(recs) else 0
-    trace = Trace(header={
+UserSymbols = Callable[[int, int], "Symbol | None"]  # (pid, address) -> symbol
+
+
+class RecordCalls:
+    """Turns decoded records into sp-rtrace calls and comments, batch after
+    batch: indexes and times continue, and each module a backtrace uses is
+    reported once (``new_modules``) so that its map line can come first."""
+
+    def __init__(self, probes: list[str], kernel: KernelSymbols,
+                 user: UserSymbols | None = None) -> None:  # fmt: skip
+        self.probes = probes
+        self.kernel = kernel
+        self.user = user
+        self.index = 0
+        self.start_ns: int | None = None
+        self.resolved = False
+        self.modules: dict[str, tuple[int, int] | None] = {}
+        self.new_modules: list[tuple[str, int, int]] = []
+        self._kernel_names: dict[int, tuple[str | None, str | None]] = {}
+
+    def items(self, recs: np.ndarray, args: np.ndarray) -> list[Call | Comment]:
+        out: list[Call | Comment] = []
+        self.new_modules = []
+        probe_args = iter(args)
+        for rec in recs:
+            self.index += 1
+            if self.start_ns is None:
+                self.start_ns = int(rec["timestamp"])
+            ms = (int(rec["timestamp"]) - self.start_ns) // 1_000_000
+            event, type_id = int(rec["event_id"]), int(rec["type_id"])
+            if event == EventId.PROBE:
+                probe = int(rec["probe"])
+                name = self.probes[probe] if probe < len(self.probes) else f"probe{probe}"
+                values = " ".join(f"{int(a):#x}" for a in next(probe_args))
+                out.append(Comment(f"## [{clock(ms)}] pid {int(rec['pid'])} {name} {values}"))
+                continue
+            resource, _, alloc_fn, free_fn, _ = RESOURCES[TypeId(type_id)]
+            if event == EventId.ALLOC and not rec["ptr"]:  # failed: nothing to track
+                size_asked = int(rec["bytes_req"])
+                out.append(Comment(f"## [{clock(ms)}] failed {alloc_fn}<{resource}>({size_asked})"))
+                continue
+            size = int(rec["bytes_req"]) if event == EventId.ALLOC else None
+            if size is not None and type_id == TypeId.PAGES:
+                size = int(rec["bytes_alloc"])
+            frame = self._frame(int(rec["call_site"]), type_id <= TypeId.PAGES, int(rec["pid"]))
+            call = Call(self.index, alloc_fn if size is not None else free_fn, resource,
+                        int(rec["ptr"]), size, ms, frames=[frame] if frame else [])  # fmt: skip
+            if size is not None:
+                call.args = [str(int(rec["bytes_alloc"])), f"{int(rec['gfp_flags']):#x}"]
+            out.append(call)
+        return out
+
+    def _frame(self, address: int, kernel: bool, pid: int) -> Frame | None:
+        if not address:
+            return None
+        frame = Frame(address)
+        if kernel:
+            if address not in self._kernel_names:
+                found = self.kernel.function(address)
+                module = (found[2] or KERNEL_MODULE) if found else None
+                self._kernel_names[address] = (found[0], module) if found else (None, None)
+            frame.function, frame.module = self._kernel_names[address]
+            module = frame.module
+            if module and module not in self.modules:
+                self._module(
+                    module, self.kernel.module_range("" if module == KERNEL_MODULE else module)
+                )
+        elif self.user is not None:
+            symbol = self.user(pid, address)
+            if symbol is not None:
+                frame.function, frame.location = symbol.function, symbol.location
+                frame.module = symbol.module
+                if symbol.module not in self.modules:
+                    self._module(symbol.module, symbol.span)
+        self.resolved = self.resolved or frame.function is not None
+        return frame
+
+    def _module(self, name: str, span: tuple[int, int] | None) -> None:
+        self.modules[name] = span
+        if span:
+            self.new_modules.append((name, *span))
+
+
+def header(pid: int, version: str, depth: int = 1) -> dict[str, str]:
+    return {
         "version": "1.0", "arch": platform.machine(),
         "timestamp": time.strftime("%Y.%-m.%-d %H:%M:%S"),
         "process": f"pid-{pid}" if pid else "kernel", "pid": str(pid),
         "backtrace depth": str(depth), "origin": f"mtrace-live {version}",
-    })  # fmt: skip
-    present = [
-        t for t in RESOURCES if np.any((recs["type_id"] == t) & (recs["event_id"] != EventId.PROBE))
-    ]
-    trace.resources = [Resource(bit, *RESOURCES[t][:2], refcount=RESOURCES[t][4])
-                       for bit, t in enumerate(present, 1)]  # fmt: skip
-    modules: set[str] = set()
-    resolved = False
-    names: dict[int, tuple[str | None, str | None]] = {}
-    probe_args = iter(records.args)
-    for index, rec in enumerate(recs, 1):
-        event, type_id = int(rec["event_id"]), int(rec["type_id"])
-        stamp = int(rec["timestamp"]) - start
-        if event == EventId.PROBE:
-            args = next(probe_args)[:6]
-            probe = int(rec["probe"])
-            name = (
-                records.libc_probes[probe] if probe < len(records.libc_probes) else f"probe{probe}"
-            )
-            values = " ".join(f"{int(a):#x}" for a in args)
-            trace.items.append(
-                Comment(f"## [{clock(stamp // 1_000_000)}] pid {int(rec['pid'])} {name} {values}")
-            )
-            continue
-        resource, _, alloc_fn, free_fn, _ = RESOURCES[TypeId(type_id)]
-        site = int(rec["call_site"])
-        frame = Frame(site)
-        if type_id <= TypeId.PAGES and site:
-            if site not in names:
-                found = symbols.function(site)
-                names[site] = (found[0], found[2].strip("[]") or None) if found else (None, None)
-            function, module = names[site]
-            if function:
-                frame.function, resolved = function, True
-                frame.module = f"[{module}]" if module else KERNEL_MODULE
-                modules.add(module or "")
-        size = int(rec["bytes_req"]) if event == EventId.ALLOC else None
-        if size is not None and type_id == TypeId.PAGES:
-            size = int(rec["bytes_alloc"])
-        function = alloc_fn if size is not None else free_fn
-        frames = [frame] if site else []
-        call = Call(
-            index, function, resource, int(rec["ptr"]), size, stamp // 1_000_000, frames=frames
-        )
-        if size is not None:
-            call.args = [str(int(rec["bytes_alloc"])), f"{int(rec['gfp_flags']):#x}"]
-        trace.items.append(call)
-    for module in sorted(modules):
-        span = symbols.module_range(f"[{module}]" if module else "")
-        if span:
-            trace.mmaps.append((f"[{module}]" if module else KERNEL_MODULE, *span))
-    if resolved:
+    }  # fmt: skip
+
+
+def resources(types: Iterable[int]) -> list[Resource]:
+    present = [t for t in RESOURCES if t in set(types)]
+    return [Resource(bit, *RESOURCES[t][:2], refcount=RESOURCES[t][4])
+            for bit, t in enumerate(present, 1)]  # fmt: skip
+
+
+def from_record_set(records: RecordSet, symbols: KernelSymbols, version: str) -> Trace:
+    recs = records.records
+    pids = Counter(int(p) for p in recs["pid"][recs["has_task"] == 1]) if len(recs) else Counter()
+    trace = Trace(header=header(pids.most_common(1)[0][0] if pids else 0, version))
+    trace.resources = resources(
+        int(t) for t in np.unique(recs["type_id"][recs["event_id"] != EventId.PROBE])
+    )
+    calls = RecordCalls(records.libc_probes, symbols)
+    trace.items = calls.items(recs, records.args)
+    trace.mmaps = sorted(calls.new_modules, key=lambda m: m[1])
+    if calls.resolved:
         trace.add_filter("resolve")
     return trace
 

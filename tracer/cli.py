@@ -90,6 +90,11 @@ def _trace_options(command: Any) -> Any:
             help="Write kmemtrace records (kernel and libc events) to this new directory.",
         ),
         click.option(
+            "--sp-rtrace",
+            type=click.Path(dir_okay=False, path_type=Path),
+            help="Write the allocation events to this file as an sp-rtrace text report.",
+        ),
+        click.option(
             "--prometheus",
             metavar="ADDR",
             help="Also serve Prometheus metrics at ADDR (host:port) while tracing.",
@@ -119,6 +124,7 @@ def _trace(
     kmemtrace: Path | None = None,
     prometheus: str | None = None,
     web_config: Path | None = None,
+    sp_rtrace: Path | None = None,
 ) -> None:
     from .live import TraceRequest, run_trace
     from .usdt import DEFAULT_PATTERNS
@@ -144,6 +150,7 @@ def _trace(
         kmem=kmem or kmem_only,
         libc_probes=not kmem_only,
         kmemtrace=kmemtrace,
+        sp_rtrace=sp_rtrace,
     )
     if web_config is not None and prometheus is None:
         raise click.UsageError("--web.config.file goes with --prometheus ADDR")

@@ -45,6 +45,7 @@ from .launch import GatedCommand
 from .model import AllocatorModel
 from .output import Sink, make_sink
 from .ringbuf import RingReader
+from .sprtrace_writer import SpRtraceWriter
 from .tracefs import kmem_defines
 
 DEFAULT_BUFFER_PAGES = 2048  # 8 MiB: about 95,000 events of slack
@@ -70,6 +71,7 @@ class TraceRequest:
     comm: str | None = None  # trace the processes with this kernel name (serve)
     cgroup: str | None = None  # trace the tasks of this cgroup v2 and below (serve)
     end_with_target: bool = True  # False: go on after a --pid target exits (serve)
+    sp_rtrace: Path | None = None  # write an sp-rtrace text report here while tracing
 
     @property
     def filtered_by_pid(self) -> bool:
@@ -174,7 +176,7 @@ class LiveTrace:
             "RINGBUF_PAGES": request.buffer_pages,
             "SITE_COUNT": len(self.selection.layouts),
             "WITH_KMEM": int(self.kmem),
-            "KMEM_EVENTS": int(request.kmemtrace is not None),
+            "KMEM_EVENTS": int(request.kmemtrace is not None or request.sp_rtrace is not None),
             "PAGE_SHIFT_": mmap.PAGESIZE.bit_length() - 1,
         }
         if request.comm is not None:
@@ -188,6 +190,13 @@ class LiveTrace:
         self.writer: KmemtraceWriter | None = None
         if request.kmemtrace is not None:
             self.writer = KmemtraceWriter(request.kmemtrace, self.selection.probes, saved_text())
+        self.sp_rtrace: SpRtraceWriter | None = None
+        if request.sp_rtrace is not None:
+            self.sp_rtrace = SpRtraceWriter(
+                request.sp_rtrace, self.selection, self.kmem, _version()
+            )
+            if request.command:
+                self.sp_rtrace.process = Path(request.command[0]).name
         self.program = BpfProgram("trace", defines)
         try:
             usdt.attach(self.program, self.selection)
@@ -201,10 +210,13 @@ class LiveTrace:
 
     def follow(self, pid: int) -> None:
         self.program.follow([pid])
+        if self.sp_rtrace is not None and not self.sp_rtrace.pid:
+            self.sp_rtrace.pid = pid
 
     delivered = 0  # probe events read from the ring (exec/exit ones not counted)
     kmem_delivered = 0
     _overrun_bytes = 0
+    _lost_events = 0
 
     def drain(self) -> Iterator[np.ndarray]:
         """Batches of libc events; kmem events go to the record writer here."""
@@ -215,6 +227,8 @@ class LiveTrace:
             self.delivered += int(np.count_nonzero(batch["kind"] == EventKind.PROBE))
             if self.writer is not None:
                 self.writer.write(batch, EventKind.KMEM, EventKind.PROBE)
+            if self.sp_rtrace is not None:
+                self.sp_rtrace.write(batch, EventKind.KMEM, EventKind.PROBE)
             if self.kmem:
                 kmem_rows = batch["kind"] == EventKind.KMEM
                 self.kmem_delivered += int(np.count_nonzero(kmem_rows))
@@ -238,6 +252,7 @@ class LiveTrace:
                     + sum(lost[slot] * _record_size(name) for slot, name in enumerate(names))
                 )
                 self._overrun_bytes = kmem.overrun_bytes
+        self._lost_events = sum(lost) + (kmem.lost if kmem is not None else 0)
         per_process: dict[int, dict[str, int]] = {}
         for row in self.program.process_hits():
             if row.probe < len(names):
@@ -285,6 +300,9 @@ class LiveTrace:
         if self.writer is not None:
             self.writer.close(self._overrun_bytes)
             self.writer = None
+        if self.sp_rtrace is not None:
+            self.sp_rtrace.close(self._lost_events)
+            self.sp_rtrace = None
         self.reader.close()
         self.program.close()
 
@@ -426,3 +444,12 @@ def _silence_stdout() -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mtrace-live")
+    except PackageNotFoundError:
+        return "unknown"

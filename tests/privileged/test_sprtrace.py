@@ -6,17 +6,17 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 from mtrace_live.exporters import sprtrace
 from mtrace_live.exporters.kmemtrace import read_record_set
+from mtrace_live.tracer import sdt_glibc
 
 from .conftest import MTRACE
 from .test_kmemtrace import skipped_runs
 from .tracing import Reaper, wait_for_line
 
-SOCKETS, LEAKED = 300, 7
+SOCKETS, PIPES, LEAKED = 300, 100, 7
 
 
 def test_convert_leaks_finds_the_sockets_the_exerciser_left_open(
@@ -25,7 +25,7 @@ def test_convert_leaks_finds_the_sockets_the_exerciser_left_open(
     # GIVEN a record set of the gated exerciser, which leaves 7 of its 300 sockets open
     directory = tmp_path / "records"
     with Reaper() as reaper:
-        argv = [str(kmem_exerciser), "--sockets", str(SOCKETS), "--pipes", "0", "--leak",
+        argv = [str(kmem_exerciser), "--sockets", str(SOCKETS), "--pipes", str(PIPES), "--leak",
                 str(LEAKED), "--out", str(tmp_path / "truth.json"), "--gated"]  # fmt: skip
         work = reaper.add(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
         assert work.stdin is not None and work.stdout is not None
@@ -39,7 +39,6 @@ def test_convert_leaks_finds_the_sockets_the_exerciser_left_open(
         work.stdin.write(b"go\n")
         work.stdin.flush()
         assert work.stdout.readline() == b"done\n"
-        time.sleep(3.0)  # RCU grace periods: the closed sockets' inodes are freed by callbacks
         record.send_signal(signal.SIGINT)
         assert record.wait(timeout=120) == 0, err.read_text()
         work.stdin.write(b"end\n")
@@ -52,12 +51,18 @@ def test_convert_leaks_finds_the_sockets_the_exerciser_left_open(
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr
     report = sprtrace.parse(out.read_text().splitlines(), str(out))
-    # THEN exactly the leaked socket inodes are left at sock_alloc_inode, all
-    # of one size (more only if the kernel skipped some frees, and says so)
+    # THEN exactly the leaked pipes are left at alloc_pipe_info: two kmalloc
+    # objects each (the pipe and its buffers), freed at once on close (more
+    # only if the kernel skipped some frees, and says so)
+    skipped = skipped_runs(err.read_text())
+    pipes = [c for c in report.calls if c.frames and c.frames[0].function == "alloc_pipe_info"]
+    missed_kfree = skipped.get("tracepoint:kmem:kfree", 0)
+    assert 2 * LEAKED <= len(pipes) <= 2 * LEAKED + missed_kfree, (len(pipes), missed_kfree)
+    assert all(c.resource == "kmalloc" and c.function == "kmalloc" for c in pipes)
+    # AND at least the leaked sockets' inodes (the others are freed by RCU
+    # callbacks, some of which may come after the recording stopped)
     inodes = [c for c in report.calls if c.frames and c.frames[0].function == "sock_alloc_inode"]
-    skipped = skipped_runs(err.read_text()).get("tracepoint:kmem:kmem_cache_free", 0)
-    assert LEAKED <= len(inodes) <= LEAKED + skipped, (len(inodes), skipped)
-    assert len({c.size for c in inodes}) == 1 and all(c.resource == "kmem_cache" for c in inodes)
+    assert LEAKED <= len(inodes) <= SOCKETS and len({c.size for c in inodes}) == 1
     assert all(c.is_alloc for c in report.calls)
     # AND the leak summary it ends with counts what is left, resource by resource
     summary = out.read_text().splitlines()[-2 * len(report.resources) :]
@@ -71,3 +76,43 @@ def test_convert_leaks_finds_the_sockets_the_exerciser_left_open(
     assert len(docs) == len(read_record_set(directory).records)
     assert [d["seq"] for d in docs] == sorted(d["seq"] for d in docs)
     assert sum(1 for d in docs if d.get("symbol", "").startswith("sock_alloc_inode+")) >= SOCKETS
+
+
+def test_sp_rtrace_written_live_names_the_libc_sites_with_their_source_lines(
+    sdt: sdt_glibc.SdtGlibc, probe_exerciser: Path, tmp_path: Path
+) -> None:
+    # GIVEN the probe exerciser traced with --sp-rtrace under the SDT glibc
+    out, truth_file = tmp_path / "live.txt", tmp_path / "truth.json"
+    done = subprocess.run(
+        [*MTRACE, "run", "--sdt-glibc", "-o", "summary", "--sp-rtrace", str(out), "--",
+         str(probe_exerciser), "--out", str(truth_file)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    truth = {name: p["count"] for name, p in json.loads(truth_file.read_text())["probes"].items()}
+    text = out.read_text().splitlines()
+    # WHEN the report is read back
+    report = sprtrace.parse(text, str(out))
+    calls = report.calls
+    # THEN it has a call per heap and arena event the exerciser caused, and
+    # every sbrk growth as a call, or as a comment when sbrk failed
+    assert sum(c.function == "memory_heap_new" for c in calls) == truth["memory_heap_new"]
+    assert sum(c.function == "memory_heap_free" for c in calls) == truth["memory_heap_free"]
+    assert sum(c.function == "memory_arena_new" for c in calls) == truth["memory_arena_new"]
+    failed = sum(1 for line in text if "failed memory_sbrk_more" in line)
+    assert (
+        sum(c.function == "memory_sbrk_more" for c in calls) + failed == truth["memory_sbrk_more"]
+    )
+    mallopts = [line for line in text if line.startswith("## [") and " memory_mallopt " in line]
+    assert len(mallopts) == truth["memory_mallopt"]
+    # AND each backtrace names the glibc function and source line of its probe site
+    frames = [c.frames[0] for c in calls if c.frames]
+    assert frames and all(f.function and f.location and ".c:" in f.location for f in frames)
+    assert {f.function for f in frames if f.location.startswith("malloc.c")} >= {"sysmalloc"}
+    # AND the libc's map line comes before its first backtrace, covering it
+    (libc_line,) = [i for i, line in enumerate(text) if line.startswith(f": {sdt.libc}")]
+    first = next(i for i, line in enumerate(text) if line.startswith("\t0x"))
+    assert libc_line < first
+    (_, start, end) = next(m for m in report.mmaps if m[0] == str(sdt.libc))
+    assert all(start <= f.address < end for f in frames)
+    assert report.header["process"] == probe_exerciser.name

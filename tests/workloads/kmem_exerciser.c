@@ -8,9 +8,11 @@
  *
  * Usage: kmem_exerciser --sockets N --pipes M --out FILE.json [--gated] [--leak K]
  *
- * --leak K: the first K sockets are left open until the process exits, so
- * K socket inodes are allocated and not freed while it waits at "done": a
- * leak of known count (the inode's size is the cache's object size).
+ * --leak K: the first K sockets and the first K pipes are left open until
+ * the process exits, so while it waits at "done" they are allocated and not
+ * freed: leaks of known count. Each pipe holds two kmalloc objects made in
+ * alloc_pipe_info (the pipe and its buffer array), freed at once on close;
+ * a socket inode is freed only after an RCU grace period.
  *
  * --gated: print "ready" and wait for a line on stdin before the work, then
  * print "done" and wait for another before exiting, so that tracers can be
@@ -61,7 +63,7 @@ int main(int argc, char **argv)
             leak = strtol(argv[i + 1], NULL, 10);
         i++;
     }
-    if (!out || sockets < 0 || pipes < 0 || leak < 0 || leak > sockets) {
+    if (!out || sockets < 0 || pipes < 0 || leak < 0 || leak > sockets || leak > pipes) {
         fprintf(stderr, "usage: kmem_exerciser --sockets N --pipes M --out FILE.json [--gated] [--leak K]\n");
         return 2;
     }
@@ -80,8 +82,10 @@ int main(int argc, char **argv)
         int fds[2];
         if (pipe(fds))
             return fail("pipe");
-        close(fds[0]);
-        close(fds[1]);
+        if (i >= leak) {
+            close(fds[0]);
+            close(fds[1]);
+        }
     }
     clock_gettime(CLOCK_MONOTONIC, &t1);
     long long work_ns = (t1.tv_sec - t0.tv_sec) * 1000000000LL + (t1.tv_nsec - t0.tv_nsec);

@@ -1,0 +1,119 @@
+"""User-space symbolization with pyelftools, checked against binutils
+(nm for functions, addr2line for DWARF lines) on the exercisers' own code."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from mtrace_live.tracer.symbolize import ModuleSymbols, ProcessSymbols
+
+BUILD = Path(__file__).resolve().parents[2] / "build"
+
+
+def built(name: str) -> Path:
+    path = BUILD / name
+    if not path.is_file():
+        pytest.fail(f"{path} is missing: build it with 'make exercisers'")
+    return path
+
+
+def functions(binary: Path) -> dict[str, int]:
+    """Text symbols by name, as nm lists them (link-time addresses)."""
+    out = subprocess.run(["nm", "--defined-only", str(binary)], capture_output=True, text=True,
+                         check=True).stdout  # fmt: skip
+    found = {}
+    for line in out.splitlines():
+        address, kind, name = line.split()
+        if kind in "tT":
+            found[name] = int(address, 16)
+    return found
+
+
+def addr2line(binary: Path, address: int) -> str | None:
+    """file:line as addr2line says, None where it has no line ("??" or ":?")."""
+    out = subprocess.run(["addr2line", "-e", str(binary), f"{address:#x}"], capture_output=True,
+                         text=True, check=True).stdout.strip()  # fmt: skip
+    path, _, line = out.partition(":")
+    line = line.split()[0] if line else "?"
+    return None if line == "?" or path == "??" else f"{Path(path).name}:{line}"
+
+
+def test_functions_and_lines_of_the_exercisers_own_code_match_binutils() -> None:
+    # GIVEN the probe exerciser, built with DWARF, and its functions per nm
+    binary = built("probe_exerciser")
+    symbols = ModuleSymbols(binary)
+    named = {
+        name: address for name, address in functions(binary).items() if not name.startswith("_")
+    }
+    assert "main" in named and len(named) > 10
+    # WHEN a few bytes into each function is looked up
+    for name, address in sorted(named.items()):
+        function, offset, location = symbols.lookup(address + 4)
+        # THEN the function is nm's, and the file:line is addr2line's
+        assert (function, offset) == (name, 4), name
+        assert location == addr2line(binary, address + 4), name
+    assert symbols.build_id and len(symbols.build_id) == 40
+
+
+def test_a_stripped_binary_resolves_through_its_build_id_debug_file(tmp_path: Path) -> None:
+    # GIVEN a stripped copy, and its debug part under a debug directory by build-id
+    binary = built("kmem_exerciser")
+    stripped, debug = tmp_path / "kmem_exerciser", tmp_path / "full.debug"
+    subprocess.run(["objcopy", "--only-keep-debug", str(binary), str(debug)], check=True)
+    subprocess.run(["strip", "-o", str(stripped), str(binary)], check=True)
+    bare = ModuleSymbols(stripped, debug_directories=[tmp_path / "nothing"])
+    build_id = bare.build_id
+    assert build_id is not None
+    target = tmp_path / "debug" / ".build-id" / build_id[:2] / f"{build_id[2:]}.debug"
+    target.parent.mkdir(parents=True)
+    shutil.move(debug, target)
+    gate = functions(binary)["gate"]
+    # WHEN each is looked up
+    found = ModuleSymbols(stripped, debug_directories=[tmp_path / "debug"]).lookup(gate + 4)
+    # THEN without the debug file there is no name (and no error); with it, name and line
+    assert bare.lookup(gate + 4) == (None, 0, None)
+    assert found == ("gate", 4, addr2line(binary, gate + 4))
+
+
+def test_files_that_are_not_elf_give_nothing_not_an_error(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.so"
+    junk.write_bytes(b"\x7fELF" + b"\x00" * 10)
+    assert ModuleSymbols(junk).lookup(0x1000) == (None, 0, None)
+    assert ModuleSymbols(tmp_path / "missing.so").lookup(0x1000) == (None, 0, None)
+
+
+def test_a_running_process_addresses_resolve_through_its_maps() -> None:
+    # GIVEN the kmem exerciser waiting at its gate (a PIE, loaded anywhere)
+    binary = built("kmem_exerciser")
+    work = subprocess.Popen([str(binary), "--sockets", "1", "--pipes", "0", "--out", "/dev/null",
+                             "--gated"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+    assert work.stdin is not None and work.stdout is not None
+    try:
+        assert work.stdout.readline() == b"ready\n"
+        process = ProcessSymbols(work.pid)
+        exe = next(m for m in process.modules() if m.path == str(binary))
+        module = ModuleSymbols(binary)
+        load_bias = exe.start - (module.vaddr(exe.offset) or 0)
+        gate = functions(binary)["gate"]
+        # WHEN an address inside its gate() is resolved
+        symbol = process.resolve(load_bias + gate + 4)
+        # THEN it is the exerciser's gate(), with its source line
+        assert symbol is not None and symbol.module == str(binary)
+        assert (symbol.function, symbol.offset) == ("gate", 4)
+        assert symbol.location == addr2line(binary, gate + 4)
+        # AND an address in libc names libc, and one in no mapping gives None
+        libc = next(m for m in process.modules() if "libc.so" in m.path)
+        resolved = process.resolve(libc.start + 0x100)
+        assert resolved is not None and resolved.module == libc.path
+        assert process.resolve(0x10) is None
+    finally:
+        work.stdin.write(b"go\n")
+        work.stdin.flush()
+        work.stdout.readline()
+        work.stdin.write(b"end\n")
+        work.stdin.close()
+        work.stdout.close()
+        work.wait(timeout=30)

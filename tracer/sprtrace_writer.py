@@ -1,0 +1,113 @@
+"""``--sp-rtrace FILE``: a live trace's allocation events written as an
+sp-rtrace text report while it runs.
+
+Events are turned into records as for a kmemtrace record set, then into
+calls by the same code ``convert`` uses. Kernel call sites are named from
+kallsyms; the libc probe sites from the traced process's own files
+(pyelftools, DWARF lines where there are any), looked up while the process
+still runs. A module's map line is written before the first backtrace that
+uses it, as the protocol asks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+from mtrace_live.exporters.kmemtrace import KERNEL_TYPES, TypeId, decode_batch
+from mtrace_live.exporters.sprtrace import Trace, lines
+from mtrace_live.exporters.sprtrace_convert import RecordCalls, header, resources
+
+from .errors import TargetError
+from .kallsyms import KernelSymbols
+from .symbolize import ProcessSymbols, Symbol, module_symbols
+from .target import process_name
+from .usdt import ProbeSelection
+
+LIBC_TYPES = (TypeId.SBRK, TypeId.HEAP, TypeId.ARENA)
+
+
+class SpRtraceWriter:
+    def __init__(self, path: Path, selection: ProbeSelection, kmem: bool, version: str) -> None:
+        self.path = path
+        self.probes = list(selection.probes)
+        self.version = version
+        self.pid = 0  # the target, once known: the header names it
+        self.process = ""  # and its name, if known before it runs
+        # Probe sites by link-time address: a libc event's site is known
+        # exactly, even once its process is gone.
+        self._libc = selection.libc
+        self._site_vaddrs = [layout.site.address for layout in selection.layouts]
+        self._site_of: dict[int, int] = {}  # runtime address -> link-time address
+        self.records = 0
+        self._types = [*(KERNEL_TYPES if kmem else ()), *(LIBC_TYPES if self.probes else ())]
+        self._processes: dict[int, ProcessSymbols] = {}
+        self._calls = RecordCalls(self.probes, KernelSymbols.load(), self._user)
+        self._seq = 0
+        self._stream: TextIO | None = None
+        try:
+            self._stream = open(path, "w", encoding="utf-8")  # noqa: SIM115
+        except OSError as exc:
+            raise TargetError(f"cannot write {path}: {exc.strerror}") from None
+        self._started = False
+
+    def _begin(self) -> TextIO:
+        assert self._stream is not None
+        if not self._started:
+            self._started = True
+            trace = Trace(header=header(self.pid, self.version), resources=resources(self._types))
+            name = self.process or (process_name(self.pid) if self.pid else "")
+            trace.header["process"] = name or trace.header["process"]
+            for line in lines(trace):
+                self._stream.write(line + "\n")
+        return self._stream
+
+    def _user(self, pid: int, address: int) -> Symbol | None:
+        vaddr = self._site_of.get(address)
+        if vaddr is not None:  # a libc probe site: the traced libc's own symbols
+            libc = module_symbols(self._libc)
+            function, offset, location = libc.lookup(vaddr)
+            bias = address - vaddr
+            loads = [
+                (start, start + size)
+                for _, start, size in libc.loads
+                if start <= vaddr < start + size
+            ]
+            start, end = loads[0] if loads else (vaddr, vaddr + 1)
+            return Symbol(str(self._libc), function, offset, location, (start + bias, end + bias))
+        process = self._processes.get(pid)
+        if process is None:
+            process = self._processes[pid] = ProcessSymbols(pid)
+        symbol = process.resolve(address)
+        if symbol is None:  # mapped since: read the maps again
+            process = self._processes[pid] = ProcessSymbols(pid)
+            symbol = process.resolve(address)
+        return symbol
+
+    def write(self, batch: np.ndarray, kmem_kind: int, probe_kind: int) -> None:
+        stream = self._begin()
+        probes = batch[batch["kind"] == probe_kind]
+        for ip, site in zip(probes["ip"].tolist(), probes["site"].tolist(), strict=True):
+            if site < len(self._site_vaddrs):
+                self._site_of[ip] = self._site_vaddrs[site]
+        records, args, self._seq = decode_batch(
+            batch, self._seq, self.probes, kmem_kind, probe_kind
+        )
+        if not len(records):
+            return
+        items = self._calls.items(records, args)
+        for module, start, end in self._calls.new_modules:
+            stream.write(f": {module} => {start:#x}-{end:#x}\n")
+        out = Trace(items=items)
+        for line in list(lines(out))[1:]:  # without the (empty) header
+            stream.write(line + "\n")
+        self.records += len(records)
+
+    def close(self, lost_events: int = 0) -> None:
+        if self._stream is not None:
+            stream = self._begin()
+            if lost_events:
+                stream.write(f"## {lost_events} events lost: the ring buffer was full\n")
+            stream.close()
+            self._stream = None

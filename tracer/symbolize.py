@@ -1,0 +1,252 @@
+"""User-space addresses to module, function and source line, with pyelftools.
+
+``ModuleSymbols`` reads one ELF file once: its function symbols (.symtab,
+else .dynsym) and, where DWARF line tables exist, the address-to-line rows.
+When the file itself is stripped, its separate debug file is looked for the
+way gdb does: by build-id under each debug directory
+(``.build-id/ab/cdef....debug``), then by ``.gnu_debuglink`` name beside the
+file and under the debug directory. A module's tables are cached by path,
+inode and modification time, so every process mapping a library shares them.
+
+``ProcessSymbols`` maps a process's addresses to modules through
+/proc/PID/maps, reaching the files through /proc/PID/root, so processes in
+other mount namespaces (containers) resolve too. An address no symbol
+covers gives the module only; a module that cannot be read gives nothing.
+Neither is an error.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from elftools.common.exceptions import DWARFError, ELFError
+from elftools.elf.elffile import ELFFile
+from elftools.elf.sections import NoteSection, SymbolTableSection
+
+DEBUG_DIRECTORIES = (Path("/usr/lib/debug"),)
+_FUNCTION_TYPES = frozenset({"STT_FUNC", "STT_GNU_IFUNC"})
+
+
+@dataclass(frozen=True)
+class Symbol:
+    module: str  # the file as the process maps it
+    function: str | None = None
+    offset: int = 0  # from the function's start
+    location: str | None = None  # file:line
+    span: tuple[int, int] | None = None  # the module's mapping, for sp-rtrace's map lines
+
+
+class ModuleSymbols:
+    """The symbols and line table of one ELF file (addresses are its link-time ones)."""
+
+    def __init__(self, path: Path, debug_directories: Sequence[Path] = DEBUG_DIRECTORIES) -> None:
+        self.path = path
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        self._names: list[str] = []
+        self._rows: list[int] = []  # line-table addresses, sorted
+        self._places: list[str | None] = []
+        self.loads: list[tuple[int, int, int]] = []  # PT_LOAD (offset, vaddr, memsz)
+        self.build_id: str | None = None
+        try:
+            with open(path, "rb") as file:
+                elf = ELFFile(file)
+                self.loads = [(s["p_offset"], s["p_vaddr"], s["p_memsz"])
+                              for s in elf.iter_segments() if s["p_type"] == "PT_LOAD"]  # fmt: skip
+                self.build_id = _build_id(elf)
+                self._read_symbols(elf)
+                self._read_lines(elf)
+                debuglink = _debuglink(elf)
+        except (OSError, ELFError, DWARFError, ValueError):
+            return
+        if not self._names or not self._rows:
+            for candidate in _debug_files(path, self.build_id, debuglink, debug_directories):
+                if self._read_debug_file(candidate):
+                    break
+
+    def _read_debug_file(self, candidate: Path) -> bool:
+        try:
+            with open(candidate, "rb") as file:
+                elf = ELFFile(file)
+                if self.build_id and _build_id(elf) not in (None, self.build_id):
+                    return False
+                if not self._names:
+                    self._read_symbols(elf)
+                if not self._rows:
+                    self._read_lines(elf)
+        except (OSError, ELFError, DWARFError, ValueError):
+            return False
+        return bool(self._names or self._rows)
+
+    def _read_symbols(self, elf: ELFFile) -> None:
+        found: dict[int, tuple[int, str]] = {}
+        for name in (".symtab", ".dynsym"):
+            table = elf.get_section_by_name(name)
+            if not isinstance(table, SymbolTableSection):
+                continue
+            for sym in table.iter_symbols():
+                if sym["st_info"]["type"] in _FUNCTION_TYPES and sym["st_value"] and sym.name:
+                    found.setdefault(sym["st_value"], (sym["st_size"], sym.name))
+            if found:
+                break
+        starts = sorted(found)
+        for index, start in enumerate(starts):
+            size, name = found[start]
+            following = starts[index + 1] if index + 1 < len(starts) else start + 1
+            self._starts.append(start)
+            self._ends.append(start + size if size else following)  # no size: up to the next
+            self._names.append(name)
+
+    def _read_lines(self, elf: ELFFile) -> None:
+        if not elf.has_dwarf_info():
+            return
+        dwarf = elf.get_dwarf_info()
+        if not dwarf.has_debug_info:
+            return
+        rows: dict[int, str | None] = {}  # None: a sequence ended here, no line until the next
+        for unit in dwarf.iter_CUs():
+            program = dwarf.line_program_for_CU(unit)
+            if program is None:
+                continue
+            files = program["file_entry"]
+            base = 1 if program["version"] < 5 else 0
+            for entry in program.get_entries():
+                state = entry.state
+                if state is None:
+                    continue
+                if state.end_sequence:
+                    rows.setdefault(state.address, None)
+                    continue
+                index = state.file - base
+                name = (
+                    files[index].name.decode(errors="replace") if 0 <= index < len(files) else "?"
+                )
+                rows[state.address] = f"{os.path.basename(name)}:{state.line}"  # the last row wins
+        self._rows = sorted(rows)
+        self._places = [rows[address] for address in self._rows]
+
+    def lookup(self, vaddr: int) -> tuple[str | None, int, str | None]:
+        """(function, offset into it, file:line) for a link-time address."""
+        function, offset = None, 0
+        index = bisect.bisect_right(self._starts, vaddr) - 1
+        if index >= 0 and vaddr < self._ends[index]:
+            function, offset = self._names[index], vaddr - self._starts[index]
+        location = None
+        row = bisect.bisect_right(self._rows, vaddr) - 1
+        if row >= 0 and function is not None:
+            location = self._places[row]
+        return function, offset, location
+
+    def vaddr(self, file_offset: int) -> int | None:
+        """The link-time address of a byte at this file offset."""
+        for offset, vaddr, size in self.loads:
+            if offset <= file_offset < offset + size:
+                return file_offset - offset + vaddr
+        return None
+
+
+def _build_id(elf: ELFFile) -> str | None:
+    for section in elf.iter_sections():
+        if isinstance(section, NoteSection):
+            for note in section.iter_notes():
+                if note["n_type"] == "NT_GNU_BUILD_ID":
+                    return str(note["n_desc"])
+    return None
+
+
+def _debuglink(elf: ELFFile) -> str | None:
+    section = elf.get_section_by_name(".gnu_debuglink")
+    if section is None:
+        return None
+    return section.data().split(b"\0", 1)[0].decode(errors="replace") or None
+
+
+def _debug_files(path: Path, build_id: str | None, debuglink: str | None,
+                 directories: Sequence[Path]) -> list[Path]:  # fmt: skip
+    """Where gdb looks for a separate debug file, in its order."""
+    candidates = []
+    for directory in directories:
+        if build_id and len(build_id) > 2:
+            candidates.append(directory / ".build-id" / build_id[:2] / f"{build_id[2:]}.debug")
+    if debuglink:
+        candidates.append(path.parent / debuglink)
+        candidates.append(path.parent / ".debug" / debuglink)
+        candidates += [
+            directory / str(path.parent).lstrip("/") / debuglink for directory in directories
+        ]
+    return [candidate for candidate in candidates if candidate.is_file()]
+
+
+_CACHE: dict[tuple[str, int, int], ModuleSymbols] = {}
+
+
+def module_symbols(
+    path: Path, debug_directories: Sequence[Path] = DEBUG_DIRECTORIES
+) -> ModuleSymbols:
+    """One ModuleSymbols per file (by inode and mtime), read once."""
+    try:
+        stat = os.stat(path)
+        key = (str(path), stat.st_ino, stat.st_mtime_ns)
+    except OSError:
+        key = (str(path), 0, 0)
+    found = _CACHE.get(key)
+    if found is None:
+        found = _CACHE[key] = ModuleSymbols(path, debug_directories)
+    return found
+
+
+@dataclass(frozen=True)
+class Mapping:
+    start: int
+    end: int
+    offset: int
+    path: str  # as the process sees it
+
+
+class ProcessSymbols:
+    """Symbolizes addresses of one process (a snapshot of its maps)."""
+
+    def __init__(self, pid: int, debug_directories: Sequence[Path] = DEBUG_DIRECTORIES) -> None:
+        self.pid = pid
+        self.debug_directories = debug_directories
+        self.root = Path(f"/proc/{pid}/root")
+        self.mappings: list[Mapping] = []
+        try:
+            text = Path(f"/proc/{pid}/maps").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            text = ""
+        for line in text.splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) < 6 or not fields[5].startswith("/") or "x" not in fields[1]:
+                continue
+            start, end = (int(part, 16) for part in fields[0].split("-"))
+            self.mappings.append(Mapping(start, end, int(fields[2], 16), fields[5]))
+        self._starts = [m.start for m in self.mappings]
+
+    def modules(self) -> list[Mapping]:
+        return list(self.mappings)
+
+    def resolve(self, address: int) -> Symbol | None:
+        index = bisect.bisect_right(self._starts, address) - 1
+        if index < 0 or address >= self.mappings[index].end:
+            return None
+        mapping = self.mappings[index]
+        span = self._span(mapping.path)
+        path = self.root / mapping.path.lstrip("/")
+        if not path.exists():
+            path = Path(mapping.path)
+        symbols = module_symbols(path, self.debug_directories)
+        vaddr = symbols.vaddr(address - mapping.start + mapping.offset)
+        if vaddr is None:
+            return Symbol(mapping.path, span=span)
+        function, offset, location = symbols.lookup(vaddr)
+        return Symbol(mapping.path, function, offset, location, span)
+
+    def _span(self, path: str) -> tuple[int, int]:
+        """All of a module's executable mappings, lowest start to highest end."""
+        mine = [m for m in self.mappings if m.path == path]
+        return min(m.start for m in mine), max(m.end for m in mine)
