@@ -248,6 +248,12 @@ def probe_rates() -> dict[str, dict[str, float]]:
 # ---- report --------------------------------------------------------------------
 
 
+def record_bytes() -> int:
+    from mtrace_live.tracer.events import EVENT_DTYPE
+
+    return EVENT_DTYPE.itemsize
+
+
 def machine() -> str:
     cpu = "unknown CPU"
     for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -327,8 +333,9 @@ def write_report(cost: dict, synthetic: dict, paced: list[dict], rates: dict) ->
             "",
             "Why the event stream is above target: over a bare counter, each hit also copies the",
             "registers (168 bytes) to the stack, fills six argument slots and reserves and submits",
-            "an 80-byte ring record. Reading only the registers a site needs (one 8-byte read per",
-            "argument) and sizing records by argument count would remove most of that.",
+            f"an {record_bytes()}-byte ring record. Reading only the registers a site needs",
+            "(one 8-byte read per argument) and sizing records by argument count would remove",
+            "most of that.",
         ]
     lines += [
         "",

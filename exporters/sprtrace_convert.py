@@ -51,6 +51,7 @@ RESOURCES = {
 
 
 UserSymbols = Callable[[int, int], "Symbol | None"]  # (pid, address) -> symbol
+Stacks = Callable[[np.void], list[tuple[int, bool]]]  # record -> [(address, kernel?)]
 
 
 class RecordCalls:
@@ -58,11 +59,17 @@ class RecordCalls:
     batch: indexes and times continue, and each module a backtrace uses is
     reported once (``new_modules``) so that its map line can come first."""
 
-    def __init__(self, probes: list[str], kernel: KernelSymbols,
-                 user: UserSymbols | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        probes: list[str],
+        kernel: KernelSymbols,
+        user: UserSymbols | None = None,
+        stack: Stacks | None = None,
+    ) -> None:
         self.probes = probes
         self.kernel = kernel
         self.user = user
+        self.stack = stack  # a record's stack: (address, kernel?) innermost first, or []
         self.index = 0
         self.start_ns: int | None = None
         self.resolved = False
@@ -94,9 +101,15 @@ class RecordCalls:
             size = int(rec["bytes_req"]) if event == EventId.ALLOC else None
             if size is not None and type_id == TypeId.PAGES:
                 size = int(rec["bytes_alloc"])
-            frame = self._frame(int(rec["call_site"]), type_id <= TypeId.PAGES, int(rec["pid"]))
-            call = Call(self.index, alloc_fn if size is not None else free_fn, resource,
-                        int(rec["ptr"]), size, ms, frames=[frame] if frame else [])  # fmt: skip
+            pid, kernel = int(rec["pid"]), type_id <= TypeId.PAGES
+            stack = self.stack(rec) if self.stack is not None else []
+            if stack:
+                frames = [f for f in (self._frame(a, k, pid) for a, k in stack) if f is not None]
+            else:
+                site = self._frame(int(rec["call_site"]), kernel, pid)
+                frames = [site] if site is not None else []
+            function = alloc_fn if size is not None else free_fn
+            call = Call(self.index, function, resource, int(rec["ptr"]), size, ms, frames=frames)
             if size is not None:
                 call.args = [str(int(rec["bytes_alloc"])), f"{int(rec['gfp_flags']):#x}"]
             out.append(call)

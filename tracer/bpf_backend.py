@@ -158,6 +158,20 @@ class BpfProgram:
                 desc.value = arg.value
             table[table.Key(index)] = leaf
 
+    def stack(self, stack_id: int) -> list[int]:
+        """The addresses of one stored stack (``stacks``), innermost first."""
+        table = self._bpf["stacks"]
+        try:
+            frames = table[table.Key(stack_id)].ip
+        except KeyError:
+            return []
+        out = []
+        for address in frames:
+            if not address:
+                break
+            out.append(int(address))
+        return out
+
     def map_fd(self, name: str) -> int:
         return int(self._bpf[name].map_fd)
 

@@ -90,6 +90,21 @@ def _trace_options(command: Any) -> Any:
             help="Write kmemtrace records (kernel and libc events) to this new directory.",
         ),
         click.option(
+            "--stack-depth",
+            type=click.IntRange(0, 127),
+            default=0,
+            show_default=True,
+            help="Record this many frames of each event's stack (user; kernel too for kmem) "
+            "for --sp-rtrace backtraces; 0 for none.",
+        ),
+        click.option(
+            "--stack-map-size",
+            type=click.IntRange(1),
+            default=16384,
+            show_default=True,
+            help="Distinct stacks the kernel keeps for --stack-depth; stacks beyond are counted.",
+        ),
+        click.option(
             "--sp-rtrace",
             type=click.Path(dir_okay=False, path_type=Path),
             help="Write the allocation events to this file as an sp-rtrace text report.",
@@ -125,6 +140,8 @@ def _trace(
     prometheus: str | None = None,
     web_config: Path | None = None,
     sp_rtrace: Path | None = None,
+    stack_depth: int = 0,
+    stack_map_size: int = 16384,
 ) -> None:
     from .live import TraceRequest, run_trace
     from .usdt import DEFAULT_PATTERNS
@@ -151,6 +168,8 @@ def _trace(
         libc_probes=not kmem_only,
         kmemtrace=kmemtrace,
         sp_rtrace=sp_rtrace,
+        stack_depth=stack_depth,
+        stack_entries=stack_map_size,
     )
     if web_config is not None and prometheus is None:
         raise click.UsageError("--web.config.file goes with --prometheus ADDR")

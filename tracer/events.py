@@ -32,9 +32,11 @@ EVENT_DTYPE = np.dtype(
         ("kind", "u1"),
         ("nargs", "u1"),
         ("args", "<u8", (MAX_ARGS,)),
+        ("ustack", "<i4"),  # stack ids (WITH_STACKS), < 0 for none
+        ("kstack", "<i4"),
     ]
 )
-assert EVENT_DTYPE.itemsize == 80
+assert EVENT_DTYPE.itemsize == 88
 
 
 class EventKind(IntEnum):

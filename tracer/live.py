@@ -72,6 +72,8 @@ class TraceRequest:
     cgroup: str | None = None  # trace the tasks of this cgroup v2 and below (serve)
     end_with_target: bool = True  # False: go on after a --pid target exits (serve)
     sp_rtrace: Path | None = None  # write an sp-rtrace text report here while tracing
+    stack_depth: int = 0  # > 0: a user (and kernel, for kmem) stack on each event
+    stack_entries: int = 16384  # distinct stacks the BPF stack map holds
 
     @property
     def filtered_by_pid(self) -> bool:
@@ -106,6 +108,7 @@ class TraceResult:
     unreadable: list[str] = field(default_factory=list)
     kmem: KmemResult | None = None
     missed: dict[str, int] = field(default_factory=dict)  # handler runs the kernel skipped
+    stacks_lost: tuple[int, int] = (0, 0)  # user, kernel stacks the stack map did not store
 
     @property
     def total_hits(self) -> int:
@@ -178,6 +181,9 @@ class LiveTrace:
             "WITH_KMEM": int(self.kmem),
             "KMEM_EVENTS": int(request.kmemtrace is not None or request.sp_rtrace is not None),
             "PAGE_SHIFT_": mmap.PAGESIZE.bit_length() - 1,
+            "WITH_STACKS": int(request.stack_depth > 0),
+            "STACK_DEPTH": max(request.stack_depth, 1),
+            "STACK_ENTRIES": request.stack_entries,
         }
         if request.comm is not None:
             low, high = target.comm_words(request.comm)
@@ -198,6 +204,8 @@ class LiveTrace:
             if request.command:
                 self.sp_rtrace.process = Path(request.command[0]).name
         self.program = BpfProgram("trace", defines)
+        if self.sp_rtrace is not None and request.stack_depth:
+            self.sp_rtrace.use_stacks(self.program.stack, request.stack_depth)
         try:
             usdt.attach(self.program, self.selection)
             self.program.set_gate(True)
@@ -272,8 +280,15 @@ class LiveTrace:
             ended_by=ended_by,
             unreadable=self.selection.unreadable(),
             missed={label: s.misses for label, s in self.program_stats().items() if s.misses},
+            stacks_lost=self.stacks_lost(),
             kmem=kmem,
         )
+
+    def stacks_lost(self) -> tuple[int, int]:
+        if not self.request.stack_depth:
+            return (0, 0)
+        user, kernel = self.program.percpu_array_totals("stack_errors")
+        return user, kernel
 
     def program_stats(self) -> dict[str, bpf_syscalls.RunStats]:
         """What the kernel counted for each handler, summed by what it
@@ -301,7 +316,7 @@ class LiveTrace:
             self.writer.close(self._overrun_bytes)
             self.writer = None
         if self.sp_rtrace is not None:
-            self.sp_rtrace.close(self._lost_events)
+            self.sp_rtrace.close(self._lost_events, sum(self.stacks_lost()))
             self.sp_rtrace = None
         self.reader.close()
         self.program.close()

@@ -139,6 +139,11 @@ def summary_lines(result: TraceResult) -> list[str]:
                      f"{result.total_lost} lost")  # fmt: skip
     if result.lost_lifecycle:
         lines.append(f"exec/exit records lost: {result.lost_lifecycle}")
+    if any(result.stacks_lost):
+        user, kernel = result.stacks_lost
+        lines.append(
+            f"stacks not stored (stack map full or colliding): {user} user, {kernel} kernel"
+        )
     if result.missed:
         lines.append(
             "runs the kernel skipped (another BPF program, or a BPF map system call, was active "

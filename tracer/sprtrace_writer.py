@@ -11,6 +11,7 @@ uses it, as the protocol asks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
@@ -43,7 +44,11 @@ class SpRtraceWriter:
         self.records = 0
         self._types = [*(KERNEL_TYPES if kmem else ()), *(LIBC_TYPES if self.probes else ())]
         self._processes: dict[int, ProcessSymbols] = {}
-        self._calls = RecordCalls(self.probes, KernelSymbols.load(), self._user)
+        self._calls = RecordCalls(self.probes, KernelSymbols.load(), self._user, self._stack)
+        self._depth = 1
+        self._read_stack: Callable[[int], list[int]] | None = None
+        self._stacks: dict[int, list[int]] = {}  # stack id -> addresses (ids are never reused)
+        self._stack_ids: dict[int, tuple[int, int]] = {}  # this batch: seq -> (user, kernel) ids
         self._seq = 0
         self._stream: TextIO | None = None
         try:
@@ -56,12 +61,29 @@ class SpRtraceWriter:
         assert self._stream is not None
         if not self._started:
             self._started = True
-            trace = Trace(header=header(self.pid, self.version), resources=resources(self._types))
+            trace = Trace(header=header(self.pid, self.version, self._depth),
+                          resources=resources(self._types))  # fmt: skip
             name = self.process or (process_name(self.pid) if self.pid else "")
             trace.header["process"] = name or trace.header["process"]
             for line in lines(trace):
                 self._stream.write(line + "\n")
         return self._stream
+
+    def use_stacks(self, read_stack: Callable[[int], list[int]], depth: int) -> None:
+        """Backtraces from the events' stack ids, read with ``read_stack``."""
+        self._read_stack, self._depth = read_stack, depth
+
+    def _stack(self, record: np.void) -> list[tuple[int, bool]]:
+        ids = self._stack_ids.get(int(record["seq"]))
+        if ids is None or self._read_stack is None:
+            return []
+        frames: list[tuple[int, bool]] = []
+        for stack_id, kernel in ((ids[1], True), (ids[0], False)):  # kernel frames are innermost
+            if stack_id >= 0:
+                if stack_id not in self._stacks:
+                    self._stacks[stack_id] = self._read_stack(stack_id)
+                frames += [(address, kernel) for address in self._stacks[stack_id]]
+        return frames[: self._depth]
 
     def _user(self, pid: int, address: int) -> Symbol | None:
         vaddr = self._site_of.get(address)
@@ -91,6 +113,10 @@ class SpRtraceWriter:
         for ip, site in zip(probes["ip"].tolist(), probes["site"].tolist(), strict=True):
             if site < len(self._site_vaddrs):
                 self._site_of[ip] = self._site_vaddrs[site]
+        if self._read_stack is not None:
+            rows = batch[(batch["kind"] == kmem_kind) | (batch["kind"] == probe_kind)]
+            ids = zip(rows["ustack"].tolist(), rows["kstack"].tolist(), strict=True)
+            self._stack_ids = {self._seq + n: pair for n, pair in enumerate(ids)}
         records, args, self._seq = decode_batch(
             batch, self._seq, self.probes, kmem_kind, probe_kind
         )
@@ -104,10 +130,12 @@ class SpRtraceWriter:
             stream.write(line + "\n")
         self.records += len(records)
 
-    def close(self, lost_events: int = 0) -> None:
+    def close(self, lost_events: int = 0, lost_stacks: int = 0) -> None:
         if self._stream is not None:
             stream = self._begin()
             if lost_events:
                 stream.write(f"## {lost_events} events lost: the ring buffer was full\n")
+            if lost_stacks:
+                stream.write(f"## {lost_stacks} stacks not stored: the stack map was full\n")
             stream.close()
             self._stream = None

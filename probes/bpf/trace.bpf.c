@@ -74,6 +74,15 @@
 #ifndef FILTER_CGROUP
 #define FILTER_CGROUP 0
 #endif
+#ifndef WITH_STACKS
+#define WITH_STACKS 0 /* a user (and, for kmem, kernel) stack id on each event */
+#endif
+#ifndef STACK_DEPTH
+#define STACK_DEPTH 32 /* frames kept per stack */
+#endif
+#ifndef STACK_ENTRIES
+#define STACK_ENTRIES 16384 /* distinct stacks the map holds */
+#endif
 #ifndef KMEM_OBJECTS
 #define KMEM_OBJECTS 262144 /* live objects tracked by pointer */
 #endif
@@ -131,6 +140,8 @@ struct event {
     u8 kind;      /* enum event_kind */
     u8 nargs;
     u64 args[MAX_ARGS]; /* sign- or zero-extended to 64 bits */
+    s32 ustack;   /* stack id in `stacks`, or < 0: none (-errno when the map refused it) */
+    s32 kstack;
 };
 
 struct proc_key {
@@ -144,6 +155,13 @@ struct proc_hit {
 };
 
 BPF_HASH(followed, u32, u8, MAX_FOLLOWED);
+#if WITH_STACKS
+struct stack_frames {
+    u64 ip[STACK_DEPTH];
+};
+BPF_TABLE("stacktrace", int, struct stack_frames, stacks, STACK_ENTRIES);
+BPF_PERCPU_ARRAY(stack_errors, u64, 2);           /* [0] user, [1] kernel: stacks not stored */
+#endif
 BPF_ARRAY(sites, struct site_desc, MAX_SITES);
 BPF_PERCPU_ARRAY(hits, u64, MAX_PROBES);          /* every hit that passed the filter */
 BPF_HASH(proc_hits, struct proc_key, struct proc_hit, MAX_PROC_COUNTERS);
@@ -166,6 +184,18 @@ static __always_inline int tgid_is_followed(u32 tgid)
     return followed.lookup(&tgid) != NULL;
 #else
     return 1;
+#endif
+}
+
+static __always_inline s32 stack_id(void *ctx, u64 flags, u32 slot)
+{
+#if WITH_STACKS
+    int id = stacks.get_stackid(ctx, flags);
+    if (id < 0)
+        stack_errors.increment(slot);
+    return id;
+#else
+    return -1;
 #endif
 }
 
@@ -203,6 +233,7 @@ static __always_inline void lifecycle_event(u32 tgid, u8 kind, u64 arg)
     e->kind = kind;
     e->nargs = 1;
     e->args[0] = arg;
+    e->ustack = e->kstack = -1;
     events.ringbuf_submit(e, 0);
 }
 
@@ -339,6 +370,8 @@ static __always_inline int on_site(struct pt_regs *ctx, u32 site)
 #pragma unroll
     for (int i = 0; i < MAX_ARGS; i++)
         e->args[i] = read_arg(&regs, &d->args[i]);
+    e->ustack = stack_id(ctx, BPF_F_USER_STACK, 0);
+    e->kstack = -1;
     events.ringbuf_submit(e, 0);
 #endif
     return 0;
@@ -496,7 +529,7 @@ static __always_inline struct site_stats *site_stats_of(u64 call_site, u32 type)
     return s;
 }
 
-static __always_inline void kmem_event(u32 event, u32 type, u64 call_site, u64 ptr, u64 req,
+static __always_inline void kmem_event(void *ctx, u32 event, u32 type, u64 call_site, u64 ptr, u64 req,
                                        u64 alloc, u64 gfp, s64 node, u64 extra, int freed)
 {
 #if WITH_EVENTS && KMEM_EVENTS
@@ -521,6 +554,8 @@ static __always_inline void kmem_event(u32 event, u32 type, u64 call_site, u64 p
     e->args[3] = gfp;
     e->args[4] = (u64)node;
     e->args[5] = extra;
+    e->ustack = stack_id(ctx, BPF_F_USER_STACK, 0);
+    e->kstack = stack_id(ctx, 0, 1);
     events.ringbuf_submit(e, 0);
 #endif
 }
@@ -538,7 +573,7 @@ static __always_inline void count_order(u32 order, int freed)
 
 /* ptr is the object, or for pages the pfn (user space writes pfn << PAGE_SHIFT);
  * order is counted per order for pages. */
-static __always_inline int on_kmem_alloc(u32 event, u32 type, u64 call_site, u64 ptr, u64 req,
+static __always_inline int on_kmem_alloc(void *ctx, u32 event, u32 type, u64 call_site, u64 ptr, u64 req,
                                          u64 alloc, u64 gfp, s64 node, u64 order)
 {
     if (kmem_gate_closed() || !tgid_is_followed(bpf_get_current_pid_tgid() >> 32))
@@ -562,12 +597,12 @@ static __always_inline int on_kmem_alloc(u32 event, u32 type, u64 call_site, u64
         if (live_objects.update(&ptr, &o))
             kmem_misc.increment(KX_OBJECTS_UNTRACKED);
     }
-    kmem_event(event, type, call_site, ptr, req, alloc, gfp, node, order, 0);
+    kmem_event(ctx, event, type, call_site, ptr, req, alloc, gfp, node, order, 0);
     return 0;
 }
 
 /* For pages (type KT_PAGES), order is counted per order too. */
-static __always_inline int on_kmem_free(u32 event, u32 type, u64 call_site, u64 ptr, u64 order)
+static __always_inline int on_kmem_free(void *ctx, u32 event, u32 type, u64 call_site, u64 ptr, u64 order)
 {
     if (kmem_gate_closed())
         return 0;
@@ -596,14 +631,14 @@ static __always_inline int on_kmem_free(u32 event, u32 type, u64 call_site, u64 
     if (type == KT_PAGES)
         count_order(order, 1);
     kmem_hits.increment(event);
-    kmem_event(event, type, call_site, ptr, 0, 0, 0, -1, order, 1);
+    kmem_event(ctx, event, type, call_site, ptr, 0, 0, 0, -1, order, 1);
     return 0;
 }
 
 
 /* The allocation tracepoints share their fields; node is the variant's. */
 #define ALLOC_FROM_ARGS(event, type, node)                                                    \
-    on_kmem_alloc(event, type, args->call_site, (u64)args->ptr, args->bytes_req,           \
+    on_kmem_alloc(args, event, type, args->call_site, (u64)args->ptr, args->bytes_req,           \
                   args->bytes_alloc, args->gfp_flags, node, 0)
 #if KMALLOC_HAS_NODE
 #define KMALLOC_NODE args->node
@@ -630,7 +665,7 @@ TRACEPOINT_PROBE(kmem, kmalloc_node)
 
 TRACEPOINT_PROBE(kmem, kfree)
 {
-    return on_kmem_free(KM_KFREE, KT_KMALLOC, args->call_site, (u64)args->ptr, 0);
+    return on_kmem_free(args, KM_KFREE, KT_KMALLOC, args->call_site, (u64)args->ptr, 0);
 }
 
 TRACEPOINT_PROBE(kmem, kmem_cache_alloc)
@@ -655,7 +690,7 @@ TRACEPOINT_PROBE(kmem, kmem_cache_alloc_node)
 
 TRACEPOINT_PROBE(kmem, kmem_cache_free)
 {
-    return on_kmem_free(KM_KMEM_CACHE_FREE, KT_CACHE, args->call_site, (u64)args->ptr, 0);
+    return on_kmem_free(args, KM_KMEM_CACHE_FREE, KT_CACHE, args->call_site, (u64)args->ptr, 0);
 }
 
 /* Pages have no call site in their tracepoints; they are keyed by pfn. */
@@ -666,19 +701,19 @@ TRACEPOINT_PROBE(kmem, mm_page_alloc)
     u64 bytes = (u64)1 << (PAGE_SHIFT_ + (order & 31));
     if (pfn == (u64)-1)
         pfn = 0; /* a failed allocation */
-    return on_kmem_alloc(KM_MM_PAGE_ALLOC, KT_PAGES, 0, pfn, bytes, bytes, args->gfp_flags, -1,
+    return on_kmem_alloc(args, KM_MM_PAGE_ALLOC, KT_PAGES, 0, pfn, bytes, bytes, args->gfp_flags, -1,
                          order);
 }
 
 TRACEPOINT_PROBE(kmem, mm_page_free)
 {
-    return on_kmem_free(KM_MM_PAGE_FREE, KT_PAGES, 0, args->pfn, args->order);
+    return on_kmem_free(args, KM_MM_PAGE_FREE, KT_PAGES, 0, args->pfn, args->order);
 }
 
 #if HAVE_PAGE_FREE_BATCHED
 TRACEPOINT_PROBE(kmem, mm_page_free_batched)
 {
-    return on_kmem_free(KM_MM_PAGE_FREE_BATCHED, KT_PAGES, 0, args->pfn, 0);
+    return on_kmem_free(args, KM_MM_PAGE_FREE_BATCHED, KT_PAGES, 0, args->pfn, 0);
 }
 #endif
 #endif

@@ -168,7 +168,7 @@ def test_pid_exec_ends_the_trace_with_its_own_exit_code(sdt: SdtGlibc) -> None:
 
 
 def test_overload_is_accounted_exactly(sdt: SdtGlibc) -> None:
-    # One 4 KiB page holds 46 records; 2 x 200,000 events overflow it.
+    # One 4 KiB page holds 42 records; 2 x 200,000 events overflow it.
     done = run_traced(
         "--sdt-glibc", "--probes", "memory_mallopt*", "--buffer-pages", "1", "-o", "json",
         "--", str(built("mallopt_loop")), "200000", input="go\n",

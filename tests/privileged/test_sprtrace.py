@@ -4,6 +4,7 @@ number of socket inodes on purpose, and `convert --leaks` must find them."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 from pathlib import Path
@@ -116,3 +117,64 @@ def test_sp_rtrace_written_live_names_the_libc_sites_with_their_source_lines(
     (_, start, end) = next(m for m in report.mmaps if m[0] == str(sdt.libc))
     assert all(start <= f.address < end for f in frames)
     assert report.header["process"] == probe_exerciser.name
+
+
+def test_kernel_and_user_stacks_give_the_socket_calls_their_whole_path(
+    kmem_exerciser: Path, tmp_path: Path
+) -> None:
+    # GIVEN the gated kmem exerciser traced with stacks of depth 16
+    out = tmp_path / "stacks.txt"
+    with Reaper() as reaper:
+        argv = [str(kmem_exerciser), "--sockets", "20", "--pipes", "0", "--out", os.devnull,
+                "--gated"]  # fmt: skip
+        work = reaper.add(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+        assert work.stdin is not None and work.stdout is not None
+        assert work.stdout.readline() == b"ready\n"
+        err = tmp_path / "trace.err"
+        with open(err, "wb") as sink:
+            trace = reaper.add(subprocess.Popen(
+                [*MTRACE, "--pid", str(work.pid), "--kmem-only", "-o", "summary",
+                 "--stack-depth", "16", "--sp-rtrace", str(out)],
+                stdout=sink, stderr=sink))  # fmt: skip
+        wait_for_line(err, "Ctrl-C to stop", trace, timeout=120)
+        work.stdin.write(b"go\n")
+        work.stdin.flush()
+        assert work.stdout.readline() == b"done\n"
+        trace.send_signal(signal.SIGINT)  # while the exerciser still runs: its maps are readable
+        assert trace.wait(timeout=120) == 0, err.read_text()
+        work.stdin.write(b"end\n")
+        work.stdin.close()
+        work.stdout.close()
+        assert work.wait(timeout=60) == 0
+    # WHEN the report is read
+    report = sprtrace.parse(out.read_text().splitlines(), str(out))
+    assert report.header["backtrace depth"] == "16"
+    inodes = [c for c in report.calls if any(f.function == "sock_alloc_inode" for f in c.frames)]
+    # THEN each socket inode's backtrace goes from the allocator up through
+    # the socket() system call into the process's own libc
+    assert len(inodes) >= 20
+    for call in inodes:
+        names = [f.function for f in call.frames]
+        assert len(call.frames) <= 16
+        assert {"sock_alloc", "__sys_socket"} <= set(names), names
+        user = [f for f in call.frames if f.address < 1 << 63]
+        assert user and "socket" in (user[0].function or ""), user
+        assert any(start <= user[0].address < end and "libc.so" in module
+                   for module, start, end in report.mmaps)  # fmt: skip
+
+
+def test_a_full_stack_map_is_counted_and_said(kmem_exerciser: Path, tmp_path: Path) -> None:
+    # GIVEN a stack map with room for 2 stacks
+    out = tmp_path / "full.txt"
+    done = subprocess.run(
+        [*MTRACE, "run", "--kmem-only", "-o", "summary", "--stack-depth", "8",
+         "--stack-map-size", "2", "--sp-rtrace", str(out), "--", str(kmem_exerciser),
+         "--sockets", "50", "--pipes", "50", "--out", os.devnull],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    # THEN the stacks it could not store are counted, in the summary and the report
+    line = next(x for x in done.stdout.splitlines() if x.startswith("stacks not stored"))
+    user, kernel = (int(word) for word in line.split(": ")[1].replace(",", "").split()[::2])
+    assert user + kernel > 0
+    assert f"## {user + kernel} stacks not stored: the stack map was full" in out.read_text()
