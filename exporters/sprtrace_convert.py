@@ -10,11 +10,10 @@ become permanent comments.
 
 from __future__ import annotations
 
-import json
 import platform
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,6 +26,7 @@ if TYPE_CHECKING:
     from mtrace_live.tracer.symbolize import Symbol
 
 KERNEL_MODULE = "[kernel.kallsyms]"
+MAX_CONTEXTS = 32  # a context is a bit of a 32-bit mask
 # type id -> (resource name, description, allocating function, freeing function, refcount)
 RESOURCES = {
     TypeId.KMALLOC: ("kmalloc", "kernel kmalloc objects", "kmalloc", "kfree", False),
@@ -75,11 +75,17 @@ class RecordCalls:
         self.resolved = False
         self.modules: dict[str, tuple[int, int] | None] = {}
         self.new_modules: list[tuple[str, int, int]] = []
+        # Each process (the first 32 seen) is a context: sp-rtrace-postproc -C
+        # MASK then keeps one process's calls.
+        self.contexts: dict[int, int] = {}  # pid -> context bit
+        self.new_contexts: list[tuple[int, str]] = []
+        self.process_name: Callable[[int], str] = lambda pid: ""
         self._kernel_names: dict[int, tuple[str | None, str | None]] = {}
 
     def items(self, recs: np.ndarray, args: np.ndarray) -> list[Call | Comment]:
         out: list[Call | Comment] = []
         self.new_modules = []
+        self.new_contexts = []
         probe_args = iter(args)
         for rec in recs:
             self.index += 1
@@ -109,7 +115,10 @@ class RecordCalls:
                 site = self._frame(int(rec["call_site"]), kernel, pid)
                 frames = [site] if site is not None else []
             function = alloc_fn if size is not None else free_fn
-            call = Call(self.index, function, resource, int(rec["ptr"]), size, ms, frames=frames)
+            context = self._context(pid)
+            call = Call(
+                self.index, function, resource, int(rec["ptr"]), size, ms, context, frames=frames
+            )
             if size is not None:
                 call.args = [str(int(rec["bytes_alloc"])), f"{int(rec['gfp_flags']):#x}"]
             out.append(call)
@@ -139,6 +148,16 @@ class RecordCalls:
                     self._module(symbol.module, symbol.span)
         self.resolved = self.resolved or frame.function is not None
         return frame
+
+    def _context(self, pid: int) -> int:
+        bit = self.contexts.get(pid)
+        if bit is None:
+            if len(self.contexts) >= MAX_CONTEXTS:
+                return 0
+            bit = self.contexts[pid] = 1 << len(self.contexts)
+            name = self.process_name(pid)
+            self.new_contexts.append((bit, f"pid {pid}" + (f" ({name})" if name else "")))
+        return bit
 
     def _module(self, name: str, span: tuple[int, int] | None) -> None:
         self.modules[name] = span
@@ -171,32 +190,7 @@ def from_record_set(records: RecordSet, symbols: KernelSymbols, version: str) ->
     calls = RecordCalls(records.libc_probes, symbols)
     trace.items = calls.items(recs, records.args)
     trace.mmaps = sorted(calls.new_modules, key=lambda m: m[1])
+    trace.contexts = dict(calls.new_contexts)
     if calls.resolved:
         trace.add_filter("resolve")
     return trace
-
-
-def json_lines(records: RecordSet, symbols: KernelSymbols) -> Iterator[str]:
-    """One JSON object per record, in sequence order."""
-    probe_args = iter(records.args)
-    for rec in records.records:
-        event, type_id = int(rec["event_id"]), int(rec["type_id"])
-        doc: dict[str, object] = {
-            "seq": int(rec["seq"]), "ts_ns": int(rec["timestamp"]), "cpu": int(rec["cpu"]),
-            "pid": int(rec["pid"]), "tid": int(rec["tid"]),
-            "event": ("alloc", "free", "probe")[event],
-        }  # fmt: skip
-        if event == EventId.PROBE:
-            probe = int(rec["probe"])
-            doc["probe"] = records.libc_probes[probe] if probe < len(records.libc_probes) else probe
-            doc["args"] = [int(a) for a in next(probe_args)]
-        else:
-            doc["type"] = RESOURCES[TypeId(type_id)][0]
-            doc["call_site"] = int(rec["call_site"])
-            if type_id <= TypeId.PAGES and rec["call_site"]:
-                doc["symbol"] = symbols.describe(int(rec["call_site"]))
-            doc["ptr"] = int(rec["ptr"])
-            if event == EventId.ALLOC:
-                doc.update(bytes_req=int(rec["bytes_req"]), bytes_alloc=int(rec["bytes_alloc"]),
-                           gfp_flags=int(rec["gfp_flags"]), node=int(rec["target"]))  # fmt: skip
-        yield json.dumps(doc)

@@ -490,11 +490,13 @@ def report(source: Path, fmt: str, sort: str, limit: int, kallsyms: Path | None)
 
 @cli.command()
 @click.argument("source", type=click.Path(path_type=Path))
-@click.option("--to", "target", type=click.Choice(["sp-rtrace", "json"]), default="sp-rtrace",
-              show_default=True,
-              help="sp-rtrace: the sp-rtrace text protocol; json: JSON lines.")  # fmt: skip
-@click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write here instead of standard output.")  # fmt: skip
+@click.option("--to", "target", type=click.Choice(["sp-rtrace", "json", "kmemtrace"]),
+              default="sp-rtrace", show_default=True,
+              help="sp-rtrace: the sp-rtrace text protocol; json: JSON lines of a record set; "
+              "kmemtrace: a record set again, from JSON lines (needs -o DIR).")  # fmt: skip
+@click.option("--output", "-o", type=click.Path(path_type=Path),
+              help="Write here instead of standard output "
+              "(a new directory for kmemtrace).")  # fmt: skip
 @click.option("--leaks", is_flag=True, help="Drop allocations that were freed, and the frees.")
 @click.option("--compress", is_flag=True, help="Group the calls by backtrace.")
 @click.option("--resolve", is_flag=True, help="Name unnamed kernel frames from kallsyms.")
@@ -502,7 +504,8 @@ def report(source: Path, fmt: str, sort: str, limit: int, kallsyms: Path | None)
               help="Symbols to use instead of the ones saved with the records.")  # fmt: skip
 def convert(**options: Any) -> None:
     """Convert a kmemtrace record set, or an sp-rtrace report, to an
-    sp-rtrace text report (or a record set to JSON lines).
+    sp-rtrace text report; a record set to JSON lines, and JSON lines back
+    into a record set.
 
     An sp-rtrace report can be read back and post-processed again: --leaks,
     --compress and --resolve are applied in that order and recorded in the
@@ -511,6 +514,8 @@ def convert(**options: Any) -> None:
     \b
       mtrace-live convert out.d --to sp-rtrace --leaks -o leaks.txt
       mtrace-live convert leaks.txt --compress
+      mtrace-live convert out.d --to json > out.jsonl
+      mtrace-live convert out.jsonl --to kmemtrace -o again.d
     """
     from .convert import run_convert
 

@@ -35,12 +35,15 @@ def run_convert(
     symbols = KernelSymbols.load(kallsyms) if kallsyms is not None else None
     damage: list[str] = []
     if _is_record_set(source):
-        from mtrace_live.exporters.sprtrace_convert import from_record_set, json_lines
+        from mtrace_live.exporters.kmemtrace_json import json_lines
+        from mtrace_live.exporters.sprtrace_convert import from_record_set
 
         records = read_record_set(source)
         damage = records.damage
         if symbols is None:
             symbols = KernelSymbols(records.kallsyms) if records.kallsyms else KernelSymbols.load()
+        if target == "kmemtrace":
+            raise UsageError(f"{source} is already a kmemtrace record set")
         if target == "json":
             if leaks or compress or resolve:
                 raise UsageError("--leaks, --compress and --resolve apply to sp-rtrace output")
@@ -48,11 +51,20 @@ def run_convert(
             _report_damage(damage)
             return
         trace = from_record_set(records, symbols, version)
+    elif _is_json_lines(source):
+        if target != "kmemtrace":
+            raise UsageError(f"{source} holds JSON lines: convert them --to kmemtrace -o DIR")
+        if output is None:
+            raise UsageError("--to kmemtrace needs -o DIR, the record set to create")
+        from mtrace_live.exporters.kmemtrace_json import write_record_set
+
+        with open(source, encoding="utf-8") as stream:
+            written = write_record_set(stream, output, str(source))
+        print(f"mtrace-live: {written} records in {output}", file=sys.stderr)
+        return
     else:
-        if target == "json":
-            raise UsageError(
-                f"{source} is not a kmemtrace record set; --to json converts record sets"
-            )
+        if target != "sp-rtrace":
+            raise UsageError(f"{source} is not a kmemtrace record set: --to {target} needs one")
         trace = _read_report(source)
         if resolve:
             _resolve(trace, symbols or KernelSymbols.load())
@@ -64,6 +76,14 @@ def run_convert(
     summary = sprtrace.leak_summary(trace) if leaks else []
     _emit([*lines, *summary], output)
     _report_damage(damage)
+
+
+def _is_json_lines(source: Path) -> bool:
+    try:
+        with open(source, "rb") as stream:
+            return stream.read(4096).lstrip().startswith(b"{")
+    except OSError:
+        return False
 
 
 def _read_report(source: Path) -> sprtrace.Trace:

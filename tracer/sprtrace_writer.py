@@ -45,6 +45,7 @@ class SpRtraceWriter:
         self._types = [*(KERNEL_TYPES if kmem else ()), *(LIBC_TYPES if self.probes else ())]
         self._processes: dict[int, ProcessSymbols] = {}
         self._calls = RecordCalls(self.probes, KernelSymbols.load(), self._user, self._stack)
+        self._calls.process_name = process_name
         self._depth = 1
         self._read_stack: Callable[[int], list[int]] | None = None
         self._stacks: dict[int, list[int]] = {}  # stack id -> addresses (ids are never reused)
@@ -123,6 +124,8 @@ class SpRtraceWriter:
         if not len(records):
             return
         items = self._calls.items(records, args)
+        for bit, name in self._calls.new_contexts:
+            stream.write(f"@ {bit:x} : {name}\n")
         for module, start, end in self._calls.new_modules:
             stream.write(f": {module} => {start:#x}-{end:#x}\n")
         out = Trace(items=items)

@@ -70,6 +70,9 @@ def test_convert_leaks_finds_the_sockets_the_exerciser_left_open(
     assert summary == sprtrace.leak_summary(report)
     header = out.read_text().splitlines()[0]
     assert f"pid={work.pid}" in header and "filter=leaks|resolve" in header
+    # AND each process is a context of its own, the traced one among them
+    target = next(bit for bit, name in report.contexts.items() if name == f"pid {work.pid}")
+    assert all(c.context == target for c in pipes)
     # AND the JSON lines carry every record, in sequence order
     as_json = [*MTRACE, "convert", str(directory), "--to", "json"]
     lines = subprocess.run(as_json, capture_output=True, text=True, timeout=300).stdout.splitlines()

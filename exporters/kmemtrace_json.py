@@ -1,0 +1,143 @@
+"""kmemtrace records as JSON lines, and JSON lines back into a record set.
+
+One object per record, in sequence order: ``seq``, ``ts_ns``, ``cpu``,
+``pid``, ``tid``, ``event`` (alloc, free or probe); for allocations and
+frees ``type`` (kmalloc, kmem_cache, pages, sbrk, heap, arena),
+``call_site`` (and ``symbol`` for kernel ones), ``ptr``, and for
+allocations ``bytes_req``, ``bytes_alloc``, ``gfp_flags`` and ``node``; for
+other libc probes ``probe`` and ``args``. Reading them back rebuilds the
+ring events the records came from and writes them with the same encoder as
+a live trace, so a record set survives the round trip field for field.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from mtrace_live.tracer.errors import RecordSetError
+from mtrace_live.tracer.events import EVENT_DTYPE, EventKind
+from mtrace_live.tracer.kallsyms import KernelSymbols
+from mtrace_live.tracer.kmem import KMEM_EVENTS
+
+from .kmemtrace import LIBC_ALLOCS, LIBC_FREES, EventId, KmemtraceWriter, RecordSet, TypeId
+
+TYPE_NAMES = {TypeId.KMALLOC: "kmalloc", TypeId.CACHE: "kmem_cache", TypeId.PAGES: "pages",
+              TypeId.SBRK: "sbrk", TypeId.HEAP: "heap", TypeId.ARENA: "arena"}  # fmt: skip
+TYPE_IDS = {name: type_id for type_id, name in TYPE_NAMES.items()}
+# (type, event) -> the kmem tracepoint (kernel) or libc probe (libc) it came from
+KERNEL_EVENTS = {
+    (TypeId.KMALLOC, "alloc"): "kmalloc",
+    (TypeId.KMALLOC, "free"): "kfree",
+    (TypeId.CACHE, "alloc"): "kmem_cache_alloc",
+    (TypeId.CACHE, "free"): "kmem_cache_free",
+    (TypeId.PAGES, "alloc"): "mm_page_alloc",
+    (TypeId.PAGES, "free"): "mm_page_free",
+}
+LIBC_EVENTS = {**{(t, "alloc"): name for name, t in LIBC_ALLOCS.items()},
+               **{(t, "free"): name for name, t in LIBC_FREES.items()}}  # fmt: skip
+PAGE_SHIFT = 12
+
+
+def json_lines(records: RecordSet, symbols: KernelSymbols) -> Iterator[str]:
+    """One JSON object per record, in sequence order."""
+    probe_args = iter(records.args)
+    for rec in records.records:
+        event, type_id = int(rec["event_id"]), int(rec["type_id"])
+        doc: dict[str, object] = {
+            "seq": int(rec["seq"]), "ts_ns": int(rec["timestamp"]), "cpu": int(rec["cpu"]),
+            "pid": int(rec["pid"]), "tid": int(rec["tid"]),
+            "event": ("alloc", "free", "probe")[event],
+        }  # fmt: skip
+        if event == EventId.PROBE:
+            probe = int(rec["probe"])
+            doc["probe"] = records.libc_probes[probe] if probe < len(records.libc_probes) else probe
+            doc["call_site"] = int(rec["call_site"])
+            doc["args"] = [int(a) for a in next(probe_args)]
+        else:
+            doc["type"] = TYPE_NAMES[TypeId(type_id)]
+            doc["call_site"] = int(rec["call_site"])
+            if type_id <= TypeId.PAGES and rec["call_site"]:
+                doc["symbol"] = symbols.describe(int(rec["call_site"]))
+            doc["ptr"] = int(rec["ptr"])
+            if event == EventId.ALLOC:
+                doc.update(bytes_req=int(rec["bytes_req"]), bytes_alloc=int(rec["bytes_alloc"]),
+                           gfp_flags=int(rec["gfp_flags"]), node=int(rec["target"]))  # fmt: skip
+        yield json.dumps(doc)
+
+
+def write_record_set(lines: Iterable[str], directory: Path, source: str) -> int:
+    """Rebuild a record set from JSON lines; the number of records written."""
+    docs = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            doc = json.loads(line)
+            docs.append((int(doc["seq"]), doc))
+        except (ValueError, KeyError, TypeError):
+            raise RecordSetError(
+                f"{source}: line {number} is not a JSON record of a record set"
+            ) from None
+    docs.sort(key=lambda pair: pair[0])
+    probes: list[str] = []
+    rows = np.zeros(len(docs), dtype=EVENT_DTYPE)
+    for row, (seq, doc) in zip(rows, docs, strict=True):
+        try:
+            name = _libc_name(doc)
+            if name is not None and name not in probes:
+                probes.append(name)
+            _fill(row, doc, probes)
+        except (KeyError, ValueError, TypeError) as exc:
+            raise RecordSetError(f"{source}: record seq {seq} lacks or mangles {exc}") from None
+    writer = KmemtraceWriter(directory, probes, "")
+    writer.write(rows, EventKind.KMEM, EventKind.PROBE)
+    writer.close(0)
+    return writer.records
+
+
+def _libc_name(doc: dict[str, Any]) -> str | None:
+    if doc["event"] == "probe":
+        return str(doc["probe"])
+    type_id = TYPE_IDS[str(doc["type"])]
+    return LIBC_EVENTS.get((type_id, str(doc["event"])))
+
+
+def _fill(row: np.void, doc: dict[str, Any], probes: list[str]) -> None:
+    row["ts"], row["cpu"] = int(doc["ts_ns"]), int(doc["cpu"])
+    row["tgid"], row["tid"] = int(doc["pid"]), int(doc["tid"])
+    args = np.zeros(6, dtype=np.uint64)
+    row["ip"] = int(doc["call_site"])
+    if doc["event"] == "probe":
+        row["kind"], row["probe"] = EventKind.PROBE, probes.index(str(doc["probe"]))
+        values = [int(v) for v in doc["args"]]
+        args[: len(values)] = values
+        row["nargs"] = len(values)
+    else:
+        type_id = TYPE_IDS[str(doc["type"])]
+        ptr = int(doc["ptr"])
+        alloc = doc["event"] == "alloc"
+        if type_id in KERNEL_TYPE_IDS:
+            row["kind"], row["site"] = EventKind.KMEM, type_id
+            row["probe"] = KMEM_EVENTS.index(KERNEL_EVENTS[(type_id, str(doc["event"]))])
+            args[0] = ptr >> PAGE_SHIFT if type_id == TypeId.PAGES else ptr
+            if alloc:
+                args[1], args[2] = int(doc["bytes_req"]), int(doc["bytes_alloc"])
+                args[3] = int(doc["gfp_flags"])
+                args[4] = np.int64(int(doc["node"])).astype(np.uint64)
+        else:
+            row["kind"], row["probe"] = (
+                EventKind.PROBE,
+                probes.index(LIBC_EVENTS[(type_id, str(doc["event"]))]),
+            )
+            args[0] = ptr
+            if alloc:
+                args[1] = int(doc["bytes_req"])
+        row["nargs"] = 6
+    row["args"] = args
+
+
+KERNEL_TYPE_IDS = (TypeId.KMALLOC, TypeId.CACHE, TypeId.PAGES)
