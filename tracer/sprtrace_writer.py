@@ -66,6 +66,7 @@ class SpRtraceWriter:
                           resources=resources(self._types))  # fmt: skip
             name = self.process or (process_name(self.pid) if self.pid else "")
             trace.header["process"] = name or trace.header["process"]
+            trace.add_filter("resolve")  # names are looked up as events come
             for line in lines(trace):
                 self._stream.write(line + "\n")
         return self._stream

@@ -12,6 +12,7 @@ from pathlib import Path
 from mtrace_live.exporters import sprtrace
 from mtrace_live.exporters.kmemtrace import read_record_set
 from mtrace_live.tracer import sdt_glibc
+from mtrace_live.tracer.symbolize import ModuleSymbols, ProcessSymbols
 
 from .conftest import MTRACE
 from .test_kmemtrace import skipped_runs
@@ -181,3 +182,42 @@ def test_a_full_stack_map_is_counted_and_said(kmem_exerciser: Path, tmp_path: Pa
     user, kernel = (int(word) for word in line.split(": ")[1].replace(",", "").split()[::2])
     assert user + kernel > 0
     assert f"## {user + kernel} stacks not stored: the stack map was full" in out.read_text()
+
+
+def test_a_process_in_another_mount_namespace_resolves_through_proc_root(
+    kmem_exerciser: Path, tmp_path: Path
+) -> None:
+    # GIVEN the exerciser run from a tmpfs mounted only in its own mount
+    # namespace: its path does not exist from here
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    copy = hidden / "ns_exerciser"
+    script = (f'mount -t tmpfs none "{hidden}" && cp "{kmem_exerciser}" "{copy}" && '
+              f'exec "{copy}" --sockets 1 --pipes 0 --out /dev/null --gated')  # fmt: skip
+    work = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+    assert work.stdin is not None and work.stdout is not None
+    try:
+        assert work.stdout.readline() == b"ready\n"
+        assert not copy.exists()
+        # WHEN an address in its gate() is resolved from here
+        process = ProcessSymbols(work.pid)
+        exe = next(m for m in process.modules() if m.path.endswith("/ns_exerciser"))
+        module = ModuleSymbols(kmem_exerciser)  # the same bytes, for the expected address
+        symbols = subprocess.run(["nm", str(kmem_exerciser)], capture_output=True, text=True).stdout
+        gate = int(
+            next(line.split()[0] for line in symbols.splitlines() if line.endswith(" gate")), 16
+        )
+        load_bias = exe.start - (module.vaddr(exe.offset) or 0)
+        symbol = process.resolve(load_bias + gate + 4)
+        # THEN it is found through /proc/PID/root, named, with its line
+        assert symbol is not None and symbol.module == exe.path
+        assert (symbol.function, symbol.offset) == ("gate", 4) and symbol.location
+    finally:
+        work.stdin.write(b"go\n")
+        work.stdin.flush()
+        work.stdout.readline()
+        work.stdin.write(b"end\n")
+        work.stdin.close()
+        work.stdout.close()
+        work.wait(timeout=30)
