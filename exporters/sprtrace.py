@@ -261,6 +261,8 @@ def parse(text: Iterable[str], source: str = "input") -> Trace:
         if _record(trace, line, where):
             continue
         trace.items.append(Comment(line))
+    if not trace.header:
+        raise SpRtraceError(f"{source}: empty, not an sp-rtrace text report")
     return trace
 
 

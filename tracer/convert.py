@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -16,7 +17,7 @@ from .kallsyms import KernelSymbols
 def _is_record_set(source: Path) -> bool:
     if source.is_dir():
         return (source / ABI_FILE).exists() or bool(cpu_files(source))
-    return source.name.startswith("cpu")
+    return re.fullmatch(r"cpu\d+(\.out)?", source.name) is not None
 
 
 def run_convert(

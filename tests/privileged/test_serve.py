@@ -32,7 +32,7 @@ from mtrace_live.tracer.target import cgroup2_root
 from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import MTRACE, REPO
-from .tracing import Reaper, wait_for_line
+from .tracing import Reaper, finish, gate, wait_for_line
 
 DEPLOY = REPO / "exporters" / "deploy"
 SERVE_READY = "serving metrics at"
@@ -275,15 +275,6 @@ def kmem_work(binary: Path, sockets: int, out: Path, gated: bool) -> subprocess.
     return subprocess.Popen([*argv, "--gated"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
 
-def finish(proc: subprocess.Popen[bytes]) -> int:
-    """Let a gated exerciser exit, and close its pipes."""
-    assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write(b"end\n")
-    proc.stdin.close()
-    proc.stdout.close()
-    return proc.wait(timeout=60)
-
-
 def settled(url: str) -> str:
     """A scrape once every socket inode counted is freed too: the RCU
     callbacks that free them run after grace periods, later under load."""
@@ -294,15 +285,6 @@ def settled(url: str) -> str:
         if allocs == frees or time.monotonic() > deadline:
             return text
         time.sleep(0.5)
-
-
-def gate(proc: subprocess.Popen[bytes], say: bytes, expect: bytes) -> None:
-    assert proc.stdin is not None and proc.stdout is not None
-    if say:
-        proc.stdin.write(say)
-        proc.stdin.flush()
-    if expect:
-        assert proc.stdout.readline() == expect
 
 
 def sock_inodes(text: str) -> tuple[float, float]:

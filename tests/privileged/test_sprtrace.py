@@ -16,7 +16,7 @@ from mtrace_live.tracer.symbolize import ModuleSymbols, ProcessSymbols
 
 from .conftest import MTRACE
 from .test_kmemtrace import skipped_runs
-from .tracing import Reaper, wait_for_line
+from .tracing import Reaper, finish, gate, wait_for_line
 
 SOCKETS, PIPES, LEAKED = 300, 100, 7
 
@@ -30,23 +30,17 @@ def test_convert_leaks_finds_the_sockets_the_exerciser_left_open(
         argv = [str(kmem_exerciser), "--sockets", str(SOCKETS), "--pipes", str(PIPES), "--leak",
                 str(LEAKED), "--out", str(tmp_path / "truth.json"), "--gated"]  # fmt: skip
         work = reaper.add(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
-        assert work.stdin is not None and work.stdout is not None
-        assert work.stdout.readline() == b"ready\n"
+        gate(work, b"", b"ready\n")
         err = tmp_path / "record.err"
         with open(err, "wb") as sink:
             record = reaper.add(subprocess.Popen(
                 [*MTRACE, "record", "-o", str(directory), "--pid", str(work.pid)],
                 stdout=sink, stderr=sink))  # fmt: skip
         wait_for_line(err, "Ctrl-C to stop", record, timeout=120)
-        work.stdin.write(b"go\n")
-        work.stdin.flush()
-        assert work.stdout.readline() == b"done\n"
+        gate(work, b"go\n", b"done\n")
         record.send_signal(signal.SIGINT)
         assert record.wait(timeout=120) == 0, err.read_text()
-        work.stdin.write(b"end\n")
-        work.stdin.close()
-        work.stdout.close()
-        assert work.wait(timeout=60) == 0
+        assert finish(work) == 0
     # WHEN it is converted to an sp-rtrace report with the leaks filter
     out = tmp_path / "leaks.txt"
     done = subprocess.run([*MTRACE, "convert", str(directory), "--leaks", "-o", str(out)],
@@ -132,8 +126,7 @@ def test_kernel_and_user_stacks_give_the_socket_calls_their_whole_path(
         argv = [str(kmem_exerciser), "--sockets", "20", "--pipes", "0", "--out", os.devnull,
                 "--gated"]  # fmt: skip
         work = reaper.add(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
-        assert work.stdin is not None and work.stdout is not None
-        assert work.stdout.readline() == b"ready\n"
+        gate(work, b"", b"ready\n")
         err = tmp_path / "trace.err"
         with open(err, "wb") as sink:
             trace = reaper.add(subprocess.Popen(
@@ -141,15 +134,10 @@ def test_kernel_and_user_stacks_give_the_socket_calls_their_whole_path(
                  "--stack-depth", "16", "--sp-rtrace", str(out)],
                 stdout=sink, stderr=sink))  # fmt: skip
         wait_for_line(err, "Ctrl-C to stop", trace, timeout=120)
-        work.stdin.write(b"go\n")
-        work.stdin.flush()
-        assert work.stdout.readline() == b"done\n"
+        gate(work, b"go\n", b"done\n")
         trace.send_signal(signal.SIGINT)  # while the exerciser still runs: its maps are readable
         assert trace.wait(timeout=120) == 0, err.read_text()
-        work.stdin.write(b"end\n")
-        work.stdin.close()
-        work.stdout.close()
-        assert work.wait(timeout=60) == 0
+        assert finish(work) == 0
     # WHEN the report is read
     report = sprtrace.parse(out.read_text().splitlines(), str(out))
     assert report.header["backtrace depth"] == "16"
@@ -196,28 +184,22 @@ def test_a_process_in_another_mount_namespace_resolves_through_proc_root(
               f'exec "{copy}" --sockets 1 --pipes 0 --out /dev/null --gated')  # fmt: skip
     work = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
-    assert work.stdin is not None and work.stdout is not None
     try:
-        assert work.stdout.readline() == b"ready\n"
+        gate(work, b"", b"ready\n")
         assert not copy.exists()
         # WHEN an address in its gate() is resolved from here
         process = ProcessSymbols(work.pid)
         exe = next(m for m in process.modules() if m.path.endswith("/ns_exerciser"))
         module = ModuleSymbols(kmem_exerciser)  # the same bytes, for the expected address
         symbols = subprocess.run(["nm", str(kmem_exerciser)], capture_output=True, text=True).stdout
-        gate = int(
+        gate_at = int(
             next(line.split()[0] for line in symbols.splitlines() if line.endswith(" gate")), 16
         )
         load_bias = exe.start - (module.vaddr(exe.offset) or 0)
-        symbol = process.resolve(load_bias + gate + 4)
+        symbol = process.resolve(load_bias + gate_at + 4)
         # THEN it is found through /proc/PID/root, named, with its line
         assert symbol is not None and symbol.module == exe.path
         assert (symbol.function, symbol.offset) == ("gate", 4) and symbol.location
     finally:
-        work.stdin.write(b"go\n")
-        work.stdin.flush()
-        work.stdout.readline()
-        work.stdin.write(b"end\n")
-        work.stdin.close()
-        work.stdout.close()
-        work.wait(timeout=30)
+        gate(work, b"go\n", b"")
+        finish(work)

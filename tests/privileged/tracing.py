@@ -122,3 +122,22 @@ def stop_bpftrace(proc: subprocess.Popen[bytes], out: Path) -> dict[str, int]:
         if record.get("type") == "map" and "@hits" in record["data"]:
             return {key.rsplit(":", 1)[1]: int(v) for key, v in record["data"]["@hits"].items()}
     raise AssertionError(f"bpftrace printed no counts: {out.read_text(errors='replace')}")
+
+
+def gate(proc: subprocess.Popen[bytes], say: bytes, expect: bytes) -> None:
+    """Write a line to a gated exerciser (if any) and expect one back (if any)."""
+    assert proc.stdin is not None and proc.stdout is not None
+    if say:
+        proc.stdin.write(say)
+        proc.stdin.flush()
+    if expect:
+        assert proc.stdout.readline() == expect
+
+
+def finish(proc: subprocess.Popen[bytes]) -> int:
+    """Let a gated exerciser exit, and close its pipes."""
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(b"end\n")
+    proc.stdin.close()
+    proc.stdout.close()
+    return proc.wait(timeout=60)

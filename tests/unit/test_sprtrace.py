@@ -155,6 +155,7 @@ def test_compress_groups_calls_by_backtrace_with_a_summary() -> None:
     ("lines", "words"),
     [
         (["hello world", "1. kmalloc(1) = 0x1"], "line 1: not an sp-rtrace text report"),
+        ([], "empty, not an sp-rtrace text report"),
         (["version=1.0", "1x. kmalloc(16) = 0x10"], "line 2: record index '1x'"),
         (["version=1.0", "\t0x1000 in main()"],
          "line 2: a backtrace or argument line before any record"),
