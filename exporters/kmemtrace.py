@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from mtrace_live.tracer.errors import RecordSetError
@@ -51,6 +52,28 @@ class TypeId(IntEnum):
 
 
 KERNEL_TYPES = (TypeId.KMALLOC, TypeId.CACHE, TypeId.PAGES)
+
+
+class TypeInfo(NamedTuple):
+    """What an allocation type is called, and what allocates and frees it."""
+
+    name: str
+    desc: str
+    alloc: str  # the kmem tracepoint or libc probe
+    free: str
+    refcount: bool = False  # taken again, not freed (sp-rtrace's refcount flag)
+
+
+TYPES = {
+    TypeId.KMALLOC: TypeInfo("kmalloc", "kernel kmalloc objects", "kmalloc", "kfree"),
+    TypeId.CACHE: TypeInfo("kmem_cache", "kernel slab cache objects", "kmem_cache_alloc",
+                           "kmem_cache_free"),
+    TypeId.PAGES: TypeInfo("pages", "kernel page allocations", "mm_page_alloc", "mm_page_free"),
+    TypeId.SBRK: TypeInfo("sbrk", "main heap growth by sbrk", "memory_sbrk_more",
+                          "memory_sbrk_less"),
+    TypeId.HEAP: TypeInfo("heap", "mmapped malloc heaps", "memory_heap_new", "memory_heap_free"),
+    TypeId.ARENA: TypeInfo("arena", "malloc arenas", "memory_arena_new", "memory_arena_free", True),
+}  # fmt: skip
 
 
 class FeatureId(IntEnum):

@@ -23,22 +23,14 @@ from mtrace_live.tracer.events import EVENT_DTYPE, EventKind
 from mtrace_live.tracer.kallsyms import KernelSymbols
 from mtrace_live.tracer.kmem import KMEM_EVENTS
 
-from .kmemtrace import LIBC_ALLOCS, LIBC_FREES, EventId, KmemtraceWriter, RecordSet, TypeId
+from .kmemtrace import KERNEL_TYPES, TYPES, EventId, KmemtraceWriter, RecordSet, TypeId
 
-TYPE_NAMES = {TypeId.KMALLOC: "kmalloc", TypeId.CACHE: "kmem_cache", TypeId.PAGES: "pages",
-              TypeId.SBRK: "sbrk", TypeId.HEAP: "heap", TypeId.ARENA: "arena"}  # fmt: skip
-TYPE_IDS = {name: type_id for type_id, name in TYPE_NAMES.items()}
-# (type, event) -> the kmem tracepoint (kernel) or libc probe (libc) it came from
-KERNEL_EVENTS = {
-    (TypeId.KMALLOC, "alloc"): "kmalloc",
-    (TypeId.KMALLOC, "free"): "kfree",
-    (TypeId.CACHE, "alloc"): "kmem_cache_alloc",
-    (TypeId.CACHE, "free"): "kmem_cache_free",
-    (TypeId.PAGES, "alloc"): "mm_page_alloc",
-    (TypeId.PAGES, "free"): "mm_page_free",
+TYPE_IDS = {info.name: type_id for type_id, info in TYPES.items()}
+# (type, event) -> the kmem tracepoint or libc probe the record came from
+EVENT_NAMES = {
+    **{(type_id, "alloc"): info.alloc for type_id, info in TYPES.items()},
+    **{(type_id, "free"): info.free for type_id, info in TYPES.items()},
 }
-LIBC_EVENTS = {**{(t, "alloc"): name for name, t in LIBC_ALLOCS.items()},
-               **{(t, "free"): name for name, t in LIBC_FREES.items()}}  # fmt: skip
 PAGE_SHIFT = 12
 
 
@@ -58,7 +50,7 @@ def json_lines(records: RecordSet, symbols: KernelSymbols) -> Iterator[str]:
             doc["call_site"] = int(rec["call_site"])
             doc["args"] = [int(a) for a in next(probe_args)]
         else:
-            doc["type"] = TYPE_NAMES[TypeId(type_id)]
+            doc["type"] = TYPES[TypeId(type_id)].name
             doc["call_site"] = int(rec["call_site"])
             if type_id <= TypeId.PAGES and rec["call_site"]:
                 doc["symbol"] = symbols.describe(int(rec["call_site"]))
@@ -103,7 +95,7 @@ def _libc_name(doc: dict[str, Any]) -> str | None:
     if doc["event"] == "probe":
         return str(doc["probe"])
     type_id = TYPE_IDS[str(doc["type"])]
-    return LIBC_EVENTS.get((type_id, str(doc["event"])))
+    return None if type_id in KERNEL_TYPES else EVENT_NAMES[(type_id, str(doc["event"]))]
 
 
 def _fill(row: np.void, doc: dict[str, Any], probes: list[str]) -> None:
@@ -120,9 +112,9 @@ def _fill(row: np.void, doc: dict[str, Any], probes: list[str]) -> None:
         type_id = TYPE_IDS[str(doc["type"])]
         ptr = int(doc["ptr"])
         alloc = doc["event"] == "alloc"
-        if type_id in KERNEL_TYPE_IDS:
+        if type_id in KERNEL_TYPES:
             row["kind"], row["site"] = EventKind.KMEM, type_id
-            row["probe"] = KMEM_EVENTS.index(KERNEL_EVENTS[(type_id, str(doc["event"]))])
+            row["probe"] = KMEM_EVENTS.index(EVENT_NAMES[(type_id, str(doc["event"]))])
             args[0] = ptr >> PAGE_SHIFT if type_id == TypeId.PAGES else ptr
             if alloc:
                 args[1], args[2] = int(doc["bytes_req"]), int(doc["bytes_alloc"])
@@ -131,13 +123,10 @@ def _fill(row: np.void, doc: dict[str, Any], probes: list[str]) -> None:
         else:
             row["kind"], row["probe"] = (
                 EventKind.PROBE,
-                probes.index(LIBC_EVENTS[(type_id, str(doc["event"]))]),
+                probes.index(EVENT_NAMES[(type_id, str(doc["event"]))]),
             )
             args[0] = ptr
             if alloc:
                 args[1] = int(doc["bytes_req"])
         row["nargs"] = 6
     row["args"] = args
-
-
-KERNEL_TYPE_IDS = (TypeId.KMALLOC, TypeId.CACHE, TypeId.PAGES)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from mtrace_live.tracer.kallsyms import KernelSymbols
 
-from .kmemtrace import EventId, RecordSet, TypeId
+from .kmemtrace import TYPES, EventId, RecordSet, TypeId
 from .sprtrace import Call, Comment, Frame, Resource, Trace, clock
 
 if TYPE_CHECKING:
@@ -27,27 +27,6 @@ if TYPE_CHECKING:
 
 KERNEL_MODULE = "[kernel.kallsyms]"
 MAX_CONTEXTS = 32  # a context is a bit of a 32-bit mask
-# type id -> (resource name, description, allocating function, freeing function, refcount)
-RESOURCES = {
-    TypeId.KMALLOC: ("kmalloc", "kernel kmalloc objects", "kmalloc", "kfree", False),
-    TypeId.CACHE: (
-        "kmem_cache",
-        "kernel slab cache objects",
-        "kmem_cache_alloc",
-        "kmem_cache_free",
-        False,
-    ),
-    TypeId.PAGES: ("pages", "kernel page allocations", "mm_page_alloc", "mm_page_free", False),
-    TypeId.SBRK: (
-        "sbrk",
-        "main heap growth by sbrk",
-        "memory_sbrk_more",
-        "memory_sbrk_less",
-        False,
-    ),
-    TypeId.HEAP: ("heap", "mmapped malloc heaps", "memory_heap_new", "memory_heap_free", False),
-    TypeId.ARENA: ("arena", "malloc arenas", "memory_arena_new", "memory_arena_free", True),
-}
 
 
 UserSymbols = Callable[[int, int], "Symbol | None"]  # (pid, address) -> symbol
@@ -99,7 +78,8 @@ class RecordCalls:
                 values = " ".join(f"{int(a):#x}" for a in next(probe_args))
                 out.append(Comment(f"## [{clock(ms)}] pid {int(rec['pid'])} {name} {values}"))
                 continue
-            resource, _, alloc_fn, free_fn, _ = RESOURCES[TypeId(type_id)]
+            info = TYPES[TypeId(type_id)]
+            resource, alloc_fn, free_fn = info.name, info.alloc, info.free
             if event == EventId.ALLOC and not rec["ptr"]:  # failed: nothing to track
                 size_asked = int(rec["bytes_req"])
                 out.append(Comment(f"## [{clock(ms)}] failed {alloc_fn}<{resource}>({size_asked})"))
@@ -175,8 +155,8 @@ def header(pid: int, version: str, depth: int = 1) -> dict[str, str]:
 
 
 def resources(types: Iterable[int]) -> list[Resource]:
-    present = [t for t in RESOURCES if t in set(types)]
-    return [Resource(bit, *RESOURCES[t][:2], refcount=RESOURCES[t][4])
+    present = [t for t in TYPES if t in set(types)]
+    return [Resource(bit, TYPES[t].name, TYPES[t].desc, TYPES[t].refcount)
             for bit, t in enumerate(present, 1)]  # fmt: skip
 
 

@@ -9,22 +9,15 @@ from __future__ import annotations
 import json
 import signal
 import sys
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 import click
 
+from . import package_version
 from .errors import MtraceError
 
 PROG = "mtrace-live"
-
-
-def _version() -> str:
-    try:
-        return version("mtrace-live")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 _web_config_option = click.option(
@@ -184,7 +177,7 @@ def _trace(
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]}, invoke_without_command=True)
-@click.version_option(_version(), "-V", "--version", prog_name=PROG)
+@click.version_option(package_version(), "-V", "--version", prog_name=PROG)
 @click.option("--pid", "-p", type=int, help="Trace this running process.")
 @click.option("--all", "all_processes", is_flag=True, help="Trace every process mapping the libc.")
 @click.option(
@@ -519,7 +512,7 @@ def convert(**options: Any) -> None:
     """
     from .convert import run_convert
 
-    run_convert(version=_version(), **options)
+    run_convert(version=package_version(), **options)
 
 
 @cli.command(context_settings={"allow_interspersed_args": False})

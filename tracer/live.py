@@ -35,7 +35,7 @@ from mtrace_live.exporters.kmemtrace import (
 )
 from mtrace_live.probes.catalog import load_catalog
 
-from . import bpf_syscalls, target, usdt
+from . import bpf_syscalls, package_version, target, usdt
 from .bpf_backend import BpfProgram, require_privileges, tracepoint_format
 from .errors import MtraceError, OutputClosedError, TargetError, TargetExecError
 from .events import EVENT_DTYPE, Event, EventDecoder, EventKind
@@ -199,7 +199,7 @@ class LiveTrace:
         self.sp_rtrace: SpRtraceWriter | None = None
         if request.sp_rtrace is not None:
             self.sp_rtrace = SpRtraceWriter(
-                request.sp_rtrace, self.selection, self.kmem, _version()
+                request.sp_rtrace, self.selection, self.kmem, package_version()
             )
             if request.command:
                 self.sp_rtrace.process = Path(request.command[0]).name
@@ -459,12 +459,3 @@ def _silence_stdout() -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("mtrace-live")
-    except PackageNotFoundError:
-        return "unknown"

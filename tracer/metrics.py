@@ -19,11 +19,10 @@ import os
 import threading
 import time
 from collections import defaultdict
-from importlib.metadata import PackageNotFoundError, version
 
 from mtrace_live.exporters.prometheus import ProcessFigures, Snapshot
 
-from . import bpf_syscalls
+from . import bpf_syscalls, package_version
 from .kallsyms import KernelSymbols
 from .kmem import read_kernel_totals
 from .live import LiveTrace
@@ -59,7 +58,7 @@ class MetricsSource:
             1 for name in self.program.program_fds() if name.startswith("tracepoint__")
         )
         self._build = {
-            "version": _version("mtrace-live"),
+            "version": package_version(),
             "bcc": _bcc_version(),
             "kernel": os.uname().release,
         }
@@ -227,13 +226,6 @@ def _copy(figures: ProcessFigures) -> ProcessFigures:
     copy = ProcessFigures()
     copy.add(figures)
     return copy
-
-
-def _version(distribution: str) -> str:
-    try:
-        return version(distribution)
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def _bcc_version() -> str:

@@ -31,7 +31,6 @@ LIBC_TYPES = (TypeId.SBRK, TypeId.HEAP, TypeId.ARENA)
 
 class SpRtraceWriter:
     def __init__(self, path: Path, selection: ProbeSelection, kmem: bool, version: str) -> None:
-        self.path = path
         self.probes = list(selection.probes)
         self.version = version
         self.pid = 0  # the target, once known: the header names it
@@ -41,7 +40,6 @@ class SpRtraceWriter:
         self._libc = selection.libc
         self._site_vaddrs = [layout.site.address for layout in selection.layouts]
         self._site_of: dict[int, int] = {}  # runtime address -> link-time address
-        self.records = 0
         self._types = [*(KERNEL_TYPES if kmem else ()), *(LIBC_TYPES if self.probes else ())]
         self._processes: dict[int, ProcessSymbols] = {}
         self._calls = RecordCalls(self.probes, KernelSymbols.load(), self._user, self._stack)
@@ -132,7 +130,6 @@ class SpRtraceWriter:
         out = Trace(items=items)
         for line in list(lines(out))[1:]:  # without the (empty) header
             stream.write(line + "\n")
-        self.records += len(records)
 
     def close(self, lost_events: int = 0, lost_stacks: int = 0) -> None:
         if self._stream is not None:
