@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 from mtrace_live.probes import bpf_source
-from mtrace_live.probes.locations import ArgLocation
 
 from .bpf_syscalls import BatchReader
 from .errors import AttachError, BccUnavailableError, NotPrivilegedError, TracepointMissingError
@@ -141,22 +140,6 @@ class BpfProgram:
             self._bpf.attach_uprobe(name=str(path), addr=file_offset, fn_name=handler, pid=-1)
         except Exception as exc:
             raise AttachError(f"cannot attach to {path} at {file_offset:#x}: {exc}") from None
-
-    def write_sites(self, layouts: Sequence[tuple[int, Sequence[ArgLocation]]]) -> None:
-        """Fill the ``sites`` array: index i gets (probe slot, argument locations)."""
-        table = self._bpf["sites"]
-        for index, (probe, args) in enumerate(layouts):
-            leaf = table.Leaf()
-            leaf.probe = probe
-            leaf.nargs = len(args)
-            for slot, arg in enumerate(args[: len(leaf.args)]):
-                desc = leaf.args[slot]
-                desc.kind = int(arg.kind)
-                desc.size = arg.size
-                desc.is_signed = int(arg.signed)
-                desc.reg = arg.reg
-                desc.value = arg.value
-            table[table.Key(index)] = leaf
 
     def stack(self, stack_id: int) -> list[int]:
         """The addresses of one stored stack (``stacks``), innermost first."""

@@ -57,7 +57,7 @@ class HitCounter:
             "FOLLOW_FORKS": int(follow_forks),
             "WITH_KMEM": int(kmem),
             "WITH_EVENTS": 0,
-            "SITE_COUNT": len(self.selection.layouts) if self.selection else 0,
+            **usdt.site_defines(self.selection),
         }
         self.kmem = kmem
         self._has_cache_name = False

@@ -177,7 +177,7 @@ class LiveTrace:
             "FOLLOW_FORKS": int(request.follow_forks or request.comm is not None),
             "WITH_EVENTS": 1,
             "RINGBUF_PAGES": request.buffer_pages,
-            "SITE_COUNT": len(self.selection.layouts),
+            **usdt.site_defines(self.selection),
             "WITH_KMEM": int(self.kmem),
             "KMEM_EVENTS": int(request.kmemtrace is not None or request.sp_rtrace is not None),
             "PAGE_SHIFT_": mmap.PAGESIZE.bit_length() - 1,

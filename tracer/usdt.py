@@ -3,8 +3,8 @@
 One uprobe per SDT site, as bpftrace does: bcc's USDT helper refuses
 shared-object probes with several sites unless it is given a pid, and it
 cannot read rip-relative operands without one. Site i runs handler site_<i>,
-which finds its probe slot and argument locations at index i of the
-``sites`` map.
+into which its probe slot and argument locations are compiled as constants
+(``site_defines``).
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from mtrace_live.probes.sdt_notes import SdtSite
 from . import sdt_glibc, target
 from .bpf_backend import BpfProgram
 from .errors import NoMatchingProbeError, NoProbesError, UsageError
-from .events import SiteInfo, site_info
+from .events import MAX_ARGS, SiteInfo, site_info
 
 LIBC_PROVIDER = "libc"
 MAX_SITES = 128  # the handlers site_0 ... site_127 in trace.bpf.c
 
-# The default probe set, chosen by measuring hit rates (docs/probe-rates.md):
+# The default probe set, chosen by measuring hit rates (docs/performance.md):
 # the allocator's own probes and the private-lock wait that arena contention
 # goes through fire at most hundreds of times a second even under load, while
 # setjmp/longjmp and the pthread mutex probes fire on every call.
@@ -118,8 +118,34 @@ def resolve_libc(
     return target.default_libc(), argv
 
 
+def handlers_compiled(sites: int) -> int:
+    """trace.bpf.c compiles its site handlers in blocks of ten, up to MAX_SITES."""
+    return min(MAX_SITES, -(-sites // 10) * 10)
+
+
+def site_defines(selection: ProbeSelection | None) -> dict[str, int]:
+    """SITE_COUNT, and each compiled handler's probe slot (SP<n>), argument
+    count (SN<n>) and argument locations (SA<n>_<i>, SV<n>_<i>; see load_arg
+    in trace.bpf.c). Handlers beyond the sites get zeros: they are compiled
+    in a block but never attached."""
+    layouts = selection.layouts if selection is not None else []
+    slots = {name: slot for slot, name in enumerate(selection.probes)} if selection else {}
+    defines = {"SITE_COUNT": len(layouts)}
+    for n in range(handlers_compiled(len(layouts))):
+        lay = layouts[n] if n < len(layouts) else None
+        defines[f"SP{n}"] = slots[lay.site.name] if lay else 0
+        defines[f"SN{n}"] = len(lay.args) if lay else 0
+        args = list(lay.args[:MAX_ARGS]) if lay else []
+        for i in range(MAX_ARGS):
+            arg = args[i] if i < len(args) else None
+            packed = 0
+            if arg is not None:
+                packed = int(arg.kind) | arg.size << 8 | int(arg.signed) << 16 | arg.reg << 24
+            defines[f"SA{n}_{i}"] = packed
+            defines[f"SV{n}_{i}"] = arg.value if arg is not None else 0
+    return defines
+
+
 def attach(program: BpfProgram, selection: ProbeSelection) -> None:
-    slots = {name: slot for slot, name in enumerate(selection.probes)}
-    program.write_sites([(slots[lay.site.name], lay.args) for lay in selection.layouts])
     for index, lay in enumerate(selection.layouts):
         program.attach_uprobe(selection.libc, lay.site.file_offset, f"site_{index}")

@@ -113,22 +113,6 @@ enum event_kind {
     EV_KMEM = 3, /* a kmem tracepoint; probe = enum kmem_event */
 };
 
-struct arg_desc {
-    u8 kind;
-    u8 size;      /* 1, 2, 4 or 8 bytes */
-    u8 is_signed;
-    u8 reg;       /* index of the u64 slot in struct pt_regs */
-    u32 pad;
-    s64 value;
-};
-
-struct site_desc {
-    u16 probe;
-    u16 nargs;
-    u32 pad;
-    struct arg_desc args[MAX_ARGS];
-};
-
 struct event {
     u64 ts;       /* bpf_ktime_get_ns(): CLOCK_MONOTONIC */
     u64 ip;       /* the site's address in the process */
@@ -162,7 +146,6 @@ struct stack_frames {
 BPF_TABLE("stacktrace", int, struct stack_frames, stacks, STACK_ENTRIES);
 BPF_PERCPU_ARRAY(stack_errors, u64, 2);           /* [0] user, [1] kernel: stacks not stored */
 #endif
-BPF_ARRAY(sites, struct site_desc, MAX_SITES);
 BPF_PERCPU_ARRAY(hits, u64, MAX_PROBES);          /* every hit that passed the filter */
 BPF_HASH(proc_hits, struct proc_key, struct proc_hit, MAX_PROC_COUNTERS);
 BPF_PERCPU_ARRAY(proc_hits_dropped, u64, 1);      /* hits proc_hits had no room for */
@@ -275,19 +258,6 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
 
 /* ---- reading arguments ---------------------------------------------------*/
 #define PT_REGS_SLOTS (sizeof(struct pt_regs) / sizeof(u64))
-#define PT_REGS_IP_SLOT(regs) ((regs)->slot[offsetof(struct pt_regs, ip) / sizeof(u64)])
-
-/* A copy of the registers on the stack, indexed by pt_regs slot. The
- * verifier refuses a load through a ctx pointer at a computed offset, which
- * is what clang makes of a switch over the registers. */
-struct regs_copy {
-    u64 slot[PT_REGS_SLOTS];
-};
-
-static __always_inline u64 reg_value(struct regs_copy *regs, u32 reg)
-{
-    return reg < PT_REGS_SLOTS ? regs->slot[reg] : 0;
-}
 
 static __always_inline u64 extend(u64 v, u8 size, u8 is_signed)
 {
@@ -299,31 +269,46 @@ static __always_inline u64 extend(u64 v, u8 size, u8 is_signed)
     return v;
 }
 
-static __always_inline u64 read_arg(struct regs_copy *regs, struct arg_desc *a)
+/* Where each site's arguments are is known before this program is compiled,
+ * so user space defines them as constants (see SITE below): `packed` is
+ * kind | size << 8 | is_signed << 16 | pt_regs slot << 24, and `value` the
+ * constant, displacement or distance from the site's ip. Once inlined, every
+ * test here is decided by the compiler, and a register argument is one load
+ * at a fixed offset of the context: no copy of the registers, no descriptor
+ * to look up. */
+static __always_inline u64 load_arg(struct pt_regs *ctx, const u32 packed, const s64 value)
 {
+    const u8 kind = packed & 0xff;
+    const u8 size = (packed >> 8) & 0xff;
+    const u8 is_signed = (packed >> 16) & 0xff;
+    const u32 slot = packed >> 24;
+    u64 *regs = (u64 *)ctx;
     u64 v = 0;
     u64 addr;
-    switch (a->kind) {
-    case ARG_CONST:
-        v = a->value;
-        break;
-    case ARG_REG:
-        v = reg_value(regs, a->reg);
-        break;
-    case ARG_DEREF_REG:
-    case ARG_DEREF_IP:
-        addr = (a->kind == ARG_DEREF_IP ? PT_REGS_IP_SLOT(regs) : reg_value(regs, a->reg)) + a->value;
-        if (bpf_probe_read_user(&v, a->size & 0x8 ? 8 : a->size & 0x7, (void *)addr))
+    if (kind == ARG_CONST) {
+        v = value;
+    } else if (kind == ARG_REG) {
+        if (slot < PT_REGS_SLOTS)
+            v = regs[slot];
+    } else if (kind == ARG_DEREF_REG || kind == ARG_DEREF_IP) {
+        if (kind == ARG_DEREF_IP)
+            addr = PT_REGS_IP(ctx) + value;
+        else
+            addr = (slot < PT_REGS_SLOTS ? regs[slot] : 0) + value;
+        if (bpf_probe_read_user(&v, size & 0x8 ? 8 : size & 0x7, (void *)addr))
             v = 0;
-        break;
-    default:
+    } else {
         return 0;
     }
-    return extend(v, a->size, a->is_signed);
+    return extend(v, size, is_signed);
 }
 
 /* ---- one body for every site ---------------------------------------------*/
-static __always_inline int on_site(struct pt_regs *ctx, u32 site)
+static __always_inline int on_site(struct pt_regs *ctx, const u32 site, const u32 probe,
+                                   const u32 nargs, const u32 a0, const s64 v0,
+                                   const u32 a1, const s64 v1, const u32 a2, const s64 v2,
+                                   const u32 a3, const s64 v3, const u32 a4, const s64 v4,
+                                   const u32 a5, const s64 v5)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
@@ -335,10 +320,6 @@ static __always_inline int on_site(struct pt_regs *ctx, u32 site)
 #endif
     if (!tgid_is_followed(tgid))
         return 0;
-    struct site_desc *d = sites.lookup(&site);
-    if (!d)
-        return 0;
-    u32 probe = d->probe;
     hits.increment(probe);
     struct proc_key key = {.tgid = tgid, .probe = probe};
     struct proc_hit fresh = {};
@@ -364,12 +345,13 @@ static __always_inline int on_site(struct pt_regs *ctx, u32 site)
     e->probe = probe;
     e->site = site;
     e->kind = EV_PROBE;
-    e->nargs = d->nargs;
-    struct regs_copy regs;
-    bpf_probe_read_kernel(&regs, sizeof(regs), ctx);
-#pragma unroll
-    for (int i = 0; i < MAX_ARGS; i++)
-        e->args[i] = read_arg(&regs, &d->args[i]);
+    e->nargs = nargs;
+    e->args[0] = load_arg(ctx, a0, v0);
+    e->args[1] = load_arg(ctx, a1, v1);
+    e->args[2] = load_arg(ctx, a2, v2);
+    e->args[3] = load_arg(ctx, a3, v3);
+    e->args[4] = load_arg(ctx, a4, v4);
+    e->args[5] = load_arg(ctx, a5, v5);
     e->ustack = stack_id(ctx, BPF_F_USER_STACK, 0);
     e->kstack = -1;
     events.ringbuf_submit(e, 0);
@@ -381,7 +363,12 @@ static __always_inline int on_site(struct pt_regs *ctx, u32 site)
  * then a tens digit pasted onto 0..9 (site_10 ... site_119), then 120..127.
  * Only the blocks user space needs are compiled: each handler inlines the
  * whole body, and compile time is most of the start-up time. */
-#define SITE(n) int site_##n(struct pt_regs *ctx) { return on_site(ctx, n); }
+/* SP<n> is site n's probe slot, SN<n> its argument count, SA<n>_<i> and
+ * SV<n>_<i> its argument i (load_arg): defined by user space for every
+ * handler compiled. */
+#define SITE(n) int site_##n(struct pt_regs *ctx) { return on_site(ctx, n, SP##n, SN##n, \
+    SA##n##_0, SV##n##_0, SA##n##_1, SV##n##_1, SA##n##_2, SV##n##_2, \
+    SA##n##_3, SV##n##_3, SA##n##_4, SV##n##_4, SA##n##_5, SV##n##_5); }
 #define SITES_OF_TENS(t) \
     SITE(t##0) SITE(t##1) SITE(t##2) SITE(t##3) SITE(t##4) \
     SITE(t##5) SITE(t##6) SITE(t##7) SITE(t##8) SITE(t##9)
