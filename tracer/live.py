@@ -226,8 +226,11 @@ class LiveTrace:
     _overrun_bytes = 0
     _lost_events = 0
 
-    def drain(self) -> Iterator[np.ndarray]:
-        """Batches of libc events; kmem events go to the record writer here."""
+    def drain(self, once: bool = False) -> Iterator[np.ndarray]:
+        """Batches of libc events; kmem events go to the record writer here.
+        Until the ring is empty, or with ``once`` only what is in it now: while
+        tracing, events may come faster than a sink writes them, and the loop
+        must still get to its signals and deadlines."""
         while True:
             batch = self.reader.read()
             if len(batch) == 0:
@@ -242,6 +245,8 @@ class LiveTrace:
                 self.kmem_delivered += int(np.count_nonzero(kmem_rows))
                 batch = batch[~kmem_rows]
             yield batch
+            if once:
+                return
 
     def result(self, started: float, ended_by: str, exit_code: int | None) -> TraceResult:
         totals = self.program.percpu_array_totals("hits")
@@ -389,7 +394,7 @@ def _loop(
     try:
         while not ended_by:
             ready = {fd for fd, _ in poller.poll(wait_ms)}
-            for batch in trace.drain():
+            for batch in trace.drain(once=True):
                 trace.model.consume(batch)
                 sink.consume(batch)
                 failure = failure or _exec_failure(request, batch)

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 from mtrace_live.tracer.sdt_glibc import SdtGlibc
@@ -213,3 +216,60 @@ def test_a_user_without_privileges_gets_one_line(sdt: SdtGlibc) -> None:
 
     done = mtrace_unprivileged("run", "--lib", str(sdt.libc), "--", "/bin/true")
     assert_one_line(done, 3, "loading BPF programs needs root")
+
+
+def test_ctrl_c_stops_a_trace_whose_output_cannot_keep_up(sdt: SdtGlibc) -> None:
+    """The loop unpaced makes events faster than `-o text` writes them; the
+    trace must still stop on SIGINT, with its summary, long before the
+    workload would end."""
+    with Reaper() as reaper:
+        loop = reaper.add(
+            subprocess.Popen(
+                sdt.wrap([str(built("jmp_loop")), "2000000000"]), stdout=subprocess.DEVNULL
+            )
+        )
+        tracer = reaper.add(
+            subprocess.Popen(  # type: ignore[arg-type]
+                [
+                    *MTRACE,
+                    "--pid",
+                    str(loop.pid),
+                    "--lib",
+                    str(sdt.libc),
+                    "--probes",
+                    "setjmp",
+                    "--probes",
+                    "longjmp",
+                    "-o",
+                    "text",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+        assert tracer.stdout is not None and tracer.stderr is not None
+        assert "tracing" in tracer.stderr.readline()
+        lines = [0]
+
+        def count_lines() -> None:
+            for _ in tracer.stdout:  # type: ignore[union-attr]
+                lines[0] += 1
+
+        reader = threading.Thread(target=count_lines, daemon=True)
+        reader.start()
+        while lines[0] < 200_000:  # well into the flood
+            assert tracer.poll() is None, "the trace ended by itself"
+            time.sleep(0.05)
+        tracer.send_signal(signal.SIGINT)
+        tracer.wait(timeout=120)
+        reader.join(timeout=120)
+        stderr = tracer.stderr.read()
+        tracer.stderr.close()
+        tracer.stdout.close()
+        assert loop.poll() is None  # still looping: the trace did not wait for it
+    assert tracer.returncode == 0, stderr
+    assert "ended by SIGINT" in stderr
+    kernel, delivered, lost = summary_numbers(stderr)
+    assert delivered + lost == kernel
+    assert lines[0] == delivered + 1  # the header, then every delivered event
