@@ -77,12 +77,13 @@ demo: sdt-glibc exercisers
 	  --out $(BUILD)/ground-truth.json >$(BUILD)/demo-counts.json
 	@$(BIN)/python scripts/compare-ground-truth $(BUILD)/demo-counts.json $(BUILD)/ground-truth.json
 
-# Benchmarks of the live trace and of kmem tracing; writes docs/performance.md
-# and docs/kmem-performance.md. QUICK=1: fewer runs.
+# Every benchmark, side by side with bpftrace, bcc's trace and perf, in one
+# run; writes build/bench.json and docs/performance.md (root; about 11 minutes
+# on 2 CPUs). QUICK=1: one repetition of each, smaller workloads, < 2 minutes.
+# BENCH="--only usdt,kmem" runs some sections; BENCH=--rewrite only rewrites
+# docs/performance.md from build/bench.json.
 bench: sdt-glibc exercisers
-	$(BIN)/python bench/live_bench.py
-	$(BIN)/python bench/kmem_bench.py
-	$(BIN)/python bench/scrape_bench.py
+	QUICK=$(QUICK) $(BIN)/python bench/run.py $(BENCH)
 
 clean:
 	rm -rf $(BUILD)

@@ -1,7 +1,5 @@
-"""Scrape latency of `mtrace-live serve` with about 1,000 series, while tracing.
-
-    python bench/scrape_bench.py            # writes docs/scrape-performance.md
-    QUICK=1 python bench/scrape_bench.py    # 200 scrapes per case instead of 1,000
+"""Section 5: scrape latency of `mtrace-live serve` with about 1,000 series,
+while tracing (200 scrapes per case with QUICK=1 instead of 1,000).
 
 serve traces system-wide (the SDT glibc's probes and the kmem tracepoints)
 with the map reads uncached (--read-interval 0), so that every scrape reads
@@ -17,22 +15,19 @@ the scrape for the interpreter).
 from __future__ import annotations
 
 import http.client
-import json
 import shutil
 import signal
 import statistics
 import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-from live_bench import BUILD, MTRACE, QUICK, REPO, machine
+from common import BUILD, MTRACE, QUICK, say, verdict
 from mtrace_live.tracer import sdt_glibc
 from prometheus_client.parser import text_string_to_metric_families
 
 SCRAPES = 200 if QUICK else 1000
-NAMES = 16  # arena_contention copies: each name adds its per-process series
+NAMES = 4 if QUICK else 16  # arena_contention copies: each adds its per-process series
 PORT = 9499
 
 
@@ -69,81 +64,69 @@ def latencies(count: int) -> dict[str, float]:
     }
 
 
-def main() -> None:
+def run(tmp: Path) -> dict[str, object]:
+    say("5. scrape latency ...")
     sdt = sdt_glibc.locate()
-    with tempfile.TemporaryDirectory() as tmp_name:
-        tmp = Path(tmp_name)
-        err = tmp / "serve.err"
-        with open(err, "wb") as sink:
-            serve = subprocess.Popen(
-                [*MTRACE, "serve", "--sdt-glibc", "--read-interval", "0", "--top-functions", "100",
-                 "--web.listen-address", f"127.0.0.1:{PORT}"],
-                stdout=sink, stderr=sink,
-            )  # fmt: skip
-        try:
-            deadline = time.monotonic() + 120
-            while b"serving metrics at" not in err.read_bytes():
-                if serve.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"serve did not start: {err.read_text()}")
-                time.sleep(0.2)
-            subprocess.run(sdt.wrap([str(BUILD / "probe_exerciser"), "--out", str(tmp / "t.json")]),
-                           check=True, stdout=subprocess.DEVNULL)  # fmt: skip
-            for index in range(NAMES):
-                copy = tmp / f"contention_{index:02d}"
-                shutil.copy(BUILD / "arena_contention", copy)
-                subprocess.run(sdt.wrap([str(copy), "1"]), check=True, stdout=subprocess.DEVNULL)
+    err = tmp / "serve.err"
+    with open(err, "wb") as sink:
+        serve = subprocess.Popen(
+            [*MTRACE, "serve", "--sdt-glibc", "--read-interval", "0", "--top-functions", "100",
+             "--web.listen-address", f"127.0.0.1:{PORT}"],
+            stdout=sink, stderr=sink,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while b"serving metrics at" not in err.read_bytes():
+            if serve.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"serve did not start: {err.read_text()}")
+            time.sleep(0.2)
+        subprocess.run(sdt.wrap([str(BUILD / "probe_exerciser"), "--out", str(tmp / "t.json")]),
+                       check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+        for index in range(NAMES):
+            copy = tmp / f"contention_{index:02d}"
+            shutil.copy(BUILD / "arena_contention", copy)
+            subprocess.run(sdt.wrap([str(copy), "0.2"]), check=True, stdout=subprocess.DEVNULL)
+        if not QUICK:
             time.sleep(12)  # the copies are retired into per-name totals
-            print("scrapes, tracing ...", file=sys.stderr)
-            idle = latencies(SCRAPES)
-            print("scrapes, tracing a kernel-allocation loop ...", file=sys.stderr)
-            kernel = subprocess.Popen(
-                ["/bin/sh", "-c", f"while :; do {BUILD / 'kmem_exerciser'} --sockets 20000 "
-                 f"--pipes 20000 --out {tmp / 'k.json'}; done"],
-                stdout=subprocess.DEVNULL,
-            )  # fmt: skip
-            time.sleep(2)
-            busy = latencies(SCRAPES)
-            kernel.send_signal(signal.SIGKILL)
-            kernel.wait()
-            print("scrapes, tracing arena_contention ...", file=sys.stderr)
-            load = subprocess.Popen(sdt.wrap([str(BUILD / "arena_contention"), "600"]),
-                                    stdout=subprocess.DEVNULL)  # fmt: skip
-            time.sleep(2)
-            loaded = latencies(SCRAPES)
-            load.send_signal(signal.SIGKILL)
-            load.wait()
-        finally:
-            serve.send_signal(signal.SIGTERM)
-            serve.wait(timeout=60)
-    data = {"idle": idle, "busy": busy, "loaded": loaded, "machine": machine()}
-    out = BUILD / "bench-scrape.json"
-    out.write_text(json.dumps(data, indent=2))
-    write_report(data)
-    print(f"wrote {out} and docs/scrape-performance.md", file=sys.stderr)
+        say("  while tracing ...")
+        idle = latencies(SCRAPES)
+        say("  while tracing a kernel-allocation loop ...")
+        kernel = subprocess.Popen(
+            ["/bin/sh", "-c", f"while :; do {BUILD / 'kmem_exerciser'} --sockets 20000 "
+             f"--pipes 20000 --out {tmp / 'k.json'}; done"],
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        time.sleep(2)
+        busy = latencies(SCRAPES)
+        kernel.send_signal(signal.SIGKILL)
+        kernel.wait()
+        say("  while tracing arena_contention ...")
+        load = subprocess.Popen(sdt.wrap([str(BUILD / "arena_contention"), "600"]),
+                                stdout=subprocess.DEVNULL)  # fmt: skip
+        time.sleep(2)
+        loaded = latencies(SCRAPES)
+        load.send_signal(signal.SIGKILL)
+        load.wait()
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(timeout=60)
+    return {"idle": idle, "busy": busy, "loaded": loaded}
 
 
-def write_report(data: dict) -> None:
+def render(data: dict) -> tuple[list[str], dict[str, bool | None]]:
     rows = (
         ("background activity only", data["idle"]),
-        (
-            "a socket()/pipe() loop on one CPU (kernel events, aggregated in the kernel)",
-            data["busy"],
-        ),
-        (
-            "arena_contention: 8 threads on both CPUs, ~500k lock-wait events/s decoded",
-            data["loaded"],
-        ),
-    )
+        ("a socket()/pipe() loop on one CPU (kernel events, aggregated in the kernel)",
+         data["busy"]),
+        ("arena_contention: 8 threads on both CPUs, every lock wait an event decoded",
+         data["loaded"]),
+    )  # fmt: skip
     p99 = max(data[key]["p99_ms"] for key in ("idle", "busy"))
     lines = [
-        "# Scrape latency of `mtrace-live serve`",
+        "## 5. Scrape latency",
         "",
-        "Written by `make bench` (`bench/scrape_bench.py`); numbers from one run.",
-        "",
-        f"Machine: {data['machine']}.",
-        "",
-        "serve traced the whole system (the SDT glibc's allocator probes and the kmem "
-        "tracepoints) with `--read-interval 0`, so every scrape read every BPF map (one "
+        "`mtrace-live serve` traced the whole system (the SDT glibc's allocator probes and the "
+        "kmem tracepoints) with `--read-interval 0`, so every scrape read every BPF map (one "
         "batched read per map) and rendered every series. One client scraped back to back "
         "over one kept-alive HTTP connection; times are from request to last byte.",
         "",
@@ -157,32 +140,19 @@ def write_report(data: dict) -> None:
     ]
     lines += [
         "",
-        f"Target: p99 below 10 ms while tracing: **{'met' if p99 < 10 else 'NOT met'}** "
-        f"({p99:.2f} ms at worst) with a CPU to spare; **"
-        f"{'met' if data['loaded']['p99_ms'] < 10 else 'NOT met'}** "
-        f"({data['loaded']['p99_ms']:.2f} ms) when the traced program saturates both CPUs "
-        "and floods the event path.",
+        f"p99 {p99:.2f} ms at worst with a CPU to spare: {verdict(p99 < 10)}; "
+        f"{data['loaded']['p99_ms']:.2f} ms when the traced program saturates both CPUs and "
+        f"floods the event path: {verdict(data['loaded']['p99_ms'] < 10)}.",
         "",
-        "In the last case the scrape's thread competes for a CPU with eight busy threads, and "
-        "for the interpreter with the tracing loop that decodes every event; each hand-over "
-        "of the interpreter can cost a whole switch interval. Serving from a process of its "
-        "own (the maps' file descriptors inherited, the model's figures in shared memory) "
-        "would take the scrape out of that contention; so would a lighter default probe set "
-        "(`--probes 'memory_*'` leaves out the lock-wait events).",
-        "",
-        "Two measures keep the tail short: the interpreter's garbage collector is told, once "
-        "everything is attached, that the objects loaded so far are permanent (`gc.freeze`), "
-        "which took full collections from 10-15 ms to under 1 ms; and the BPF system calls "
-        "keep the interpreter lock (they take microseconds). The default `--read-interval "
-        "0.5` also lets scrapes that come within half a second of a reading reuse it, so a "
-        "burst of scrapes costs one read of the maps.",
+        "When both CPUs are saturated the scrape's thread competes for a CPU with eight busy "
+        "threads, and for the interpreter with the tracing loop that decodes every event; "
+        "each hand-over of the interpreter can cost a whole switch interval. Serving from a "
+        "process of its own (the maps' file descriptors inherited, the model's figures in "
+        "shared memory) would take the scrape out of that contention; so would a lighter "
+        "probe set (`--probes 'memory_*'` leaves out the lock-wait events).",
         "",
     ]
-    (REPO / "docs" / "scrape-performance.md").write_text("\n".join(lines))
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] == ["--rewrite"]:
-        write_report(json.loads((BUILD / "bench-scrape.json").read_text()))
-    else:
-        main()
+    return lines, {
+        "scrape p99 < 10 ms, a CPU to spare": p99 < 10,
+        "scrape p99 < 10 ms, both CPUs saturated": data["loaded"]["p99_ms"] < 10,
+    }

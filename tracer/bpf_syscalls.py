@@ -27,6 +27,8 @@ from typing import NamedTuple
 import numpy as np
 
 SYS_BPF = {"x86_64": 321, "aarch64": 280, "riscv64": 280, "ppc64le": 361, "s390x": 351}
+BPF_PROG_GET_NEXT_ID = 11
+BPF_PROG_GET_FD_BY_ID = 13
 BPF_OBJ_GET_INFO_BY_FD = 15
 BPF_MAP_LOOKUP_BATCH = 24
 BPF_ENABLE_STATS = 32
@@ -121,6 +123,25 @@ def run_stats(prog_fd: int) -> RunStats | None:
         return None
     words = np.frombuffer(info.raw, dtype=np.uint64, count=3, offset=_RUN_TIME_AT)
     return RunStats(int(words[0]), int(words[1]), int(words[2]))
+
+
+def program_ids() -> list[int]:
+    """The ids of every BPF program loaded on this machine (root only)."""
+    ids: list[int] = []
+    start = 0
+    while True:
+        attr = ctypes.create_string_buffer(start.to_bytes(4, sys.byteorder), 12)
+        if _bpf(BPF_PROG_GET_NEXT_ID, attr) < 0:
+            return ids
+        start = int.from_bytes(attr.raw[4:8], sys.byteorder)
+        ids.append(start)
+
+
+def program_fd(prog_id: int) -> int | None:
+    """An fd for a loaded program, by id; None once it is gone."""
+    attr = ctypes.create_string_buffer(prog_id.to_bytes(4, sys.byteorder), 12)
+    fd = _bpf(BPF_PROG_GET_FD_BY_ID, attr)
+    return fd if fd >= 0 else None
 
 
 def close(fd: int | None) -> None:

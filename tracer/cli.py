@@ -42,7 +42,7 @@ def _trace_options(command: Any) -> Any:
             "patterns",
             multiple=True,
             help="Glob of libc probe names; repeatable. Default: memory_* and "
-            "lll_lock_wait_private (see docs/probe-rates.md).",
+            "lll_lock_wait_private (see docs/performance.md).",
         ),
         click.option(
             "--output",

@@ -1,0 +1,256 @@
+"""What every benchmark section shares: paths, the machine's description, the
+peers' presence, tracers run in the background, and configurations run in
+alternating order."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+REPO = Path(__file__).resolve().parents[1]
+BUILD = REPO / "build"
+MTRACE = [str(REPO / ".venv" / "bin" / "mtrace-live")]
+QUICK = os.environ.get("QUICK") == "1"
+REPS = 1 if QUICK else 5
+START_TIMEOUT_S = 120
+
+
+def interruptible() -> None:
+    """In a child before exec: SIGINT back to its default. A shell starts
+    background jobs with SIGINT ignored, and a Python tracer (bcc's tools)
+    that inherits that never sees Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def sdt():  # type: ignore[no-untyped-def]
+    from mtrace_live.tracer import sdt_glibc
+
+    return sdt_glibc.locate()
+
+
+def last_seconds(output: str) -> float:
+    """The workloads print their own elapsed seconds as the last number line."""
+    for line in reversed(output.splitlines()):
+        if re.fullmatch(r"\d+\.\d+", line.strip()):
+            return float(line)
+    raise RuntimeError(f"no elapsed time in: {output[-500:]}")
+
+
+def check(argv: list[str], timeout: float = 900, **kwargs: object) -> str:
+    """Run a command to its end; its stdout."""
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kwargs)  # type: ignore[call-overload]
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"{' '.join(argv[:4])} ... exited {done.returncode}: {done.stderr[-800:]}"
+        )
+    return str(done.stdout)
+
+
+# ---- peers ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    command: str
+    version: list[str]
+    package: str
+
+
+PEERS = (
+    Peer("bpftrace", "bpftrace", ["bpftrace", "--version"], "bpftrace"),
+    Peer("bcc trace", "trace-bpfcc", ["dpkg-query", "-W", "-f", "${Version}", "bpfcc-tools"],
+         "bpfcc-tools"),
+    Peer("perf", "perf", ["perf", "--version"], "linux-perf"),
+)  # fmt: skip
+
+
+def peer_versions() -> dict[str, str | None]:
+    """Each peer's version, or None when it is not installed."""
+    found: dict[str, str | None] = {}
+    for peer in PEERS:
+        if shutil.which(peer.command) is None:
+            found[peer.name] = None
+            continue
+        done = subprocess.run(peer.version, capture_output=True, text=True)
+        found[peer.name] = (done.stdout.strip() or done.stderr.strip()) or "unknown version"
+    return found
+
+
+def machine() -> dict[str, str]:
+    cpu = "unknown CPU"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    vm = subprocess.run(["systemd-detect-virt", "--vm"], capture_output=True, text=True)
+    virt = vm.stdout.strip() if vm.returncode == 0 else "none"
+    if virt == "none" and " hypervisor" in Path("/proc/cpuinfo").read_text():
+        virt = "a VM (the CPU flags say a hypervisor)"
+    container = subprocess.run(["systemd-detect-virt", "--container"], capture_output=True,
+                               text=True).stdout.strip()  # fmt: skip
+    if container and container != "none":
+        virt += f", in a {container} container"
+    bcc = subprocess.run(["dpkg-query", "-W", "-f", "${Version}", "python3-bpfcc"],
+                         capture_output=True, text=True).stdout  # fmt: skip
+    memory_kb = int(Path("/proc/meminfo").read_text().split()[1])
+    glibc = sdt().libc.parent.parent.name.split("_")[0]
+    return {
+        "cpu": f"{cpu}, {os.cpu_count()} CPUs",
+        "memory": f"{memory_kb / 2**20:.0f} GiB",
+        "virtualisation": virt,
+        "kernel": f"Linux {platform.release()}",
+        "glibc": f"glibc {glibc} built with --enable-systemtap (the SDT build)",
+        "bcc": f"bcc {bcc or 'not installed'}",
+        "python": f"Python {platform.python_version()}",
+    }
+
+
+# ---- tracers in the background ---------------------------------------------------
+
+
+class Background:
+    """A tracer started before the workload and stopped (SIGINT) after it."""
+
+    def __init__(self, argv: list[str], ready: str, log: Path, env: dict[str, str] | None = None):
+        self.log = log
+        self._sink: IO[bytes] = open(log, "wb")  # noqa: SIM115 - closed in stop()
+        self.started = time.monotonic()
+        self.process = subprocess.Popen(argv, stdout=self._sink, stderr=subprocess.STDOUT,
+                                        env=env, preexec_fn=interruptible)  # fmt: skip
+        self.ready_after = self._wait(ready)
+
+    def _wait(self, ready: str) -> float:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while ready not in self.text():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{self.log.stem} did not start: {self.text()[-800:]}")
+            time.sleep(0.02)
+        return time.monotonic() - self.started
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self, grace: float = 60) -> str:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._sink.close()
+        return self.text()
+
+
+class Gated:
+    """A workload started waiting for a byte on stdin (GATE=1), so that a
+    tracer needing its pid can attach before it does anything."""
+
+    def __init__(self, argv: list[str]):
+        self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True,
+                                        env={**os.environ, "GATE": "1"})  # fmt: skip
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def start(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write("g")
+        self.process.stdin.flush()
+
+    def line(self) -> str:
+        assert self.process.stdout is not None
+        return self.process.stdout.readline()
+
+    def finish(self) -> str:
+        out, err = self.process.communicate(input="g", timeout=900)
+        if self.process.returncode != 0:
+            raise RuntimeError(f"workload exited {self.process.returncode}: {err[-500:]}")
+        return out
+
+
+# ---- configurations in alternating order -----------------------------------------
+
+
+@dataclass
+class Sample:
+    """One run of one configuration: the workload's own time, and whatever
+    the tracer said about it (hits, lost events)."""
+
+    seconds: float
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+# Configurations of a peer that failed, with why: left out of the rest of the
+# run and listed on the page, so that one broken peer costs no other figure.
+FAILED: dict[str, str] = {}
+
+
+def alternate(
+    configs: dict[str, Callable[[], Sample]],
+    reps: int,
+    ours: tuple[str, ...] = ("mtrace-live", "untraced"),
+) -> dict[str, list[Sample]]:
+    """Each configuration reps times: forward order, then backward, and so on.
+    A peer's configuration that fails is dropped (FAILED says why); one of
+    ours (names starting with `ours`) failing stops the run."""
+    samples: dict[str, list[Sample]] = {name: [] for name in configs}
+    for rep in range(reps):
+        order = list(configs) if rep % 2 == 0 else list(reversed(configs))
+        for name in order:
+            if name in FAILED:
+                continue
+            begun = time.monotonic()
+            try:
+                sample = configs[name]()
+            except Exception as exc:
+                if name.startswith(ours):
+                    raise
+                FAILED[name] = (
+                    str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else repr(exc)
+                )
+                say(f"  {name} failed, left out: {FAILED[name]}")
+                del samples[name]
+                continue
+            samples[name].append(sample)
+            extra = ", ".join(f"{k} {v:g}" for k, v in sample.extra.items())
+            took = time.monotonic() - begun
+            say(f"  [{rep + 1}/{reps}] {name}: {sample.seconds:.3f} {extra} ({took:.0f} s)")
+    return samples
+
+
+def summarise(samples: dict[str, list[Sample]]) -> dict[str, dict[str, object]]:
+    """Medians of the time and of every extra figure, and the raw times."""
+    rows: dict[str, dict[str, object]] = {}
+    for name, runs in samples.items():
+        row: dict[str, object] = {
+            "median_s": statistics.median(s.seconds for s in runs),
+            "samples": [s.seconds for s in runs],
+        }
+        for key in sorted({k for s in runs for k in s.extra}):
+            row[key] = statistics.median(s.extra[key] for s in runs if key in s.extra)
+        rows[name] = row
+    return rows
+
+
+def verdict(met: bool) -> str:
+    return "**met**" if met else "**NOT met**"

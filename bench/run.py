@@ -1,0 +1,149 @@
+"""`make bench`: every benchmark side by side with the peers, in one run, and
+docs/performance.md written from it.
+
+    python bench/run.py                 # the full run: 5 repetitions each, < 20 min on 2 CPUs
+    QUICK=1 python bench/run.py         # one repetition each, smaller workloads
+    python bench/run.py --only usdt,kmem
+    python bench/run.py --rewrite       # docs/performance.md again from build/bench.json
+
+Run as root after `make sdt-glibc exercisers`. Sections: usdt (1), kmem (2
+and 4), events (3), scrape (5), cost (6), rates (7: probe hit rates). The
+peers (bpftrace, bcc's trace, perf) are looked for first; a missing one is
+named, its configurations left out, and the rest still runs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import common
+import cost_bench
+import event_bench
+import kmem_bench
+import rates_bench
+import scrape_bench
+import usdt_bench
+from common import BUILD, PEERS, QUICK, REPO, REPS, machine, peer_versions, say
+
+RESULTS = BUILD / "bench.json"
+SECTIONS = ("usdt", "kmem", "events", "scrape", "cost", "rates")
+
+
+def measure(only: set[str]) -> dict[str, object]:
+    started = time.monotonic()
+    peers = peer_versions()
+    missing = [p for p in PEERS if peers[p.name] is None]
+    for peer in missing:
+        say(f"mtrace-live bench: {peer.command} not found: its configurations are left out "
+            f"(Debian package {peer.package})")  # fmt: skip
+    data: dict[str, object] = {"machine": machine(), "peers": peers, "quick": QUICK,
+                               "reps": REPS}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="mtrace-bench-") as name:
+        tmp = Path(name)
+        runs: dict[str, Callable[[], object]] = {
+            "usdt": lambda: usdt_bench.run(tmp, peers),
+            "kmem": lambda: kmem_bench.run(tmp, peers),
+            "events": event_bench.run,
+            "scrape": lambda: scrape_bench.run(tmp),
+            "cost": lambda: cost_bench.run(tmp, peers),
+            "rates": rates_bench.run,
+        }
+        durations = {}
+        for section, run in runs.items():
+            if section in only:
+                begun = time.monotonic()
+                data[section] = run()
+                durations[section] = round(time.monotonic() - begun, 1)
+                say(f"   ({section}: {durations[section]:.0f} s)")
+    data["durations"] = durations
+    data["failed"] = dict(common.FAILED)
+    data["seconds"] = time.monotonic() - started
+    return data
+
+
+def mark(ok: bool | None) -> str:
+    return "not measured" if ok is None else ("met" if ok else "**NOT met**")
+
+
+def render(data: dict) -> str:
+    m = data["machine"]
+    peers = data["peers"]
+    lines = [
+        "# Performance",
+        "",
+        f"Written by `make bench{' QUICK=1' if data['quick'] else ''}` (`bench/run.py`) in "
+        f"{data['seconds'] / 60:.1f} minutes. Every configuration ran {data['reps']} times, in "
+        "alternating order (forward, then backward); the tables give medians.",
+        "",
+        "## The machine",
+        "",
+        f"- CPU: {m['cpu']}; memory {m['memory']}; virtualisation: {m['virtualisation']}",
+        f"- {m['kernel']}; {m['glibc']}",
+        f"- {m['bcc']}; {m['python']}",
+        "- peers: "
+        + "; ".join(f"{name} {version or 'NOT INSTALLED'}" for name, version in peers.items()),
+        "",
+    ]
+    targets: dict[str, bool | None] = {}
+    sections = []
+    if "usdt" in data:
+        sections.append(usdt_bench.render(data["usdt"]))
+    if "kmem" in data:
+        sections.append(kmem_bench.render_slowdown(data["kmem"]))
+    if "events" in data:
+        sections.append(event_bench.render(data["events"]))
+    if "kmem" in data:
+        sections.append(kmem_bench.render_report(data["kmem"]))
+    if "scrape" in data:
+        sections.append(scrape_bench.render(data["scrape"]))
+    if "cost" in data:
+        sections.append(cost_bench.render(data["cost"]))
+    if "rates" in data:
+        sections.append(rates_bench.render(data["rates"]))
+    for _, found in sections:
+        targets.update(found)
+    failed = data.get("failed") or {}
+    if failed:
+        lines += ["Configurations that failed and were left out:", ""]
+        lines += [f"- {name}: {why}" for name, why in failed.items()]
+        lines.append("")
+    lines += ["## Targets", "", "| target | |", "|---|---|"]
+    lines += [f"| {name} | {mark(ok)} |" for name, ok in targets.items()]
+    lines.append("")
+    for section, _ in sections:
+        lines += section
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["--rewrite"]:
+        data = json.loads(RESULTS.read_text())
+    else:
+        only = set(SECTIONS)
+        if argv[:1] == ["--only"] and len(argv) == 2:
+            only = set(argv[1].split(","))
+            unknown = only - set(SECTIONS)
+            if unknown:
+                say(f"mtrace-live bench: unknown section {sorted(unknown)[0]!r}; "
+                    f"sections: {', '.join(SECTIONS)}")  # fmt: skip
+                return 2
+        elif argv:
+            say(__doc__ or "")
+            return 2
+        data = measure(only)
+        BUILD.mkdir(exist_ok=True)
+        RESULTS.write_text(json.dumps(data, indent=1))
+        say(f"wrote {RESULTS} ({data['seconds'] / 60:.1f} minutes)")
+    out = REPO / "docs" / "performance.md"
+    out.write_text(render(data))
+    say(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

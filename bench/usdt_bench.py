@@ -1,0 +1,364 @@
+"""Section 1: the cost of a USDT probe hit, side by side with the peers.
+
+Two workloads under the SDT glibc, each timing its own work (so tracer
+start-up and attach are not counted):
+
+- jmp_loop: setjmp/longjmp in one thread, three probe hits per iteration
+  (setjmp, longjmp, longjmp_target), a known number of hits;
+- arena_contention with fixed work: 8 threads over 2 arenas, traced with
+  mtrace-live's default probe set (memory_* and lll_lock_wait_private); the
+  hits are whatever the contention makes, as each tracer counts them.
+
+Configurations: untraced; mtrace-live counters only (`count`); mtrace-live
+with the event stream (`run -o summary`: every hit is a ring record decoded
+into the allocator model); bpftrace `count()` on the same probes; bcc's
+`trace` on the same probes, attached to the workload's pid (bcc needs the pid
+for probes with several sites; its `funccount` cannot attach USDT probes at
+all in bcc 0.26, see docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from common import (
+    BUILD,
+    MTRACE,
+    QUICK,
+    REPS,
+    Background,
+    Gated,
+    Sample,
+    alternate,
+    check,
+    last_seconds,
+    say,
+    sdt,
+    summarise,
+)  # fmt: skip
+from mtrace_live.tracer import bpf_syscalls
+
+JMP_PROBES = ["setjmp", "longjmp", "longjmp_target"]
+DEFAULT_PROBES = ["memory_*", "lll_lock_wait_private"]
+
+
+def probe_names(libc: Path, globs: list[str]) -> tuple[list[str], list[str]]:
+    """The libc probes the globs name, as (those bcc can attach, those it
+    cannot: bcc 0.26 generates no code for rip-relative arguments)."""
+    from mtrace_live.probes.sdt_notes import read_sites
+
+    sites = [s for s in read_sites(libc) if s.provider == "libc"
+             and any(fnmatch.fnmatchcase(s.name, g) for g in globs)]  # fmt: skip
+    refused = {s.name for s in sites if any("(%rip)" in a for a in s.arguments)}
+    return sorted({s.name for s in sites} - refused), sorted(refused)
+
+
+def workloads() -> dict[str, dict[str, object]]:
+    iterations = 100_000 if QUICK else 400_000
+    ops = 5_000 if QUICK else 8_000
+    return {
+        "jmp_loop": {
+            "title": f"`jmp_loop {iterations}`: setjmp/longjmp in one thread, "
+            f"{3 * iterations:,} probe hits",
+            "argv": [str(BUILD / "jmp_loop"), str(iterations)],
+            "globs": JMP_PROBES,
+            "hits": 3 * iterations,
+        },
+        "arena_contention": {
+            "title": f"`arena_contention 1 8 2 {ops}`: 8 threads over 2 arenas, each making "
+            f"{ops:,} bursts of 64 free()/malloc() pairs and one 256 KiB block that grows and "
+            "shrinks its arena; probes memory_* and lll_lock_wait_private. Times are the CPU "
+            "seconds of all its threads (getrusage), steadier than wall-clock time with 8 "
+            "threads on 2 CPUs; the hits are what the contention makes, so they differ "
+            "from run to run and from tracer to tracer",
+            "argv": [str(BUILD / "arena_contention"), "1", "8", "2", str(ops)],
+            "globs": DEFAULT_PROBES,
+            "hits": None,
+        },
+    }
+
+
+def _probe_args(globs: list[str]) -> list[str]:
+    return [arg for g in globs for arg in ("--probes", g)]
+
+
+def untraced(argv: list[str]) -> Sample:
+    return Sample(last_seconds(check(sdt().wrap(argv))))
+
+
+def mtrace_counters(argv: list[str], globs: list[str]) -> Sample:
+    out = check([*MTRACE, "count", "--sdt-glibc", *_probe_args(globs), "--json", "--", *argv])
+    head, _, body = out.partition("{")
+    hits = sum(json.loads("{" + body)["usdt"].values())
+    return Sample(last_seconds(head), {"hits": hits})
+
+
+def mtrace_events(argv: list[str], globs: list[str]) -> Sample:
+    out = check([*MTRACE, "run", "--sdt-glibc", *_probe_args(globs), "-o", "summary", "--",
+                 *argv])  # fmt: skip
+    match = re.search(r"events: (\d+) in the kernel, (\d+) delivered, (\d+) lost", out)
+    if not match:
+        raise RuntimeError(f"no event counts in: {out[-800:]}")
+    kernel, _, lost = (int(x) for x in match.groups())
+    return Sample(last_seconds(out.split("mtrace-live:", 1)[0]), {"hits": kernel, "lost": lost})
+
+
+def bpftrace_count(argv: list[str], globs: list[str], tmp: Path) -> Sample:
+    libc = sdt().libc
+    attach = ",".join(f"usdt:{libc}:libc:{g}" for g in globs)
+    script = f'BEGIN {{ printf("ready\\n"); }} {attach} {{ @[probe] = count(); }}'
+    tracer = Background(["bpftrace", "-e", script], "ready", tmp / "bpftrace.log")
+    try:
+        seconds = last_seconds(check(sdt().wrap(argv)))
+    finally:
+        out = tracer.stop()
+    hits = sum(int(n) for n in re.findall(r"^@\[.*\]: (\d+)$", out, re.MULTILINE))
+    return Sample(seconds, {"hits": hits})
+
+
+def bcc_trace(argv: list[str], globs: list[str], tmp: Path) -> Sample:
+    """bcc's trace, printing a line per hit into a file, on the gated workload."""
+    libc = sdt().libc
+    workload = Gated(sdt().wrap(argv))
+    try:
+        specs = [f"u:{libc}:{name}" for name in probe_names(libc, globs)[0]]
+        tracer = Background(["trace-bpfcc", "-p", str(workload.pid), *specs], "FUNC",
+                            tmp / "trace.log")  # fmt: skip
+    except Exception:
+        workload.process.kill()
+        raise
+    try:
+        seconds = last_seconds(workload.finish())
+    finally:
+        out = tracer.stop()
+    return Sample(seconds, trace_counts(out))
+
+
+def trace_counts(out: str) -> dict[str, float]:
+    """Hits of bcc's trace: the event lines it printed, and the samples it
+    says it lost."""
+    lines = out.split("FUNC", 1)[1].splitlines()
+    delivered = sum(1 for line in lines if re.match(r"\s*\d+\s+\d+\s", line))
+    lost = sum(int(n) for n in re.findall(r"Possibly lost (\d+) samples", out))
+    return {"hits": delivered + lost, "lost": lost}
+
+
+# ---- arena_contention: tracers attached to the gated workload ------------------
+
+
+def programs_run() -> tuple[int, int]:
+    """Run time (ns) and runs of every loaded BPF program, summed."""
+    from mtrace_live.tracer import bpf_syscalls
+
+    total_ns = total_runs = 0
+    for prog_id in bpf_syscalls.program_ids():
+        fd = bpf_syscalls.program_fd(prog_id)
+        if fd is None:
+            continue
+        try:
+            stats = bpf_syscalls.run_stats(fd)
+        finally:
+            bpf_syscalls.close(fd)
+        if stats is not None:
+            total_ns += stats.run_time_ns
+            total_runs += stats.run_cnt
+    return total_ns, total_runs
+
+
+def attached(
+    argv: list[str],
+    tracer: Callable[[int], list[str]] | None,
+    ready: str,
+    tmp: Path,
+    measured: bool = True,
+) -> tuple[Sample, str]:
+    """The workload gated, the tracer (if any) attached to its pid; the BPF
+    programs' run time read between the workload's two gates, while every
+    tracer is still attached."""
+    workload = Gated(sdt().wrap(argv))
+    background = None
+    try:
+        if tracer is not None:
+            background = Background(tracer(workload.pid), ready, tmp / "tracer.log")
+        before = programs_run()
+        workload.start()
+        times = workload.line() + workload.line()
+        after = programs_run()
+        workload.finish()
+    finally:
+        log = background.stop() if background is not None else ""
+        if workload.process.poll() is None:
+            workload.process.kill()
+            workload.process.wait()
+    sample = Sample(last_seconds(times))
+    runs = after[1] - before[1]
+    if measured and runs:
+        sample.extra["bpf_ns"] = (after[0] - before[0]) / runs
+    return sample, log
+
+
+def arena_configs(
+    argv: list[str], globs: list[str], tmp: Path, peers: dict[str, str | None]
+) -> dict[str, Callable[[], Sample]]:
+    libc = str(sdt().libc)
+    probes = _probe_args(globs)
+
+    def counters() -> Sample:
+        def argv_of(pid: int) -> list[str]:
+            return [*MTRACE, "count", "--pid", str(pid), "--lib", libc, *probes, "--json"]
+
+        sample, log = attached(argv, argv_of, "Ctrl-C", tmp)
+        counts, _ = json.JSONDecoder().raw_decode(log[log.index("{") :])
+        sample.extra["hits"] = sum(counts["usdt"].values())
+        return sample
+
+    def events() -> Sample:
+        def argv_of(pid: int) -> list[str]:
+            return [*MTRACE, "--pid", str(pid), "--lib", libc, *probes, "-o", "summary"]
+
+        sample, log = attached(argv, argv_of, "Ctrl-C", tmp)
+        match = re.search(r"events: (\d+) in the kernel, (\d+) delivered, (\d+) lost", log)
+        if not match:
+            raise RuntimeError(f"no event counts in: {log[-800:]}")
+        sample.extra.update(hits=int(match[1]), lost=int(match[3]))
+        return sample
+
+    def bpftrace() -> Sample:
+        attach = ",".join(f"usdt:{libc}:libc:{g}" for g in globs)
+        script = f'BEGIN {{ printf("ready\\n"); }} {attach} {{ @[probe] = count(); }}'
+        tracer = Background(["bpftrace", "-e", script], "ready", tmp / "bpftrace.log")
+        try:
+            sample, _ = attached(argv, None, "", tmp)
+        finally:
+            out = tracer.stop()
+        sample.extra["hits"] = sum(
+            int(n) for n in re.findall(r"^@\[.*\]: (\d+)$", out, re.MULTILINE)
+        )
+        return sample
+
+    def bcc() -> Sample:
+        specs = [f"u:{libc}:{name}" for name in probe_names(Path(libc), globs)[0]]
+        sample, log = attached(argv, lambda pid: ["trace-bpfcc", "-p", str(pid), *specs],
+                               "FUNC", tmp)  # fmt: skip
+        sample.extra.update(trace_counts(log))
+        return sample
+
+    configs: dict[str, Callable[[], Sample]] = {
+        "untraced": lambda: attached(argv, None, "", tmp, measured=False)[0],
+        "mtrace-live counters only": counters,
+        "mtrace-live event stream": events,
+    }
+    if peers.get("bpftrace"):
+        configs["bpftrace count()"] = bpftrace
+    if peers.get("bcc trace"):
+        configs["bcc trace"] = bcc
+    return configs
+
+
+def run(tmp: Path, peers: dict[str, str | None]) -> dict[str, object]:
+    say("1. USDT per-hit cost ...")
+    results: dict[str, object] = {}
+    for name, spec in workloads().items():
+        argv: list[str] = spec["argv"]  # type: ignore[assignment]
+        globs: list[str] = spec["globs"]  # type: ignore[assignment]
+        if spec["hits"] is None:  # arena_contention
+            stats = bpf_syscalls.enable_run_time_stats()
+            try:
+                rows = summarise(alternate(arena_configs(argv, globs, tmp, peers), REPS))
+            finally:
+                bpf_syscalls.close(stats)
+        else:
+            configs: dict[str, Callable[[], Sample]] = {
+                "untraced": lambda a=argv: untraced(a),
+                "mtrace-live counters only": lambda a=argv, g=globs: mtrace_counters(a, g),
+                "mtrace-live event stream": lambda a=argv, g=globs: mtrace_events(a, g),
+            }
+            if peers.get("bpftrace"):
+                configs["bpftrace count()"] = lambda a=argv, g=globs: bpftrace_count(a, g, tmp)
+            if peers.get("bcc trace"):
+                configs["bcc trace"] = lambda a=argv, g=globs: bcc_trace(a, g, tmp)
+            rows = summarise(alternate(configs, REPS))
+        base = float(rows["untraced"]["median_s"])  # type: ignore[arg-type]
+        for config, row in rows.items():
+            hits = row.get("hits") or spec["hits"]
+            row["ratio"] = float(row["median_s"]) / base  # type: ignore[arg-type]
+            if config != "untraced" and hits and spec["hits"] is not None:
+                row["ns_per_hit"] = (float(row["median_s"]) - base) / float(hits) * 1e9  # type: ignore[arg-type]
+        results[name] = {"title": spec["title"], "rows": rows}
+    return results
+
+
+def render(data: dict[str, object]) -> tuple[list[str], dict[str, bool | None]]:
+    lines = [
+        "## 1. Cost of a USDT probe hit",
+        "",
+        "Each workload runs under the SDT glibc and times its own work, so start-up and attach "
+        "are not counted.",
+        "",
+        "- jmp_loop: ns per hit = (median time - untraced median) / hits. Every tracer counts "
+        "the same hits, and the whole cost of a hit (the uprobe trap, the program, and for "
+        "bcc's trace its output) lands on the loop's one thread.",
+        "- arena_contention: the hits are what the contention makes, and tracing changes the "
+        "contention (a slower critical section makes more or fewer waits), so the workload's "
+        "time says little about a hit. The kernel's own BPF run-time statistics "
+        "(`BPF_ENABLE_STATS`) give each tracer's program time per run instead, read while "
+        "the tracers are still attached (each attaches to the gated workload's pid; bpftrace "
+        "attaches to the library). The uprobe trap, the same for all, is not in it.",
+        "",
+        "hits are what each tracer counted (for bcc's trace: lines printed plus samples it "
+        "reported lost).",
+        "",
+    ]
+    targets: dict[str, bool | None] = {}
+    for name, result in data.items():
+        rows: dict[str, dict[str, float]] = result["rows"]  # type: ignore[index]
+        metric = "bpf_ns" if any("bpf_ns" in row for row in rows.values()) else "ns_per_hit"
+        title = "BPF ns per run" if metric == "bpf_ns" else "ns per hit"
+        bpftrace = rows.get("bpftrace count()", {}).get(metric)
+        lines += [
+            f"### {name}",
+            "",
+            str(result["title"]) + ".",  # type: ignore[index]
+            "",
+            f"| configuration | median s | vs untraced | hits | {title} | vs bpftrace count() "
+            "| lost |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for config, row in rows.items():
+            cost = row.get(metric)
+            versus = f"{cost / bpftrace:.2f}x" if cost is not None and bpftrace else "-"
+            hits, lost = row.get("hits"), row.get("lost")
+            lines.append(
+                f"| {config} | {row['median_s']:.3f} | {row['ratio']:.2f}x | "
+                f"{'-' if hits is None else f'{hits:,.0f}'} | "
+                f"{'-' if cost is None else f'{cost:,.0f}'} | {versus} | "
+                f"{'-' if lost is None else f'{lost:,.0f}'} |"
+            )
+        for config in ("mtrace-live counters only", "mtrace-live event stream"):
+            ours = rows[config].get(metric)
+            key = f"USDT per-hit cost, {name}, {config.removeprefix('mtrace-live ')}"
+            targets[key] = None if ours is None or not bpftrace else ours <= 1.05 * bpftrace
+        lines.append("")
+    lines += [
+        "An event-stream hit costs more than a counted one: besides the counters it reserves "
+        "and submits an 88-byte ring record and reads the clock; with several threads on "
+        "both CPUs, the ring's reservations also contend for its lock. The arguments are "
+        "compiled into each site's handler as constant loads. What would bring it to "
+        "bpftrace's count(): a per-process hash update only for what the ring had no room "
+        "for (user space counts the delivered events per process itself), records sized by "
+        "argument count, and a ring per CPU for many threads.",
+        "",
+        "bcc: `funccount` cannot attach USDT probes in bcc 0.26 (it hands the library path "
+        "on as the text of a bytes object, `b'/...'`), so its `trace` stands in, printing a "
+        "line per hit through bcc's perf buffer. `trace` needs the pid for probes with several "
+        "sites, so the workload waits on stdin until `trace -p PID` has attached; and bcc "
+        "generates no code for rip-relative arguments (`8@32+mp_(%rip)`), so the 11 "
+        "mallopt/tunable probes that have them are left out of its probe list (they fire at "
+        "start-up, before the timed work).",
+        "",
+    ]
+    return lines, targets

@@ -1,0 +1,142 @@
+"""The benchmark harness's own logic: alternating order, medians, the
+search for missing peers, and the page it writes. (The measurements
+themselves are made by `make bench`, never asserted on in tests.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import common  # noqa: E402
+import run as bench_run  # noqa: E402
+
+
+def test_configurations_alternate_forward_then_backward() -> None:
+    order: list[str] = []
+
+    def config(name: str, seconds: float) -> common.Sample:
+        order.append(name)
+        return common.Sample(seconds, {"hits": len(order)})
+
+    samples = common.alternate(
+        {
+            "a": lambda: config("a", 1.0),
+            "b": lambda: config("b", 2.0),
+            "c": lambda: config("c", 3.0),
+        },
+        reps=3,
+    )
+    assert order == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert [s.seconds for s in samples["b"]] == [2.0, 2.0, 2.0]
+    rows = common.summarise(samples)
+    assert rows["a"]["median_s"] == 1.0
+    assert rows["a"]["hits"] == 6  # hits 1, 6, 7: the median
+    assert rows["c"]["samples"] == [3.0, 3.0, 3.0]
+
+
+def test_workload_times_are_read_from_their_last_number_line() -> None:
+    assert common.last_seconds("wall 0.750000\n1.186599\n") == 1.186599
+    assert common.last_seconds('0.5\n{\n  "exit_code": 0\n') == 0.5
+    with pytest.raises(RuntimeError, match="no elapsed time"):
+        common.last_seconds("nothing here\n")
+
+
+def test_missing_peers_are_named_not_fatal(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bpftrace, trace-bpfcc or perf here
+    found = common.peer_versions()
+    assert found == {"bpftrace": None, "bcc trace": None, "perf": None}
+
+
+def minimal_results(peers: dict[str, str | None]) -> dict[str, object]:
+    """What a run with only untraced and mtrace-live configurations leaves."""
+
+    def row(seconds: float, **extra: float) -> dict[str, object]:
+        return {"median_s": seconds, "samples": [seconds], "ratio": seconds / 0.5, **extra}
+
+    return {
+        "machine": {"cpu": "a CPU, 2 CPUs", "memory": "1 GiB", "virtualisation": "none",
+                    "kernel": "Linux 6.18", "glibc": "glibc 2.36", "bcc": "bcc 0.26",
+                    "python": "Python 3.11"},
+        "peers": peers,
+        "quick": True,
+        "reps": 1,
+        "seconds": 60.0,
+        "durations": {"usdt": 30.0, "kmem": 30.0},
+        "usdt": {
+            "jmp_loop": {
+                "title": "`jmp_loop 100`",
+                "rows": {
+                    "untraced": row(0.5),
+                    "mtrace-live counters only": row(0.8, hits=300, ns_per_hit=1e6),
+                    "mtrace-live event stream": row(0.9, hits=300, lost=0, ns_per_hit=1.3e6),
+                },
+            }
+        },
+        "kmem": {
+            "slowdown": {"pairs": 10, "rows": {
+                "untraced": row(0.5),
+                "mtrace-live aggregation, pid filter": row(1.0),
+            }},
+            "report": {"records": 10, "bytes": 600, "seconds": 1.0, "records_per_s": 10.0,
+                       "peak_rss_mib": 100.0},
+            "perf": None,
+            "window_pairs": 10,
+        },
+    }  # fmt: skip
+
+
+def test_a_run_without_peers_says_so_and_judges_nothing_against_them() -> None:
+    page = bench_run.render(minimal_results({"bpftrace": None, "bcc trace": None, "perf": None}))
+    assert "bpftrace NOT INSTALLED" in page
+    assert "| USDT per-hit cost, jmp_loop, event stream | not measured |" in page
+    assert "| kmem aggregation <= 1.3x untraced and below bpftrace | not measured |" in page
+    assert "| report >= 20 M records/s (on >= 1 GB) | not measured |" in page  # 600 bytes
+    assert "| mtrace-live counters only | 0.800 | 1.60x | 300 |" in page
+    assert "## 5." not in page  # sections not run are not on the page
+
+
+def test_unknown_sections_and_arguments_are_refused() -> None:
+    def bench(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, str(BENCH / "run.py"), *args],
+            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(BENCH)},
+        )  # fmt: skip
+
+    unknown = bench("--only", "usdt,nonsense")
+    assert unknown.returncode == 2
+    assert unknown.stderr.strip().splitlines() == [
+        "mtrace-live bench: unknown section 'nonsense'; sections: usdt, kmem, events, scrape, "
+        "cost, rates"
+    ]
+    bogus = bench("--bogus")
+    assert bogus.returncode == 2
+    assert "make bench" in bogus.stderr and "Traceback" not in bogus.stderr
+
+
+def test_a_failing_peer_is_left_out_and_ours_stops_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(common, "FAILED", {})
+    calls: list[str] = []
+
+    def broken() -> common.Sample:
+        calls.append("peer")
+        raise RuntimeError("trace did not start:\ncan't generate USDT probe arguments")
+
+    samples = common.alternate(
+        {"untraced": lambda: common.Sample(1.0), "bcc trace": broken}, reps=3
+    )
+    assert calls == ["peer"]  # tried once, then left out
+    assert list(samples) == ["untraced"] and len(samples["untraced"]) == 3
+    assert common.FAILED == {"bcc trace": "can't generate USDT probe arguments"}
+
+    def ours_broken() -> common.Sample:
+        raise RuntimeError("mtrace-live exited 1")
+
+    with pytest.raises(RuntimeError, match="exited 1"):
+        common.alternate({"mtrace-live event stream": ours_broken}, reps=1)
