@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import common
 import cost_bench
@@ -32,6 +33,16 @@ from common import BUILD, PEERS, QUICK, REPO, REPS, machine, peer_versions, say
 
 RESULTS = BUILD / "bench.json"
 SECTIONS = ("usdt", "kmem", "events", "scrape", "cost", "rates")
+# The page's sections in order, each from its part of the results.
+PAGE: tuple[tuple[str, Callable[[Any], tuple[list[str], dict[str, bool | None]]]], ...] = (
+    ("usdt", usdt_bench.render),
+    ("kmem", kmem_bench.render_slowdown),
+    ("events", event_bench.render),
+    ("kmem", kmem_bench.render_report),
+    ("scrape", scrape_bench.render),
+    ("cost", cost_bench.render),
+    ("rates", rates_bench.render),
+)
 
 
 def measure(only: set[str]) -> dict[str, object]:
@@ -90,21 +101,7 @@ def render(data: dict) -> str:
         "",
     ]
     targets: dict[str, bool | None] = {}
-    sections = []
-    if "usdt" in data:
-        sections.append(usdt_bench.render(data["usdt"]))
-    if "kmem" in data:
-        sections.append(kmem_bench.render_slowdown(data["kmem"]))
-    if "events" in data:
-        sections.append(event_bench.render(data["events"]))
-    if "kmem" in data:
-        sections.append(kmem_bench.render_report(data["kmem"]))
-    if "scrape" in data:
-        sections.append(scrape_bench.render(data["scrape"]))
-    if "cost" in data:
-        sections.append(cost_bench.render(data["cost"]))
-    if "rates" in data:
-        sections.append(rates_bench.render(data["rates"]))
+    sections = [render(data[key]) for key, render in PAGE if key in data]
     for _, found in sections:
         targets.update(found)
     failed = data.get("failed") or {}
