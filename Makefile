@@ -79,7 +79,8 @@ demo: sdt-glibc exercisers
 
 # Every benchmark, side by side with bpftrace, bcc's trace and perf, in one
 # run; writes build/bench.json and docs/performance.md (root; about 11 minutes
-# on 2 CPUs). QUICK=1: one repetition of each, smaller workloads, < 2 minutes.
+# on 2 CPUs). QUICK=1: one repetition of each, smaller workloads, no probe hit
+# rates (section 7): < 2 minutes.
 # BENCH="--only usdt,kmem" runs some sections; BENCH=--rewrite only rewrites
 # docs/performance.md from build/bench.json.
 bench: sdt-glibc exercisers

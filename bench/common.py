@@ -51,9 +51,9 @@ def last_seconds(output: str) -> float:
     raise RuntimeError(f"no elapsed time in: {output[-500:]}")
 
 
-def check(argv: list[str], timeout: float = 900, **kwargs: object) -> str:
+def check(argv: list[str], timeout: float = 900) -> str:
     """Run a command to its end; its stdout."""
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kwargs)  # type: ignore[call-overload]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(
             f"{' '.join(argv[:4])} ... exited {done.returncode}: {done.stderr[-800:]}"
@@ -127,22 +127,20 @@ def machine() -> dict[str, str]:
 class Background:
     """A tracer started before the workload and stopped (SIGINT) after it."""
 
-    def __init__(self, argv: list[str], ready: str, log: Path, env: dict[str, str] | None = None):
+    def __init__(self, argv: list[str], ready: str, log: Path):
         self.log = log
         self._sink: IO[bytes] = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        self.started = time.monotonic()
         self.process = subprocess.Popen(argv, stdout=self._sink, stderr=subprocess.STDOUT,
-                                        env=env, preexec_fn=interruptible)  # fmt: skip
-        self.ready_after = self._wait(ready)
+                                        preexec_fn=interruptible)  # fmt: skip
+        self._wait(ready)
 
-    def _wait(self, ready: str) -> float:
+    def _wait(self, ready: str) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         while ready not in self.text():
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"{self.log.stem} did not start: {self.text()[-800:]}")
             time.sleep(0.02)
-        return time.monotonic() - self.started
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")

@@ -102,6 +102,7 @@ def steady(argv: list[str], ready: str, tmp: Path) -> Sample:
         rss = peak_rss_mib(pid)
     finally:
         tracer.stop()
+    # The figure alternate() takes the median of is, here, the CPU %.
     return Sample((c1 - c0) / (t1 - t0) * 100, {"peak_rss_mib": rss})
 
 

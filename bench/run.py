@@ -2,7 +2,7 @@
 docs/performance.md written from it.
 
     python bench/run.py                 # the full run: 5 repetitions each, < 20 min on 2 CPUs
-    QUICK=1 python bench/run.py         # one repetition each, smaller workloads
+    QUICK=1 python bench/run.py         # one repetition each, smaller workloads, no section 7
     python bench/run.py --only usdt,kmem
     python bench/run.py --rewrite       # docs/performance.md again from build/bench.json
 
@@ -121,7 +121,7 @@ def main(argv: list[str]) -> int:
     if argv == ["--rewrite"]:
         data = json.loads(RESULTS.read_text())
     else:
-        only = set(SECTIONS)
+        only = set(SECTIONS) - ({"rates"} if QUICK else set())  # rates: 30 s of start-ups
         if argv[:1] == ["--only"] and len(argv) == 2:
             only = set(argv[1].split(","))
             unknown = only - set(SECTIONS)

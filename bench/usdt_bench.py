@@ -10,11 +10,17 @@ start-up and attach are not counted):
   hits are whatever the contention makes, as each tracer counts them.
 
 Configurations: untraced; mtrace-live counters only (`count`); mtrace-live
-with the event stream (`run -o summary`: every hit is a ring record decoded
-into the allocator model); bpftrace `count()` on the same probes; bcc's
-`trace` on the same probes, attached to the workload's pid (bcc needs the pid
-for probes with several sites; its `funccount` cannot attach USDT probes at
-all in bcc 0.26, see docs/performance.md).
+with the event stream (`-o summary`: every hit is a ring record decoded into
+the allocator model); bpftrace `count()` on the same probes; bcc's `trace`
+on the same probes, attached to the workload's pid (bcc needs the pid for
+probes with several sites; its `funccount` cannot attach USDT probes at all
+in bcc 0.26, see docs/performance.md).
+
+On jmp_loop the cost of a hit comes from the loop's own time. On
+arena_contention, where tracing changes the contention and so the work, the
+tracers attach to the gated workload's pid (bpftrace to the library) and the
+kernel's run-time statistics give each one's BPF time per run, read between
+the workload's two gates while every tracer is still attached.
 """
 
 from __future__ import annotations
@@ -46,15 +52,15 @@ JMP_PROBES = ["setjmp", "longjmp", "longjmp_target"]
 DEFAULT_PROBES = ["memory_*", "lll_lock_wait_private"]
 
 
-def probe_names(libc: Path, globs: list[str]) -> tuple[list[str], list[str]]:
-    """The libc probes the globs name, as (those bcc can attach, those it
-    cannot: bcc 0.26 generates no code for rip-relative arguments)."""
+def bcc_probe_names(libc: Path, globs: list[str]) -> list[str]:
+    """The libc probes the globs name that bcc can attach: bcc 0.26 generates
+    no code for rip-relative arguments."""
     from mtrace_live.probes.sdt_notes import read_sites
 
     sites = [s for s in read_sites(libc) if s.provider == "libc"
              and any(fnmatch.fnmatchcase(s.name, g) for g in globs)]  # fmt: skip
     refused = {s.name for s in sites if any("(%rip)" in a for a in s.arguments)}
-    return sorted({s.name for s in sites} - refused), sorted(refused)
+    return sorted({s.name for s in sites} - refused)
 
 
 def workloads() -> dict[str, dict[str, object]]:
@@ -125,7 +131,7 @@ def bcc_trace(argv: list[str], globs: list[str], tmp: Path) -> Sample:
     libc = sdt().libc
     workload = Gated(sdt().wrap(argv))
     try:
-        specs = [f"u:{libc}:{name}" for name in probe_names(libc, globs)[0]]
+        specs = [f"u:{libc}:{name}" for name in bcc_probe_names(libc, globs)]
         tracer = Background(["trace-bpfcc", "-p", str(workload.pid), *specs], "FUNC",
                             tmp / "trace.log")  # fmt: skip
     except Exception:
@@ -241,7 +247,7 @@ def arena_configs(
         return sample
 
     def bcc() -> Sample:
-        specs = [f"u:{libc}:{name}" for name in probe_names(Path(libc), globs)[0]]
+        specs = [f"u:{libc}:{name}" for name in bcc_probe_names(Path(libc), globs)]
         sample, log = attached(argv, lambda pid: ["trace-bpfcc", "-p", str(pid), *specs],
                                "FUNC", tmp)  # fmt: skip
         sample.extra.update(trace_counts(log))
@@ -356,7 +362,7 @@ def render(data: dict[str, object]) -> tuple[list[str], dict[str, bool | None]]:
         "on as the text of a bytes object, `b'/...'`), so its `trace` stands in, printing a "
         "line per hit through bcc's perf buffer. `trace` needs the pid for probes with several "
         "sites, so the workload waits on stdin until `trace -p PID` has attached; and bcc "
-        "generates no code for rip-relative arguments (`8@32+mp_(%rip)`), so the 11 "
+        "generates no code for rip-relative arguments (`8@32+mp_(%rip)`), so the "
         "mallopt/tunable probes that have them are left out of its probe list (they fire at "
         "start-up, before the timed work).",
         "",
