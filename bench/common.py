@@ -61,6 +61,15 @@ def check(argv: list[str], timeout: float = 900) -> str:
     return str(done.stdout)
 
 
+def event_counts(summary: str) -> tuple[int, int, int]:
+    """(in the kernel, delivered, lost) from a live trace's summary."""
+    match = re.search(r"events: (\d+) in the kernel, (\d+) delivered, (\d+) lost", summary)
+    if not match:
+        raise RuntimeError(f"no event counts in: {summary[-800:]}")
+    kernel, delivered, lost = (int(x) for x in match.groups())
+    return kernel, delivered, lost
+
+
 # ---- peers ---------------------------------------------------------------------
 
 

@@ -41,6 +41,7 @@ from common import (
     Sample,
     alternate,
     check,
+    event_counts,
     last_seconds,
     say,
     sdt,
@@ -106,24 +107,28 @@ def mtrace_counters(argv: list[str], globs: list[str]) -> Sample:
 def mtrace_events(argv: list[str], globs: list[str]) -> Sample:
     out = check([*MTRACE, "run", "--sdt-glibc", *_probe_args(globs), "-o", "summary", "--",
                  *argv])  # fmt: skip
-    match = re.search(r"events: (\d+) in the kernel, (\d+) delivered, (\d+) lost", out)
-    if not match:
-        raise RuntimeError(f"no event counts in: {out[-800:]}")
-    kernel, _, lost = (int(x) for x in match.groups())
+    kernel, _, lost = event_counts(out)
     return Sample(last_seconds(out.split("mtrace-live:", 1)[0]), {"hits": kernel, "lost": lost})
 
 
-def bpftrace_count(argv: list[str], globs: list[str], tmp: Path) -> Sample:
-    libc = sdt().libc
-    attach = ",".join(f"usdt:{libc}:libc:{g}" for g in globs)
+def bpftrace_counting(globs: list[str], tmp: Path) -> Background:
+    """bpftrace count() on the SDT libc's probes, attached to the library."""
+    attach = ",".join(f"usdt:{sdt().libc}:libc:{g}" for g in globs)
     script = f'BEGIN {{ printf("ready\\n"); }} {attach} {{ @[probe] = count(); }}'
-    tracer = Background(["bpftrace", "-e", script], "ready", tmp / "bpftrace.log")
+    return Background(["bpftrace", "-e", script], "ready", tmp / "bpftrace.log")
+
+
+def bpftrace_hits(out: str) -> int:
+    return sum(int(n) for n in re.findall(r"^@\[.*\]: (\d+)$", out, re.MULTILINE))
+
+
+def bpftrace_count(argv: list[str], globs: list[str], tmp: Path) -> Sample:
+    tracer = bpftrace_counting(globs, tmp)
     try:
         seconds = last_seconds(check(sdt().wrap(argv)))
     finally:
         out = tracer.stop()
-    hits = sum(int(n) for n in re.findall(r"^@\[.*\]: (\d+)$", out, re.MULTILINE))
-    return Sample(seconds, {"hits": hits})
+    return Sample(seconds, {"hits": bpftrace_hits(out)})
 
 
 def bcc_trace(argv: list[str], globs: list[str], tmp: Path) -> Sample:
@@ -227,23 +232,17 @@ def arena_configs(
             return [*MTRACE, "--pid", str(pid), "--lib", libc, *probes, "-o", "summary"]
 
         sample, log = attached(argv, argv_of, "Ctrl-C", tmp)
-        match = re.search(r"events: (\d+) in the kernel, (\d+) delivered, (\d+) lost", log)
-        if not match:
-            raise RuntimeError(f"no event counts in: {log[-800:]}")
-        sample.extra.update(hits=int(match[1]), lost=int(match[3]))
+        kernel, _, lost = event_counts(log)
+        sample.extra.update(hits=kernel, lost=lost)
         return sample
 
     def bpftrace() -> Sample:
-        attach = ",".join(f"usdt:{libc}:libc:{g}" for g in globs)
-        script = f'BEGIN {{ printf("ready\\n"); }} {attach} {{ @[probe] = count(); }}'
-        tracer = Background(["bpftrace", "-e", script], "ready", tmp / "bpftrace.log")
+        tracer = bpftrace_counting(globs, tmp)
         try:
             sample, _ = attached(argv, None, "", tmp)
         finally:
             out = tracer.stop()
-        sample.extra["hits"] = sum(
-            int(n) for n in re.findall(r"^@\[.*\]: (\d+)$", out, re.MULTILINE)
-        )
+        sample.extra["hits"] = bpftrace_hits(out)
         return sample
 
     def bcc() -> Sample:
