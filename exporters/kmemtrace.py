@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
@@ -126,15 +126,43 @@ def possible_cpus() -> list[int]:
     return parse_cpu_list(Path("/sys/devices/system/cpu/possible").read_text())
 
 
-def parse_cpu_list(text: str) -> list[int]:
-    """ "0-3,5" -> [0, 1, 2, 3, 5]."""
-    cpus: list[int] = []
+MAX_CPU = 65535  # a record's CPU is 16 bits (the kernel's NR_CPUS is at most 8192)
+_CPU_RANGE = re.compile(r"([0-9]{1,5})(?:-([0-9]{1,5}))?")
+
+
+def cpu_ranges(text: str) -> list[tuple[int, int]]:
+    """ "0-3,5" -> [(0, 3), (5, 5)], without expanding them; ValueError for
+    anything else, or a CPU over MAX_CPU."""
+    ranges = []
     for part in text.strip().split(","):
         if not part:
             continue
-        first, _, last = part.partition("-")
-        cpus.extend(range(int(first), int(last or first) + 1))
-    return cpus
+        match = _CPU_RANGE.fullmatch(part)
+        if match is None:
+            raise ValueError(part)
+        first, last = int(match[1]), int(match[2] or match[1])
+        if last < first or last > MAX_CPU:
+            raise ValueError(part)
+        ranges.append((first, last))
+    return ranges
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """ "0-3,5" -> [0, 1, 2, 3, 5]."""
+    return [cpu for first, last in cpu_ranges(text) for cpu in range(first, last + 1)]
+
+
+def _first_missing(ranges: list[tuple[int, int]], files: Mapping[int, Path]) -> int | None:
+    """The first CPU of the ranges without a file. The walk stops at the
+    first gap, so it costs no more than the files present, whatever the
+    ranges claim."""
+    for first, last in ranges:
+        cpu = first
+        while cpu <= last:
+            if cpu not in files:
+                return cpu
+            cpu += 1
+    return None
 
 
 def _cpu_nodes() -> str:
@@ -403,16 +431,25 @@ def unwrap(seq32: np.ndarray) -> np.ndarray:
     return unwrapped
 
 
-def _read_text(path: Path) -> str | None:
+MAX_LIST_BYTES = 1 << 20  # a cpus or cpu_nodes file: far more than 65536 CPUs take
+
+
+def _read_text(path: Path, limit: int | None = None) -> str | None:
+    """A header file's text (None if absent); past ``limit`` bytes it is
+    refused rather than read."""
     try:
-        return path.read_text(encoding="ascii", errors="replace")
+        with path.open("rb") as file:
+            data = file.read(limit + 1 if limit is not None else -1)
+        if limit is not None and len(data) > limit:
+            raise RecordSetError(f"{path}: over {limit} bytes, not a record set's header file")
+        return data.decode("ascii", errors="replace")
     except FileNotFoundError:
         return None
     except OSError as exc:
         raise RecordSetError(f"cannot read {path}: {exc.strerror}") from None
 
 
-_CPU_FILE = re.compile(r"cpu(\d+)(?:\.out)?")  # kmemtrace-user's kmemtraced wrote cpuN.out
+_CPU_FILE = re.compile(r"cpu([0-9]{1,12})(?:\.out)?")  # kmemtrace-user's kmemtraced wrote cpuN.out
 
 
 def cpu_files(directory: Path) -> dict[int, Path]:
@@ -443,6 +480,9 @@ def read_record_set(path: Path, big_endian: bool | None = None) -> RecordSet:
         files = cpu_files(directory)
     else:
         raise RecordSetError(f"{path} does not exist")
+    too_high = [cpu for cpu in files if cpu > MAX_CPU]
+    if too_high:
+        raise RecordSetError(f"{files[too_high[0]]}: CPU {too_high[0]} is over {MAX_CPU}")
     abi_text = _read_text(directory / ABI_FILE)
     if not files:
         raise RecordSetError(f"{directory} is not a kmemtrace record set: it has no cpuN files")
@@ -459,16 +499,16 @@ def read_record_set(path: Path, big_endian: bool | None = None) -> RecordSet:
             f"{directory / ABI_FILE}: ABI version {abi} is unknown (this reader knows "
             f"{', '.join(map(str, READABLE_ABI_VERSIONS))})"
         )
-    cpus_text = _read_text(directory / CPUS_FILE) if path.is_dir() else None
+    cpus_text = _read_text(directory / CPUS_FILE, MAX_LIST_BYTES) if path.is_dir() else None
     try:
-        expected = parse_cpu_list(cpus_text) if cpus_text else sorted(files)
+        expected = cpu_ranges(cpus_text) if cpus_text else [(min(files), max(files))]
     except ValueError:
-        raise RecordSetError(f"{directory / CPUS_FILE}: not a CPU list") from None
-    if not cpus_text:
-        expected = list(range(min(files), max(files) + 1))
-    missing = [cpu for cpu in expected if cpu not in files]
-    if missing:
-        raise RecordSetError(f"{directory} lacks the file cpu{missing[0]} of CPU {missing[0]}")
+        raise RecordSetError(
+            f"{directory / CPUS_FILE}: not a CPU list (such as 0-3,5; CPUs 0 to {MAX_CPU})"
+        ) from None
+    missing = _first_missing(expected, files)
+    if missing is not None:
+        raise RecordSetError(f"{directory} lacks the file cpu{missing} of CPU {missing}")
     big = sys.byteorder == "big" if big_endian is None else big_endian
 
     parts = []
@@ -510,10 +550,10 @@ def read_record_set(path: Path, big_endian: bool | None = None) -> RecordSet:
     overruns_text = _read_text(directory / OVERRUNS_FILE)
     probes_text = _read_text(directory / PROBES_FILE)
     nodes = {}
-    for line in (_read_text(directory / NODES_FILE) or "").splitlines():
-        cpu_text, _, node_text = line.partition(" ")
-        if cpu_text.isdigit() and node_text.strip().isdigit():
-            nodes[int(cpu_text)] = int(node_text)
+    for line in (_read_text(directory / NODES_FILE, MAX_LIST_BYTES) or "").splitlines():
+        match = _CPU_NODE.fullmatch(line.strip())
+        if match and int(match[1]) <= MAX_CPU and int(match[2]) <= MAX_NODE:
+            nodes[int(match[1])] = int(match[2])  # other lines name no CPU a record can have
     return RecordSet(
         directory=directory,
         abi_version=abi,
@@ -521,14 +561,23 @@ def read_record_set(path: Path, big_endian: bool | None = None) -> RecordSet:
         args=args,
         skipped={k: v for k, v in skipped.items() if v},
         damage=damage,
-        total_overruns=int(overruns_text)
-        if overruns_text and overruns_text.strip().isdigit()
-        else None,
+        total_overruns=_count(overruns_text),
         libc_probes=probes_text.splitlines() if probes_text else [],
         kallsyms=_read_text(directory / KALLSYMS_FILE),
         cpu_nodes=nodes,
         bytes_read=total_bytes,
     )
+
+
+_CPU_NODE = re.compile(r"([0-9]{1,5}) ([0-9]{1,5})")
+MAX_NODE = 1023  # the kernel's MAX_NUMNODES is at most 1 << 10
+
+
+def _count(text: str | None) -> int | None:
+    """A decimal count of up to 20 digits, or None."""
+    if text is None or not re.fullmatch(r"[0-9]{1,20}", text.strip()):
+        return None
+    return int(text.strip())
 
 
 def _one_scale(parts: list[np.ndarray], arg_parts: list[np.ndarray]) -> np.ndarray:

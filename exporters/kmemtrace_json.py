@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 from mtrace_live.tracer.errors import RecordSetError
-from mtrace_live.tracer.events import EVENT_DTYPE, EventKind
+from mtrace_live.tracer.events import EVENT_DTYPE, MAX_ARGS, EventKind
 from mtrace_live.tracer.kallsyms import KernelSymbols
 from mtrace_live.tracer.kmem import KMEM_EVENTS
 
@@ -69,8 +69,10 @@ def write_record_set(lines: Iterable[str], directory: Path, source: str) -> int:
             continue
         try:
             doc = json.loads(line)
-            docs.append((int(doc["seq"]), doc))
-        except (ValueError, KeyError, TypeError):
+            if not isinstance(doc, dict):
+                raise TypeError("not an object")
+            docs.append((_int(doc, "seq", -(1 << 63), (1 << 63) - 1), doc))
+        except (ValueError, KeyError, TypeError, RecursionError):
             raise RecordSetError(
                 f"{source}: line {number} is not a JSON record of a record set"
             ) from None
@@ -82,6 +84,8 @@ def write_record_set(lines: Iterable[str], directory: Path, source: str) -> int:
             name = _libc_name(doc)
             if name is not None and name not in probes:
                 probes.append(name)
+                if len(probes) > U16:
+                    raise ValueError(f"'probe' (at most {U16} names)")
             _fill(row, doc, probes)
         except (KeyError, ValueError, TypeError) as exc:
             raise RecordSetError(f"{source}: record seq {seq} lacks or mangles {exc}") from None
@@ -93,33 +97,58 @@ def write_record_set(lines: Iterable[str], directory: Path, source: str) -> int:
 
 def _libc_name(doc: dict[str, Any]) -> str | None:
     if doc["event"] == "probe":
-        return str(doc["probe"])
+        if not isinstance(doc["probe"], str | int) or isinstance(doc["probe"], bool):
+            raise ValueError("'probe' (a probe's name)")
+        name = str(doc["probe"])
+        if not name or not name.isprintable():
+            raise ValueError("'probe' (a probe's name, printable)")
+        return name
     type_id = TYPE_IDS[str(doc["type"])]
     return None if type_id in KERNEL_TYPES else EVENT_NAMES[(type_id, str(doc["event"]))]
 
 
+U64, U32, U16 = (1 << 64) - 1, (1 << 32) - 1, (1 << 16) - 1
+EVENTS = ("alloc", "free", "probe")
+
+
+def _int(doc: dict[str, Any], key: str, low: int, high: int) -> int:
+    """A field that must be a JSON integer in [low, high] (never a float,
+    a boolean or a string): ValueError naming the field otherwise."""
+    value = doc[key]
+    if type(value) is not int or not low <= value <= high:
+        raise ValueError(f"'{key}' (an integer from {low} to {high})")
+    return value
+
+
 def _fill(row: np.void, doc: dict[str, Any], probes: list[str]) -> None:
-    row["ts"], row["cpu"] = int(doc["ts_ns"]), int(doc["cpu"])
-    row["tgid"], row["tid"] = int(doc["pid"]), int(doc["tid"])
+    row["ts"], row["cpu"] = _int(doc, "ts_ns", 0, U64), _int(doc, "cpu", 0, U16)
+    row["tgid"], row["tid"] = _int(doc, "pid", 0, U32), _int(doc, "tid", 0, U32)
     args = np.zeros(6, dtype=np.uint64)
-    row["ip"] = int(doc["call_site"])
+    row["ip"] = _int(doc, "call_site", 0, U64)
+    if doc["event"] not in EVENTS:
+        raise ValueError(f"'event' (one of {', '.join(EVENTS)})")
     if doc["event"] == "probe":
         row["kind"], row["probe"] = EventKind.PROBE, probes.index(str(doc["probe"]))
-        values = [int(v) for v in doc["args"]]
-        args[: len(values)] = values
+        values = doc["args"]
+        if not isinstance(values, list) or len(values) > MAX_ARGS:
+            raise ValueError(f"'args' (a list of at most {MAX_ARGS} integers)")
+        args[: len(values)] = [_int({"args": v}, "args", 0, U64) for v in values]
         row["nargs"] = len(values)
     else:
         type_id = TYPE_IDS[str(doc["type"])]
-        ptr = int(doc["ptr"])
+        ptr = _int(doc, "ptr", 0, U64)
         alloc = doc["event"] == "alloc"
         if type_id in KERNEL_TYPES:
             row["kind"], row["site"] = EventKind.KMEM, type_id
             row["probe"] = KMEM_EVENTS.index(EVENT_NAMES[(type_id, str(doc["event"]))])
+            if type_id == TypeId.PAGES and ptr % (1 << PAGE_SHIFT):
+                raise ValueError("'ptr' (a page's address, a multiple of 4096)")
             args[0] = ptr >> PAGE_SHIFT if type_id == TypeId.PAGES else ptr
             if alloc:
-                args[1], args[2] = int(doc["bytes_req"]), int(doc["bytes_alloc"])
-                args[3] = int(doc["gfp_flags"])
-                args[4] = np.int64(int(doc["node"])).astype(np.uint64)
+                args[1] = _int(doc, "bytes_req", 0, U64)
+                args[2] = _int(doc, "bytes_alloc", 0, U64)
+                args[3] = _int(doc, "gfp_flags", 0, U32)
+                args[4] = np.int64(_int(doc, "node", -(1 << 31), (1 << 31) - 1)).astype(np.uint64)
         else:
             row["kind"], row["probe"] = (
                 EventKind.PROBE,
@@ -127,6 +156,6 @@ def _fill(row: np.void, doc: dict[str, Any], probes: list[str]) -> None:
             )
             args[0] = ptr
             if alloc:
-                args[1] = int(doc["bytes_req"])
+                args[1] = _int(doc, "bytes_req", 0, U64)
         row["nargs"] = 6
     row["args"] = args

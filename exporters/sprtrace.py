@@ -15,10 +15,24 @@ The line formats follow the protocol and what sp-rtrace's own tools read:
     # temporary comment (dropped by the next post-processing run)
     ## permanent comment (passed through)
 
-Calls without a resource type tag are of the only resource, as the protocol
-allows when one resource type is traced. Unrecognised lines are comments and
-are kept as they are; a line that is plainly a call, backtrace, argument or
-map record but malformed is an error naming its line.
+Lines are read the way sp-rtrace's own parser reads them:
+- a call's function is everything between the index (with its optional
+  ``@context`` and ``[timestamp]``) and the resource type or the size, so
+  ``1. @zz malloc<memory>(5) = 0x1000`` is a call of ``@zz malloc``;
+- a backtrace frame is a hex address and then any text: unresolved
+  (``\t0x400100``), or as a resolver wrote it (``\t0x400100 in ??``,
+  ``\t0x... func() from /path/lib.so``, ``\t0x... func() at file.c:214``);
+- a call without a resource type belongs to the first registered resource
+  (the protocol omits the type when one resource is traced); a call naming
+  a resource that no earlier registry line lists is an error, since
+  sp-rtrace's tools would read it as no resource at all.
+Module paths are written with white space and backslashes as octal escapes
+(``\040``, as the kernel writes paths in /proc/mounts), because sp-rtrace
+reads a map line's path as one word: ``/memfd:x (deleted)`` is written
+``/memfd:x\040(deleted)``, and read back as it was.
+Unrecognised lines are comments and are kept as they are; a line that is
+plainly a call, backtrace, argument or map record but malformed is an error
+naming its line.
 """
 
 from __future__ import annotations
@@ -43,23 +57,32 @@ HEADER_KEYS = (
 FILTERS = ("leaks", "compress", "resolve")  # the header's filter tags, in this order
 MAX_SIZE = (1 << 63) - 1
 
-_CALL = re.compile(
-    r"^(?P<index>\S+)\. (?:@(?P<context>[0-9a-fA-F]+) )?"
-    r"(?:\[(?P<h>\d+):(?P<m>\d+):(?P<s>\d+)\.(?P<ms>\d+)\] )?"
-    r"(?P<function>[^(<\s]+)(?:<(?P<type>[^>]+)>)?"
-    r"\((?P<inner>[^)]*)\)(?: = (?P<id>\S+))?\s*$"
+MAX_DIGITS = 20  # an index, size or time field longer than this is refused, never parsed
+_CALL_HEAD = re.compile(r"^(?P<index>[^\s.]+)\. (?P<rest>.*)$")
+_CONTEXT_FIELD = re.compile(r"@(?P<context>[0-9a-fA-F]+)\S* ")
+_TIME_FIELD = re.compile(r"\[(?P<h>[0-9]+):(?P<m>[0-9]+):(?P<s>[0-9]+)\.(?P<ms>[0-9]+)\]\S* ")
+_CALL_TAIL = re.compile(r"^\((?P<inner>[^)]*)\)(?: = (?P<id>\S+))?\s*$")
+_FRAME = re.compile(r"^\t(?P<address>\S+)(?: (?P<tail>.*?))?\s*$")
+_TAIL = re.compile(
+    r"^(?:in )?(?P<function>.*?)(?:\(\))?(?:(?:^| )from (?P<module>.+)|(?:^| )at (?P<location>\S+))?$"
 )
-_FRAME = re.compile(
-    r"^\t(?P<address>0x[0-9a-fA-F]+|\S+)(?: in (?P<function>.+?)\(\))?"
-    r"(?: from (?P<module>\S+)| at (?P<location>\S+))?\s*$"
-)
-_ARG = re.compile(r"^\t\$(?P<n>\d+) = (?P<value>.*)$")
+_ARG = re.compile(r"^\t\$(?P<n>[0-9]+) = (?P<value>.*)$")
 _MMAP = re.compile(r"^: (?P<module>\S+) => (?P<start>\S+)-(?P<end>\S+)\s*$")
+_ESCAPED = re.compile(r"\\([0-7]{3})")
 _CONTEXT = re.compile(r"^@ (?P<id>[0-9a-fA-F]+) : (?P<name>.+)$")
 _RESOURCE = re.compile(
     r"^<(?P<id>[0-9a-fA-F]+)> : (?P<type>\S+) \((?P<desc>[^)]*)\)(?: \[(?P<flags>[^\]]*)\])?\s*$"
 )
 _ATTACHMENT = re.compile(r"^& (?P<name>\S+) : (?P<path>\S+)\s*$")
+
+
+def escape_path(path: str) -> str:
+    """A module path as one word: white space and backslashes octal-escaped."""
+    return "".join(f"\\{ord(c):03o}" if c.isspace() or c == "\\" else c for c in path)
+
+
+def unescape_path(word: str) -> str:
+    return _ESCAPED.sub(lambda m: chr(int(m[1], 8)), word)
 
 
 @dataclass
@@ -68,15 +91,19 @@ class Frame:
     function: str | None = None
     module: str | None = None
     location: str | None = None  # file:line
+    # The text after the address, as read: written back as it was (a resolver's forms).
+    written: str | None = field(default=None, compare=False)
 
     def text(self) -> str:
         line = f"\t{self.address:#x}"
+        if self.written is not None:
+            return f"{line} {self.written}" if self.written else line
         if self.function:
             line += f" in {self.function}()"
         if self.location:
             line += f" at {self.location}"
         elif self.module:
-            line += f" from {self.module}"
+            line += f" from {escape_path(self.module)}"
         return line
 
 
@@ -156,8 +183,18 @@ class Trace:
     def resource(self, name: str | None) -> Resource | None:
         return next((r for r in self.resources if r.name == name), None)
 
+    def resource_of(self, call: Call) -> Resource | None:
+        """A call's resource: an untyped call's is the first registered one."""
+        if call.resource is None:
+            return self.resources[0] if self.resources else None
+        return self.resource(call.resource)
+
 
 # ---- writing ------------------------------------------------------------------
+
+
+def map_line(module: str, start: int, end: int) -> str:
+    return f": {escape_path(module)} => {start:#x}-{end:#x}"
 
 
 def header_line(header: dict[str, str]) -> str:
@@ -173,7 +210,7 @@ def lines(trace: Trace, compressed: bool = False) -> Iterator[str]:
     for name, path in trace.attachments:
         yield f"& {name} : {path}"
     for module, start, end in trace.mmaps:
-        yield f": {module} => {start:#x}-{end:#x}"
+        yield map_line(module, start, end)
     if compressed:
         yield from _compressed(trace)
         return
@@ -241,21 +278,18 @@ def parse(text: Iterable[str], source: str = "input") -> Trace:
             if arg:
                 last.args.append(arg["value"])
                 continue
-            frame = _FRAME.match(line)
-            if frame is None or not frame["address"].lower().startswith("0x"):
-                raise SpRtraceError(
-                    f"{where}: a backtrace address that is not hex: {line.strip()!r}"
-                )
-            address = _hex(frame["address"], where)
-            last.frames.append(
-                Frame(address, frame["function"], frame["module"], frame["location"])
-            )
+            last.frames.append(_frame(line, where))
             continue
         if line.startswith("# "):
             continue  # a temporary comment: dropped by this run
-        call = _CALL.match(line)
+        call = _call(line, where)
         if call is not None:
-            last = _call(call, where)
+            if call.resource is not None and trace.resource(call.resource) is None:
+                raise SpRtraceError(
+                    f"{where}: resource <{call.resource}> is not in the resource registry "
+                    "before it"
+                )
+            last = call
             trace.items.append(last)
             continue
         if _record(trace, line, where):
@@ -280,38 +314,77 @@ def _header(line: str, where: str) -> dict[str, str]:
 
 
 def _hex(text: str, where: str) -> int:
-    if not re.fullmatch(r"0[xX][0-9a-fA-F]+", text):
-        raise SpRtraceError(f"{where}: {text!r} is not a hex id (0x...)")
+    if not re.fullmatch(r"0[xX][0-9a-fA-F]{1,16}", text):
+        raise SpRtraceError(f"{where}: {text[:40]!r} is not a 64-bit hex id (0x...)")
     return int(text, 16)
 
 
-def _call(match: re.Match[str], where: str) -> Call:
-    if not match["index"].isdigit():
-        raise SpRtraceError(f"{where}: record index {match['index']!r} is not a decimal number")
-    inner, res_id = match["inner"].strip(), match["id"]
+def _decimal(text: str, what: str, where: str) -> int:
+    if not re.fullmatch(r"[0-9]+", text):
+        raise SpRtraceError(f"{where}: {what} {text[:40]!r} is not a decimal number")
+    if len(text) > MAX_DIGITS:
+        raise SpRtraceError(f"{where}: {what} {text[:40]}... has over {MAX_DIGITS} digits")
+    return int(text)
+
+
+def _frame(line: str, where: str) -> Frame:
+    match = _FRAME.match(line)
+    if match is None or not match["address"].lower().startswith("0x"):
+        raise SpRtraceError(f"{where}: a backtrace address that is not hex: {line.strip()[:60]!r}")
+    address = _hex(match["address"], where)
+    tail = match["tail"] or ""
+    named = _TAIL.match(tail)
+    frame = Frame(address, written=tail)
+    if named is not None:
+        function = named["function"] or None
+        frame.function = function if function != "??" else None
+        frame.module = unescape_path(named["module"]) if named["module"] else None
+        frame.location = named["location"]
+    return frame
+
+
+def _call(line: str, where: str) -> Call | None:
+    """A call record as sp-rtrace's parser reads one, or None (not a call)."""
+    head = _CALL_HEAD.match(line)
+    if head is None:
+        return None
+    rest, context = head["rest"], 0
+    found = _CONTEXT_FIELD.match(rest)
+    if found:
+        context = int(found["context"][:8], 16)  # a 32-bit mask
+        rest = rest[found.end() :]
+    stamp = 0
+    found = _TIME_FIELD.match(rest)
+    if found:
+        h, m, sec, ms = (_decimal(found[k], "timestamp", where) for k in ("h", "m", "s", "ms"))
+        stamp = ((h * 60 + m) * 60 + sec) * 1000 + ms
+        rest = rest[found.end() :]
+    paren = rest.rfind("(")
+    if paren <= 0:
+        return None
+    name, resource = rest[:paren], None
+    if name.endswith(">") and "<" in name:
+        name, _, resource = name[:-1].rpartition("<")
+    tail = _CALL_TAIL.match(rest[paren:])
+    if tail is None or not name:
+        return None
+    index = _decimal(head["index"], "record index", where)
+    inner, res_id = tail["inner"].strip(), tail["id"]
     if res_id is not None:  # allocation: (size) = 0xid
-        if not inner.isdigit():
-            raise SpRtraceError(f"{where}: resource size {inner!r} is not a decimal number")
-        size: int | None = int(inner)
-        if int(inner) > MAX_SIZE:
+        size: int | None = _decimal(inner, "resource size", where)
+        if size is not None and size > MAX_SIZE:
             raise SpRtraceError(f"{where}: resource size {inner} is over 2^63 - 1")
         ident = _hex(res_id, where)
     else:  # deallocation: (0xid)
         size, ident = None, _hex(inner, where)
-    stamp = 0
-    if match["h"] is not None:
-        stamp = ((int(match["h"]) * 60 + int(match["m"])) * 60 + int(match["s"])) * 1000 + int(
-            match["ms"]
-        )
-    return Call(int(match["index"]), match["function"], match["type"], ident, size, stamp,
-                int(match["context"], 16) if match["context"] else 0)  # fmt: skip
+    return Call(index, name, resource or None, ident, size, stamp, context)
 
 
 def _record(trace: Trace, line: str, where: str) -> bool:
     found = _MMAP.match(line)
     if found:
         trace.mmaps.append(
-            (found["module"], _hex(found["start"], where), _hex(found["end"], where))
+            (unescape_path(found["module"]), _hex(found["start"], where), _hex(found["end"], where))
         )
         return True
     found = _RESOURCE.match(line)
@@ -346,11 +419,10 @@ def filter_leaks(trace: Trace) -> None:
     owner: dict[tuple[str | None, int], Call] = {}  # the allocation an id is matched to
     refs: dict[tuple[str | None, int], int] = {}
     dropped: set[int] = set()
-    for item in trace.items:
-        if not isinstance(item, Call):
-            continue
-        key = (item.resource, item.res_id)
-        resource = trace.resource(item.resource)
+    # Matched in sp-rtrace's order: by timestamp, then by index.
+    for item in sorted(trace.calls, key=lambda call: (call.timestamp_ms, call.index)):
+        resource = trace.resource_of(item)
+        key = (resource.name if resource else None, item.res_id)
         refcount = resource is not None and resource.refcount
         if item.is_alloc:
             if key in owner and refcount:
@@ -373,11 +445,7 @@ def leak_summary(trace: Trace) -> list[str]:
     """Per resource, what is still allocated: sp-rtrace-postproc's lines."""
     lines = []
     for resource in trace.resources:
-        calls = [
-            c
-            for c in trace.calls
-            if c.is_alloc and (c.resource or trace.resources[0].name) == resource.name
-        ]
+        calls = [c for c in trace.calls if c.is_alloc and trace.resource_of(c) is resource]
         lines.append(f"# Resource - {resource.name} ({resource.desc}):")
         total = sum(c.size or 0 for c in calls)
         lines.append(f"# {len(calls)} block(s) leaked with total size of {total} bytes")

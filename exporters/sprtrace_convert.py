@@ -155,7 +155,8 @@ def header(pid: int, version: str, depth: int = 1) -> dict[str, str]:
 
 
 def resources(types: Iterable[int]) -> list[Resource]:
-    present = [t for t in TYPES if t in set(types)]
+    wanted = set(types)
+    present = [t for t in TYPES if t in wanted]
     return [Resource(bit, TYPES[t].name, TYPES[t].desc, TYPES[t].refcount)
             for bit, t in enumerate(present, 1)]  # fmt: skip
 

@@ -19,11 +19,19 @@ implement (cipher_suites, curve_preferences, ...) are refused, never
 ignored: a security setting that silently does nothing is worse than an
 error at start.
 
-The server must never disturb the tracing it serves: every connection has
-its own thread with a socket timeout (slow clients time out, the TLS
-handshake happens on that thread too), the number of connections served at
-once is capped (the rest get 503), collecting the metrics is serialised,
-and any failure in a request becomes an HTTP error for that request only.
+The server must keep answering its scraper whatever other clients do, and
+never disturb the tracing it serves:
+- every connection has its own thread (the TLS handshake happens there too);
+- each request has a deadline for the whole of it, handshake, request line,
+  headers and reply together (``REQUEST_DEADLINE_S``), not only per read:
+  a client that sends a header line a second is cut off at the deadline;
+- at most ``MAX_CONNECTIONS`` are open at once; a new connection past that
+  closes the oldest one that is still sending its request, so slow clients
+  can never take every place; only when every connection is being answered
+  is the new one refused (a 503 on plain HTTP; on a TLS port it is closed,
+  never answered in plain text);
+- collecting the metrics is serialised, and any failure in a request
+  becomes an HTTP error for that request only.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import gzip
 import hashlib
 import hmac
 import ipaddress
+import re
 import socket
 import socketserver
 import ssl
@@ -54,8 +63,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 DEFAULT_ADDRESS = "127.0.0.1:9477"
-CONNECTION_TIMEOUT_S = 10.0
-MAX_CONNECTIONS = 16
+CONNECTION_TIMEOUT_S = 10.0  # one read or write
+REQUEST_DEADLINE_S = 10.0  # one whole request, from its first byte (or the accept) to the reply
+MAX_CONNECTIONS = 64
+_REAP_INTERVAL_S = 0.25
 TLS_VERSIONS = {
     "TLS10": ssl.TLSVersion.TLSv1,
     "TLS11": ssl.TLSVersion.TLSv1_1,
@@ -97,6 +108,10 @@ def load_web_config(path: Path | None) -> WebConfig:
         document = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise WebConfigError(f"cannot read the web config {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise WebConfigError(
+            f"the web config {path} is not UTF-8 text (byte {exc.start})"
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -156,10 +171,13 @@ def _tls_context(tls: Mapping[str, Any], base: Path, where: str) -> ssl.SSLConte
     if "max_version" in tls:
         context.maximum_version = _tls_version(tls["max_version"], f"{where}.max_version")
     cert, key = base / str(tls["cert_file"]), base / str(tls["key_file"])
+    for name, file in (("cert_file", cert), ("key_file", key)):
+        try:
+            file.open("rb").close()
+        except OSError as exc:
+            raise WebConfigError(f"{where}.{name}: cannot read {file}: {exc.strerror}") from None
     try:
         context.load_cert_chain(cert, key)
-    except FileNotFoundError as exc:
-        raise WebConfigError(f"{where}: cannot read {exc.filename}") from None
     except (ssl.SSLError, OSError) as exc:
         raise WebConfigError(
             f"{where}: {cert} and {key} are not a usable certificate and key "
@@ -174,10 +192,15 @@ def _tls_context(tls: Mapping[str, Any], base: Path, where: str) -> ssl.SSLConte
     if auth != "NoClientCert":
         if not tls.get("client_ca_file"):
             raise WebConfigError(f"{where}.client_auth_type {auth} needs client_ca_file")
+        ca = base / str(tls["client_ca_file"])
         try:
-            context.load_verify_locations(base / str(tls["client_ca_file"]))
-        except (ssl.SSLError, OSError) as exc:
-            raise WebConfigError(f"{where}.client_ca_file: {exc}") from None
+            context.load_verify_locations(ca)
+        except OSError as exc:
+            raise WebConfigError(
+                f"{where}.client_ca_file: cannot read {ca}: {exc.strerror}"
+            ) from None
+        except ssl.SSLError as exc:
+            raise WebConfigError(f"{where}.client_ca_file {ca}: {exc}") from None
     return context
 
 
@@ -189,11 +212,19 @@ def _tls_version(value: Any, where: str) -> ssl.TLSVersion:
 
 
 def parse_address(address: str) -> tuple[str, int]:
-    """host:port, [v6]:port or :port (every address, as the Go exporters read it)."""
+    """host:port, [v6]:port or :port (every address, as the Go exporters read it:
+    an IPv6 host needs its brackets, and only around the whole host)."""
     host, sep, port_text = address.rpartition(":")
-    if not sep or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+    if not sep or not re.fullmatch(r"[0-9]{1,5}", port_text) or int(port_text) > 65535:
         raise ListenError(f"listen address {address!r} is not host:port")
-    host = host.strip("[]")
+    if host.startswith("["):
+        if not host.endswith("]") or ":" not in host[1:-1]:
+            raise ListenError(f"listen address {address!r} is not host:port or [ipv6]:port")
+        host = host[1:-1]
+    elif "[" in host or "]" in host or ":" in host:
+        raise ListenError(f"listen address {address!r} is not host:port or [ipv6]:port")
+    if "[" in host or "]" in host:
+        raise ListenError(f"listen address {address!r} is not host:port or [ipv6]:port")
     if host:
         try:
             ipaddress.ip_address(host)
@@ -205,6 +236,14 @@ def parse_address(address: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
+@dataclass
+class _Connection:
+    sock: socket.socket  # the TLS socket once wrapped
+    accepted: float
+    deadline: float
+    answering: bool = False  # a whole request was read and is being answered
+
+
 class _Server(socketserver.ThreadingMixIn, HTTPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -213,18 +252,53 @@ class _Server(socketserver.ThreadingMixIn, HTTPServer):
     def __init__(self, address: tuple[str, int], family: int, app: MetricsEndpoint) -> None:
         self.address_family = family
         self.app = app
-        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.connections: dict[int, _Connection] = {}  # by thread-independent key: id(request)
+        self.lock = threading.Lock()
+        self.closing = threading.Event()
         super().__init__(address, _Handler, bind_and_activate=True)
+        self.reaper = threading.Thread(target=self._reap, name="metrics-reaper", daemon=True)
+        self.reaper.start()
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.slots.acquire(blocking=False):
-            with contextlib.suppress(OSError):
-                request.sendall(_BUSY)
+        now = time.monotonic()
+        with self.lock:
+            if len(self.connections) >= MAX_CONNECTIONS and not self._evict_one():
+                refused = True
+            else:
+                refused = False
+                self.connections[id(request)] = _Connection(
+                    request, now, now + REQUEST_DEADLINE_S
+                )
+        if refused:
+            if self.app.config.tls is None:  # never plain text on a TLS port
+                with contextlib.suppress(OSError):
+                    request.sendall(_BUSY)
             self.shutdown_request(request)
             return
         super().process_request(request, client_address)
 
+    def _evict_one(self) -> bool:
+        """Close the oldest connection still sending its request (lock held)."""
+        waiting = [c for c in self.connections.values() if not c.answering]
+        if not waiting:
+            return False
+        oldest = min(waiting, key=lambda c: c.accepted)
+        _cut(oldest.sock)
+        oldest.answering = True  # cut: not chosen again while its thread winds down
+        return True
+
+    def _reap(self) -> None:
+        """Cut every connection past its deadline, a few times a second."""
+        while not self.closing.wait(_REAP_INTERVAL_S):
+            now = time.monotonic()
+            with self.lock:
+                late = [c for c in self.connections.values() if c.deadline <= now]
+                for connection in late:
+                    connection.deadline = float("inf")  # cut once
+                    _cut(connection.sock)
+
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        key = id(request)
         try:
             request.settimeout(CONNECTION_TIMEOUT_S)
             # Headers and body go out in two writes: without this, Nagle's
@@ -233,16 +307,48 @@ class _Server(socketserver.ThreadingMixIn, HTTPServer):
                 request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.app.config.tls is not None:
                 try:  # the handshake runs here, on the connection's own thread
-                    request = self.app.config.tls.wrap_socket(request, server_side=True)
+                    wrapped = self.app.config.tls.wrap_socket(request, server_side=True)
                 except (ssl.SSLError, OSError):
                     self.shutdown_request(request)
                     return
+                with self.lock:
+                    connection = self.connections.get(key)
+                    if connection is not None:
+                        connection.sock = wrapped
+                request = wrapped
             super().process_request_thread(request, client_address)
         finally:
-            self.slots.release()
+            with self.lock:
+                self.connections.pop(key, None)
+
+    def answering(self, request: Any, answering: bool) -> None:
+        """A request was read (True), or its reply went out (False: the
+        deadline starts again for the next request on this connection)."""
+        with self.lock:
+            for connection in self.connections.values():
+                if connection.sock is request:
+                    connection.answering = answering
+                    if not answering:
+                        connection.deadline = time.monotonic() + REQUEST_DEADLINE_S
+                    break
+
+    def server_close(self) -> None:
+        self.closing.set()
+        super().server_close()
+        with self.lock:
+            for connection in self.connections.values():
+                _cut(connection.sock)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         self.app.errors += 1  # a broken connection; never a traceback
+
+
+def _cut(sock: socket.socket) -> None:
+    """Shut a connection down from another thread: its blocked read returns."""
+    with contextlib.suppress(OSError):
+        # The plain socket's shutdown, also for a TLS socket (whose own
+        # shutdown would drop its TLS state under the thread still using it).
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -253,6 +359,13 @@ class _Handler(BaseHTTPRequestHandler):
     timeout = CONNECTION_TIMEOUT_S
 
     def do_GET(self) -> None:
+        self.server.answering(self.connection, True)
+        try:
+            self._get()
+        finally:
+            self.server.answering(self.connection, False)
+
+    def _get(self) -> None:
         app = self.server.app
         if not app.authorised(self.headers.get("Authorization")):
             self._reply(401, b"Unauthorized\n", {"WWW-Authenticate": 'Basic realm="mtrace-live"'})
@@ -362,7 +475,10 @@ class MetricsEndpoint:
         key = hashlib.sha256(f"{user}\0{password}".encode()).digest()
         if hashed is not None and any(hmac.compare_digest(key, seen) for seen in self._verified):
             return True
-        ok = bcrypt.checkpw(password.encode(), hashed or _DUMMY_HASH) and hashed is not None
+        try:
+            ok = bcrypt.checkpw(password.encode(), hashed or _DUMMY_HASH) and hashed is not None
+        except ValueError:  # bcrypt 5 refuses passwords over 72 bytes: no such password
+            return False
         if ok:
             self._verified.add(key)  # bcrypt costs ~50 ms: checked once per password
         return ok

@@ -105,6 +105,7 @@ def _resolve(trace: sprtrace.Trace, symbols: KernelSymbols) -> None:
                 if found:
                     frame.function = found[0]
                     frame.module = found[2] or "[kernel.kallsyms]"
+                    frame.written = None
     trace.add_filter("resolve")
 
 

@@ -6,12 +6,14 @@ call sites on any machine, or where /proc/kallsyms is unreadable.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
 
 KALLSYMS = Path("/proc/kallsyms")
 _TEXT_TYPES = frozenset("tTwW")
+_ADDRESS = re.compile(r"[0-9a-fA-F]{1,16}")
 
 
 class KernelSymbols:
@@ -22,10 +24,9 @@ class KernelSymbols:
             parts = line.split()
             if len(parts) < 3 or parts[1] not in _TEXT_TYPES:
                 continue
-            try:
-                address = int(parts[0], 16)
-            except ValueError:
-                continue
+            if not _ADDRESS.fullmatch(parts[0]):
+                continue  # not a 64-bit hex address (signs, overlong numbers)
+            address = int(parts[0], 16)
             if address == 0:
                 continue  # kptr_restrict hid the addresses
             module = f" {parts[3]}" if len(parts) > 3 else ""
@@ -47,7 +48,7 @@ class KernelSymbols:
 
     def function(self, address: int) -> tuple[str, int, str] | None:
         """(function, offset, "[module]" or "") for a text address, or None."""
-        if not self._names or address == 0:
+        if not self._names or not 0 < address < 1 << 64:
             return None
         index = int(np.searchsorted(self._addresses, np.uint64(address), side="right")) - 1
         if index < 0:

@@ -70,12 +70,31 @@ def _group(call_site: np.ndarray, type_id: np.ndarray) -> tuple[np.ndarray, np.n
     return sites[pairs // 256], (pairs % 256).astype(np.uint8), group
 
 
+_EXACT = 1 << 53  # float64 holds every integer below this
+_CHUNK_BITS = 21  # a 64-bit value in four chunks; 2**32 records' chunk sums stay exact
+
+
 def _sum(group: np.ndarray, n: int, values: np.ndarray | None = None) -> np.ndarray:
-    if values is None:
-        return np.bincount(group, minlength=n).astype(np.int64)
-    return np.rint(np.bincount(group, weights=values.astype(np.float64), minlength=n)).astype(
-        np.int64
-    )
+    """Per group, the count (no values) or the exact sum of unsigned values,
+    however large: a sum that would not be exact in float64 is made of
+    21-bit chunks, each summed exactly, and comes back as Python ints."""
+    if values is None or values.dtype == np.bool_:
+        return np.bincount(group, weights=values, minlength=n).astype(np.int64)
+    values = values.astype(np.uint64)
+    if not len(values) or int(values.max()) * len(values) < _EXACT:
+        return np.bincount(group, weights=values.astype(np.float64), minlength=n).astype(np.int64)
+    total = np.zeros(n, dtype=object)
+    mask = np.uint64((1 << _CHUNK_BITS) - 1)
+    for shift in range(0, 64, _CHUNK_BITS):
+        chunk = (values >> np.uint64(shift)) & mask
+        sums = np.bincount(group, weights=chunk.astype(np.float64), minlength=n)
+        total += np.array([int(x) << shift for x in sums.tolist()], dtype=object)
+    return total
+
+
+def exact_total(values: np.ndarray) -> int:
+    """The exact sum of unsigned values, however large."""
+    return int(_sum(np.zeros(len(values), dtype=np.int64), 1, values)[0])
 
 
 def analyse(rs: RecordSet, symbols: KernelSymbols | None = None) -> Report:
@@ -175,7 +194,7 @@ def _libc_totals(recs: np.ndarray) -> dict[str, dict[str, int]]:
         alloc = mine[mine["event_id"] == EventId.ALLOC]
         totals[type_id.name.lower()] = {
             "allocs": len(alloc),
-            "bytes": int(alloc["bytes_alloc"].sum()),
+            "bytes": exact_total(alloc["bytes_alloc"]),
             "frees": len(mine) - len(alloc),
         }
     return totals

@@ -17,7 +17,7 @@ from typing import TextIO
 
 import numpy as np
 from mtrace_live.exporters.kmemtrace import KERNEL_TYPES, TypeId, decode_batch
-from mtrace_live.exporters.sprtrace import Trace, lines
+from mtrace_live.exporters.sprtrace import Trace, lines, map_line
 from mtrace_live.exporters.sprtrace_convert import RecordCalls, header, resources
 
 from .errors import TargetError
@@ -91,13 +91,7 @@ class SpRtraceWriter:
             libc = module_symbols(self._libc)
             function, offset, location = libc.lookup(vaddr)
             bias = address - vaddr
-            loads = [
-                (start, start + size)
-                for _, start, size in libc.loads
-                if start <= vaddr < start + size
-            ]
-            start, end = loads[0] if loads else (vaddr, vaddr + 1)
-            return Symbol(str(self._libc), function, offset, location, (start + bias, end + bias))
+            return Symbol(str(self._libc), function, offset, location, libc.span(bias))
         process = self._processes.get(pid)
         if process is None:
             process = self._processes[pid] = ProcessSymbols(pid)
@@ -126,7 +120,7 @@ class SpRtraceWriter:
         for bit, name in self._calls.new_contexts:
             stream.write(f"@ {bit:x} : {name}\n")
         for module, start, end in self._calls.new_modules:
-            stream.write(f": {module} => {start:#x}-{end:#x}\n")
+            stream.write(map_line(module, start, end) + "\n")
         out = Trace(items=items)
         for line in list(lines(out))[1:]:  # without the (empty) header
             stream.write(line + "\n")

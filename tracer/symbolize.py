@@ -28,6 +28,7 @@ from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import NoteSection, SymbolTableSection
 
 DEBUG_DIRECTORIES = (Path("/usr/lib/debug"),)
+PAGE = 4096
 _FUNCTION_TYPES = frozenset({"STT_FUNC", "STT_GNU_IFUNC"})
 
 
@@ -37,7 +38,10 @@ class Symbol:
     function: str | None = None
     offset: int = 0  # from the function's start
     location: str | None = None  # file:line
-    span: tuple[int, int] | None = None  # the module's mapping, for sp-rtrace's map lines
+    # The module's load base and the end of its last mapping: what
+    # sp-rtrace's map lines hold (its resolver takes START as the base that
+    # an address of a shared object is made relative to).
+    span: tuple[int, int] | None = None
 
 
 class ModuleSymbols:
@@ -141,6 +145,17 @@ class ModuleSymbols:
             location = self._places[row]
         return function, offset, location
 
+    def span(self, bias: int) -> tuple[int, int] | None:
+        """Loaded at ``bias``: (base, end). The base is where the first
+        loadable page lies, which for a shared object or a PIE (first
+        segment at address 0) is the bias itself, as sp-rtrace's resolver
+        expects; for a fixed-address executable, its first segment's page."""
+        if not self.loads:
+            return None
+        first = min(vaddr for _, vaddr, _ in self.loads) & ~(PAGE - 1)
+        last = max(vaddr + size for _, vaddr, size in self.loads)
+        return bias + first, bias + ((last + PAGE - 1) & ~(PAGE - 1))
+
     def vaddr(self, file_offset: int) -> int | None:
         """The link-time address of a byte at this file offset."""
         for offset, vaddr, size in self.loads:
@@ -219,12 +234,16 @@ class ProcessSymbols:
             text = Path(f"/proc/{pid}/maps").read_text(encoding="utf-8", errors="replace")
         except OSError:
             text = ""
+        self._file_maps: list[Mapping] = []  # every mapping of a file, executable or not
         for line in text.splitlines():
             fields = line.split(maxsplit=5)
-            if len(fields) < 6 or not fields[5].startswith("/") or "x" not in fields[1]:
+            if len(fields) < 6 or not fields[5].startswith("/"):
                 continue
             start, end = (int(part, 16) for part in fields[0].split("-"))
-            self.mappings.append(Mapping(start, end, int(fields[2], 16), fields[5]))
+            mapping = Mapping(start, end, int(fields[2], 16), fields[5])
+            self._file_maps.append(mapping)
+            if "x" in fields[1]:
+                self.mappings.append(mapping)
         self._starts = [m.start for m in self.mappings]
 
     def modules(self) -> list[Mapping]:
@@ -247,6 +266,7 @@ class ProcessSymbols:
         return Symbol(mapping.path, function, offset, location, span)
 
     def _span(self, path: str) -> tuple[int, int]:
-        """All of a module's executable mappings, lowest start to highest end."""
-        mine = [m for m in self.mappings if m.path == path]
+        """All of a module's mappings, from its load base (its lowest
+        mapping, which holds file offset 0) to the end of its highest."""
+        mine = [m for m in self._file_maps if m.path == path]
         return min(m.start for m in mine), max(m.end for m in mine)

@@ -159,8 +159,8 @@ def test_compress_groups_calls_by_backtrace_with_a_summary() -> None:
         (["version=1.0", "1x. kmalloc(16) = 0x10"], "line 2: record index '1x'"),
         (["version=1.0", "\t0x1000 in main()"],
          "line 2: a backtrace or argument line before any record"),
-        (["version=1.0", "1. kmalloc(16) = 0xZZ"], "line 2: '0xZZ' is not a hex id"),
-        (["version=1.0", "1. kfree(1234)"], "line 2: '1234' is not a hex id"),
+        (["version=1.0", "1. kmalloc(16) = 0xZZ"], "line 2: '0xZZ' is not a 64-bit hex id"),
+        (["version=1.0", "1. kfree(1234)"], "line 2: '1234' is not a 64-bit hex id"),
         (["version=1.0", "1. kmalloc(9223372036854775808) = 0x10"],
          "line 2: resource size 9223372036854775808 is over"),
         (["version=1.0", "1. kmalloc(16) = 0x10", "\tnot-an-address"],
@@ -198,3 +198,118 @@ def test_convert_post_processes_a_report_again(tmp_path: Path) -> None:
     assert out[-3:] == ["# 1 block(s) leaked with total size of 7 bytes",
                         "# Resource - arena (arenas):",
                         "# 0 block(s) leaked with total size of 0 bytes"]  # fmt: skip
+
+
+# ---- sp-rtrace's own tools' reading of the protocol -----------------------------
+
+
+def test_a_record_set_lists_every_resource_its_records_use() -> None:
+    from mtrace_live.exporters.kmemtrace import TypeId
+    from mtrace_live.exporters.sprtrace_convert import resources
+
+    # GIVEN the types present, as a one-pass iterable (what from_record_set gives)
+    present = iter([int(TypeId.KMALLOC), int(TypeId.CACHE), int(TypeId.ARENA)])
+    # THEN each is a resource, and arenas keep their refcount flag
+    listed = resources(present)
+    assert [r.name for r in listed] == ["kmalloc", "kmem_cache", "arena"]
+    assert [r.refcount for r in listed] == [False, False, True]
+
+
+def test_module_paths_with_spaces_are_one_word_and_read_back() -> None:
+    # GIVEN a deleted memfd mapping in a map line and in a frame
+    module = "/memfd:sealed-91173221a7ea (deleted)"
+    trace = calls(("kmalloc", 1, 8))
+    trace.mmaps = [(module, 0x7F0000000000, 0x7F0000001000)]
+    trace.items[0].frames = [Frame(0x7F0000000010, "jit", module)]  # type: ignore[union-attr]
+    text = text_of(trace)
+    # THEN the path is one word, as sp-rtrace's `: %s => 0x%lx-0x%lx` reads it
+    assert ": /memfd:sealed-91173221a7ea\\040(deleted) => 0x7f0000000000-0x7f0000001000" in text
+    assert MMAP.match(text[text.index(next(x for x in text if x.startswith(": ")))])
+    # AND it reads back as it was
+    back = sprtrace.parse(text, "report")
+    assert back.mmaps == trace.mmaps
+    assert back.calls[0].frames[0].module == module
+
+
+@pytest.mark.parametrize(
+    ("line", "function", "module", "location"),
+    [
+        ("\t0x400100 in ??", None, None, None),
+        ("\t0x7f00001234 malloc() from /usr/lib/x86_64-linux-gnu/libc.so.6",
+         "malloc", "/usr/lib/x86_64-linux-gnu/libc.so.6", None),
+        ("\t0x7f00001234 sysmalloc() at malloc.c:214", "sysmalloc", None, "malloc.c:214"),
+        ("\t0x7f00001234 from /usr/lib/libfoo.so", None, "/usr/lib/libfoo.so", None),
+        ("\t0x7f00001234 Foo::bar(int) const at foo.cc:9", "Foo::bar(int) const", None, "foo.cc:9"),
+    ],
+)  # fmt: skip
+def test_every_frame_form_of_sp_rtrace_resolve_is_read_and_written_back(
+    line: str, function: str | None, module: str | None, location: str | None
+) -> None:
+    report = ["version=1.0", "1. malloc(16) = 0x1000", line, ""]
+    trace = sprtrace.parse(report, "resolved")
+    frame = trace.calls[0].frames[0]
+    assert (frame.function, frame.module, frame.location) == (function, module, location)
+    assert text_of(trace)[-2] == line
+
+
+def test_frees_are_matched_in_timestamp_then_index_order() -> None:
+    # GIVEN a free listed before its allocation, but stamped after it
+    report = [
+        "version=1.0",
+        "<1> : memory (memory)",
+        "2. [00:00:02.000] free(0x1000)",
+        "",
+        "1. [00:00:01.000] malloc(16) = 0x1000",
+        "",
+    ]
+    trace = sprtrace.parse(report, "ordered")
+    # WHEN its leaks are filtered
+    sprtrace.filter_leaks(trace)
+    # THEN the allocation was freed, as sp-rtrace-postproc (which sorts the
+    # calls by timestamp, then index) finds
+    assert trace.calls == []
+
+
+def test_untyped_calls_belong_to_the_first_resource_and_unknown_ones_are_errors() -> None:
+    # GIVEN two resources, a typed allocation and an untyped free of it
+    report = [
+        "version=1.0",
+        "<1> : memory (memory)",
+        "<2> : fd (file descriptors)",
+        "1. malloc<memory>(5) = 0x1000",
+        "2. free(0x1000)",
+        "3. open<fd>(1) = 0x3",
+        "4. malloc(7) = 0x2000",
+    ]
+    trace = sprtrace.parse(report, "typed")
+    sprtrace.filter_leaks(trace)
+    # THEN the free matched, and the untyped leak counts as memory
+    assert [(c.index, c.res_id) for c in trace.calls] == [(3, 3), (4, 0x2000)]
+    assert sprtrace.leak_summary(trace) == [
+        "# Resource - memory (memory):",
+        "# 1 block(s) leaked with total size of 7 bytes",
+        "# Resource - fd (file descriptors):",
+        "# 1 block(s) leaked with total size of 1 bytes",
+    ]
+    # AND a call of a resource the registry does not list is an error
+    with pytest.raises(SpRtraceError, match="line 3: resource <socket> is not in the resource"):
+        sprtrace.parse(["version=1.0", "<1> : memory (memory)", "1. x<socket>(1) = 0x1"], "r")
+
+
+def test_a_context_that_is_not_hex_is_part_of_the_function_as_sp_rtrace_reads_it() -> None:
+    trace = sprtrace.parse(["version=1.0", "<1> : memory (m)", "1. @zz malloc<memory>(5) = 0x1000"],
+                           "r")  # fmt: skip
+    assert [(c.function, c.resource, c.size, c.context) for c in trace.calls] == [
+        ("@zz malloc", "memory", 5, 0)
+    ]
+
+
+@pytest.mark.parametrize(
+    "line",
+    ["1. malloc(\u00b2) = 0x10", "\u00b2. malloc(1) = 0x10",
+     "1. malloc(" + "9" * 5000 + ") = 0x10", "9" * 5000 + ". free(0x10)",
+     "1. [" + "1" * 5000 + ":00:00.000] free(0x10)", "1. free(0x" + "f" * 17 + ")"],
+)  # fmt: skip
+def test_numbers_python_would_choke_on_are_clean_errors(line: str) -> None:
+    with pytest.raises(SpRtraceError, match="line 2"):
+        sprtrace.parse(["version=1.0", line], "numbers")
