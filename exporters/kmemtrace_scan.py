@@ -7,18 +7,67 @@ below the core's; ``skipped`` counts exporters.kmemtrace.SKIP_REASONS.
 """
 # mypy: disable-error-code="no-untyped-def"
 
-import numba
-import numpy as np
+import os
+import tempfile
+from pathlib import Path
 
 
-@numba.njit(inline="always", cache=True)
+def _writable(directory: Path) -> bool:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=directory).close()
+    except OSError:
+        return False
+    return True
+
+
+def _private_directory(directory: Path) -> bool:
+    """A directory of our own: made 0700 if absent; not a link, owned by us."""
+    try:
+        directory.mkdir(mode=0o700, exist_ok=True)
+        info = directory.lstat()
+    except OSError:
+        return False
+    return info.st_uid == os.getuid() and (info.st_mode & 0o777) == 0o700 and _writable(directory)
+
+
+def _cache_place() -> bool:
+    """Whether numba can cache the compiled walker, and where.
+
+    Reading records needs no privilege, so any user must be able to run
+    ``report``: numba caches beside this file or in the user's cache
+    directory, and raises at import when it can write to neither (a
+    root-owned checkout and an unwritable HOME). Then a private directory
+    under the system's temporary directory is used, and failing that, no
+    cache (each run compiles, about a second more)."""
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        return True
+    if _writable(Path(__file__).parent / "__pycache__"):
+        return True
+    user = Path(os.environ.get("XDG_CACHE_HOME") or Path("~/.cache").expanduser()) / "numba"
+    if _writable(user):
+        return True
+    private = Path(tempfile.gettempdir()) / f"mtrace-live-numba-{os.getuid()}"
+    if _private_directory(private):
+        os.environ["NUMBA_CACHE_DIR"] = str(private)
+        return True
+    return False
+
+
+CACHE = _cache_place()
+
+import numba  # noqa: E402  (after NUMBA_CACHE_DIR is settled)
+import numpy as np  # noqa: E402
+
+
+@numba.njit(inline="always", cache=CACHE)
 def u16(buf, o, big):
     if big:
         return (np.uint64(buf[o]) << np.uint64(8)) | np.uint64(buf[o + 1])
     return np.uint64(buf[o]) | (np.uint64(buf[o + 1]) << np.uint64(8))
 
 
-@numba.njit(inline="always", cache=True)
+@numba.njit(inline="always", cache=CACHE)
 def uint(buf, o, width, big):
     v = np.uint64(0)
     for k in range(width):
@@ -27,7 +76,7 @@ def uint(buf, o, width, big):
     return v
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=CACHE, nogil=True)
 def scan(buf, big, cpu, out, args, skipped):
     n = buf.shape[0]
     o = 0

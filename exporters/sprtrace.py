@@ -64,7 +64,8 @@ _TIME_FIELD = re.compile(r"\[(?P<h>[0-9]+):(?P<m>[0-9]+):(?P<s>[0-9]+)\.(?P<ms>[
 _CALL_TAIL = re.compile(r"^\((?P<inner>[^)]*)\)(?: = (?P<id>\S+))?\s*$")
 _FRAME = re.compile(r"^\t(?P<address>\S+)(?: (?P<tail>.*?))?\s*$")
 _TAIL = re.compile(
-    r"^(?:in )?(?P<function>.*?)(?:\(\))?(?:(?:^| )from (?P<module>.+)|(?:^| )at (?P<location>\S+))?$"
+    r"^(?:in )?(?P<function>.*?)(?:\(\))?"
+    r"(?:(?:^| )from (?P<module>.+)|(?:^| )at (?P<location>\S+))?$"
 )
 _ARG = re.compile(r"^\t\$(?P<n>[0-9]+) = (?P<value>.*)$")
 _MMAP = re.compile(r"^: (?P<module>\S+) => (?P<start>\S+)-(?P<end>\S+)\s*$")
@@ -286,8 +287,7 @@ def parse(text: Iterable[str], source: str = "input") -> Trace:
         if call is not None:
             if call.resource is not None and trace.resource(call.resource) is None:
                 raise SpRtraceError(
-                    f"{where}: resource <{call.resource}> is not in the resource registry "
-                    "before it"
+                    f"{where}: resource <{call.resource}> is not in the resource registry before it"
                 )
             last = call
             trace.items.append(last)

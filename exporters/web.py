@@ -266,9 +266,7 @@ class _Server(socketserver.ThreadingMixIn, HTTPServer):
                 refused = True
             else:
                 refused = False
-                self.connections[id(request)] = _Connection(
-                    request, now, now + REQUEST_DEADLINE_S
-                )
+                self.connections[id(request)] = _Connection(request, now, now + REQUEST_DEADLINE_S)
         if refused:
             if self.app.config.tls is None:  # never plain text on a TLS port
                 with contextlib.suppress(OSError):

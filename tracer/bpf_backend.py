@@ -6,8 +6,10 @@ without root and without bcc; they receive plain data from here.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -247,13 +249,72 @@ class BpfProgram:
         }
 
     def close(self) -> None:
-        if os.geteuid() != 0:
-            # Privileges were dropped (serve). bcc's detach would also look
-            # in tracefs for a legacy uprobe event, which this user may not
-            # read, and fail; the uprobes were made through the perf PMU,
-            # and closing their perf event goes away with them.
-            lib = import_bcc().libbcc.lib
-            for name, fd in list(self._bpf.uprobe_fds.items()):
+        """Detach everything, without making the user wait for the kernel.
+
+        Closing the perf event of a uprobe or a tracepoint that carries a
+        BPF program waits for RCU grace periods under the kernel's global
+        event_mutex: about 80 ms each on this kind of machine, one after
+        the other however many threads close them (measured: 48 events,
+        4.1 s from 64 threads). A trace of 40 probe sites took 4 to 9 s to
+        stop. So, once everything is written (the callers close the program
+        last), a child process inherits the perf events and closes them,
+        tracepoints first, while this process closes its own copies, which
+        is instant (the child still holds them), and exits. The handlers
+        are gated off by then, so the events of those last seconds go
+        nowhere. The child is named ``DETACHER_NAME``; it is gone within
+        about 80 ms per probe site. Where it cannot be started, the events
+        are closed here."""
+        lib = import_bcc().libbcc.lib
+        uprobes = dict(self._bpf.uprobe_fds)
+        tracepoints = dict(self._bpf.tracepoint_fds)
+        fds = [*tracepoints.values(), *uprobes.values()]
+        if fds and not _detach_in_child(fds):
+            for fd in fds:
                 lib.bpf_close_perf_event_fd(fd)
-                self._bpf.uprobe_fds.pop(name)
+        else:
+            for fd in fds:
+                os.close(fd)
+        for name in uprobes:
+            # A legacy tracefs uprobe event of this name, if bcc made one,
+            # goes too; after a privilege drop (serve) tracefs may not be
+            # readable, but then the uprobes were made through the perf PMU
+            # and go with their perf events.
+            if os.geteuid() == 0:
+                lib.bpf_detach_uprobe(name)
+            self._bpf._del_uprobe_fd(name)
+        for name in tracepoints:
+            self._bpf.tracepoint_fds.pop(name)
         self._bpf.cleanup()
+
+
+DETACHER_NAME = b"mtrace-detach"
+_PR_SET_NAME = 15
+
+
+def _detach_in_child(perf_fds: list[int]) -> bool:
+    """Fork a process that closes ``perf_fds`` (in order) and every other
+    descriptor at once, in a session of its own; False if it cannot."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    try:
+        pid = os.fork()
+    except OSError:
+        return False
+    if pid:
+        return True
+    try:  # the child: only system calls from here on (other threads' locks are not ours)
+        os.setsid()
+        libc = ctypes.CDLL(None)
+        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(DETACHER_NAME), 0, 0, 0)
+        keep = set(perf_fds)
+        for entry in os.listdir("/proc/self/fd"):
+            fd = int(entry)
+            if fd not in keep:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        for fd in perf_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    finally:
+        os._exit(0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -27,10 +28,22 @@ class CountRequest:
     duration: float | None
 
 
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM, handled as Ctrl-C is: the counts are reported."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Stopped
+
+
 def run_count(request: CountRequest) -> CountReport:
-    if request.pid is not None:
-        return _count_pid(request, request.pid)
-    return _count_command(request)
+    old = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        if request.pid is not None:
+            return _count_pid(request, request.pid)
+        return _count_command(request)
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def _count_pid(request: CountRequest, pid: int) -> CountReport:
@@ -63,8 +76,8 @@ def _count_command(request: CountRequest) -> CountReport:
         child.release()
         try:
             exit_code = child.wait()
-        except KeyboardInterrupt:
-            child.interrupt()
+        except KeyboardInterrupt as stop:  # passed on to the command
+            child.interrupt(signal.SIGTERM if isinstance(stop, _Stopped) else signal.SIGINT)
             exit_code = child.wait()
         return counter.report(child.pid, exit_code)
     finally:

@@ -7,6 +7,7 @@ Its very first instruction is then traced.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -16,15 +17,21 @@ from collections.abc import Sequence
 from .errors import TargetError
 
 
+def resolve_command(argv: Sequence[str]) -> list[str]:
+    """The argv with its program found on PATH; TargetError if there is no
+    such executable (before anything is attached or written)."""
+    if not argv:
+        raise TargetError("no command given to run")
+    program = argv[0]
+    resolved = program if "/" in program else shutil.which(program)
+    if resolved is None or not os.access(resolved, os.X_OK) or os.path.isdir(resolved):
+        raise TargetError(f"command not found or not executable: {program}")
+    return [resolved, *argv[1:]]
+
+
 class GatedCommand:
     def __init__(self, argv: Sequence[str]) -> None:
-        if not argv:
-            raise TargetError("no command given to run")
-        program = argv[0]
-        resolved = program if "/" in program else shutil.which(program)
-        if resolved is None or not os.access(resolved, os.X_OK) or os.path.isdir(resolved):
-            raise TargetError(f"command not found or not executable: {program}")
-        self.argv = [resolved, *argv[1:]]
+        self.argv = resolve_command(argv)
         gate_r, self._gate_w = os.pipe()
         self._err_r, err_w = os.pipe2(os.O_CLOEXEC)
         self.pid = os.fork()
@@ -67,9 +74,15 @@ class GatedCommand:
         code = self.status
         return 128 - code if code < 0 else code
 
-    def finish(self, grace: float) -> int:
+    def finish(self, grace: float, first: signal.Signals | None = None) -> int:
         """Wait for the command; if it still runs after ``grace`` seconds (the
-        trace was stopped, not ended by its exit), SIGTERM it, then SIGKILL."""
+        trace was stopped, not ended by its exit), SIGTERM it, then SIGKILL.
+        ``first``: the signal that stopped the trace, passed on at once (a
+        Ctrl-C at a terminal reaches the command anyway; a signal sent to
+        mtrace-live alone must too, without a wait)."""
+        if first is not None and self.status is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, first)
         for sig, patience in ((None, grace), (signal.SIGTERM, 2.0), (signal.SIGKILL, None)):
             if sig is not None and self.status is None:
                 os.kill(self.pid, sig)
@@ -90,6 +103,6 @@ class GatedCommand:
                 return False
             time.sleep(0.02)
 
-    def interrupt(self) -> None:
+    def interrupt(self, sig: signal.Signals = signal.SIGINT) -> None:
         if self.status is None:
-            os.kill(self.pid, signal.SIGINT)
+            os.kill(self.pid, sig)

@@ -48,6 +48,9 @@ from .ringbuf import RingReader
 from .sprtrace_writer import SpRtraceWriter
 from .tracefs import kmem_defines
 
+# Events handled between two looks at signals and deadlines: about 0.1 s of
+# event lines in the slowest output (text).
+LOOP_BATCH = 16384
 DEFAULT_BUFFER_PAGES = 2048  # 8 MiB: about 95,000 events of slack
 GATE_SETTLE_S = 0.01
 
@@ -120,10 +123,13 @@ class TraceResult:
 
 
 class _Stop:
-    """SIGINT and SIGTERM end the trace at the next wake-up, not mid-batch."""
+    """SIGINT and SIGTERM end the trace at the next wake-up, not mid-batch.
+    A signal also writes to ``fd`` (signal.set_wakeup_fd), which the loop
+    polls, so that wake-up comes at once rather than at the poll's timeout."""
 
     def __init__(self) -> None:
         self.signal: int | None = None
+        self.fd: int | None = None
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         self.signal = signum
@@ -132,12 +138,19 @@ class _Stop:
     def installed(self) -> Iterator[_Stop]:
         old = {sig: signal.signal(sig, self) for sig in (signal.SIGINT, signal.SIGTERM)}
         old_pipe = signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # EPIPE, not death
+        read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        old_wakeup = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        self.fd = read_end
         try:
             yield self
         finally:
+            signal.set_wakeup_fd(old_wakeup)
             for sig, handler in old.items():
                 signal.signal(sig, handler)
             signal.signal(signal.SIGPIPE, old_pipe)
+            os.close(read_end)
+            os.close(write_end)
+            self.fd = None
 
 
 def _pidfd(pid: int) -> int | None:
@@ -221,6 +234,7 @@ class LiveTrace:
         if self.sp_rtrace is not None and not self.sp_rtrace.pid:
             self.sp_rtrace.pid = pid
 
+    more_waiting = False  # the last read left events in the ring
     delivered = 0  # probe events read from the ring (exec/exit ones not counted)
     kmem_delivered = 0
     _overrun_bytes = 0
@@ -228,11 +242,13 @@ class LiveTrace:
 
     def drain(self, once: bool = False) -> Iterator[np.ndarray]:
         """Batches of libc events; kmem events go to the record writer here.
-        Until the ring is empty, or with ``once`` only what is in it now: while
-        tracing, events may come faster than a sink writes them, and the loop
-        must still get to its signals and deadlines."""
+        Until the ring is empty, or with ``once`` one batch of at most
+        LOOP_BATCH events: while tracing, events may come faster than a sink
+        writes them, and the loop must still get to its signals and
+        deadlines soon (a stop then flushes the rest)."""
         while True:
-            batch = self.reader.read()
+            batch = self.reader.read(LOOP_BATCH if once else None)
+            self.more_waiting = len(batch) >= LOOP_BATCH
             if len(batch) == 0:
                 return
             self.delivered += int(np.count_nonzero(batch["kind"] == EventKind.PROBE))
@@ -380,6 +396,8 @@ def _loop(
     pidfd = _pidfd(target_pid) if target_pid is not None else None
     poller = select.poll()
     poller.register(trace.reader.fd, select.POLLIN)
+    if stop.fd is not None:
+        poller.register(stop.fd, select.POLLIN)
     if pidfd is not None:
         poller.register(pidfd, select.POLLIN)
     started = time.monotonic()
@@ -393,7 +411,11 @@ def _loop(
     wait_ms = int(min(request.interval, 0.25) * 1000)
     try:
         while not ended_by:
-            ready = {fd for fd, _ in poller.poll(wait_ms)}
+            # A full batch leaves events in the ring, which wakes no one: look again at once.
+            ready = {fd for fd, _ in poller.poll(0 if trace.more_waiting else wait_ms)}
+            if stop.fd is not None and stop.fd in ready:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(stop.fd, 512)  # the signal's byte; its handler set stop.signal
             for batch in trace.drain(once=True):
                 trace.model.consume(batch)
                 sink.consume(batch)
@@ -420,7 +442,11 @@ def _loop(
         trace.program.set_gate(False)
         time.sleep(GATE_SETTLE_S)  # a handler past the gate finishes its record
         if child is not None:
-            exit_code = child.finish(grace=0.0 if ended_by == "exit" else 1.0)
+            by_signal = stop.signal is not None and ended_by == signal.Signals(stop.signal).name
+            exit_code = child.finish(
+                grace=0.0 if ended_by == "exit" else 1.0,
+                first=signal.Signals(stop.signal) if by_signal and stop.signal else None,
+            )
         if pidfd is not None:
             os.close(pidfd)
     for batch in trace.drain():  # everything committed before the detach

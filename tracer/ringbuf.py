@@ -66,12 +66,14 @@ class RingReader:
     def _positions(self) -> tuple[int, int]:
         return self._consumer_word[0], self._producer_word[0]
 
-    def read(self) -> np.ndarray:
-        """Every record committed since the last call."""
+    def read(self, limit: int | None = None) -> np.ndarray:
+        """Every record committed since the last call, or the first ``limit``."""
         consumer, producer = self._positions()
         available = producer - consumer
         if available <= 0:
             return np.zeros(0, dtype=self.dtype)
+        if limit is not None:
+            available = min(available, limit * self.stride)
         start = self._page + (consumer & self._mask)
         raw = bytes(self._producer[start : start + available])
         count = len(raw) // self.stride

@@ -22,6 +22,7 @@ from . import sdt_glibc, target
 from .bpf_backend import BpfProgram
 from .errors import NoMatchingProbeError, NoProbesError, UsageError
 from .events import MAX_ARGS, SiteInfo, site_info
+from .launch import resolve_command
 
 LIBC_PROVIDER = "libc"
 MAX_SITES = 128  # the handlers site_0 ... site_127 in trace.bpf.c
@@ -110,7 +111,10 @@ def resolve_libc(
     argv = list(command) if command else None
     if sdt and argv is not None:
         build = sdt_glibc.locate()
-        return build.libc, build.wrap(argv)
+        # The command itself is checked here: once wrapped, the runner is
+        # what would be looked for, and a missing command would only fail
+        # in the loader, after attaching.
+        return build.libc, build.wrap(resolve_command(argv))
     if lib is not None:
         return target.library_file(lib), argv
     if pid is not None:

@@ -27,13 +27,18 @@ def mtrace(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*MTRACE, *args], capture_output=True, text=True, timeout=120)
 
 
-def mtrace_unprivileged(*args: str) -> subprocess.CompletedProcess[str]:
+def mtrace_unprivileged(
+    *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """mtrace-live as an ordinary user: as 'nobody' when the tests run as root."""
     if os.geteuid() != 0:
-        return mtrace(*args)
+        return subprocess.run(
+            [*MTRACE, *args], capture_output=True, text=True, timeout=120, env=env
+        )
     return subprocess.run(
-        [sys.executable, "-c", _AS_NOBODY, *args], capture_output=True, text=True, timeout=120
-    )
+        [sys.executable, "-c", _AS_NOBODY, *args],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
 
 
 def assert_one_line(done: subprocess.CompletedProcess[str], code: int, words: str) -> None:

@@ -106,3 +106,24 @@ def test_trace_needs_pid_all_or_run() -> None:
 def test_trace_options_are_checked_before_anything_runs() -> None:
     done = run("run", "--buffer-pages", "3", "--", "/bin/true")
     assert done.returncode == 2 and "power of two" in done.stderr
+
+
+def test_a_missing_command_under_the_sdt_glibc_is_exit_6_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    # GIVEN an SDT glibc build where mtrace-live looks for one
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / "libc.so.6").write_bytes(b"\x7fELF")
+    (build / "testrun.sh").write_text('#!/bin/sh\nexec "$@"\n')
+    (build / "testrun.sh").chmod(0o755)
+    (tmp_path / "current").write_text(f"{build}\n")
+    env = dict(os.environ, MTRACE_SDT_GLIBC_DIR=str(tmp_path))
+    out = tmp_path / "out.d"
+    for args in (["run", "--sdt-glibc"], ["record", "-o", str(out), "--libc", "--sdt-glibc"]):
+        # WHEN the command to run does not exist
+        done = subprocess.run([*MTRACE, *args, "--", "/nonexistent/cmd"], capture_output=True,
+                              text=True, env=env, timeout=120)  # fmt: skip
+        # THEN it is one line and exit 6, as without --sdt-glibc, and no record set is left
+        assert_one_line(done, 6, "command not found or not executable: /nonexistent/cmd")
+        assert not out.exists()

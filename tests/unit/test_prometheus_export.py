@@ -19,8 +19,13 @@ from typing import Any
 
 import pytest
 from mtrace_live.exporters.prometheus import MtraceCollector, ProcessFigures, Snapshot
-from mtrace_live.exporters.web import MAX_CONNECTIONS, MetricsEndpoint, load_web_config
-from mtrace_live.tracer.errors import WebConfigError
+from mtrace_live.exporters.web import (
+    MAX_CONNECTIONS,
+    MetricsEndpoint,
+    load_web_config,
+    parse_address,
+)
+from mtrace_live.tracer.errors import ListenError, WebConfigError
 from mtrace_live.tracer.kmem import CallSite, KmemTotals, KmemType
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -175,7 +180,10 @@ def test_a_web_config_with_tls_and_users_loads(web_tls: Any) -> None:
     [
         ("basic_auth_users: a: b\n", "line 1 is not valid YAML"),
         ("tls_server_config:\n  cert_file: server.crt\n", "needs both cert_file and key_file"),
-        ("tls_server_config:\n  cert_file: nope.crt\n  key_file: nope.key\n", "cannot read"),
+        ("tls_server_config:\n  cert_file: nope.crt\n  key_file: nope.key\n",
+         "cert_file: cannot read "),
+        ("tls_server_config:\n  cert_file: server.crt\n  key_file: nope.key\n",
+         "key_file: cannot read "),
         ("tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n"
          "  cipher_suites: [TLS_AES_128_GCM_SHA256]\n", "cipher_suites not supported"),
         ("tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n"
@@ -201,7 +209,28 @@ def test_a_bad_web_config_is_one_clear_error(
 def test_serve_with_a_bad_web_config_exits_17_at_start(web_tls: Any) -> None:
     bad = web_tls.config.parent / "bad-cli.yml"
     bad.write_text("tls_server_config:\n  cert_file: missing.crt\n  key_file: missing.key\n")
-    assert_one_line(mtrace("serve", "--web.config.file", str(bad)), 17, "cannot read")
+    missing = web_tls.config.parent / "missing.crt"
+    assert_one_line(mtrace("serve", "--web.config.file", str(bad)), 17, f"cannot read {missing}")
+    latin = web_tls.config.parent / "latin1.yml"
+    latin.write_bytes(b"basic_auth_users:\n  j\xf6rg: x\n")
+    assert_one_line(mtrace("serve", "--web.config.file", str(latin)), 17, "is not UTF-8 text")
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["[::1:9477", "::1]:9477", "[::1]]:9477", "::1:9477", "[127.0.0.1]:9477", "[]:9477",
+     "127.0.0.1:\u00b2", "127.0.0.1:99999", "127.0.0.1:-1", "[::1]:0x10"],
+)  # fmt: skip
+def test_malformed_listen_addresses_are_refused(address: str) -> None:
+    with pytest.raises(ListenError):
+        parse_address(address)
+
+
+def test_listen_addresses_as_the_go_exporters_read_them() -> None:
+    assert parse_address("[::1]:9477") == ("::1", 9477)
+    assert parse_address(":9477") == ("", 9477)
+    assert parse_address("127.0.0.1:0") == ("127.0.0.1", 0)
+    assert parse_address("localhost:80") == ("localhost", 80)
 
 
 def test_serve_on_a_busy_port_exits_16_at_start() -> None:
@@ -263,6 +292,9 @@ def test_tls_scrape_with_the_right_password_works_and_a_wrong_one_is_refused(
     assert status == 200 and b"mtrace_libc_probe_hits_total" in body
     assert headers["Content-Type"].startswith("text/plain; version=0.0.4")
     assert get(endpoint, web_tls, password="wrong")[0] == 401
+    # AND a password over bcrypt's 72 bytes is a 401, never a dropped connection
+    assert get(endpoint, web_tls, password="x" * 100)[0] == 401
+    assert get(endpoint, web_tls, password=web_tls.password + "y" * 80)[0] == 401
     status, _, headers = get(endpoint, web_tls, password=None)
     assert status == 401 and headers["WWW-Authenticate"].startswith("Basic")
     # AND plain HTTP on the TLS port gets no metrics

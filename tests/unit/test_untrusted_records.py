@@ -1,0 +1,147 @@
+"""Record sets, kallsyms and JSON lines from elsewhere: whatever their
+headers claim, the work is bounded by what is there; numbers out of range
+are clean errors or left out, never an OverflowError or a MemoryError; byte
+totals are exact; and a user who can write nowhere can still read them."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mtrace_live.exporters.kmemtrace import TypeId, read_record_set
+from mtrace_live.exporters.kmemtrace_json import json_lines, write_record_set
+from mtrace_live.tracer.errors import RecordSetError
+from mtrace_live.tracer.events import EventKind
+from mtrace_live.tracer.kallsyms import KernelSymbols
+from mtrace_live.tracer.report import analyse, exact_total
+
+from .cli_runs import assert_one_line, mtrace, mtrace_unprivileged
+from .test_kmemtrace_format import CACHE_ALLOC, event, mixed_batch, write_set
+
+
+def kmalloc(seq: int, ptr: int, size: int) -> str:
+    doc = {"seq": seq, "ts_ns": seq, "cpu": 0, "pid": 1, "tid": 1, "event": "alloc",
+           "type": "kmalloc", "call_site": 0xFFFFFFFF81000000, "ptr": ptr,
+           "bytes_req": size, "bytes_alloc": size, "gfp_flags": 0, "node": -1}  # fmt: skip
+    return json.dumps(doc)
+
+
+@pytest.fixture
+def record_set(tmp_path: Path) -> Path:
+    write_set(tmp_path / "set", [mixed_batch(4)])
+    return tmp_path / "set"
+
+
+@pytest.mark.parametrize("cpus", ["0-50000000", "0-1000000000", "0-3,99999", "0-" + "9" * 5000])
+def test_a_cpus_file_claiming_more_cpus_than_files_is_refused_at_once(
+    record_set: Path, cpus: str
+) -> None:
+    (record_set / "cpus").write_text(cpus + "\n")
+    with pytest.raises(RecordSetError, match=r"lacks the file cpu|not a CPU list"):
+        read_record_set(record_set)
+
+
+def test_cpu_files_far_apart_without_a_cpus_file_are_refused_at_once(record_set: Path) -> None:
+    (record_set / "cpus").unlink()
+    shutil.copy(record_set / "cpu0", record_set / "cpu3000000000")
+    with pytest.raises(RecordSetError, match="CPU 3000000000 is over 65535"):
+        read_record_set(record_set)
+    (record_set / "cpu3000000000").unlink()
+    shutil.copy(record_set / "cpu0", record_set / "cpu60000")
+    with pytest.raises(RecordSetError, match="lacks the file cpu"):
+        read_record_set(record_set)
+    assert_one_line(mtrace("report", str(record_set)), 14, "lacks the file cpu")
+
+
+def test_cpu_nodes_and_overruns_out_of_range_are_left_out(record_set: Path) -> None:
+    (record_set / "cpu_nodes").write_text("0 99999999999999999999999\n1 \u00b2\n0 1\n")
+    (record_set / "total_overruns").write_text("\u00b2\n")
+    records = read_record_set(record_set)
+    assert records.cpu_nodes == {0: 1} and records.total_overruns is None
+    assert analyse(records).cross_node_allocs >= 0  # and the analysis runs
+
+
+@pytest.mark.parametrize(
+    "line", ["1ffffffffffffffffffff T big", "-10 T neg", "+10 T plus", "0x10 T hex", "\u00b2 T two"]
+)
+def test_kallsyms_lines_outside_64_bits_are_left_out(line: str) -> None:
+    symbols = KernelSymbols(f"{line}\nffffffff81000000 T start_kernel\n")
+    assert len(symbols) == 1
+    assert symbols.describe(0xFFFFFFFF81000010) == "start_kernel+0x10"
+    assert symbols.function(1 << 70) is None and symbols.describe(1 << 70) == hex(1 << 70)
+
+
+def test_byte_totals_of_2_to_the_63_and_over_are_exact(tmp_path: Path) -> None:
+    # GIVEN allocations of 2^63 and 2^64 - 1 bytes at one call site
+    big = [kmalloc(0, 0x1000, 1 << 63), kmalloc(1, 0x2000, (1 << 64) - 1), kmalloc(2, 0x3000, 5)]
+    write_record_set(big, tmp_path / "big", "big.jsonl")
+    # WHEN they are analysed
+    report = analyse(read_record_set(tmp_path / "big"))
+    # THEN the totals are the exact sums
+    (site,) = report.kernel.sites
+    assert site.bytes_req == site.bytes_alloc == (1 << 63) + (1 << 64) - 1 + 5
+    assert exact_total(np.array([(1 << 64) - 1] * 3, dtype=np.uint64)) == 3 * ((1 << 64) - 1)
+    done = mtrace("report", str(tmp_path / "big"), "--format", "json")
+    assert done.returncode == 0 and "RuntimeWarning" not in done.stderr, done.stderr
+    assert str((1 << 63) + (1 << 64) + 4) in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("ptr", 1 << 64), ("cpu", -1), ("cpu", 1 << 40), ("pid", -1), ("ptr", 1.5),
+     ("bytes_req", [1]), ("ptr", True), ("node", 1 << 31), ("ts_ns", "12"), ("event", "grow")],
+)  # fmt: skip
+def test_json_values_out_of_range_or_of_the_wrong_type_are_one_error(
+    tmp_path: Path, field: str, value: object
+) -> None:
+    doc = json.loads(kmalloc(0, 0x1000, 64))
+    doc[field] = value
+    source = tmp_path / "bad.jsonl"
+    source.write_text(kmalloc(1, 0x2000, 8) + "\n" + json.dumps(doc) + "\n")
+    done = mtrace("convert", str(source), "--to", "kmemtrace", "-o", str(tmp_path / "out"))
+    assert_one_line(done, 14, "mangles")
+    assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+def test_deeply_nested_json_is_one_error(tmp_path: Path) -> None:
+    source = tmp_path / "deep.jsonl"
+    source.write_text('{"seq": ' + "[" * 100_000 + "\n")
+    assert_one_line(mtrace("convert", str(source), "--to", "kmemtrace", "-o", str(tmp_path / "o")),
+                    14, "not a JSON record")  # fmt: skip
+
+
+@pytest.fixture
+def world_readable() -> Iterator[Path]:
+    """A directory any user can read (pytest's own are the running user's only)."""
+    directory = Path(tempfile.mkdtemp(prefix="mtrace-live-test-"))
+    directory.chmod(0o755)
+    yield directory
+    shutil.rmtree(directory)
+
+
+def test_report_and_convert_work_for_a_user_who_can_write_nowhere(world_readable: Path) -> None:
+    # GIVEN a record set any user can read
+    cache = event(EventKind.KMEM, CACHE_ALLOC, TypeId.CACHE, [0xFFFF888000100000, 192, 192, 0, 1])
+    write_set(world_readable / "set", [np.concatenate([mixed_batch(4), cache])])
+    for path in (world_readable / "set").iterdir():
+        path.chmod(0o644)
+    (world_readable / "set").chmod(0o755)
+    # WHEN a user whose HOME does not exist reads it (numba's cache has no
+    # home there, nor beside a root-owned checkout)
+    env = {k: v for k, v in os.environ.items() if k not in ("XDG_CACHE_HOME", "NUMBA_CACHE_DIR")}
+    env["HOME"] = "/nonexistent"
+    report = mtrace_unprivileged("report", str(world_readable / "set"), env=env)
+    convert = mtrace_unprivileged("convert", str(world_readable / "set"), "--to", "json", env=env)
+    # THEN both work
+    assert report.returncode == 0 and "Traceback" not in report.stderr, report.stderr
+    assert "kmem_cache" in report.stdout or "cache" in report.stdout
+    assert convert.returncode == 0, convert.stderr
+    records = [json.loads(line) for line in convert.stdout.splitlines()]
+    assert len(records) == len(list(json_lines(read_record_set(world_readable / "set"),
+                                               KernelSymbols(""))))  # fmt: skip
