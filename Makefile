@@ -8,7 +8,7 @@ SETUP_STAMP := $(VENV)/.mtrace-live-setup
 
 # fixtures is not part of test: the ELF fixtures are committed, and rebuilt
 # only when their sources change.
-.PHONY: fixtures all setup sdt-glibc exercisers bench test test-unit test-privileged lint typecheck vagrant-validate demo clean
+.PHONY: fixtures all setup sdt-glibc exercisers bench fuzz test test-unit test-privileged lint typecheck vagrant-validate demo clean
 
 all: setup exercisers
 
@@ -85,6 +85,13 @@ demo: sdt-glibc exercisers
 # docs/performance.md from build/bench.json.
 bench: sdt-glibc exercisers
 	QUICK=$(QUICK) $(BIN)/python bench/run.py $(BENCH)
+
+# Every reader of untrusted input under atheris (coverage-guided), RUNS
+# inputs each (default 250000: 1.25 M in all); writes docs/fuzzing.md and
+# fails on any finding. TARGETS=json,listen runs some. No root needed.
+fuzz: $(SETUP_STAMP)
+	@$(BIN)/python -c 'import atheris' 2>/dev/null || $(BIN)/pip install --quiet --disable-pip-version-check -e '.[fuzz]'
+	RUNS=$(RUNS) TARGETS=$(TARGETS) $(BIN)/python tests/fuzz/fuzz.py
 
 clean:
 	rm -rf $(BUILD)

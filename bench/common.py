@@ -212,6 +212,24 @@ class Sample:
 FAILED: dict[str, str] = {}
 
 
+def detached() -> None:
+    """Wait until the last mtrace-live's perf events are closed: its
+    detacher would otherwise still hold kmem tracepoints (perf then records
+    none of their events) and use CPU during the next measurement."""
+
+    def running() -> bool:
+        for comm in Path("/proc").glob("[0-9]*/comm"):
+            try:
+                if comm.read_bytes().strip() == b"mtrace-detach":
+                    return True
+            except OSError:
+                continue  # gone meanwhile
+        return False
+
+    while running():
+        time.sleep(0.05)
+
+
 def alternate(
     configs: dict[str, Callable[[], Sample]],
     reps: int,
@@ -226,6 +244,7 @@ def alternate(
         for name in order:
             if name in FAILED:
                 continue
+            detached()
             begun = time.monotonic()
             try:
                 sample = configs[name]()

@@ -9,6 +9,9 @@ pid.
 - CPU and memory: each tracer, once attached, traces for HOLD seconds; CPU %
   is its user+system time over those seconds (from /proc/PID/stat), peak RSS
   its VmHWM at the end.
+- Stopping: each tracer, once attached, traces for HOLD seconds and gets
+  SIGINT; the time until its process has exited (every record written; for
+  mtrace-live, the perf events are then closed by its detached child).
 """
 
 from __future__ import annotations
@@ -106,6 +109,52 @@ def steady(argv: list[str], ready: str, tmp: Path) -> Sample:
     return Sample((c1 - c0) / (t1 - t0) * 100, {"peak_rss_mib": rss})
 
 
+def stop_time(argv: list[str], ready: str, tmp: Path) -> Sample:
+    tracer = Background(argv, ready, tmp / "stop.log")
+    time.sleep(HOLD)
+    began = time.monotonic()
+    text = tracer.stop()
+    took = time.monotonic() - began
+    if tracer.process.returncode not in (0, 130):
+        raise RuntimeError(f"{argv[0]} exited {tracer.process.returncode}: {text[-300:]}")
+    return Sample(took)
+
+
+def stopping(pid: int, tmp: Path, peers: dict[str, str | None]) -> dict[str, Callable[[], Sample]]:
+    """The commands the hardening issue named: record, a live trace, serve;
+    each with the default libc probes (38 sites) and the kmem tracepoints."""
+    lib = ["--lib", str(sdt().libc)]
+    configs: dict[str, Callable[[], Sample]] = {
+        "mtrace-live --pid --kmem -o summary": lambda: stop_time(
+            [*MTRACE, "--pid", str(pid), *lib, "--kmem", "-o", "summary"], "Ctrl-C", tmp
+        ),
+        "mtrace-live record --pid --libc": lambda: stop_time(
+            [
+                *MTRACE,
+                "record",
+                "-o",
+                str(tmp / f"stop-{time.monotonic_ns()}.d"),
+                "--pid",
+                str(pid),
+                "--libc",
+                *lib,
+            ],
+            "Ctrl-C",
+            tmp,
+        ),
+        "mtrace-live serve --pid": lambda: stop_time(
+            [*MTRACE, "serve", "--pid", str(pid), *lib, "--web.listen-address", "127.0.0.1:0"],
+            "serving",
+            tmp,
+        ),
+    }
+    if peers.get("bpftrace"):
+        configs["bpftrace count()"] = lambda: stop_time(
+            bpftrace_argv(pid, "@[probe] = count();"), "ready", tmp
+        )
+    return configs
+
+
 def run(tmp: Path, peers: dict[str, str | None]) -> dict[str, object]:
     say("6. tracer cost ...")
     seconds = (REPS * 2 * (HOLD + 15)) + 120
@@ -138,10 +187,11 @@ def run(tmp: Path, peers: dict[str, str | None]) -> dict[str, object]:
             )
         first = summarise(alternate(startup, REPS))
         cost = summarise(alternate(load, REPS))
+        stops = summarise(alternate(stopping(pid, tmp, peers), REPS))
     finally:
         target.kill()
         target.wait()
-    return {"rate": RATE, "hold": HOLD, "startup": first, "cost": cost}
+    return {"rate": RATE, "hold": HOLD, "startup": first, "cost": cost, "stop": stops}
 
 
 def render(data: dict) -> tuple[list[str], dict[str, bool | None]]:
@@ -169,6 +219,22 @@ def render(data: dict) -> tuple[list[str], dict[str, bool | None]]:
     ]
     lines += [f"| {name} | {row['median_s']:.1f} | {row['peak_rss_mib']:.0f} |"
               for name, row in data["cost"].items()]  # fmt: skip
+    verdicts: dict[str, bool | None] = {}
+    if data.get("stop"):
+        lines += [
+            "",
+            f"Stopping, after {data['hold']:.0f} s attached: from SIGINT to the process's exit, "
+            "every record written (mtrace-live with the default 38 libc probe sites, the "
+            "`--pid` target running throughout):",
+            "",
+            "| tracer | median s | max s |",
+            "|---|---:|---:|",
+        ]
+        lines += [f"| {name} | {row['median_s']:.2f} | {max(row['samples']):.2f} |"
+                  for name, row in data["stop"].items()]  # fmt: skip
+        ours = [max(row["samples"]) for name, row in data["stop"].items()
+                if name.startswith("mtrace")]  # fmt: skip
+        verdicts["Stop within 1 s of SIGINT (record, trace, serve)"] = max(ours) < 1.0
     lines += [
         "",
         "Most of mtrace-live's start-up is bcc compiling the C program with clang against the "
@@ -178,4 +244,4 @@ def render(data: dict) -> tuple[list[str], dict[str, bool | None]]:
         "libraries (LLVM and clang) loaded.",
         "",
     ]
-    return lines, {}
+    return lines, verdicts

@@ -147,6 +147,21 @@ def cpu_ranges(text: str) -> list[tuple[int, int]]:
     return ranges
 
 
+def cpu_list_text(cpus: Sequence[int]) -> str:
+    """[0, 1, 2, 3, 5] -> "0-3,5", the kernel's own notation."""
+    parts: list[str] = []
+    ordered = sorted(set(cpus))
+    start = previous = ordered[0] if ordered else 0
+    for cpu in [*ordered[1:], None]:
+        if cpu is not None and cpu == previous + 1:
+            previous = cpu
+            continue
+        parts.append(f"{start}-{previous}" if previous > start else f"{start}")
+        if cpu is not None:
+            start = previous = cpu
+    return ",".join(parts) if ordered else ""
+
+
 def parse_cpu_list(text: str) -> list[int]:
     """ "0-3,5" -> [0, 1, 2, 3, 5]."""
     return [cpu for first, last in cpu_ranges(text) for cpu in range(first, last + 1)]
@@ -288,7 +303,15 @@ def encode(
 class KmemtraceWriter:
     """Appends records to a record set directory as batches arrive."""
 
-    def __init__(self, directory: Path, libc_probes: Sequence[str], kallsyms: str) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        libc_probes: Sequence[str],
+        kallsyms: str,
+        cpus: Sequence[int] | None = None,
+    ) -> None:
+        """``cpus``: the CPUs of records made elsewhere (convert); by default
+        this machine's possible CPUs, whose NUMA nodes are then saved too."""
         self.directory = directory
         self.libc_probes = list(libc_probes)
         self.records = 0
@@ -302,12 +325,12 @@ class KmemtraceWriter:
                     f"{directory} already holds a record set ({stale[0].name}); "
                     "give a new directory"
                 )
-            self.cpus = possible_cpus()
+            self.cpus = sorted(set(cpus)) if cpus else possible_cpus()
             self._files = {cpu: open(directory / f"cpu{cpu}", "wb") for cpu in self.cpus}  # noqa: SIM115
             (directory / ABI_FILE).write_text(f"{ABI_VERSION}\n")
-            (directory / CPUS_FILE).write_text(f"{self.cpus[0]}-{self.cpus[-1]}\n")
+            (directory / CPUS_FILE).write_text(cpu_list_text(self.cpus) + "\n")
             (directory / PROBES_FILE).write_text("".join(f"{p}\n" for p in self.libc_probes))
-            (directory / NODES_FILE).write_text(_cpu_nodes())
+            (directory / NODES_FILE).write_text("" if cpus else _cpu_nodes())
             (directory / KALLSYMS_FILE).write_text(kallsyms)
         except OSError as exc:
             raise RecordSetError(f"cannot write the record set {directory}: {exc}") from None

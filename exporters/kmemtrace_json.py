@@ -89,7 +89,7 @@ def write_record_set(lines: Iterable[str], directory: Path, source: str) -> int:
             _fill(row, doc, probes)
         except (KeyError, ValueError, TypeError) as exc:
             raise RecordSetError(f"{source}: record seq {seq} lacks or mangles {exc}") from None
-    writer = KmemtraceWriter(directory, probes, "")
+    writer = KmemtraceWriter(directory, probes, "", cpus=rows["cpu"].tolist() or [0])
     writer.write(rows, EventKind.KMEM, EventKind.PROBE)
     writer.close(0)
     return writer.records

@@ -47,6 +47,7 @@ import re
 import socket
 import socketserver
 import ssl
+import stat
 import sys
 import threading
 import time
@@ -67,6 +68,7 @@ CONNECTION_TIMEOUT_S = 10.0  # one read or write
 REQUEST_DEADLINE_S = 10.0  # one whole request, from its first byte (or the accept) to the reply
 MAX_CONNECTIONS = 64
 _REAP_INTERVAL_S = 0.25
+MAX_CONFIG_BYTES = 1 << 20
 TLS_VERSIONS = {
     "TLS10": ssl.TLSVersion.TLSv1,
     "TLS11": ssl.TLSVersion.TLSv1_1,
@@ -104,14 +106,21 @@ def load_web_config(path: Path | None) -> WebConfig:
     """Parse and check a web configuration file; WebConfigError on any problem."""
     if path is None:
         return WebConfig()
+    _readable_file(path, "the web config")
     try:
-        document = yaml.safe_load(path.read_text(encoding="utf-8"))
+        with path.open("rb") as file:
+            raw = file.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise WebConfigError(f"the web config {path} is over {MAX_CONFIG_BYTES} bytes")
+        document = yaml.safe_load(raw.decode("utf-8"))
     except OSError as exc:
         raise WebConfigError(f"cannot read the web config {path}: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
         raise WebConfigError(
             f"the web config {path} is not UTF-8 text (byte {exc.start})"
         ) from None
+    except RecursionError:
+        raise WebConfigError(f"the web config {path} is nested too deeply") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -134,17 +143,32 @@ def load_web_config(path: Path | None) -> WebConfig:
                 f"{where}: http_server_config.http2 is not supported (HTTP/1.1 only)"
             )
         headers = _mapping(http.get("headers") or {}, f"{where}: http_server_config.headers")
-        config.headers = {str(k): str(v) for k, v in headers.items()}
+        config.headers = {
+            _text(k, f"{where}: http_server_config.headers"): _text(
+                v, f"{where}: http_server_config.headers.{k}"
+            )
+            for k, v in headers.items()
+        }
     if top.get("basic_auth_users") is not None:
         users = _mapping(top["basic_auth_users"], f"{where}: basic_auth_users")
         checked = {}
         for user, hashed in users.items():
-            raw = str(hashed).encode()
+            if not isinstance(hashed, str):
+                raise WebConfigError(f"{where}: basic_auth_users.{user} is not a bcrypt hash")
+            raw = hashed.encode()
             if not raw.startswith((b"$2a$", b"$2b$", b"$2y$")) or len(raw) != 60:
                 raise WebConfigError(f"{where}: basic_auth_users.{user} is not a bcrypt hash")
-            checked[str(user)] = raw
+            checked[_text(user, f"{where}: basic_auth_users")] = raw
         config.users = checked
     return config
+
+
+def _text(value: Any, where: str) -> str:
+    """A setting that must be a string (or a plain number): never str() of a
+    list or mapping, which YAML aliases can make exponentially large."""
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise WebConfigError(f"{where} must be a string")
+    return str(value)
 
 
 def _mapping(value: Any, where: str) -> dict[str, Any]:
@@ -154,11 +178,9 @@ def _mapping(value: Any, where: str) -> dict[str, Any]:
 
 
 def _known_keys(section: Mapping[str, Any], known: set[str], where: str) -> None:
-    unknown = sorted(set(section) - known)
+    unknown = sorted(str(key) for key in set(section) - known)  # keys may be null or numbers
     if unknown:
-        raise WebConfigError(
-            f"{where}: {', '.join(map(str, unknown))} not supported by mtrace-live"
-        )
+        raise WebConfigError(f"{where}: {', '.join(unknown)} not supported by mtrace-live")
 
 
 def _tls_context(tls: Mapping[str, Any], base: Path, where: str) -> ssl.SSLContext:
@@ -170,12 +192,10 @@ def _tls_context(tls: Mapping[str, Any], base: Path, where: str) -> ssl.SSLConte
     context.minimum_version = _tls_version(tls.get("min_version", "TLS12"), f"{where}.min_version")
     if "max_version" in tls:
         context.maximum_version = _tls_version(tls["max_version"], f"{where}.max_version")
-    cert, key = base / str(tls["cert_file"]), base / str(tls["key_file"])
+    cert = base / _text(tls["cert_file"], f"{where}.cert_file")
+    key = base / _text(tls["key_file"], f"{where}.key_file")
     for name, file in (("cert_file", cert), ("key_file", key)):
-        try:
-            file.open("rb").close()
-        except OSError as exc:
-            raise WebConfigError(f"{where}.{name}: cannot read {file}: {exc.strerror}") from None
+        _readable_file(file, f"{where}.{name}")
     try:
         context.load_cert_chain(cert, key)
     except (ssl.SSLError, OSError) as exc:
@@ -183,7 +203,7 @@ def _tls_context(tls: Mapping[str, Any], base: Path, where: str) -> ssl.SSLConte
             f"{where}: {cert} and {key} are not a usable certificate and key "
             f"({exc.__class__.__name__}: {exc})"
         ) from None
-    auth = str(tls.get("client_auth_type", "NoClientCert"))
+    auth = _text(tls.get("client_auth_type", "NoClientCert"), f"{where}.client_auth_type")
     if auth not in CLIENT_AUTH:
         raise WebConfigError(
             f"{where}.client_auth_type {auth} is not one of {', '.join(CLIENT_AUTH)}"
@@ -192,7 +212,8 @@ def _tls_context(tls: Mapping[str, Any], base: Path, where: str) -> ssl.SSLConte
     if auth != "NoClientCert":
         if not tls.get("client_ca_file"):
             raise WebConfigError(f"{where}.client_auth_type {auth} needs client_ca_file")
-        ca = base / str(tls["client_ca_file"])
+        ca = base / _text(tls["client_ca_file"], f"{where}.client_ca_file")
+        _readable_file(ca, f"{where}.client_ca_file")
         try:
             context.load_verify_locations(ca)
         except OSError as exc:
@@ -204,8 +225,19 @@ def _tls_context(tls: Mapping[str, Any], base: Path, where: str) -> ssl.SSLConte
     return context
 
 
+def _readable_file(path: Path, where: str) -> None:
+    """A regular file this process can open: never a device or a FIFO,
+    which OpenSSL would read forever."""
+    try:
+        if not stat.S_ISREG(path.stat().st_mode):  # stat first: opening a FIFO blocks
+            raise WebConfigError(f"{where}: {path} is not a regular file")
+        path.open("rb").close()
+    except OSError as exc:
+        raise WebConfigError(f"{where}: cannot read {path}: {exc.strerror}") from None
+
+
 def _tls_version(value: Any, where: str) -> ssl.TLSVersion:
-    version = TLS_VERSIONS.get(str(value))
+    version = TLS_VERSIONS.get(_text(value, where))
     if version is None:
         raise WebConfigError(f"{where} {value} is not one of {', '.join(TLS_VERSIONS)}")
     return version

@@ -114,6 +114,10 @@ def test_sp_rtrace_written_live_names_the_libc_sites_with_their_source_lines(
     assert libc_line < first
     (_, start, end) = next(m for m in report.mmaps if m[0] == str(sdt.libc))
     assert all(start <= f.address < end for f in frames)
+    # AND START is the load base, as sp-rtrace's resolver takes it: a shared
+    # object's address less START is the symbol table's address
+    libc = ModuleSymbols(sdt.libc)
+    assert all(libc.lookup(f.address - start)[0] == f.function for f in frames)
     assert report.header["process"] == probe_exerciser.name
 
 
@@ -151,8 +155,13 @@ def test_kernel_and_user_stacks_give_the_socket_calls_their_whole_path(
         assert {"sock_alloc", "__sys_socket"} <= set(names), names
         user = [f for f in call.frames if f.address < 1 << 63]
         assert user and "socket" in (user[0].function or ""), user
-        assert any(start <= user[0].address < end and "libc.so" in module
-                   for module, start, end in report.mmaps)  # fmt: skip
+        address = user[0].address
+        (module, start, _) = next(
+            m for m in report.mmaps if m[1] <= address < m[2] and "libc.so" in m[0]
+        )
+        # the resolver's arithmetic: address - START in the module's own symbols
+        function = ModuleSymbols(Path(module)).lookup(user[0].address - start)[0]
+        assert function == user[0].function, (module, hex(start), user[0])
 
 
 def test_a_full_stack_map_is_counted_and_said(kmem_exerciser: Path, tmp_path: Path) -> None:

@@ -195,6 +195,13 @@ def test_a_web_config_with_tls_and_users_loads(web_tls: Any) -> None:
         ("basic_auth_users:\n  alice: plaintext\n", "alice is not a bcrypt hash"),
         ("basic_auth_userz: {}\n", "basic_auth_userz not supported"),
         ("- a list\n", "must be a mapping"),
+        # keys of mixed types, as the fuzzer found (a TypeError in sorting them)
+        ("~: 1\n5: 2\nbasic_auth_users: {}\n", "5, None not supported"),
+        ("basic_auth_users:\n  ~: $2b$04$abcdefghijklmnopqrstuu0123456789ABCDEFGHIJKLMNOPQRSTU\n",
+         "basic_auth_users must be a string"),
+        ("basic_auth_users:\n  bob: [1, 2]\n", "bob is not a bcrypt hash"),
+        ("tls_server_config:\n  cert_file: /dev/zero\n  key_file: server.key\n",
+         "/dev/zero is not a regular file"),
     ],
 )  # fmt: skip
 def test_a_bad_web_config_is_one_clear_error(

@@ -145,3 +145,19 @@ def test_report_and_convert_work_for_a_user_who_can_write_nowhere(world_readable
     records = [json.loads(line) for line in convert.stdout.splitlines()]
     assert len(records) == len(list(json_lines(read_record_set(world_readable / "set"),
                                                KernelSymbols(""))))  # fmt: skip
+
+
+def test_json_records_of_cpus_this_machine_lacks_convert_into_a_record_set(tmp_path: Path) -> None:
+    # GIVEN records made on a larger machine (found by the fuzzer: a KeyError)
+    docs = [json.loads(kmalloc(n, 0x1000 * (n + 1), 8)) for n in range(3)]
+    for doc, cpu in zip(docs, (5, 70, 5), strict=True):
+        doc["cpu"] = cpu
+    source = tmp_path / "big.jsonl"
+    source.write_text("".join(json.dumps(doc) + "\n" for doc in docs))
+    # WHEN they are converted into a record set
+    done = mtrace("convert", str(source), "--to", "kmemtrace", "-o", str(tmp_path / "set"))
+    # THEN it holds a file per CPU the records name, and reads back the same
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "set" / "cpus").read_text() == "5,70\n"
+    records = read_record_set(tmp_path / "set")
+    assert records.records["cpu"].tolist() == [5, 70, 5]

@@ -1,0 +1,118 @@
+"""Stopping: `record`, `serve` and a live trace end on SIGINT or SIGTERM
+with every record written, and every BPF program they loaded goes away
+afterwards (the perf events are closed by a detached child, since each
+close waits for the kernel; docs/live-tracing.md). How long a stop takes is
+measured by `make bench` (section 6), never asserted here."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from mtrace_live.exporters.kmemtrace import read_record_set
+from mtrace_live.tracer import bpf_syscalls
+from mtrace_live.tracer.bpf_backend import DETACHER_NAME
+from mtrace_live.tracer.sdt_glibc import SdtGlibc
+
+from .conftest import MTRACE, built
+from .tracing import Reaper
+
+
+def detachers() -> list[int]:
+    found = []
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        try:
+            if comm.read_bytes().strip() == DETACHER_NAME:
+                found.append(int(comm.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+def wait_for_detach() -> None:
+    """Until no detacher runs (a guard against a hang, not a measure)."""
+    for _ in range(600):
+        if not detachers():
+            return
+        time.sleep(0.1)
+    raise AssertionError("the perf events were never closed")
+
+
+def start_when_ready(argv: list[str], reaper: Reaper, needle: str) -> subprocess.Popen[str]:
+    proc = reaper.add(
+        subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # type: ignore[arg-type]
+    )
+    assert proc.stderr is not None
+    line = proc.stderr.readline()
+    assert needle in line, line + proc.stderr.read()
+    return proc  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_record_stops_with_every_record_written_and_detaches(
+    sdt: SdtGlibc, tmp_path: Path, sig: signal.Signals
+) -> None:
+    wait_for_detach()
+    before = set(bpf_syscalls.program_ids())
+    out = tmp_path / "out.d"
+    with Reaper() as reaper:
+        # GIVEN a busy program under the SDT glibc, recorded with its libc probes and kmem
+        load = reaper.add(subprocess.Popen(sdt.wrap([str(built("arena_contention")), "60"]),
+                                           stdout=subprocess.DEVNULL))  # fmt: skip
+        argv = [*MTRACE, "record", "-o", str(out), "--pid", str(load.pid), "--libc",
+                "--lib", str(sdt.libc)]  # fmt: skip
+        tracer = start_when_ready(argv, reaper, "records to")
+        time.sleep(2)
+        # WHEN it is signalled
+        tracer.send_signal(sig)
+        stdout, stderr = tracer.communicate(timeout=120)
+        assert load.poll() is None  # a --pid target is left running
+    # THEN it ended by that signal, and the record set holds every record it counted
+    assert tracer.returncode == 0, stderr
+    assert f"ended by {sig.name}" in stdout + stderr
+    written = re.search(r"kmemtrace: (\d+) records in", stdout + stderr)
+    assert written is not None, stdout + stderr
+    records = read_record_set(out)
+    assert len(records.records) == int(written[1]) > 0
+    assert not records.damage
+    # AND once the detacher is done, none of its programs is left loaded
+    wait_for_detach()
+    assert set(bpf_syscalls.program_ids()) <= before
+
+
+def test_a_live_trace_and_serve_stop_on_sigterm_and_detach(sdt: SdtGlibc, tmp_path: Path) -> None:
+    wait_for_detach()
+    before = set(bpf_syscalls.program_ids())
+    with Reaper() as reaper:
+        load = reaper.add(subprocess.Popen(sdt.wrap([str(built("arena_contention")), "60"]),
+                                           stdout=subprocess.DEVNULL))  # fmt: skip
+        # GIVEN a live trace writing JSON lines, and a metrics server, both on the load
+        trace = start_when_ready(
+            [*MTRACE, "--pid", str(load.pid), "--lib", str(sdt.libc), "--kmem", "-o", "json"],
+            reaper, "tracing",
+        )  # fmt: skip
+        serve = start_when_ready(
+            [*MTRACE, "serve", "--lib", str(sdt.libc), "--web.listen-address", "127.0.0.1:0",
+             "--pid", str(load.pid)],
+            reaper, "tracing",
+        )  # fmt: skip
+        time.sleep(2)
+        # WHEN both get SIGTERM
+        trace.send_signal(signal.SIGTERM)
+        serve.send_signal(signal.SIGTERM)
+        lines, trace_err = trace.communicate(timeout=120)
+        _, serve_err = serve.communicate(timeout=120)
+    # THEN both end cleanly, the trace with a line for each event it delivered
+    assert trace.returncode == 0, trace_err
+    assert serve.returncode == 0, serve_err
+    assert "Traceback" not in trace_err + serve_err
+    delivered = re.search(r"events: \d+ in the kernel, (\d+) delivered", trace_err)
+    assert delivered is not None, trace_err
+    assert len(lines.splitlines()) == int(delivered[1])
+    # AND their programs go away
+    wait_for_detach()
+    assert set(bpf_syscalls.program_ids()) <= before
