@@ -218,12 +218,13 @@ def detached() -> None:
     none of their events) and use CPU during the next measurement."""
 
     def running() -> bool:
-        for comm in Path("/proc").glob("[0-9]*/comm"):
+        for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
-                if comm.read_bytes().strip() == b"mtrace-detach":
-                    return True
+                name, _, rest = stat.read_bytes().partition(b") ")
             except OSError:
                 continue  # gone meanwhile
+            if name.endswith(b"(mtrace-detach") and not rest.startswith(b"Z"):
+                return True  # a zombie has closed everything already
         return False
 
     while running():

@@ -58,7 +58,9 @@ FILTERS = ("leaks", "compress", "resolve")  # the header's filter tags, in this 
 MAX_SIZE = (1 << 63) - 1
 
 MAX_DIGITS = 20  # an index, size or time field longer than this is refused, never parsed
-_CALL_HEAD = re.compile(r"^(?P<index>[^\s.]+)\. (?P<rest>.*)$")
+# An index starts with a digit (sp-rtrace reads it with %d); "Note. f(1) = 0x1"
+# is a comment, "1x. f(1) = 0x1" a malformed call.
+_CALL_HEAD = re.compile(r"^(?P<index>[0-9][^\s.]*)\. (?P<rest>.*)$")
 _CONTEXT_FIELD = re.compile(r"@(?P<context>[0-9a-fA-F]+)\S* ")
 _TIME_FIELD = re.compile(r"\[(?P<h>[0-9]+):(?P<m>[0-9]+):(?P<s>[0-9]+)\.(?P<ms>[0-9]+)\]\S* ")
 _CALL_TAIL = re.compile(r"^\((?P<inner>[^)]*)\)(?: = (?P<id>\S+))?\s*$")

@@ -23,13 +23,15 @@ from .tracing import Reaper
 
 
 def detachers() -> list[int]:
+    """Detachers still at work (a zombie, not yet reaped, has closed everything)."""
     found = []
-    for comm in Path("/proc").glob("[0-9]*/comm"):
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            if comm.read_bytes().strip() == DETACHER_NAME:
-                found.append(int(comm.parent.name))
+            name, _, rest = stat.read_bytes().partition(b") ")
         except OSError:
             continue
+        if name.endswith(b"(" + DETACHER_NAME) and not rest.startswith(b"Z"):
+            found.append(int(stat.parent.name))
     return found
 
 

@@ -296,6 +296,12 @@ def test_untyped_calls_belong_to_the_first_resource_and_unknown_ones_are_errors(
         sprtrace.parse(["version=1.0", "<1> : memory (memory)", "1. x<socket>(1) = 0x1"], "r")
 
 
+def test_a_line_whose_index_is_not_a_number_is_a_comment_as_sp_rtrace_reads_it() -> None:
+    trace = sprtrace.parse(["version=1.0", "Note. malloc(1) = 0x10", "\u00b2. free(0x10)"], "r")
+    assert trace.calls == []
+    assert [item.text for item in trace.items] == ["Note. malloc(1) = 0x10", "\u00b2. free(0x10)"]  # type: ignore[union-attr]
+
+
 def test_a_context_that_is_not_hex_is_part_of_the_function_as_sp_rtrace_reads_it() -> None:
     trace = sprtrace.parse(["version=1.0", "<1> : memory (m)", "1. @zz malloc<memory>(5) = 0x1000"],
                            "r")  # fmt: skip
@@ -306,7 +312,7 @@ def test_a_context_that_is_not_hex_is_part_of_the_function_as_sp_rtrace_reads_it
 
 @pytest.mark.parametrize(
     "line",
-    ["1. malloc(\u00b2) = 0x10", "\u00b2. malloc(1) = 0x10",
+    ["1. malloc(\u00b2) = 0x10", "1\u00b2. malloc(1) = 0x10",
      "1. malloc(" + "9" * 5000 + ") = 0x10", "9" * 5000 + ". free(0x10)",
      "1. [" + "1" * 5000 + ":00:00.000] free(0x10)", "1. free(0x" + "f" * 17 + ")"],
 )  # fmt: skip
