@@ -34,6 +34,20 @@ MAX_LEN = 65536  # bytes per input
 sys.path.insert(0, str(ROOT / "tests" / "unit"))
 from fuzz_targets import TARGETS  # noqa: E402
 
+# What the harness found when it was first run, each fixed with a unit test
+# that replays it; kept on the page by every later run.
+FOUND = [
+    "## Found so far",
+    "",
+    '- `json`: records of a CPU this machine lacks (`"cpu": 5` on a 2-CPU',
+    "  machine) made `convert --to kmemtrace` fail with a KeyError: the writer",
+    "  opened files for this machine's CPUs only. A converted record set now has",
+    "  a file for each CPU its records name, and its `cpus` file lists them",
+    "  (`5,70`). Test: `test_json_records_of_cpus_this_machine_lacks_convert_...`.",
+    "- `webconfig`: a YAML mapping with keys of mixed types (`~: 1` beside",
+    "  strings) failed with a TypeError while sorting the unknown keys. Keys",
+    "  are now named as text. Test: `test_a_bad_web_config_is_one_clear_error`.",
+]
 DONE = re.compile(r"Done (\d+) runs in (\d+) second")
 STATS = re.compile(r"cov: (\d+) ft: (\d+) corp: (\d+)/\S+ .*exec/s: (\d+) rss: (\d+)Mb")
 
@@ -128,6 +142,8 @@ def write_doc(results: list[Result], runs: int) -> None:
         "",
         "The corpus each target built is kept in `build/fuzz/corpus/`, so a later",
         "run starts where this one ended; findings go to `build/fuzz/findings/`.",
+        "",
+        *FOUND,
     ]
     DOC.write_text("\n".join(lines) + "\n")
 
