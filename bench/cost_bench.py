@@ -9,7 +9,7 @@ pid.
 - CPU and memory: each tracer, once attached, traces for HOLD seconds; CPU %
   is its user+system time over those seconds (from /proc/PID/stat), peak RSS
   its VmHWM at the end.
-- Stopping: each tracer, once attached, traces for HOLD seconds and gets
+- Stopping: each tracer, once attached, traces for STOP_AFTER seconds and gets
   SIGINT; the time until its process has exited (every record written; for
   mtrace-live, the perf events are then closed by its detached child).
 """
@@ -40,6 +40,7 @@ from common import (
 
 RATE = 300_000  # hits/s
 HOLD = 1.0 if QUICK else 3.0
+STOP_AFTER = 1.0  # seconds attached before the stop is timed
 PROBES = ["setjmp", "longjmp", "longjmp_target"]
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -111,7 +112,7 @@ def steady(argv: list[str], ready: str, tmp: Path) -> Sample:
 
 def stop_time(argv: list[str], ready: str, tmp: Path) -> Sample:
     tracer = Background(argv, ready, tmp / "stop.log")
-    time.sleep(HOLD)
+    time.sleep(STOP_AFTER)
     began = time.monotonic()
     text = tracer.stop()
     took = time.monotonic() - began
@@ -191,7 +192,8 @@ def run(tmp: Path, peers: dict[str, str | None]) -> dict[str, object]:
     finally:
         target.kill()
         target.wait()
-    return {"rate": RATE, "hold": HOLD, "startup": first, "cost": cost, "stop": stops}
+    return {"rate": RATE, "hold": HOLD, "startup": first, "cost": cost, "stop": stops,
+            "stop_after": STOP_AFTER}  # fmt: skip
 
 
 def render(data: dict) -> tuple[list[str], dict[str, bool | None]]:
@@ -223,7 +225,8 @@ def render(data: dict) -> tuple[list[str], dict[str, bool | None]]:
     if data.get("stop"):
         lines += [
             "",
-            f"Stopping, after {data['hold']:.0f} s attached: from SIGINT to the process's exit, "
+            f"Stopping, after {data.get('stop_after', data['hold']):.0f} s attached: from SIGINT "
+            "to the process's exit, "
             "every record written (mtrace-live with the default 38 libc probe sites, the "
             "`--pid` target running throughout):",
             "",

@@ -305,7 +305,12 @@ class _Server(socketserver.ThreadingMixIn, HTTPServer):
                     request.sendall(_BUSY)
             self.shutdown_request(request)
             return
-        super().process_request(request, client_address)
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread for it (the server then closes the socket)
+            with self.lock:
+                self.connections.pop(id(request), None)
+            raise
 
     def _evict_one(self) -> bool:
         """Close the oldest connection still sending its request (lock held)."""
