@@ -297,6 +297,7 @@ def _detach_in_child(perf_fds: list[int]) -> bool:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
+    prctl = ctypes.CDLL(None).prctl  # looked up here: dlopen in the child could find its lock held
     try:
         pid = os.fork()
     except OSError:
@@ -305,8 +306,7 @@ def _detach_in_child(perf_fds: list[int]) -> bool:
         return True
     try:  # the child: only system calls from here on (other threads' locks are not ours)
         os.setsid()
-        libc = ctypes.CDLL(None)
-        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(DETACHER_NAME), 0, 0, 0)
+        prctl(_PR_SET_NAME, ctypes.c_char_p(DETACHER_NAME), 0, 0, 0)
         keep = set(perf_fds)
         for entry in os.listdir("/proc/self/fd"):
             fd = int(entry)
