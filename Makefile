@@ -88,7 +88,8 @@ bench: sdt-glibc exercisers
 
 # Every reader of untrusted input under atheris (coverage-guided), RUNS
 # inputs each (default 250000: 1.25 M in all); writes docs/fuzzing.md and
-# fails on any finding. TARGETS=json,listen runs some. No root needed.
+# fails on any finding. TARGETS=json,listen runs some. The first run installs
+# atheris into .venv (the fuzz extra).
 fuzz: $(SETUP_STAMP)
 	@$(BIN)/python -c 'import atheris' 2>/dev/null || $(BIN)/pip install --quiet --disable-pip-version-check -e '.[fuzz]'
 	RUNS=$(RUNS) TARGETS=$(TARGETS) $(BIN)/python tests/fuzz/fuzz.py
