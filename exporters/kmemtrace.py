@@ -15,6 +15,7 @@ that chain.
 from __future__ import annotations
 
 import re
+import stat
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -454,16 +455,22 @@ def unwrap(seq32: np.ndarray) -> np.ndarray:
     return unwrapped
 
 
-MAX_LIST_BYTES = 1 << 20  # a cpus or cpu_nodes file: far more than 65536 CPUs take
+MAX_LIST_BYTES = 1 << 20  # cpus, cpu_nodes, libc_probes: far more than 65536 CPUs take
 
 
-def _read_text(path: Path, limit: int | None = None) -> str | None:
-    """A header file's text (None if absent); past ``limit`` bytes it is
-    refused rather than read."""
+MAX_HEADER_BYTES = 1 << 10  # abi_version, total_overruns
+MAX_KALLSYMS_BYTES = 1 << 28  # kallsyms (10-20 MB with every module loaded), libc_probes
+
+
+def _read_text(path: Path, limit: int = MAX_LIST_BYTES) -> str | None:
+    """A header file's text (None if absent); past ``limit`` bytes, or not a
+    regular file (a FIFO would block the reader), it is refused rather than read."""
     try:
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise RecordSetError(f"{path}: not a regular file")
         with path.open("rb") as file:
-            data = file.read(limit + 1 if limit is not None else -1)
-        if limit is not None and len(data) > limit:
+            data = file.read(limit + 1)
+        if len(data) > limit:
             raise RecordSetError(f"{path}: over {limit} bytes, not a record set's header file")
         return data.decode("ascii", errors="replace")
     except FileNotFoundError:
@@ -506,7 +513,7 @@ def read_record_set(path: Path, big_endian: bool | None = None) -> RecordSet:
     too_high = [cpu for cpu in files if cpu > MAX_CPU]
     if too_high:
         raise RecordSetError(f"{files[too_high[0]]}: CPU {too_high[0]} is over {MAX_CPU}")
-    abi_text = _read_text(directory / ABI_FILE)
+    abi_text = _read_text(directory / ABI_FILE, MAX_HEADER_BYTES)
     if not files:
         raise RecordSetError(f"{directory} is not a kmemtrace record set: it has no cpuN files")
     if abi_text is None:
@@ -522,7 +529,7 @@ def read_record_set(path: Path, big_endian: bool | None = None) -> RecordSet:
             f"{directory / ABI_FILE}: ABI version {abi} is unknown (this reader knows "
             f"{', '.join(map(str, READABLE_ABI_VERSIONS))})"
         )
-    cpus_text = _read_text(directory / CPUS_FILE, MAX_LIST_BYTES) if path.is_dir() else None
+    cpus_text = _read_text(directory / CPUS_FILE) if path.is_dir() else None
     try:
         expected = cpu_ranges(cpus_text) if cpus_text else [(min(files), max(files))]
     except ValueError:
@@ -570,10 +577,10 @@ def read_record_set(path: Path, big_endian: bool | None = None) -> RecordSet:
         arg_parts.append(args)
 
     args = _one_scale(parts, arg_parts)
-    overruns_text = _read_text(directory / OVERRUNS_FILE)
-    probes_text = _read_text(directory / PROBES_FILE)
+    overruns_text = _read_text(directory / OVERRUNS_FILE, MAX_HEADER_BYTES)
+    probes_text = _read_text(directory / PROBES_FILE, MAX_KALLSYMS_BYTES)
     nodes = {}
-    for line in (_read_text(directory / NODES_FILE, MAX_LIST_BYTES) or "").splitlines():
+    for line in (_read_text(directory / NODES_FILE) or "").splitlines():
         match = _CPU_NODE.fullmatch(line.strip())
         if match and int(match[1]) <= MAX_CPU and int(match[2]) <= MAX_NODE:
             nodes[int(match[1])] = int(match[2])  # other lines name no CPU a record can have
@@ -586,7 +593,7 @@ def read_record_set(path: Path, big_endian: bool | None = None) -> RecordSet:
         damage=damage,
         total_overruns=_count(overruns_text),
         libc_probes=probes_text.splitlines() if probes_text else [],
-        kallsyms=_read_text(directory / KALLSYMS_FILE),
+        kallsyms=_read_text(directory / KALLSYMS_FILE, MAX_KALLSYMS_BYTES),
         cpu_nodes=nodes,
         bytes_read=total_bytes,
     )

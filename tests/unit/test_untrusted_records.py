@@ -161,3 +161,18 @@ def test_json_records_of_cpus_this_machine_lacks_convert_into_a_record_set(tmp_p
     assert (tmp_path / "set" / "cpus").read_text() == "5,70\n"
     records = read_record_set(tmp_path / "set")
     assert records.records["cpu"].tolist() == [5, 70, 5]
+
+
+@pytest.mark.parametrize("name", ["abi_version", "cpus", "total_overruns", "cpu_nodes"])
+def test_a_header_file_that_is_a_fifo_or_too_large_is_refused_not_read(
+    record_set: Path, name: str
+) -> None:
+    # GIVEN a header file that would block the reader (a FIFO), then one far too large
+    (record_set / name).unlink(missing_ok=True)
+    os.mkfifo(record_set / name)
+    with pytest.raises(RecordSetError, match=f"{name}: not a regular file"):
+        read_record_set(record_set)
+    (record_set / name).unlink()
+    (record_set / name).write_bytes(b"0" * (2 << 20))
+    with pytest.raises(RecordSetError, match=f"{name}: over"):
+        read_record_set(record_set)
