@@ -455,11 +455,11 @@ def unwrap(seq32: np.ndarray) -> np.ndarray:
     return unwrapped
 
 
-MAX_LIST_BYTES = 1 << 20  # cpus, cpu_nodes, libc_probes: far more than 65536 CPUs take
-
-
+# The most a header file may hold: one number; a list of up to 65536 CPUs;
+# kallsyms (10-20 MB with every module loaded) and up to 65535 probe names.
 MAX_HEADER_BYTES = 1 << 10  # abi_version, total_overruns
-MAX_KALLSYMS_BYTES = 1 << 28  # kallsyms (10-20 MB with every module loaded), libc_probes
+MAX_LIST_BYTES = 1 << 20  # cpus, cpu_nodes
+MAX_KALLSYMS_BYTES = 1 << 28  # kallsyms, libc_probes
 
 
 def _read_text(path: Path, limit: int = MAX_LIST_BYTES) -> str | None:

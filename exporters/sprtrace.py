@@ -70,7 +70,8 @@ _TAIL = re.compile(
     r"(?:(?:^| )from (?P<module>.+)|(?:^| )at (?P<location>\S+))?$"
 )
 _ARG = re.compile(r"^\t\$(?P<n>[0-9]+) = (?P<value>.*)$")
-_MMAP = re.compile(r"^: (?P<module>\S+) => (?P<start>\S+)-(?P<end>\S+)\s*$")
+# The path is one word as C's %s reads it: other Unicode spaces belong to it.
+_MMAP = re.compile(r"^: (?P<module>[^ \t\n\r\v\f]+) => (?P<start>\S+)-(?P<end>\S+)\s*$")
 _ESCAPED = re.compile(r"\\([0-7]{3})")
 _CONTEXT = re.compile(r"^@ (?P<id>[0-9a-fA-F]+) : (?P<name>.+)$")
 _RESOURCE = re.compile(
@@ -79,9 +80,12 @@ _RESOURCE = re.compile(
 _ATTACHMENT = re.compile(r"^& (?P<name>\S+) : (?P<path>\S+)\s*$")
 
 
+_SPLITS = frozenset(" \t\n\r\v\f\\")  # what C's %s stops at (isspace), and the escape itself
+
+
 def escape_path(path: str) -> str:
-    """A module path as one word: white space and backslashes octal-escaped."""
-    return "".join(f"\\{ord(c):03o}" if c.isspace() or c == "\\" else c for c in path)
+    """A module path as one word: ASCII white space and backslashes octal-escaped."""
+    return "".join(f"\\{ord(c):03o}" if c in _SPLITS else c for c in path)
 
 
 def unescape_path(word: str) -> str:
@@ -373,9 +377,10 @@ def _call(line: str, where: str) -> Call | None:
     index = _decimal(head["index"], "record index", where)
     inner, res_id = tail["inner"].strip(), tail["id"]
     if res_id is not None:  # allocation: (size) = 0xid
-        size: int | None = _decimal(inner, "resource size", where)
-        if size is not None and size > MAX_SIZE:
+        allocated = _decimal(inner, "resource size", where)
+        if allocated > MAX_SIZE:
             raise SpRtraceError(f"{where}: resource size {inner} is over 2^63 - 1")
+        size: int | None = allocated
         ident = _hex(res_id, where)
     else:  # deallocation: (0xid)
         size, ident = None, _hex(inner, where)

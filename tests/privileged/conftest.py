@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from mtrace_live.tracer import sdt_glibc
 
+from .tracing import wait_for_detach
+
 REPO = Path(__file__).resolve().parents[2]
 BUILD = REPO / "build"
 MTRACE = [sys.executable, "-m", "mtrace_live.tracer.cli"]
@@ -35,6 +37,14 @@ def bpf_works() -> None:
     probe = mtrace_count("--kmem-only", "--json", "--", "/bin/true")
     if probe.returncode != 0:
         pytest.fail(f"BPF does not work on this machine: {probe.stderr.strip()[-500:]}")
+
+
+@pytest.fixture(autouse=True)
+def previous_traces_detached() -> None:
+    """Each test starts once the traces before it have detached: their
+    detacher still holds gated programs on the kmem tracepoints, which make
+    the kernel skip runs of this test's programs in interrupts."""
+    wait_for_detach()
 
 
 @pytest.fixture(scope="session")

@@ -15,33 +15,10 @@ from pathlib import Path
 import pytest
 from mtrace_live.exporters.kmemtrace import read_record_set
 from mtrace_live.tracer import bpf_syscalls
-from mtrace_live.tracer.bpf_backend import DETACHER_NAME
 from mtrace_live.tracer.sdt_glibc import SdtGlibc
 
 from .conftest import MTRACE, built
-from .tracing import Reaper
-
-
-def detachers() -> list[int]:
-    """Detachers still at work (a zombie, not yet reaped, has closed everything)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            name, _, rest = stat.read_bytes().partition(b") ")
-        except OSError:
-            continue
-        if name.endswith(b"(" + DETACHER_NAME) and not rest.startswith(b"Z"):
-            found.append(int(stat.parent.name))
-    return found
-
-
-def wait_for_detach() -> None:
-    """Until no detacher runs (a guard against a hang, not a measure)."""
-    for _ in range(600):
-        if not detachers():
-            return
-        time.sleep(0.1)
-    raise AssertionError("the perf events were never closed")
+from .tracing import Reaper, wait_for_detach
 
 
 def start_when_ready(argv: list[str], reaper: Reaper, needle: str) -> subprocess.Popen[str]:
@@ -58,8 +35,7 @@ def start_when_ready(argv: list[str], reaper: Reaper, needle: str) -> subprocess
 def test_record_stops_with_every_record_written_and_detaches(
     sdt: SdtGlibc, tmp_path: Path, sig: signal.Signals
 ) -> None:
-    wait_for_detach()
-    before = set(bpf_syscalls.program_ids())
+    before = set(bpf_syscalls.program_ids())  # the autouse fixture waited for earlier detachers
     out = tmp_path / "out.d"
     with Reaper() as reaper:
         # GIVEN a busy program under the SDT glibc, recorded with its libc probes and kmem
@@ -87,8 +63,7 @@ def test_record_stops_with_every_record_written_and_detaches(
 
 
 def test_a_live_trace_and_serve_stop_on_sigterm_and_detach(sdt: SdtGlibc, tmp_path: Path) -> None:
-    wait_for_detach()
-    before = set(bpf_syscalls.program_ids())
+    before = set(bpf_syscalls.program_ids())  # the autouse fixture waited for earlier detachers
     with Reaper() as reaper:
         load = reaper.add(subprocess.Popen(sdt.wrap([str(built("arena_contention")), "60"]),
                                            stdout=subprocess.DEVNULL))  # fmt: skip

@@ -9,6 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from mtrace_live.tracer.bpf_backend import DETACHER_NAME
+
 BPFTRACE_READY = "mtrace-live-test-ready"
 
 
@@ -141,3 +143,25 @@ def finish(proc: subprocess.Popen[bytes]) -> int:
     proc.stdin.close()
     proc.stdout.close()
     return proc.wait(timeout=60)
+
+
+def detachers() -> list[int]:
+    """Detachers still at work (a zombie, not yet reaped, has closed everything)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            name, _, rest = stat.read_bytes().partition(b") ")
+        except OSError:
+            continue
+        if name.endswith(b"(" + DETACHER_NAME) and not rest.startswith(b"Z"):
+            found.append(int(stat.parent.name))
+    return found
+
+
+def wait_for_detach() -> None:
+    """Until no detacher runs (a guard against a hang, not a measure)."""
+    for _ in range(600):
+        if not detachers():
+            return
+        time.sleep(0.1)
+    raise AssertionError("the perf events were never closed")

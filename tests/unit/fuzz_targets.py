@@ -170,7 +170,7 @@ def record_set(data: bytes) -> None:
         for site in report.kernel.sites:
             assert min(site.allocs, site.bytes_req, site.bytes_alloc, site.frees) >= 0
         assert sum(1 for _ in json_lines(records, symbols)) == len(records.records)
-        sprtrace.lines(from_record_set(records, symbols, "fuzz"))
+        list(sprtrace.lines(from_record_set(records, symbols, "fuzz")))
     finally:
         shutil.rmtree(directory)
 

@@ -17,7 +17,7 @@ from .cli_runs import assert_one_line, mtrace
 # The protocol's record syntax, transcribed from the sections of
 # sp-rtrace-text-protocol.txt (the shared specs), numbered as there.
 HEADER = re.compile(r"^[^=,]+=[^,]*(,[^=,]+=[^,]*)*$")  # 1. <key>=<value>[,<key>=<value>...]
-MMAP = re.compile(r"^: \S+ => 0x[0-9a-f]+-0x[0-9a-f]+$")  # 2.
+MMAP = re.compile(r"^: [^ \t\n\r\v\f]+ => 0x[0-9a-f]+-0x[0-9a-f]+$")  # 2. (a C %s word)
 ALLOC = re.compile(
     r"^\d+\. (@[0-9a-f]+ )?(\[\d\d:\d\d:\d\d\.\d+\] )?\w+(<\w+>)?\(\d+\) = 0x[0-9a-f]+$"
 )
@@ -215,16 +215,21 @@ def test_a_record_set_lists_every_resource_its_records_use() -> None:
     assert [r.refcount for r in listed] == [False, False, True]
 
 
-def test_module_paths_with_spaces_are_one_word_and_read_back() -> None:
-    # GIVEN a deleted memfd mapping in a map line and in a frame
-    module = "/memfd:sealed-91173221a7ea (deleted)"
+@pytest.mark.parametrize(
+    "module", ["/memfd:sealed-91173221a7ea (deleted)", "/opt/app\u3000x/lib.so", "/a\\b\tc"]
+)
+def test_module_paths_with_spaces_are_one_word_and_read_back(module: str) -> None:
+    # GIVEN a module path with white space (a deleted memfd, a Unicode space,
+    # a backslash and a tab) in a map line and in a frame
     trace = calls(("kmalloc", 1, 8))
     trace.mmaps = [(module, 0x7F0000000000, 0x7F0000001000)]
     trace.items[0].frames = [Frame(0x7F0000000010, "jit", module)]  # type: ignore[union-attr]
     text = text_of(trace)
     # THEN the path is one word, as sp-rtrace's `: %s => 0x%lx-0x%lx` reads it
-    assert ": /memfd:sealed-91173221a7ea\\040(deleted) => 0x7f0000000000-0x7f0000001000" in text
-    assert MMAP.match(text[text.index(next(x for x in text if x.startswith(": ")))])
+    (line,) = [x for x in text if x.startswith(": ")]
+    assert len(line.split(" ")) == 4 and "\t" not in line and MMAP.match(line)
+    if module.startswith("/memfd"):
+        assert line == ": /memfd:sealed-91173221a7ea\\040(deleted) => 0x7f0000000000-0x7f0000001000"
     # AND it reads back as it was
     back = sprtrace.parse(text, "report")
     assert back.mmaps == trace.mmaps

@@ -64,7 +64,7 @@ def test_cpu_nodes_and_overruns_out_of_range_are_left_out(record_set: Path) -> N
     (record_set / "total_overruns").write_text("\u00b2\n")
     records = read_record_set(record_set)
     assert records.cpu_nodes == {0: 1} and records.total_overruns is None
-    assert analyse(records).cross_node_allocs >= 0  # and the analysis runs
+    analyse(records)  # and the analysis runs on them
 
 
 @pytest.mark.parametrize(
@@ -140,7 +140,7 @@ def test_report_and_convert_work_for_a_user_who_can_write_nowhere(world_readable
     convert = mtrace_unprivileged("convert", str(world_readable / "set"), "--to", "json", env=env)
     # THEN both work
     assert report.returncode == 0 and "Traceback" not in report.stderr, report.stderr
-    assert "kmem_cache" in report.stdout or "cache" in report.stdout
+    assert "cache" in report.stdout
     assert convert.returncode == 0, convert.stderr
     records = [json.loads(line) for line in convert.stdout.splitlines()]
     assert len(records) == len(list(json_lines(read_record_set(world_readable / "set"),
