@@ -50,10 +50,11 @@ def traced_loop(rate_hits: float, threads: int = 1, pages: int | None = None,
 
 def synthetic_throughput(records: int = 2_000_000) -> dict[str, float]:
     """Bulk read and the model, on a ring in a memfd laid out as the kernel's."""
+    from mtrace_live.exporters.data.events import EventDecoder, site_info
     from mtrace_live.probes.catalog import load_catalog
     from mtrace_live.probes.locations import ArgKind, ArgLocation, SiteLayout
+    from mtrace_live.probes.records import EVENT_DTYPE
     from mtrace_live.probes.sdt_notes import SdtSite
-    from mtrace_live.tracer.events import EVENT_DTYPE, EventDecoder, site_info
     from mtrace_live.tracer.model import AllocatorModel
     from mtrace_live.tracer.ringbuf import RingReader, record_stride
 

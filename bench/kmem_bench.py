@@ -114,7 +114,7 @@ def synthetic_set(directory: Path, records: int) -> None:
     """kmalloc/kfree and cache alloc/free pairs on two CPUs, through the
     tracer's own encoder."""
     from mtrace_live.exporters.kmemtrace import KmemtraceWriter
-    from mtrace_live.tracer.events import EVENT_DTYPE, EventKind
+    from mtrace_live.probes.records import EVENT_DTYPE, EventKind
 
     rng = np.random.default_rng(1)
     writer = KmemtraceWriter(directory, ["memory_mallopt"], "")

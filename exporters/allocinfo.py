@@ -8,7 +8,7 @@ allocinfo does for module code.
 
 from __future__ import annotations
 
-from mtrace_live.tracer.kmem import CallSite, KmemTotals, sorted_sites
+from mtrace_live.exporters.data.kmem import CallSite, KmemTotals, sorted_sites
 
 HEADER = ("allocinfo - version: 1.0", "#     <size>  <calls> <tag info>")
 

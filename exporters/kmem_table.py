@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mtrace_live.tracer.kmem import CallSite, KmemTotals, sorted_sites
+from mtrace_live.exporters.data.kmem import CallSite, KmemTotals, sorted_sites
 
 COLUMNS = (
     ("allocs", "allocs"),

@@ -6,7 +6,7 @@ one ``cpuN`` file of binary records per CPU, ``abi_version`` and
 (version 1) byte for byte, plus new ids and a feature block, as the ABI's own
 extension rules allow. docs/kmemtrace-format.md describes every byte.
 
-Writing converts batches of ring-buffer events (tracer/events.py) with numpy;
+Writing converts batches of ring-buffer events (probes/records.py) with numpy;
 reading walks the records of each file in one compiled pass (numba), because
 each record's size is in its own header and no array operation can follow
 that chain.
@@ -24,8 +24,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-from mtrace_live.tracer.errors import RecordSetError
-from mtrace_live.tracer.kmem import KMEM_FREE_EVENTS
+from mtrace_live.probes.meanings import meanings
+from mtrace_live.probes.records import KMEM_FREE_EVENTS, EventKind
+
+from .data.errors import RecordSetError
+from .data.kallsyms import saved_text
+from .data.sink import EventBatch, Sink, TraceInfo, TraceResult
 
 ABI_VERSION = 2
 READABLE_ABI_VERSIONS = (1, 2)
@@ -81,13 +85,11 @@ class FeatureId(IntEnum):
     TASK = 1  # ABI 2: pid, tid and a CLOCK_MONOTONIC timestamp
 
 
-# libc probes written as allocation / free records: (type id, pointer arg, size arg).
-LIBC_ALLOCS = {
-    "memory_sbrk_more": TypeId.SBRK,
-    "memory_heap_new": TypeId.HEAP,
-    "memory_arena_new": TypeId.ARENA,
-}
-LIBC_FREES = {"memory_sbrk_less": TypeId.SBRK, "memory_heap_free": TypeId.HEAP}
+# libc probes written as allocation / free records, from the catalog's
+# ``kmemtrace`` key (probes/specs/libc-memory.toml).
+_TYPE_BY_NAME = {info.name: type_id for type_id, info in TYPES.items()}
+LIBC_ALLOCS = {probe: _TYPE_BY_NAME[t] for probe, t in meanings().kmemtrace_probes("alloc").items()}
+LIBC_FREES = {probe: _TYPE_BY_NAME[t] for probe, t in meanings().kmemtrace_probes("free").items()}
 
 # Native byte order, packed: the layouts of docs/kmemtrace-format.md.
 _CORE = [
@@ -212,7 +214,7 @@ def encode(
     probe_kind: int,
     page_shift: int = 12,
 ) -> Encoded:
-    """Turn ring events (tracer.events.EVENT_DTYPE) into kmemtrace records.
+    """Turn ring events (probes/records.py: EVENT_DTYPE) into kmemtrace records.
 
     Sequence numbers follow the rows' order, which is the order the kernel
     reserved them in mtrace-live's single ring buffer: one total order across
@@ -625,3 +627,62 @@ def _one_scale(parts: list[np.ndarray], arg_parts: list[np.ndarray]) -> np.ndarr
     args = np.concatenate(arg_parts)
     probe_seq = np.concatenate([p["seq"][p["event_id"] == EventId.PROBE] for p in parts])
     return args[np.argsort(probe_seq, kind="stable")]
+
+
+# ---- the live trace's output ------------------------------------------------
+
+
+class KmemtraceSink(Sink):
+    """``--kmemtrace DIR`` (and ``record``): every kmem event and libc probe
+    hit of a live trace as kmemtrace records, with the kernel's symbols."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        _new_record_set(directory)  # a bad directory fails before anything attaches
+        self.writer: KmemtraceWriter | None = None
+
+    def start(self, info: TraceInfo) -> None:
+        self.writer = KmemtraceWriter(self.directory, info.probes, saved_text())
+
+    def consume(self, batch: EventBatch) -> None:
+        if self.writer is not None:
+            self.writer.write(batch.records, EventKind.KMEM, EventKind.PROBE)
+
+    def finish(self, result: TraceResult) -> None:
+        """Closes the set, its total_overruns the bytes of the records the
+        ring had no room for; the figures go into ``result.kmem``."""
+        if self.writer is None:
+            return
+        kmem = result.kmem
+        lost = sum(n * record_size(probe) for probe, n in result.lost.items())
+        if kmem is not None:
+            lost += (
+                kmem.totals.lost_allocs * ALLOC_TASK_RECORD.itemsize
+                + kmem.totals.lost_frees * FREE_TASK_RECORD.itemsize
+            )
+            kmem.records_written = self.writer.records
+            kmem.directory = self.directory
+            kmem.overrun_bytes = lost
+        self.writer.close(lost)
+        self.writer = None
+
+
+def _new_record_set(directory: Path) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        stale = sorted(cpu_files(directory).values())
+    except OSError as exc:
+        raise RecordSetError(f"cannot write the record set {directory}: {exc}") from None
+    if stale:
+        raise RecordSetError(
+            f"{directory} already holds a record set ({stale[0].name}); give a new directory"
+        )
+
+
+def record_size(probe: str) -> int:
+    """The size of the kmemtrace record a libc probe's event becomes."""
+    if probe in LIBC_ALLOCS:
+        return ALLOC_TASK_RECORD.itemsize
+    if probe in LIBC_FREES:
+        return FREE_TASK_RECORD.itemsize
+    return PROBE_TASK_RECORD.itemsize

@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from mtrace_live.tracer.errors import RecordSetError
-from mtrace_live.tracer.events import EVENT_DTYPE, MAX_ARGS, EventKind
-from mtrace_live.tracer.kallsyms import KernelSymbols
-from mtrace_live.tracer.kmem import KMEM_EVENTS
+from mtrace_live.exporters.data.errors import RecordSetError
+from mtrace_live.exporters.data.kallsyms import KernelSymbols
+from mtrace_live.probes.records import EVENT_DTYPE, KMEM_EVENTS, MAX_ARGS, EventKind
 
 from .kmemtrace import KERNEL_TYPES, TYPES, EventId, KmemtraceWriter, RecordSet, TypeId
 

@@ -21,20 +21,24 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from mtrace_live.tracer.kmem import TYPE_NAMES, CallSite, KmemTotals, KmemType
-from mtrace_live.tracer.model import RETRY_PROBES, SETTING_PROBES
+from mtrace_live.probes.meanings import meanings
+from mtrace_live.probes.records import KmemType
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
+
+from .data.kmem import TYPE_NAMES, CallSite, KmemTotals
 
 PREFIX = "mtrace"
 OTHER = "other"
 UNKNOWN = "unknown"
 
-# Probes whose hits are also published under a name of their own.
-SETTINGS = {**SETTING_PROBES, "memory_mallopt_free_dyn_thresholds": "dynamic_thresholds"}
-DOUBLE_FREE_PROBE = "memory_tcache_double_free"
-REUSE_WAIT_PROBE = "memory_arena_reuse_wait"
-MALLOPT_PROBE = "memory_mallopt"
+# Probes whose hits are also published under a name of their own, as the
+# catalog's specs mark them (probes/meanings.py).
+RETRY_PROBES = meanings().retries
+SETTINGS = meanings().settings
+DOUBLE_FREE_PROBE = meanings().with_effect("double_free_check")[0]
+REUSE_WAIT_PROBE = meanings().with_effect("arena_reuse_wait")[0]
+MALLOPT_PROBE = meanings().with_effect("mallopt")[0]
 
 
 Family = TypeVar("Family", CounterMetricFamily, GaugeMetricFamily)

@@ -17,13 +17,13 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
-from mtrace_live.tracer.kallsyms import KernelSymbols
+from mtrace_live.exporters.data.kallsyms import KernelSymbols
 
 from .kmemtrace import TYPES, EventId, RecordSet, TypeId
 from .sprtrace import Call, Comment, Frame, Resource, Trace, clock
 
 if TYPE_CHECKING:
-    from mtrace_live.tracer.symbolize import Symbol
+    from mtrace_live.exporters.data.symbolize import Symbol
 
 KERNEL_MODULE = "[kernel.kallsyms]"
 MAX_CONTEXTS = 32  # a context is a bit of a 32-bit mask

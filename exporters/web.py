@@ -59,7 +59,7 @@ from typing import Any
 
 import bcrypt
 import yaml
-from mtrace_live.tracer.errors import ListenError, WebConfigError
+from mtrace_live.exporters.data.errors import ListenError, WebConfigError
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 

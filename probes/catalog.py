@@ -49,6 +49,16 @@ TYPE_LAYOUT: Mapping[str, tuple[int, bool]] = {
     "__data_loc char[]": (4, False),  # tracefs: offset and length of a string
 }
 
+# What a probe can change in the allocator model (tracer/model.py has one
+# handler per effect; "lock_wait" is counted in bulk, per futex).
+EFFECTS = frozenset(
+    {"sbrk_more", "sbrk_less", "heap_new", "heap_resize", "heap_free", "arena_new",
+     "arena_reuse", "arena_reuse_wait", "arena_free_list", "arena_retry", "retry",
+     "mallopt", "setting", "dynamic_thresholds", "double_free_check", "lock_wait"}
+)  # fmt: skip
+# The kmemtrace type names a probe's or tracepoint's records can have.
+KMEMTRACE_TYPES = frozenset({"kmalloc", "kmem_cache", "pages", "sbrk", "heap", "arena"})
+
 _ARG_SPEC = re.compile(r"^(?:(-?)(\d+)@)?(.+)$")
 
 
@@ -84,6 +94,10 @@ class ProbeSpec:
     meaning: str
     args: tuple[ArgSpec, ...]
     manual: str = ""  # where glibc's manual says otherwise
+    effect: str = ""  # what it changes in the allocator model, one of EFFECTS
+    retry: str = ""  # effect "retry" / "arena_retry": the operation retried
+    setting: str = ""  # effect "setting" / "dynamic_thresholds": the parameter
+    kmemtrace: tuple[str, str] | None = None  # ("alloc" or "free", kmemtrace type)
 
     @property
     def qualified_name(self) -> str:
@@ -105,6 +119,7 @@ class TracepointSpec:
     fires: str
     meaning: str
     fields: tuple[FieldSpec, ...]
+    kmemtrace: tuple[str, str] | None = None  # ("alloc" or "free", kmemtrace type)
 
 
 @dataclass(frozen=True)
@@ -168,10 +183,20 @@ def _require(
 
 
 def _probe(origin: str, raw: Mapping[str, Any]) -> ProbeSpec:
-    _require(origin, raw, ("provider", "name", "source", "fires", "meaning", "args"), ("manual",))
+    _require(
+        origin, raw, ("provider", "name", "source", "fires", "meaning", "args"),
+        ("manual", "effect", "retry", "setting", "kmemtrace"),
+    )  # fmt: skip
     where = f"{origin}: {raw['provider']}:{raw['name']}"
     if raw["fires"] not in FIRES:
         raise CatalogError(f"{where}: fires must be one of {FIRES}")
+    effect = str(raw.get("effect", ""))
+    if effect and effect not in EFFECTS:
+        raise CatalogError(f"{where}: unknown effect {effect!r}")
+    for key, effects in (("retry", ("retry", "arena_retry")),
+                         ("setting", ("setting", "dynamic_thresholds"))):  # fmt: skip
+        if (key in raw) != (effect in effects):
+            raise CatalogError(f"{where}: {key} goes with effect {' or '.join(effects)}")
     args = []
     for arg in raw["args"]:
         _require(where, arg, ("name", "type", "role"), ("note",))
@@ -186,11 +211,23 @@ def _probe(origin: str, raw: Mapping[str, Any]) -> ProbeSpec:
     return ProbeSpec(
         provider=raw["provider"], name=raw["name"], source=raw["source"], fires=raw["fires"],
         meaning=raw["meaning"], args=tuple(args), manual=raw.get("manual", ""),
+        effect=effect, retry=str(raw.get("retry", "")), setting=str(raw.get("setting", "")),
+        kmemtrace=_kmemtrace(where, raw),
     )  # fmt: skip
 
 
+def _kmemtrace(where: str, raw: Mapping[str, Any]) -> tuple[str, str] | None:
+    if "kmemtrace" not in raw:
+        return None
+    record, _, type_name = str(raw["kmemtrace"]).partition(" ")
+    if record not in ("alloc", "free") or type_name not in KMEMTRACE_TYPES:
+        raise CatalogError(f"{where}: kmemtrace must be 'alloc TYPE' or 'free TYPE', "
+                           f"TYPE one of {sorted(KMEMTRACE_TYPES)}")  # fmt: skip
+    return record, type_name
+
+
 def _tracepoint(origin: str, raw: Mapping[str, Any]) -> TracepointSpec:
-    _require(origin, raw, ("category", "name", "fires", "meaning", "fields"), ())
+    _require(origin, raw, ("category", "name", "fires", "meaning", "fields"), ("kmemtrace",))
     where = f"{origin}: tracepoint {raw['name']}"
     if raw["fires"] not in FIRES:
         raise CatalogError(f"{where}: fires must be one of {FIRES}")
@@ -201,7 +238,10 @@ def _tracepoint(origin: str, raw: Mapping[str, Any]) -> TracepointSpec:
             raise CatalogError(f"{where}: field {f['name']} has unknown role {f['role']!r}")
         type_layout(f["type"])
         fields.append(FieldSpec(f["name"], f["type"], f["role"], bool(f["required"])))
-    return TracepointSpec(raw["category"], raw["name"], raw["fires"], raw["meaning"], tuple(fields))
+    return TracepointSpec(
+        raw["category"], raw["name"], raw["fires"], raw["meaning"], tuple(fields),
+        _kmemtrace(where, raw),
+    )  # fmt: skip
 
 
 # ---- comparing a binary's notes with the catalog ------------------------------

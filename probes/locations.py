@@ -33,7 +33,7 @@ from .sdt_notes import SdtSite
 
 
 class ArgKind(IntEnum):
-    """Must match enum arg_kind in bpf/trace.bpf.c."""
+    """enum arg_kind in bpf/records.h (tests/unit/test_record_layout.py compares them)."""
 
     UNREADABLE = 0
     CONST = 1

@@ -12,13 +12,19 @@ import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
+from mtrace_live.exporters.data.errors import (
+    AttachError,
+    BccUnavailableError,
+    NotPrivilegedError,
+    TracepointMissingError,
+)
+from mtrace_live.exporters.data.sink import ProcessHits
 from mtrace_live.probes import bpf_source
 
 from .bpf_syscalls import BatchReader
-from .errors import AttachError, BccUnavailableError, NotPrivilegedError, TracepointMissingError
 
 TRACEFS_ROOTS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
 
@@ -87,6 +93,15 @@ def import_bcc() -> Any:
     return bcc
 
 
+def bcc_version() -> str:
+    """The bcc bindings' version, or "unknown"."""
+    try:
+        import bcc
+    except ImportError:
+        return "unknown"
+    return str(getattr(bcc, "__version__", "unknown"))
+
+
 def _pass_ref_ctr_offset(lib: Any) -> None:
     """Make bcc's Python bindings pass bpf_attach_uprobe's 7th argument.
 
@@ -111,13 +126,6 @@ def _pass_ref_ctr_offset(lib: Any) -> None:
     lib.bpf_attach_uprobe = attach_uprobe
 
 
-class ProcessHits(NamedTuple):
-    tgid: int
-    probe: int  # slot
-    hits: int
-    comm: str
-
-
 class BpfProgram:
     """A compiled and attached bcc program built from one bundled .bpf.c file."""
 
@@ -127,6 +135,9 @@ class BpfProgram:
         bcc = import_bcc()
         src = bpf_source(name)
         cflags = [f"-D{key}={value}" for key, value in (defines or {}).items()]
+        # bcc compiles the file as /virtual/main.c: its own headers (records.h)
+        # are found through the file's directory.
+        cflags.append(f"-I{src.parent}")
         # Two warnings every kernel header of 6.x raises under bcc's clang;
         # they say nothing about mtrace-live's own C.
         cflags += ["-Wno-duplicate-decl-specifier", "-Wno-ignored-attributes"]

@@ -22,9 +22,9 @@ import platform
 import struct
 import sys
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
+from mtrace_live.exporters.data.sink import RunStats
 
 SYS_BPF = {"x86_64": 321, "aarch64": 280, "riscv64": 280, "ppc64le": 361, "s390x": 351}
 BPF_PROG_GET_NEXT_ID = 11
@@ -105,12 +105,6 @@ def enable_run_time_stats() -> int | None:
     attr = ctypes.create_string_buffer(int(BPF_STATS_RUN_TIME).to_bytes(4, sys.byteorder), 8)
     fd = _bpf(BPF_ENABLE_STATS, attr)
     return fd if fd >= 0 else None
-
-
-class RunStats(NamedTuple):
-    run_time_ns: int  # counted only while statistics are enabled
-    run_cnt: int
-    misses: int  # runs skipped: another BPF program, or a map syscall, was active on that CPU
 
 
 def run_stats(prog_fd: int) -> RunStats | None:

@@ -11,9 +11,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mtrace_live.probes.records import KMEM_EVENTS
+
 from . import usdt
 from .bpf_backend import BpfProgram, require_privileges, tracepoint_format
-from .kmem import KMEM_EVENTS
 from .tracefs import kmem_defines
 
 

@@ -12,10 +12,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from mtrace_live.exporters.data.errors import (
+    MtraceError,
+    NotPrivilegedError,
+    TracepointMissingError,
+)
 from mtrace_live.probes.catalog import Catalog
 
 from . import bpf_backend
-from .errors import MtraceError, NotPrivilegedError, TracepointMissingError
 from .probe_listing import no_probes_error
 from .target import read_file_sites
 from .tracefs import parse_format

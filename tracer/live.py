@@ -1,11 +1,11 @@
-"""The live trace: attach, stream events into the model and the output, end
-cleanly, summarise.
+"""The live trace: attach, stream events to the sinks, end cleanly.
 
-``run_trace`` serves ``mtrace-live --pid N``, ``--all`` and ``run -- CMD``.
-The loop polls the ring buffer's file descriptor (and a pidfd for the
-target), reads everything committed in one bulk copy per wake-up, and hands
-the batch to the allocator model and the output sink. At the end the handlers' gate
-is closed first, then the ring is drained and the counters read, so that for
+``run_trace`` serves ``mtrace-live --pid N``, ``--all``, ``run -- CMD``,
+``record`` and ``serve``. The loop polls the ring buffer's file descriptor
+(and a pidfd for the target), reads everything committed in one bulk copy
+per wake-up, and hands the batch to every sink in turn (exporters/data/sink.py):
+the allocator model first, then the outputs. At the end the handlers' gate is
+closed first, then the ring is drained and the counters read, so that for
 every probe kernel count = delivered + lost holds exactly. (Detaching the
 uprobes comes last: the kernel takes about 0.1 s per site to unregister one.)
 """
@@ -20,32 +20,36 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
 import numpy as np
-from mtrace_live.exporters.kmemtrace import (
-    ALLOC_TASK_RECORD,
-    FREE_TASK_RECORD,
-    LIBC_ALLOCS,
-    LIBC_FREES,
-    PROBE_TASK_RECORD,
-    KmemtraceWriter,
+from mtrace_live.exporters import registry
+from mtrace_live.exporters.data.errors import (
+    MtraceError,
+    NotPrivilegedError,
+    OutputClosedError,
+    TargetError,
+    TargetExecError,
+)
+from mtrace_live.exporters.data.events import Event, EventDecoder
+from mtrace_live.exporters.data.sink import (
+    EventBatch,
+    KmemResult,
+    Sink,
+    TraceInfo,
+    TraceResult,
 )
 from mtrace_live.probes.catalog import load_catalog
+from mtrace_live.probes.records import EVENT_DTYPE, EventKind
 
 from . import bpf_syscalls, package_version, target, usdt
-from .bpf_backend import BpfProgram, require_privileges, tracepoint_format
-from .errors import MtraceError, OutputClosedError, TargetError, TargetExecError
-from .events import EVENT_DTYPE, Event, EventDecoder, EventKind
-from .kallsyms import saved_text
-from .kmem import KmemTotals, read_kernel_totals
+from .bpf_backend import BpfProgram, bcc_version, require_privileges, tracepoint_format
+from .counters import BpfCounters, read_kernel_totals
 from .launch import GatedCommand
 from .model import AllocatorModel
-from .output import Sink, make_sink
 from .ringbuf import RingReader
-from .sprtrace_writer import SpRtraceWriter
 from .tracefs import kmem_defines
 
 # Events handled between two looks at signals and deadlines: about 0.1 s of
@@ -70,56 +74,34 @@ class TraceRequest:
     interval: float = 1.0
     kmem: bool = False  # the kmem tracepoints too, aggregated per call site
     libc_probes: bool = True  # False: the kmem tracepoints only
-    kmemtrace: Path | None = None  # write kmemtrace records here (implies kmem)
+    # File outputs (exporters/registry.py: FILE_OUTPUTS) -> where each writes.
+    files: tuple[tuple[str, Path], ...] = ()
     comm: str | None = None  # trace the processes with this kernel name (serve)
     cgroup: str | None = None  # trace the tasks of this cgroup v2 and below (serve)
     end_with_target: bool = True  # False: go on after a --pid target exits (serve)
-    sp_rtrace: Path | None = None  # write an sp-rtrace text report here while tracing
     stack_depth: int = 0  # > 0: a user (and kernel, for kmem) stack on each event
     stack_entries: int = 16384  # distinct stacks the BPF stack map holds
+    bpf_stats: bool = False  # have the kernel count the handlers' run time (serve --bpf-stats)
 
     @property
     def filtered_by_pid(self) -> bool:
         """The ``followed`` table decides (--pid, COMMAND, --comm)."""
         return not self.all_processes and self.cgroup is None
 
-
-@dataclass
-class KmemResult:
-    totals: KmemTotals
-    delivered: int
-    lost: int
-    records_written: int = 0
-    overrun_bytes: int = 0
-    directory: Path | None = None
-
-
-@dataclass
-class TraceResult:
-    """What the trace saw; ``exit_code`` is the command's, for ``run``."""
-
-    probes: tuple[str, ...]
-    kernel_hits: dict[str, int]
-    lost: dict[str, int]
-    delivered: int
-    lost_lifecycle: int
-    per_process: dict[int, dict[str, int]]
-    duration_s: float
-    model: AllocatorModel
-    exit_code: int | None = None
-    ended_by: str = ""
-    unreadable: list[str] = field(default_factory=list)
-    kmem: KmemResult | None = None
-    missed: dict[str, int] = field(default_factory=dict)  # handler runs the kernel skipped
-    stacks_lost: tuple[int, int] = (0, 0)  # user, kernel stacks the stack map did not store
+    @property
+    def kernel_records(self) -> bool:
+        """A file output wants each kmem event through the ring."""
+        return any(registry.file_output(name).kernel_records for name, _ in self.files)
 
     @property
-    def total_hits(self) -> int:
-        return sum(self.kernel_hits.values())
+    def with_kmem(self) -> bool:
+        """The kmem tracepoints are attached: asked for, needed by a file
+        output, or all there is (no libc probes)."""
+        outputs = any(registry.file_output(name).kmem for name, _ in self.files)
+        return self.kmem or outputs or not self.libc_probes
 
-    @property
-    def total_lost(self) -> int:
-        return sum(self.lost.values())
+    def file(self, name: str) -> Path | None:
+        return next((path for output, path in self.files if output == name), None)
 
 
 class _Stop:
@@ -163,19 +145,24 @@ def _pidfd(pid: int) -> int | None:
 
 
 class LiveTrace:
-    """One attached program, its ring buffer and its consumers."""
+    """One attached program, its ring buffer and its sinks."""
 
-    def __init__(self, request: TraceRequest, libc: Path) -> None:
+    def __init__(
+        self, request: TraceRequest, libc: Path, make_sinks: Callable[[], list[Sink]]
+    ) -> None:
+        """``make_sinks`` runs once the probes are chosen and root is
+        confirmed, before the program is built: an output that cannot be
+        written fails there, before anything attaches."""
         self.request = request
         if request.libc_probes:
             self.selection = usdt.choose(libc, request.patterns)  # no-probe errors before root
         else:
             self.selection = usdt.ProbeSelection(libc, (), (), {})
         require_privileges()
-        self.kmem = request.kmem or request.kmemtrace is not None or not request.libc_probes
+        self.kmem = request.with_kmem
         catalog = load_catalog()
-        infos = self.selection.site_infos(catalog)
-        self.decoder = EventDecoder(infos)
+        self.sites = tuple(self.selection.site_infos(catalog))
+        self.decoder = EventDecoder(self.sites)
         main_arena = self.selection.symbol("main_arena")
         site_addresses = [lay.site.address for lay in self.selection.layouts]
 
@@ -185,6 +172,7 @@ class LiveTrace:
             return event.ip - site_addresses[site] + main_arena
 
         self.model = AllocatorModel(self.decoder, self.selection.probes, main_arena_of)
+        self.sinks: list[Sink] = [self.model, *make_sinks()]
         defines = {
             "FILTER_PIDS": int(request.filtered_by_pid),
             "FOLLOW_FORKS": int(request.follow_forks or request.comm is not None),
@@ -192,7 +180,7 @@ class LiveTrace:
             "RINGBUF_PAGES": request.buffer_pages,
             **usdt.site_defines(self.selection),
             "WITH_KMEM": int(self.kmem),
-            "KMEM_EVENTS": int(request.kmemtrace is not None or request.sp_rtrace is not None),
+            "KMEM_EVENTS": int(request.kernel_records),
             "PAGE_SHIFT_": mmap.PAGESIZE.bit_length() - 1,
             "WITH_STACKS": int(request.stack_depth > 0),
             "STACK_DEPTH": max(request.stack_depth, 1),
@@ -206,19 +194,14 @@ class LiveTrace:
             defines.update({"FILTER_CGROUP": 1, "CGROUP_ID": cgroup_id, "CGROUP_LEVEL": level})
         if self.kmem:
             defines.update(kmem_defines(tracepoint_format))
-        self.writer: KmemtraceWriter | None = None
-        if request.kmemtrace is not None:
-            self.writer = KmemtraceWriter(request.kmemtrace, self.selection.probes, saved_text())
-        self.sp_rtrace: SpRtraceWriter | None = None
-        if request.sp_rtrace is not None:
-            self.sp_rtrace = SpRtraceWriter(
-                request.sp_rtrace, self.selection, self.kmem, package_version()
-            )
-            if request.command:
-                self.sp_rtrace.process = Path(request.command[0]).name
-        self.program = BpfProgram("trace", defines)
-        if self.sp_rtrace is not None and request.stack_depth:
-            self.sp_rtrace.use_stacks(self.program.stack, request.stack_depth)
+        stats_fd = bpf_syscalls.enable_run_time_stats() if request.bpf_stats else None
+        if request.bpf_stats and stats_fd is None and not bpf_syscalls.sysctl_enabled():
+            raise NotPrivilegedError("--bpf-stats: this kernel refused to count BPF run time")
+        try:
+            self.program = BpfProgram("trace", defines)
+        except BaseException:
+            bpf_syscalls.close(stats_fd)
+            raise
         try:
             usdt.attach(self.program, self.selection)
             self.program.set_gate(True)
@@ -227,155 +210,194 @@ class LiveTrace:
             )
         except BaseException:
             self.program.close()
+            bpf_syscalls.close(stats_fd)
             raise
+        self.counters = BpfCounters(
+            self.program,
+            self.selection.probes,
+            [layout.site.name for layout in self.selection.layouts],
+            libc=request.libc_probes,
+            kmem=self.kmem,
+            filtered_by_pid=request.filtered_by_pid,
+            stats_fd=stats_fd,
+        )
+
+    def info(self, pid: int | None) -> TraceInfo:
+        request = self.request
+        return TraceInfo(
+            probes=tuple(self.selection.probes),
+            sites=self.sites,
+            site_addresses=tuple(layout.site.address for layout in self.selection.layouts),
+            libc=self.selection.libc if request.libc_probes else None,
+            counters=self.counters,
+            allocators=self.model.state,
+            pid=pid,
+            command=request.command,
+            all_processes=request.all_processes,
+            filtered_by_pid=request.filtered_by_pid,
+            kmem=self.kmem,
+            kmem_records=request.kernel_records and self.kmem,
+            interval=request.interval,
+            stack_depth=request.stack_depth,
+            tracepoints=sum(
+                1 for name in self.program.program_fds() if name.startswith("tracepoint__")
+            ),
+            version=package_version(),
+            bcc_version=bcc_version(),
+        )
 
     def follow(self, pid: int) -> None:
         self.program.follow([pid])
-        if self.sp_rtrace is not None and not self.sp_rtrace.pid:
-            self.sp_rtrace.pid = pid
 
     more_waiting = False  # the last read left events in the ring
-    delivered = 0  # probe events read from the ring (exec/exit ones not counted)
-    kmem_delivered = 0
-    _overrun_bytes = 0
-    _lost_events = 0
 
-    def drain(self, once: bool = False) -> Iterator[np.ndarray]:
-        """Batches of libc events; kmem events go to the record writer here.
-        Until the ring is empty, or with ``once`` one batch of at most
-        LOOP_BATCH events: while tracing, events may come faster than a sink
-        writes them, and the loop must still get to its signals and
-        deadlines soon (a stop then flushes the rest)."""
+    def drain(self, once: bool = False) -> Iterator[EventBatch]:
+        """Batches of events, until the ring is empty, or with ``once`` one
+        batch of at most LOOP_BATCH events: while tracing, events may come
+        faster than a sink writes them, and the loop must still get to its
+        signals and deadlines soon (a stop then flushes the rest)."""
         while True:
-            batch = self.reader.read(LOOP_BATCH if once else None)
-            self.more_waiting = len(batch) >= LOOP_BATCH
-            if len(batch) == 0:
+            records = self.reader.read(LOOP_BATCH if once else None)
+            self.more_waiting = len(records) >= LOOP_BATCH
+            if len(records) == 0:
                 return
-            self.delivered += int(np.count_nonzero(batch["kind"] == EventKind.PROBE))
-            if self.writer is not None:
-                self.writer.write(batch, EventKind.KMEM, EventKind.PROBE)
-            if self.sp_rtrace is not None:
-                self.sp_rtrace.write(batch, EventKind.KMEM, EventKind.PROBE)
+            kinds = records["kind"]
+            self.counters.delivered += int(np.count_nonzero(kinds == EventKind.PROBE))
             if self.kmem:
-                kmem_rows = batch["kind"] == EventKind.KMEM
-                self.kmem_delivered += int(np.count_nonzero(kmem_rows))
-                batch = batch[~kmem_rows]
-            yield batch
+                self.counters.kmem_delivered += int(np.count_nonzero(kinds == EventKind.KMEM))
+            yield EventBatch(records, self.decoder)
             if once:
                 return
 
     def result(self, started: float, ended_by: str, exit_code: int | None) -> TraceResult:
-        totals = self.program.percpu_array_totals("hits")
-        lost = self.program.percpu_array_totals("lost")
+        counters = self.counters.read()
         names = self.selection.probes
         kmem = None
         if self.kmem:
             kernel = read_kernel_totals(self.program)
-            kmem = KmemResult(kernel, self.kmem_delivered, kernel.lost_allocs + kernel.lost_frees)
-            if self.writer is not None:
-                kmem.records_written = self.writer.records
-                kmem.directory = self.writer.directory
-                kmem.overrun_bytes = (
-                    kernel.lost_allocs * ALLOC_TASK_RECORD.itemsize
-                    + kernel.lost_frees * FREE_TASK_RECORD.itemsize
-                    + sum(lost[slot] * _record_size(name) for slot, name in enumerate(names))
-                )
-                self._overrun_bytes = kmem.overrun_bytes
-        self._lost_events = sum(lost) + (kmem.lost if kmem is not None else 0)
+            kmem = KmemResult(
+                kernel, self.counters.kmem_delivered, kernel.lost_allocs + kernel.lost_frees
+            )
         per_process: dict[int, dict[str, int]] = {}
         for row in self.program.process_hits():
             if row.probe < len(names):
                 per_process.setdefault(row.tgid, {})[names[row.probe]] = row.hits
         return TraceResult(
             probes=names,
-            kernel_hits={name: totals[slot] for slot, name in enumerate(names)},
-            lost={name: lost[slot] for slot, name in enumerate(names)},
-            delivered=self.delivered,
-            lost_lifecycle=self.program.percpu_array_totals("lost_lifecycle")[0]
-            if self.request.filtered_by_pid
-            else 0,
+            kernel_hits=dict(counters.probe_hits),
+            lost=dict(counters.probe_lost),
+            delivered=counters.delivered,
+            lost_lifecycle=counters.lost_lifecycle,
             per_process=per_process,
             duration_s=time.monotonic() - started,
-            model=self.model,
+            model=self.model.state,
             exit_code=exit_code,
             ended_by=ended_by,
             unreadable=self.selection.unreadable(),
-            missed={label: s.misses for label, s in self.program_stats().items() if s.misses},
-            stacks_lost=self.stacks_lost(),
+            missed={label: s.misses for label, s in counters.runs.items() if s.misses},
+            stacks_lost=self.counters.stacks_lost(self.request.stack_depth > 0),
             kmem=kmem,
         )
 
-    def stacks_lost(self) -> tuple[int, int]:
-        if not self.request.stack_depth:
-            return (0, 0)
-        user, kernel = self.program.percpu_array_totals("stack_errors")
-        return user, kernel
-
-    def program_stats(self) -> dict[str, bpf_syscalls.RunStats]:
-        """What the kernel counted for each handler, summed by what it
-        traces: ``usdt:PROBE`` (over the probe's sites), ``tracepoint:CAT:NAME``."""
-        layouts = self.selection.layouts
-        totals: dict[str, bpf_syscalls.RunStats] = {}
-        for name, fd in self.program.program_fds().items():
-            if name.startswith("site_"):
-                index = int(name[5:])
-                label = f"usdt:{layouts[index].site.name}" if index < len(layouts) else name
-            elif name.startswith("tracepoint__"):
-                label = "tracepoint:" + name[len("tracepoint__") :].replace("__", ":", 1)
-            else:
-                label = name
-            stats = bpf_syscalls.run_stats(fd)
-            if stats is not None:
-                before = totals.get(label, bpf_syscalls.RunStats(0, 0, 0))
-                totals[label] = bpf_syscalls.RunStats(
-                    *(a + b for a, b in zip(before, stats, strict=True))
-                )
-        return totals
-
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close(self._overrun_bytes)
-            self.writer = None
-        if self.sp_rtrace is not None:
-            self.sp_rtrace.close(self._lost_events, sum(self.stacks_lost()))
-            self.sp_rtrace = None
         self.reader.close()
+        self.counters.close()
         self.program.close()
 
 
-def _record_size(probe: str) -> int:
-    """The kmemtrace record a libc probe's event becomes."""
-    if probe in LIBC_ALLOCS:
-        return ALLOC_TASK_RECORD.itemsize
-    if probe in LIBC_FREES:
-        return FREE_TASK_RECORD.itemsize
-    return PROBE_TASK_RECORD.itemsize
+class Fanout:
+    """The sinks, in order. An output whose reader went away (EPIPE) gets
+    no more batches, and the trace ends with OutputClosedError; the others
+    (the model, the files) get every batch to the end."""
+
+    def __init__(self, sinks: list[Sink]) -> None:
+        self.sinks = sinks
+        self.open = list(sinks)
+        self.closed: OutputClosedError | None = None
+
+    def start(self, info: TraceInfo) -> None:
+        for sink in self.sinks:
+            sink.start(info)
+
+    def consume(self, batch: EventBatch) -> None:
+        for sink in list(self.open):
+            try:
+                sink.consume(batch)
+            except BrokenPipeError:
+                self.open.remove(sink)
+                if self.closed is None:
+                    self.closed = OutputClosedError(
+                        f"the output was closed after {sink.written} events"
+                    )
+                    _silence_stdout()
+
+    def tick(self) -> None:
+        for sink in self.open:
+            sink.tick()
+
+    def finish(self, result: TraceResult) -> None:
+        for sink in self.sinks:
+            sink.finish(result)
+
+
+def default_sinks(request: TraceRequest) -> list[Sink]:
+    """The file outputs asked for, then the stream on standard output."""
+    files = [registry.file_sink(name, path) for name, path in request.files]
+    return [*files, registry.stream(request.output)]
+
+
+def announce(trace: LiveTrace, pid: int | None) -> None:
+    """Say that tracing has begun, as bpftrace says "Attaching N probes"."""
+    request = trace.request
+    if request.comm is not None:
+        whom = f"the processes named {request.comm}"
+    elif request.cgroup is not None:
+        whom = f"cgroup {request.cgroup}"
+    elif request.all_processes:
+        whom = "every process mapping it" if request.libc_probes else "every process"
+    elif request.command:
+        whom = f"command pid {pid}" + (" and its children" if request.follow_forks else "")
+    else:
+        whom = f"pid {pid}" + (" and its children" if request.follow_forks else "")
+    what = []
+    if request.libc_probes:
+        what.append(f"{len(trace.selection.probes)} probes ({len(trace.selection.layouts)} "
+                    f"sites) in {trace.selection.libc}")  # fmt: skip
+    if trace.kmem:
+        what.append("the kmem tracepoints")
+    records = request.file("kmemtrace")
+    if records is not None:
+        what[-1] += f", records to {records}"
+    print(
+        f"mtrace-live: tracing {' and '.join(what)} for {whom}; Ctrl-C to stop",
+        file=sys.stderr,
+        flush=True,
+    )
+    for line in trace.selection.unreadable():
+        print(f"mtrace-live: warning: argument not recorded: {line}", file=sys.stderr)
 
 
 def run_trace(
     request: TraceRequest,
-    sink: Sink | None = None,
-    attached: Callable[[LiveTrace, Sink], Sink] | None = None,
+    make_sinks: Callable[[], list[Sink]] | None = None,
+    before_start: Callable[[], None] | None = None,
 ) -> TraceResult:
-    """``attached``, when given, runs once the programs are attached and
-    returns the sink to use (the metrics exporter wraps the output there)."""
+    """Trace until the target ends, a signal, or the duration. ``make_sinks``
+    gives the outputs (by default those ``request`` names: its file outputs
+    and its stream); ``before_start`` runs once everything is attached,
+    before the sinks start (``serve`` gives up root there)."""
     libc, argv = usdt.resolve_libc(request.pid, request.command, request.lib, request.sdt_glibc)
     child = GatedCommand(argv) if argv is not None else None
     trace: LiveTrace | None = None
     try:
-        trace = LiveTrace(request, libc)
-        sink = sink or make_sink(request.output)
-        if attached is not None:
-            sink = attached(trace, sink)
+        trace = LiveTrace(request, libc, make_sinks or (lambda: default_sinks(request)))
     except BaseException:
         if child is not None:
             child.abandon()  # the command never ran
-        if trace is not None:
-            trace.close()
         raise
     try:
         with _Stop().installed() as stop:
-            return _loop(trace, request, child, stop, sink)
+            return _loop(trace, request, child, stop, before_start)
     finally:
         trace.close()
 
@@ -385,7 +407,7 @@ def _loop(
     request: TraceRequest,
     child: GatedCommand | None,
     stop: _Stop,
-    sink: Sink,
+    before_start: Callable[[], None] | None,
 ) -> TraceResult:
     target_pid = child.pid if child is not None else request.pid
     if target_pid is not None:
@@ -402,7 +424,11 @@ def _loop(
         poller.register(pidfd, select.POLLIN)
     started = time.monotonic()
     deadline = started + request.duration if request.duration else None
-    sink.start(trace, target_pid)
+    sinks = Fanout(trace.sinks)
+    announce(trace, target_pid)
+    if before_start is not None:
+        before_start()
+    sinks.start(trace.info(target_pid))
     if child is not None:
         child.release()
     ended_by = ""
@@ -417,10 +443,11 @@ def _loop(
                 with contextlib.suppress(BlockingIOError):
                     os.read(stop.fd, 512)  # the signal's byte; its handler set stop.signal
             for batch in trace.drain(once=True):
-                trace.model.consume(batch)
-                sink.consume(batch)
-                failure = failure or _exec_failure(request, batch)
-            if failure is not None:
+                sinks.consume(batch)
+                failure = failure or _exec_failure(request, batch.records)
+            if sinks.closed is not None:
+                ended_by = "output closed"
+            elif failure is not None:
                 ended_by = "exec"
             elif pidfd is not None and pidfd in ready:
                 if request.end_with_target:
@@ -433,11 +460,7 @@ def _loop(
                 ended_by = signal.Signals(stop.signal).name
             elif deadline is not None and time.monotonic() >= deadline:
                 ended_by = "duration"
-            sink.tick()
-    except BrokenPipeError:
-        ended_by = "output closed"
-        failure = OutputClosedError(f"the output was closed after {sink.written} events")
-        _silence_stdout()
+            sinks.tick()
     finally:
         trace.program.set_gate(False)
         time.sleep(GATE_SETTLE_S)  # a handler past the gate finishes its record
@@ -450,15 +473,11 @@ def _loop(
         if pidfd is not None:
             os.close(pidfd)
     for batch in trace.drain():  # everything committed before the detach
-        trace.model.consume(batch)
-        if failure is None:
-            try:
-                sink.consume(batch)
-            except BrokenPipeError:
-                failure = OutputClosedError(f"the output was closed after {sink.written} events")
-                _silence_stdout()
+        sinks.consume(batch)
     result = trace.result(started, ended_by, exit_code)
-    sink.finish(result)
+    sinks.finish(result)
+    if sinks.closed is not None:
+        raise sinks.closed
     if failure is not None:
         raise failure
     return result

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mtrace_live.exporters.data.errors import NoProbesError
 from mtrace_live.probes import sdt_notes
 from mtrace_live.probes.catalog import Catalog, Comparison, compare, parse_note_arg
 
-from .errors import NoProbesError
 from .target import read_file_sites
 
 

@@ -12,10 +12,9 @@ import mmap
 from dataclasses import dataclass, field
 
 import numpy as np
+from mtrace_live.exporters.data.kallsyms import KernelSymbols
+from mtrace_live.exporters.data.kmem import CallSite, KmemTotals, name_sites
 from mtrace_live.exporters.kmemtrace import KERNEL_TYPES, EventId, RecordSet, TypeId
-
-from .kallsyms import KernelSymbols
-from .kmem import CallSite, KmemTotals, name_sites
 
 PAGE_SIZE = mmap.PAGESIZE  # of the recording machine, assumed the same
 

@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import TargetError
+from mtrace_live.exporters.data.errors import TargetError
+
 from .target import default_libc
 
 DEFAULT_CACHE = Path("/var/cache/mtrace-live/sdt-glibc")

@@ -14,14 +14,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from mtrace_live.exporters.data.errors import NoMatchingProbeError, NoProbesError, UsageError
+from mtrace_live.exporters.data.events import SiteInfo, site_info
 from mtrace_live.probes.catalog import Catalog
 from mtrace_live.probes.locations import SiteLayout, layout_sites, rip_symbols, symbol_addresses
+from mtrace_live.probes.records import MAX_ARGS
 from mtrace_live.probes.sdt_notes import SdtSite
 
 from . import sdt_glibc, target
 from .bpf_backend import BpfProgram
-from .errors import NoMatchingProbeError, NoProbesError, UsageError
-from .events import MAX_ARGS, SiteInfo, site_info
 from .launch import resolve_command
 
 LIBC_PROVIDER = "libc"

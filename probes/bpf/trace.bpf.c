@@ -21,9 +21,11 @@
  * exec's another program; FILTER_CGROUP keeps the tasks whose cgroup v2
  * ancestor at CGROUP_LEVEL has id CGROUP_ID (the cgroup and its children).
  *
- * bcc only rewrites map calls in the main source file, so everything is in
- * this one. */
+ * bcc only rewrites map calls in the main source file, so every map is in
+ * this one; the layouts user space reads are in records.h. */
 #include <uapi/linux/ptrace.h>
+
+#include "records.h"
 
 #ifndef FILTER_PIDS
 #define FILTER_PIDS 1
@@ -94,49 +96,7 @@
 #define MAX_PROC_COUNTERS 65536
 #define MAX_SITES 128
 #define MAX_PROBES MAX_SITES
-#define MAX_ARGS 6
 #define MTRACE_CLONE_THREAD 0x00010000 /* include/uapi/linux/sched.h */
-
-/* Must match tracer/events.py. */
-enum arg_kind {
-    ARG_NONE = 0,     /* not recorded: the note's operand is not understood */
-    ARG_CONST = 1,    /* $value */
-    ARG_REG = 2,      /* %reg */
-    ARG_DEREF_REG = 3, /* value(%reg) */
-    ARG_DEREF_IP = 4, /* memory at (site's ip + value), from sym+off(%rip) */
-};
-
-enum event_kind {
-    EV_PROBE = 0,
-    EV_EXEC = 1, /* a followed process exec'd; args[0] = its pid before exec */
-    EV_EXIT = 2, /* a followed process's group leader exited */
-    EV_KMEM = 3, /* a kmem tracepoint; probe = enum kmem_event */
-};
-
-struct event {
-    u64 ts;       /* bpf_ktime_get_ns(): CLOCK_MONOTONIC */
-    u64 ip;       /* the site's address in the process */
-    u32 tgid;
-    u32 tid;
-    u16 cpu;
-    u16 probe;    /* probe slot, in user space's order */
-    u16 site;
-    u8 kind;      /* enum event_kind */
-    u8 nargs;
-    u64 args[MAX_ARGS]; /* sign- or zero-extended to 64 bits */
-    s32 ustack;   /* stack id in `stacks`, or < 0: none (-errno when the map refused it) */
-    s32 kstack;
-};
-
-struct proc_key {
-    u32 tgid;
-    u32 probe;
-};
-
-struct proc_hit {
-    u64 count;
-    char comm[16]; /* of the thread that hit first: names processes gone before user space looked */
-};
 
 BPF_HASH(followed, u32, u8, MAX_FOLLOWED);
 #if WITH_STACKS
@@ -423,31 +383,6 @@ SITE(120) SITE(121) SITE(122) SITE(123) SITE(124) SITE(125) SITE(126) SITE(127)
  * for its allocating call site. A free of an unknown pointer counts (for the
  * freeing call site) only when the freeing task is traced. */
 #if WITH_KMEM
-enum kmem_event {
-    KM_KMALLOC,
-    KM_KFREE,
-    KM_KMEM_CACHE_ALLOC,
-    KM_KMEM_CACHE_FREE,
-    KM_MM_PAGE_ALLOC,
-    KM_MM_PAGE_FREE,
-    KM_MM_PAGE_FREE_BATCHED,
-    KM_COUNT,
-};
-
-/* kmemtrace type ids (Documentation/ABI/testing/debugfs-kmemtrace). */
-enum kmem_type {
-    KT_KMALLOC = 0,
-    KT_CACHE = 1,
-    KT_PAGES = 2,
-};
-
-enum kmem_misc {
-    KX_OBJECTS_UNTRACKED, /* live_objects was full */
-    KX_SITES_DROPPED,     /* kmem_sites was full */
-    KX_LOST_ALLOCS,       /* allocation events the ring had no room for */
-    KX_LOST_FREES,        /* free events the ring had no room for */
-    KX_COUNT,
-};
 
 #define CACHE_NAME_LEN 32
 #define MAX_ORDER_SLOTS 16
@@ -456,36 +391,11 @@ struct cache_key {
     char name[CACHE_NAME_LEN];
 };
 
-struct site_key {
-    u64 call_site;
-    u32 type;
-    u32 pad;
-};
-
-/* Must match tracer/kmem.py. */
-struct site_stats {
-    u64 allocs;
-    u64 bytes_req;
-    u64 bytes_alloc;
-    u64 failed;           /* allocations that returned NULL */
-    u64 cross_node;       /* allocations asked of another NUMA node */
-    u64 frees;            /* of this site's objects, matched by pointer */
-    u64 bytes_freed;
-    u64 cross_cpu_frees;  /* freed on another CPU than allocated on */
-    u64 mismatched_frees; /* kfree of a cache object, or the reverse */
-    u64 unknown_frees;    /* frees at this site of pointers not seen allocated */
-};
-
 struct live_object {
     u64 call_site;
     u64 bytes;
     u32 cpu;
     u32 type;
-};
-
-struct order_stats {
-    u64 allocs;
-    u64 frees;
 };
 
 BPF_PERCPU_ARRAY(kmem_hits, u64, KM_COUNT);
@@ -621,7 +531,6 @@ static __always_inline int on_kmem_free(void *ctx, u32 event, u32 type, u64 call
     kmem_event(ctx, event, type, call_site, ptr, 0, 0, 0, -1, order, 1);
     return 0;
 }
-
 
 /* The allocation tracepoints share their fields; node is the variant's. */
 #define ALLOC_FROM_ARGS(event, type, node)                                                    \

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from mtrace_live.exporters.data.kallsyms import KernelSymbols
 from mtrace_live.exporters.kmemtrace import EventId, RecordSet, TypeId, read_record_set
-from mtrace_live.tracer.kallsyms import KernelSymbols
 from mtrace_live.tracer.report import analyse
 
 from .conftest import MTRACE

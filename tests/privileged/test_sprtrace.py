@@ -10,9 +10,9 @@ import subprocess
 from pathlib import Path
 
 from mtrace_live.exporters import sprtrace
+from mtrace_live.exporters.data.symbolize import ModuleSymbols, ProcessSymbols
 from mtrace_live.exporters.kmemtrace import read_record_set
 from mtrace_live.tracer import sdt_glibc
-from mtrace_live.tracer.symbolize import ModuleSymbols, ProcessSymbols
 
 from .conftest import MTRACE
 from .test_kmemtrace import skipped_runs

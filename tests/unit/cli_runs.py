@@ -14,9 +14,12 @@ import os, sys
 import mtrace_live.tracer.cli as cli
 import mtrace_live.tracer.count_command, mtrace_live.tracer.doctor
 import mtrace_live.tracer.probe_listing, mtrace_live.tracer.target
-import mtrace_live.tracer.live, mtrace_live.tracer.view
+import mtrace_live.tracer.live, mtrace_live.exporters.live_view
+import mtrace_live.exporters.lines, mtrace_live.exporters.summary
 import mtrace_live.probes.catalog as catalog
 catalog.load_catalog()
+for name in cli.COMMANDS:
+    cli.cli.get_command(None, name)
 os.setgroups([]); os.setresgid(65534, 65534, 65534); os.setresuid(65534, 65534, 65534)
 sys.argv = ["mtrace-live", *sys.argv[1:]]
 cli.main()

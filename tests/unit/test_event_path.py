@@ -10,9 +10,10 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from mtrace_live.exporters.data.events import EventDecoder, site_info
 from mtrace_live.probes.locations import ArgKind, ArgLocation, SiteLayout
+from mtrace_live.probes.records import EVENT_DTYPE, EventKind
 from mtrace_live.probes.sdt_notes import SdtSite
-from mtrace_live.tracer.events import EVENT_DTYPE, EventDecoder, EventKind, site_info
 from mtrace_live.tracer.model import AllocatorModel
 from mtrace_live.tracer.ringbuf import BUSY_BIT, RingReader, record_stride
 

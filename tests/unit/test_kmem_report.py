@@ -7,8 +7,8 @@ import struct
 from pathlib import Path
 
 from mtrace_live.exporters.allocinfo import render_allocinfo
+from mtrace_live.exporters.data.kallsyms import KernelSymbols
 from mtrace_live.exporters.kmemtrace import read_record_set
-from mtrace_live.tracer.kallsyms import KernelSymbols
 from mtrace_live.tracer.report import analyse
 from mtrace_live.tracer.tracefs import kmem_defines, parse_format
 
@@ -104,7 +104,7 @@ def test_an_older_kernels_formats_select_the_node_tracepoints() -> None:
                "kmem_cache_alloc_node": OLD_KMALLOC}  # fmt: skip
 
     def read(category: str, event: str) -> str:
-        from mtrace_live.tracer.errors import TracepointMissingError
+        from mtrace_live.exporters.data.errors import TracepointMissingError
 
         if event not in formats:
             raise TracepointMissingError(event)

@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from mtrace_live.tracer.symbolize import ModuleSymbols, ProcessSymbols
+from mtrace_live.exporters.data.symbolize import ModuleSymbols, ProcessSymbols
 
 BUILD = Path(__file__).resolve().parents[2] / "build"
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from mtrace_live.exporters.data.errors import RecordSetError
+from mtrace_live.exporters.data.kallsyms import KernelSymbols
 from mtrace_live.exporters.kmemtrace import TypeId, read_record_set
 from mtrace_live.exporters.kmemtrace_json import json_lines, write_record_set
-from mtrace_live.tracer.errors import RecordSetError
-from mtrace_live.tracer.events import EventKind
-from mtrace_live.tracer.kallsyms import KernelSymbols
+from mtrace_live.probes.records import EventKind
 from mtrace_live.tracer.report import analyse, exact_total
 
 from .cli_runs import assert_one_line, mtrace, mtrace_unprivileged

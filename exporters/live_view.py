@@ -10,30 +10,28 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TYPE_CHECKING
 
-import numpy as np
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from .model import AllocatorModel, ProcessState
-from .output import announce, print_summary, setting_change
-
-if TYPE_CHECKING:
-    from .live import LiveTrace, TraceResult
+from .data.allocator import Allocators, ProcessState
+from .data.sink import EventBatch, Sink, TraceInfo, TraceResult
+from .summary import print_summary, setting_change
 
 SETTINGS_SHOWN = 8
 ARENAS_SHOWN = 12
 
 
-class LiveView:
-    def __init__(self, interval: float = 1.0) -> None:
-        self.interval = interval
-        self.written = 0
-        self._trace: LiveTrace | None = None
-        self._pid: int | None = None
+class LiveView(Sink):
+    """``--output live``: refreshed every ``TraceInfo.interval`` from the
+    kernel's counters and the allocator model's state."""
+
+    def __init__(self, console: Console | None = None) -> None:
+        self.interval = 1.0
+        self._console = console
+        self._info: TraceInfo | None = None
         self._live: Live | None = None
         self._started = 0.0
         self._last = 0.0
@@ -42,35 +40,30 @@ class LiveView:
         self._rates: dict[str, float] = {}
         self._wait_rates: dict[tuple[int, int], float] = {}
 
-    def start(self, trace: LiveTrace, pid: int | None) -> None:
-        self._trace = trace
-        self._pid = pid
-        self.interval = trace.request.interval
-        announce(trace, pid)
+    def start(self, info: TraceInfo) -> None:
+        self._info = info
+        self.interval = info.interval
         self._started = self._last = time.monotonic()
-        self._live = Live(
-            self._render({}, {}), console=Console(file=sys.stdout), screen=True, auto_refresh=False
-        )
+        console = self._console or Console(file=sys.stdout)
+        self._live = Live(self._render({}, {}), console=console, screen=True, auto_refresh=False)
         self._live.start(refresh=True)
 
-    def consume(self, batch: np.ndarray) -> None:
-        self.written += len(batch)
+    def consume(self, batch: EventBatch) -> None:
+        self.written += len(batch.libc)
 
     def tick(self) -> None:
         now = time.monotonic()
-        if self._live is None or self._trace is None or now - self._last < self.interval:
+        if self._live is None or self._info is None or now - self._last < self.interval:
             return
-        program = self._trace.program
-        names = self._trace.selection.probes
-        hits = dict(zip(names, program.percpu_array_totals("hits"), strict=False))
-        lost = dict(zip(names, program.percpu_array_totals("lost"), strict=False))
+        counters = self._info.counters.read()
+        hits, lost = dict(counters.probe_hits), dict(counters.probe_lost)
         elapsed = now - self._last
         self._rates = {
             name: (count - self._previous_hits.get(name, 0)) / elapsed
             for name, count in hits.items()
         }
         self._previous_hits = hits
-        waits = _arena_waits(self._trace.model)
+        waits = _arena_waits(self._info.allocators)
         self._wait_rates = {
             key: (count - self._previous_waits.get(key, 0)) / elapsed
             for key, count in waits.items()
@@ -87,12 +80,10 @@ class LiveView:
     # ---- rendering -----------------------------------------------------------
 
     def _render(self, hits: dict[str, int], lost: dict[str, int]) -> Group:
-        trace = self._trace
+        info = self._info
         up = time.monotonic() - self._started
         total_lost = sum(lost.values())
-        target = (
-            "all processes" if trace is None or trace.request.all_processes else f"pid {self._pid}"
-        )
+        target = "all processes" if info is None or info.all_processes else f"pid {info.pid}"
         header = Text.assemble(
             ("mtrace-live ", "bold"),
             f"{target}  up {up:.0f}s  events {sum(hits.values())}  ",
@@ -100,8 +91,9 @@ class LiveView:
             "  (Ctrl-C to stop)",
         )
         parts: list[RenderableType] = [header, self._probe_table(hits, lost)]
-        if trace is not None:
-            processes = sorted(trace.model.processes.values(), key=lambda p: p.pid)
+        if info is not None:
+            with info.allocators.lock:
+                processes = sorted(info.allocators.processes.values(), key=lambda p: p.pid)
             parts.append(self._arena_table(processes))
             parts.append(self._memory_table(processes))
             parts.append(self._settings_table(processes))
@@ -178,7 +170,7 @@ class LiveView:
         return table
 
 
-def _arena_waits(model: AllocatorModel) -> dict[tuple[int, int], int]:
+def _arena_waits(model: Allocators) -> dict[tuple[int, int], int]:
     return {
         (state.pid, arena.address): arena.reuse_waits + state.arena_lock_waits(arena)
         for state in model.processes.values()

@@ -1,145 +1,37 @@
-"""Where a live trace's events go: plain lines, JSON lines, or the live view;
-and the summary printed when the trace ends."""
+"""The summary printed when a live trace ends: hits and losses per probe,
+each process's allocator (arenas, heaps, sbrk, retries, settings), and the
+kernel's top call sites. ``--output summary`` prints only this."""
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import sys
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Protocol, TextIO
+from typing import TextIO
 
-import numpy as np
-
-from .events import format_value
-from .kallsyms import KernelSymbols
-from .kmem import name_sites
-from .model import ProcessState, SettingChange
-
-if TYPE_CHECKING:
-    from .live import KmemResult, LiveTrace, TraceResult
+from .data.allocator import ProcessState, SettingChange
+from .data.events import format_value
+from .data.kallsyms import KernelSymbols
+from .data.kmem import name_sites
+from .data.sink import KmemResult, Sink, TraceResult
+from .kmem_table import render_table
 
 
-@contextlib.contextmanager
-def signals_held() -> Iterator[None]:
-    """SIGINT and SIGTERM wait until the block ends. A write to a full pipe
-    that a signal interrupts returns short, and Python 3.11's text layer then
-    drops the rest of the batch (seen as megabytes of event lines missing
-    after Ctrl-C); held, the signal only sets the stop flag once the batch is
-    out."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
-class Sink(Protocol):
-    written: int
-
-    def start(self, trace: LiveTrace, pid: int | None) -> None: ...
-    def consume(self, batch: np.ndarray) -> None: ...
-    def tick(self) -> None: ...
-    def finish(self, result: TraceResult) -> None: ...
-
-
-class LineSink:
-    """One line per event on stdout: text columns, or JSON objects."""
-
-    def __init__(self, as_json: bool, stream: TextIO | None = None) -> None:
-        self.as_json = as_json
-        self.stream = stream or sys.stdout
-        self.written = 0
-        self._t0 = 0
-        self._trace: LiveTrace | None = None
-
-    def start(self, trace: LiveTrace, pid: int | None) -> None:
-        self._trace = trace
-        announce(trace, pid)
-        if not self.as_json:
-            self.stream.write(f"{'TIME(s)':>12} {'PID':>7} {'TID':>7} {'CPU':>3} PROBE ARGS\n")
-            self.stream.flush()
-
-    def consume(self, batch: np.ndarray) -> None:
-        assert self._trace is not None
-        events = self._trace.decoder.decode(batch)
-        if not events:
-            return
-        if not self._t0:
-            self._t0 = events[0].ts_ns
-        if self.as_json:
-            lines = [event.as_json() for event in events]
-        else:
-            lines = [event.text(self._t0) for event in events]
-        with signals_held():
-            self.stream.write("\n".join(lines) + "\n")
-            self.stream.flush()
-        self.written += len(events)
-
-    def tick(self) -> None:
-        pass
-
-    def finish(self, result: TraceResult) -> None:
-        print_summary(result, sys.stderr)
-
-
-class SummarySink:
-    """No per-event output: the model is fed, the summary printed at the end."""
-
-    def __init__(self) -> None:
-        self.written = 0
-
-    def start(self, trace: LiveTrace, pid: int | None) -> None:
-        announce(trace, pid)
-
-    def consume(self, batch: np.ndarray) -> None:
-        pass
-
-    def tick(self) -> None:
-        pass
+class SummarySink(Sink):
+    """No per-event output: the summary, on standard output, at the end."""
 
     def finish(self, result: TraceResult) -> None:
         print_summary(result, sys.stdout)
 
 
-def make_sink(output: str) -> Sink:
-    if output == "live":
-        from .view import LiveView
+class StopLine(Sink):
+    """No report at the end, one line on standard error (``serve``)."""
 
-        return LiveView()
-    if output == "summary":
-        return SummarySink()
-    return LineSink(as_json=output == "json")
-
-
-def announce(trace: LiveTrace, pid: int | None) -> None:
-    """Say that tracing has begun, as bpftrace says "Attaching N probes"."""
-    request = trace.request
-    if request.comm is not None:
-        whom = f"the processes named {request.comm}"
-    elif request.cgroup is not None:
-        whom = f"cgroup {request.cgroup}"
-    elif request.all_processes:
-        whom = "every process mapping it" if request.libc_probes else "every process"
-    elif request.command:
-        whom = f"command pid {pid}" + (" and its children" if request.follow_forks else "")
-    else:
-        whom = f"pid {pid}" + (" and its children" if request.follow_forks else "")
-    what = []
-    if request.libc_probes:
-        what.append(f"{len(trace.selection.probes)} probes ({len(trace.selection.layouts)} "
-                    f"sites) in {trace.selection.libc}")  # fmt: skip
-    if trace.kmem:
-        what.append("the kmem tracepoints")
-    if request.kmemtrace is not None:
-        what[-1] += f", records to {request.kmemtrace}"
-    print(
-        f"mtrace-live: tracing {' and '.join(what)} for {whom}; Ctrl-C to stop",
-        file=sys.stderr,
-        flush=True,
-    )
-    for line in trace.selection.unreadable():
-        print(f"mtrace-live: warning: argument not recorded: {line}", file=sys.stderr)
+    def finish(self, result: TraceResult) -> None:
+        print(
+            f"mtrace-live: stopped after {result.duration_s:.1f} s ({result.ended_by or 'ended'}); "
+            f"{result.total_hits} libc probe hits, {result.total_lost} events lost",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def print_summary(result: TraceResult, stream: TextIO) -> None:
@@ -186,8 +78,6 @@ def summary_lines(result: TraceResult) -> list[str]:
 
 
 def kmem_lines(kmem: KmemResult, limit: int = 10) -> list[str]:
-    from mtrace_live.exporters.kmem_table import render_table
-
     totals = kmem.totals
     name_sites(totals.sites, KernelSymbols.load())
     hits = sum(totals.hits.values())

@@ -6,51 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from enum import IntEnum
-from typing import TYPE_CHECKING
+
+from mtrace_live.probes.records import SITE_FIELDS, KmemType
 
 from .kallsyms import KernelSymbols
 
-if TYPE_CHECKING:
-    from .bpf_backend import BpfProgram
-
-# Order matches enum kmem_event in probes/bpf/trace.bpf.c.
-KMEM_EVENTS = (
-    "kmalloc",
-    "kfree",
-    "kmem_cache_alloc",
-    "kmem_cache_free",
-    "mm_page_alloc",
-    "mm_page_free",
-    "mm_page_free_batched",
-)
-KMEM_FREE_EVENTS = frozenset(i for i, name in enumerate(KMEM_EVENTS) if "free" in name)
-
-
-class KmemType(IntEnum):
-    """kmemtrace's type ids (Documentation/ABI/testing/debugfs-kmemtrace)."""
-
-    KMALLOC = 0
-    CACHE = 1
-    PAGES = 2
-
-
 TYPE_NAMES: dict[int, str] = {KmemType.KMALLOC: "kmalloc", KmemType.CACHE: "cache",
                               KmemType.PAGES: "pages"}  # fmt: skip
-
-# struct site_stats in trace.bpf.c, in order.
-SITE_FIELDS = (
-    "allocs",
-    "bytes_req",
-    "bytes_alloc",
-    "failed",
-    "cross_node",
-    "frees",
-    "bytes_freed",
-    "cross_cpu_frees",
-    "mismatched_frees",
-    "unknown_frees",
-)
 
 
 @dataclass
@@ -145,32 +107,6 @@ def sorted_sites(sites: Iterable[CallSite], key: str = "bytes_alloc") -> list[Ca
     if key == "fragmentation":
         return sorted(sites, key=lambda s: (-s.fragmentation, -s.bytes_alloc, s.address))
     return sorted(sites, key=lambda s: (-getattr(s, key), s.address, s.type))
-
-
-def read_kernel_totals(program: BpfProgram) -> KmemTotals:
-    """The in-kernel aggregation of trace.bpf.c (WITH_KMEM)."""
-    sites = [
-        CallSite.with_counts(
-            int(key.call_site), int(key.type), zip(SITE_FIELDS, values, strict=True)
-        )
-        for key, values in program.percpu_struct_totals("kmem_sites")
-    ]
-    orders = {
-        int(key.value): (values[0], values[1])
-        for key, values in program.percpu_struct_totals("page_orders")
-        if values[0] or values[1]
-    }
-    hits = program.percpu_array_totals("kmem_hits")
-    misc = program.percpu_array_totals("kmem_misc")
-    return KmemTotals(
-        sites=sites,
-        page_orders=orders,
-        hits=dict(zip(KMEM_EVENTS, hits, strict=True)),
-        untracked=misc[0],
-        sites_dropped=misc[1],
-        lost_allocs=misc[2],
-        lost_frees=misc[3],
-    )
 
 
 def name_sites(sites: Iterable[CallSite], symbols: KernelSymbols) -> None:

@@ -1,7 +1,7 @@
-"""Event records as the BPF program writes them, and their typed decoding.
+"""Events decoded from the BPF program's records.
 
-Records arrive in batches as numpy structured arrays (``EVENT_DTYPE``, the
-layout of struct event in probes/bpf/trace.bpf.c). Consumers that only count
+Records arrive in batches as numpy structured arrays (``EVENT_DTYPE`` in
+probes/records.py, struct event in probes/bpf/records.h). Consumers that only count
 work on the arrays directly; ``EventDecoder`` turns the rows that need it
 into ``Event`` objects, grouped by site so that signedness and argument
 names are applied per column, not per value.
@@ -12,41 +12,11 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import IntEnum
 
 import numpy as np
 from mtrace_live.probes.catalog import ProbeSpec
 from mtrace_live.probes.locations import SiteLayout
-
-MAX_ARGS = 6  # struct event's args[]
-
-EVENT_DTYPE = np.dtype(
-    [
-        ("ts", "<u8"),
-        ("ip", "<u8"),
-        ("tgid", "<u4"),
-        ("tid", "<u4"),
-        ("cpu", "<u2"),
-        ("probe", "<u2"),
-        ("site", "<u2"),
-        ("kind", "u1"),
-        ("nargs", "u1"),
-        ("args", "<u8", (MAX_ARGS,)),
-        ("ustack", "<i4"),  # stack ids (WITH_STACKS), < 0 for none
-        ("kstack", "<i4"),
-    ]
-)
-assert EVENT_DTYPE.itemsize == 88
-
-
-class EventKind(IntEnum):
-    """Must match enum event_kind in bpf/trace.bpf.c."""
-
-    PROBE = 0
-    EXEC = 1
-    EXIT = 2
-    KMEM = 3  # a kmem tracepoint: probe = enum kmem_event, site = kmemtrace type id
-
+from mtrace_live.probes.records import MAX_ARGS, EventKind
 
 # Roles whose values read best in hex.
 HEX_ROLES = frozenset(

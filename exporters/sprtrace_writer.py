@@ -16,34 +16,37 @@ from pathlib import Path
 from typing import TextIO
 
 import numpy as np
-from mtrace_live.exporters.kmemtrace import KERNEL_TYPES, TypeId, decode_batch
-from mtrace_live.exporters.sprtrace import Trace, lines, map_line
-from mtrace_live.exporters.sprtrace_convert import RecordCalls, header, resources
+from mtrace_live.probes.records import EventKind
 
-from .errors import TargetError
-from .kallsyms import KernelSymbols
-from .symbolize import ProcessSymbols, Symbol, module_symbols
-from .target import process_name
-from .usdt import ProbeSelection
+from .data.errors import TargetError
+from .data.kallsyms import KernelSymbols
+from .data.processes import process_name
+from .data.sink import EventBatch, Sink, TraceInfo, TraceResult
+from .data.symbolize import ProcessSymbols, Symbol, module_symbols
+from .kmemtrace import KERNEL_TYPES, TypeId, decode_batch
+from .sprtrace import Trace, lines, map_line
+from .sprtrace_convert import RecordCalls, header, resources
 
 LIBC_TYPES = (TypeId.SBRK, TypeId.HEAP, TypeId.ARENA)
 
 
-class SpRtraceWriter:
-    def __init__(self, path: Path, selection: ProbeSelection, kmem: bool, version: str) -> None:
-        self.probes = list(selection.probes)
-        self.version = version
+class SpRtraceSink(Sink):
+    """``--sp-rtrace FILE``: the file is created at once (so that a bad path
+    fails before anything attaches), written from the trace's start."""
+
+    def __init__(self, path: Path) -> None:
+        self.probes: list[str] = []
+        self.version = ""
         self.pid = 0  # the target, once known: the header names it
         self.process = ""  # and its name, if known before it runs
         # Probe sites by link-time address: a libc event's site is known
         # exactly, even once its process is gone.
-        self._libc = selection.libc
-        self._site_vaddrs = [layout.site.address for layout in selection.layouts]
+        self._libc: Path | None = None
+        self._site_vaddrs: list[int] = []
         self._site_of: dict[int, int] = {}  # runtime address -> link-time address
-        self._types = [*(KERNEL_TYPES if kmem else ()), *(LIBC_TYPES if self.probes else ())]
+        self._types: list[TypeId] = []
         self._processes: dict[int, ProcessSymbols] = {}
-        self._calls = RecordCalls(self.probes, KernelSymbols.load(), self._user, self._stack)
-        self._calls.process_name = process_name
+        self._calls: RecordCalls | None = None
         self._depth = 1
         self._read_stack: Callable[[int], list[int]] | None = None
         self._stacks: dict[int, list[int]] = {}  # stack id -> addresses (ids are never reused)
@@ -55,6 +58,27 @@ class SpRtraceWriter:
         except OSError as exc:
             raise TargetError(f"cannot write {path}: {exc.strerror}") from None
         self._started = False
+
+    def start(self, info: TraceInfo) -> None:
+        self.probes = list(info.probes)
+        self.version = info.version
+        self.pid = info.pid or 0
+        if info.command:
+            self.process = Path(info.command[0]).name
+        self._libc = info.libc
+        self._site_vaddrs = list(info.site_addresses)
+        self._types = [*(KERNEL_TYPES if info.kmem else ()), *(LIBC_TYPES if self.probes else ())]
+        self._calls = RecordCalls(self.probes, KernelSymbols.load(), self._user, self._stack)
+        self._calls.process_name = process_name
+        if info.stack_depth:
+            self._read_stack, self._depth = info.counters.stack, info.stack_depth
+
+    def consume(self, batch: EventBatch) -> None:
+        self.write(batch.records, EventKind.KMEM, EventKind.PROBE)
+
+    def finish(self, result: TraceResult) -> None:
+        lost = result.total_lost + (result.kmem.lost if result.kmem is not None else 0)
+        self.close(lost, sum(result.stacks_lost))
 
     def _begin(self) -> TextIO:
         assert self._stream is not None
@@ -68,10 +92,6 @@ class SpRtraceWriter:
             for line in lines(trace):
                 self._stream.write(line + "\n")
         return self._stream
-
-    def use_stacks(self, read_stack: Callable[[int], list[int]], depth: int) -> None:
-        """Backtraces from the events' stack ids, read with ``read_stack``."""
-        self._read_stack, self._depth = read_stack, depth
 
     def _stack(self, record: np.void) -> list[tuple[int, bool]]:
         ids = self._stack_ids.get(int(record["seq"]))
@@ -87,7 +107,7 @@ class SpRtraceWriter:
 
     def _user(self, pid: int, address: int) -> Symbol | None:
         vaddr = self._site_of.get(address)
-        if vaddr is not None:  # a libc probe site: the traced libc's own symbols
+        if vaddr is not None and self._libc is not None:  # a libc probe site: its libc's symbols
             libc = module_symbols(self._libc)
             function, offset, location = libc.lookup(vaddr)
             bias = address - vaddr
@@ -103,6 +123,7 @@ class SpRtraceWriter:
 
     def write(self, batch: np.ndarray, kmem_kind: int, probe_kind: int) -> None:
         stream = self._begin()
+        assert self._calls is not None
         probes = batch[batch["kind"] == probe_kind]
         for ip, site in zip(probes["ip"].tolist(), probes["site"].tolist(), strict=True):
             if site < len(self._site_vaddrs):

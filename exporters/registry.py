@@ -1,0 +1,87 @@
+"""Every output a live trace can write, registered once.
+
+A *stream* is what ``--output NAME`` prints on standard output (one at a
+time). A *file output* is an option of its own, ``--NAME VALUE``, that the
+trace commands declare from this table; any number can be given together.
+Each entry names its sink class as "module:Class", imported only when the
+output is used, so ``--help`` loads none of them.
+
+Adding an output: a module in exporters/ with a ``Sink`` subclass
+(exporters/data/sink.py), and one entry here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .data.sink import Sink
+
+
+@dataclass(frozen=True)
+class Stream:
+    """``--output NAME``: the sink is built with no arguments."""
+
+    name: str
+    help: str
+    sink: str  # "module:Class"
+
+
+@dataclass(frozen=True)
+class FileOutput:
+    """``--NAME VALUE``: the sink is built with the value as a Path."""
+
+    name: str
+    metavar: str
+    help: str
+    sink: str  # "module:Class"
+    directory: bool = False  # VALUE names a directory, not a file
+    kmem: bool = False  # turns the kmem tracepoints on (as --kmem does)
+    kernel_records: bool = False  # wants each kmem event in the ring, when they are on
+
+
+STREAMS = (
+    Stream("live", "a top-like view (the default on a terminal)",
+           "mtrace_live.exporters.live_view:LiveView"),
+    Stream("text", "a line per event (the default otherwise)",
+           "mtrace_live.exporters.lines:TextLines"),
+    Stream("json", "JSON lines of events", "mtrace_live.exporters.lines:JsonLines"),
+    Stream("summary", "only the summary at the end", "mtrace_live.exporters.summary:SummarySink"),
+)  # fmt: skip
+
+FILE_OUTPUTS = (
+    FileOutput("kmemtrace", "DIR",
+               "Write kmemtrace records (kernel and libc events) to this new directory.",
+               "mtrace_live.exporters.kmemtrace:KmemtraceSink",
+               directory=True, kmem=True, kernel_records=True),
+    FileOutput("sp-rtrace", "FILE",
+               "Write the allocation events to this file as an sp-rtrace text report.",
+               "mtrace_live.exporters.sprtrace_writer:SpRtraceSink", kernel_records=True),
+)  # fmt: skip
+
+
+def _load(where: str) -> Any:
+    module, _, name = where.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def stream(name: str) -> Sink:
+    for entry in STREAMS:
+        if entry.name == name:
+            sink: Sink = _load(entry.sink)()
+            return sink
+    raise KeyError(name)
+
+
+def file_output(name: str) -> FileOutput:
+    for entry in FILE_OUTPUTS:
+        if entry.name == name:
+            return entry
+    raise KeyError(name)
+
+
+def file_sink(name: str, value: Path) -> Sink:
+    sink: Sink = _load(file_output(name).sink)(value)
+    return sink

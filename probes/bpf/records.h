@@ -1,0 +1,111 @@
+/* The records and table layouts that trace.bpf.c and user space share: the
+ * one definition of each. probes/records.py holds the same layouts as numpy
+ * dtypes and Python enums, and tests/unit/test_record_layout.py parses this
+ * file and compares every field's offset and size, and every enumerator,
+ * with them.
+ *
+ * Only types and constants live here: bcc rewrites map calls only in the
+ * main source file. */
+#ifndef MTRACE_RECORDS_H
+#define MTRACE_RECORDS_H
+
+#define MAX_ARGS 6
+
+/* Where a site's argument lives (probes/locations.py: ArgKind). */
+enum arg_kind {
+    ARG_NONE = 0,      /* not recorded: the note's operand is not understood */
+    ARG_CONST = 1,     /* $value */
+    ARG_REG = 2,       /* %reg */
+    ARG_DEREF_REG = 3, /* value(%reg) */
+    ARG_DEREF_IP = 4,  /* memory at (site's ip + value), from sym+off(%rip) */
+};
+
+enum event_kind {
+    EV_PROBE = 0,
+    EV_EXEC = 1, /* a followed process exec'd; args[0] = its pid before exec */
+    EV_EXIT = 2, /* a followed process's group leader exited */
+    EV_KMEM = 3, /* a kmem tracepoint; probe = enum kmem_event, site = enum kmem_type */
+};
+
+/* One record of the `events` ring buffer. */
+struct event {
+    u64 ts;       /* bpf_ktime_get_ns(): CLOCK_MONOTONIC */
+    u64 ip;       /* the site's address in the process */
+    u32 tgid;
+    u32 tid;
+    u16 cpu;
+    u16 probe;    /* probe slot, in user space's order */
+    u16 site;
+    u8 kind;      /* enum event_kind */
+    u8 nargs;
+    u64 args[MAX_ARGS]; /* sign- or zero-extended to 64 bits */
+    s32 ustack;   /* stack id in `stacks`, or < 0: none (-errno when the map refused it) */
+    s32 kstack;
+};
+
+/* proc_hits: hits per (process, probe slot). */
+struct proc_key {
+    u32 tgid;
+    u32 probe;
+};
+
+struct proc_hit {
+    u64 count;
+    char comm[16]; /* of the thread that hit first: names processes gone before user space looked */
+};
+
+/* The kmem tracepoints, in the order of the kmem_hits array. */
+enum kmem_event {
+    KM_KMALLOC,
+    KM_KFREE,
+    KM_KMEM_CACHE_ALLOC,
+    KM_KMEM_CACHE_FREE,
+    KM_MM_PAGE_ALLOC,
+    KM_MM_PAGE_FREE,
+    KM_MM_PAGE_FREE_BATCHED,
+    KM_COUNT,
+};
+
+/* kmemtrace type ids (Documentation/ABI/testing/debugfs-kmemtrace). */
+enum kmem_type {
+    KT_KMALLOC = 0,
+    KT_CACHE = 1,
+    KT_PAGES = 2,
+};
+
+/* The kmem_misc array. */
+enum kmem_misc {
+    KX_OBJECTS_UNTRACKED, /* live_objects was full */
+    KX_SITES_DROPPED,     /* kmem_sites was full */
+    KX_LOST_ALLOCS,       /* allocation events the ring had no room for */
+    KX_LOST_FREES,        /* free events the ring had no room for */
+    KX_COUNT,
+};
+
+/* kmem_sites: per (call site, type). */
+struct site_key {
+    u64 call_site;
+    u32 type;
+    u32 pad;
+};
+
+struct site_stats {
+    u64 allocs;
+    u64 bytes_req;
+    u64 bytes_alloc;
+    u64 failed;           /* allocations that returned NULL */
+    u64 cross_node;       /* allocations asked of another NUMA node */
+    u64 frees;            /* of this site's objects, matched by pointer */
+    u64 bytes_freed;
+    u64 cross_cpu_frees;  /* freed on another CPU than allocated on */
+    u64 mismatched_frees; /* kfree of a cache object, or the reverse */
+    u64 unknown_frees;    /* frees at this site of pointers not seen allocated */
+};
+
+/* page_orders: per page order. */
+struct order_stats {
+    u64 allocs;
+    u64 frees;
+};
+
+#endif

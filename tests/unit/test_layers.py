@@ -1,0 +1,99 @@
+"""The import graph keeps the layers one-way (docs/architecture.md).
+
+From the top: ``mtrace_live.tracer`` (attach, read, decode, model, the
+commands) -> ``mtrace_live.exporters`` (one module per output) ->
+``mtrace_live.exporters.data`` (the plain data every output receives) ->
+``mtrace_live.probes`` (catalog, ELF notes, BPF C, record layouts). A module
+may import its own layer and the layers below, never one above; no two
+modules may import each other, however indirectly; and bcc is imported in
+one module only.
+"""
+
+from __future__ import annotations
+
+import graphlib
+
+import grimp
+import pytest
+
+LAYERS = (
+    "mtrace_live.tracer",
+    "mtrace_live.exporters",
+    "mtrace_live.exporters.data",
+    "mtrace_live.probes",
+)
+PACKAGES = ("mtrace_live.probes", "mtrace_live.exporters", "mtrace_live.tracer")
+BCC_IMPORTER = "mtrace_live.tracer.bpf_backend"
+
+
+@pytest.fixture(scope="module")
+def graph() -> grimp.ImportGraph:
+    return grimp.build_graph(*PACKAGES, include_external_packages=True)
+
+
+def layer(module: str) -> int:
+    """Index in LAYERS of the most specific layer holding ``module`` (0 = top)."""
+    held = [i for i, name in enumerate(LAYERS) if module == name or module.startswith(name + ".")]
+    return max(held, key=lambda i: len(LAYERS[i]), default=-1)
+
+
+def project_modules(graph: grimp.ImportGraph) -> set[str]:
+    return {m for m in graph.modules if m.split(".")[0] == "mtrace_live" and layer(m) >= 0}
+
+
+def test_every_module_of_the_package_is_in_a_layer(graph: grimp.ImportGraph) -> None:
+    # GIVEN the graph of the installed package
+    modules = project_modules(graph)
+    # THEN it holds every layer, with the modules the layers are known by
+    for name in LAYERS:
+        assert name in modules
+    assert {"mtrace_live.tracer.live", "mtrace_live.exporters.kmemtrace",
+            "mtrace_live.exporters.data.sink", "mtrace_live.probes.records"} <= modules  # fmt: skip
+
+
+def test_no_import_goes_up_a_layer(graph: grimp.ImportGraph) -> None:
+    upward = []
+    for module in sorted(project_modules(graph)):
+        for imported in sorted(graph.find_modules_directly_imported_by(module)):
+            if layer(imported) < 0:
+                continue  # outside the project
+            if layer(imported) < layer(module):
+                upward.append(f"{module} -> {imported}")
+    assert upward == []
+
+
+def test_no_modules_import_each_other(graph: grimp.ImportGraph) -> None:
+    modules = project_modules(graph)
+    sorter = graphlib.TopologicalSorter(
+        {m: graph.find_modules_directly_imported_by(m) & modules for m in modules}
+    )
+    try:
+        sorter.prepare()
+    except graphlib.CycleError as cycle:
+        pytest.fail(f"import cycle: {' -> '.join(cycle.args[1])}")
+
+
+def test_bcc_is_imported_in_one_place(graph: grimp.ImportGraph) -> None:
+    importers = graph.find_modules_that_directly_import("bcc")
+    assert importers == {BCC_IMPORTER}
+
+
+def test_the_checks_see_a_violation() -> None:
+    # GIVEN a graph where an output imports the tracer and the tracer the output
+    toy = grimp.ImportGraph()
+    toy.add_import(importer="mtrace_live.exporters.toy", imported="mtrace_live.tracer.live")
+    toy.add_import(importer="mtrace_live.tracer.live", imported="mtrace_live.exporters.toy")
+    # THEN the import from exporters up into tracer is the one found going up
+    upward = [
+        f"{a} -> {b}"
+        for a in sorted(toy.modules)
+        for b in sorted(toy.find_modules_directly_imported_by(a))
+        if layer(b) < layer(a)
+    ]
+    assert upward == ["mtrace_live.exporters.toy -> mtrace_live.tracer.live"]
+    # AND the two modules form a cycle
+    sorter = graphlib.TopologicalSorter(
+        {m: toy.find_modules_directly_imported_by(m) for m in toy.modules}
+    )
+    with pytest.raises(graphlib.CycleError):
+        sorter.prepare()

@@ -1,0 +1,157 @@
+"""probes/bpf/records.h is the one definition of the records C and Python
+share: each struct's fields, in order, at the offsets and sizes of the numpy
+dtypes in probes/records.py, and each enum's enumerators equal to the Python
+enum's members. The header is parsed with pycparser (after the C
+preprocessor), and the offsets are also asserted to gcc itself."""
+
+from __future__ import annotations
+
+import subprocess
+from enum import IntEnum
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mtrace_live.probes import records
+from mtrace_live.probes.locations import ArgKind
+from pycparser import c_ast, parse_file
+
+# The kernel's fixed-width types, as bcc's headers define them.
+TYPES = {"u8": ("unsigned char", 1), "u16": ("unsigned short", 2), "u32": ("unsigned int", 4),
+         "u64": ("unsigned long long", 8), "s32": ("int", 4), "char": ("char", 1)}  # fmt: skip
+CPP_ARGS = ["-E", *(f"-D{name}={c}" for name, (c, _) in TYPES.items() if name != "char")]
+
+# enum in records.h -> (Python enum, prefix of its enumerators, renamed members)
+ENUMS: dict[str, tuple[type[IntEnum], str, dict[str, str]]] = {
+    "event_kind": (records.EventKind, "EV_", {}),
+    "kmem_event": (records.KmemEvent, "KM_", {}),
+    "kmem_type": (records.KmemType, "KT_", {}),
+    "kmem_misc": (records.KmemMisc, "KX_", {}),
+    "arg_kind": (ArgKind, "ARG_", {"NONE": "UNREADABLE"}),
+}
+
+
+class Field:
+    def __init__(self, name: str, type_name: str, count: int) -> None:
+        self.name, self.type_name, self.count = name, type_name, count
+        self.size = TYPES[type_name][1] * count
+        self.align = TYPES[type_name][1]
+
+
+@pytest.fixture(scope="module")
+def header() -> c_ast.FileAST:
+    path = records.header_path()
+    assert path.is_file()
+    return parse_file(str(path), use_cpp=True, cpp_path="gcc", cpp_args=CPP_ARGS)
+
+
+def structs(ast: c_ast.FileAST) -> dict[str, list[Field]]:
+    found: dict[str, list[Field]] = {}
+    for node in ast.ext:
+        kind = getattr(node, "type", None)
+        if isinstance(kind, c_ast.Struct) and kind.decls:
+            found[kind.name] = [_field(decl) for decl in kind.decls]
+    return found
+
+
+def _field(decl: c_ast.Decl) -> Field:
+    count = 1
+    kind = decl.type
+    if isinstance(kind, c_ast.ArrayDecl):
+        count = int(kind.dim.value)
+        kind = kind.type
+    names = kind.type.names
+    # after the preprocessor, "u64" reads "unsigned long long": map it back
+    spelled = " ".join(names)
+    type_name = next(name for name, (c, _) in TYPES.items() if c == spelled or name == spelled)
+    return Field(decl.name, type_name, count)
+
+
+def layout(fields: list[Field]) -> tuple[dict[str, tuple[int, int]], int]:
+    """Each field's (offset, size) by C's natural alignment, and the struct's size."""
+    offset, align, out = 0, 1, {}
+    for field in fields:
+        offset = -(-offset // field.align) * field.align
+        out[field.name] = (offset, field.size)
+        offset += field.size
+        align = max(align, field.align)
+    return out, -(-offset // align) * align
+
+
+def dtype_layout(dtype: np.dtype) -> dict[str, tuple[int, int]]:
+    assert dtype.fields is not None
+    return {name: (offset, sub.itemsize) for name, (sub, offset) in dtype.fields.items()}
+
+
+def enums(ast: c_ast.FileAST) -> dict[str, dict[str, int]]:
+    found: dict[str, dict[str, int]] = {}
+    for node in ast.ext:
+        kind = getattr(node, "type", None)
+        if isinstance(kind, c_ast.Enum) and kind.values:
+            value, members = -1, {}
+            for item in kind.values.enumerators:
+                value = int(item.value.value) if item.value is not None else value + 1
+                members[item.name] = value
+            found[kind.name] = members
+    return found
+
+
+def test_every_shared_struct_has_a_dtype_with_its_fields_offsets_and_sizes(
+    header: c_ast.FileAST,
+) -> None:
+    # GIVEN the structs the header defines
+    defined = structs(header)
+    # THEN they are exactly the ones probes/records.py lays out
+    assert set(defined) == set(records.LAYOUTS)
+    for name, dtype in records.LAYOUTS.items():
+        fields, size = layout(defined[name])
+        # each field in the same order, at the same offset, of the same size
+        assert list(fields) == list(dtype.names or ()), name
+        assert fields == dtype_layout(dtype), name
+        assert size == dtype.itemsize, name
+    assert records.EVENT_DTYPE["args"].shape == (records.MAX_ARGS,)
+
+
+def test_every_enum_matches_its_python_enum(header: c_ast.FileAST) -> None:
+    defined = enums(header)
+    assert set(defined) == set(ENUMS)
+    for name, (python, prefix, renamed) in ENUMS.items():
+        members = {
+            renamed.get(c_name[len(prefix) :], c_name[len(prefix) :]): value
+            for c_name, value in defined[name].items()
+            if c_name != f"{prefix}COUNT"
+        }
+        assert members == {member.name: member.value for member in python}, name
+        count = defined[name].get(f"{prefix}COUNT")
+        if count is not None:
+            assert count == len(python), name
+    kmem_events = [m[3:].lower() for m in defined["kmem_event"] if m != "KM_COUNT"]
+    assert list(records.KMEM_EVENTS) == kmem_events
+
+
+def test_gcc_agrees_with_the_dtypes(tmp_path: Path) -> None:
+    # GIVEN a C file that asserts every dtype offset and size to the compiler
+    lines = ["#include <stddef.h>", *(f"typedef {c} {n};" for n, (c, _) in TYPES.items()
+             if n != "char"), f'#include "{records.header_path()}"']  # fmt: skip
+    for name, dtype in records.LAYOUTS.items():
+        lines.append(f'_Static_assert(sizeof(struct {name}) == {dtype.itemsize}, "{name}");')
+        for field, (offset, size) in dtype_layout(dtype).items():
+            lines.append(
+                f'_Static_assert(offsetof(struct {name}, {field}) == {offset}, "{name}.{field}");'
+                f'_Static_assert(sizeof(((struct {name} *)0)->{field}) == {size}, "{field}");'
+            )
+    source = tmp_path / "layout.c"
+    source.write_text("\n".join(lines) + "\n")
+    # WHEN gcc compiles it, THEN every assertion holds
+    done = subprocess.run(["gcc", "-fsyntax-only", str(source)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_changed_field_is_seen() -> None:
+    # GIVEN a struct whose first field is 4 bytes wide where the dtype has 8
+    fields = [Field("tgid", "u32", 1), Field("ts", "u64", 1), Field("cpu", "u16", 1)]
+    offsets, size = layout(fields)
+    # THEN the C layout pads it, and it differs from the dtype's
+    assert offsets == {"tgid": (0, 4), "ts": (8, 8), "cpu": (16, 2)} and size == 24
+    dtype = np.dtype([("tgid", "<u8"), ("ts", "<u8"), ("cpu", "<u2")])
+    assert offsets != dtype_layout(dtype)

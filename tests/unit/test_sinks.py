@@ -1,0 +1,283 @@
+"""Each output of a live trace, fed plain data through the sink interface
+(exporters/data/sink.py): no BPF program, no root."""
+
+from __future__ import annotations
+
+import io
+import json
+import urllib.request
+from pathlib import Path
+
+import click
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from mtrace_live.exporters import registry
+from mtrace_live.exporters.data.kallsyms import KernelSymbols
+from mtrace_live.exporters.data.kmem import KmemTotals
+from mtrace_live.exporters.data.sink import KmemResult, ProcessHits, Sink
+from mtrace_live.exporters.kmemtrace import KmemtraceSink, read_record_set
+from mtrace_live.exporters.lines import JsonLines, TextLines
+from mtrace_live.exporters.live_view import LiveView
+from mtrace_live.exporters.prometheus_sink import ExportOptions, PrometheusSink, new_registry
+from mtrace_live.exporters.sprtrace import parse
+from mtrace_live.exporters.sprtrace_writer import SpRtraceSink
+from mtrace_live.exporters.summary import SummarySink
+from mtrace_live.exporters.web import MetricsEndpoint, WebConfig
+from mtrace_live.tracer.commands import options
+from mtrace_live.tracer.live import Fanout
+from mtrace_live.tracer.model import AllocatorModel
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+
+from .sink_fixtures import (
+    PID,
+    PROBES,
+    PlainCounters,
+    batch,
+    kmem_records,
+    probe_records,
+    result,
+    trace_info,
+)
+
+ARENA = 0x7F1234000030
+MAIN = 0x7F12389FEC60
+
+# A short session of one process: an arena made, waited for, contended;
+# sbrk growth, a retry, a setting, a double-free check, mallopt.
+SESSION = [
+    ("memory_arena_new", (ARENA, 1024)),
+    ("memory_arena_reuse_wait", (ARENA, ARENA, 0)),
+    ("lll_lock_wait_private", (ARENA,)),
+    ("lll_lock_wait_private", (ARENA,)),
+    ("lll_lock_wait_private", (MAIN,)),
+    ("memory_sbrk_more", (0x55550000, 135168)),
+    ("memory_malloc_retry", (4096,)),
+    ("memory_mallopt_arena_max", (2, 0)),
+    ("memory_tcache_double_free", (0x5555AAAA, 3)),
+    ("memory_mallopt", (-8, 2)),
+]
+
+
+def model_for(info: object) -> AllocatorModel:
+    from mtrace_live.exporters.data.events import EventDecoder
+
+    model = AllocatorModel(EventDecoder(info.sites), PROBES)  # type: ignore[attr-defined]
+    return model
+
+
+def test_the_model_applies_each_probes_effect_by_argument_name() -> None:
+    # GIVEN the model as the first sink of a trace
+    info = trace_info()
+    model = model_for(info)
+    # WHEN a session's events arrive, kmem events among them
+    records = np.concatenate([probe_records(SESSION), kmem_records(3)])
+    model.consume(batch(records, info))
+    # THEN each probe changed what its catalog effect says
+    state = model.processes[PID]
+    assert state.arenas[ARENA].created_for == 1024
+    assert state.arenas[ARENA].reuse_waits == 1
+    assert state.lock_waits == {ARENA: 2, MAIN: 1}
+    assert state.sbrk_grown == 135168
+    assert dict(state.retries) == {"malloc": 1}
+    assert [(c.setting, c.old, c.new) for c in state.settings] == [
+        ("M_ARENA_MAX", 0, 2), ("mallopt(M_ARENA_MAX)", None, 2)]  # fmt: skip
+    assert [(c.pointer, c.tcache_bin) for c in state.double_frees] == [(0x5555AAAA, 3)]
+    assert state.double_free_checks == 1
+    # AND the kmem events were not counted as probe hits
+    assert model.events == len(SESSION)
+    assert sum(state.counts.values()) == len(SESSION)
+
+
+def test_text_and_json_lines_show_every_libc_event() -> None:
+    info = trace_info()
+    records = np.concatenate([probe_records(SESSION), kmem_records(2)])
+    text, as_json = TextLines(), JsonLines()
+    text.stream, as_json.stream = io.StringIO(), io.StringIO()
+    for sink in (text, as_json):
+        sink.start(info)
+        sink.consume(batch(records, info))
+    # THEN one line per libc event, and a header for the text
+    lines = text.stream.getvalue().splitlines()  # type: ignore[attr-defined]
+    assert lines[0].split()[:4] == ["TIME(s)", "PID", "TID", "CPU"]
+    assert [line.split()[4] for line in lines[1:]] == [probe for probe, _ in SESSION]
+    assert "size=135168" in lines[6] and "brk=0x55550000" in lines[6]
+    documents = [json.loads(line) for line in as_json.stream.getvalue().splitlines()]  # type: ignore[attr-defined]
+    assert [d["probe"] for d in documents] == [probe for probe, _ in SESSION]
+    assert documents[-1]["args"] == {"param_number": -8, "value": 2}
+    assert text.written == as_json.written == len(SESSION)
+
+
+def test_the_summary_prints_the_probes_and_the_model(capsys: pytest.CaptureFixture[str]) -> None:
+    info = trace_info()
+    model = model_for(info)
+    model.consume(batch(probe_records(SESSION), info))
+    info = trace_info(allocators=model.state)
+    SummarySink().finish(result(info, {"lll_lock_wait_private": 3, "memory_sbrk_more": 1}))
+    out = capsys.readouterr().out
+    assert "events: 4 in the kernel, 4 delivered, 0 lost" in out
+    assert f"pid {PID}" in out and f"{ARENA:#x}" in out
+    assert "sbrk: grown 135168 bytes" in out
+    assert "retries: malloc 1" in out
+
+
+def test_the_live_view_renders_counters_and_arenas() -> None:
+    # GIVEN counters held in memory and a model with one arena
+    counters = PlainCounters(hits={"lll_lock_wait_private": 3, "memory_arena_new": 1})
+    info = trace_info(counters, interval=1e-9)
+    model = model_for(info)
+    model.consume(batch(probe_records(SESSION), info))
+    info = trace_info(counters, interval=1e-9, allocators=model.state)
+    screen = io.StringIO()
+    view = LiveView(Console(file=screen, width=160, force_terminal=True))
+    # WHEN it starts and ticks
+    view.start(info)
+    view.consume(batch(probe_records(SESSION), info))
+    view.tick()
+    rendered = Console(file=io.StringIO(), width=160)
+    with rendered.capture() as captured:
+        rendered.print(view._render(dict(counters.hits), {}))
+    view.finish(result(info, counters.hits))
+    # THEN the probes, the arena and its lock waits are on screen
+    text = captured.get()
+    assert "lll_lock_wait_private" in text and f"{ARENA:#x}" in text
+    assert view.written == len(SESSION)
+
+
+def test_kmemtrace_records_read_back(tmp_path: Path) -> None:
+    # GIVEN the kmemtrace output of a trace with libc and kmem events
+    info = trace_info(kmem=True, kmem_records=True)
+    sink = KmemtraceSink(tmp_path / "set")
+    sink.start(info)
+    records = np.concatenate([probe_records(SESSION[:6]), kmem_records(4)])
+    sink.consume(batch(records, info))
+    totals = KmemTotals(sites=[], lost_allocs=1)
+    done = result(info, {"memory_sbrk_more": 2}, {"memory_sbrk_more": 1},
+                  kmem=KmemResult(totals, delivered=4, lost=1))  # fmt: skip
+    sink.finish(done)
+    # THEN the set holds every record, and the losses as bytes
+    read = read_record_set(tmp_path / "set")
+    assert len(read.unordered) == len(records)
+    assert read.libc_probes == list(PROBES)
+    assert done.kmem is not None and done.kmem.records_written == len(records)
+    assert read.total_overruns == done.kmem.overrun_bytes == 2 * 72  # one alloc lost twice over
+
+
+def test_kmemtrace_refuses_a_directory_holding_a_set(tmp_path: Path) -> None:
+    (tmp_path / "cpu0").write_bytes(b"")
+    from mtrace_live.exporters.data.errors import RecordSetError
+
+    with pytest.raises(RecordSetError, match="already holds a record set"):
+        KmemtraceSink(tmp_path)
+
+
+def test_sp_rtrace_report_parses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(KernelSymbols, "load", classmethod(lambda cls, path=None: KernelSymbols(
+        "ffffffff81234500 T some_function\n")))  # fmt: skip
+    info = trace_info(kmem=True, kmem_records=True, libc=None, probes=())
+    sink = SpRtraceSink(tmp_path / "report.txt")
+    sink.start(info)
+    sink.consume(batch(kmem_records(3), info))
+    sink.finish(result(info, {}, kmem=KmemResult(KmemTotals(sites=[]), 3, 2)))
+    trace = parse((tmp_path / "report.txt").read_text().splitlines())
+    assert trace.header["pid"] == str(PID)
+    assert [(c.function, c.size) for c in trace.calls] == [("kmalloc", 40)] * 3
+    assert "## 2 events lost" in (tmp_path / "report.txt").read_text()
+
+
+def test_prometheus_metrics_are_served_from_plain_counters() -> None:
+    # GIVEN counters and a model held in memory, and an endpoint on a free port
+    counters = PlainCounters(
+        hits={"lll_lock_wait_private": 3, "memory_malloc_retry": 1},
+        processes=[ProcessHits(PID, PROBES.index("lll_lock_wait_private"), 3, "worker")],
+    )
+    info = trace_info(counters)
+    model = model_for(info)
+    model.consume(batch(probe_records(SESSION), info))
+    info = trace_info(counters, allocators=model.state)
+    endpoint = MetricsEndpoint("127.0.0.1:0", new_registry(), WebConfig())
+    sink = PrometheusSink(endpoint, ExportOptions("127.0.0.1:0"), KernelSymbols(""))
+    # WHEN the sink starts and Prometheus scrapes
+    sink.start(info)
+    try:
+        with urllib.request.urlopen(endpoint.url, timeout=10) as reply:
+            text = reply.read().decode()
+    finally:
+        sink.finish(result(info, counters.hits))
+    # THEN the figures are the counters' and the model's
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples[("mtrace_libc_probe_hits_total", (("probe", "lll_lock_wait_private"),))] == 3
+    assert samples[("mtrace_libc_arenas", (("process", "worker"),))] >= 1
+
+
+def test_a_sink_whose_reader_is_gone_stops_getting_batches() -> None:
+    class Broken(Sink):
+        written = 7
+
+        def consume(self, batch: object) -> None:
+            raise BrokenPipeError
+
+    class Counting(Sink):
+        batches = 0
+
+        def consume(self, batch: object) -> None:
+            self.batches += 1
+
+    info = trace_info()
+    counting, broken = Counting(), Broken()
+    fanout = Fanout([counting, broken])
+    for _ in range(3):
+        fanout.consume(batch(probe_records(SESSION[:1]), info))
+    assert counting.batches == 3
+    assert fanout.open == [counting]
+    assert fanout.closed is not None and "after 7 events" in str(fanout.closed)
+
+
+class ToySink(Sink):
+    """An output a user adds: hits per probe, written at the end."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.seen: dict[str, int] = {}
+
+    def consume(self, batch: object) -> None:
+        for event in batch.events():  # type: ignore[attr-defined]
+            self.seen[event.probe] = self.seen.get(event.probe, 0) + 1
+
+    def finish(self, result: object) -> None:
+        self.path.write_text(json.dumps(self.seen))
+
+
+def test_a_new_output_is_one_module_and_one_registration(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # GIVEN one more entry in the registry
+    toy = registry.FileOutput("toy", "FILE", "Hits per probe, as JSON.", f"{__name__}:ToySink")
+    monkeypatch.setattr(registry, "FILE_OUTPUTS", (*registry.FILE_OUTPUTS, toy))
+
+    # WHEN a trace command declares the outputs' options
+    @click.command()
+    @options.output_options
+    def command(**params: object) -> None:
+        for name, path in options.file_outputs(params):
+            sink = registry.file_sink(name, path)
+            info = trace_info()
+            sink.start(info)
+            sink.consume(batch(probe_records(SESSION), info))
+            sink.finish(result(info, {}))
+
+    done = CliRunner().invoke(command, ["--toy", str(tmp_path / "toy.json")])
+    # THEN the option exists, and the sink wrote what it saw
+    assert done.exit_code == 0, done.output
+    assert json.loads((tmp_path / "toy.json").read_text())["lll_lock_wait_private"] == 3
+
+
+@pytest.mark.parametrize("entry", [*registry.STREAMS, *registry.FILE_OUTPUTS], ids=lambda e: e.name)
+def test_every_registered_output_is_a_sink(entry: object) -> None:
+    cls = registry._load(entry.sink)  # type: ignore[attr-defined]
+    assert issubclass(cls, Sink)

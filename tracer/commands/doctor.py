@@ -1,0 +1,31 @@
+"""``mtrace-live doctor``: is everything a trace needs here?"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from .probes import target_options, targets
+
+
+@click.command()
+@target_options
+def doctor(pid: int | None, lib: Path | None) -> None:
+    """Check that everything a trace of the target needs is here.
+
+    One line per check, in order: privileges, kernel support, tracefs, kernel
+    headers, bcc, the target libc's SDT notes, the kmem tracepoints. Exits 0
+    only when all pass; 3 when something is not permitted; 8 when something
+    is not supported here.
+    """
+    from mtrace_live.probes.catalog import load_catalog
+
+    from ..doctor import exit_code, run_checks
+
+    checks = []
+    for check in run_checks(targets("doctor", pid, lib, with_ld_so=False)[0], load_catalog()):
+        click.echo(str(check))
+        checks.append(check)
+    sys.exit(exit_code(checks))

@@ -1,0 +1,237 @@
+"""The options the commands share, declared once, and the one table of
+which combinations of options are refused.
+
+A command module takes its options from here (``lib_option(...)``,
+``trace_options``, ...) and calls ``check(command, params)`` first thing;
+the outputs' options come from exporters/registry.py, so a new output
+appears on every trace command without touching them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+from mtrace_live.exporters import registry
+
+Decorator = Callable[[Any], Any]
+
+
+class PowerOfTwo(click.ParamType[int]):
+    name = "integer"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        number = click.INT.convert(value, param, ctx)
+        if number < 1 or number & (number - 1):
+            self.fail("must be a power of two", param, ctx)
+        return number
+
+
+class Positive(click.ParamType[float]):
+    name = "float"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> float:
+        number = click.FLOAT.convert(value, param, ctx)
+        if not number > 0:
+            self.fail("must be positive", param, ctx)
+        return number
+
+
+def pid_option(help: str) -> Decorator:
+    return click.option("--pid", "-p", type=int, help=help)
+
+
+def lib_option(help: str) -> Decorator:
+    return click.option("--lib", type=click.Path(dir_okay=False, path_type=Path), help=help)
+
+
+def sdt_glibc_option(help: str) -> Decorator:
+    return click.option("--sdt-glibc", is_flag=True, help=help)
+
+
+def probes_option(help: str, default: tuple[str, ...] = ()) -> Decorator:
+    return click.option(
+        "--probes", "patterns", multiple=True, default=default, show_default=bool(default),
+        help=help,
+    )  # fmt: skip
+
+
+def follow_forks_option(default: bool | None, help: str) -> Decorator:
+    return click.option(
+        "--follow-forks/--no-follow-forks", default=default, show_default=default is not None,
+        help=help,
+    )  # fmt: skip
+
+
+def duration_option(help: str = "Stop after this many seconds.") -> Decorator:
+    return click.option("--duration", type=float, help=help)
+
+
+buffer_pages_option = click.option(
+    "--buffer-pages",
+    type=PowerOfTwo(),
+    default=2048,
+    show_default=True,
+    help="Ring buffer size in pages (a power of two).",
+)
+
+web_config_option = click.option(
+    "--web.config.file",
+    "web_config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="TLS and basic auth for the metrics endpoint, in the Prometheus exporters' "
+    "web config format (docs/prometheus.md).",
+)
+
+
+def output_options(command: Any) -> Any:
+    """``--output`` with every stream of the registry, and one option per
+    file output."""
+    streams = registry.STREAMS
+    options = [
+        click.option(
+            "--output",
+            "-o",
+            type=click.Choice([stream.name for stream in streams]),
+            help="; ".join(f"{stream.name}: {stream.help}" for stream in streams) + ".",
+        )
+    ]
+    for entry in registry.FILE_OUTPUTS:
+        kind = click.Path(file_okay=not entry.directory, dir_okay=entry.directory, path_type=Path)
+        options.append(
+            click.option(
+                f"--{entry.name}",
+                file_output_param(entry.name),
+                type=kind,
+                metavar=entry.metavar,
+                help=entry.help,
+            )
+        )
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def file_output_param(name: str) -> str:
+    return "file_" + name.replace("-", "_")
+
+
+def file_outputs(params: dict[str, Any]) -> tuple[tuple[str, Path], ...]:
+    """The file outputs given (taken out of ``params``), as TraceRequest.files wants them."""
+    chosen = []
+    for entry in registry.FILE_OUTPUTS:
+        value = params.pop(file_output_param(entry.name), None)
+        if value is not None:
+            chosen.append((entry.name, value))
+    return tuple(chosen)
+
+
+def trace_options(command: Any) -> Any:
+    """Options of the live trace (--pid/--all) and ``run``."""
+    options = [
+        lib_option("Attach to this libc (e.g. the SDT build) instead of the target's."),
+        probes_option(
+            "Glob of libc probe names; repeatable. Default: memory_* and "
+            "lll_lock_wait_private (see docs/performance.md)."
+        ),
+        output_options,
+        buffer_pages_option,
+        duration_option(),
+        click.option(
+            "--interval",
+            type=Positive(),
+            default=1.0,
+            show_default=True,
+            help="Live view refresh, seconds.",
+        ),
+        click.option(
+            "--kmem",
+            is_flag=True,
+            help="Also trace the kernel's kmem tracepoints, aggregated per call site.",
+        ),
+        click.option(
+            "--kmem-only", is_flag=True, help="Trace only the kmem tracepoints (any libc will do)."
+        ),
+        click.option(
+            "--stack-depth",
+            type=click.IntRange(0, 127),
+            default=0,
+            show_default=True,
+            help="Record this many frames of each event's stack (user; kernel too for kmem) "
+            "for --sp-rtrace backtraces; 0 for none.",
+        ),
+        click.option(
+            "--stack-map-size",
+            type=click.IntRange(1),
+            default=16384,
+            show_default=True,
+            help="Distinct stacks the kernel keeps for --stack-depth; stacks beyond are counted.",
+        ),
+        click.option(
+            "--prometheus",
+            metavar="ADDR",
+            help="Also serve Prometheus metrics at ADDR (host:port) while tracing.",
+        ),
+        web_config_option,
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+# ---- combinations -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rule:
+    commands: frozenset[str]  # where the rule applies
+    refused: Callable[[Mapping[str, Any]], bool]
+    message: str
+
+
+def _given(params: Mapping[str, Any], *names: str) -> int:
+    """How many of ``names`` were given (a flag set, a value, arguments)."""
+    return sum(1 for name in names if not _absent(params.get(name)))
+
+
+def _absent(value: Any) -> bool:
+    return value is None or value is False or (isinstance(value, (tuple, str)) and not value)
+
+
+TRACING = frozenset({"trace", "run"})
+RULES = (
+    Rule(frozenset({"trace"}), lambda p: _given(p, "pid", "all_processes") == 0,
+         "give --pid N or --all, or a subcommand such as run"),
+    Rule(frozenset({"trace"}), lambda p: _given(p, "pid", "all_processes") == 2,
+         "give --pid or --all, not both"),
+    Rule(TRACING, lambda p: _given(p, "web_config") == 1 and _given(p, "prometheus") == 0,
+         "--web.config.file goes with --prometheus ADDR"),
+    Rule(frozenset({"run", "serve"}), lambda p: _given(p, "sdt_glibc", "lib") == 2,
+         "give --sdt-glibc or --lib, not both"),
+    Rule(frozenset({"record"}), lambda p: _given(p, "pid", "all_processes", "command") != 1,
+         "give exactly one of --pid N, --all or a COMMAND"),
+    Rule(frozenset({"record"}), lambda p: _given(p, "sdt_glibc") == 1 and not p["command"],
+         "--sdt-glibc starts a COMMAND"),
+    Rule(frozenset({"serve"}), lambda p: _given(p, "pid", "comm", "cgroup") > 1,
+         "give at most one of --pid, --comm and --cgroup"),
+    Rule(frozenset({"serve"}), lambda p: _given(p, "no_libc", "no_kmem") == 2,
+         "--no-libc and --no-kmem leave nothing to serve"),
+    Rule(frozenset({"count"}), lambda p: _given(p, "pid", "command") != 1,
+         "give either --pid N or a COMMAND to run, not both or neither"),
+    Rule(frozenset({"count"}), lambda p: _given(p, "sdt_glibc", "pid") == 2,
+         "--sdt-glibc starts a COMMAND; it cannot apply to --pid"),
+    Rule(frozenset({"probes", "doctor"}), lambda p: _given(p, "pid", "lib") == 2,
+         "give --pid or --lib, not both"),
+)  # fmt: skip
+
+
+def check(command: str, params: Mapping[str, Any]) -> None:
+    """Refuse the first combination of ``params`` a rule of ``command`` refuses."""
+    for rule in RULES:
+        if command in rule.commands and rule.refused(params):
+            raise click.UsageError(rule.message)

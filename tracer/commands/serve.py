@@ -1,0 +1,109 @@
+"""``mtrace-live serve``: Prometheus metrics of a long-running trace."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from . import options
+
+
+@click.command(context_settings={"allow_interspersed_args": False})
+@options.pid_option("Serve the metrics of this process only.")
+@click.option("--comm", help="... of the processes with this kernel name (comm) only.")
+@click.option("--cgroup", help="... of the tasks in this cgroup v2 (and below) only.")
+@options.lib_option("The libc to attach to (default: the pid's, else the system's).")
+@options.sdt_glibc_option("Attach to the SDT glibc 'make sdt-glibc' built.")
+@options.probes_option("Glob of libc probe names; repeatable.")
+@click.option("--no-libc", is_flag=True, help="Kernel kmem tracepoints only.")
+@click.option("--no-kmem", is_flag=True, help="libc probes only.")
+@click.option(
+    "--web.listen-address",
+    "--listen",
+    "address",
+    default="127.0.0.1:9477",
+    show_default=True,
+    help="Address to serve /metrics on; ':9477' means every address.",
+)
+@options.web_config_option
+@click.option("--max-processes", type=click.IntRange(1), default=50, show_default=True,
+              help="Process names with a label of their own; the rest are 'other'.")  # fmt: skip
+@click.option("--top-functions", type=click.IntRange(1), default=20, show_default=True,
+              help="Kernel functions with a label of their own; the rest are 'other'.")  # fmt: skip
+@click.option("--user", default="nobody", show_default=True,
+              help="When started as root, run as this user once attached.")  # fmt: skip
+@click.option("--keep-privileges", is_flag=True, help="Stay root after attaching.")
+@click.option("--bpf-stats", is_flag=True,
+              help="Count the BPF programs' run time (costs ~20 ns per probe hit).")  # fmt: skip
+@click.option("--read-interval", type=click.FloatRange(0), default=0.5, show_default=True,
+              help="Read the BPF maps at most this often (seconds); scrapes in between "
+              "get the last reading.")  # fmt: skip
+@options.buffer_pages_option
+def serve(
+    pid: int | None,
+    comm: str | None,
+    cgroup: str | None,
+    lib: Path | None,
+    sdt_glibc: bool,
+    patterns: tuple[str, ...],
+    no_libc: bool,
+    no_kmem: bool,
+    address: str,
+    web_config: Path | None,
+    max_processes: int,
+    top_functions: int,
+    user: str,
+    keep_privileges: bool,
+    bpf_stats: bool,
+    read_interval: float,
+    buffer_pages: int,
+) -> None:
+    """Serve Prometheus metrics of libc allocator probes and kernel kmem
+    tracepoints until stopped (SIGTERM or Ctrl-C).
+
+    System-wide by default; --pid, --comm or --cgroup narrow it. Binds
+    127.0.0.1 unless told otherwise; --web.config.file adds TLS and basic
+    auth. When started as root it runs as --user once attached.
+
+    \b
+      mtrace-live serve --sdt-glibc
+      mtrace-live serve --no-libc --web.listen-address :9477
+      mtrace-live serve --comm nginx --lib /opt/glibc-sdt/lib/libc.so.6
+    """
+    options.check(
+        "serve",
+        {"pid": pid, "comm": comm, "cgroup": cgroup, "no_libc": no_libc, "no_kmem": no_kmem,
+         "sdt_glibc": sdt_glibc, "lib": lib},
+    )  # fmt: skip
+    from mtrace_live.exporters.summary import StopLine
+
+    from ..live import TraceRequest
+    from ..sdt_glibc import locate
+    from ..serve import ExportOptions, serve_trace
+    from ..usdt import DEFAULT_PATTERNS
+
+    request = TraceRequest(
+        pid=pid,
+        all_processes=pid is None and comm is None and cgroup is None,
+        lib=locate().libc if sdt_glibc and not no_libc else lib,
+        patterns=patterns or DEFAULT_PATTERNS,
+        output="summary",
+        follow_forks=True,
+        buffer_pages=buffer_pages,
+        kmem=not no_kmem,
+        libc_probes=not no_libc,
+        comm=comm,
+        cgroup=cgroup,
+        end_with_target=False,
+    )
+    export = ExportOptions(
+        address=address,
+        web_config=web_config,
+        max_processes=max_processes,
+        top_functions=top_functions,
+        run_as=None if keep_privileges else user,
+        bpf_stats=bpf_stats,
+        read_interval=read_interval,
+    )
+    serve_trace(request, export, StopLine())

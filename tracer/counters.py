@@ -1,0 +1,127 @@
+"""The kernel's counters of a running trace, read from the BPF program's
+maps: the one place a ``KernelCounters`` snapshot is made.
+
+``BpfCounters`` is what the sinks are handed (``TraceInfo.counters``): they
+read snapshots through it and never see the BPF program itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mtrace_live.exporters.data.kmem import CallSite, KmemTotals
+from mtrace_live.exporters.data.sink import KernelCounters, ProcessHits, RunStats
+from mtrace_live.probes.records import KMEM_EVENTS, SITE_FIELDS, KmemMisc
+
+from . import bpf_syscalls
+from .bpf_backend import BpfProgram
+
+
+class BpfCounters:
+    """A live trace's counters (``CounterSource``), read from its program's
+    maps by their file descriptors (so that reading goes on after ``serve``
+    drops root). The tracing loop adds what it has read from the ring."""
+
+    def __init__(
+        self,
+        program: BpfProgram,
+        probes: Sequence[str],
+        site_probes: Sequence[str],
+        libc: bool,
+        kmem: bool,
+        filtered_by_pid: bool,
+        stats_fd: int | None = None,
+    ) -> None:
+        self.program = program
+        self.probes = tuple(probes)
+        self.site_probes = tuple(site_probes)  # site index -> probe name
+        self.libc = libc
+        self.kmem = kmem
+        self.filtered_by_pid = filtered_by_pid
+        self.stats_fd = stats_fd  # held while run time is counted (serve --bpf-stats)
+        self.delivered = 0
+        self.kmem_delivered = 0
+
+    def read(self, processes: bool = False, kmem: bool = False) -> KernelCounters:
+        program = self.program
+        hits = program.percpu_array_totals("hits") if self.libc else []
+        lost = program.percpu_array_totals("lost") if self.libc else []
+        return KernelCounters(
+            probe_hits={name: hits[slot] for slot, name in enumerate(self.probes)},
+            probe_lost={name: lost[slot] for slot, name in enumerate(self.probes)},
+            delivered=self.delivered,
+            kmem_delivered=self.kmem_delivered,
+            process_hits=self._process_hits() if processes and self.libc else (),
+            process_hits_dropped=program.percpu_array_totals("proc_hits_dropped")[0]
+            if self.libc
+            else 0,
+            lost_lifecycle=program.percpu_array_totals("lost_lifecycle")[0]
+            if self.filtered_by_pid
+            else 0,
+            kmem=read_kernel_totals(program) if kmem and self.kmem else None,
+            runs=self.runs(),
+            run_time_counted=self.stats_fd is not None or bpf_syscalls.sysctl_enabled(),
+        )
+
+    def _process_hits(self) -> list[ProcessHits]:
+        return self.program.process_hits()
+
+    def take_process_hits(self, tgids: set[int]) -> list[ProcessHits]:
+        return self.program.process_hits(tgids, take=True)
+
+    def stack(self, stack_id: int) -> list[int]:
+        return self.program.stack(stack_id)
+
+    def stacks_lost(self, with_stacks: bool) -> tuple[int, int]:
+        if not with_stacks:
+            return (0, 0)
+        user, kernel = self.program.percpu_array_totals("stack_errors")
+        return user, kernel
+
+    def runs(self) -> dict[str, RunStats]:
+        """What the kernel counted for each handler, summed by what it
+        traces: ``usdt:PROBE`` (over the probe's sites), ``tracepoint:CAT:NAME``."""
+        totals: dict[str, RunStats] = {}
+        for name, fd in self.program.program_fds().items():
+            if name.startswith("site_"):
+                index = int(name[5:])
+                label = f"usdt:{self.site_probes[index]}" if index < len(self.site_probes) else name
+            elif name.startswith("tracepoint__"):
+                label = "tracepoint:" + name[len("tracepoint__") :].replace("__", ":", 1)
+            else:
+                label = name
+            stats = bpf_syscalls.run_stats(fd)
+            if stats is not None:
+                before = totals.get(label, RunStats(0, 0, 0))
+                totals[label] = RunStats(*(a + b for a, b in zip(before, stats, strict=True)))
+        return totals
+
+    def close(self) -> None:
+        bpf_syscalls.close(self.stats_fd)
+        self.stats_fd = None
+
+
+def read_kernel_totals(program: BpfProgram) -> KmemTotals:
+    """The in-kernel aggregation of trace.bpf.c (WITH_KMEM)."""
+    sites = [
+        CallSite.with_counts(
+            int(key.call_site), int(key.type), zip(SITE_FIELDS, values, strict=True)
+        )
+        for key, values in program.percpu_struct_totals("kmem_sites")
+    ]
+    orders = {
+        int(key.value): (values[0], values[1])
+        for key, values in program.percpu_struct_totals("page_orders")
+        if values[0] or values[1]
+    }
+    hits = program.percpu_array_totals("kmem_hits")
+    misc = program.percpu_array_totals("kmem_misc")
+    return KmemTotals(
+        sites=sites,
+        page_orders=orders,
+        hits=dict(zip(KMEM_EVENTS, hits, strict=True)),
+        untracked=misc[KmemMisc.OBJECTS_UNTRACKED],
+        sites_dropped=misc[KmemMisc.SITES_DROPPED],
+        lost_allocs=misc[KmemMisc.LOST_ALLOCS],
+        lost_frees=misc[KmemMisc.LOST_FREES],
+    )
