@@ -32,6 +32,14 @@ never disturb the tracing it serves:
   never answered in plain text);
 - collecting the metrics is serialised, and any failure in a request
   becomes an HTTP error for that request only.
+
+What is served is a WSGI application (``MetricsEndpoint.wsgi``): /metrics is
+client_python's own (``make_wsgi_app``: text or OpenMetrics by the Accept
+header, gzip), behind a small basic-auth check (bcrypt,
+which client_python lacks). client_python's ``start_http_server`` also
+serves TLS with client certificates, but has no request deadline and no cap
+on connections, and its TLS settings are not the web config's (no
+min/max_version, no VerifyClientCertIfGiven): the server here keeps those.
 """
 
 from __future__ import annotations
@@ -39,7 +47,6 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
-import gzip
 import hashlib
 import hmac
 import ipaddress
@@ -51,7 +58,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -59,9 +66,12 @@ from typing import Any
 
 import bcrypt
 import yaml
-from mtrace_live.exporters.data.errors import ListenError, WebConfigError
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.exposition import make_wsgi_app
+
+from .data.errors import ListenError, WebConfigError
+
+StartResponse = Callable[[str, list[tuple[str, str]]], Any]
 
 DEFAULT_ADDRESS = "127.0.0.1:9477"
 CONNECTION_TIMEOUT_S = 10.0  # one read or write
@@ -402,27 +412,33 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _get(self) -> None:
         app = self.server.app
-        if not app.authorised(self.headers.get("Authorization")):
-            self._reply(401, b"Unauthorized\n", {"WWW-Authenticate": 'Basic realm="mtrace-live"'})
+        # The query is not passed on: client_python filters by name[] through
+        # the collectors' descriptions, and mtrace-live's collector has none
+        # (it reads the maps only when collected), so a filter would give
+        # nothing where the whole page is wanted.
+        environ = {
+            "REQUEST_METHOD": "GET",
+            "PATH_INFO": self.path.partition("?")[0],
+            "QUERY_STRING": "",
+            **{
+                f"HTTP_{name.upper().replace('-', '_')}": value
+                for name in ("Accept", "Accept-Encoding", "Authorization")
+                if (value := self.headers.get(name)) is not None
+            },
+        }
+        answer: list[Any] = []
+
+        def start_response(status: str, headers: list[tuple[str, str]]) -> None:
+            answer[:] = [int(status.split(" ", 1)[0]), dict(headers)]
+
+        try:
+            body = b"".join(app.wsgi(environ, start_response))
+        except Exception as exc:  # a failed scrape is reported, and tracing goes on
+            app.errors += 1
+            app.report(f"scrape failed: {exc.__class__.__name__}: {exc}")
+            self._reply(500, f"collecting the metrics failed: {exc}\n".encode())
             return
-        path = self.path.split("?", 1)[0]
-        if path == "/metrics":
-            try:
-                body, content_type = app.render(self.headers.get("Accept"))
-            except Exception as exc:  # a failed scrape is reported, and tracing goes on
-                app.errors += 1
-                app.report(f"scrape failed: {exc.__class__.__name__}: {exc}")
-                self._reply(500, f"collecting the metrics failed: {exc}\n".encode())
-                return
-            headers = {"Content-Type": content_type}
-            if "gzip" in (self.headers.get("Accept-Encoding") or ""):
-                body = gzip.compress(body, compresslevel=1)
-                headers["Content-Encoding"] = "gzip"
-            self._reply(200, body, headers)
-        elif path == "/":
-            self._reply(200, _LANDING, {"Content-Type": "text/html; charset=utf-8"})
-        else:
-            self._reply(404, b"Not Found\n")
+        self._reply(answer[0], body, answer[1])
 
     def do_HEAD(self) -> None:
         self._reply(405, b"")
@@ -458,6 +474,9 @@ class MetricsEndpoint:
     def __init__(self, address: str, registry: CollectorRegistry, config: WebConfig) -> None:
         self.registry = registry
         self.config = config
+        # Format negotiation (text or OpenMetrics) and gzip: client_python's
+        # application, as its start_http_server serves it.
+        self._metrics = make_wsgi_app(registry)
         self.errors = 0
         self._render_lock = threading.Lock()
         self._verified: set[bytes] = set()
@@ -492,10 +511,21 @@ class MetricsEndpoint:
             self._thread = None
         self._server.server_close()
 
-    def render(self, accept: str | None) -> tuple[bytes, str]:
-        encoder, content_type = choose_encoder(accept or "")
-        with self._render_lock:  # one collection at a time, however many scrapers
-            return encoder(self.registry), content_type
+    def wsgi(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        """The endpoint as a WSGI application: basic auth in front of the
+        routes, /metrics served by client_python's own application."""
+        if not self.authorised(environ.get("HTTP_AUTHORIZATION")):
+            start_response("401 Unauthorized", [("WWW-Authenticate", 'Basic realm="mtrace-live"')])
+            return [b"Unauthorized\n"]
+        path = environ["PATH_INFO"]
+        if path == "/metrics":
+            with self._render_lock:  # one collection at a time, however many scrapers
+                return list(self._metrics(environ, start_response))
+        if path == "/":
+            start_response("200 OK", [("Content-Type", "text/html; charset=utf-8")])
+            return [_LANDING]
+        start_response("404 Not Found", [])
+        return [b"Not Found\n"]
 
     def authorised(self, header: str | None) -> bool:
         if not self.config.users:

@@ -203,6 +203,9 @@ def test_prometheus_metrics_are_served_from_plain_counters() -> None:
     try:
         with urllib.request.urlopen(endpoint.url, timeout=10) as reply:
             text = reply.read().decode()
+        only = endpoint.url + "?name[]=mtrace_libc_probe_hits_total"
+        with urllib.request.urlopen(only, timeout=10) as reply:
+            filtered = reply.read().decode()
     finally:
         sink.finish(result(info, counters.hits))
     # THEN the figures are the counters' and the model's
@@ -213,6 +216,8 @@ def test_prometheus_metrics_are_served_from_plain_counters() -> None:
     }
     assert samples[("mtrace_libc_probe_hits_total", (("probe", "lll_lock_wait_private"),))] == 3
     assert samples[("mtrace_libc_arenas", (("process", "worker"),))] >= 1
+    # AND a name[] query still gets the whole page
+    assert filtered.splitlines()[:3] == text.splitlines()[:3]
 
 
 def test_a_sink_whose_reader_is_gone_stops_getting_batches() -> None:
