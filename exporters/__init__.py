@@ -1,5 +1,12 @@
-"""Output formats, one module per format behind one interface.
+"""The outputs of mtrace-live, one module per output, each a ``Sink``
+(``data/sink.py``) registered once in ``registry.py``: the live view
+(``live_view``), event lines (``lines``), the summary (``summary``),
+kmemtrace records (``kmemtrace``), sp-rtrace reports (``sprtrace_writer``),
+Prometheus metrics (``prometheus_sink``, served by ``web``). The formats the
+offline commands read and write live here too (``kmemtrace``, ``sprtrace``,
+``allocinfo``, ``kmem_table``).
 
-Installed as ``mtrace_live.exporters``. The formats (Prometheus, kmemtrace
-records, sp-rtrace text, allocinfo tables) arrive with their own modules.
+Installed as ``mtrace_live.exporters``. Nothing here imports the tracer; the
+plain data the outputs are built on is the subpackage ``data``
+(docs/architecture.md).
 """

@@ -90,7 +90,7 @@ class MetricsSource:
         model = self.allocators
         libc = self.info.libc_probes
         with model.lock:
-            rows = self.counters.read(processes=True).process_hits if libc else []
+            rows = self.counters.process_hits() if libc else []
             hints = {row.tgid: row.comm for row in rows}
             retire: dict[int, str] = {}
             gone = set()
@@ -152,8 +152,7 @@ class MetricsSource:
                     processes[name] = _copy(figures)
                 live: dict[int, ProcessFigures] = defaultdict(ProcessFigures)
                 hints = {}
-                counters = self.counters.read(processes=True, kmem=info.kmem)
-                for row in counters.process_hits:
+                for row in self.counters.process_hits():
                     if row.probe < len(self.probes):
                         live[row.tgid].hits[self.probes[row.probe]] += row.hits
                         hints[row.tgid] = row.comm
@@ -168,8 +167,7 @@ class MetricsSource:
                     processes.setdefault(self._name(pid, hints.get(pid, "")), ProcessFigures()).add(
                         figures
                     )
-        else:
-            counters = self.counters.read(kmem=info.kmem)
+        counters = self.counters.read(kmem=info.kmem, runs=True)
         kmem = None
         processed = {"libc": counters.delivered} if libc else {}
         events_lost = {"libc": sum(counters.probe_lost.values())} if libc else {}

@@ -1,7 +1,11 @@
-"""What mtrace-live attaches to: probe specifications and the BPF C programs.
+"""What mtrace-live attaches to, and what comes out: the probe catalog
+(``specs/*.toml``, ``catalog``) and what each probe means to the outputs
+(``meanings``), SDT notes (``sdt_notes``, ``locations``), the BPF program
+(``bpf/trace.bpf.c``) and the records it writes (``bpf/records.h``,
+``records``).
 
-The BPF programs live beside this file in ``bpf/*.bpf.c``; Python never holds
-BPF C in strings. Installed as ``mtrace_live.probes``.
+Python never holds BPF C in strings. Installed as ``mtrace_live.probes``;
+the bottom layer, importing nothing else of mtrace-live.
 """
 
 from importlib.resources import files

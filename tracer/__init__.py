@@ -1,6 +1,10 @@
-"""mtrace-live's tracing pipeline: attach, read, decode, aggregate.
+"""mtrace-live's tracing: attach (bcc, in ``bpf_backend`` only), read the
+ring (``ringbuf``), run the trace and hand every batch to the outputs
+(``live``), model each process's allocator (``model``), and the commands
+(``cli``, ``commands/``).
 
-This package is installed as ``mtrace_live.tracer`` (see pyproject.toml).
+The top layer: it imports the outputs (mtrace_live.exporters) and the probes,
+never the reverse. Installed as ``mtrace_live.tracer`` (see pyproject.toml).
 """
 
 from importlib.metadata import PackageNotFoundError, version

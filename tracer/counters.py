@@ -42,7 +42,7 @@ class BpfCounters:
         self.delivered = 0
         self.kmem_delivered = 0
 
-    def read(self, processes: bool = False, kmem: bool = False) -> KernelCounters:
+    def read(self, kmem: bool = False, runs: bool = False) -> KernelCounters:
         program = self.program
         hits = program.percpu_array_totals("hits") if self.libc else []
         lost = program.percpu_array_totals("lost") if self.libc else []
@@ -51,7 +51,6 @@ class BpfCounters:
             probe_lost={name: lost[slot] for slot, name in enumerate(self.probes)},
             delivered=self.delivered,
             kmem_delivered=self.kmem_delivered,
-            process_hits=self._process_hits() if processes and self.libc else (),
             process_hits_dropped=program.percpu_array_totals("proc_hits_dropped")[0]
             if self.libc
             else 0,
@@ -59,12 +58,12 @@ class BpfCounters:
             if self.filtered_by_pid
             else 0,
             kmem=read_kernel_totals(program) if kmem and self.kmem else None,
-            runs=self.runs(),
+            runs=self.runs() if runs else {},
             run_time_counted=self.stats_fd is not None or bpf_syscalls.sysctl_enabled(),
         )
 
-    def _process_hits(self) -> list[ProcessHits]:
-        return self.program.process_hits()
+    def process_hits(self) -> list[ProcessHits]:
+        return self.program.process_hits() if self.libc else []
 
     def take_process_hits(self, tgids: set[int]) -> list[ProcessHits]:
         return self.program.process_hits(tgids, take=True)

@@ -270,7 +270,7 @@ class LiveTrace:
                 return
 
     def result(self, started: float, ended_by: str, exit_code: int | None) -> TraceResult:
-        counters = self.counters.read()
+        counters = self.counters.read(runs=True)
         names = self.selection.probes
         kmem = None
         if self.kmem:

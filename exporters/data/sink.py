@@ -19,7 +19,7 @@ exporters/registry.py.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -57,11 +57,10 @@ class KernelCounters:
     probe_lost: Mapping[str, int]  # probe -> events the ring had no room for
     delivered: int = 0  # libc probe events read from the ring
     kmem_delivered: int = 0  # kmem events read from the ring
-    process_hits: Sequence[ProcessHits] = ()  # empty unless asked for
     process_hits_dropped: int = 0  # hits the per-process table had no room for
     lost_lifecycle: int = 0  # exec/exit events the ring had no room for
     kmem: KmemTotals | None = None  # the in-kernel kmem aggregation, when asked for
-    runs: Mapping[str, RunStats] = field(default_factory=dict)  # by what each handler traces
+    runs: Mapping[str, RunStats] = field(default_factory=dict)  # by handler; when asked for
     run_time_counted: bool = False  # the kernel counts run time (``runs[...].run_time_ns``)
 
 
@@ -69,9 +68,13 @@ class CounterSource(Protocol):
     """How a sink reads the kernel's counters (tracer/counters.py reads
     them from the BPF maps; tests hand plain values)."""
 
-    def read(self, processes: bool = False, kmem: bool = False) -> KernelCounters:
-        """The counters now: the per-process hits and the kmem aggregation
-        only when asked for, as they cost more to read."""
+    def read(self, kmem: bool = False, runs: bool = False) -> KernelCounters:
+        """The counters now; the kmem aggregation and the handlers' run
+        counts only when asked for, as they cost more to read."""
+        ...
+
+    def process_hits(self) -> list[ProcessHits]:
+        """Hits per (process, probe slot), with the name of the thread that hit first."""
         ...
 
     def take_process_hits(self, tgids: set[int]) -> list[ProcessHits]:

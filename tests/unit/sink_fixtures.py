@@ -53,14 +53,16 @@ class PlainCounters:
     stacks: dict[int, list[int]] = field(default_factory=dict)
     taken: list[set[int]] = field(default_factory=list)
 
-    def read(self, processes: bool = False, kmem: bool = False) -> KernelCounters:
+    def read(self, kmem: bool = False, runs: bool = False) -> KernelCounters:
         return KernelCounters(
             probe_hits=dict(self.hits),
             probe_lost=dict(self.lost),
             delivered=sum(self.hits.values()) - sum(self.lost.values()),
-            process_hits=list(self.processes) if processes else [],
             kmem=self.kmem if kmem else None,
         )
+
+    def process_hits(self) -> list[ProcessHits]:
+        return list(self.processes)
 
     def take_process_hits(self, tgids: set[int]) -> list[ProcessHits]:
         self.taken.append(set(tgids))
