@@ -90,6 +90,11 @@ def good_probe(**changes: Any) -> dict[str, Any]:
         (good_probe(meaning=""), "lacks meaning"),
         (good_probe(colour="red"), "unknown keys"),
         (good_probe(args=[{"name": "a", "type": "int", "role": "flag"}] * 2), "names repeat"),
+        (good_probe(effect="explode"), "unknown effect"),
+        (good_probe(retry="malloc"), "retry goes with effect retry or arena_retry"),
+        (good_probe(effect="setting"), "setting goes with effect setting"),
+        (good_probe(kmemtrace="alloc slab"), "kmemtrace must be"),
+        (good_probe(kmemtrace="grow heap"), "kmemtrace must be"),
     ],
 )
 def test_invalid_entries_are_refused_when_loaded(probe: dict[str, Any], complaint: str) -> None:
@@ -122,3 +127,38 @@ def test_type_layouts_follow_lp64() -> None:
 def test_note_arguments_parse(text: str, size: int | None, signed: bool, location: str) -> None:
     arg = parse_note_arg(text)
     assert (arg.size, arg.signed, arg.location) == (size, signed, location)
+
+
+def test_every_effect_has_a_handler_in_the_model_and_each_probe_says_its_own() -> None:
+    from mtrace_live.probes.catalog import EFFECTS
+    from mtrace_live.probes.meanings import meanings
+    from mtrace_live.tracer.model import _HANDLERS
+
+    # GIVEN the meanings the specs give
+    known = meanings()
+    # THEN every effect is handled (lock waits are counted in bulk) ...
+    assert set(_HANDLERS) | {"lock_wait"} == EFFECTS
+    # ... and the tables the outputs used to hold by hand are what the specs say
+    assert known.retries == {
+        "memory_malloc_retry": "malloc", "memory_realloc_retry": "realloc",
+        "memory_memalign_retry": "memalign", "memory_calloc_retry": "calloc",
+        "memory_arena_retry": "arena",
+    }  # fmt: skip
+    assert known.with_effect("double_free_check") == ("memory_tcache_double_free",)
+    assert known.kmemtrace_probes("alloc") == {
+        "memory_sbrk_more": "sbrk",
+        "memory_heap_new": "heap",
+        "memory_arena_new": "arena",
+    }
+    assert known.kmemtrace_probes("free") == {
+        "memory_sbrk_less": "sbrk",
+        "memory_heap_free": "heap",
+    }
+    assert known.kmemtrace["kfree"] == ("free", "kmalloc")
+    assert len(known.settings) == 12 and known.settings["memory_mallopt_arena_max"] == "M_ARENA_MAX"
+    # AND each probe's own catalog entry gives that effect
+    catalog = load_catalog()
+    for probe, effect in known.effects.items():
+        spec = catalog.probe("libc", probe)
+        assert spec is not None and spec.effect == effect
+    assert "lll_lock_wait_private" not in known.stateful
