@@ -14,6 +14,7 @@ that chain.
 
 from __future__ import annotations
 
+import functools
 import re
 import stat
 import sys
@@ -25,11 +26,9 @@ from typing import NamedTuple
 
 import numpy as np
 from mtrace_live.probes.meanings import meanings
-from mtrace_live.probes.records import KMEM_FREE_EVENTS, EventKind
+from mtrace_live.probes.records import KMEM_FREE_EVENTS
 
 from .data.errors import RecordSetError
-from .data.kallsyms import saved_text
-from .data.sink import EventBatch, Sink, TraceInfo, TraceResult
 
 ABI_VERSION = 2
 READABLE_ABI_VERSIONS = (1, 2)
@@ -85,11 +84,13 @@ class FeatureId(IntEnum):
     TASK = 1  # ABI 2: pid, tid and a CLOCK_MONOTONIC timestamp
 
 
-# libc probes written as allocation / free records, from the catalog's
-# ``kmemtrace`` key (probes/specs/libc-memory.toml).
-_TYPE_BY_NAME = {info.name: type_id for type_id, info in TYPES.items()}
-LIBC_ALLOCS = {probe: _TYPE_BY_NAME[t] for probe, t in meanings().kmemtrace_probes("alloc").items()}
-LIBC_FREES = {probe: _TYPE_BY_NAME[t] for probe, t in meanings().kmemtrace_probes("free").items()}
+@functools.cache
+def libc_records(record: str) -> dict[str, TypeId]:
+    """The libc probes written as ``record`` ("alloc" or "free") records, and
+    their type, from the catalog's ``kmemtrace`` key (probes/specs/*.toml)."""
+    by_name = {info.name: type_id for type_id, info in TYPES.items()}
+    return {probe: by_name[name] for probe, name in meanings().kmemtrace_probes(record).items()}
+
 
 # Native byte order, packed: the layouts of docs/kmemtrace-format.md.
 _CORE = [
@@ -249,7 +250,10 @@ def encode(
     target[kmem] = args[kmem, 4].astype(np.int64).astype(np.int32)
 
     libc = ~kmem
-    for table, eid in ((LIBC_ALLOCS, EventId.ALLOC), (LIBC_FREES, EventId.FREE)):
+    for table, eid in (
+        (libc_records("alloc"), EventId.ALLOC),
+        (libc_records("free"), EventId.FREE),
+    ):
         for name, tid in table.items():
             if name not in libc_probes:
                 continue
@@ -629,60 +633,10 @@ def _one_scale(parts: list[np.ndarray], arg_parts: list[np.ndarray]) -> np.ndarr
     return args[np.argsort(probe_seq, kind="stable")]
 
 
-# ---- the live trace's output ------------------------------------------------
-
-
-class KmemtraceSink(Sink):
-    """``--kmemtrace DIR`` (and ``record``): every kmem event and libc probe
-    hit of a live trace as kmemtrace records, with the kernel's symbols."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        _new_record_set(directory)  # a bad directory fails before anything attaches
-        self.writer: KmemtraceWriter | None = None
-
-    def start(self, info: TraceInfo) -> None:
-        self.writer = KmemtraceWriter(self.directory, info.probes, saved_text())
-
-    def consume(self, batch: EventBatch) -> None:
-        if self.writer is not None:
-            self.writer.write(batch.records, EventKind.KMEM, EventKind.PROBE)
-
-    def finish(self, result: TraceResult) -> None:
-        """Closes the set, its total_overruns the bytes of the records the
-        ring had no room for; the figures go into ``result.kmem``."""
-        if self.writer is None:
-            return
-        kmem = result.kmem
-        lost = sum(n * record_size(probe) for probe, n in result.lost.items())
-        if kmem is not None:
-            lost += (
-                kmem.totals.lost_allocs * ALLOC_TASK_RECORD.itemsize
-                + kmem.totals.lost_frees * FREE_TASK_RECORD.itemsize
-            )
-            kmem.records_written = self.writer.records
-            kmem.directory = self.directory
-            kmem.overrun_bytes = lost
-        self.writer.close(lost)
-        self.writer = None
-
-
-def _new_record_set(directory: Path) -> None:
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        stale = sorted(cpu_files(directory).values())
-    except OSError as exc:
-        raise RecordSetError(f"cannot write the record set {directory}: {exc}") from None
-    if stale:
-        raise RecordSetError(
-            f"{directory} already holds a record set ({stale[0].name}); give a new directory"
-        )
-
-
 def record_size(probe: str) -> int:
     """The size of the kmemtrace record a libc probe's event becomes."""
-    if probe in LIBC_ALLOCS:
+    if probe in libc_records("alloc"):
         return ALLOC_TASK_RECORD.itemsize
-    if probe in LIBC_FREES:
+    if probe in libc_records("free"):
         return FREE_TASK_RECORD.itemsize
     return PROBE_TASK_RECORD.itemsize

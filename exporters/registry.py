@@ -15,9 +15,10 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .data.sink import Sink
+if TYPE_CHECKING:  # the sinks and their data load only when an output is built
+    from .data.sink import Sink
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ STREAMS = (
 FILE_OUTPUTS = (
     FileOutput("kmemtrace", "DIR",
                "Write kmemtrace records (kernel and libc events) to this new directory.",
-               "mtrace_live.exporters.kmemtrace:KmemtraceSink",
+               "mtrace_live.exporters.kmemtrace_sink:KmemtraceSink",
                directory=True, kmem=True, kernel_records=True),
     FileOutput("sp-rtrace", "FILE",
                "Write the allocation events to this file as an sp-rtrace text report.",

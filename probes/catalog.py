@@ -17,9 +17,10 @@ import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib.resources import files
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .sdt_notes import SdtSite
+if TYPE_CHECKING:
+    from .sdt_notes import SdtSite
 
 FIRES = ("before", "after")
 

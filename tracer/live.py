@@ -263,9 +263,14 @@ class LiveTrace:
                 return
             kinds = records["kind"]
             self.counters.delivered += int(np.count_nonzero(kinds == EventKind.PROBE))
+            libc = records
             if self.kmem:
-                self.counters.kmem_delivered += int(np.count_nonzero(kinds == EventKind.KMEM))
-            yield EventBatch(records, self.decoder)
+                kmem_rows = kinds == EventKind.KMEM
+                kmem = int(np.count_nonzero(kmem_rows))
+                self.counters.kmem_delivered += kmem
+                if kmem:
+                    libc = records[~kmem_rows]
+            yield EventBatch(records, self.decoder, libc)
             if once:
                 return
 

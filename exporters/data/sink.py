@@ -122,9 +122,15 @@ class EventBatch:
     reserved them: libc probe hits, exec/exit of followed processes, and (when
     a sink asked for them) kmem tracepoint events."""
 
-    def __init__(self, records: np.ndarray, decoder: EventDecoder) -> None:
+    def __init__(
+        self, records: np.ndarray, decoder: EventDecoder, libc: np.ndarray | None = None
+    ) -> None:
+        """``libc``: the records without the kmem events, when the reader
+        already knows them (it is the same array when there are none)."""
         self.records = records  # probes/records.py: EVENT_DTYPE
         self.decoder = decoder
+        if libc is not None:
+            self.__dict__["libc"] = libc
 
     def __len__(self) -> int:
         return len(self.records)

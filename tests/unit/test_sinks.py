@@ -16,7 +16,8 @@ from mtrace_live.exporters import registry
 from mtrace_live.exporters.data.kallsyms import KernelSymbols
 from mtrace_live.exporters.data.kmem import KmemTotals
 from mtrace_live.exporters.data.sink import KmemResult, ProcessHits, Sink
-from mtrace_live.exporters.kmemtrace import KmemtraceSink, read_record_set
+from mtrace_live.exporters.kmemtrace import read_record_set
+from mtrace_live.exporters.kmemtrace_sink import KmemtraceSink
 from mtrace_live.exporters.lines import JsonLines, TextLines
 from mtrace_live.exporters.live_view import LiveView
 from mtrace_live.exporters.prometheus_sink import ExportOptions, PrometheusSink, new_registry

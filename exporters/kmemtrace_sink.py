@@ -1,0 +1,66 @@
+"""``--kmemtrace DIR`` and ``record``: a live trace's events as a kmemtrace
+record set (the format: exporters/kmemtrace.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mtrace_live.probes.records import EventKind
+
+from .data.errors import RecordSetError
+from .data.kallsyms import saved_text
+from .data.sink import EventBatch, Sink, TraceInfo, TraceResult
+from .kmemtrace import (
+    ALLOC_TASK_RECORD,
+    FREE_TASK_RECORD,
+    KmemtraceWriter,
+    cpu_files,
+    record_size,
+)
+
+
+class KmemtraceSink(Sink):
+    """``--kmemtrace DIR`` (and ``record``): every kmem event and libc probe
+    hit of a live trace as kmemtrace records, with the kernel's symbols."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        _new_record_set(directory)  # a bad directory fails before anything attaches
+        self.writer: KmemtraceWriter | None = None
+
+    def start(self, info: TraceInfo) -> None:
+        self.writer = KmemtraceWriter(self.directory, info.probes, saved_text())
+
+    def consume(self, batch: EventBatch) -> None:
+        if self.writer is not None:
+            self.writer.write(batch.records, EventKind.KMEM, EventKind.PROBE)
+
+    def finish(self, result: TraceResult) -> None:
+        """Closes the set, its total_overruns the bytes of the records the
+        ring had no room for; the figures go into ``result.kmem``."""
+        if self.writer is None:
+            return
+        kmem = result.kmem
+        lost = sum(n * record_size(probe) for probe, n in result.lost.items())
+        if kmem is not None:
+            lost += (
+                kmem.totals.lost_allocs * ALLOC_TASK_RECORD.itemsize
+                + kmem.totals.lost_frees * FREE_TASK_RECORD.itemsize
+            )
+            kmem.records_written = self.writer.records
+            kmem.directory = self.directory
+            kmem.overrun_bytes = lost
+        self.writer.close(lost)
+        self.writer = None
+
+
+def _new_record_set(directory: Path) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        stale = sorted(cpu_files(directory).values())
+    except OSError as exc:
+        raise RecordSetError(f"cannot write the record set {directory}: {exc}") from None
+    if stale:
+        raise RecordSetError(
+            f"{directory} already holds a record set ({stale[0].name}); give a new directory"
+        )
