@@ -92,7 +92,9 @@ class AllocatorModel(Sink):
         self.state.events += len(batch)
         probe_rows = batch["kind"] == EventKind.PROBE
         self._count(batch[probe_rows])
-        if len(self._lock_wait_slots):
+        if len(self._lock_wait_slots) == 1:  # the usual case: one compare, not isin
+            self._count_lock_waits(batch[probe_rows & (batch["probe"] == self._lock_wait_slots[0])])
+        elif len(self._lock_wait_slots):
             waits = probe_rows & np.isin(batch["probe"], self._lock_wait_slots)
             self._count_lock_waits(batch[waits])
         special = ~probe_rows | np.isin(batch["probe"], self._stateful_slots)
