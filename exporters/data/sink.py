@@ -112,10 +112,6 @@ class TraceInfo:
     def libc_probes(self) -> bool:
         return self.libc is not None
 
-    @property
-    def decoder(self) -> EventDecoder:
-        return EventDecoder(self.sites)
-
 
 class EventBatch:
     """The records of one read of the ring buffer, in the order the kernel
