@@ -307,6 +307,19 @@ def encode(
     return Encoded(per_cpu, n, seq + n)
 
 
+def new_record_set(directory: Path) -> None:
+    """Make ``directory`` for a record set, or refuse one that holds a set."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        stale = sorted(cpu_files(directory).values())
+    except OSError as exc:
+        raise RecordSetError(f"cannot write the record set {directory}: {exc}") from None
+    if stale:
+        raise RecordSetError(
+            f"{directory} already holds a record set ({stale[0].name}); give a new directory"
+        )
+
+
 class KmemtraceWriter:
     """Appends records to a record set directory as batches arrive."""
 
@@ -324,14 +337,8 @@ class KmemtraceWriter:
         self.records = 0
         self.bytes = 0
         self._seq = 0
+        new_record_set(directory)
         try:
-            directory.mkdir(parents=True, exist_ok=True)
-            stale = sorted(cpu_files(directory).values())
-            if stale:
-                raise RecordSetError(
-                    f"{directory} already holds a record set ({stale[0].name}); "
-                    "give a new directory"
-                )
             self.cpus = sorted(set(cpus)) if cpus else possible_cpus()
             self._files = {cpu: open(directory / f"cpu{cpu}", "wb") for cpu in self.cpus}  # noqa: SIM115
             (directory / ABI_FILE).write_text(f"{ABI_VERSION}\n")

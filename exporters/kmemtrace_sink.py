@@ -7,14 +7,13 @@ from pathlib import Path
 
 from mtrace_live.probes.records import EventKind
 
-from .data.errors import RecordSetError
 from .data.kallsyms import saved_text
 from .data.sink import EventBatch, Sink, TraceInfo, TraceResult
 from .kmemtrace import (
     ALLOC_TASK_RECORD,
     FREE_TASK_RECORD,
     KmemtraceWriter,
-    cpu_files,
+    new_record_set,
     record_size,
 )
 
@@ -25,7 +24,7 @@ class KmemtraceSink(Sink):
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        _new_record_set(directory)  # a bad directory fails before anything attaches
+        new_record_set(directory)  # a bad directory fails before anything attaches
         self.writer: KmemtraceWriter | None = None
 
     def start(self, info: TraceInfo) -> None:
@@ -52,15 +51,3 @@ class KmemtraceSink(Sink):
             kmem.overrun_bytes = lost
         self.writer.close(lost)
         self.writer = None
-
-
-def _new_record_set(directory: Path) -> None:
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        stale = sorted(cpu_files(directory).values())
-    except OSError as exc:
-        raise RecordSetError(f"cannot write the record set {directory}: {exc}") from None
-    if stale:
-        raise RecordSetError(
-            f"{directory} already holds a record set ({stale[0].name}); give a new directory"
-        )

@@ -46,7 +46,7 @@ from mtrace_live.probes.records import EVENT_DTYPE, EventKind
 
 from . import bpf_syscalls, package_version, target, usdt
 from .bpf_backend import BpfProgram, bcc_version, require_privileges, tracepoint_format
-from .counters import BpfCounters, read_kernel_totals
+from .counters import BpfCounters
 from .launch import GatedCommand
 from .model import AllocatorModel
 from .ringbuf import RingReader
@@ -275,16 +275,16 @@ class LiveTrace:
                 return
 
     def result(self, started: float, ended_by: str, exit_code: int | None) -> TraceResult:
-        counters = self.counters.read(runs=True)
+        counters = self.counters.read(kmem=self.kmem, runs=True)
         names = self.selection.probes
         kmem = None
-        if self.kmem:
-            kernel = read_kernel_totals(self.program)
+        if counters.kmem is not None:
+            kernel = counters.kmem
             kmem = KmemResult(
-                kernel, self.counters.kmem_delivered, kernel.lost_allocs + kernel.lost_frees
+                kernel, counters.kmem_delivered, kernel.lost_allocs + kernel.lost_frees
             )
         per_process: dict[int, dict[str, int]] = {}
-        for row in self.program.process_hits():
+        for row in self.counters.process_hits():
             if row.probe < len(names):
                 per_process.setdefault(row.tgid, {})[names[row.probe]] = row.hits
         return TraceResult(
