@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV := .venv
 BIN := $(VENV)/bin
 BUILD := build
-CFLAGS_WORKLOAD := -O1 -g -Wall -Wextra -fno-builtin -U_FORTIFY_SOURCE -pthread
+CFLAGS_WORKLOAD := -O1 -g -fno-omit-frame-pointer -Wall -Wextra -fno-builtin -U_FORTIFY_SOURCE -pthread
 SETUP_STAMP := $(VENV)/.mtrace-live-setup
 
 # fixtures is not part of test: the ELF fixtures are committed, and rebuilt
@@ -18,7 +18,7 @@ setup:
 sdt-glibc: setup
 	bash scripts/sdt-glibc.sh
 
-WORKLOADS := probe_exerciser kmem_exerciser mallopt_loop jmp_loop arena_contention
+WORKLOADS := probe_exerciser kmem_exerciser mallopt_loop jmp_loop arena_contention alloc_workload
 exercisers: $(addprefix $(BUILD)/,$(WORKLOADS))
 
 $(BUILD)/%: tests/workloads/%.c | $(BUILD)

@@ -28,6 +28,7 @@ class Stream:
     name: str
     help: str
     sink: str  # "module:Class"
+    alloc_events: bool = False  # wants each allocation and free through the ring
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class FileOutput:
     directory: bool = False  # VALUE names a directory, not a file
     kmem: bool = False  # turns the kmem tracepoints on (as --kmem does)
     kernel_records: bool = False  # wants each kmem event in the ring, when they are on
+    alloc_records: bool = False  # wants each allocation and free through the ring
 
 
 STREAMS = (
@@ -48,7 +50,8 @@ STREAMS = (
            "mtrace_live.exporters.live_view:LiveView"),
     Stream("text", "a line per event (the default otherwise)",
            "mtrace_live.exporters.lines:TextLines"),
-    Stream("json", "JSON lines of events", "mtrace_live.exporters.lines:JsonLines"),
+    Stream("json", "JSON lines of events, allocations and frees included",
+           "mtrace_live.exporters.lines:JsonLines", alloc_events=True),
     Stream("summary", "only the summary at the end", "mtrace_live.exporters.summary:SummarySink"),
 )  # fmt: skip
 
@@ -60,6 +63,10 @@ FILE_OUTPUTS = (
     FileOutput("sp-rtrace", "FILE",
                "Write the allocation events to this file as an sp-rtrace text report.",
                "mtrace_live.exporters.sprtrace_writer:SpRtraceSink", kernel_records=True),
+    FileOutput("pprof", "FILE",
+               "Write the allocations by call stack to this file as a gzipped pprof profile "
+               "(alloc_objects, alloc_space, inuse_objects, inuse_space).",
+               "mtrace_live.exporters.pprof:PprofSink"),
 )  # fmt: skip
 
 
@@ -74,6 +81,10 @@ def stream(name: str) -> Sink:
             sink: Sink = _load(entry.sink)()
             return sink
     raise KeyError(name)
+
+
+def stream_wants_events(name: str) -> bool:
+    return any(entry.alloc_events for entry in STREAMS if entry.name == name)
 
 
 def file_output(name: str) -> FileOutput:

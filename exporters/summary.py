@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
+from . import alloc_table
 from .data.allocator import ProcessState, SettingChange
 from .data.events import format_value
 from .data.kallsyms import KernelSymbols
@@ -74,6 +75,9 @@ def summary_lines(result: TraceResult) -> list[str]:
         lines += process_lines(state)
     if result.kmem is not None:
         lines += kmem_lines(result.kmem)
+    if result.allocations is not None:
+        ended = result.exit_code is not None or result.ended_by == "exit"
+        lines += alloc_table.summary_lines(result.allocations, result.frame_names, ended)
     return lines
 
 

@@ -67,6 +67,7 @@ class AllocSite:
     instruction: str  # as capstone prints it, e.g. "push r12"
     emulated: bool  # False: the entry, single-stepped
     aliases: tuple[str, ...] = ()  # other functions at the same address
+    tail_calls: str | None = None  # the allocation function it jumps to (directly or by PLT)
 
     @property
     def offset(self) -> int:
@@ -99,7 +100,9 @@ def choose(code: bytes, entry: int, arguments: Iterable[str]) -> tuple[int, str,
         if emulated(insn):
             return insn.address, f"{insn.mnemonic} {insn.op_str}".strip(), True
         _, written = insn.regs_access()
-        if any(_WIDE.get(insn.reg_name(reg), "") in wanted for reg in written):
+        # The site must also see the return address at the top of the
+        # stack (the call site, read there): nothing before it moves rsp.
+        if any(_WIDE.get(insn.reg_name(reg), "") in wanted | {"rsp"} for reg in written):
             break
         if insn.mnemonic in ("ret", "hlt", "ud2"):
             break
@@ -127,13 +130,66 @@ def alloc_sites(path: Path) -> dict[str, AllocSite]:
         by_address: dict[int, list[str]] = {}
         for name, address in entries.items():
             by_address.setdefault(address, []).append(name)
+        targets = {**{address: names[0] for address, names in by_address.items()},
+                   **_plt_targets(elf)}  # fmt: skip
         sites = {}
         for name, entry in entries.items():
             code, bias = _code_at(elf, entry)
             address, text, fast = choose(code, entry, ALLOC_FUNCTIONS[name])
             aliases = tuple(other for other in by_address[entry] if other != name)
-            sites[name] = AllocSite(name, entry, address, address - bias, text, fast, aliases)
+            jumps_to = tail_call(code, entry, targets)
+            sites[name] = AllocSite(name, entry, address, address - bias, text, fast, aliases,
+                                    jumps_to if jumps_to != name else None)  # fmt: skip
         return sites
+
+
+def tail_call(code: bytes, entry: int, targets: Mapping[int, str]) -> str | None:
+    """The allocation function that the code from ``entry`` ends in a jump
+    to, on its straight path (glibc's reallocarray multiplies, then jumps to
+    realloc through the PLT), or None."""
+    disassembler = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    disassembler.detail = True
+    for insn in disassembler.disasm(code, entry):
+        if insn.mnemonic in ("ret", "hlt", "ud2", "call"):
+            return None
+        if insn.mnemonic == "jmp":
+            operand = insn.operands[0]
+            if operand.type != x86.X86_OP_IMM:
+                return None
+            return targets.get(int(operand.imm))
+    return None
+
+
+def _plt_targets(elf: ELFFile) -> dict[int, str]:
+    """PLT stub address -> the allocation function its GOT slot is relocated to."""
+    slots: dict[int, str] = {}
+    for section in elf.iter_sections():
+        if section.header["sh_type"] not in ("SHT_RELA", "SHT_REL"):
+            continue
+        symbols = elf.get_section(section.header["sh_link"])
+        if not isinstance(symbols, SymbolTableSection):
+            continue
+        for relocation in section.iter_relocations():
+            symbol = symbols.get_symbol(relocation["r_info_sym"])
+            if symbol is not None and symbol.name in ALLOC_FUNCTIONS:
+                slots[relocation["r_offset"]] = symbol.name
+    stubs: dict[int, str] = {}
+    disassembler = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    disassembler.detail = True
+    for name in (".plt", ".plt.sec"):
+        plt = elf.get_section_by_name(name)
+        if plt is None:
+            continue
+        for insn in disassembler.disasm(plt.data(), plt.header["sh_addr"]):
+            if insn.mnemonic != "jmp" or not insn.operands:
+                continue
+            operand = insn.operands[0]
+            if operand.type == x86.X86_OP_MEM and operand.mem.base == x86.X86_REG_RIP:
+                slot = insn.address + insn.size + operand.mem.disp
+                if slot in slots:
+                    stub = insn.address - (insn.address - plt.header["sh_addr"]) % 16
+                    stubs[stub] = slots[slot]
+    return stubs
 
 
 def _code_at(elf: ELFFile, address: int) -> tuple[bytes, int]:

@@ -42,6 +42,9 @@ class EventKind(IntEnum):
     EXEC = 1
     EXIT = 2
     KMEM = 3  # a kmem tracepoint: probe = KmemEvent, site = KmemType
+    ALLOC = 4  # an allocation function returned: probe = AllocFn, args = AllocArg
+    FREE = 5  # free, or realloc's release of its old pointer
+    HELD = 6  # a followed process called _exit and waits, stopped, to be continued
 
 
 class KmemEvent(IntEnum):
@@ -77,6 +80,45 @@ class KmemMisc(IntEnum):
     LOST_FREES = 3
 
 
+class AllocFn(IntEnum):
+    """enum alloc_fn: the allocation functions, in the alloc_calls array's order."""
+
+    MALLOC = 0
+    CALLOC = 1
+    REALLOC = 2
+    REALLOCARRAY = 3
+    FREE = 4
+    MEMALIGN = 5
+    POSIX_MEMALIGN = 6
+    ALIGNED_ALLOC = 7
+    VALLOC = 8
+    PVALLOC = 9
+
+
+ALLOC_FN_NAMES = tuple(fn.name.lower() for fn in AllocFn)
+
+
+class AllocArg(IntEnum):
+    """enum alloc_arg: the args of an ALLOC or FREE event."""
+
+    PTR = 0
+    SIZE = 1
+    AUX = 2
+    WEIGHT = 3
+    BORN = 4
+    SITE = 5
+
+
+class AllocMisc(IntEnum):
+    """enum alloc_misc: the slots of the alloc_misc array."""
+
+    OUTSTANDING_FULL = 0
+    STACKS_FULL = 1
+    LOST_EVENTS = 2
+    NESTED = 3
+    NULL_FREES = 4
+
+
 # struct proc_key and struct proc_hit (proc_hits), struct site_key, struct
 # site_stats (kmem_sites) and struct order_stats (page_orders).
 PROC_KEY_DTYPE = np.dtype([("tgid", "<u4"), ("probe", "<u4")])
@@ -97,6 +139,27 @@ SITE_FIELDS = (
 SITE_STATS_DTYPE = np.dtype([(name, "<u8") for name in SITE_FIELDS])
 ORDER_STATS_DTYPE = np.dtype([("allocs", "<u8"), ("frees", "<u8")])
 
+# struct alloc_key and struct alloc_stats (alloc_stacks), struct alloc_proc
+# (alloc_procs), struct outstanding_key and struct outstanding (outstanding).
+ALLOC_KEY_DTYPE = np.dtype(
+    [("call_site", "<u8"), ("tgid", "<u4"), ("stack", "<i4"), ("fn", "<u4"), ("pad", "<u4")]
+)
+ALLOC_STATS_FIELDS = ("calls", "bytes", "sizes", "frees", "bytes_freed", "sizes_freed", "last_ts")
+ALLOC_STATS_DTYPE = np.dtype([(name, "<u8") for name in ALLOC_STATS_FIELDS])
+ALLOC_PROC_FIELDS = ("calls", "bytes", "frees", "unknown_frees", "failed")
+ALLOC_PROC_DTYPE = np.dtype([(name, "<u8") for name in ALLOC_PROC_FIELDS])
+OUTSTANDING_KEY_DTYPE = np.dtype([("ptr", "<u8"), ("tgid", "<u4"), ("pad", "<u4")])
+OUTSTANDING_DTYPE = np.dtype(
+    [
+        ("key", ALLOC_KEY_DTYPE),
+        ("size", "<u8"),
+        ("weight", "<u8"),
+        ("ts", "<u8"),
+        ("tid", "<u4"),
+        ("pad", "<u4"),
+    ]
+)
+
 # Each C struct of records.h and its dtype here.
 LAYOUTS = {
     "event": EVENT_DTYPE,
@@ -105,6 +168,11 @@ LAYOUTS = {
     "site_key": SITE_KEY_DTYPE,
     "site_stats": SITE_STATS_DTYPE,
     "order_stats": ORDER_STATS_DTYPE,
+    "alloc_key": ALLOC_KEY_DTYPE,
+    "alloc_stats": ALLOC_STATS_DTYPE,
+    "alloc_proc": ALLOC_PROC_DTYPE,
+    "outstanding_key": OUTSTANDING_KEY_DTYPE,
+    "outstanding": OUTSTANDING_DTYPE,
 }
 
 

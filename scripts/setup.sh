@@ -31,8 +31,9 @@ KERNEL=$(uname -r)
 ARCH=$(dpkg --print-architecture)
 
 # ---- distro packages ------------------------------------------------------
-# prometheus (server and promtool) and openssl are for the exporter's tests.
-packages=(python3-bpfcc libbpfcc bpfcc-tools bpftrace gcc make libc6-dev
+# prometheus (server and promtool) and openssl are for the exporter's tests;
+# golang-go for go tool pprof, which reads the pprof output in the tests.
+packages=(python3-bpfcc libbpfcc bpfcc-tools bpftrace gcc make libc6-dev golang-go
           systemtap-sdt-dev python3-venv binutils prometheus openssl)
 if [ "${ID}" = ubuntu ]; then
   packages+=(linux-tools-common "linux-tools-$KERNEL")

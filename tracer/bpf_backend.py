@@ -10,7 +10,7 @@ import contextlib
 import ctypes
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +153,33 @@ class BpfProgram:
             self._bpf.attach_uprobe(name=str(path), addr=file_offset, fn_name=handler, pid=-1)
         except Exception as exc:
             raise AttachError(f"cannot attach to {path} at {file_offset:#x}: {exc}") from None
+
+    def attach_uretprobe(self, path: Path, file_offset: int, handler: str) -> None:
+        """Attach ``handler`` to the returns of the function at a file offset of ``path``."""
+        try:
+            self._bpf.attach_uretprobe(name=str(path), addr=file_offset, fn_name=handler, pid=-1)
+        except Exception as exc:
+            raise AttachError(
+                f"cannot attach a return probe to {path} at {file_offset:#x}: {exc}"
+            ) from None
+
+    def fill_array(self, table: str, values: Sequence[int]) -> None:
+        array = self._bpf[table]
+        for index, value in enumerate(values):
+            array[array.Key(index)] = array.Leaf(value)
+
+    def read_table(self, table: str, key_dtype: Any, value_dtype: Any) -> tuple[np.ndarray, np.ndarray]:
+        """A whole hash map (not per-CPU) as two structured arrays, in one
+        batched read where the kernel can."""
+        keys_dt, values_dt = np.dtype(key_dtype), np.dtype(value_dtype)
+        got = self._read_all(table)
+        if got is not None:
+            _, keys, values = got
+            return (np.frombuffer(keys.tobytes(), dtype=keys_dt),
+                    np.frombuffer(values.reshape(len(values), -1).tobytes(), dtype=values_dt))  # fmt: skip
+        items = list(self._bpf[table].items())
+        return (np.frombuffer(b"".join(bytes(k) for k, _ in items), dtype=keys_dt),
+                np.frombuffer(b"".join(bytes(v) for _, v in items), dtype=values_dt))  # fmt: skip
 
     def stack(self, stack_id: int) -> list[int]:
         """The addresses of one stored stack (``stacks``), innermost first."""

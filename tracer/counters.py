@@ -7,13 +7,16 @@ read snapshots through it and never see the BPF program itself.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+
+from mtrace_live.exporters.data.allocations import AllocSnapshot
 
 from mtrace_live.exporters.data.kmem import CallSite, KmemTotals
 from mtrace_live.exporters.data.sink import KernelCounters, ProcessHits, RunStats
 from mtrace_live.probes.records import KMEM_EVENTS, SITE_FIELDS, KmemMisc
 
-from . import bpf_syscalls
+from . import allocs, bpf_syscalls
 from .bpf_backend import BpfProgram
 
 
@@ -31,7 +34,9 @@ class BpfCounters:
         kmem: bool,
         filtered_by_pid: bool,
         stats_fd: int | None = None,
+        sample_bytes: int | None = None,
     ) -> None:
+        """``sample_bytes``: None when the allocation functions are not traced."""
         self.program = program
         self.probes = tuple(probes)
         self.site_probes = tuple(site_probes)  # site index -> probe name
@@ -41,6 +46,8 @@ class BpfCounters:
         self.stats_fd = stats_fd  # held while run time is counted (serve --bpf-stats)
         self.delivered = 0
         self.kmem_delivered = 0
+        self.sample_bytes = sample_bytes
+        self.started_ns = time.monotonic_ns()
 
     def read(self, kmem: bool = False, runs: bool = False) -> KernelCounters:
         program = self.program
@@ -70,6 +77,11 @@ class BpfCounters:
 
     def stack(self, stack_id: int) -> list[int]:
         return self.program.stack(stack_id)
+
+    def allocations(self, outstanding: bool = False) -> AllocSnapshot | None:
+        if self.sample_bytes is None:
+            return None
+        return allocs.read_snapshot(self.program, self.sample_bytes, self.started_ns, outstanding)
 
     def stacks_lost(self, with_stacks: bool) -> tuple[int, int]:
         if not with_stacks:

@@ -28,11 +28,13 @@ import numpy as np
 from mtrace_live.exporters import registry
 from mtrace_live.exporters.data.errors import (
     MtraceError,
+    NoProbesError,
     NotPrivilegedError,
     OutputClosedError,
     TargetError,
     TargetExecError,
 )
+from mtrace_live.exporters.data.allocations import FrameNames
 from mtrace_live.exporters.data.events import Event, EventDecoder
 from mtrace_live.exporters.data.sink import (
     EventBatch,
@@ -44,7 +46,7 @@ from mtrace_live.exporters.data.sink import (
 from mtrace_live.probes.catalog import load_catalog
 from mtrace_live.probes.records import EVENT_DTYPE, EventKind
 
-from . import bpf_syscalls, package_version, target, usdt
+from . import allocs, bpf_syscalls, package_version, target, usdt
 from .bpf_backend import BpfProgram, bcc_version, require_privileges, tracepoint_format
 from .counters import BpfCounters
 from .launch import GatedCommand
@@ -82,11 +84,21 @@ class TraceRequest:
     stack_depth: int = 0  # > 0: a user (and kernel, for kmem) stack on each event
     stack_entries: int = 16384  # distinct stacks the BPF stack map holds
     bpf_stats: bool = False  # have the kernel count the handlers' run time (serve --bpf-stats)
+    allocs: bool = True  # the allocation functions (malloc, free, ...)
+    sample_bytes: int = 0  # > 0: keep one allocation per this many bytes, on average
+    max_outstanding: int = 262144  # allocations tracked until freed
+    alloc_stacks: int = 16384  # (process, stack) rows aggregated
 
     @property
     def filtered_by_pid(self) -> bool:
         """The ``followed`` table decides (--pid, COMMAND, --comm)."""
         return not self.all_processes and self.cgroup is None
+
+    @property
+    def alloc_events(self) -> bool:
+        """An output wants each allocation and free through the ring."""
+        files = any(registry.file_output(name).alloc_records for name, _ in self.files)
+        return files or registry.stream_wants_events(self.output)
 
     @property
     def kernel_records(self) -> bool:
@@ -154,10 +166,25 @@ class LiveTrace:
         confirmed, before the program is built: an output that cannot be
         written fails there, before anything attaches."""
         self.request = request
+        self.notices: list[str] = []
+        self.sdt = request.libc_probes
+        self.selection = usdt.ProbeSelection(libc, (), (), {})
         if request.libc_probes:
-            self.selection = usdt.choose(libc, request.patterns)  # no-probe errors before root
-        else:
-            self.selection = usdt.ProbeSelection(libc, (), (), {})
+            try:
+                self.selection = usdt.choose(libc, request.patterns)  # before root
+            except NoProbesError as exc:
+                if not request.allocs:
+                    raise
+                self.sdt = False
+                self.notices.append(
+                    f"no SDT probes: {libc} was built without --enable-systemtap, so the "
+                    "arena and heap events are not seen; the allocation functions are "
+                    "('mtrace-live doctor' says what each source needs)"
+                )
+                del exc
+        self.alloc_plan = allocs.plan(libc) if request.allocs and request.libc_probes else None
+        if self.alloc_plan is not None:
+            allocs.check_attachable(self.alloc_plan)
         require_privileges()
         self.kmem = request.with_kmem
         catalog = load_catalog()
@@ -194,6 +221,14 @@ class LiveTrace:
             defines.update({"FILTER_CGROUP": 1, "CGROUP_ID": cgroup_id, "CGROUP_LEVEL": level})
         if self.kmem:
             defines.update(kmem_defines(tracepoint_format))
+        self.hold = False
+        if self.alloc_plan is not None:
+            self.hold = request.filtered_by_pid and self.alloc_plan.exit_offset is not None
+            defines.update(allocs.defines(request.sample_bytes, request.alloc_events,
+                                          walk=True, outstanding=request.max_outstanding,
+                                          stacks=request.alloc_stacks, hold=self.hold))  # fmt: skip
+            defines["STACK_ENTRIES"] = max(request.stack_entries, request.alloc_stacks)
+            defines["STACK_DEPTH"] = max(request.stack_depth, allocs.STACK_DEPTH)
         stats_fd = bpf_syscalls.enable_run_time_stats() if request.bpf_stats else None
         if request.bpf_stats and stats_fd is None and not bpf_syscalls.sysctl_enabled():
             raise NotPrivilegedError("--bpf-stats: this kernel refused to count BPF run time")
@@ -204,6 +239,8 @@ class LiveTrace:
             raise
         try:
             usdt.attach(self.program, self.selection)
+            if self.alloc_plan is not None:
+                allocs.attach(self.program, self.alloc_plan, request.sample_bytes, self.hold)
             self.program.set_gate(True)
             self.reader = RingReader(
                 self.program.map_fd("events"), request.buffer_pages * mmap.PAGESIZE, EVENT_DTYPE
@@ -216,11 +253,13 @@ class LiveTrace:
             self.program,
             self.selection.probes,
             [layout.site.name for layout in self.selection.layouts],
-            libc=request.libc_probes,
+            libc=self.sdt,
             kmem=self.kmem,
             filtered_by_pid=request.filtered_by_pid,
             stats_fd=stats_fd,
+            sample_bytes=request.sample_bytes if self.alloc_plan is not None else None,
         )
+        self.frame_names = FrameNames()
 
     def info(self, pid: int | None) -> TraceInfo:
         request = self.request
@@ -228,7 +267,7 @@ class LiveTrace:
             probes=tuple(self.selection.probes),
             sites=self.sites,
             site_addresses=tuple(layout.site.address for layout in self.selection.layouts),
-            libc=self.selection.libc if request.libc_probes else None,
+            libc=self.selection.libc if self.sdt else None,
             counters=self.counters,
             allocators=self.model.state,
             pid=pid,
@@ -244,6 +283,10 @@ class LiveTrace:
             ),
             version=package_version(),
             bcc_version=bcc_version(),
+            allocs=self.alloc_plan is not None,
+            alloc_events=self.alloc_plan is not None and request.alloc_events,
+            sample_bytes=request.sample_bytes,
+            frame_names=self.frame_names,
         )
 
     def follow(self, pid: int) -> None:
@@ -262,6 +305,8 @@ class LiveTrace:
             if len(records) == 0:
                 return
             kinds = records["kind"]
+            if self.hold:
+                self._continue_held(records[kinds == EventKind.HELD])
             self.counters.delivered += int(np.count_nonzero(kinds == EventKind.PROBE))
             libc = records
             if self.kmem:
@@ -273,6 +318,13 @@ class LiveTrace:
             yield EventBatch(records, self.decoder, libc)
             if once:
                 return
+
+    def _continue_held(self, held: np.ndarray) -> None:
+        """Processes stopped in _exit: read their maps, then let them go."""
+        for tgid in sorted(set(held["tgid"].tolist())):
+            self.frame_names.remember(tgid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(tgid, signal.SIGCONT)
 
     def result(self, started: float, ended_by: str, exit_code: int | None) -> TraceResult:
         counters = self.counters.read(kmem=self.kmem, runs=True)
@@ -302,6 +354,10 @@ class LiveTrace:
             missed={label: s.misses for label, s in counters.runs.items() if s.misses},
             stacks_lost=self.counters.stacks_lost(self.request.stack_depth > 0),
             kmem=kmem,
+            allocations=self.counters.allocations(outstanding=True)
+            if self.alloc_plan is not None
+            else None,
+            frame_names=self.frame_names,
         )
 
     def close(self) -> None:
@@ -365,7 +421,11 @@ def announce(trace: LiveTrace, pid: int | None) -> None:
     else:
         whom = f"pid {pid}" + (" and its children" if request.follow_forks else "")
     what = []
-    if request.libc_probes:
+    for notice in trace.notices:
+        print(f"mtrace-live: {notice}", file=sys.stderr, flush=True)
+    if trace.alloc_plan is not None:
+        what.append(f"{len(trace.alloc_plan.sites)} allocation functions in {trace.alloc_plan.libc}")
+    if trace.sdt:
         what.append(f"{len(trace.selection.probes)} probes ({len(trace.selection.layouts)} "
                     f"sites) in {trace.selection.libc}")  # fmt: skip
     if trace.kmem:

@@ -97,7 +97,8 @@ class AllocatorModel(Sink):
         elif len(self._lock_wait_slots):
             waits = probe_rows & np.isin(batch["probe"], self._lock_wait_slots)
             self._count_lock_waits(batch[waits])
-        special = ~probe_rows | np.isin(batch["probe"], self._stateful_slots)
+        lifecycle = (batch["kind"] == EventKind.EXEC) | (batch["kind"] == EventKind.EXIT)
+        special = lifecycle | (probe_rows & np.isin(batch["probe"], self._stateful_slots))
         if special.any():
             rows = batch[special]
             sites = [int(site) for site in rows["site"]]  # in the order decode returns events

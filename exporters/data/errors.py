@@ -119,3 +119,9 @@ class SpRtraceError(MtraceError):
     """Text that is not an sp-rtrace report, or a malformed record in one."""
 
     exit_code = 19
+
+
+class OutputError(MtraceError):
+    """An output file (--pprof) cannot be written."""
+
+    exit_code = 20

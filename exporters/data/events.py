@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from mtrace_live.probes.catalog import ProbeSpec
 from mtrace_live.probes.locations import SiteLayout
-from mtrace_live.probes.records import MAX_ARGS, EventKind
+from mtrace_live.probes.records import ALLOC_FN_NAMES, MAX_ARGS, AllocArg, AllocFn, EventKind
 
 # Roles whose values read best in hex.
 HEX_ROLES = frozenset(
@@ -100,6 +100,39 @@ def format_value(value: int | None, role: str) -> str:
     return str(value)
 
 
+ALLOC_ROLES = {"ptr": "address", "old_ptr": "address", "call_site": "code_address",
+               "allocated_at": "code_address"}  # fmt: skip
+
+
+def _decode_allocs(batch: np.ndarray, rows: np.ndarray) -> list[tuple[int, Event]]:
+    """ALLOC and FREE records: the function's name as the probe, and its
+    arguments by name (realloc's old pointer, the alignment, a free's
+    matched allocation)."""
+    chunk = batch[rows]
+    args = chunk["args"].tolist()
+    columns = (chunk[k].tolist() for k in ("ts", "tgid", "tid", "cpu", "ip", "probe", "kind"))
+    out = []
+    for i, (ts, tgid, tid, cpu, ip, fn, kind) in enumerate(zip(*columns, strict=True)):
+        a = args[i]
+        name = ALLOC_FN_NAMES[fn] if fn < len(ALLOC_FN_NAMES) else f"fn{fn}"
+        named: dict[str, int | None] = {"ptr": a[AllocArg.PTR]}
+        if kind == EventKind.ALLOC:
+            named["size"] = a[AllocArg.SIZE]
+            if fn in (AllocFn.REALLOC, AllocFn.REALLOCARRAY):
+                named["old_ptr"] = a[AllocArg.AUX]
+            elif a[AllocArg.AUX]:
+                named["alignment"] = a[AllocArg.AUX]
+        else:
+            name = "free" if fn == AllocFn.FREE else f"{name}:free"
+            named["size"] = a[AllocArg.SIZE] or None  # None: allocated before the trace
+            named["allocated_at"] = a[AllocArg.SITE] or None
+        if a[AllocArg.WEIGHT] != a[AllocArg.SIZE] and kind == EventKind.ALLOC:
+            named["weight"] = a[AllocArg.WEIGHT]
+        named["call_site"] = ip
+        out.append((rows[i].item(), Event(ts, tgid, tid, cpu, name, named, ALLOC_ROLES, ip)))
+    return out
+
+
 class EventDecoder:
     """Batches of records -> Events, vectorised per site."""
 
@@ -117,7 +150,11 @@ class EventDecoder:
             for site in np.unique(sites):
                 rows = probe_rows[sites == site]
                 out.extend(self._decode_site(int(site), batch, rows))
-        for row in np.flatnonzero(kinds != EventKind.PROBE).tolist():
+        alloc_rows = np.flatnonzero((kinds == EventKind.ALLOC) | (kinds == EventKind.FREE))
+        if len(alloc_rows):
+            out.extend(_decode_allocs(batch, alloc_rows))
+        lifecycle = (kinds == EventKind.EXEC) | (kinds == EventKind.EXIT)
+        for row in np.flatnonzero(lifecycle).tolist():
             out.append((row, self._lifecycle(batch[row])))
         out.sort(key=lambda pair: pair[0])
         return [event for _, event in out]

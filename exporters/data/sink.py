@@ -28,6 +28,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 from mtrace_live.probes.records import EventKind
 
+from .allocations import AllocSnapshot, FrameNames
 from .allocator import Allocators
 from .events import Event, EventDecoder, SiteInfo
 from .kmem import KmemTotals
@@ -85,6 +86,12 @@ class CounterSource(Protocol):
         """The addresses of a stack the events refer to (``ustack``/``kstack``)."""
         ...
 
+    def allocations(self, outstanding: bool = False) -> AllocSnapshot | None:
+        """The allocations by stack and process now (None when the
+        allocation functions are not traced); with ``outstanding``, each
+        allocation not freed yet too (costlier)."""
+        ...
+
 
 @dataclass(frozen=True)
 class TraceInfo:
@@ -107,6 +114,10 @@ class TraceInfo:
     tracepoints: int = 0  # tracepoint handlers attached
     version: str = "unknown"  # mtrace-live's
     bcc_version: str = "unknown"
+    allocs: bool = False  # the allocation functions are traced
+    alloc_events: bool = False  # each allocation and free comes through the ring
+    sample_bytes: int = 0
+    frame_names: FrameNames = field(default_factory=FrameNames)
 
     @property
     def libc_probes(self) -> bool:
@@ -172,6 +183,8 @@ class TraceResult:
     kmem: KmemResult | None = None
     missed: dict[str, int] = field(default_factory=dict)  # handler runs the kernel skipped
     stacks_lost: tuple[int, int] = (0, 0)  # user, kernel stacks the stack map did not store
+    allocations: AllocSnapshot | None = None  # the allocation functions' tables at the end
+    frame_names: FrameNames = field(default_factory=FrameNames)  # names the stacks' frames
 
     @property
     def total_hits(self) -> int:

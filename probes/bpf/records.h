@@ -25,6 +25,10 @@ enum event_kind {
     EV_EXEC = 1, /* a followed process exec'd; args[0] = its pid before exec */
     EV_EXIT = 2, /* a followed process's group leader exited */
     EV_KMEM = 3, /* a kmem tracepoint; probe = enum kmem_event, site = enum kmem_type */
+    EV_ALLOC = 4, /* an allocation function returned a pointer; probe = enum alloc_fn,
+                   * ip = the call site (return address), args = enum alloc_arg */
+    EV_FREE = 5,  /* free (or realloc's release of its old pointer); the same args */
+    EV_HELD = 6,  /* a followed process called _exit and is stopped (HOLD_AT_EXIT) */
 };
 
 /* One record of the `events` ring buffer. */
@@ -106,6 +110,87 @@ struct site_stats {
 struct order_stats {
     u64 allocs;
     u64 frees;
+};
+
+/* ---- the allocation functions (WITH_ALLOCS) ---- */
+
+/* The functions probed, in the alloc_calls array's order. */
+enum alloc_fn {
+    AF_MALLOC,
+    AF_CALLOC,
+    AF_REALLOC,
+    AF_REALLOCARRAY,
+    AF_FREE,
+    AF_MEMALIGN,
+    AF_POSIX_MEMALIGN,
+    AF_ALIGNED_ALLOC,
+    AF_VALLOC,
+    AF_PVALLOC,
+    AF_COUNT,
+};
+
+/* The args of an EV_ALLOC or EV_FREE event. */
+enum alloc_arg {
+    AA_PTR = 0,     /* the pointer returned, or freed */
+    AA_SIZE = 1,    /* bytes asked for; for a free, of the matched allocation (0: unknown) */
+    AA_AUX = 2,     /* realloc: the old pointer; memalign & co: the alignment */
+    AA_WEIGHT = 3,  /* bytes this sample stands for (= size when every call is kept) */
+    AA_BORN = 4,    /* a free: when the matched allocation was made (0: unknown) */
+    AA_SITE = 5,    /* a free: the matched allocation's call site (0: unknown) */
+};
+
+/* The alloc_misc array. */
+enum alloc_misc {
+    AX_OUTSTANDING_FULL,  /* allocations the outstanding map had no room for */
+    AX_STACKS_FULL,       /* allocations alloc_stacks had no room for */
+    AX_LOST_EVENTS,       /* events the ring had no room for */
+    AX_NESTED,            /* calls made inside another allocation function (not counted again) */
+    AX_NULL_FREES,        /* free(NULL) */
+    AX_COUNT,
+};
+
+/* alloc_stacks: per (process, stack). */
+struct alloc_key {
+    u64 call_site; /* the return address into the caller */
+    u32 tgid;
+    s32 stack;     /* stack id in `stacks`, or < 0: not walked (-errno when the map refused) */
+    u32 fn;        /* enum alloc_fn */
+    u32 pad;
+};
+
+struct alloc_stats {
+    u64 calls;        /* kept allocations (every one, without sampling) */
+    u64 bytes;        /* bytes they stand for (weights, with sampling) */
+    u64 sizes;        /* bytes they asked for */
+    u64 frees;        /* of them, freed */
+    u64 bytes_freed;  /* weights of those */
+    u64 sizes_freed;
+    u64 last_ts;      /* the newest allocation's time */
+};
+
+/* alloc_procs: per process, every call (sampled or not). */
+struct alloc_proc {
+    u64 calls;         /* allocations that returned a pointer */
+    u64 bytes;         /* the bytes they asked for */
+    u64 frees;         /* free() of a non-NULL pointer, and realloc's releases */
+    u64 unknown_frees; /* of pointers not seen allocated (before attaching, or not kept) */
+    u64 failed;        /* allocations that returned NULL */
+};
+
+/* outstanding: allocations not yet freed, by (process, pointer). */
+struct outstanding_key {
+    u64 ptr;
+    u32 tgid;
+    u32 pad;
+};
+
+struct outstanding {
+    struct alloc_key key;
+    u64 size;
+    u64 weight;
+    u64 ts;
+    u32 tid;
+    u32 pad;
 };
 
 #endif

@@ -85,6 +85,27 @@
 #ifndef STACK_ENTRIES
 #define STACK_ENTRIES 16384 /* distinct stacks the map holds */
 #endif
+#ifndef WITH_ALLOCS
+#define WITH_ALLOCS 0 /* the allocation functions (malloc, free, ...) */
+#endif
+#ifndef ALLOC_EVENTS
+#define ALLOC_EVENTS 0 /* send each kept allocation and free through the ring */
+#endif
+#ifndef ALLOC_OUTSTANDING
+#define ALLOC_OUTSTANDING 262144
+#endif
+#ifndef ALLOC_STACKS
+#define ALLOC_STACKS 16384
+#endif
+#ifndef ALLOC_WALK
+#define ALLOC_WALK 1 /* walk the user stack of kept allocations (else: call site only) */
+#endif
+#ifndef SAMPLE_BYTES
+#define SAMPLE_BYTES 0
+#endif
+#ifndef HOLD_AT_EXIT
+#define HOLD_AT_EXIT 0 /* stop a followed process in _exit until user space has read its maps */
+#endif
 #ifndef KMEM_OBJECTS
 #define KMEM_OBJECTS 262144 /* live objects tracked by pointer */
 #endif
@@ -99,7 +120,8 @@
 #define MTRACE_CLONE_THREAD 0x00010000 /* include/uapi/linux/sched.h */
 
 BPF_HASH(followed, u32, u8, MAX_FOLLOWED);
-#if WITH_STACKS
+#define STACK_MAP (WITH_STACKS || (WITH_ALLOCS && ALLOC_WALK))
+#if STACK_MAP
 struct stack_frames {
     u64 ip[STACK_DEPTH];
 };
@@ -130,6 +152,19 @@ static __always_inline int tgid_is_followed(u32 tgid)
 #endif
 }
 
+static __always_inline s32 walk_stack(void *ctx, u64 flags, u32 slot)
+{
+#if STACK_MAP
+    int id = stacks.get_stackid(ctx, flags);
+    if (id < 0)
+        stack_errors.increment(slot);
+    return id;
+#else
+    return -1;
+#endif
+}
+
+/* A stack on each probe and kmem event (WITH_STACKS). */
 static __always_inline s32 stack_id(void *ctx, u64 flags, u32 slot)
 {
 #if WITH_STACKS
@@ -610,6 +645,380 @@ TRACEPOINT_PROBE(kmem, mm_page_free)
 TRACEPOINT_PROBE(kmem, mm_page_free_batched)
 {
     return on_kmem_free(args, KM_MM_PAGE_FREE_BATCHED, KT_PAGES, 0, args->pfn, 0);
+}
+#endif
+#endif
+
+/* ---- the allocation functions --------------------------------------------
+ * Uprobes on malloc, calloc, realloc, reallocarray, free, memalign,
+ * posix_memalign, aligned_alloc, valloc and pvalloc, found in the libc's
+ * dynamic symbol table (probes/alloc_sites.py chooses each site), and one
+ * return probe at the entry of each allocating function.
+ *
+ * The entry handlers keep the arguments per thread in `pending`; the return
+ * handler accounts the call: per (process, stack) in alloc_stacks, per
+ * process in alloc_procs, and each pointer in `outstanding` until it is
+ * freed. A call made inside another allocation function (glibc's realloc of
+ * NULL calls malloc, its realloc to 0 bytes calls free, its memalign of a
+ * small alignment calls malloc) is the outer call's business: it is seen
+ * as nested because its stack pointer is below the pending call's, and is
+ * not counted again.
+ *
+ * SAMPLE_BYTES > 0: byte-based sampling. A per-CPU countdown of bytes is
+ * reloaded from exponentially distributed intervals of mean SAMPLE_BYTES
+ * (a Poisson process over the bytes allocated); an allocation is kept when
+ * the countdown runs out inside it, and stands for SAMPLE_BYTES times the
+ * number of times it did: an unbiased estimate of its bytes. Only kept
+ * allocations get a stack walk, an outstanding entry and an event. */
+#if WITH_ALLOCS
+
+#define SAMPLE_QUANTILES 1024 /* a power of two */
+#define MAX_CROSSINGS 32
+
+struct pending_call {
+    u64 sp;    /* the stack pointer at the site: deeper calls are nested */
+    u64 size;
+    u64 aux;   /* realloc's old pointer, posix_memalign's pointer's address, the alignment */
+    u32 fn;
+    u32 depth; /* 1 + nested calls not yet returned */
+};
+
+BPF_TABLE("lru_hash", u32, struct pending_call, pending, 16384);
+BPF_HASH(outstanding, struct outstanding_key, struct outstanding, ALLOC_OUTSTANDING);
+BPF_HASH(alloc_stacks, struct alloc_key, struct alloc_stats, ALLOC_STACKS);
+BPF_HASH(alloc_procs, u32, struct alloc_proc, MAX_FOLLOWED);
+BPF_PERCPU_ARRAY(alloc_calls, u64, AF_COUNT); /* every hit, nested ones included */
+BPF_PERCPU_ARRAY(alloc_misc, u64, AX_COUNT);
+#if SAMPLE_BYTES > 0
+BPF_ARRAY(sample_quantiles, u64, SAMPLE_QUANTILES); /* SAMPLE_BYTES * -ln(1 - (i + 0.5) / N) */
+BPF_PERCPU_ARRAY(sample_left, s64, 1);
+#endif
+
+static __always_inline int allocs_gate_closed(void)
+{
+#if WITH_EVENTS
+    u32 first = 0;
+    u32 *open = control.lookup(&first);
+    return !open || !*open;
+#else
+    return 0;
+#endif
+}
+
+static __always_inline struct alloc_proc *alloc_proc_of(u32 tgid)
+{
+    struct alloc_proc zero = {};
+    return alloc_procs.lookup_or_try_init(&tgid, &zero);
+}
+
+/* The pending call of this thread that the call at `sp` is nested in, if any. */
+static __always_inline struct pending_call *enclosing(u32 tid, u64 sp)
+{
+    struct pending_call *p = pending.lookup(&tid);
+    if (p && sp <= p->sp) /* equal: a tail call (reallocarray jumps to realloc) */
+        return p;
+    return NULL; /* none, or left over from a call that never returned */
+}
+
+static __always_inline int on_alloc_entry(struct pt_regs *ctx, u32 fn, u64 size, u64 aux)
+{
+    if (allocs_gate_closed())
+        return 0;
+    u64 id = bpf_get_current_pid_tgid();
+    if (!tgid_is_followed(id >> 32))
+        return 0;
+    alloc_calls.increment(fn);
+    u32 tid = (u32)id;
+    u64 sp = PT_REGS_SP(ctx);
+    struct pending_call *outer = enclosing(tid, sp);
+    if (outer) {
+        outer->depth++;
+        alloc_misc.increment(AX_NESTED);
+        return 0;
+    }
+    struct pending_call call = {.sp = sp, .size = size, .aux = aux, .fn = fn, .depth = 1};
+    pending.update(&tid, &call);
+    return 0;
+}
+
+static __always_inline void alloc_event(u8 kind, u32 fn, u32 tgid, u32 tid, u64 call_site, u64 ptr,
+                                        u64 size, u64 aux, u64 weight, u64 born, u64 site, s32 stack)
+{
+#if WITH_EVENTS && ALLOC_EVENTS
+    struct event *e = events.ringbuf_reserve(sizeof(struct event));
+    if (!e) {
+        alloc_misc.increment(AX_LOST_EVENTS);
+        return;
+    }
+    e->ts = bpf_ktime_get_ns();
+    e->ip = call_site;
+    e->tgid = tgid;
+    e->tid = tid;
+    e->cpu = bpf_get_smp_processor_id();
+    e->probe = fn;
+    e->site = 0;
+    e->kind = kind;
+    e->nargs = 6;
+    e->args[AA_PTR] = ptr;
+    e->args[AA_SIZE] = size;
+    e->args[AA_AUX] = aux;
+    e->args[AA_WEIGHT] = weight;
+    e->args[AA_BORN] = born;
+    e->args[AA_SITE] = site;
+    e->ustack = stack;
+    e->kstack = -1;
+    events.ringbuf_submit(e, 0);
+#endif
+}
+
+/* Release `ptr` of process `tgid`: its outstanding entry, its stack's live bytes. */
+static __always_inline void release(u32 fn, u32 tgid, u32 tid, u64 call_site, u64 ptr, struct alloc_proc *proc)
+{
+    struct outstanding_key key = {.ptr = ptr, .tgid = tgid};
+    struct outstanding *o = outstanding.lookup(&key);
+    if (proc)
+        __sync_fetch_and_add(&proc->frees, 1);
+    if (!o) {
+        if (proc)
+            __sync_fetch_and_add(&proc->unknown_frees, 1);
+#if SAMPLE_BYTES == 0
+        alloc_event(EV_FREE, fn, tgid, tid, call_site, ptr, 0, 0, 0, 0, 0, -1);
+#endif
+        return;
+    }
+    struct outstanding known = *o;
+    outstanding.delete(&key);
+    struct alloc_stats *s = alloc_stacks.lookup(&known.key);
+    if (s) {
+        __sync_fetch_and_add(&s->frees, 1);
+        __sync_fetch_and_add(&s->bytes_freed, known.weight);
+        __sync_fetch_and_add(&s->sizes_freed, known.size);
+    }
+    alloc_event(EV_FREE, fn, tgid, tid, call_site, ptr, known.size, 0, known.weight, known.ts,
+                known.key.call_site, known.key.stack);
+}
+
+/* How many bytes an allocation of `size` stands for: size itself without
+ * sampling; with it, SAMPLE_BYTES per sample point inside it, or 0. */
+static __always_inline u64 sample_weight(u64 size)
+{
+#if SAMPLE_BYTES > 0
+    u32 zero = 0;
+    s64 *left = sample_left.lookup(&zero);
+    if (!left)
+        return 0;
+    s64 remaining = *left - (s64)size;
+    u64 points = 0;
+#pragma unroll
+    for (int i = 0; i < MAX_CROSSINGS; i++) {
+        if (remaining > 0)
+            break;
+        u32 q = bpf_get_prandom_u32() & (SAMPLE_QUANTILES - 1);
+        u64 *interval = sample_quantiles.lookup(&q);
+        remaining += interval ? (s64)*interval : SAMPLE_BYTES;
+        points++;
+    }
+    if (remaining <= 0) { /* larger than MAX_CROSSINGS intervals: kept at its size */
+        *left = SAMPLE_BYTES;
+        return size;
+    }
+    *left = remaining;
+    return points * SAMPLE_BYTES;
+#else
+    return size;
+#endif
+}
+
+/* Every allocating function's return probe. */
+int alloc_return(struct pt_regs *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = (u32)id;
+    u32 tgid = id >> 32;
+    struct pending_call *p = pending.lookup(&tid);
+    if (!p)
+        return 0;
+    if (p->depth > 1) {
+        p->depth--;
+        return 0;
+    }
+    struct pending_call call = *p;
+    pending.delete(&tid);
+    if (allocs_gate_closed())
+        return 0;
+    u64 ptr = PT_REGS_RC(ctx);
+    if (call.fn == AF_POSIX_MEMALIGN) {
+        u64 got = 0;
+        if ((int)ptr != 0 || bpf_probe_read_user(&got, sizeof(got), (void *)call.aux))
+            got = 0;
+        ptr = got;
+    }
+    u64 call_site = PT_REGS_IP(ctx); /* the return address, restored by the kernel */
+    struct alloc_proc *proc = alloc_proc_of(tgid);
+    if (call.fn == AF_REALLOC || call.fn == AF_REALLOCARRAY) {
+        /* glibc frees the old block on success, and on a request of 0 bytes. */
+        if (call.aux && (ptr || call.size == 0))
+            release(call.fn, tgid, tid, call_site, call.aux, proc);
+        if (!ptr && call.size == 0)
+            return 0;
+    }
+    if (!ptr) { /* failed: counted, and nothing more */
+        if (proc)
+            __sync_fetch_and_add(&proc->failed, 1);
+        return 0;
+    }
+    if (proc) {
+        __sync_fetch_and_add(&proc->calls, 1);
+        __sync_fetch_and_add(&proc->bytes, call.size);
+    }
+    u64 weight = sample_weight(call.size);
+#if SAMPLE_BYTES > 0
+    if (!weight)
+        return 0;
+#endif
+    struct alloc_key key = {.call_site = call_site, .tgid = tgid, .fn = call.fn};
+#if ALLOC_WALK
+    key.stack = walk_stack(ctx, BPF_F_USER_STACK, 0);
+#else
+    key.stack = -1;
+#endif
+    struct alloc_stats zero = {};
+    struct alloc_stats *s = alloc_stacks.lookup_or_try_init(&key, &zero);
+    u64 now = bpf_ktime_get_ns();
+    if (!s) {
+        alloc_misc.increment(AX_STACKS_FULL);
+    } else {
+        __sync_fetch_and_add(&s->calls, 1);
+        __sync_fetch_and_add(&s->bytes, weight);
+        __sync_fetch_and_add(&s->sizes, call.size);
+        s->last_ts = now;
+    }
+    if (s) {
+        struct outstanding_key okey = {.ptr = ptr, .tgid = tgid};
+        struct outstanding o = {.key = key, .size = call.size, .weight = weight, .ts = now, .tid = tid};
+        if (outstanding.update(&okey, &o)) {
+            alloc_misc.increment(AX_OUTSTANDING_FULL);
+            /* never to be matched: counted as freed at once, so live bytes stay right */
+            __sync_fetch_and_add(&s->frees, 1);
+            __sync_fetch_and_add(&s->bytes_freed, weight);
+            __sync_fetch_and_add(&s->sizes_freed, call.size);
+        }
+    }
+    alloc_event(EV_ALLOC, call.fn, tgid, tid, call_site, ptr, call.size, call.aux, weight, 0, 0, key.stack);
+    return 0;
+}
+
+/* Entry handlers: the sites' registers, as alloc_sites.py checked. */
+int alloc_malloc(struct pt_regs *ctx)
+{
+    return on_alloc_entry(ctx, AF_MALLOC, PT_REGS_PARM1(ctx), 0);
+}
+
+/* n * size, or 0 where it overflows (the call then fails). */
+static __always_inline u64 product(u64 n, u64 size)
+{
+    if (!((n | size) >> 32))
+        return n * size;
+    if (!size)
+        return 0;
+    u64 limit = (u64)-1 / size;
+    asm volatile("" : "+r"(limit)); /* else clang fuses this into a 128-bit multiply BPF lacks */
+    return n > limit ? 0 : n * size;
+}
+
+int alloc_calloc(struct pt_regs *ctx)
+{
+    u64 n = PT_REGS_PARM1(ctx), size = PT_REGS_PARM2(ctx);
+    return on_alloc_entry(ctx, AF_CALLOC, product(n, size), 0);
+}
+
+int alloc_realloc(struct pt_regs *ctx)
+{
+    return on_alloc_entry(ctx, AF_REALLOC, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx));
+}
+
+int alloc_reallocarray(struct pt_regs *ctx)
+{
+    u64 n = PT_REGS_PARM2(ctx), size = PT_REGS_PARM3(ctx);
+    return on_alloc_entry(ctx, AF_REALLOCARRAY, product(n, size), PT_REGS_PARM1(ctx));
+}
+
+int alloc_memalign(struct pt_regs *ctx)
+{
+    return on_alloc_entry(ctx, AF_MEMALIGN, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx));
+}
+
+int alloc_aligned_alloc(struct pt_regs *ctx)
+{
+    return on_alloc_entry(ctx, AF_ALIGNED_ALLOC, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx));
+}
+
+int alloc_posix_memalign(struct pt_regs *ctx)
+{
+    return on_alloc_entry(ctx, AF_POSIX_MEMALIGN, PT_REGS_PARM3(ctx), PT_REGS_PARM1(ctx));
+}
+
+int alloc_valloc(struct pt_regs *ctx)
+{
+    return on_alloc_entry(ctx, AF_VALLOC, PT_REGS_PARM1(ctx), 0);
+}
+
+int alloc_pvalloc(struct pt_regs *ctx)
+{
+    return on_alloc_entry(ctx, AF_PVALLOC, PT_REGS_PARM1(ctx), 0);
+}
+
+int alloc_free(struct pt_regs *ctx)
+{
+    if (allocs_gate_closed())
+        return 0;
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if (!tgid_is_followed(tgid))
+        return 0;
+    alloc_calls.increment(AF_FREE);
+    u64 ptr = PT_REGS_PARM1(ctx);
+    if (!ptr) {
+        alloc_misc.increment(AX_NULL_FREES);
+        return 0;
+    }
+    u64 sp = PT_REGS_SP(ctx);
+    if (enclosing((u32)id, sp)) { /* realloc's own free of its old block */
+        alloc_misc.increment(AX_NESTED);
+        return 0;
+    }
+    u64 call_site = 0; /* the site is before any push: the return address is at sp */
+    bpf_probe_read_user(&call_site, sizeof(call_site), (void *)sp);
+    release(AF_FREE, tgid, (u32)id, call_site, ptr, alloc_proc_of(tgid));
+    return 0;
+}
+
+#if HOLD_AT_EXIT && WITH_EVENTS && FILTER_PIDS
+/* _exit: the process's mappings are still there. It stops itself (SIGSTOP,
+ * delivered as the handler returns to user space) and says so; user space
+ * reads /proc/PID/maps, to name the frames of its stacks after it is gone,
+ * and continues it. Only while the gate is open: a trace that ends stops
+ * no one. */
+int alloc_exit(struct pt_regs *ctx)
+{
+    if (allocs_gate_closed())
+        return 0;
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if (!followed.lookup(&tgid))
+        return 0;
+    struct event *e = events.ringbuf_reserve(sizeof(struct event));
+    if (!e)
+        return 0; /* no room to say so: not held */
+    __builtin_memset(e, 0, sizeof(*e));
+    e->ts = bpf_ktime_get_ns();
+    e->tgid = tgid;
+    e->tid = (u32)id;
+    e->kind = EV_HELD;
+    e->ustack = e->kstack = -1;
+    bpf_send_signal(19); /* SIGSTOP */
+    events.ringbuf_submit(e, 0);
+    return 0;
 }
 #endif
 #endif

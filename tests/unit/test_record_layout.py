@@ -27,15 +27,19 @@ ENUMS: dict[str, tuple[type[IntEnum], str, dict[str, str]]] = {
     "kmem_event": (records.KmemEvent, "KM_", {}),
     "kmem_type": (records.KmemType, "KT_", {}),
     "kmem_misc": (records.KmemMisc, "KX_", {}),
+    "alloc_fn": (records.AllocFn, "AF_", {}),
+    "alloc_arg": (records.AllocArg, "AA_", {}),
+    "alloc_misc": (records.AllocMisc, "AX_", {}),
     "arg_kind": (ArgKind, "ARG_", {"NONE": "UNREADABLE"}),
 }
 
 
 class Field:
-    def __init__(self, name: str, type_name: str, count: int) -> None:
+    def __init__(self, name: str, type_name: str, count: int, size: int = 0, align: int = 0) -> None:
+        """A scalar of TYPES, or (with ``size`` and ``align``) a struct field."""
         self.name, self.type_name, self.count = name, type_name, count
-        self.size = TYPES[type_name][1] * count
-        self.align = TYPES[type_name][1]
+        self.size = (size or TYPES[type_name][1]) * count
+        self.align = align or TYPES[type_name][1]
 
 
 @pytest.fixture(scope="module")
@@ -50,16 +54,20 @@ def structs(ast: c_ast.FileAST) -> dict[str, list[Field]]:
     for node in ast.ext:
         kind = getattr(node, "type", None)
         if isinstance(kind, c_ast.Struct) and kind.decls:
-            found[kind.name] = [_field(decl) for decl in kind.decls]
+            found[kind.name] = [_field(decl, found) for decl in kind.decls]
     return found
 
 
-def _field(decl: c_ast.Decl) -> Field:
+def _field(decl: c_ast.Decl, earlier: dict[str, list[Field]]) -> Field:
     count = 1
     kind = decl.type
     if isinstance(kind, c_ast.ArrayDecl):
         count = int(kind.dim.value)
         kind = kind.type
+    if isinstance(kind.type, c_ast.Struct):  # a struct defined before, embedded
+        inner = earlier[kind.type.name]
+        _, size = layout(inner)
+        return Field(decl.name, kind.type.name, count, size, max(f.align for f in inner))
     names = kind.type.names
     # after the preprocessor, "u64" reads "unsigned long long": map it back
     spelled = " ".join(names)

@@ -30,6 +30,16 @@ class PowerOfTwo(click.ParamType[int]):
         return number
 
 
+class PositiveInt(click.ParamType[int]):
+    name = "integer"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        number = click.INT.convert(value, param, ctx)
+        if number < 1:
+            self.fail(f"must be a positive number of bytes, not {number}", param, ctx)
+        return number
+
+
 class Positive(click.ParamType[float]):
     name = "float"
 
@@ -131,6 +141,42 @@ def file_outputs(params: dict[str, Any]) -> tuple[tuple[str, Path], ...]:
     return tuple(chosen)
 
 
+def alloc_options(command: Any) -> Any:
+    """How the allocation functions are traced."""
+    options = [
+        click.option(
+            "--sample-bytes",
+            type=PositiveInt(),
+            default=None,
+            help="Keep one allocation per N bytes allocated, on average (byte-based "
+            "sampling, unbiased estimates); by default every allocation is kept "
+            "(docs/allocations.md).",
+        ),
+        click.option(
+            "--max-outstanding",
+            type=click.IntRange(1),
+            default=262144,
+            show_default=True,
+            help="Allocations tracked until freed; those beyond are counted, not matched.",
+        ),
+        click.option(
+            "--alloc-stacks",
+            type=click.IntRange(1),
+            default=16384,
+            show_default=True,
+            help="(process, call stack) rows the kernel aggregates; calls beyond are counted.",
+        ),
+        click.option(
+            "--no-allocs",
+            is_flag=True,
+            help="Do not trace the allocation functions (malloc, free, ...).",
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 def trace_options(command: Any) -> Any:
     """Options of the live trace (--pid/--all) and ``run``."""
     options = [
@@ -178,6 +224,7 @@ def trace_options(command: Any) -> Any:
             help="Also serve Prometheus metrics at ADDR (host:port) while tracing.",
         ),
         web_config_option,
+        alloc_options,
     ]
     for option in reversed(options):
         command = option(command)

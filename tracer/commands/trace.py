@@ -29,6 +29,10 @@ def start_trace(
     web_config: Path | None = None,
     stack_depth: int = 0,
     stack_map_size: int = 16384,
+    sample_bytes: int | None = None,
+    max_outstanding: int = 262144,
+    alloc_stacks: int = 16384,
+    no_allocs: bool = False,
 ) -> None:
     """Trace, then exit with the command's exit code when there is one."""
     from ..live import TraceRequest, run_trace
@@ -53,6 +57,10 @@ def start_trace(
         files=files,
         stack_depth=stack_depth,
         stack_entries=stack_map_size,
+        allocs=not (no_allocs or kmem_only),
+        sample_bytes=sample_bytes or 0,
+        max_outstanding=max_outstanding,
+        alloc_stacks=alloc_stacks,
     )
     if prometheus is not None:
         from ..serve import ExportOptions, serve_trace

@@ -1,0 +1,133 @@
+"""Tables of allocations by call stack, as text: for the summary, the live
+view and ``--leaks-older-than``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .data.allocations import AllocSnapshot, FrameNames, Outstanding, StackRow
+
+STACK_FRAMES_SHOWN = 4
+
+
+def size_text(n: float) -> str:
+    """Bytes the way ``ls -h`` and heaptrack show them: 1023B, 1.5K, 12.0M."""
+    for unit in ("B", "K", "M", "G", "T"):
+        if abs(n) < 1024 or unit == "T":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.1f}T"  # not reached
+
+
+def stack_text(names: FrameNames, tgid: int, frames: Iterable[int],
+               limit: int = STACK_FRAMES_SHOWN) -> str:  # fmt: skip
+    """The innermost frames, callers after callees: ``f+0x1a (a.c:3) < main+0x9``."""
+    shown = list(frames)
+    text = " < ".join(names.stack(tgid, shown[:limit]))
+    return text + (" < ..." if len(shown) > limit else "")
+
+
+def process_lines(snapshot: AllocSnapshot) -> list[str]:
+    lines = []
+    live = _live_by_process(snapshot.stacks)
+    for proc in sorted(snapshot.processes, key=lambda p: p.tgid):
+        blocks, nbytes = live.get(proc.tgid, (0, 0))
+        before = f" ({proc.unknown_frees} of memory allocated before the trace)" if proc.unknown_frees else ""
+        lines.append(
+            f"allocations: pid {proc.tgid}: {proc.calls} calls, {size_text(proc.bytes)}; "
+            f"{proc.frees} frees{before}; {proc.failed} failed; "
+            f"live {size_text(nbytes)} in {blocks} blocks"
+            + (" (estimated from samples)" if snapshot.sample_bytes else "")
+        )
+    return lines
+
+
+def _live_by_process(rows: Iterable[StackRow]) -> dict[int, tuple[int, int]]:
+    out: dict[int, tuple[int, int]] = {}
+    for row in rows:
+        blocks, nbytes = out.get(row.tgid, (0, 0))
+        out[row.tgid] = (blocks + row.live_objects, nbytes + row.live_bytes)
+    return out
+
+
+def stack_lines(snapshot: AllocSnapshot, names: FrameNames, key: str = "live",
+                limit: int = 10) -> list[str]:  # fmt: skip
+    """The top rows by live bytes (``key="live"``) or bytes allocated."""
+    rows = snapshot.top(key, limit)
+    if not rows:
+        return []
+    lines = [f"{'LIVE':>8} {'BLOCKS':>7} {'CALLS':>8} {'BYTES':>8} {'PID':>7} {'FUNCTION':<14} CALL STACK"]
+    for row in rows:
+        lines.append(
+            f"{size_text(row.live_bytes):>8} {row.live_objects:>7} {row.objects:>8} "
+            f"{size_text(row.bytes):>8} {row.tgid:>7} {row.function:<14} "
+            f"{stack_text(names, row.tgid, row.frames)}"
+        )
+    return lines
+
+
+@dataclass
+class LeakGroup:
+    tgid: int
+    function: str
+    frames: tuple[int, ...]
+    blocks: int = 0
+    bytes: int = 0
+    oldest_ns: int = 0
+
+
+def leak_groups(held: Iterable[Outstanding], now_ns: int, older_than_s: float = 0.0) -> list[LeakGroup]:
+    """Allocations outstanding for at least ``older_than_s``, by stack, most bytes first."""
+    groups: dict[tuple[int, str, tuple[int, ...]], LeakGroup] = {}
+    cutoff = now_ns - int(older_than_s * 1e9)
+    for item in held:
+        if item.ts_ns > cutoff:
+            continue
+        key = (item.tgid, item.function, item.frames)
+        group = groups.get(key)
+        if group is None:
+            group = groups[key] = LeakGroup(item.tgid, item.function, item.frames, oldest_ns=item.ts_ns)
+        group.blocks += 1
+        group.bytes += item.weight
+        group.oldest_ns = min(group.oldest_ns, item.ts_ns)
+    return sorted(groups.values(), key=lambda g: (-g.bytes, -g.blocks))
+
+
+def leak_lines(snapshot: AllocSnapshot, names: FrameNames, older_than_s: float = 0.0,
+               limit: int = 10) -> list[str]:  # fmt: skip
+    groups = leak_groups(snapshot.outstanding, snapshot.now_ns, older_than_s)
+    if not groups:
+        return []
+    lines = [f"{'BYTES':>8} {'BLOCKS':>7} {'OLDEST':>8} {'PID':>7} {'FUNCTION':<14} CALL STACK"]
+    for group in groups[:limit]:
+        age = (snapshot.now_ns - group.oldest_ns) / 1e9
+        lines.append(
+            f"{size_text(group.bytes):>8} {group.blocks:>7} {age:>7.1f}s {group.tgid:>7} "
+            f"{group.function:<14} {stack_text(names, group.tgid, group.frames)}"
+        )
+    if len(groups) > limit:
+        lines.append(f"({len(groups) - limit} more stacks)")
+    return lines
+
+
+def summary_lines(snapshot: AllocSnapshot, names: FrameNames, command_ended: bool) -> list[str]:
+    lines = ["", *process_lines(snapshot)]
+    misc = snapshot.misc
+    if misc.get("outstanding_full") or misc.get("stacks_full") or misc.get("lost_events"):
+        lines.append(
+            f"allocation tables full: {misc['outstanding_full']} allocations not tracked "
+            f"until freed (--max-outstanding), {misc['stacks_full']} not aggregated by "
+            f"stack (--alloc-stacks), {misc['lost_events']} events lost"
+        )
+    top = stack_lines(snapshot, names, "live")
+    if top:
+        lines += ["top call stacks by live bytes:", *top]
+    busiest = stack_lines(snapshot, names, "bytes", limit=5)
+    if busiest:
+        lines += ["top call stacks by bytes allocated:", *busiest]
+    if command_ended and snapshot.outstanding_read:
+        leaks = leak_lines(snapshot, names)
+        if leaks:
+            lines += ["never freed, by stack (the command has ended):", *leaks]
+    return lines

@@ -1,0 +1,166 @@
+"""Allocations by call stack, as plain data: what trace.bpf.c (WITH_ALLOCS)
+aggregated for the allocation functions, and the names of their frames.
+
+A row of ``AllocSnapshot.stacks`` is one (process, allocating function,
+call stack). Without sampling every allocation is kept and the numbers are
+exact counts. With ``--sample-bytes N`` only sampled allocations are kept:
+``bytes`` and ``bytes_freed`` are then unbiased estimates (each sample
+stands for N bytes per sample point inside it), ``sizes`` the bytes the
+kept allocations asked for, and the object counts are estimated in the
+ratio bytes / sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+
+from .symbolize import ProcessSymbols, Symbol
+
+
+@dataclass(frozen=True)
+class StackRow:
+    tgid: int
+    function: str  # the allocation function: malloc, calloc, ...
+    call_site: int  # the return address into its caller
+    frames: tuple[int, ...]  # the call site, then its callers, innermost first
+    calls: int
+    bytes: int
+    sizes: int
+    frees: int
+    bytes_freed: int
+    sizes_freed: int
+    last_ts: int
+
+    @property
+    def live_bytes(self) -> int:
+        return self.bytes - self.bytes_freed
+
+    @property
+    def scale(self) -> float:
+        """Objects per kept allocation (1 without sampling)."""
+        return self.bytes / self.sizes if self.sizes and self.bytes != self.sizes else 1.0
+
+    @property
+    def objects(self) -> int:
+        return round(self.calls * self.scale)
+
+    @property
+    def live_objects(self) -> int:
+        return round((self.calls - self.frees) * self.scale)
+
+
+@dataclass(frozen=True)
+class ProcessAllocs:
+    """Every call of one process, sampled or not."""
+
+    tgid: int
+    calls: int  # allocations that returned a pointer
+    bytes: int  # the bytes they asked for
+    frees: int
+    unknown_frees: int  # of pointers not seen allocated
+    failed: int
+
+
+@dataclass(frozen=True)
+class Outstanding:
+    """One allocation not freed yet."""
+
+    tgid: int
+    ptr: int
+    size: int
+    weight: int
+    ts_ns: int
+    tid: int
+    function: str
+    call_site: int
+    frames: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class AllocSnapshot:
+    stacks: tuple[StackRow, ...]
+    processes: tuple[ProcessAllocs, ...]
+    calls: Mapping[str, int]  # every hit of each function's probe, nested calls included
+    misc: Mapping[str, int]  # probes/records.py AllocMisc, lower-case
+    sample_bytes: int  # 0: every allocation kept
+    now_ns: int
+    started_ns: int
+    outstanding: tuple[Outstanding, ...] = ()
+    outstanding_read: bool = False
+
+    @property
+    def live_bytes(self) -> int:
+        return sum(row.live_bytes for row in self.stacks)
+
+    def top(self, key: str = "live", limit: int = 10) -> list[StackRow]:
+        """The rows with most live bytes, or (``key="bytes"``) most bytes allocated."""
+        if key == "live":
+            rows = [row for row in self.stacks if row.live_bytes > 0]
+            return sorted(rows, key=lambda r: (-r.live_bytes, -r.calls))[:limit]
+        return sorted(self.stacks, key=lambda r: (-r.bytes, -r.calls))[:limit]
+
+    def process(self, tgid: int) -> ProcessAllocs | None:
+        return next((p for p in self.processes if p.tgid == tgid), None)
+
+
+@dataclass
+class FrameNames:
+    """Names for the frames of allocation stacks, per process.
+
+    The maps of a process are read when it is first asked about and again
+    when an address falls outside them (a library loaded later); ``remember``
+    reads them ahead of need (the tracer does so when a process stops in
+    _exit). Once a process is gone its last maps are used."""
+
+    symbols: dict[int, ProcessSymbols] = field(default_factory=dict)
+    _names: dict[tuple[int, int], Symbol | None] = field(default_factory=dict)
+
+    def remember(self, tgid: int) -> None:
+        fresh = ProcessSymbols(tgid)
+        if fresh.mappings or tgid not in self.symbols:
+            self.symbols[tgid] = fresh
+
+    def resolve(self, tgid: int, address: int) -> Symbol | None:
+        """The frame at return address ``address``: named by the call
+        instruction before it (address - 1), as debuggers do, so that the
+        line is the call's and a call ending a function is not named after
+        the next one."""
+        key = (tgid, address)
+        if key in self._names:
+            return self._names[key]
+        if tgid not in self.symbols:
+            self.remember(tgid)
+        found = self.symbols[tgid].resolve(address - 1)
+        if found is None:
+            self.remember(tgid)
+            found = self.symbols[tgid].resolve(address - 1)
+        if found is not None and found.function is not None:
+            found = replace(found, offset=found.offset + 1)
+        self._names[key] = found
+        return found
+
+    def frame(self, tgid: int, address: int) -> str:
+        """``function+0xoff (file:line)`` or ``0xaddr (module)``: one frame, for reading."""
+        return frame_text(address, self.resolve(tgid, address))
+
+    def stack(self, tgid: int, frames: Iterable[int]) -> list[str]:
+        return [self.frame(tgid, address) for address in frames]
+
+
+def frame_text(address: int, symbol: Symbol | None) -> str:
+    if symbol is None:
+        return f"{address:#x}"
+    if symbol.function is None:
+        return f"{address:#x} ({symbol.module})"
+    place = f" ({symbol.location})" if symbol.location else ""
+    return f"{symbol.function}+{symbol.offset:#x}{place}"
+
+
+def function_name(symbol: Symbol | None, address: int) -> str:
+    """The function, or the address and its module: a name for grouping."""
+    if symbol is None:
+        return f"{address:#x}"
+    if symbol.function is None:
+        return f"{symbol.module}+{address:#x}"
+    return symbol.function

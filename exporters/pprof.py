@@ -1,0 +1,214 @@
+"""Allocations by call stack as a pprof profile (``--pprof FILE``).
+
+The profile is the gzipped protocol buffer of google/pprof's profile.proto,
+which ``go tool pprof``, Pyroscope and Parca read. Its four sample types are
+those of a Go heap profile: ``alloc_objects`` and ``alloc_space`` (count and
+bytes allocated since the trace began) and ``inuse_objects`` and
+``inuse_space`` (still allocated at its end); inuse_space is the default.
+With sampling the values are the estimates (exporters/data/allocations.py)
+and ``period`` is the mean sampling interval in bytes.
+
+The messages are encoded by the protobuf library from a descriptor built
+here from profile.proto's field numbers, so no generated code is kept.
+
+Each sample is one (process, allocating function, stack) row; its first
+location is the call site (the function that called malloc), then its
+callers, as pprof wants the leaf first. Locations carry the function and
+file:line (from the symbols and DWARF line tables), and the mapping of the
+module holding them; each sample has ``pid`` and ``allocator`` labels.
+"""
+
+from __future__ import annotations
+
+import gzip
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+from .data.allocations import AllocSnapshot, FrameNames
+from .data.errors import OutputError
+from .data.sink import Sink, TraceInfo, TraceResult
+from .data.symbolize import Symbol
+
+# profile.proto (package perftools.profiles): message -> [(field, number, type, repeated, message)]
+_I64, _U64, _BOOL, _STR, _MSG = "int64", "uint64", "bool", "string", "message"
+SCHEMA: dict[str, list[tuple[str, int, str, bool, str]]] = {
+    "Profile": [
+        ("sample_type", 1, _MSG, True, "ValueType"), ("sample", 2, _MSG, True, "Sample"),
+        ("mapping", 3, _MSG, True, "Mapping"), ("location", 4, _MSG, True, "Location"),
+        ("function", 5, _MSG, True, "Function"), ("string_table", 6, _STR, True, ""),
+        ("drop_frames", 7, _I64, False, ""), ("keep_frames", 8, _I64, False, ""),
+        ("time_nanos", 9, _I64, False, ""), ("duration_nanos", 10, _I64, False, ""),
+        ("period_type", 11, _MSG, False, "ValueType"), ("period", 12, _I64, False, ""),
+        ("comment", 13, _I64, True, ""), ("default_sample_type", 14, _I64, False, ""),
+    ],
+    "ValueType": [("type", 1, _I64, False, ""), ("unit", 2, _I64, False, "")],
+    "Sample": [("location_id", 1, _U64, True, ""), ("value", 2, _I64, True, ""),
+               ("label", 3, _MSG, True, "Label")],
+    "Label": [("key", 1, _I64, False, ""), ("str", 2, _I64, False, ""),
+              ("num", 3, _I64, False, ""), ("num_unit", 4, _I64, False, "")],
+    "Mapping": [("id", 1, _U64, False, ""), ("memory_start", 2, _U64, False, ""),
+                ("memory_limit", 3, _U64, False, ""), ("file_offset", 4, _U64, False, ""),
+                ("filename", 5, _I64, False, ""), ("build_id", 6, _I64, False, ""),
+                ("has_functions", 7, _BOOL, False, ""), ("has_filenames", 8, _BOOL, False, ""),
+                ("has_line_numbers", 9, _BOOL, False, ""),
+                ("has_inline_frames", 10, _BOOL, False, "")],
+    "Location": [("id", 1, _U64, False, ""), ("mapping_id", 2, _U64, False, ""),
+                 ("address", 3, _U64, False, ""), ("line", 4, _MSG, True, "Line"),
+                 ("is_folded", 5, _BOOL, False, "")],
+    "Line": [("function_id", 1, _U64, False, ""), ("line", 2, _I64, False, "")],
+    "Function": [("id", 1, _U64, False, ""), ("name", 2, _I64, False, ""),
+                 ("system_name", 3, _I64, False, ""), ("filename", 4, _I64, False, ""),
+                 ("start_line", 5, _I64, False, "")],
+}  # fmt: skip
+PACKAGE = "perftools.profiles"
+SAMPLE_TYPES = (("alloc_objects", "count"), ("alloc_space", "bytes"),
+                ("inuse_objects", "count"), ("inuse_space", "bytes"))  # fmt: skip
+
+_CLASSES: dict[str, Any] = {}
+
+
+def message_class(name: str) -> Any:
+    """The class of one profile.proto message, built once."""
+    if not _CLASSES:
+        types = descriptor_pb2.FieldDescriptorProto
+        kinds = {_I64: types.TYPE_INT64, _U64: types.TYPE_UINT64, _BOOL: types.TYPE_BOOL,
+                 _STR: types.TYPE_STRING, _MSG: types.TYPE_MESSAGE}  # fmt: skip
+        file = descriptor_pb2.FileDescriptorProto(
+            name="mtrace_live_profile.proto", package=PACKAGE, syntax="proto3"
+        )
+        for message, fields in SCHEMA.items():
+            proto = file.message_type.add(name=message)
+            for field, number, kind, repeated, of in fields:
+                entry = proto.field.add(name=field, number=number, type=kinds[kind])
+                entry.label = types.LABEL_REPEATED if repeated else types.LABEL_OPTIONAL
+                if of:
+                    entry.type_name = f".{PACKAGE}.{of}"
+        pool = descriptor_pool.DescriptorPool()
+        pool.Add(file)
+        for message in SCHEMA:
+            found = pool.FindMessageTypeByName(f"{PACKAGE}.{message}")
+            _CLASSES[message] = message_factory.GetMessageClass(found)
+    return _CLASSES[name]
+
+
+class _Strings:
+    def __init__(self) -> None:
+        self.table: list[str] = [""]
+        self.index: dict[str, int] = {"": 0}
+
+    def __call__(self, text: str) -> int:
+        found = self.index.get(text)
+        if found is None:
+            found = self.index[text] = len(self.table)
+            self.table.append(text)
+        return found
+
+
+def build_profile(snapshot: AllocSnapshot, names: FrameNames, duration_ns: int = 0,
+                  comments: Sequence[str] = ()) -> Any:  # fmt: skip
+    """The Profile message of ``snapshot``."""
+    profile = message_class("Profile")()
+    strings = _Strings()
+    for kind, unit in SAMPLE_TYPES:
+        profile.sample_type.add(type=strings(kind), unit=strings(unit))
+    profile.default_sample_type = strings("inuse_space")
+    profile.period_type.type = strings("space")
+    profile.period_type.unit = strings("bytes")
+    profile.period = snapshot.sample_bytes or 1
+    profile.time_nanos = time.time_ns() - duration_ns
+    profile.duration_nanos = duration_ns
+    for text in comments:
+        profile.comment.append(strings(text))
+    locations: dict[tuple[int, int], int] = {}
+    functions: dict[tuple[str, str], int] = {}
+    mappings: dict[tuple[int, str], int] = {}
+
+    def mapping_id(tgid: int, symbol: Symbol | None) -> int:
+        if symbol is None or symbol.span is None:
+            return 0
+        key = (tgid, symbol.module)
+        found = mappings.get(key)
+        if found is None:
+            found = mappings[key] = len(mappings) + 1
+            start, end = symbol.span
+            profile.mapping.add(id=found, memory_start=start, memory_limit=end,
+                                filename=strings(symbol.module), has_functions=True,
+                                has_filenames=symbol.location is not None,
+                                has_line_numbers=symbol.location is not None)  # fmt: skip
+        return found
+
+    def function_id(name: str, filename: str) -> int:
+        key = (name, filename)
+        found = functions.get(key)
+        if found is None:
+            found = functions[key] = len(functions) + 1
+            profile.function.add(id=found, name=strings(name), system_name=strings(name),
+                                 filename=strings(filename))  # fmt: skip
+        return found
+
+    def location_id(tgid: int, address: int) -> int:
+        key = (tgid, address)
+        found = locations.get(key)
+        if found is None:
+            found = locations[key] = len(locations) + 1
+            symbol = names.resolve(tgid, address)
+            location = profile.location.add(id=found, address=address,
+                                            mapping_id=mapping_id(tgid, symbol))  # fmt: skip
+            if symbol is not None and symbol.function is not None:
+                filename, line = _place(symbol.location)
+                location.line.add(function_id=function_id(symbol.function, filename), line=line)
+        return found
+
+    pid_key, allocator_key = strings("pid"), strings("allocator")
+    for row in snapshot.stacks:
+        if not row.calls:
+            continue
+        sample = profile.sample.add()
+        sample.location_id.extend(location_id(row.tgid, address) for address in row.frames)
+        sample.value.extend([row.objects, row.bytes, row.live_objects, row.live_bytes])
+        sample.label.add(key=pid_key, num=row.tgid)
+        sample.label.add(key=allocator_key, str=strings(row.function))
+    profile.string_table.extend(strings.table)
+    return profile
+
+
+def _place(location: str | None) -> tuple[str, int]:
+    if not location:
+        return "", 0
+    filename, _, line = location.rpartition(":")
+    return (filename, int(line)) if line.isdigit() else (location, 0)
+
+
+def write_profile(path: Path, profile: Any) -> None:
+    data = gzip.compress(profile.SerializeToString(), mtime=0)
+    try:
+        path.write_bytes(data)
+    except OSError as exc:
+        raise OutputError(f"cannot write {path}: {exc.strerror}") from None
+
+
+class PprofSink(Sink):
+    """``--pprof FILE``: the profile, written when the trace ends."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:  # refuse an unwritable path before tracing starts
+            path.touch()
+        except OSError as exc:
+            raise OutputError(f"cannot write {path}: {exc.strerror}") from None
+        self.started_ns = time.monotonic_ns()
+
+    def start(self, info: TraceInfo) -> None:
+        self.info = info
+
+    def finish(self, result: TraceResult) -> None:
+        if result.allocations is None:
+            return
+        profile = build_profile(result.allocations, result.frame_names,
+                                int(result.duration_s * 1e9),
+                                ["mtrace-live: allocations by call stack"])  # fmt: skip
+        write_profile(self.path, profile)

@@ -1,0 +1,200 @@
+"""The allocation functions: which sites to attach, attaching them, and
+reading what trace.bpf.c (WITH_ALLOCS) aggregated.
+
+Each function gets an entry uprobe at the site probes/alloc_sites.py chose
+and, if it returns a pointer, a return probe at its entry (where the kernel
+hijacks the return address). Two functions need no probe of their own:
+one at the same address as another (glibc 2.36's aligned_alloc is memalign)
+fires with it, and one that ends in a jump to another (its reallocarray
+multiplies, then jumps to realloc) is seen as that one.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from mtrace_live.exporters.data.allocations import (
+    AllocSnapshot,
+    Outstanding,
+    ProcessAllocs,
+    StackRow,
+)
+from mtrace_live.exporters.data.errors import AttachError
+from mtrace_live.probes.alloc_sites import AllocSite, alloc_sites
+from mtrace_live.probes.records import (
+    ALLOC_FN_NAMES,
+    ALLOC_KEY_DTYPE,
+    ALLOC_PROC_DTYPE,
+    ALLOC_STATS_DTYPE,
+    OUTSTANDING_DTYPE,
+    OUTSTANDING_KEY_DTYPE,
+    AllocFn,
+    AllocMisc,
+)
+
+from .bpf_backend import BpfProgram
+
+RETURNS_POINTER = frozenset(fn.name.lower() for fn in AllocFn) - {"free"}
+SAMPLE_QUANTILES = 1024  # trace.bpf.c's table of exponential intervals
+STACK_DEPTH = 32  # frames kept of each allocation's stack, as bcc's memleak
+EXIT_FUNCTION = "_exit"  # every exit() passes it: processes are held there (hold_at_exit)
+
+
+@dataclass(frozen=True)
+class AllocPlan:
+    """What is attached in one libc."""
+
+    libc: Path
+    sites: Mapping[str, AllocSite]  # function -> its site, for those probed
+    seen_as: Mapping[str, str]  # function -> the probed one it is seen as
+    exit_offset: int | None  # file offset of _exit, where processes are held
+
+    @property
+    def stepped(self) -> list[str]:
+        """Functions whose site is single-stepped (no emulated instruction found)."""
+        return [name for name, site in self.sites.items() if not site.emulated]
+
+    def lines(self) -> list[str]:
+        """One line per function, for ``probes`` and ``doctor``."""
+        out = []
+        for name, site in self.sites.items():
+            how = "emulated" if site.emulated else "single-stepped: no emulated site before the arguments change"
+            ret = ", return probe at entry" if name in RETURNS_POINTER else ""
+            out.append(f"{name:<15} {site.entry:#x}+{site.offset:<3} {site.instruction:<22} ({how}{ret})")
+        for name, other in self.seen_as.items():
+            out.append(f"{name:<15} seen as {other}")
+        return out
+
+
+def plan(libc: Path) -> AllocPlan:
+    found = alloc_sites(libc)
+    sites: dict[str, AllocSite] = {}
+    seen_as: dict[str, str] = {}
+    for name in ALLOC_FN_NAMES:
+        site = found.get(name)
+        if site is None:
+            continue
+        if site.tail_calls is not None and site.tail_calls in found:
+            seen_as[name] = site.tail_calls
+            continue
+        alias = next((other for other in site.aliases if other in sites), None)
+        if alias is not None:
+            seen_as[name] = alias
+            continue
+        sites[name] = site
+    exit_offset = _file_offset(libc, EXIT_FUNCTION)
+    return AllocPlan(libc, sites, seen_as, exit_offset)
+
+
+def _file_offset(libc: Path, name: str) -> int | None:
+    from elftools.elf.elffile import ELFFile
+    from elftools.elf.sections import SymbolTableSection
+
+    with libc.open("rb") as stream:
+        elf = ELFFile(stream)
+        dynsym = elf.get_section_by_name(".dynsym")
+        if not isinstance(dynsym, SymbolTableSection):
+            return None
+        symbols = dynsym.get_symbol_by_name(name) or []
+        address = next((int(s["st_value"]) for s in symbols if s["st_value"]), None)
+        if address is None:
+            return None
+        for segment in elf.iter_segments():
+            start = segment["p_vaddr"]
+            if segment["p_type"] == "PT_LOAD" and start <= address < start + segment["p_filesz"]:
+                return int(address - start + segment["p_offset"])
+    return None
+
+
+def defines(sample_bytes: int, events: bool, walk: bool, outstanding: int, stacks: int,
+            hold: bool) -> dict[str, int]:  # fmt: skip
+    return {
+        "WITH_ALLOCS": 1,
+        "ALLOC_EVENTS": int(events),
+        "ALLOC_WALK": int(walk),
+        "ALLOC_OUTSTANDING": outstanding,
+        "ALLOC_STACKS": stacks,
+        "SAMPLE_BYTES": sample_bytes,
+        "HOLD_AT_EXIT": int(hold),
+    }
+
+
+def attach(program: BpfProgram, chosen: AllocPlan, sample_bytes: int, hold: bool) -> None:
+    for name, site in chosen.sites.items():
+        program.attach_uprobe(chosen.libc, site.file_offset, f"alloc_{name}")
+        if name in RETURNS_POINTER:
+            entry = site.file_offset - site.offset
+            program.attach_uretprobe(chosen.libc, entry, "alloc_return")
+    if hold and chosen.exit_offset is not None:
+        program.attach_uprobe(chosen.libc, chosen.exit_offset, "alloc_exit")
+    if sample_bytes > 0:
+        program.fill_array("sample_quantiles", sample_intervals(sample_bytes))
+
+
+def sample_intervals(sample_bytes: int) -> list[int]:
+    """SAMPLE_QUANTILES equally likely intervals of an exponential law of
+    mean ``sample_bytes`` (the midpoints of its quantiles): drawn uniformly,
+    they make the countdown a Poisson process over the bytes allocated."""
+    n = SAMPLE_QUANTILES
+    return [max(1, round(-sample_bytes * math.log1p(-(i + 0.5) / n))) for i in range(n)]
+
+
+def read_snapshot(program: BpfProgram, sample_bytes: int, started_ns: int,
+                  outstanding: bool = False) -> AllocSnapshot:  # fmt: skip
+    """The kernel's tables now; the outstanding allocations only when asked
+    (there may be hundreds of thousands)."""
+    keys, values = program.read_table("alloc_stacks", ALLOC_KEY_DTYPE, ALLOC_STATS_DTYPE)
+    stacks = []
+    frames_of: dict[int, tuple[int, ...]] = {}
+    for key, value in zip(keys.tolist(), values.tolist(), strict=True):
+        call_site, tgid, stack, fn, _ = key
+        stacks.append(StackRow(tgid, _fn_name(fn), call_site,
+                               _frames(program, stack, call_site, frames_of), *value))  # fmt: skip
+    pkeys, pvalues = program.read_table("alloc_procs", "<u4", ALLOC_PROC_DTYPE)
+    processes = [ProcessAllocs(int(tgid), *row) for tgid, row in zip(pkeys.tolist(), pvalues.tolist(), strict=True)]
+    calls = program.percpu_array_totals("alloc_calls")
+    misc = program.percpu_array_totals("alloc_misc")
+    held: list[Outstanding] = []
+    if outstanding:
+        okeys, ovalues = program.read_table("outstanding", OUTSTANDING_KEY_DTYPE, OUTSTANDING_DTYPE)
+        for (ptr, tgid, _), (key, size, weight, ts, tid, _) in zip(okeys.tolist(), ovalues.tolist(), strict=True):
+            call_site, _, stack, fn, _ = key
+            held.append(Outstanding(tgid, ptr, size, weight, ts, tid, _fn_name(fn), call_site,
+                                    _frames(program, stack, call_site, frames_of)))  # fmt: skip
+    return AllocSnapshot(
+        stacks=tuple(stacks),
+        processes=tuple(processes),
+        calls={name: calls[fn] for fn, name in enumerate(ALLOC_FN_NAMES)},
+        misc={m.name.lower(): misc[m] for m in AllocMisc},
+        sample_bytes=sample_bytes,
+        now_ns=time.monotonic_ns(),
+        started_ns=started_ns,
+        outstanding=tuple(held),
+        outstanding_read=outstanding,
+    )
+
+
+def _fn_name(fn: int) -> str:
+    return ALLOC_FN_NAMES[fn] if fn < len(ALLOC_FN_NAMES) else f"fn{fn}"
+
+
+def _frames(program: BpfProgram, stack: int, call_site: int,
+            cache: dict[int, tuple[int, ...]]) -> tuple[int, ...]:  # fmt: skip
+    """The call site, then its callers from the stack walk (whose first
+    frame is the call site itself: the walk starts at the return address)."""
+    if stack < 0:
+        return (call_site,)
+    frames = cache.get(stack)
+    if frames is None:
+        walked = program.stack(stack)
+        frames = cache[stack] = tuple(walked[1:] if walked and walked[0] == call_site else walked)
+    return (call_site, *frames)
+
+
+def check_attachable(chosen: AllocPlan) -> None:
+    if not chosen.sites:
+        raise AttachError(f"{chosen.libc} exports none of the allocation functions")
