@@ -3,10 +3,10 @@ view and ``--leaks-older-than``."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from .data.allocations import AllocSnapshot, FrameNames, Outstanding, StackRow
+from .data.allocations import AllocSnapshot, FrameNames, Outstanding, StackRow, function_name
 
 STACK_FRAMES_SHOWN = 4
 
@@ -26,6 +26,13 @@ def stack_text(names: FrameNames, tgid: int, frames: Iterable[int],
     shown = list(frames)
     text = " < ".join(names.stack(tgid, shown[:limit]))
     return text + (" < ..." if len(shown) > limit else "")
+
+
+def stack_label(names: FrameNames, tgid: int, frames: Sequence[int],
+                limit: int = STACK_FRAMES_SHOWN) -> str:  # fmt: skip
+    """Function names only, innermost first: a stable label for metrics."""
+    shown = [function_name(names.resolve(tgid, a), a) for a in frames[:limit]]
+    return " < ".join(shown) + (" < ..." if len(frames) > limit else "")
 
 
 def process_lines(snapshot: AllocSnapshot) -> list[str]:
@@ -111,7 +118,8 @@ def leak_lines(snapshot: AllocSnapshot, names: FrameNames, older_than_s: float =
     return lines
 
 
-def summary_lines(snapshot: AllocSnapshot, names: FrameNames, command_ended: bool) -> list[str]:
+def summary_lines(snapshot: AllocSnapshot, names: FrameNames, command_ended: bool,
+                  leaks_older_than: float | None = None) -> list[str]:  # fmt: skip
     lines = ["", *process_lines(snapshot)]
     misc = snapshot.misc
     if misc.get("outstanding_full") or misc.get("stacks_full") or misc.get("lost_events"):
@@ -130,4 +138,7 @@ def summary_lines(snapshot: AllocSnapshot, names: FrameNames, command_ended: boo
         leaks = leak_lines(snapshot, names)
         if leaks:
             lines += ["never freed, by stack (the command has ended):", *leaks]
+    elif leaks_older_than is not None and snapshot.outstanding_read:
+        leaks = leak_lines(snapshot, names, leaks_older_than)
+        lines += [f"outstanding for over {leaks_older_than:g} s, by stack:", *(leaks or ["(none)"])]
     return lines

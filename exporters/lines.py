@@ -1,14 +1,18 @@
 """Event lines on standard output: ``--output text`` (columns, as
-bcc's trace prints them) and ``--output json`` (one JSON object a line)."""
+bcc's trace prints them) and ``--output json`` (one JSON object a line:
+each event, allocations and frees included, then the table of allocations
+by stack when the trace ends)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import sys
 from collections.abc import Iterator
 from typing import TextIO
 
+from .data.allocations import AllocSnapshot, FrameNames
 from .data.sink import EventBatch, Sink, TraceInfo, TraceResult
 from .summary import print_summary
 
@@ -57,7 +61,36 @@ class LineSink(Sink):
         self.written += len(events)
 
     def finish(self, result: TraceResult) -> None:
+        if self.as_json and result.allocations is not None:
+            with signals_held():
+                for line in stack_table_json(result.allocations, result.frame_names):
+                    self.stream.write(line + "\n")
+                self.stream.flush()
         print_summary(result, sys.stderr)
+
+
+def stack_table_json(snapshot: AllocSnapshot, names: FrameNames) -> Iterator[str]:
+    """The per-stack table at the end of ``-o json``: one object per row,
+    {"table": "alloc_stacks", ...}, with each frame named."""
+    for row in sorted(snapshot.stacks, key=lambda r: (-r.live_bytes, -r.bytes)):
+        frames = []
+        for address in row.frames:
+            symbol = names.resolve(row.tgid, address)
+            frames.append({
+                "address": hex(address),
+                "function": symbol.function if symbol else None,
+                "offset": symbol.offset if symbol and symbol.function else None,
+                "location": symbol.location if symbol else None,
+                "module": symbol.module if symbol else None,
+            })  # fmt: skip
+        yield json.dumps(
+            {"table": "alloc_stacks", "pid": row.tgid, "allocator": row.function,
+             "calls": row.objects, "bytes": row.bytes, "frees": round(row.frees * row.scale),
+             "bytes_freed": row.bytes_freed, "live_objects": row.live_objects,
+             "live_bytes": row.live_bytes, "sampled_calls": row.calls,
+             "sample_bytes": snapshot.sample_bytes, "frames": frames},
+            separators=(",", ":"),
+        )  # fmt: skip
 
 
 class TextLines(LineSink):

@@ -16,6 +16,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from .alloc_view import AllocPanel
 from .data.allocator import Allocators, ProcessState
 from .data.sink import EventBatch, Sink, TraceInfo, TraceResult
 from .summary import print_summary, setting_change
@@ -39,9 +40,12 @@ class LiveView(Sink):
         self._previous_waits: dict[tuple[int, int], int] = {}
         self._rates: dict[str, float] = {}
         self._wait_rates: dict[tuple[int, int], float] = {}
+        self._allocs: AllocPanel | None = None
 
     def start(self, info: TraceInfo) -> None:
         self._info = info
+        if info.allocs:
+            self._allocs = AllocPanel(info.frame_names, info.leaks_older_than)
         self.interval = info.interval
         self._started = self._last = time.monotonic()
         console = self._console or Console(file=sys.stdout)
@@ -69,6 +73,10 @@ class LiveView(Sink):
             for key, count in waits.items()
         }
         self._previous_waits = waits
+        if self._allocs is not None:
+            snapshot = self._info.counters.allocations(outstanding=True)
+            if snapshot is not None:
+                self._allocs.update(snapshot, elapsed)
         self._last = now
         self._live.update(self._render(hits, lost), refresh=True)
 
@@ -90,8 +98,11 @@ class LiveView(Sink):
             (f"lost {total_lost}", "bold red" if total_lost else ""),
             "  (Ctrl-C to stop)",
         )
-        parts: list[RenderableType] = [header, self._probe_table(hits, lost)]
-        if info is not None:
+        parts: list[RenderableType] = [header]
+        if self._allocs is not None:
+            parts += self._allocs.render()
+        if info is not None and info.libc_probes:
+            parts.append(self._probe_table(hits, lost))
             with info.allocators.lock:
                 processes = sorted(info.allocators.processes.values(), key=lambda p: p.pid)
             parts.append(self._arena_table(processes))

@@ -65,6 +65,17 @@ class ProcessFigures:
 
 
 @dataclass
+class AllocFigures:
+    """The allocation functions, for one scrape: per process name (counters
+    include exited processes), and the top stacks by live bytes."""
+
+    processes: Mapping[str, Mapping[str, int]]  # name -> calls, bytes, frees, ...
+    stacks: list[tuple[str, str, str, int]]  # (process, allocator, stack, live bytes)
+    dropped: Mapping[str, int]  # table -> allocations it had no room for
+    sampled: bool
+
+
+@dataclass
 class Snapshot:
     """The numbers of one scrape, read by the tracer."""
 
@@ -81,6 +92,7 @@ class Snapshot:
     bpf_misses: Mapping[str, int]  # program -> runs the kernel skipped
     started: float  # Unix time the trace began
     build: Mapping[str, str]
+    allocs: AllocFigures | None = None
 
 
 class StickyLabels:
@@ -103,11 +115,13 @@ class StickyLabels:
 
 class MtraceCollector(Collector):
     def __init__(
-        self, snapshot: Callable[[], Snapshot], max_processes: int = 50, top_sites: int = 20
-    ) -> None:
+        self, snapshot: Callable[[], Snapshot], max_processes: int = 50, top_sites: int = 20,
+        top_stacks: int = 20,
+    ) -> None:  # fmt: skip
         self._snapshot = snapshot
         self._processes = StickyLabels(max_processes)
         self._functions = StickyLabels(top_sites)
+        self._stacks = StickyLabels(top_stacks)
         self._lock = threading.Lock()  # the label caps are shared by concurrent scrapes
 
     def describe(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
@@ -120,7 +134,56 @@ class MtraceCollector(Collector):
                 yield from self._libc(snap)
             if snap.kmem is not None:
                 yield from self._kmem(snap.kmem)
+            if snap.allocs is not None:
+                yield from self._allocs(snap.allocs)
         yield from _self_metrics(snap)
+
+    # ---- the allocation functions -------------------------------------------
+    def _allocs(self, figures: AllocFigures) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        estimated = " (estimated from samples)" if figures.sampled else ""
+        families = {
+            "calls": _counter("alloc_calls", "Allocations that returned a pointer (malloc, calloc, "
+                              "realloc, memalign & co).", ["process"]),
+            "bytes": _counter("alloc_bytes", "Bytes those allocations asked for.", ["process"]),
+            "frees": _counter("free_calls", "free() of a non-NULL pointer, and realloc's "
+                              "release of its old block.", ["process"]),
+            "unknown_frees": _counter("free_unknown_calls", "Frees of pointers not seen "
+                                      "allocated (before the trace, or not sampled).", ["process"]),
+            "failed": _counter("alloc_failed_calls", "Allocations that returned NULL.",
+                               ["process"]),
+            "live_bytes": _gauge("alloc_live_bytes", "Bytes allocated during the trace and not "
+                                 f"freed yet{estimated}.", ["process"]),
+            "live_objects": _gauge("alloc_live_objects", "Blocks allocated during the trace and "
+                                   f"not freed yet{estimated}.", ["process"]),
+        }  # fmt: skip
+        self._processes.admit(sorted(figures.processes, key=lambda n: -figures.processes[n]["bytes"]))
+        totals: dict[str, Counter[str]] = defaultdict(Counter)
+        for name, values in figures.processes.items():
+            totals[self._processes(name)].update(values)
+        for name in sorted(totals):
+            for key, family in families.items():
+                family.add_metric([name], totals[name][key])
+        yield from families.values()
+        stacks = _gauge("alloc_stack_live_bytes", "Live bytes of the call stacks holding most "
+                        f"(at most --top-stacks of them; the rest under stack=\"other\"){estimated}.",
+                        ["process", "allocator", "stack"])  # fmt: skip
+        ranked = sorted(figures.stacks, key=lambda row: -row[3])
+        self._stacks.admit("\0".join(row[:3]) for row in ranked)
+        rows: Counter[tuple[str, str, str]] = Counter()
+        for process, allocator, stack, live in ranked:
+            if self._stacks("\0".join((process, allocator, stack))) == OTHER:
+                rows[(self._processes(process), OTHER, OTHER)] += live
+            else:
+                rows[(self._processes(process), allocator, stack)] += live
+        for labels, live in sorted(rows.items()):
+            stacks.add_metric(list(labels), live)
+        yield stacks
+        yield _by_label(
+            _counter("alloc_table_dropped", "Allocations a kernel table had no room for: "
+                     "outstanding (not matched to their free), stacks (not aggregated).",
+                     ["table"]),
+            figures.dropped,
+        )  # fmt: skip
 
     # ---- libc -------------------------------------------------------------
     def _libc(self, snap: Snapshot) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:

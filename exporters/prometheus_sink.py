@@ -24,7 +24,7 @@ import os
 import sys
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,10 +35,12 @@ from .data.allocator import arena_lock_waits
 from .data.kallsyms import KernelSymbols
 from .data.processes import process_name
 from .data.sink import RunStats, Sink, TraceInfo, TraceResult
-from .prometheus import MtraceCollector, ProcessFigures, Snapshot
+from .alloc_table import stack_label
+from .prometheus import AllocFigures, MtraceCollector, ProcessFigures, Snapshot
 from .web import MetricsEndpoint
 
 HOUSEKEEPING_S = 5.0
+STACKS_READ = 200  # the top stacks by live bytes offered to the label cap each scrape
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class ExportOptions:
     web_config: Path | None = None
     max_processes: int = 50
     top_functions: int = 20
+    top_stacks: int = 20
     run_as: str | None = None  # drop root to this user once attached (serve)
     bpf_stats: bool = False
     read_interval: float = 0.5  # BPF maps are read at most this often
@@ -125,7 +128,10 @@ class MetricsSource:
         if name is None:
             state = self.allocators.processes.get(pid)
             name = (
-                (state.comm if state is not None else "") or process_name(pid) or hint or "unknown"
+                (state.comm if state is not None else "")
+                or process_name(pid)
+                or hint
+                or self.info.frame_names.comms.get(pid, "unknown")
             )
             self._names[pid] = name
         return name
@@ -189,6 +195,7 @@ class MetricsSource:
                 n for label, n in misses.items() if label.startswith("tracepoint:kmem:")
             )
         return Snapshot(
+            allocs=self._allocs() if info.allocs else None,
             libc=libc,
             probe_hits=dict(counters.probe_hits) if libc else {},
             probe_lost=dict(counters.probe_lost) if libc else {},
@@ -203,6 +210,32 @@ class MetricsSource:
             started=self.started,
             build=self._build,
         )
+
+    def _allocs(self) -> AllocFigures | None:
+        snapshot = self.counters.allocations()
+        if snapshot is None:
+            return None
+        processes: dict[str, Counter[str]] = defaultdict(Counter)
+        live: dict[int, tuple[int, int]] = defaultdict(lambda: (0, 0))
+        for row in snapshot.stacks:
+            objects, nbytes = live[row.tgid]
+            live[row.tgid] = (objects + row.live_objects, nbytes + row.live_bytes)
+        for proc in snapshot.processes:
+            figures = processes[self._name(proc.tgid)]
+            figures.update({"calls": proc.calls, "bytes": proc.bytes, "frees": proc.frees,
+                            "unknown_frees": proc.unknown_frees, "failed": proc.failed})  # fmt: skip
+            objects, nbytes = live[proc.tgid]
+            figures["live_objects"] += objects
+            figures["live_bytes"] += nbytes
+        names = self.info.frame_names
+        stacks = [
+            (self._name(row.tgid), row.function, stack_label(names, row.tgid, row.frames),
+             row.live_bytes)
+            for row in snapshot.top("live", STACKS_READ)
+        ]  # fmt: skip
+        dropped = {"outstanding": snapshot.misc.get("outstanding_full", 0),
+                   "stacks": snapshot.misc.get("stacks_full", 0)}  # fmt: skip
+        return AllocFigures(processes, stacks, dropped, sampled=bool(snapshot.sample_bytes))
 
     def _function(self, address: int) -> str:
         name = self._functions.get(address)
@@ -241,9 +274,10 @@ class PrometheusSink(Sink):
         registry = self.endpoint.registry
         registry.register(
             MtraceCollector(
-                self.source.snapshot, self.options.max_processes, self.options.top_functions
+                self.source.snapshot, self.options.max_processes, self.options.top_functions,
+                self.options.top_stacks,
             )
-        )
+        )  # fmt: skip
         ProcessCollector(registry=registry)
         PlatformCollector(registry=registry)
         # Everything loaded so far (bcc, numpy, the symbol table ...) lives

@@ -77,7 +77,9 @@ def summary_lines(result: TraceResult) -> list[str]:
         lines += kmem_lines(result.kmem)
     if result.allocations is not None:
         ended = result.exit_code is not None or result.ended_by == "exit"
-        lines += alloc_table.summary_lines(result.allocations, result.frame_names, ended)
+        lines += alloc_table.summary_lines(
+            result.allocations, result.frame_names, ended, result.leaks_older_than
+        )
     return lines
 
 

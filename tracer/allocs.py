@@ -23,7 +23,7 @@ from mtrace_live.exporters.data.allocations import (
     ProcessAllocs,
     StackRow,
 )
-from mtrace_live.exporters.data.errors import AttachError
+from mtrace_live.exporters.data.errors import NoProbesError
 from mtrace_live.probes.alloc_sites import AllocSite, alloc_sites
 from mtrace_live.probes.records import (
     ALLOC_FN_NAMES,
@@ -195,6 +195,9 @@ def _frames(program: BpfProgram, stack: int, call_site: int,
     return (call_site, *frames)
 
 
-def check_attachable(chosen: AllocPlan) -> None:
+def check_attachable(chosen: AllocPlan, sdt_problem: str | None) -> None:
+    """Refuse a library with nothing to trace: no allocation function (and,
+    as ``sdt_problem`` says, no SDT probes either)."""
     if not chosen.sites:
-        raise AttachError(f"{chosen.libc} exports none of the allocation functions")
+        why = f"; and {sdt_problem}" if sdt_problem else ""
+        raise NoProbesError(f"{chosen.libc} exports none of the allocation functions{why}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from mtrace_live.exporters.data.allocations import AllocSnapshot
+from mtrace_live.exporters.data.allocations import AllocSnapshot, FrameNames, trimmed
 
 from mtrace_live.exporters.data.kmem import CallSite, KmemTotals
 from mtrace_live.exporters.data.sink import KernelCounters, ProcessHits, RunStats
@@ -35,6 +35,7 @@ class BpfCounters:
         filtered_by_pid: bool,
         stats_fd: int | None = None,
         sample_bytes: int | None = None,
+        frame_names: FrameNames | None = None,
     ) -> None:
         """``sample_bytes``: None when the allocation functions are not traced."""
         self.program = program
@@ -47,6 +48,7 @@ class BpfCounters:
         self.delivered = 0
         self.kmem_delivered = 0
         self.sample_bytes = sample_bytes
+        self.frame_names = frame_names or FrameNames()
         self.started_ns = time.monotonic_ns()
 
     def read(self, kmem: bool = False, runs: bool = False) -> KernelCounters:
@@ -81,7 +83,8 @@ class BpfCounters:
     def allocations(self, outstanding: bool = False) -> AllocSnapshot | None:
         if self.sample_bytes is None:
             return None
-        return allocs.read_snapshot(self.program, self.sample_bytes, self.started_ns, outstanding)
+        snapshot = allocs.read_snapshot(self.program, self.sample_bytes, self.started_ns, outstanding)
+        return trimmed(snapshot, self.frame_names)
 
     def stacks_lost(self, with_stacks: bool) -> tuple[int, int]:
         if not with_stacks:

@@ -88,6 +88,7 @@ class TraceRequest:
     sample_bytes: int = 0  # > 0: keep one allocation per this many bytes, on average
     max_outstanding: int = 262144  # allocations tracked until freed
     alloc_stacks: int = 16384  # (process, stack) rows aggregated
+    leaks_older_than: float | None = None  # list what has been outstanding this long (seconds)
 
     @property
     def filtered_by_pid(self) -> bool:
@@ -169,6 +170,7 @@ class LiveTrace:
         self.notices: list[str] = []
         self.sdt = request.libc_probes
         self.selection = usdt.ProbeSelection(libc, (), (), {})
+        sdt_problem = None
         if request.libc_probes:
             try:
                 self.selection = usdt.choose(libc, request.patterns)  # before root
@@ -176,16 +178,18 @@ class LiveTrace:
                 if not request.allocs:
                     raise
                 self.sdt = False
+                sdt_problem = str(exc)
+        self.alloc_plan = allocs.plan(libc) if request.allocs and request.libc_probes else None
+        if self.alloc_plan is not None:
+            allocs.check_attachable(self.alloc_plan, sdt_problem)
+            if sdt_problem is not None:
                 self.notices.append(
-                    f"no SDT probes: {libc} was built without --enable-systemtap, so the "
+                    f"no SDT probes: {libc} was built without --enable-systemtap, so its "
                     "arena and heap events are not seen; the allocation functions are "
                     "('mtrace-live doctor' says what each source needs)"
                 )
-                del exc
-        self.alloc_plan = allocs.plan(libc) if request.allocs and request.libc_probes else None
-        if self.alloc_plan is not None:
-            allocs.check_attachable(self.alloc_plan)
         require_privileges()
+        self.frame_names = FrameNames()
         self.kmem = request.with_kmem
         catalog = load_catalog()
         self.sites = tuple(self.selection.site_infos(catalog))
@@ -258,8 +262,8 @@ class LiveTrace:
             filtered_by_pid=request.filtered_by_pid,
             stats_fd=stats_fd,
             sample_bytes=request.sample_bytes if self.alloc_plan is not None else None,
+            frame_names=self.frame_names,
         )
-        self.frame_names = FrameNames()
 
     def info(self, pid: int | None) -> TraceInfo:
         request = self.request
@@ -287,6 +291,7 @@ class LiveTrace:
             alloc_events=self.alloc_plan is not None and request.alloc_events,
             sample_bytes=request.sample_bytes,
             frame_names=self.frame_names,
+            leaks_older_than=request.leaks_older_than,
         )
 
     def follow(self, pid: int) -> None:
@@ -358,6 +363,7 @@ class LiveTrace:
             if self.alloc_plan is not None
             else None,
             frame_names=self.frame_names,
+            leaks_older_than=self.request.leaks_older_than,
         )
 
     def close(self) -> None:

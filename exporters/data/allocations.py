@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
+from .processes import process_name
 from .symbolize import ProcessSymbols, Symbol
 
 
@@ -104,6 +105,37 @@ class AllocSnapshot:
         return next((p for p in self.processes if p.tgid == tgid), None)
 
 
+def trimmed(snapshot: AllocSnapshot, names: FrameNames) -> AllocSnapshot:
+    """The snapshot with each stack cut at its first frame that lies in no
+    executable mapping of its process, and the rows that then share a
+    stack summed. Code built without frame pointers leaves the walk to
+    follow whatever its rbp holds, so that past the call site (always
+    exact: read at the return) a stack may go on with garbage that differs
+    from call to call; cut there, the calls of one site come together."""
+
+    def cut(tgid: int, frames: tuple[int, ...]) -> tuple[int, ...]:
+        for index in range(1, len(frames)):
+            if names.resolve(tgid, frames[index]) is None:
+                return frames[:index]
+        return frames
+
+    rows: dict[tuple[int, str, int, tuple[int, ...]], list[int]] = {}
+    for row in snapshot.stacks:
+        key = (row.tgid, row.function, row.call_site, cut(row.tgid, row.frames))
+        values = [row.calls, row.bytes, row.sizes, row.frees, row.bytes_freed, row.sizes_freed,
+                  row.last_ts]  # fmt: skip
+        known = rows.get(key)
+        if known is None:
+            rows[key] = values
+        else:
+            rows[key] = [*(a + b for a, b in zip(known[:-1], values[:-1], strict=True)),
+                         max(known[-1], values[-1])]  # fmt: skip
+    stacks = tuple(StackRow(tgid, function, call_site, frames, *values)
+                   for (tgid, function, call_site, frames), values in rows.items())  # fmt: skip
+    held = tuple(replace(item, frames=cut(item.tgid, item.frames)) for item in snapshot.outstanding)
+    return replace(snapshot, stacks=stacks, outstanding=held)
+
+
 @dataclass
 class FrameNames:
     """Names for the frames of allocation stacks, per process.
@@ -114,12 +146,16 @@ class FrameNames:
     _exit). Once a process is gone its last maps are used."""
 
     symbols: dict[int, ProcessSymbols] = field(default_factory=dict)
+    comms: dict[int, str] = field(default_factory=dict)  # process names, read with the maps
     _names: dict[tuple[int, int], Symbol | None] = field(default_factory=dict)
 
     def remember(self, tgid: int) -> None:
         fresh = ProcessSymbols(tgid)
         if fresh.mappings or tgid not in self.symbols:
             self.symbols[tgid] = fresh
+        name = process_name(tgid)
+        if name:
+            self.comms[tgid] = name
 
     def resolve(self, tgid: int, address: int) -> Symbol | None:
         """The frame at return address ``address``: named by the call
@@ -162,5 +198,6 @@ def function_name(symbol: Symbol | None, address: int) -> str:
     if symbol is None:
         return f"{address:#x}"
     if symbol.function is None:
-        return f"{symbol.module}+{address:#x}"
+        base = symbol.span[0] if symbol.span else 0
+        return f"{symbol.module}+{address - base:#x}"
     return symbol.function

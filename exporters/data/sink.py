@@ -118,6 +118,7 @@ class TraceInfo:
     alloc_events: bool = False  # each allocation and free comes through the ring
     sample_bytes: int = 0
     frame_names: FrameNames = field(default_factory=FrameNames)
+    leaks_older_than: float | None = None  # show what has been outstanding this long (seconds)
 
     @property
     def libc_probes(self) -> bool:
@@ -185,6 +186,7 @@ class TraceResult:
     stacks_lost: tuple[int, int] = (0, 0)  # user, kernel stacks the stack map did not store
     allocations: AllocSnapshot | None = None  # the allocation functions' tables at the end
     frame_names: FrameNames = field(default_factory=FrameNames)  # names the stacks' frames
+    leaks_older_than: float | None = None
 
     @property
     def total_hits(self) -> int:

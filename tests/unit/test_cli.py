@@ -80,20 +80,36 @@ def test_trace_of_a_dead_pid_is_exit_6() -> None:
 
 
 def test_trace_of_a_pid_whose_libc_has_no_probes_points_to_doctor(tmp_path: Path) -> None:
-    # A process of the distro's libc (Debian's has no probes), or, where the
-    # distro's libc has probes, the same error through --lib on a plain file.
+    # GIVEN a process of the distro's libc (Debian's has no probes), traced
+    # without the allocation functions (--no-allocs: the SDT probes are all
+    # that is asked for); where the distro's libc has probes, the same error
+    # through --lib on a plain file
     sleeper = subprocess.Popen(["sleep", "30"])
     try:
-        done = run("--pid", str(sleeper.pid))
+        done = run("--pid", str(sleeper.pid), "--no-allocs")
     finally:
         sleeper.kill()
         sleeper.wait()
     if done.returncode != 5:
         plain = tmp_path / "libc.so.6"
         subprocess.run(["cp", "/bin/true", str(plain)], check=True)
-        done = run("--pid", str(os.getpid()), "--lib", str(plain))
+        done = run("--pid", str(os.getpid()), "--lib", str(plain), "--no-allocs")
+    # THEN one line says why, and where to look
     assert_one_line(done, 5, "has no libc SDT probes")
     assert "mtrace-live doctor" in done.stderr
+
+
+def test_a_library_with_neither_probes_nor_allocation_functions_is_refused(
+    tmp_path: Path,
+) -> None:
+    # GIVEN a "libc" that is a plain program: no SDT notes, no malloc exported
+    plain = tmp_path / "libc.so.6"
+    subprocess.run(["cp", "/bin/true", str(plain)], check=True)
+    # WHEN it is traced
+    done = run("--pid", str(os.getpid()), "--lib", str(plain))
+    # THEN one line names both missing sources, before anything is attached
+    assert_one_line(done, 5, "exports none of the allocation functions")
+    assert "no libc SDT probes" in done.stderr
 
 
 def test_trace_needs_pid_all_or_run() -> None:

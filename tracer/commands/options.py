@@ -167,6 +167,13 @@ def alloc_options(command: Any) -> Any:
             help="(process, call stack) rows the kernel aggregates; calls beyond are counted.",
         ),
         click.option(
+            "--leaks-older-than",
+            type=click.FloatRange(0),
+            metavar="SECONDS",
+            help="List the allocations outstanding for at least this long, by stack "
+            "(in the live view and the summary), as memleak's -o.",
+        ),
+        click.option(
             "--no-allocs",
             is_flag=True,
             help="Do not trace the allocation functions (malloc, free, ...).",

@@ -39,6 +39,10 @@ from . import options
 @click.option("--read-interval", type=click.FloatRange(0), default=0.5, show_default=True,
               help="Read the BPF maps at most this often (seconds); scrapes in between "
               "get the last reading.")  # fmt: skip
+@click.option("--top-stacks", type=click.IntRange(1), default=20, show_default=True,
+              help="Allocation call stacks given a label of their own in "
+              "mtrace_alloc_stack_live_bytes; the rest are summed under stack=\"other\".")
+@options.alloc_options
 @options.buffer_pages_option
 def serve(
     pid: int | None,
@@ -58,9 +62,16 @@ def serve(
     bpf_stats: bool,
     read_interval: float,
     buffer_pages: int,
+    top_stacks: int = 20,
+    sample_bytes: int | None = None,
+    max_outstanding: int = 262144,
+    alloc_stacks: int = 16384,
+    no_allocs: bool = False,
+    leaks_older_than: float | None = None,
 ) -> None:
-    """Serve Prometheus metrics of libc allocator probes and kernel kmem
-    tracepoints until stopped (SIGTERM or Ctrl-C).
+    """Serve Prometheus metrics of the allocation functions (malloc, free,
+    ...), the libc allocator probes and the kernel kmem tracepoints until
+    stopped (SIGTERM or Ctrl-C).
 
     System-wide by default; --pid, --comm or --cgroup narrow it. Binds
     127.0.0.1 unless told otherwise; --web.config.file adds TLS and basic
@@ -96,12 +107,17 @@ def serve(
         comm=comm,
         cgroup=cgroup,
         end_with_target=False,
+        allocs=not (no_allocs or no_libc),
+        sample_bytes=sample_bytes or 0,
+        max_outstanding=max_outstanding,
+        alloc_stacks=alloc_stacks,
     )
     export = ExportOptions(
         address=address,
         web_config=web_config,
         max_processes=max_processes,
         top_functions=top_functions,
+        top_stacks=top_stacks,
         run_as=None if keep_privileges else user,
         bpf_stats=bpf_stats,
         read_interval=read_interval,

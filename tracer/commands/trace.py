@@ -33,6 +33,7 @@ def start_trace(
     max_outstanding: int = 262144,
     alloc_stacks: int = 16384,
     no_allocs: bool = False,
+    leaks_older_than: float | None = None,
 ) -> None:
     """Trace, then exit with the command's exit code when there is one."""
     from ..live import TraceRequest, run_trace
@@ -61,6 +62,7 @@ def start_trace(
         sample_bytes=sample_bytes or 0,
         max_outstanding=max_outstanding,
         alloc_stacks=alloc_stacks,
+        leaks_older_than=leaks_older_than,
     )
     if prometheus is not None:
         from ..serve import ExportOptions, serve_trace
