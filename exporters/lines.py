@@ -70,8 +70,17 @@ class LineSink(Sink):
 
 
 def stack_table_json(snapshot: AllocSnapshot, names: FrameNames) -> Iterator[str]:
-    """The per-stack table at the end of ``-o json``: one object per row,
-    {"table": "alloc_stacks", ...}, with each frame named."""
+    """The tables at the end of ``-o json``: one object per process
+    ({"table": "alloc_processes", ...}), one of the calls of each function
+    ({"table": "alloc_functions", ...}: every hit, nested ones included),
+    then one per stack ({"table": "alloc_stacks", ...}), each frame named."""
+    for proc in snapshot.processes:
+        yield json.dumps({"table": "alloc_processes", "pid": proc.tgid, "calls": proc.calls,
+                          "bytes": proc.bytes, "frees": proc.frees,
+                          "unknown_frees": proc.unknown_frees, "failed": proc.failed},
+                         separators=(",", ":"))  # fmt: skip
+    yield json.dumps({"table": "alloc_functions", "calls": dict(snapshot.calls),
+                      **dict(snapshot.misc)}, separators=(",", ":"))  # fmt: skip
     for row in sorted(snapshot.stacks, key=lambda r: (-r.live_bytes, -r.bytes)):
         frames = []
         for address in row.frames:

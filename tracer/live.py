@@ -89,6 +89,10 @@ class TraceRequest:
     max_outstanding: int = 262144  # allocations tracked until freed
     alloc_stacks: int = 16384  # (process, stack) rows aggregated
     leaks_older_than: float | None = None  # list what has been outstanding this long (seconds)
+    # serve gives up root in before_start: then no process can be held in
+    # _exit (it could not be continued), and the target's symbols are read
+    # before, while /proc/PID/maps and its files can still be read.
+    privileges_dropped: bool = False
 
     @property
     def filtered_by_pid(self) -> bool:
@@ -227,7 +231,11 @@ class LiveTrace:
             defines.update(kmem_defines(tracepoint_format))
         self.hold = False
         if self.alloc_plan is not None:
-            self.hold = request.filtered_by_pid and self.alloc_plan.exit_offset is not None
+            self.hold = (
+                request.filtered_by_pid
+                and not request.privileges_dropped
+                and self.alloc_plan.exit_offset is not None
+            )
             defines.update(allocs.defines(request.sample_bytes, request.alloc_events,
                                           walk=True, outstanding=request.max_outstanding,
                                           stacks=request.alloc_stacks, hold=self.hold))  # fmt: skip
@@ -497,6 +505,8 @@ def _loop(
     deadline = started + request.duration if request.duration else None
     sinks = Fanout(trace.sinks)
     announce(trace, target_pid)
+    if trace.alloc_plan is not None and target_pid is not None and request.privileges_dropped:
+        trace.frame_names.preload(target_pid)
     if before_start is not None:
         before_start()
     sinks.start(trace.info(target_pid))

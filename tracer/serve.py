@@ -14,6 +14,7 @@ Order matters and is the point of this module:
 
 from __future__ import annotations
 
+import os
 import pwd
 import sys
 from dataclasses import replace
@@ -37,7 +38,11 @@ def serve_trace(
     config = load_web_config(options.web_config)
     user: pwd.struct_passwd | None = resolve_user(options.run_as) if options.run_as else None
     endpoint = MetricsEndpoint(options.address, new_registry(), config)
-    request = replace(request, bpf_stats=options.bpf_stats)
+    request = replace(
+        request,
+        bpf_stats=options.bpf_stats,
+        privileges_dropped=user is not None and os.geteuid() == 0,
+    )
 
     def make_sinks() -> list[Sink]:
         sinks = default_sinks(request)

@@ -157,6 +157,13 @@ class FrameNames:
         if name:
             self.comms[tgid] = name
 
+    def preload(self, tgid: int) -> None:
+        """Read the process's maps and every module's symbols now (serve
+        does, before giving up the root needed to read them)."""
+        self.remember(tgid)
+        for mapping in self.symbols[tgid].mappings:
+            self.symbols[tgid].resolve(mapping.start)
+
     def resolve(self, tgid: int, address: int) -> Symbol | None:
         """The frame at return address ``address``: named by the call
         instruction before it (address - 1), as debuggers do, so that the

@@ -1,0 +1,283 @@
+"""The allocation functions traced for real, on Debian's stock glibc (no SDT
+notes) and on the SDT build, against a workload that writes down what it
+did (tests/workloads/alloc_workload.c) and against bpftrace counting the
+same functions in the same run.
+
+The workload starts first and allocates some blocks, then waits; mtrace-live
+attaches by --pid (and bpftrace beside it); then the workload runs its call
+sites and frees the early blocks, which the trace must see as frees of
+memory allocated before it attached.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mtrace_live.tracer import sdt_glibc
+from mtrace_live.tracer.target import default_libc
+
+from .conftest import MTRACE, built
+from .test_serve import Prometheus, fetch, free_port, start_serve, stop
+from .tracing import (
+    BPFTRACE_READY,
+    Reaper,
+    start_bpftrace,
+    stop_bpftrace,
+    wait_for_line,
+)
+
+READY = "Ctrl-C to stop"
+# The functions bpftrace counts at their entry (aligned_alloc is memalign's
+# address in glibc 2.36, reallocarray jumps to realloc: neither is attached).
+COUNTED = ("malloc", "calloc", "realloc", "free", "memalign", "posix_memalign", "valloc")
+
+
+@dataclass
+class Traced:
+    truth: dict[str, Any]
+    tables: dict[str, list[dict[str, Any]]]  # the JSON tables at the end, by name
+    events: list[dict[str, Any]]
+    bpftrace: dict[str, int]
+    pprof: Path
+    stderr: str
+
+
+def start_workload(argv: list[str], reaper: Reaper) -> subprocess.Popen[bytes]:
+    proc = reaper.add(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == b"ready\n"
+    proc.stdout.close()
+    return proc
+
+
+def trace_workload(libc_kind: str, sdt: sdt_glibc.SdtGlibc, tmp: Path,
+                   extra: tuple[str, ...] = (), scale: int = 1) -> Traced:  # fmt: skip
+    workload = built("alloc_workload")
+    truth_file = tmp / "truth.json"
+    argv = [str(workload), "--wait", "--out", str(truth_file), "--scale", str(scale)]
+    libc = default_libc()
+    if libc_kind == "sdt":
+        argv, libc = sdt.wrap(argv), sdt.libc
+    pprof = tmp / "allocs.pb.gz"
+    with Reaper() as reaper:
+        proc = start_workload(argv, reaper)
+        body = "\n".join(
+            f"uprobe:{libc}:{name} /pid == $1/ {{ @hits[probe] = count(); }}" for name in COUNTED
+        )
+        bpftrace, bpftrace_out = start_bpftrace(body, proc.pid, tmp)
+        reaper.add(bpftrace)
+        wait_for_line(bpftrace_out, BPFTRACE_READY, bpftrace, timeout=120)
+        err = tmp / "trace.err"
+        out = tmp / "trace.out"
+        with open(err, "wb") as errors, open(out, "wb") as lines:
+            tracer = reaper.add(subprocess.Popen(
+                [*MTRACE, "--pid", str(proc.pid), "--lib", str(libc), "-o", "json",
+                 "--pprof", str(pprof), *extra],
+                stdout=lines, stderr=errors,
+            ))  # fmt: skip
+        wait_for_line(err, READY, tracer, timeout=120)
+        assert proc.stdin is not None
+        proc.stdin.write(b"go\n")
+        proc.stdin.close()
+        assert proc.wait(timeout=120) == 0
+        assert tracer.wait(timeout=120) == 0, err.read_text()
+        counts = stop_bpftrace(bpftrace, bpftrace_out)
+    tables: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    events = []
+    for line in out.read_text().splitlines():
+        record = json.loads(line)
+        if "table" in record:
+            tables[record["table"]].append(record)
+        else:
+            events.append(record)
+    return Traced(json.loads(truth_file.read_text()), tables, events, counts, pprof, err.read_text())
+
+
+@pytest.fixture(scope="module", params=["stock", "sdt"])
+def traced(request: pytest.FixtureRequest, sdt: sdt_glibc.SdtGlibc,
+           tmp_path_factory: pytest.TempPathFactory) -> Traced:  # fmt: skip
+    return trace_workload(request.param, sdt, tmp_path_factory.mktemp(f"allocs-{request.param}"))
+
+
+def by_site(stacks: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, int]]:
+    """The per-stack rows summed by (calling function, allocation function)."""
+    sums: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for row in stacks:
+        function = row["frames"][0]["function"]
+        site = sums[(function, row["allocator"])]
+        for key in ("calls", "bytes", "live_objects", "live_bytes"):
+            site[key] += row[key]
+    return sums
+
+
+def test_every_call_site_counts_exactly_what_the_workload_did(traced: Traced) -> None:
+    # GIVEN what the workload says each of its call sites did
+    found = by_site(traced.tables["alloc_stacks"])
+    for site in traced.truth["sites"]:
+        key = (site["function"], site["fn"])
+        # THEN its calls, bytes and leaks equal the trace's, exactly
+        assert key in found, (key, sorted(found))
+        got = found[key]
+        assert got["calls"] == site["calls"], key
+        assert got["bytes"] == site["bytes"], key
+        assert got["live_objects"] == site["leaked_calls"], key
+        assert got["live_bytes"] == site["leaked_bytes"], key
+
+
+def test_frees_of_memory_allocated_before_attaching_are_counted_apart(traced: Traced) -> None:
+    # GIVEN the workload's early blocks, allocated before the trace attached
+    (proc,) = traced.tables["alloc_processes"]
+    assert proc["pid"] == traced.truth["pid"]
+    # THEN their frees are unknown frees (glibc's own frees of blocks it
+    # allocated earlier, e.g. stdio's, come on top), never matched to a site
+    assert proc["unknown_frees"] >= traced.truth["unknown_frees"]
+    assert ("early_blocks", "malloc") not in by_site(traced.tables["alloc_stacks"])
+
+
+def test_calls_per_function_equal_bpftraces_in_the_same_run(traced: Traced) -> None:
+    # GIVEN bpftrace's count of each function's entries, nested calls included
+    (functions,) = traced.tables["alloc_functions"]
+    for name in COUNTED:
+        # THEN mtrace-live's kernel count of the same hits is the same
+        assert functions["calls"][name] == traced.bpftrace.get(name, 0), name
+    # and the nested calls (each chain's realloc(NULL) calls malloc) were
+    # not counted twice: the trace's malloc calls are fewer than its hits
+    chain = next(s for s in traced.truth["sites"] if s["function"] == "realloc_chain")
+    assert functions["nested"] >= chain["calls"] // 10
+
+
+def test_every_allocation_and_free_reaches_the_json_stream(traced: Traced) -> None:
+    # GIVEN the allocation events of the workload's realloc chains
+    chain = [e for e in traced.events if e["probe"] == "realloc"]
+    (functions,) = traced.tables["alloc_functions"]
+    assert functions["lost_events"] == 0
+    realloc = next(s for s in traced.truth["sites"] if s["function"] == "realloc_chain")
+    # THEN there is one per call, and each new block's release follows
+    assert len(chain) >= realloc["calls"]
+    released = [e for e in traced.events if e["probe"] == "realloc:free"]
+    assert len(released) >= realloc["calls"] - realloc["leaked_calls"]
+
+
+def pprof_top(path: Path, sample_index: str) -> dict[str, int]:
+    """``go tool pprof -top``'s flat bytes per function."""
+    done = subprocess.run(
+        ["go", "tool", "pprof", "-top", "-nodecount=1000", f"-sample_index={sample_index}",
+         "-unit=B", str(path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    flat = {}
+    for line in done.stdout.splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[0].endswith("B") and fields[-1] != "total":
+            flat[fields[5]] = int(float(fields[0][:-1]))
+    return flat
+
+
+def test_go_tool_pprof_names_each_leaking_function_with_its_bytes(traced: Traced) -> None:
+    # GIVEN the profile written by --pprof, read by the real go tool pprof
+    flat = pprof_top(traced.pprof, "inuse_space")
+    leaked: dict[str, int] = defaultdict(int)
+    for site in traced.truth["sites"]:
+        leaked[site["function"]] += site["leaked_bytes"]
+    # THEN each leaking function holds exactly the bytes it leaked
+    for function, nbytes in leaked.items():
+        if nbytes:
+            assert flat.get(function) == nbytes, (function, flat)
+    # and the biggest leak is at the top
+    assert max(flat, key=lambda f: flat[f]) == "realloc_chain"
+    allocated = pprof_top(traced.pprof, "alloc_space")
+    churn = next(s for s in traced.truth["sites"] if s["function"] == "churn")
+    assert allocated["churn"] == churn["bytes"]
+
+
+def test_sampled_live_bytes_stay_within_the_poisson_bound(sdt: sdt_glibc.SdtGlibc,
+                                                          tmp_path: Path) -> None:  # fmt: skip
+    # GIVEN a larger run of the workload, sampled once per 4 KiB on average
+    interval = 4096
+    run = trace_workload("stock", sdt, tmp_path, ("--sample-bytes", str(interval)), scale=20)
+    found = by_site(run.tables["alloc_stacks"])
+    live_truth = sum(s["leaked_bytes"] for s in run.truth["sites"])
+    live_seen = sum(v["live_bytes"] for (f, _), v in found.items()
+                    if f in {s["function"] for s in run.truth["sites"]})  # fmt: skip
+    # THEN the estimate is within 5 standard deviations of the truth: the
+    # sample points in B bytes are Poisson(B / interval), so the estimate
+    # interval * count has a standard deviation of sqrt(interval * B)
+    sigma = math.sqrt(interval * live_truth)
+    assert abs(live_seen - live_truth) <= 5 * sigma + 0.01 * live_truth, (live_seen, live_truth)
+    allocated = sum(s["bytes"] for s in run.truth["sites"])
+    seen = sum(v["bytes"] for (f, _), v in found.items()
+               if f in {s["function"] for s in run.truth["sites"]})  # fmt: skip
+    assert abs(seen - allocated) <= 5 * math.sqrt(interval * allocated) + 0.01 * allocated
+    # and far fewer allocations were kept than made
+    calls = sum(s["calls"] for s in run.truth["sites"])
+    kept = sum(row["sampled_calls"] for row in run.tables["alloc_stacks"])
+    assert kept < calls / 2
+
+
+def test_run_lists_what_the_command_never_freed(sdt: sdt_glibc.SdtGlibc, tmp_path: Path) -> None:
+    # GIVEN the workload run by mtrace-live from its first instruction
+    truth_file = tmp_path / "truth.json"
+    done = subprocess.run(
+        [*MTRACE, "run", "-o", "summary", "--", str(built("alloc_workload")),
+         "--out", str(truth_file)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    # THEN the summary lists each leaking site by stack, after the command ended
+    summary = done.stdout
+    assert "never freed, by stack (the command has ended):" in summary
+    leaks = summary.split("never freed, by stack")[1]
+    truth = json.loads(truth_file.read_text())
+    for site in truth["sites"]:
+        if site["leaked_calls"]:
+            line = next((l for l in leaks.splitlines() if f" {site['function']}+" in l), None)
+            assert line is not None, (site["function"], leaks)
+            assert int(line.split()[1]) == site["leaked_calls"], line
+    # and the libc without SDT probes was said in one line, not as an error
+    assert "no SDT probes" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_prometheus_stores_the_live_bytes_of_the_leaking_stacks(
+    web_tls: Any, tmp_path: Path
+) -> None:
+    # GIVEN serve following the workload, scraped by a real Prometheus
+    port = free_port()
+    truth_file = tmp_path / "truth.json"
+    with Reaper() as reaper:
+        proc = start_workload([str(built("alloc_workload")), "--wait", "--out", str(truth_file)],
+                              reaper)  # fmt: skip
+        serve, _ = start_serve(
+            ["--pid", str(proc.pid), "--no-kmem", "--web.listen-address", f"127.0.0.1:{port}",
+             "--web.config.file", str(web_tls.config)],
+            tmp_path, reaper,
+        )  # fmt: skip
+        prometheus = Prometheus(f"127.0.0.1:{port}", web_tls, tmp_path, reaper)
+        assert proc.stdin is not None
+        proc.stdin.write(b"go\n")
+        proc.stdin.close()
+        assert proc.wait(timeout=120) == 0
+        truth = json.loads(truth_file.read_text())
+        chain = next(s for s in truth["sites"] if s["function"] == "realloc_chain")
+        expr = 'sum(mtrace_alloc_stack_live_bytes{stack=~"realloc_chain.*"})'
+        stored = float("nan")
+        for _ in range(120):
+            stored = prometheus.scalar(expr)
+            if stored == chain["leaked_bytes"]:
+                break
+            subprocess.run(["sleep", "0.5"], check=True)
+        # THEN Prometheus holds the chain's live bytes, and the process's calls
+        assert stored == chain["leaked_bytes"]
+        calls = prometheus.scalar('sum(mtrace_alloc_calls_total{process="alloc_workload"})')
+        assert calls >= sum(s["calls"] for s in truth["sites"])
+        code, _ = fetch(f"https://127.0.0.1:{port}/metrics", web_tls, web_tls.password)
+        assert code == 200
+        assert stop(serve) == 0
