@@ -40,7 +40,11 @@ def process_lines(snapshot: AllocSnapshot) -> list[str]:
     live = _live_by_process(snapshot.stacks)
     for proc in sorted(snapshot.processes, key=lambda p: p.tgid):
         blocks, nbytes = live.get(proc.tgid, (0, 0))
-        before = f" ({proc.unknown_frees} of memory allocated before the trace)" if proc.unknown_frees else ""
+        before = (
+            f" ({proc.unknown_frees} of memory allocated before the trace)"
+            if proc.unknown_frees
+            else ""
+        )
         lines.append(
             f"allocations: pid {proc.tgid}: {proc.calls} calls, {size_text(proc.bytes)}; "
             f"{proc.frees} frees{before}; {proc.failed} failed; "
@@ -64,7 +68,8 @@ def stack_lines(snapshot: AllocSnapshot, names: FrameNames, key: str = "live",
     rows = snapshot.top(key, limit)
     if not rows:
         return []
-    lines = [f"{'LIVE':>8} {'BLOCKS':>7} {'CALLS':>8} {'BYTES':>8} {'PID':>7} {'FUNCTION':<14} CALL STACK"]
+    head = f"{'LIVE':>8} {'BLOCKS':>7} {'CALLS':>8} {'BYTES':>8} {'PID':>7} {'FUNCTION':<14}"
+    lines = [head + " CALL STACK"]
     for row in rows:
         lines.append(
             f"{size_text(row.live_bytes):>8} {row.live_objects:>7} {row.objects:>8} "
@@ -84,7 +89,9 @@ class LeakGroup:
     oldest_ns: int = 0
 
 
-def leak_groups(held: Iterable[Outstanding], now_ns: int, older_than_s: float = 0.0) -> list[LeakGroup]:
+def leak_groups(
+    held: Iterable[Outstanding], now_ns: int, older_than_s: float = 0.0
+) -> list[LeakGroup]:
     """Allocations outstanding for at least ``older_than_s``, by stack, most bytes first."""
     groups: dict[tuple[int, str, tuple[int, ...]], LeakGroup] = {}
     cutoff = now_ns - int(older_than_s * 1e9)
@@ -94,7 +101,9 @@ def leak_groups(held: Iterable[Outstanding], now_ns: int, older_than_s: float = 
         key = (item.tgid, item.function, item.frames)
         group = groups.get(key)
         if group is None:
-            group = groups[key] = LeakGroup(item.tgid, item.function, item.frames, oldest_ns=item.ts_ns)
+            group = groups[key] = LeakGroup(
+                item.tgid, item.function, item.frames, oldest_ns=item.ts_ns
+            )
         group.blocks += 1
         group.bytes += item.weight
         group.oldest_ns = min(group.oldest_ns, item.ts_ns)

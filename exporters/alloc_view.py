@@ -81,7 +81,11 @@ class AllocPanel:
             return [Text("allocations: waiting for the first reading")]
         parts: list[RenderableType] = [self._process_table(snapshot)]
         oldest = self._oldest(snapshot)
-        parts.append(self._stack_table("top stacks by live bytes", snapshot.top("live", STACKS_SHOWN), oldest))
+        parts.append(
+            self._stack_table(
+                "top stacks by live bytes", snapshot.top("live", STACKS_SHOWN), oldest
+            )
+        )
         by_rate = sorted(snapshot.stacks, key=lambda r: -self._rate(r))
         busy = [row for row in by_rate[:STACKS_SHOWN] if self._rate(row) > 0]
         parts.append(self._stack_table("top stacks by allocation rate", busy, oldest))
@@ -95,19 +99,29 @@ class AllocPanel:
     def _oldest(self, snapshot: AllocSnapshot) -> dict[tuple[int, str, tuple[int, ...]], float]:
         ages: dict[tuple[int, str, tuple[int, ...]], float] = {}
         for group in leak_groups(snapshot.outstanding, snapshot.now_ns):
-            ages[(group.tgid, group.function, group.frames)] = (snapshot.now_ns - group.oldest_ns) / 1e9
+            ages[(group.tgid, group.function, group.frames)] = (
+                snapshot.now_ns - group.oldest_ns
+            ) / 1e9
         return ages
 
     def _process_table(self, snapshot: AllocSnapshot) -> Table:
-        sampled = f" (sampled: 1 per {size_text(snapshot.sample_bytes)})" if snapshot.sample_bytes else ""
+        sampled = (
+            f" (sampled: 1 per {size_text(snapshot.sample_bytes)})" if snapshot.sample_bytes else ""
+        )
         table = Table(title=f"allocations{sampled}", title_justify="left")
-        for column in ("pid", "comm", "live since attach", "Δ live/s", "alloc/s", "frees", "unknown frees",
-                       "live over time", "alloc rate over time"):  # fmt: skip
-            table.add_column(column, justify="left" if column in ("pid", "comm") or "time" in column else "right")
+        for column in ("pid", "comm", "live since attach", "Δ live/s", "alloc/s", "frees",
+                       "unknown frees", "live over time", "alloc rate over time"):  # fmt: skip
+            table.add_column(
+                column, justify="left" if column in ("pid", "comm") or "time" in column else "right"
+            )
         for proc in sorted(snapshot.processes, key=lambda p: p.tgid):
             history = self._history.get(proc.tgid, _History())
             live = history.live[-1] if history.live else 0
-            change = (history.live[-1] - history.live[-2]) / self._elapsed if len(history.live) > 1 else 0
+            change = (
+                (history.live[-1] - history.live[-2]) / self._elapsed
+                if len(history.live) > 1
+                else 0
+            )
             table.add_row(
                 str(proc.tgid), self.names.comms.get(proc.tgid, ""), size_text(live),
                 ("+" if change >= 0 else "-") + size_text(abs(change)) + "/s",
@@ -120,8 +134,19 @@ class AllocPanel:
     def _stack_table(self, title: str, rows: list[StackRow],
                      oldest: dict[tuple[int, str, tuple[int, ...]], float]) -> Table:  # fmt: skip
         table = Table(title=title, title_justify="left")
-        for column in ("live", "blocks", "oldest", "alloc/s", "calls", "pid", "function", "call stack"):
-            table.add_column(column, justify="left" if column in ("function", "call stack") else "right")
+        for column in (
+            "live",
+            "blocks",
+            "oldest",
+            "alloc/s",
+            "calls",
+            "pid",
+            "function",
+            "call stack",
+        ):
+            table.add_column(
+                column, justify="left" if column in ("function", "call stack") else "right"
+            )
         for row in rows:
             age = oldest.get((row.tgid, row.function, row.frames))
             table.add_row(
@@ -137,7 +162,9 @@ class AllocPanel:
     def _leak_table(self, snapshot: AllocSnapshot, older_than: float) -> Table:
         table = Table(title=f"outstanding for over {older_than:g}s", title_justify="left")
         for column in ("bytes", "blocks", "oldest", "pid", "function", "call stack"):
-            table.add_column(column, justify="left" if column in ("function", "call stack") else "right")
+            table.add_column(
+                column, justify="left" if column in ("function", "call stack") else "right"
+            )
         groups = leak_groups(snapshot.outstanding, snapshot.now_ns, older_than)
         for group in groups[:STACKS_SHOWN]:
             table.add_row(

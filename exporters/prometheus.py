@@ -141,7 +141,7 @@ class MtraceCollector(Collector):
     # ---- the allocation functions -------------------------------------------
     def _allocs(self, figures: AllocFigures) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         estimated = " (estimated from samples)" if figures.sampled else ""
-        families = {
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
             "calls": _counter("alloc_calls", "Allocations that returned a pointer (malloc, calloc, "
                               "realloc, memalign & co).", ["process"]),
             "bytes": _counter("alloc_bytes", "Bytes those allocations asked for.", ["process"]),
@@ -156,7 +156,9 @@ class MtraceCollector(Collector):
             "live_objects": _gauge("alloc_live_objects", "Blocks allocated during the trace and "
                                    f"not freed yet{estimated}.", ["process"]),
         }  # fmt: skip
-        self._processes.admit(sorted(figures.processes, key=lambda n: -figures.processes[n]["bytes"]))
+        self._processes.admit(
+            sorted(figures.processes, key=lambda n: -figures.processes[n]["bytes"])
+        )
         totals: dict[str, Counter[str]] = defaultdict(Counter)
         for name, values in figures.processes.items():
             totals[self._processes(name)].update(values)
@@ -165,8 +167,8 @@ class MtraceCollector(Collector):
                 family.add_metric([name], totals[name][key])
         yield from families.values()
         stacks = _gauge("alloc_stack_live_bytes", "Live bytes of the call stacks holding most "
-                        f"(at most --top-stacks of them; the rest under stack=\"other\"){estimated}.",
-                        ["process", "allocator", "stack"])  # fmt: skip
+                        "(at most --top-stacks of them; the rest under stack=\"other\")"
+                        f"{estimated}.", ["process", "allocator", "stack"])  # fmt: skip
         ranked = sorted(figures.stacks, key=lambda row: -row[3])
         self._stacks.admit("\0".join(row[:3]) for row in ranked)
         rows: Counter[tuple[str, str, str]] = Counter()

@@ -31,11 +31,11 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 
+from .alloc_table import stack_label
 from .data.allocator import arena_lock_waits
 from .data.kallsyms import KernelSymbols
 from .data.processes import process_name
 from .data.sink import RunStats, Sink, TraceInfo, TraceResult
-from .alloc_table import stack_label
 from .prometheus import AllocFigures, MtraceCollector, ProcessFigures, Snapshot
 from .web import MetricsEndpoint
 
@@ -223,7 +223,8 @@ class MetricsSource:
         for proc in snapshot.processes:
             figures = processes[self._name(proc.tgid)]
             figures.update({"calls": proc.calls, "bytes": proc.bytes, "frees": proc.frees,
-                            "unknown_frees": proc.unknown_frees, "failed": proc.failed})  # fmt: skip
+                            "unknown_frees": proc.unknown_frees,
+                            "failed": proc.failed})  # fmt: skip
             objects, nbytes = live[proc.tgid]
             figures["live_objects"] += objects
             figures["live_bytes"] += nbytes

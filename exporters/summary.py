@@ -76,9 +76,9 @@ def summary_lines(result: TraceResult) -> list[str]:
     if result.kmem is not None:
         lines += kmem_lines(result.kmem)
     if result.allocations is not None:
-        ended = result.exit_code is not None or result.ended_by == "exit"
+        command_ended = result.exit_code is not None or result.ended_by == "exit"
         lines += alloc_table.summary_lines(
-            result.allocations, result.frame_names, ended, result.leaks_older_than
+            result.allocations, result.frame_names, command_ended, result.leaks_older_than
         )
     return lines
 

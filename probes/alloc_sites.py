@@ -25,6 +25,7 @@ from pathlib import Path
 import capstone
 from capstone import x86
 from elftools.elf.elffile import ELFFile
+from elftools.elf.relocation import RelocationSection
 from elftools.elf.sections import SymbolTableSection
 
 # The allocation functions and the registers holding their arguments (SysV
@@ -164,7 +165,7 @@ def _plt_targets(elf: ELFFile) -> dict[int, str]:
     """PLT stub address -> the allocation function its GOT slot is relocated to."""
     slots: dict[int, str] = {}
     for section in elf.iter_sections():
-        if section.header["sh_type"] not in ("SHT_RELA", "SHT_REL"):
+        if not isinstance(section, RelocationSection):
             continue
         symbols = elf.get_section(section.header["sh_link"])
         if not isinstance(symbols, SymbolTableSection):

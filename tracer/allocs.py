@@ -62,9 +62,15 @@ class AllocPlan:
         """One line per function, for ``probes`` and ``doctor``."""
         out = []
         for name, site in self.sites.items():
-            how = "emulated" if site.emulated else "single-stepped: no emulated site before the arguments change"
+            how = (
+                "emulated"
+                if site.emulated
+                else "single-stepped: no emulated site before the arguments change"
+            )
             ret = ", return probe at entry" if name in RETURNS_POINTER else ""
-            out.append(f"{name:<15} {site.entry:#x}+{site.offset:<3} {site.instruction:<22} ({how}{ret})")
+            out.append(
+                f"{name:<15} {site.entry:#x}+{site.offset:<3} {site.instruction:<22} ({how}{ret})"
+            )
         for name, other in self.seen_as.items():
             out.append(f"{name:<15} seen as {other}")
         return out
@@ -155,13 +161,18 @@ def read_snapshot(program: BpfProgram, sample_bytes: int, started_ns: int,
         stacks.append(StackRow(tgid, _fn_name(fn), call_site,
                                _frames(program, stack, call_site, frames_of), *value))  # fmt: skip
     pkeys, pvalues = program.read_table("alloc_procs", "<u4", ALLOC_PROC_DTYPE)
-    processes = [ProcessAllocs(int(tgid), *row) for tgid, row in zip(pkeys.tolist(), pvalues.tolist(), strict=True)]
+    processes = [
+        ProcessAllocs(int(tgid), *row)
+        for tgid, row in zip(pkeys.tolist(), pvalues.tolist(), strict=True)
+    ]
     calls = program.percpu_array_totals("alloc_calls")
     misc = program.percpu_array_totals("alloc_misc")
     held: list[Outstanding] = []
     if outstanding:
         okeys, ovalues = program.read_table("outstanding", OUTSTANDING_KEY_DTYPE, OUTSTANDING_DTYPE)
-        for (ptr, tgid, _), (key, size, weight, ts, tid, _) in zip(okeys.tolist(), ovalues.tolist(), strict=True):
+        for (ptr, tgid, _), (key, size, weight, ts, tid, _) in zip(
+            okeys.tolist(), ovalues.tolist(), strict=True
+        ):
             call_site, _, stack, fn, _ = key
             held.append(Outstanding(tgid, ptr, size, weight, ts, tid, _fn_name(fn), call_site,
                                     _frames(program, stack, call_site, frames_of)))  # fmt: skip

@@ -168,15 +168,18 @@ class BpfProgram:
         for index, value in enumerate(values):
             array[array.Key(index)] = array.Leaf(value)
 
-    def read_table(self, table: str, key_dtype: Any, value_dtype: Any) -> tuple[np.ndarray, np.ndarray]:
+    def read_table(
+        self, table: str, key_dtype: Any, value_dtype: Any
+    ) -> tuple[np.ndarray, np.ndarray]:
         """A whole hash map (not per-CPU) as two structured arrays, in one
         batched read where the kernel can."""
         keys_dt, values_dt = np.dtype(key_dtype), np.dtype(value_dtype)
         got = self._read_all(table)
         if got is not None:
             _, keys, values = got
+            raw_values = values.reshape(len(values), -1).tobytes()
             return (np.frombuffer(keys.tobytes(), dtype=keys_dt),
-                    np.frombuffer(values.reshape(len(values), -1).tobytes(), dtype=values_dt))  # fmt: skip
+                    np.frombuffer(raw_values, dtype=values_dt))  # fmt: skip
         items = list(self._bpf[table].items())
         return (np.frombuffer(b"".join(bytes(k) for k, _ in items), dtype=keys_dt),
                 np.frombuffer(b"".join(bytes(v) for _, v in items), dtype=values_dt))  # fmt: skip

@@ -11,7 +11,6 @@ import time
 from collections.abc import Sequence
 
 from mtrace_live.exporters.data.allocations import AllocSnapshot, FrameNames, trimmed
-
 from mtrace_live.exporters.data.kmem import CallSite, KmemTotals
 from mtrace_live.exporters.data.sink import KernelCounters, ProcessHits, RunStats
 from mtrace_live.probes.records import KMEM_EVENTS, SITE_FIELDS, KmemMisc
@@ -83,7 +82,9 @@ class BpfCounters:
     def allocations(self, outstanding: bool = False) -> AllocSnapshot | None:
         if self.sample_bytes is None:
             return None
-        snapshot = allocs.read_snapshot(self.program, self.sample_bytes, self.started_ns, outstanding)
+        snapshot = allocs.read_snapshot(
+            self.program, self.sample_bytes, self.started_ns, outstanding
+        )
         return trimmed(snapshot, self.frame_names)
 
     def stacks_lost(self, with_stacks: bool) -> tuple[int, int]:

@@ -26,6 +26,7 @@ from types import FrameType
 
 import numpy as np
 from mtrace_live.exporters import registry
+from mtrace_live.exporters.data.allocations import FrameNames
 from mtrace_live.exporters.data.errors import (
     MtraceError,
     NoProbesError,
@@ -34,7 +35,6 @@ from mtrace_live.exporters.data.errors import (
     TargetError,
     TargetExecError,
 )
-from mtrace_live.exporters.data.allocations import FrameNames
 from mtrace_live.exporters.data.events import Event, EventDecoder
 from mtrace_live.exporters.data.sink import (
     EventBatch,
@@ -438,7 +438,9 @@ def announce(trace: LiveTrace, pid: int | None) -> None:
     for notice in trace.notices:
         print(f"mtrace-live: {notice}", file=sys.stderr, flush=True)
     if trace.alloc_plan is not None:
-        what.append(f"{len(trace.alloc_plan.sites)} allocation functions in {trace.alloc_plan.libc}")
+        what.append(
+            f"{len(trace.alloc_plan.sites)} allocation functions in {trace.alloc_plan.libc}"
+        )
     if trace.sdt:
         what.append(f"{len(trace.selection.probes)} probes ({len(trace.selection.layouts)} "
                     f"sites) in {trace.selection.libc}")  # fmt: skip

@@ -15,7 +15,6 @@ import json
 import math
 import subprocess
 from collections import defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,7 +97,9 @@ def trace_workload(libc_kind: str, sdt: sdt_glibc.SdtGlibc, tmp: Path,
             tables[record["table"]].append(record)
         else:
             events.append(record)
-    return Traced(json.loads(truth_file.read_text()), tables, events, counts, pprof, err.read_text())
+    return Traced(
+        json.loads(truth_file.read_text()), tables, events, counts, pprof, err.read_text()
+    )
 
 
 @pytest.fixture(scope="module", params=["stock", "sdt"])
@@ -239,7 +240,7 @@ def test_run_lists_what_the_command_never_freed(sdt: sdt_glibc.SdtGlibc, tmp_pat
     truth = json.loads(truth_file.read_text())
     for site in truth["sites"]:
         if site["leaked_calls"]:
-            line = next((l for l in leaks.splitlines() if f" {site['function']}+" in l), None)
+            line = next((x for x in leaks.splitlines() if f" {site['function']}+" in x), None)
             assert line is not None, (site["function"], leaks)
             assert int(line.split()[1]) == site["leaked_calls"], line
     # and the libc without SDT probes was said in one line, not as an error

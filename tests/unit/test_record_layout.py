@@ -35,7 +35,9 @@ ENUMS: dict[str, tuple[type[IntEnum], str, dict[str, str]]] = {
 
 
 class Field:
-    def __init__(self, name: str, type_name: str, count: int, size: int = 0, align: int = 0) -> None:
+    def __init__(
+        self, name: str, type_name: str, count: int, size: int = 0, align: int = 0
+    ) -> None:
         """A scalar of TYPES, or (with ``size`` and ``align``) a struct field."""
         self.name, self.type_name, self.count = name, type_name, count
         self.size = (size or TYPES[type_name][1]) * count

@@ -39,9 +39,14 @@ from . import options
 @click.option("--read-interval", type=click.FloatRange(0), default=0.5, show_default=True,
               help="Read the BPF maps at most this often (seconds); scrapes in between "
               "get the last reading.")  # fmt: skip
-@click.option("--top-stacks", type=click.IntRange(1), default=20, show_default=True,
-              help="Allocation call stacks given a label of their own in "
-              "mtrace_alloc_stack_live_bytes; the rest are summed under stack=\"other\".")
+@click.option(
+    "--top-stacks",
+    type=click.IntRange(1),
+    default=20,
+    show_default=True,
+    help="Allocation call stacks given a label of their own in "
+    'mtrace_alloc_stack_live_bytes; the rest are summed under stack="other".',
+)
 @options.alloc_options
 @options.buffer_pages_option
 def serve(
