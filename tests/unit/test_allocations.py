@@ -1,0 +1,228 @@
+"""The allocation outputs on plain data (no root): the tables, stacks cut at
+garbage frames, the pprof profile read back, the Prometheus families, the
+JSON tables and events, the sampling intervals, the live view's panel, and
+the tail-call detection that decides which functions get a probe."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mtrace_live.exporters import alloc_table
+from mtrace_live.exporters.alloc_view import AllocPanel, sparkline
+from mtrace_live.exporters.data.allocations import (
+    AllocSnapshot,
+    FrameNames,
+    Outstanding,
+    ProcessAllocs,
+    StackRow,
+    trimmed,
+)
+from mtrace_live.exporters.data.events import EventDecoder
+from mtrace_live.exporters.data.symbolize import Symbol
+from mtrace_live.exporters.lines import stack_table_json
+from mtrace_live.exporters.pprof import build_profile, message_class, write_profile
+from mtrace_live.exporters.prometheus import AllocFigures, MtraceCollector
+from mtrace_live.probes.alloc_sites import alloc_sites, tail_call
+from mtrace_live.probes.records import EVENT_DTYPE, AllocArg, AllocFn, EventKind
+from mtrace_live.tracer.allocs import plan, sample_intervals
+from prometheus_client import CollectorRegistry
+from rich.console import Console
+
+PID = 4242
+MAIN, LEAKER, CHURN, GARBAGE = 0x401000, 0x401100, 0x401200, 0xDEAD0000BEEF
+
+
+class KnownNames(FrameNames):
+    """Names from a table: addresses below 0x500000 are in the program."""
+
+    def resolve(self, tgid: int, address: int) -> Symbol | None:
+        if address >= 0x500000:
+            return None
+        function = {MAIN: "main", LEAKER: "leaker", CHURN: "churn"}.get(address & ~0xFF)
+        return Symbol("/usr/bin/prog", function, address & 0xFF, "prog.c:7", (0x400000, 0x500000))
+
+
+def row(site: int, frames: tuple[int, ...], calls: int, size: int, frees: int) -> StackRow:
+    return StackRow(PID, "malloc", site, (site, *frames), calls, calls * size, calls * size,
+                    frees, frees * size, frees * size, 0)  # fmt: skip
+
+
+def snapshot(**changes: object) -> AllocSnapshot:
+    rows = (
+        row(LEAKER + 0x10, (MAIN + 0x20,), 100, 64, 40),
+        row(LEAKER + 0x10, (MAIN + 0x20, GARBAGE), 50, 64, 10),  # the same site, garbage after
+        row(CHURN + 0x8, (MAIN + 0x30,), 1000, 32, 1000),
+    )
+    held = tuple(Outstanding(PID, 0x10000 + i, 64, 64, 1_000_000_000 * i, PID, "malloc",
+                             LEAKER + 0x10, (LEAKER + 0x10, MAIN + 0x20)) for i in range(3))  # fmt: skip
+    snap = AllocSnapshot(
+        stacks=rows,
+        processes=(ProcessAllocs(PID, 1150, 1150 * 64, 1050, 7, 0),),
+        calls={"malloc": 1150, "free": 1057},
+        misc={"outstanding_full": 0, "stacks_full": 0, "lost_events": 0, "nested": 0},
+        sample_bytes=0,
+        now_ns=10_000_000_000,
+        started_ns=0,
+        outstanding=held,
+        outstanding_read=True,
+    )
+    for key, value in changes.items():
+        object.__setattr__(snap, key, value)
+    return snap
+
+
+def test_stacks_are_cut_at_their_first_frame_outside_the_program_and_merged() -> None:
+    # GIVEN two rows of one call site, one with a garbage frame after main
+    merged = trimmed(snapshot(), KnownNames())
+    # THEN they become one row, their counts summed
+    leaker = [r for r in merged.stacks if r.call_site == LEAKER + 0x10]
+    assert len(leaker) == 1
+    assert leaker[0].frames == (LEAKER + 0x10, MAIN + 0x20)
+    assert (leaker[0].calls, leaker[0].frees, leaker[0].live_bytes) == (150, 50, 100 * 64)
+
+
+def test_the_summary_lists_top_stacks_and_what_was_never_freed() -> None:
+    snap = trimmed(snapshot(), KnownNames())
+    lines = alloc_table.summary_lines(snap, KnownNames(), command_ended=True)
+    text = "\n".join(lines)
+    assert "allocations: pid 4242: 1150 calls" in text and "7 of memory allocated before" in text
+    top = lines[lines.index("top call stacks by live bytes:") + 2]
+    assert top.split()[:3] == ["6.2K", "100", "150"] and "leaker+0x10 (prog.c:7) < main" in top
+    never = text.split("never freed, by stack (the command has ended):")[1].splitlines()
+    # three outstanding blocks of 64 bytes, the oldest allocated at 0 s, now 10 s
+    assert never[2].split()[:3] == ["192B", "3", "10.0s"]
+
+
+def test_leaks_older_than_keeps_only_the_old_ones() -> None:
+    snap = snapshot()
+    groups = alloc_table.leak_groups(snap.outstanding, snap.now_ns, older_than_s=8.5)
+    assert [(g.blocks, g.bytes) for g in groups] == [(2, 128)]
+
+
+def test_the_pprof_profile_reads_back_with_the_four_sample_types(tmp_path: Path) -> None:
+    # GIVEN the profile of the snapshot, written gzipped
+    snap = trimmed(snapshot(), KnownNames())
+    path = tmp_path / "heap.pb.gz"
+    write_profile(path, build_profile(snap, KnownNames(), 5_000_000_000))
+    # WHEN it is parsed back as a profile.proto Profile
+    profile = message_class("Profile")()
+    profile.ParseFromString(gzip.decompress(path.read_bytes()))
+    strings = list(profile.string_table)
+    types = [(strings[t.type], strings[t.unit]) for t in profile.sample_type]
+    # THEN its types are a heap profile's, inuse_space the default
+    assert types == [("alloc_objects", "count"), ("alloc_space", "bytes"),
+                     ("inuse_objects", "count"), ("inuse_space", "bytes")]  # fmt: skip
+    assert strings[profile.default_sample_type] == "inuse_space"
+    # AND each sample's leaf is the call site's function, its values the row's
+    functions = {f.id: strings[f.name] for f in profile.function}
+    locations = {loc.id: loc for loc in profile.location}
+    by_leaf = {}
+    for sample in profile.sample:
+        leaf = locations[sample.location_id[0]]
+        by_leaf[functions[leaf.line[0].function_id]] = list(sample.value)
+    assert by_leaf["leaker"] == [150, 150 * 64, 100, 100 * 64]
+    assert by_leaf["churn"] == [1000, 32000, 0, 0]
+    assert profile.duration_nanos == 5_000_000_000
+
+
+def test_prometheus_families_by_process_and_top_stacks() -> None:
+    figures = AllocFigures(
+        processes={"prog": {"calls": 10, "bytes": 640, "frees": 4, "unknown_frees": 1,
+                            "failed": 0, "live_bytes": 384, "live_objects": 6}},
+        stacks=[("prog", "malloc", f"f{i} < main", 100 - i) for i in range(5)],
+        dropped={"outstanding": 2, "stacks": 0},
+        sampled=False,
+    )  # fmt: skip
+    registry = CollectorRegistry()
+    collector = MtraceCollector(lambda: None, top_stacks=3)  # type: ignore[arg-type]
+    registry.register(collector)
+    collector.collect = lambda: collector._allocs(figures)  # type: ignore[method-assign]
+    value = registry.get_sample_value
+    assert value("mtrace_alloc_calls_total", {"process": "prog"}) == 10
+    assert value("mtrace_alloc_live_bytes", {"process": "prog"}) == 384
+    assert value("mtrace_alloc_table_dropped_total", {"table": "outstanding"}) == 2
+    stack = {"process": "prog", "allocator": "malloc", "stack": "f0 < main"}
+    assert value("mtrace_alloc_stack_live_bytes", stack) == 100
+    # beyond --top-stacks, the rest are summed under "other"
+    other = {"process": "prog", "allocator": "other", "stack": "other"}
+    assert value("mtrace_alloc_stack_live_bytes", other) == 97 + 96
+
+
+def test_json_tables_name_every_frame() -> None:
+    lines = [json.loads(x) for x in stack_table_json(trimmed(snapshot(), KnownNames()), KnownNames())]
+    assert lines[0] == {"table": "alloc_processes", "pid": PID, "calls": 1150, "bytes": 73600,
+                        "frees": 1050, "unknown_frees": 7, "failed": 0}  # fmt: skip
+    assert lines[1]["table"] == "alloc_functions" and lines[1]["calls"]["malloc"] == 1150
+    stacks = lines[2:]
+    assert stacks[0]["live_bytes"] == 6400 and stacks[0]["frames"][0]["function"] == "leaker"
+    assert stacks[0]["frames"][1]["location"] == "prog.c:7"
+
+
+def test_alloc_and_free_records_decode_with_their_arguments() -> None:
+    batch = np.zeros(3, dtype=EVENT_DTYPE)
+    batch["kind"] = [EventKind.ALLOC, EventKind.FREE, EventKind.ALLOC]
+    batch["probe"] = [AllocFn.REALLOC, AllocFn.FREE, AllocFn.MEMALIGN]
+    batch["tgid"] = PID
+    batch["ip"] = LEAKER
+    batch["args"][0, [AllocArg.PTR, AllocArg.SIZE, AllocArg.AUX, AllocArg.WEIGHT]] = [16, 48, 8, 48]
+    batch["args"][1, [AllocArg.PTR, AllocArg.SIZE, AllocArg.SITE]] = [16, 48, CHURN]
+    batch["args"][2, [AllocArg.PTR, AllocArg.SIZE, AllocArg.AUX, AllocArg.WEIGHT]] = [64, 100, 64, 100]
+    realloc, free, memalign = EventDecoder(()).decode(batch)
+    assert realloc.probe == "realloc" and realloc.args["old_ptr"] == 8
+    assert realloc.args["size"] == 48 and realloc.args["call_site"] == LEAKER
+    assert free.probe == "free" and free.args["allocated_at"] == CHURN
+    assert memalign.args["alignment"] == 64
+
+
+def test_sampling_intervals_are_exponential_with_the_asked_mean() -> None:
+    intervals = sample_intervals(524288)
+    assert len(intervals) == 1024
+    mean = sum(intervals) / len(intervals)
+    # the midpoints of 1024 quantiles: the mean within 0.1%, the median ln 2 of it
+    assert abs(mean - 524288) / 524288 < 0.001
+    assert abs(sorted(intervals)[512] / 524288 - math.log(2)) < 0.01
+
+
+def test_the_live_panel_shows_processes_stacks_and_sparklines() -> None:
+    panel = AllocPanel(KnownNames(), leaks_older_than=5)
+    first = trimmed(snapshot(), KnownNames())
+    panel.update(first, 1.0)
+    panel.update(first, 1.0)
+    console = Console(file=io.StringIO(), width=200, record=True)
+    for part in panel.render():
+        console.print(part)
+    text = console.export_text()
+    assert "top stacks by live bytes" in text and "leaker+0x10" in text
+    assert "outstanding for over 5s" in text
+    assert sparkline([0, 1, 2, 3]) == "▁▃▆█" and sparkline([5, 5]) == "▄▄"
+
+
+DEBIAN_LIBC = Path("/lib/x86_64-linux-gnu/libc.so.6")
+
+
+@pytest.mark.skipif(not DEBIAN_LIBC.exists(), reason="Debian's glibc is this machine's")
+def test_reallocarray_jumps_to_realloc_through_the_plt_and_gets_no_probe() -> None:
+    # GIVEN Debian's glibc 2.36
+    sites = alloc_sites(DEBIAN_LIBC)
+    # THEN reallocarray is found to end in a jump to realloc's PLT stub
+    assert sites["reallocarray"].tail_calls == "realloc"
+    assert sites["malloc"].tail_calls is None
+    chosen = plan(DEBIAN_LIBC)
+    # AND the plan probes neither it nor aligned_alloc (memalign's address)
+    assert chosen.seen_as == {"reallocarray": "realloc", "aligned_alloc": "memalign"}
+    assert "reallocarray" not in chosen.sites and chosen.exit_offset is not None
+
+
+def test_a_jump_elsewhere_is_not_a_tail_call() -> None:
+    # mov rax,rsi ; jmp +0x10 (to 0x1017, not an allocation function)
+    code = bytes.fromhex("4889f0" + "eb10")
+    assert tail_call(code, 0x1000, {0x2000: "realloc"}) is None
+    # the same jump to realloc's address is one
+    code = bytes.fromhex("4889f0" + "e9" + (0x2000 - 0x1008).to_bytes(4, "little").hex())
+    assert tail_call(code, 0x1000, {0x2000: "realloc"}) == "realloc"
