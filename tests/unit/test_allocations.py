@@ -59,8 +59,9 @@ def snapshot(**changes: object) -> AllocSnapshot:
         row(LEAKER + 0x10, (MAIN + 0x20, GARBAGE), 50, 64, 10),  # the same site, garbage after
         row(CHURN + 0x8, (MAIN + 0x30,), 1000, 32, 1000),
     )
+    frames = (LEAKER + 0x10, MAIN + 0x20)
     held = tuple(Outstanding(PID, 0x10000 + i, 64, 64, 1_000_000_000 * i, PID, "malloc",
-                             LEAKER + 0x10, (LEAKER + 0x10, MAIN + 0x20)) for i in range(3))  # fmt: skip
+                             LEAKER + 0x10, frames) for i in range(3))  # fmt: skip
     snap = AllocSnapshot(
         stacks=rows,
         processes=(ProcessAllocs(PID, 1150, 1150 * 64, 1050, 7, 0),),
@@ -155,7 +156,8 @@ def test_prometheus_families_by_process_and_top_stacks() -> None:
 
 
 def test_json_tables_name_every_frame() -> None:
-    lines = [json.loads(x) for x in stack_table_json(trimmed(snapshot(), KnownNames()), KnownNames())]
+    snap = trimmed(snapshot(), KnownNames())
+    lines = [json.loads(x) for x in stack_table_json(snap, KnownNames())]
     assert lines[0] == {"table": "alloc_processes", "pid": PID, "calls": 1150, "bytes": 73600,
                         "frees": 1050, "unknown_frees": 7, "failed": 0}  # fmt: skip
     assert lines[1]["table"] == "alloc_functions" and lines[1]["calls"]["malloc"] == 1150
@@ -170,9 +172,10 @@ def test_alloc_and_free_records_decode_with_their_arguments() -> None:
     batch["probe"] = [AllocFn.REALLOC, AllocFn.FREE, AllocFn.MEMALIGN]
     batch["tgid"] = PID
     batch["ip"] = LEAKER
-    batch["args"][0, [AllocArg.PTR, AllocArg.SIZE, AllocArg.AUX, AllocArg.WEIGHT]] = [16, 48, 8, 48]
+    allocated = [AllocArg.PTR, AllocArg.SIZE, AllocArg.AUX, AllocArg.WEIGHT]
+    batch["args"][0, allocated] = [16, 48, 8, 48]
     batch["args"][1, [AllocArg.PTR, AllocArg.SIZE, AllocArg.SITE]] = [16, 48, CHURN]
-    batch["args"][2, [AllocArg.PTR, AllocArg.SIZE, AllocArg.AUX, AllocArg.WEIGHT]] = [64, 100, 64, 100]
+    batch["args"][2, allocated] = [64, 100, 64, 100]
     realloc, free, memalign = EventDecoder(()).decode(batch)
     assert realloc.probe == "realloc" and realloc.args["old_ptr"] == 8
     assert realloc.args["size"] == 48 and realloc.args["call_site"] == LEAKER
