@@ -18,7 +18,7 @@ setup:
 sdt-glibc: setup
 	bash scripts/sdt-glibc.sh
 
-WORKLOADS := probe_exerciser kmem_exerciser mallopt_loop jmp_loop arena_contention alloc_workload
+WORKLOADS := probe_exerciser kmem_exerciser mallopt_loop jmp_loop arena_contention alloc_workload alloc_bench
 exercisers: $(addprefix $(BUILD)/,$(WORKLOADS))
 
 $(BUILD)/%: tests/workloads/%.c | $(BUILD)

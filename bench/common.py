@@ -86,6 +86,10 @@ PEERS = (
     Peer("bcc trace", "trace-bpfcc", ["dpkg-query", "-W", "-f", "${Version}", "bpfcc-tools"],
          "bpfcc-tools"),
     Peer("perf", "perf", ["perf", "--version"], "linux-perf"),
+    Peer("bcc memleak", "memleak-bpfcc", ["dpkg-query", "-W", "-f", "${Version}", "bpfcc-tools"],
+         "bpfcc-tools"),
+    Peer("heaptrack", "heaptrack", ["dpkg-query", "-W", "-f", "${Version}", "heaptrack"],
+         "heaptrack"),
 )  # fmt: skip
 
 

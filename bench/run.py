@@ -7,7 +7,8 @@ docs/performance.md written from it.
     python bench/run.py --rewrite       # docs/performance.md again from build/bench.json
 
 Run as root after `make sdt-glibc exercisers`. Sections: usdt (1), kmem (2
-and 4), events (3), scrape (5), cost (6), rates (7: probe hit rates). The
+and 4), events (3), scrape (5), cost (6), rates (7: probe hit rates),
+allocs (8: every malloc and free, against bpftrace, memleak and heaptrack). The
 peers (bpftrace, bcc's trace, perf) are looked for first; a missing one is
 named, its configurations left out, and the rest still runs.
 """
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import alloc_bench
 import common
 import cost_bench
 import event_bench
@@ -32,7 +34,7 @@ import usdt_bench
 from common import BUILD, PEERS, QUICK, REPO, REPS, machine, peer_versions, say
 
 RESULTS = BUILD / "bench.json"
-SECTIONS = ("usdt", "kmem", "events", "scrape", "cost", "rates")
+SECTIONS = ("usdt", "kmem", "events", "scrape", "cost", "rates", "allocs")
 # The page's sections in order, each from its part of the results.
 PAGE: tuple[tuple[str, Callable[[Any], tuple[list[str], dict[str, bool | None]]]], ...] = (
     ("usdt", usdt_bench.render),
@@ -42,6 +44,7 @@ PAGE: tuple[tuple[str, Callable[[Any], tuple[list[str], dict[str, bool | None]]]
     ("scrape", scrape_bench.render),
     ("cost", cost_bench.render),
     ("rates", rates_bench.render),
+    ("allocs", alloc_bench.render),
 )
 
 
@@ -63,6 +66,7 @@ def measure(only: set[str]) -> dict[str, object]:
             "scrape": lambda: scrape_bench.run(tmp),
             "cost": lambda: cost_bench.run(tmp, peers),
             "rates": rates_bench.run,
+            "allocs": lambda: alloc_bench.run(tmp, peers),
         }
         durations = {}
         for section, run in runs.items():
@@ -133,6 +137,10 @@ def main(argv: list[str]) -> int:
             say(__doc__ or "")
             return 2
         data = measure(only)
+        if only != set(SECTIONS) and RESULTS.exists():
+            # --only: the other sections' figures stay those of the last run
+            kept = json.loads(RESULTS.read_text())
+            data = {**kept, **{k: v for k, v in data.items() if k in only}}
         BUILD.mkdir(exist_ok=True)
         RESULTS.write_text(json.dumps(data, indent=1))
         say(f"wrote {RESULTS} ({data['seconds'] / 60:.1f} minutes)")

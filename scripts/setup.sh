@@ -32,8 +32,9 @@ ARCH=$(dpkg --print-architecture)
 
 # ---- distro packages ------------------------------------------------------
 # prometheus (server and promtool) and openssl are for the exporter's tests;
-# golang-go for go tool pprof, which reads the pprof output in the tests.
-packages=(python3-bpfcc libbpfcc bpfcc-tools bpftrace gcc make libc6-dev golang-go
+# golang-go for go tool pprof, which reads the pprof output in the tests;
+# heaptrack is a peer in make bench; libc6-dbg names the frames inside the libc.
+packages=(python3-bpfcc libbpfcc bpfcc-tools bpftrace gcc make libc6-dev libc6-dbg golang-go heaptrack
           systemtap-sdt-dev python3-venv binutils prometheus openssl)
 if [ "${ID}" = ubuntu ]; then
   packages+=(linux-tools-common "linux-tools-$KERNEL")

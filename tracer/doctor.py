@@ -1,7 +1,10 @@
 """``mtrace-live doctor``: can a trace of this target work here, and if not, why.
 
 Each check gives one line. A failed check says how to fix it, and is either
-"not permitted" (exit 3) or "not supported here" (exit 8).
+"not permitted" (exit 3) or "not supported here" (exit 8). A source that the
+target's libc lacks but a trace does without (its SDT notes, its debug file)
+is "unavailable": said, with what it would add and how to get it, and not a
+failure.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from .target import read_file_sites
 from .tracefs import parse_format
 
 OK, NOT_PERMITTED, NOT_SUPPORTED = "ok", "not permitted", "not supported"
+UNAVAILABLE = "unavailable"
 
 
 @dataclass(frozen=True)
@@ -35,10 +39,10 @@ class Check:
 
     @property
     def passed(self) -> bool:
-        return self.status == OK
+        return self.status in (OK, UNAVAILABLE)
 
     def __str__(self) -> str:
-        mark = "ok  " if self.passed else "FAIL"
+        mark = "ok  " if self.status == OK else ("--  " if self.passed else "FAIL")
         return f"{mark}  {self.name}: {self.detail}"
 
 
@@ -48,7 +52,9 @@ def run_checks(libc: Path, catalog: Catalog) -> Iterator[Check]:
     yield _guarded("tracefs", lambda: f"mounted at {bpf_backend.tracefs_root()}")
     yield _headers()
     yield _guarded("bcc", _bcc)
+    yield _alloc_functions(libc)
     yield _libc_notes(libc, catalog)
+    yield _debug_file(libc)
     for tracepoint in catalog.tracepoints.values():
         yield _tracepoint(tracepoint.category, tracepoint.name,
                           [f.name for f in tracepoint.fields if f.required])  # fmt: skip
@@ -117,10 +123,43 @@ def _libc_notes(libc: Path, catalog: Catalog) -> Check:
         return Check(name, NOT_SUPPORTED, str(exc))
     ours = [s for s in sites if s.provider == "libc"]
     if not ours:
-        return Check(name, NOT_SUPPORTED, str(no_probes_error(libc)))
+        return Check(name, UNAVAILABLE, f"{no_probes_error(libc)}; the allocation functions are "
+                     "traced without them, the arena and heap events need them")  # fmt: skip
     known = sum(1 for n in {s.name for s in ours} if catalog.probe("libc", n))
     return Check(name, OK, f"{libc}: {len({s.name for s in ours})} probes at {len(ours)} sites, "
                            f"{known} in the catalog")  # fmt: skip
+
+
+def _alloc_functions(libc: Path) -> Check:
+    """The allocation functions: exported, and where each probe sits."""
+    from .allocs import plan
+
+    name = "allocation functions"
+    try:
+        chosen = plan(libc)
+    except (OSError, ValueError, MtraceError) as exc:
+        return Check(name, NOT_SUPPORTED, f"{libc}: cannot read its functions: {exc}")
+    if not chosen.sites:
+        return Check(name, NOT_SUPPORTED, f"{libc} exports none of malloc, free & co")
+    stepped = chosen.stepped
+    sites = ", ".join(f"{n}+{s.offset}" for n, s in chosen.sites.items())
+    slow = f"; single-stepped (slow): {', '.join(stepped)}" if stepped else ""
+    return Check(name, OK, f"{len(chosen.sites)} probed at {sites}{slow} "
+                           "('mtrace-live probes' shows each instruction)")  # fmt: skip
+
+
+def _debug_file(libc: Path) -> Check:
+    """Names of frames inside the libc: its own symbols, or a debug file."""
+    from mtrace_live.exporters.data.symbolize import module_symbols
+
+    name = "libc debug info"
+    symbols = module_symbols(libc)
+    if symbols.has_lines:
+        return Check(name, OK, f"functions and lines inside {libc.name} are named "
+                               f"({symbols.source})")  # fmt: skip
+    return Check(name, UNAVAILABLE, f"{libc} has no line tables or full symbol table, and no "
+                 f"debug file by build-id {symbols.build_id or '?'} was found: frames inside "
+                 "it show as addresses; install its debug package (Debian: libc6-dbg)")  # fmt: skip
 
 
 def _tracepoint(category: str, event: str, required: list[str]) -> Check:

@@ -56,6 +56,7 @@ class ModuleSymbols:
         self._places: list[str | None] = []
         self.loads: list[tuple[int, int, int]] = []  # PT_LOAD (offset, vaddr, memsz)
         self.build_id: str | None = None
+        self.debug_file: Path | None = None  # where the names or lines came from, if not path
         try:
             with open(path, "rb") as file:
                 elf = ELFFile(file)
@@ -70,7 +71,17 @@ class ModuleSymbols:
         if not self._names or not self._rows:
             for candidate in _debug_files(path, self.build_id, debuglink, debug_directories):
                 if self._read_debug_file(candidate):
+                    self.debug_file = candidate
                     break
+
+    @property
+    def has_lines(self) -> bool:
+        return bool(self._rows)
+
+    @property
+    def source(self) -> str:
+        """Where the names come from, for reading."""
+        return f"debug file {self.debug_file}" if self.debug_file else f"{self.path} itself"
 
     def _read_debug_file(self, candidate: Path) -> bool:
         try:

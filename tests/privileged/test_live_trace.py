@@ -23,7 +23,9 @@ SUMMARY = re.compile(r"events: (\d+) in the kernel, (\d+) delivered, (\d+) lost"
 
 
 def events_of(stdout: str) -> list[dict]:
-    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    """The event lines of ``-o json`` (the tables at its end left out)."""
+    lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    return [line for line in lines if "table" not in line]
 
 
 def summary_numbers(stderr: str) -> tuple[int, int, int]:

@@ -16,8 +16,10 @@ def doctor(pid: int | None, lib: Path | None) -> None:
     """Check that everything a trace of the target needs is here.
 
     One line per check, in order: privileges, kernel support, tracefs, kernel
-    headers, bcc, the target libc's SDT notes, the kmem tracepoints. Exits 0
-    only when all pass; 3 when something is not permitted; 8 when something
+    headers, bcc, the target libc's allocation functions and where each probe
+    sits, its SDT notes, its debug info, the kmem tracepoints. Exits 0 when
+    all pass ("--" marks a source that is unavailable but not needed: SDT
+    notes, debug info); 3 when something is not permitted; 8 when something
     is not supported here.
     """
     from mtrace_live.probes.catalog import load_catalog

@@ -33,7 +33,8 @@ def targets(command: str, pid: int | None, lib: Path | None, with_ld_so: bool) -
 @target_options
 @click.option("--json", "as_json", is_flag=True, help="Print the listing as JSON.")
 def probes(pid: int | None, lib: Path | None, as_json: bool) -> None:
-    """List the SDT probes of a libc (and ld.so), decoded by the catalog.
+    """List the SDT probes of a libc (and ld.so), decoded by the catalog,
+    and where each allocation function (malloc, free, ...) is probed.
 
     Each probe is shown with its sites and its arguments as
     name:type@location, and whether the catalog knows it. With --pid, the
@@ -47,16 +48,22 @@ def probes(pid: int | None, lib: Path | None, as_json: bool) -> None:
 
     catalog = load_catalog()
     libc, *others = targets("probes", pid, lib, with_ld_so=True)
-    listings = [list_file(libc, catalog)]  # a libc without probes is the error
-    bare = []  # ld.so without probes is only worth a line
-    for path in others:
+    sites = _alloc_sites(libc)
+    listings = []
+    bare = []  # files without probes are worth a line
+    for path in (libc, *others):
         try:
             listings.append(list_file(path, catalog))
-        except NoProbesError:
-            bare.append(path)
+        except NoProbesError as exc:
+            if path == libc and not sites:
+                raise  # neither probes nor allocation functions: nothing to trace
+            bare.append((path, str(exc)))
     if as_json:
         documents = [render_json(item) for item in listings]
-        documents += [{"path": str(path), "probes": [], "catalog": None} for path in bare]
+        documents += [{"path": str(path), "probes": [], "catalog": None} for path, _ in bare]
+        for document in documents:
+            if document["path"] == str(libc):
+                document["allocation_functions"] = sites
         click.echo(json.dumps(documents, indent=2))
         return
     for index, item in enumerate(listings):
@@ -64,5 +71,31 @@ def probes(pid: int | None, lib: Path | None, as_json: bool) -> None:
             click.echo()
         for line in render_text(item):
             click.echo(line)
-    for path in bare:
-        click.echo(f"\n{path}: no SDT probes")
+    for path, why in bare:
+        click.echo(f"\n{path}: no SDT probes" + (f" ({why})" if path == libc else ""))
+    if sites:
+        click.echo(f"\n{libc}: allocation functions, each probe at the first instruction the "
+                   "kernel emulates (docs/allocations.md):")  # fmt: skip
+        for site in sites:
+            where = site["seen_as"] and f"seen as {site['seen_as']}"
+            where = where or (f"{site['entry']}+{site['offset']}  {site['instruction']}  "
+                              f"({'emulated' if site['emulated'] else 'single-stepped'})")  # fmt: skip
+            click.echo(f"  {site['function']:<15} {where}")
+
+
+def _alloc_sites(libc: Path) -> list[dict[str, Any]]:
+    """Each allocation function the libc exports, and where its probe sits."""
+    from ..allocs import plan
+
+    try:
+        chosen = plan(libc)
+    except (OSError, ValueError):
+        return []
+    out: list[dict[str, Any]] = []
+    for name, site in chosen.sites.items():
+        out.append({"function": name, "entry": hex(site.entry), "offset": site.offset,
+                    "instruction": site.instruction, "emulated": site.emulated,
+                    "file_offset": site.file_offset, "seen_as": None})  # fmt: skip
+    for name, other in chosen.seen_as.items():
+        out.append({"function": name, "seen_as": other})
+    return out
