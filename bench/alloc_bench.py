@@ -122,7 +122,8 @@ def under_heaptrack(mix: bool, tmp: Path) -> Sample:
 def bpftrace_argv(pid: int) -> list[str]:
     entries = ",".join(f"uprobe:{libc()}:{f}" for f in FUNCTIONS)
     returns = ",".join(f"uretprobe:{libc()}:{f}" for f in RETURNING)
-    script = (f'BEGIN {{ printf("ready\\n"); }} {entries} /pid == $1/ {{ @calls[probe] = count(); }}'
+    script = (f'BEGIN {{ printf("ready\\n"); }} {entries} /pid == $1/ '
+              "{ @calls[probe] = count(); }"
               f" {returns} /pid == $1/ {{ @returns[probe] = count(); }}")  # fmt: skip
     return ["bpftrace", "-e", script, str(pid)]
 
@@ -146,7 +147,8 @@ def configs(mix: bool, tmp: Path, peers: dict[str, str | None]) -> dict[str, Cal
         found["bpftrace entry + return count()"] = lambda: traced(bpftrace_argv, "ready", mix, tmp)
     if peers.get("bcc memleak"):
         found["bcc memleak"] = lambda: traced(
-            lambda pid: ["memleak-bpfcc", "-p", str(pid)], "Attaching to pid", mix, tmp)  # fmt: skip
+            lambda pid: ["memleak-bpfcc", "-p", str(pid)], "Attaching to pid", mix,
+            tmp)  # fmt: skip
     if peers.get("heaptrack"):
         found["heaptrack"] = lambda: under_heaptrack(mix, tmp)
     return found
@@ -157,8 +159,8 @@ def run(tmp: Path, peers: dict[str, str | None]) -> dict[str, object]:
                               "mix_iterations": MIX_ITERATIONS}  # fmt: skip
     for name, mix in (("pairs", False), ("mix", True)):
         say(f"allocations: {name}")
-        out[name] = summarise(alternate(configs(mix, tmp, peers), REPS, ours=("mtrace-live",
-                                                                              "untraced", "floor")))  # fmt: skip
+        ours = ("mtrace-live", "untraced", "floor")
+        out[name] = summarise(alternate(configs(mix, tmp, peers), REPS, ours=ours))
     return out
 
 
@@ -194,8 +196,8 @@ def render(data: dict) -> tuple[list[str], dict[str, bool | None]]:
     for peer in ("bcc memleak", "bpftrace entry + return count()"):
         theirs = pairs.get(peer, {}).get("median_s")
         if theirs and ours:
-            verdicts[f"Allocations: at least 5x cheaper than {peer}"] = (
-                theirs - untraced >= 5 * (ours - untraced)
+            verdicts[f"Allocations: at least 5x cheaper than {peer}"] = theirs - untraced >= 5 * (
+                ours - untraced
             )
     heaptrack = pairs.get("heaptrack", {}).get("median_s")
     if heaptrack and ours:
@@ -212,4 +214,3 @@ def render(data: dict) -> tuple[list[str], dict[str, bool | None]]:
         "",
     ]
     return lines, verdicts
-

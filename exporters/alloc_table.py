@@ -128,9 +128,15 @@ def leak_lines(snapshot: AllocSnapshot, names: FrameNames, older_than_s: float =
 
 
 def summary_lines(snapshot: AllocSnapshot, names: FrameNames, command_ended: bool,
-                  leaks_older_than: float | None = None) -> list[str]:  # fmt: skip
+                  leaks_older_than: float | None = None,
+                  delivered: int | None = None) -> list[str]:  # fmt: skip
+    """``delivered``: the allocation events read from the ring, when an
+    output asked for them."""
     lines = ["", *process_lines(snapshot)]
     misc = snapshot.misc
+    if delivered is not None:
+        lines.append(f"allocation events: {delivered} delivered, {misc.get('lost_events', 0)} "
+                     "lost (the ring buffer had no room)")  # fmt: skip
     if misc.get("outstanding_full") or misc.get("stacks_full") or misc.get("lost_events"):
         lines.append(
             f"allocation tables full: {misc['outstanding_full']} allocations not tracked "

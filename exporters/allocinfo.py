@@ -26,3 +26,17 @@ def render_allocinfo(totals: KmemTotals) -> list[str]:
     for site in sorted_sites(totals.sites, "outstanding_bytes"):
         lines.append(f"{site.outstanding_bytes:12d} {site.outstanding:8d} {location(site)}")
     return lines
+
+
+def render_user_allocinfo(sites: list[tuple[int, int, str | None, str | None, str]]) -> list[str]:
+    """User-space call sites as allocinfo lines: (live bytes, live blocks,
+    file:line or None, function or None, the frame's text), most bytes
+    first. The location is file:line from the DWARF line tables, else
+    function+offset with the module."""
+    lines = []
+    for live_bytes, live, place, function, text in sorted(sites, key=lambda s: (-s[0], -s[1])):
+        if live <= 0:
+            continue
+        where = place or text
+        lines.append(f"{live_bytes:12d} {live:8d} {where} func:{function or text.split('+', 1)[0]}")
+    return lines

@@ -29,9 +29,10 @@ from mtrace_live.probes.meanings import meanings
 from mtrace_live.probes.records import KMEM_FREE_EVENTS
 
 from .data.errors import RecordSetError
+from .data.symbolize import Mapping as FileMapping
 
-ABI_VERSION = 2
-READABLE_ABI_VERSIONS = (1, 2)
+ABI_VERSION = 3
+READABLE_ABI_VERSIONS = (1, 2, 3)
 CORE_SIZE = 24
 ALLOC_SIZE = 48  # core + the allocation fields
 PROBE_SIZE = 80  # core + the probe block
@@ -53,6 +54,7 @@ class TypeId(IntEnum):
     HEAP = 4  # ABI 2: memory_heap_new / memory_heap_free
     ARENA = 5  # ABI 2: memory_arena_new
     LIBC_PROBE = 6  # ABI 2: with EventId.PROBE
+    USER = 7  # ABI 3: user-space heap blocks (malloc & co), with FeatureId.USER_CALL
 
 
 KERNEL_TYPES = (TypeId.KMALLOC, TypeId.CACHE, TypeId.PAGES)
@@ -82,6 +84,7 @@ TYPES = {
 
 class FeatureId(IntEnum):
     TASK = 1  # ABI 2: pid, tid and a CLOCK_MONOTONIC timestamp
+    USER_CALL = 2  # ABI 3: the allocation function, realloc's old pointer, the sample weight
 
 
 @functools.cache
@@ -107,6 +110,10 @@ _PROBE = [("probe", "=u2"), ("nargs", "u1"), ("reserved", "u1"), ("reserved2", "
 _TASK = [("f_size", "=u2"), ("f_id", "u1"), ("f_reserved", "u1"), ("pid", "=u4"),
          ("tid", "=u4"), ("f_reserved2", "=u4"), ("timestamp", "=u8")]  # fmt: skip
 TASK_FEATURE_SIZE = 24
+_USER = [("u_size", "=u2"), ("u_id", "u1"), ("fn", "u1"), ("u_reserved", "=u4"),
+         ("aux", "=u8"), ("weight", "=u8")]  # fmt: skip
+USER_FEATURE_SIZE = 24
+NO_FUNCTION = 0xFF  # DECODED.fn of a record that is not a user-space allocation or free
 
 ALLOC_RECORD = np.dtype(_CORE + _ALLOC)
 FREE_RECORD = np.dtype(_CORE)
@@ -114,6 +121,9 @@ PROBE_RECORD = np.dtype(_CORE + _PROBE)
 ALLOC_TASK_RECORD = np.dtype(_CORE + _ALLOC + _TASK)
 FREE_TASK_RECORD = np.dtype(_CORE + _TASK)
 PROBE_TASK_RECORD = np.dtype(_CORE + _PROBE + _TASK)
+USER_ALLOC_RECORD = np.dtype(_CORE + _ALLOC + _TASK + _USER)
+USER_FREE_RECORD = np.dtype(_CORE + _TASK + _USER)
+assert (USER_ALLOC_RECORD.itemsize, USER_FREE_RECORD.itemsize) == (96, 72)
 assert (FREE_RECORD.itemsize, ALLOC_RECORD.itemsize, PROBE_RECORD.itemsize) == (24, 48, 80)
 assert PROBE_TASK_RECORD.itemsize == PROBE_SIZE + TASK_FEATURE_SIZE
 
@@ -124,6 +134,7 @@ CPUS_FILE = "cpus"  # ABI 2: the cpuN files written, "0-1"
 KALLSYMS_FILE = "kallsyms"  # ABI 2: /proc/kallsyms at record time
 PROBES_FILE = "libc_probes"  # ABI 2: probe names, line i = probe number i
 NODES_FILE = "cpu_nodes"  # ABI 2: "cpu node" per line
+USER_MAPS_FILE = "user_maps"  # ABI 3: "pid start end offset path" of the traced processes
 
 
 def possible_cpus() -> list[int]:
@@ -214,13 +225,18 @@ def encode(
     kmem_kind: int,
     probe_kind: int,
     page_shift: int = 12,
+    user_kinds: tuple[int, int] | None = None,
 ) -> Encoded:
     """Turn ring events (probes/records.py: EVENT_DTYPE) into kmemtrace records.
 
     Sequence numbers follow the rows' order, which is the order the kernel
     reserved them in mtrace-live's single ring buffer: one total order across
-    CPUs. ``kmem_kind`` and ``probe_kind`` are EventKind values."""
-    rows = batch[(batch["kind"] == kmem_kind) | (batch["kind"] == probe_kind)]
+    CPUs. ``kmem_kind`` and ``probe_kind`` are EventKind values, and so are
+    ``user_kinds``: (allocation, free) of the allocation functions."""
+    wanted = (batch["kind"] == kmem_kind) | (batch["kind"] == probe_kind)
+    if user_kinds is not None:
+        wanted |= (batch["kind"] == user_kinds[0]) | (batch["kind"] == user_kinds[1])
+    rows = batch[wanted]
     n = len(rows)
     if n == 0:
         return Encoded({}, 0, seq)
@@ -249,7 +265,15 @@ def encode(
     gfp[kmem] = args[kmem, 3].astype(np.uint32)
     target[kmem] = args[kmem, 4].astype(np.int64).astype(np.int32)
 
-    libc = ~kmem
+    user = np.zeros(n, dtype=bool)
+    if user_kinds is not None:
+        user_alloc = rows["kind"] == user_kinds[0]
+        user = user_alloc | (rows["kind"] == user_kinds[1])
+        event_id[user] = np.where(user_alloc[user], EventId.ALLOC, EventId.FREE)
+        type_id[user] = TypeId.USER
+        ptr[user] = args[user, 0]
+        req[user_alloc] = alloc[user_alloc] = args[user_alloc, 1]
+    libc = ~kmem & ~user
     for table, eid in (
         (libc_records("alloc"), EventId.ALLOC),
         (libc_records("free"), EventId.FREE),
@@ -266,12 +290,14 @@ def encode(
 
     out = np.zeros((n, PROBE_TASK_RECORD.itemsize), dtype=np.uint8)
     sizes = np.empty(n, dtype=np.int64)
-    for eid, dtype in (
-        (EventId.ALLOC, ALLOC_TASK_RECORD),
-        (EventId.FREE, FREE_TASK_RECORD),
-        (EventId.PROBE, PROBE_TASK_RECORD),
+    for eid, dtype, of_user in (
+        (EventId.ALLOC, ALLOC_TASK_RECORD, False),
+        (EventId.FREE, FREE_TASK_RECORD, False),
+        (EventId.PROBE, PROBE_TASK_RECORD, False),
+        (EventId.ALLOC, USER_ALLOC_RECORD, True),
+        (EventId.FREE, USER_FREE_RECORD, True),
     ):
-        pick = np.flatnonzero(event_id == eid)
+        pick = np.flatnonzero((event_id == eid) & (user == of_user))
         if len(pick) == 0:
             continue
         rec = np.zeros(len(pick), dtype=dtype)
@@ -295,6 +321,12 @@ def encode(
         rec["pid"] = rows["tgid"][pick]
         rec["tid"] = rows["tid"][pick]
         rec["timestamp"] = rows["ts"][pick]
+        if of_user:
+            rec["u_size"] = USER_FEATURE_SIZE
+            rec["u_id"] = FeatureId.USER_CALL
+            rec["fn"] = rows["probe"][pick]
+            rec["aux"] = args[pick, 2] if eid == EventId.ALLOC else 0
+            rec["weight"] = args[pick, 3]
         out[pick, : dtype.itemsize] = rec.view(np.uint8).reshape(len(pick), dtype.itemsize)
         sizes[pick] = dtype.itemsize
 
@@ -349,18 +381,23 @@ class KmemtraceWriter:
         except OSError as exc:
             raise RecordSetError(f"cannot write the record set {directory}: {exc}") from None
 
-    def write(self, batch: np.ndarray, kmem_kind: int, probe_kind: int) -> None:
-        encoded = encode(batch, self._seq, self.libc_probes, kmem_kind, probe_kind)
+    def write(self, batch: np.ndarray, kmem_kind: int, probe_kind: int,
+              user_kinds: tuple[int, int] | None = None) -> None:  # fmt: skip
+        encoded = encode(batch, self._seq, self.libc_probes, kmem_kind, probe_kind,
+                         user_kinds=user_kinds)  # fmt: skip
         self._seq = encoded.next_seq
         self.records += encoded.records
         for cpu, data in encoded.per_cpu.items():
             self._files[cpu].write(data)
             self.bytes += len(data)
 
-    def close(self, overrun_bytes: int) -> None:
+    def close(self, overrun_bytes: int, user_maps: str = "") -> None:
+        """``user_maps``: the traced processes' executable mappings, as
+        ``pid start end offset path`` lines, for naming user call sites."""
         for handle in self._files.values():
             handle.close()
         (self.directory / OVERRUNS_FILE).write_text(f"{overrun_bytes}\n")
+        (self.directory / USER_MAPS_FILE).write_text(user_maps)
 
 
 # ---- reading ----------------------------------------------------------------
@@ -383,7 +420,9 @@ DECODED = np.dtype(
         ("event_id", "u1"),
         ("type_id", "u1"),
         ("has_task", "u1"),
-        ("pad", "u1"),
+        ("fn", "u1"),  # ABI 3: the allocation function (enum alloc_fn), NO_FUNCTION otherwise
+        ("aux", "<u8"),  # ABI 3: realloc's old pointer, the alignment
+        ("weight", "<u8"),  # ABI 3: bytes a sampled allocation stands for
     ]
 )
 
@@ -407,6 +446,7 @@ class RecordSet:
     total_overruns: int | None = None
     libc_probes: list[str] = field(default_factory=list)
     kallsyms: str | None = None
+    user_maps: str = ""  # ABI 3: the traced processes' mappings at record time
     cpu_nodes: dict[int, int] = field(default_factory=dict)
     bytes_read: int = 0
     _ordered: np.ndarray | None = None
@@ -609,7 +649,25 @@ def read_record_set(path: Path, big_endian: bool | None = None) -> RecordSet:
         kallsyms=_read_text(directory / KALLSYMS_FILE, MAX_KALLSYMS_BYTES),
         cpu_nodes=nodes,
         bytes_read=total_bytes,
+        user_maps=_read_text(directory / USER_MAPS_FILE, MAX_KALLSYMS_BYTES) or "",
     )
+
+
+def parse_user_maps(text: str) -> dict[int, list[FileMapping]]:
+    """user_maps back into mappings by pid; malformed lines are left out."""
+    found: dict[int, list[FileMapping]] = {}
+    for line in text.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) != 6 or fields[4] not in ("x", "-"):
+            continue
+        try:
+            pid, start, end, offset = int(fields[0]), *(int(f, 16) for f in fields[1:4])
+        except ValueError:
+            continue
+        found.setdefault(pid, []).append(
+            FileMapping(start, end, offset, fields[5], fields[4] == "x")
+        )
+    return found
 
 
 _CPU_NODE = re.compile(r"([0-9]{1,5}) ([0-9]{1,5})")

@@ -96,7 +96,7 @@ def scan(buf, big, cpu, out, args, skipped):
             skipped[0] += 1
             o += size
             continue
-        if (eid < 2 and tid > 5) or (eid == 2 and tid != 6):
+        if (eid < 2 and tid > 5 and tid != 7) or (eid == 2 and tid != 6):
             skipped[1] += 1
             o += size
             continue
@@ -124,6 +124,9 @@ def scan(buf, big, cpu, out, args, skipped):
         r.pid = 0
         r.tid = 0
         r.timestamp = 0
+        r.fn = 255
+        r.aux = 0
+        r.weight = 0
         body = 24
         if eid == 0:
             r.bytes_req = uint(buf, o + 24, 8, big)
@@ -149,6 +152,10 @@ def scan(buf, big, cpu, out, args, skipped):
                 r.pid = np.uint32(uint(buf, f + 4, 4, big))
                 r.tid = np.uint32(uint(buf, f + 8, 4, big))
                 r.timestamp = uint(buf, f + 16, 8, big)
+            elif buf[f + 2] == 2 and fsize >= 24:
+                r.fn = buf[f + 3]
+                r.aux = uint(buf, f + 8, 8, big)
+                r.weight = uint(buf, f + 16, 8, big)
             f += fsize
         k += 1
         o += size

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from mtrace_live.probes.records import EventKind
 
+from .data.allocations import FrameNames
 from .data.kallsyms import saved_text
 from .data.sink import EventBatch, Sink, TraceInfo, TraceResult
 from .kmemtrace import (
@@ -32,7 +33,8 @@ class KmemtraceSink(Sink):
 
     def consume(self, batch: EventBatch) -> None:
         if self.writer is not None:
-            self.writer.write(batch.records, EventKind.KMEM, EventKind.PROBE)
+            self.writer.write(batch.records, EventKind.KMEM, EventKind.PROBE,
+                              (EventKind.ALLOC, EventKind.FREE))  # fmt: skip
 
     def finish(self, result: TraceResult) -> None:
         """Closes the set, its total_overruns the bytes of the records the
@@ -49,5 +51,20 @@ class KmemtraceSink(Sink):
             kmem.records_written = self.writer.records
             kmem.directory = self.directory
             kmem.overrun_bytes = lost
-        self.writer.close(lost)
+        if result.allocations is not None:  # the processes still running: their maps now
+            for proc in result.allocations.processes:
+                if proc.tgid not in result.frame_names.symbols:
+                    result.frame_names.remember(proc.tgid)
+        self.writer.close(lost, user_maps_text(result.frame_names))
         self.writer = None
+
+
+def user_maps_text(names: FrameNames) -> str:
+    """``pid start end offset x|- path`` per file mapping of each process
+    whose frames were named (read while it ran, or as it exited); x marks
+    the executable ones."""
+    lines = []
+    for tgid, symbols in sorted(names.symbols.items()):
+        lines += [f"{tgid} {m.start:#x} {m.end:#x} {m.offset:#x} {'x' if m.executable else '-'} "
+                  f"{m.path}" for m in symbols.file_mappings]  # fmt: skip
+    return "".join(f"{line}\n" for line in lines)

@@ -59,7 +59,7 @@ FILE_OUTPUTS = (
     FileOutput("kmemtrace", "DIR",
                "Write kmemtrace records (kernel and libc events) to this new directory.",
                "mtrace_live.exporters.kmemtrace_sink:KmemtraceSink",
-               directory=True, kmem=True, kernel_records=True),
+               directory=True, kmem=True, kernel_records=True, alloc_records=True),
     FileOutput("sp-rtrace", "FILE",
                "Write the allocation events to this file as an sp-rtrace text report.",
                "mtrace_live.exporters.sprtrace_writer:SpRtraceSink", kernel_records=True),

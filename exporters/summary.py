@@ -78,8 +78,9 @@ def summary_lines(result: TraceResult) -> list[str]:
     if result.allocations is not None:
         command_ended = result.exit_code is not None or result.ended_by == "exit"
         lines += alloc_table.summary_lines(
-            result.allocations, result.frame_names, command_ended, result.leaks_older_than
-        )
+            result.allocations, result.frame_names, command_ended, result.leaks_older_than,
+            result.alloc_delivered if result.alloc_delivered else None,
+        )  # fmt: skip
     return lines
 
 

@@ -23,7 +23,9 @@ from mtrace_live.exporters.data.allocations import (
     ProcessAllocs,
     StackRow,
 )
-from mtrace_live.exporters.data.errors import NoProbesError
+from elftools.common.exceptions import ELFError
+from elftools.construct import ConstructError
+from mtrace_live.exporters.data.errors import NoProbesError, NotElfError
 from mtrace_live.probes.alloc_sites import AllocSite, alloc_sites
 from mtrace_live.probes.records import (
     ALLOC_FN_NAMES,
@@ -77,6 +79,15 @@ class AllocPlan:
 
 
 def plan(libc: Path) -> AllocPlan:
+    """The sites to attach in ``libc``; NotElfError (exit 9) for a file that
+    is not a readable ELF file."""
+    try:
+        return _plan(libc)
+    except (ELFError, ConstructError, ValueError, IndexError, KeyError) as exc:
+        raise NotElfError(f"{libc}: not a readable ELF file ({exc})") from None
+
+
+def _plan(libc: Path) -> AllocPlan:
     found = alloc_sites(libc)
     sites: dict[str, AllocSite] = {}
     seen_as: dict[str, str] = {}

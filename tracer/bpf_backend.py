@@ -177,6 +177,8 @@ class BpfProgram:
         got = self._read_all(table)
         if got is not None:
             _, keys, values = got
+            if len(keys) == 0:
+                return np.zeros(0, dtype=keys_dt), np.zeros(0, dtype=values_dt)
             raw_values = values.reshape(len(values), -1).tobytes()
             return (np.frombuffer(keys.tobytes(), dtype=keys_dt),
                     np.frombuffer(raw_values, dtype=values_dt))  # fmt: skip

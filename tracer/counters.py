@@ -46,6 +46,7 @@ class BpfCounters:
         self.stats_fd = stats_fd  # held while run time is counted (serve --bpf-stats)
         self.delivered = 0
         self.kmem_delivered = 0
+        self.alloc_delivered = 0  # allocation and free events read from the ring
         self.sample_bytes = sample_bytes
         self.frame_names = frame_names or FrameNames()
         self.started_ns = time.monotonic_ns()

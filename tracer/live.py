@@ -321,6 +321,10 @@ class LiveTrace:
             if self.hold:
                 self._continue_held(records[kinds == EventKind.HELD])
             self.counters.delivered += int(np.count_nonzero(kinds == EventKind.PROBE))
+            if self.alloc_plan is not None:
+                self.counters.alloc_delivered += int(
+                    np.count_nonzero((kinds == EventKind.ALLOC) | (kinds == EventKind.FREE))
+                )
             libc = records
             if self.kmem:
                 kmem_rows = kinds == EventKind.KMEM
@@ -372,6 +376,7 @@ class LiveTrace:
             else None,
             frame_names=self.frame_names,
             leaks_older_than=self.request.leaks_older_than,
+            alloc_delivered=self.counters.alloc_delivered,
         )
 
     def close(self) -> None:

@@ -9,12 +9,22 @@ looked for.
 from __future__ import annotations
 
 import mmap
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
+from mtrace_live.exporters.data.allocations import AllocSnapshot, FrameNames, StackRow, frame_text
 from mtrace_live.exporters.data.kallsyms import KernelSymbols
 from mtrace_live.exporters.data.kmem import CallSite, KmemTotals, name_sites
-from mtrace_live.exporters.kmemtrace import KERNEL_TYPES, EventId, RecordSet, TypeId
+from mtrace_live.exporters.data.symbolize import ProcessSymbols
+from mtrace_live.exporters.kmemtrace import (
+    KERNEL_TYPES,
+    EventId,
+    RecordSet,
+    TypeId,
+    parse_user_maps,
+)
+from mtrace_live.probes.records import ALLOC_FN_NAMES
 
 PAGE_SIZE = mmap.PAGESIZE  # of the recording machine, assumed the same
 
@@ -34,6 +44,36 @@ class Findings:
 
 
 @dataclass
+class UserSite:
+    """One user-space call site (process, allocating function, return address)."""
+
+    pid: int
+    function: str
+    call_site: int
+    allocs: int = 0
+    bytes: int = 0
+    frees: int = 0
+    bytes_freed: int = 0
+    name: str = ""  # function+0xoff (file:line), or the address and its module
+    location: str | None = None  # file:line
+    symbol: str | None = None  # the function holding the call site
+
+    @property
+    def live(self) -> int:
+        return self.allocs - self.frees
+
+    @property
+    def live_bytes(self) -> int:
+        return self.bytes - self.bytes_freed
+
+    def as_json(self) -> dict[str, object]:
+        return {"pid": self.pid, "allocator": self.function, "call_site": hex(self.call_site),
+                "name": self.name, "allocs": self.allocs, "bytes": self.bytes,
+                "frees": self.frees, "bytes_freed": self.bytes_freed, "live": self.live,
+                "live_bytes": self.live_bytes}  # fmt: skip
+
+
+@dataclass
 class Report:
     records: RecordSet
     kernel: KmemTotals
@@ -42,6 +82,8 @@ class Report:
     cross_node_allocs: int
     libc: dict[str, dict[str, int]] = field(default_factory=dict)
     probe_hits: dict[str, int] = field(default_factory=dict)
+    user: list[UserSite] = field(default_factory=list)  # ABI 3: the allocation functions
+    user_unknown_frees: int = 0
 
     def as_json(self) -> dict[str, object]:
         rs = self.records
@@ -58,6 +100,8 @@ class Report:
             "cross_cpu": {"frees": self.cross_cpu_frees, "node_allocs": self.cross_node_allocs},
             "libc": self.libc,
             "libc_probes": self.probe_hits,
+            "user": [entry.as_json() for entry in self.user],
+            "user_unknown_frees": self.user_unknown_frees,
         }
 
 
@@ -181,7 +225,82 @@ def analyse(rs: RecordSet, symbols: KernelSymbols | None = None) -> Report:
         cross_node_allocs=int(np.count_nonzero(cross_node)),
         libc=_libc_totals(recs),
         probe_hits=_probe_hits(rs),
+        **_user_sites(rs),
     )
+
+
+def _user_sites(rs: RecordSet) -> dict[str, Any]:
+    """Allocations and frees of the allocation functions (type USER), per
+    (process, function, call site); frees matched by (process, pointer) in
+    sequence order, at their allocation's site. Named through the mappings
+    saved with the records (user_maps)."""
+    recs = rs.unordered
+    user = recs[(recs["type_id"] == TypeId.USER) & (recs["event_id"] <= EventId.FREE)]
+    if len(user) == 0:
+        return {}
+    u = user[np.lexsort((user["seq"], user["ptr"], user["pid"]))]
+    is_alloc = u["event_id"] == EventId.ALLOC
+    same = np.zeros(len(u), dtype=bool)
+    same[1:] = (u["ptr"][1:] == u["ptr"][:-1]) & (u["pid"][1:] == u["pid"][:-1])
+    prev_alloc = np.zeros(len(u), dtype=bool)
+    prev_alloc[1:] = is_alloc[:-1]
+    matched = ~is_alloc & same & prev_alloc & (u["ptr"] != 0)
+    alloc_of = np.flatnonzero(matched) - 1
+    sites: dict[tuple[int, int, int], UserSite] = {}
+
+    def site(pid: int, fn: int, call_site: int) -> UserSite:
+        key = (pid, fn, call_site)
+        found = sites.get(key)
+        if found is None:
+            name = ALLOC_FN_NAMES[fn] if fn < len(ALLOC_FN_NAMES) else f"fn{fn}"
+            found = sites[key] = UserSite(pid, name, call_site)
+        return found
+
+    allocs = u[is_alloc]
+    for pid, fn, call_site, size in zip(allocs["pid"].tolist(), allocs["fn"].tolist(),
+                                        allocs["call_site"].tolist(),
+                                        allocs["bytes_req"].tolist(), strict=True):  # fmt: skip
+        entry = site(pid, fn, call_site)
+        entry.allocs += 1
+        entry.bytes += size
+    freed = u[alloc_of]
+    for pid, fn, call_site, size in zip(freed["pid"].tolist(), freed["fn"].tolist(),
+                                        freed["call_site"].tolist(),
+                                        freed["bytes_req"].tolist(), strict=True):  # fmt: skip
+        entry = site(pid, fn, call_site)
+        entry.frees += 1
+        entry.bytes_freed += size
+    unknown = int(np.count_nonzero(~is_alloc & ~matched & (u["ptr"] != 0)))
+    maps = parse_user_maps(rs.user_maps)
+    names = {
+        pid: ProcessSymbols(pid, saved=maps[pid]) for pid in {k[0] for k in sites} if pid in maps
+    }
+    for entry in sites.values():
+        symbols = names.get(entry.pid)
+        symbol = symbols.resolve(entry.call_site - 1) if symbols is not None else None
+        if symbol is not None and symbol.function is not None:
+            symbol = replace(symbol, offset=symbol.offset + 1)
+        entry.name = frame_text(entry.call_site, symbol)
+        entry.location = symbol.location if symbol is not None else None
+        entry.symbol = symbol.function if symbol is not None else None
+    ordered = sorted(sites.values(), key=lambda s: (-s.live_bytes, -s.bytes))
+    return {"user": ordered, "user_unknown_frees": unknown}
+
+
+def user_snapshot(report: Report) -> tuple[AllocSnapshot, FrameNames]:
+    """The user-space call sites as an allocation snapshot (one frame per
+    row: records carry the call site, not the stack), with names from the
+    saved mappings: for the pprof and folded formats."""
+    rows = tuple(
+        StackRow(s.pid, s.function, s.call_site, (s.call_site,), s.allocs, s.bytes, s.bytes,
+                 s.frees, s.bytes_freed, s.bytes_freed, 0)
+        for s in report.user
+    )  # fmt: skip
+    snapshot = AllocSnapshot(rows, (), {}, {}, 0, 0, 0)
+    names = FrameNames(live=False)
+    for pid, mappings in parse_user_maps(report.records.user_maps).items():
+        names.symbols[pid] = ProcessSymbols(pid, saved=mappings)
+    return snapshot, names
 
 
 def _libc_totals(recs: np.ndarray) -> dict[str, dict[str, int]]:
@@ -241,4 +360,13 @@ def render_text(report: Report, limit: int | None, sort: str) -> list[str]:
     if report.probe_hits:
         lines.append("libc probes: " + ", ".join(f"{name} {n}" for name, n in
                                                   sorted(report.probe_hits.items())))  # fmt: skip
+    if report.user:
+        lines += ["", "user-space call sites (the allocation functions; frees matched by "
+                  f"process and pointer; {report.user_unknown_frees} frees of unknown pointers):",
+                  f"{'live bytes':>12} {'live':>8} {'allocs':>8} {'bytes':>12} {'frees':>8} "
+                  f"{'pid':>7} {'function':<14} call site"]  # fmt: skip
+        for entry in report.user[:limit] if limit else report.user:
+            lines.append(f"{entry.live_bytes:>12} {entry.live:>8} {entry.allocs:>8} "
+                         f"{entry.bytes:>12} {entry.frees:>8} {entry.pid:>7} "
+                         f"{entry.function:<14} {entry.name}")  # fmt: skip
     return lines

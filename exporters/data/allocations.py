@@ -147,9 +147,13 @@ class FrameNames:
 
     symbols: dict[int, ProcessSymbols] = field(default_factory=dict)
     comms: dict[int, str] = field(default_factory=dict)  # process names, read with the maps
+    live: bool = True  # False: the maps given are all there is (a record set's), read no others
     _names: dict[tuple[int, int], Symbol | None] = field(default_factory=dict)
 
     def remember(self, tgid: int) -> None:
+        if not self.live:
+            self.symbols.setdefault(tgid, ProcessSymbols(tgid, saved=[]))
+            return
         fresh = ProcessSymbols(tgid)
         if fresh.mappings or tgid not in self.symbols:
             self.symbols[tgid] = fresh

@@ -187,6 +187,7 @@ class TraceResult:
     allocations: AllocSnapshot | None = None  # the allocation functions' tables at the end
     frame_names: FrameNames = field(default_factory=FrameNames)  # names the stacks' frames
     leaks_older_than: float | None = None
+    alloc_delivered: int = 0  # allocation and free events read from the ring
 
     @property
     def total_hits(self) -> int:

@@ -231,27 +231,36 @@ class Mapping:
     end: int
     offset: int
     path: str  # as the process sees it
+    executable: bool = True
 
 
 class ProcessSymbols:
     """Symbolizes addresses of one process (a snapshot of its maps)."""
 
-    def __init__(self, pid: int, debug_directories: Sequence[Path] = DEBUG_DIRECTORIES) -> None:
+    def __init__(self, pid: int, debug_directories: Sequence[Path] = DEBUG_DIRECTORIES,
+                 saved: Sequence[Mapping] | None = None) -> None:  # fmt: skip
+        """``saved``: the file mappings as recorded (a record set's
+        user_maps), instead of reading /proc/PID/maps."""
         self.pid = pid
         self.debug_directories = debug_directories
         self.root = Path(f"/proc/{pid}/root")
         self.mappings: list[Mapping] = []
+        self._file_maps: list[Mapping] = []  # every mapping of a file, executable or not
+        if saved is not None:
+            self._file_maps = list(saved)
+            self.mappings = sorted((m for m in saved if m.executable), key=lambda m: m.start)
+            self._starts = [m.start for m in self.mappings]
+            return
         try:
             text = Path(f"/proc/{pid}/maps").read_text(encoding="utf-8", errors="replace")
         except OSError:
             text = ""
-        self._file_maps: list[Mapping] = []  # every mapping of a file, executable or not
         for line in text.splitlines():
             fields = line.split(maxsplit=5)
             if len(fields) < 6 or not fields[5].startswith("/"):
                 continue
             start, end = (int(part, 16) for part in fields[0].split("-"))
-            mapping = Mapping(start, end, int(fields[2], 16), fields[5])
+            mapping = Mapping(start, end, int(fields[2], 16), fields[5], "x" in fields[1])
             self._file_maps.append(mapping)
             if "x" in fields[1]:
                 self.mappings.append(mapping)
@@ -259,6 +268,12 @@ class ProcessSymbols:
 
     def modules(self) -> list[Mapping]:
         return list(self.mappings)
+
+    @property
+    def file_mappings(self) -> list[Mapping]:
+        """Every mapping of a file, executable or not (a module's load base
+        is its lowest)."""
+        return list(self._file_maps)
 
     def resolve(self, address: int) -> Symbol | None:
         index = bisect.bisect_right(self._starts, address) - 1

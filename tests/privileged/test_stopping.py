@@ -32,6 +32,18 @@ def start_when_ready(argv: list[str], reaper: Reaper, needle: str) -> subprocess
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def programs_unloaded(before: set[int]) -> bool:
+    """No program but those loaded before is left, within a minute (a guard
+    against a leak, not a measure): the kernel frees a program once its
+    last perf event is gone, which under a busy uprobe load can lag the
+    detacher's exit by seconds."""
+    for _ in range(600):
+        if set(bpf_syscalls.program_ids()) <= before:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def test_record_stops_with_every_record_written_and_detaches(
     sdt: SdtGlibc, tmp_path: Path, sig: signal.Signals
 ) -> None:
@@ -59,7 +71,7 @@ def test_record_stops_with_every_record_written_and_detaches(
     assert not records.damage
     # AND once the detacher is done, none of its programs is left loaded
     wait_for_detach()
-    assert set(bpf_syscalls.program_ids()) <= before
+    assert programs_unloaded(before)
 
 
 def test_a_live_trace_and_serve_stop_on_sigterm_and_detach(sdt: SdtGlibc, tmp_path: Path) -> None:
@@ -88,8 +100,10 @@ def test_a_live_trace_and_serve_stop_on_sigterm_and_detach(sdt: SdtGlibc, tmp_pa
     assert serve.returncode == 0, serve_err
     assert "Traceback" not in trace_err + serve_err
     delivered = re.search(r"events: \d+ in the kernel, (\d+) delivered", trace_err)
-    assert delivered is not None, trace_err
-    assert len(lines.splitlines()) == int(delivered[1])
+    allocations = re.search(r"allocation events: (\d+) delivered", trace_err)
+    assert delivered is not None and allocations is not None, trace_err
+    tables = sum(1 for line in lines.splitlines() if line.startswith('{"table":'))
+    assert len(lines.splitlines()) == int(delivered[1]) + int(allocations[1]) + tables
     # AND their programs go away
     wait_for_detach()
-    assert set(bpf_syscalls.program_ids()) <= before
+    assert programs_unloaded(before)

@@ -49,9 +49,10 @@ def test_workload_times_are_read_from_their_last_number_line() -> None:
 
 
 def test_missing_peers_are_named_not_fatal(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("PATH", str(tmp_path))  # no bpftrace, trace-bpfcc or perf here
+    monkeypatch.setenv("PATH", str(tmp_path))  # no peer here
     found = common.peer_versions()
-    assert found == {"bpftrace": None, "bcc trace": None, "perf": None}
+    assert found == {"bpftrace": None, "bcc trace": None, "perf": None, "bcc memleak": None,
+                     "heaptrack": None}  # fmt: skip
 
 
 def minimal_results(peers: dict[str, str | None]) -> dict[str, object]:
@@ -113,7 +114,7 @@ def test_unknown_sections_and_arguments_are_refused() -> None:
     assert unknown.returncode == 2
     assert unknown.stderr.strip().splitlines() == [
         "mtrace-live bench: unknown section 'nonsense'; sections: usdt, kmem, events, scrape, "
-        "cost, rates"
+        "cost, rates, allocs"
     ]
     bogus = bench("--bogus")
     assert bogus.returncode == 2

@@ -79,18 +79,20 @@ def probes(pid: int | None, lib: Path | None, as_json: bool) -> None:
         for site in sites:
             where = site["seen_as"] and f"seen as {site['seen_as']}"
             where = where or (f"{site['entry']}+{site['offset']}  {site['instruction']}  "
-                              f"({'emulated' if site['emulated'] else 'single-stepped'})")  # fmt: skip
+                              f"({'emulated' if site['emulated'] else 'stepped'})")  # fmt: skip
             click.echo(f"  {site['function']:<15} {where}")
 
 
 def _alloc_sites(libc: Path) -> list[dict[str, Any]]:
     """Each allocation function the libc exports, and where its probe sits."""
+    from mtrace_live.exporters.data.errors import MtraceError
+
     from ..allocs import plan
 
     try:
         chosen = plan(libc)
-    except (OSError, ValueError):
-        return []
+    except (OSError, MtraceError):
+        return []  # the SDT listing says what is wrong with the file
     out: list[dict[str, Any]] = []
     for name, site in chosen.sites.items():
         out.append({"function": name, "entry": hex(site.entry), "offset": site.offset,

@@ -14,11 +14,12 @@ import click
     "--format",
     "-f",
     "fmt",
-    type=click.Choice(["table", "allocinfo", "json"]),
+    type=click.Choice(["table", "allocinfo", "json", "pprof", "folded"]),
     default="table",
     show_default=True,
     help="table: per call site, kmemtrace-report style; allocinfo: /proc/allocinfo lines; "
-    "json: everything.",
+    "json: everything; pprof: the user-space allocations as a gzipped pprof profile on "
+    "standard output; folded: the same as folded stacks (live bytes) for flame graphs.",
 )
 @click.option(
     "--sort",
@@ -60,7 +61,28 @@ def report(source: Path, fmt: str, sort: str, limit: int, kallsyms: Path | None)
     if fmt == "json":
         click.echo(json.dumps(result.as_json(), indent=2))
     elif fmt == "allocinfo":
-        click.echo("\n".join(render_allocinfo(result.kernel)))
+        from mtrace_live.exporters.allocinfo import render_user_allocinfo
+
+        user = [(s.live_bytes, s.live, s.location, s.symbol, s.name) for s in result.user]
+        click.echo("\n".join([*render_allocinfo(result.kernel), *render_user_allocinfo(user)]))
+    elif fmt in ("pprof", "folded"):
+        from ..report import user_snapshot
+
+        snapshot, names = user_snapshot(result)
+        if fmt == "folded":
+            from mtrace_live.exporters.folded import folded_lines
+
+            lines = folded_lines(snapshot, names)
+            click.echo("\n".join(lines), nl=bool(lines))
+        else:
+            import gzip
+            import sys
+
+            from mtrace_live.exporters.pprof import build_profile
+
+            profile = build_profile(snapshot, names, comments=[f"mtrace-live report {source}"])
+            sys.stdout.buffer.write(gzip.compress(profile.SerializeToString(), mtime=0))
+            sys.stdout.buffer.flush()
     else:
         keys = {"bytes": "bytes_alloc", "calls": "allocs", "fragmentation": "fragmentation",
                 "live": "outstanding_bytes"}  # fmt: skip

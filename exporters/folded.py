@@ -1,0 +1,25 @@
+"""Allocations as folded stacks (``report --format folded``): one line per
+stack, its frames from the outermost caller to the call site separated by
+``;``, then a space and a value, the input of flamegraph.pl, inferno and
+speedscope. The value is the live bytes (``inuse_space``) or the bytes
+allocated (``alloc_space``)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from .data.allocations import AllocSnapshot, FrameNames, function_name
+
+
+def folded_lines(
+    snapshot: AllocSnapshot, names: FrameNames, value: str = "inuse_space"
+) -> list[str]:
+    totals: Counter[str] = Counter()
+    for row in snapshot.stacks:
+        amount = row.live_bytes if value == "inuse_space" else row.bytes
+        if amount <= 0:
+            continue
+        frames = [function_name(names.resolve(row.tgid, a), a) for a in reversed(row.frames)]
+        key = ";".join(f.replace(";", ":").replace(" ", "_") for f in frames)
+        totals[key] += amount
+    return [f"{stack} {amount}" for stack, amount in sorted(totals.items())]
