@@ -17,14 +17,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from elftools.common.exceptions import ELFError
+from elftools.construct import ConstructError
 from mtrace_live.exporters.data.allocations import (
     AllocSnapshot,
     Outstanding,
     ProcessAllocs,
     StackRow,
 )
-from elftools.common.exceptions import ELFError
-from elftools.construct import ConstructError
 from mtrace_live.exporters.data.errors import NoProbesError, NotElfError
 from mtrace_live.probes.alloc_sites import AllocSite, alloc_sites
 from mtrace_live.probes.records import (

@@ -140,7 +140,8 @@ def test_round_trip_reads_back_every_record_in_sequence_order(tmp_path: Path) ->
     assert recs["ptr"][3] == 0xFFFF888000000040
     assert len(rs.args) == 80 and rs.args[1, :2].tolist() == [1, 2]  # the probe records, in order
     assert (recs["pid"] == 4242).all() and (recs["timestamp"] == 123456789).all()
-    assert rs.abi_version == ABI_VERSION and rs.total_overruns == 48 and rs.libc_probes == LIBC_PROBES
+    assert rs.abi_version == ABI_VERSION and rs.total_overruns == 48
+    assert rs.libc_probes == LIBC_PROBES
     assert rs.kallsyms and "some_function" in rs.kallsyms
     assert not rs.damage and not rs.skipped
 
