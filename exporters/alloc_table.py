@@ -3,7 +3,7 @@ view and ``--leaks-older-than``."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .data.allocations import AllocSnapshot, FrameNames, Outstanding, StackRow, function_name
@@ -51,7 +51,21 @@ def process_lines(snapshot: AllocSnapshot) -> list[str]:
             f"live {size_text(nbytes)} in {blocks} blocks"
             + (" (estimated from samples)" if snapshot.sample_bytes else "")
         )
+        vm = snapshot.vm.get(proc.tgid)
+        if vm:
+            lines.append(f"  outside malloc: {vm_text(vm)}")
     return lines
+
+
+def vm_text(vm: Mapping[str, int]) -> str:
+    """mmap, munmap, mremap and brk of one process, for reading."""
+    return (
+        f"mmap {vm['mmap_calls']} calls ({size_text(vm['mmap_bytes'])} anonymous, "
+        f"{size_text(vm['mmap_file_bytes'])} of files), munmap {vm['munmap_calls']} "
+        f"({size_text(vm['munmap_bytes'])}), mremap {vm['mremap_calls']} "
+        f"(+{size_text(vm['mremap_grown'])} -{size_text(vm['mremap_shrunk'])}), brk "
+        f"{vm['brk_calls']} (+{size_text(vm['brk_grown'])} -{size_text(vm['brk_shrunk'])})"
+    )
 
 
 def _live_by_process(rows: Iterable[StackRow]) -> dict[int, tuple[int, int]]:

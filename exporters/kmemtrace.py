@@ -79,6 +79,8 @@ TYPES = {
                           "memory_sbrk_less"),
     TypeId.HEAP: TypeInfo("heap", "mmapped malloc heaps", "memory_heap_new", "memory_heap_free"),
     TypeId.ARENA: TypeInfo("arena", "malloc arenas", "memory_arena_new", "memory_arena_free", True),
+    # sp-rtrace's own name for heap blocks; the function is each record's own
+    TypeId.USER: TypeInfo("memory", "memory allocation in bytes", "malloc", "free"),
 }  # fmt: skip
 
 
@@ -476,12 +478,13 @@ def _scan_file(
 
 
 def decode_batch(
-    batch: np.ndarray, seq: int, libc_probes: Sequence[str], kmem_kind: int, probe_kind: int
-) -> tuple[np.ndarray, np.ndarray, int]:
+    batch: np.ndarray, seq: int, libc_probes: Sequence[str], kmem_kind: int, probe_kind: int,
+    user_kinds: tuple[int, int] | None = None,
+) -> tuple[np.ndarray, np.ndarray, int]:  # fmt: skip
     """Ring events as decoded records (DECODED, in sequence order) and the
     probe records' arguments, exactly as writing and reading them back would
     give; and the next sequence number. For writers of other formats."""
-    encoded = encode(batch, seq, libc_probes, kmem_kind, probe_kind)
+    encoded = encode(batch, seq, libc_probes, kmem_kind, probe_kind, user_kinds=user_kinds)
     parts, arg_parts = [], []
     for cpu, data in encoded.per_cpu.items():
         raw = np.frombuffer(data, dtype=np.uint8)

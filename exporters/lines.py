@@ -77,7 +77,8 @@ def stack_table_json(snapshot: AllocSnapshot, names: FrameNames) -> Iterator[str
     for proc in snapshot.processes:
         yield json.dumps({"table": "alloc_processes", "pid": proc.tgid, "calls": proc.calls,
                           "bytes": proc.bytes, "frees": proc.frees,
-                          "unknown_frees": proc.unknown_frees, "failed": proc.failed},
+                          "unknown_frees": proc.unknown_frees, "failed": proc.failed,
+                          "syscalls": dict(snapshot.vm.get(proc.tgid, {}))},
                          separators=(",", ":"))  # fmt: skip
     yield json.dumps({"table": "alloc_functions", "calls": dict(snapshot.calls),
                       **dict(snapshot.misc)}, separators=(",", ":"))  # fmt: skip

@@ -166,6 +166,37 @@ class MtraceCollector(Collector):
             for key, family in families.items():
                 family.add_metric([name], totals[name][key])
         yield from families.values()
+        vm_calls = _counter(
+            "vm_calls",
+            "mmap, munmap, mremap and brk calls that succeeded (brk: that moved the break).",
+            ["process", "syscall"],
+        )
+        vm_bytes = _counter(
+            "vm_bytes",
+            "Bytes of memory the process mapped, unmapped, remapped "
+            "or moved its break by, outside malloc.",
+            ["process", "kind"],
+        )
+        for name in sorted(totals):
+            counts = totals[name]
+            for syscall in ("mmap", "munmap", "mremap", "brk"):
+                vm_calls.add_metric([name, syscall], counts[f"vm_{syscall}_calls"])
+            for kind in (
+                "mmap_bytes",
+                "mmap_file_bytes",
+                "munmap_bytes",
+                "mremap_grown",
+                "mremap_shrunk",
+                "brk_grown",
+                "brk_shrunk",
+            ):
+                label = {
+                    "mmap_bytes": "mmap_anonymous",
+                    "mmap_file_bytes": "mmap_file",
+                    "munmap_bytes": "munmap",
+                }.get(kind, kind)
+                vm_bytes.add_metric([name, label], counts[f"vm_{kind}"])
+        yield from (vm_calls, vm_bytes)
         stacks = _gauge("alloc_stack_live_bytes", "Live bytes of the call stacks holding most "
                         "(at most --top-stacks of them; the rest under stack=\"other\")"
                         f"{estimated}.", ["process", "allocator", "stack"])  # fmt: skip

@@ -228,6 +228,7 @@ class MetricsSource:
             objects, nbytes = live[proc.tgid]
             figures["live_objects"] += objects
             figures["live_bytes"] += nbytes
+            figures.update({f"vm_{k}": v for k, v in snapshot.vm.get(proc.tgid, {}).items()})
         names = self.info.frame_names
         stacks = [
             (self._name(row.tgid), row.function, stack_label(names, row.tgid, row.frames),

@@ -62,7 +62,8 @@ FILE_OUTPUTS = (
                directory=True, kmem=True, kernel_records=True, alloc_records=True),
     FileOutput("sp-rtrace", "FILE",
                "Write the allocation events to this file as an sp-rtrace text report.",
-               "mtrace_live.exporters.sprtrace_writer:SpRtraceSink", kernel_records=True),
+               "mtrace_live.exporters.sprtrace_writer:SpRtraceSink", kernel_records=True,
+               alloc_records=True),
     FileOutput("pprof", "FILE",
                "Write the allocations by call stack to this file as a gzipped pprof profile "
                "(alloc_objects, alloc_space, inuse_objects, inuse_space).",

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from mtrace_live.exporters.data.kallsyms import KernelSymbols
+from mtrace_live.probes.records import ALLOC_FN_NAMES
 
 from .kmemtrace import TYPES, EventId, RecordSet, TypeId
 from .sprtrace import Call, Comment, Frame, Resource, Trace, clock
@@ -80,6 +81,8 @@ class RecordCalls:
                 continue
             info = TYPES[TypeId(type_id)]
             resource, alloc_fn, free_fn = info.name, info.alloc, info.free
+            if type_id == TypeId.USER and int(rec["fn"]) < len(ALLOC_FN_NAMES):
+                alloc_fn = free_fn = ALLOC_FN_NAMES[int(rec["fn"])]  # realloc's free too
             if event == EventId.ALLOC and not rec["ptr"]:  # failed: nothing to track
                 size_asked = int(rec["bytes_req"])
                 out.append(Comment(f"## [{clock(ms)}] failed {alloc_fn}<{resource}>({size_asked})"))
@@ -99,7 +102,7 @@ class RecordCalls:
             call = Call(
                 self.index, function, resource, int(rec["ptr"]), size, ms, context, frames=frames
             )
-            if size is not None:
+            if size is not None and type_id != TypeId.USER:
                 call.args = [str(int(rec["bytes_alloc"])), f"{int(rec['gfp_flags']):#x}"]
             out.append(call)
         return out

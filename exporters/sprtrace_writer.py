@@ -22,12 +22,13 @@ from .data.errors import TargetError
 from .data.kallsyms import KernelSymbols
 from .data.processes import process_name
 from .data.sink import EventBatch, Sink, TraceInfo, TraceResult
-from .data.symbolize import ProcessSymbols, Symbol, module_symbols
+from .data.symbolize import Symbol, module_symbols
 from .kmemtrace import KERNEL_TYPES, TypeId, decode_batch
 from .sprtrace import Trace, lines, map_line
 from .sprtrace_convert import RecordCalls, header, resources
 
 LIBC_TYPES = (TypeId.SBRK, TypeId.HEAP, TypeId.ARENA)
+ALLOC_STACK_DEPTH = 16  # frames of an allocation's backtrace when --stack-depth is not given
 
 
 class SpRtraceSink(Sink):
@@ -45,7 +46,6 @@ class SpRtraceSink(Sink):
         self._site_vaddrs: list[int] = []
         self._site_of: dict[int, int] = {}  # runtime address -> link-time address
         self._types: list[TypeId] = []
-        self._processes: dict[int, ProcessSymbols] = {}
         self._calls: RecordCalls | None = None
         self._depth = 1
         self._read_stack: Callable[[int], list[int]] | None = None
@@ -67,14 +67,19 @@ class SpRtraceSink(Sink):
             self.process = Path(info.command[0]).name
         self._libc = info.libc
         self._site_vaddrs = list(info.site_addresses)
-        self._types = [*(KERNEL_TYPES if info.kmem else ()), *(LIBC_TYPES if self.probes else ())]
+        self._types = [*(KERNEL_TYPES if info.kmem else ()), *(LIBC_TYPES if self.probes else ()),
+                       *((TypeId.USER,) if info.allocs else ())]  # fmt: skip
         self._calls = RecordCalls(self.probes, KernelSymbols.load(), self._user, self._stack)
         self._calls.process_name = process_name
-        if info.stack_depth:
-            self._read_stack, self._depth = info.counters.stack, info.stack_depth
+        self._names = info.frame_names
+        if info.stack_depth or info.allocs:  # allocations come with their stack walked
+            self._read_stack = info.counters.stack
+            self._depth = info.stack_depth or ALLOC_STACK_DEPTH
 
     def consume(self, batch: EventBatch) -> None:
-        self.write(batch.records, EventKind.KMEM, EventKind.PROBE)
+        self.write(
+            batch.records, EventKind.KMEM, EventKind.PROBE, (EventKind.ALLOC, EventKind.FREE)
+        )
 
     def finish(self, result: TraceResult) -> None:
         lost = result.total_lost + (result.kmem.lost if result.kmem is not None else 0)
@@ -112,16 +117,10 @@ class SpRtraceSink(Sink):
             function, offset, location = libc.lookup(vaddr)
             bias = address - vaddr
             return Symbol(str(self._libc), function, offset, location, libc.span(bias))
-        process = self._processes.get(pid)
-        if process is None:
-            process = self._processes[pid] = ProcessSymbols(pid)
-        symbol = process.resolve(address)
-        if symbol is None:  # mapped since: read the maps again
-            process = self._processes[pid] = ProcessSymbols(pid)
-            symbol = process.resolve(address)
-        return symbol
+        return self._names.resolve(pid, address)  # return addresses: named by their call
 
-    def write(self, batch: np.ndarray, kmem_kind: int, probe_kind: int) -> None:
+    def write(self, batch: np.ndarray, kmem_kind: int, probe_kind: int,
+              user_kinds: tuple[int, int] | None = None) -> None:  # fmt: skip
         stream = self._begin()
         assert self._calls is not None
         probes = batch[batch["kind"] == probe_kind]
@@ -129,11 +128,14 @@ class SpRtraceSink(Sink):
             if site < len(self._site_vaddrs):
                 self._site_of[ip] = self._site_vaddrs[site]
         if self._read_stack is not None:
-            rows = batch[(batch["kind"] == kmem_kind) | (batch["kind"] == probe_kind)]
+            wanted = (batch["kind"] == kmem_kind) | (batch["kind"] == probe_kind)
+            if user_kinds is not None:
+                wanted |= np.isin(batch["kind"], user_kinds)
+            rows = batch[wanted]
             ids = zip(rows["ustack"].tolist(), rows["kstack"].tolist(), strict=True)
             self._stack_ids = {self._seq + n: pair for n, pair in enumerate(ids)}
         records, args, self._seq = decode_batch(
-            batch, self._seq, self.probes, kmem_kind, probe_kind
+            batch, self._seq, self.probes, kmem_kind, probe_kind, user_kinds
         )
         if not len(records):
             return

@@ -148,6 +148,10 @@ ALLOC_STATS_FIELDS = ("calls", "bytes", "sizes", "frees", "bytes_freed", "sizes_
 ALLOC_STATS_DTYPE = np.dtype([(name, "<u8") for name in ALLOC_STATS_FIELDS])
 ALLOC_PROC_FIELDS = ("calls", "bytes", "frees", "unknown_frees", "failed")
 ALLOC_PROC_DTYPE = np.dtype([(name, "<u8") for name in ALLOC_PROC_FIELDS])
+VM_PROC_FIELDS = ("mmap_calls", "mmap_bytes", "mmap_file_bytes", "munmap_calls", "munmap_bytes",
+                  "mremap_calls", "mremap_grown", "mremap_shrunk", "brk_calls", "brk_grown",
+                  "brk_shrunk")  # fmt: skip
+VM_PROC_DTYPE = np.dtype([(name, "<u8") for name in VM_PROC_FIELDS])
 OUTSTANDING_KEY_DTYPE = np.dtype([("ptr", "<u8"), ("tgid", "<u4"), ("pad", "<u4")])
 OUTSTANDING_DTYPE = np.dtype(
     [
@@ -171,6 +175,7 @@ LAYOUTS = {
     "alloc_key": ALLOC_KEY_DTYPE,
     "alloc_stats": ALLOC_STATS_DTYPE,
     "alloc_proc": ALLOC_PROC_DTYPE,
+    "vm_proc": VM_PROC_DTYPE,
     "outstanding_key": OUTSTANDING_KEY_DTYPE,
     "outstanding": OUTSTANDING_DTYPE,
 }

@@ -34,6 +34,8 @@ from mtrace_live.probes.records import (
     ALLOC_STATS_DTYPE,
     OUTSTANDING_DTYPE,
     OUTSTANDING_KEY_DTYPE,
+    VM_PROC_DTYPE,
+    VM_PROC_FIELDS,
     AllocFn,
     AllocMisc,
 )
@@ -176,6 +178,9 @@ def read_snapshot(program: BpfProgram, sample_bytes: int, started_ns: int,
         ProcessAllocs(int(tgid), *row)
         for tgid, row in zip(pkeys.tolist(), pvalues.tolist(), strict=True)
     ]
+    vkeys, vvalues = program.read_table("vm_procs", "<u4", VM_PROC_DTYPE)
+    vm = {int(tgid): dict(zip(VM_PROC_FIELDS, row, strict=True))
+          for tgid, row in zip(vkeys.tolist(), vvalues.tolist(), strict=True)}  # fmt: skip
     calls = program.percpu_array_totals("alloc_calls")
     misc = program.percpu_array_totals("alloc_misc")
     held: list[Outstanding] = []
@@ -197,6 +202,7 @@ def read_snapshot(program: BpfProgram, sample_bytes: int, started_ns: int,
         started_ns=started_ns,
         outstanding=tuple(held),
         outstanding_read=outstanding,
+        vm=vm,
     )
 
 

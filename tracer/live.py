@@ -231,11 +231,7 @@ class LiveTrace:
             defines.update(kmem_defines(tracepoint_format))
         self.hold = False
         if self.alloc_plan is not None:
-            self.hold = (
-                request.filtered_by_pid
-                and not request.privileges_dropped
-                and self.alloc_plan.exit_offset is not None
-            )
+            self.hold = not request.privileges_dropped and self.alloc_plan.exit_offset is not None
             defines.update(allocs.defines(request.sample_bytes, request.alloc_events,
                                           walk=True, outstanding=request.max_outstanding,
                                           stacks=request.alloc_stacks, hold=self.hold))  # fmt: skip

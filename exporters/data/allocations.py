@@ -89,6 +89,8 @@ class AllocSnapshot:
     started_ns: int
     outstanding: tuple[Outstanding, ...] = ()
     outstanding_read: bool = False
+    # pid -> mmap/munmap/mremap/brk figures (probes/records.py VM_PROC_FIELDS)
+    vm: Mapping[int, Mapping[str, int]] = field(default_factory=dict)
 
     @property
     def live_bytes(self) -> int:

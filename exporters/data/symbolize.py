@@ -57,6 +57,7 @@ class ModuleSymbols:
         self.loads: list[tuple[int, int, int]] = []  # PT_LOAD (offset, vaddr, memsz)
         self.build_id: str | None = None
         self.debug_file: Path | None = None  # where the names or lines came from, if not path
+        self._full_symbols = False  # from a .symtab (static functions too), not .dynsym only
         try:
             with open(path, "rb") as file:
                 elf = ELFFile(file)
@@ -68,7 +69,7 @@ class ModuleSymbols:
                 debuglink = _debuglink(elf)
         except (OSError, ELFError, DWARFError, ValueError):
             return
-        if not self._names or not self._rows:
+        if not self._full_symbols or not self._rows:
             for candidate in _debug_files(path, self.build_id, debuglink, debug_directories):
                 if self._read_debug_file(candidate):
                     self.debug_file = candidate
@@ -89,8 +90,12 @@ class ModuleSymbols:
                 elf = ELFFile(file)
                 if self.build_id and _build_id(elf) not in (None, self.build_id):
                     return False
-                if not self._names:
+                if not self._full_symbols:
+                    before = (self._starts, self._ends, self._names)
+                    self._starts, self._ends, self._names = [], [], []
                     self._read_symbols(elf)
+                    if not self._names:  # nothing better there: keep the exported ones
+                        self._starts, self._ends, self._names = before
                 if not self._rows:
                     self._read_lines(elf)
         except (OSError, ELFError, DWARFError, ValueError):
@@ -107,6 +112,7 @@ class ModuleSymbols:
                 if sym["st_info"]["type"] in _FUNCTION_TYPES and sym["st_value"] and sym.name:
                     found.setdefault(sym["st_value"], (sym["st_size"], sym.name))
             if found:
+                self._full_symbols = name == ".symtab"
                 break
         starts = sorted(found)
         for index, start in enumerate(starts):

@@ -177,6 +177,22 @@ struct alloc_proc {
     u64 failed;        /* allocations that returned NULL */
 };
 
+/* vm_procs: per process, the memory system calls that bypass malloc
+ * (WITH_ALLOCS): mmap, munmap, mremap and brk, counted when they return. */
+struct vm_proc {
+    u64 mmap_calls;      /* that succeeded */
+    u64 mmap_bytes;      /* of anonymous mappings */
+    u64 mmap_file_bytes; /* of file mappings */
+    u64 munmap_calls;
+    u64 munmap_bytes;
+    u64 mremap_calls;
+    u64 mremap_grown;    /* bytes mappings grew by */
+    u64 mremap_shrunk;
+    u64 brk_calls;       /* that moved the break */
+    u64 brk_grown;
+    u64 brk_shrunk;
+};
+
 /* outstanding: allocations not yet freed, by (process, pointer). */
 struct outstanding_key {
     u64 ptr;

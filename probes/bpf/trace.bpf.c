@@ -794,8 +794,9 @@ static __always_inline void release(u32 fn, u32 tgid, u32 tid, u64 call_site, u6
         __sync_fetch_and_add(&s->bytes_freed, known.weight);
         __sync_fetch_and_add(&s->sizes_freed, known.size);
     }
+    /* no stack: a free's stack is not walked (its call site is the event's ip) */
     alloc_event(EV_FREE, fn, tgid, tid, call_site, ptr, known.size, 0, known.weight, known.ts,
-                known.key.call_site, known.key.stack);
+                known.key.call_site, -1);
 }
 
 /* How many bytes an allocation of `size` stands for: size itself without
@@ -993,20 +994,20 @@ int alloc_free(struct pt_regs *ctx)
     return 0;
 }
 
-#if HOLD_AT_EXIT && WITH_EVENTS && FILTER_PIDS
+#if HOLD_AT_EXIT && WITH_EVENTS
 /* _exit: the process's mappings are still there. It stops itself (SIGSTOP,
  * delivered as the handler returns to user space) and says so; user space
  * reads /proc/PID/maps, to name the frames of its stacks after it is gone,
- * and continues it. Only while the gate is open: a trace that ends stops
- * no one. */
+ * and continues it. Only processes with allocations seen, and only while
+ * the gate is open: a trace that ends stops no one. */
 int alloc_exit(struct pt_regs *ctx)
 {
     if (allocs_gate_closed())
         return 0;
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
-    if (!followed.lookup(&tgid))
-        return 0;
+    if (!tgid_is_followed(tgid) || !alloc_procs.lookup(&tgid))
+        return 0; /* only processes whose allocations were seen */
     struct event *e = events.ringbuf_reserve(sizeof(struct event));
     if (!e)
         return 0; /* no room to say so: not held */
@@ -1021,4 +1022,141 @@ int alloc_exit(struct pt_regs *ctx)
     return 0;
 }
 #endif
+
+/* ---- memory that bypasses malloc: mmap, munmap, mremap, brk --------------
+ * Counted per process when the call returns (its arguments kept per thread
+ * at entry). Only the traced processes; munmap counts what it was asked to
+ * unmap, whoever mapped it. */
+#define MAP_ANONYMOUS_ 0x20
+struct vm_call {
+    u64 len;
+    u64 other; /* mmap: flags; mremap: the new length; brk: the break asked for */
+};
+BPF_TABLE("lru_hash", u32, struct vm_call, vm_pending, 16384);
+BPF_HASH(vm_procs, u32, struct vm_proc, MAX_FOLLOWED);
+BPF_HASH(vm_brk, u32, u64, MAX_FOLLOWED); /* each process's break as last seen */
+
+static __always_inline struct vm_proc *vm_proc_of(u32 tgid)
+{
+    struct vm_proc zero = {};
+    return vm_procs.lookup_or_try_init(&tgid, &zero);
+}
+
+static __always_inline int vm_enter(u64 len, u64 other)
+{
+    if (allocs_gate_closed())
+        return 0;
+    u64 id = bpf_get_current_pid_tgid();
+    if (!tgid_is_followed(id >> 32))
+        return 0;
+    u32 tid = (u32)id;
+    struct vm_call call = {.len = len, .other = other};
+    vm_pending.update(&tid, &call);
+    return 0;
+}
+
+/* The call of this thread that just returned, taken out of vm_pending. */
+static __always_inline int vm_taken(struct vm_call *out)
+{
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct vm_call *call = vm_pending.lookup(&tid);
+    if (!call)
+        return 0;
+    *out = *call;
+    vm_pending.delete(&tid);
+    return 1;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_mmap)
+{
+    return vm_enter(args->len, args->flags);
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_mmap)
+{
+    struct vm_call call;
+    if (!vm_taken(&call) || (s64)args->ret < 0 && (s64)args->ret > -4096)
+        return 0;
+    struct vm_proc *p = vm_proc_of(bpf_get_current_pid_tgid() >> 32);
+    if (!p)
+        return 0;
+    __sync_fetch_and_add(&p->mmap_calls, 1);
+    if (call.other & MAP_ANONYMOUS_)
+        __sync_fetch_and_add(&p->mmap_bytes, call.len);
+    else
+        __sync_fetch_and_add(&p->mmap_file_bytes, call.len);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_munmap)
+{
+    return vm_enter(args->len, 0);
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_munmap)
+{
+    struct vm_call call;
+    if (!vm_taken(&call) || args->ret != 0)
+        return 0;
+    struct vm_proc *p = vm_proc_of(bpf_get_current_pid_tgid() >> 32);
+    if (!p)
+        return 0;
+    __sync_fetch_and_add(&p->munmap_calls, 1);
+    __sync_fetch_and_add(&p->munmap_bytes, call.len);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_mremap)
+{
+    return vm_enter(args->old_len, args->new_len);
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_mremap)
+{
+    struct vm_call call;
+    if (!vm_taken(&call) || (s64)args->ret < 0 && (s64)args->ret > -4096)
+        return 0;
+    struct vm_proc *p = vm_proc_of(bpf_get_current_pid_tgid() >> 32);
+    if (!p)
+        return 0;
+    __sync_fetch_and_add(&p->mremap_calls, 1);
+    if (call.other > call.len)
+        __sync_fetch_and_add(&p->mremap_grown, call.other - call.len);
+    else
+        __sync_fetch_and_add(&p->mremap_shrunk, call.len - call.other);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_brk)
+{
+    return vm_enter(0, args->brk);
+}
+
+/* brk returns the break, moved or not; the first one seen only sets it. */
+TRACEPOINT_PROBE(syscalls, sys_exit_brk)
+{
+    struct vm_call call;
+    if (!vm_taken(&call))
+        return 0;
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    u64 now = (u64)args->ret;
+    u64 *last = vm_brk.lookup(&tgid);
+    if (!last) {
+        vm_brk.update(&tgid, &now);
+        return 0;
+    }
+    u64 before = *last;
+    if (now == before)
+        return 0;
+    *last = now;
+    struct vm_proc *p = vm_proc_of(tgid);
+    if (!p)
+        return 0;
+    __sync_fetch_and_add(&p->brk_calls, 1);
+    if (now > before)
+        __sync_fetch_and_add(&p->brk_grown, now - before);
+    else
+        __sync_fetch_and_add(&p->brk_shrunk, before - now);
+    return 0;
+}
 #endif

@@ -282,3 +282,105 @@ def test_prometheus_stores_the_live_bytes_of_the_leaking_stacks(
         code, _ = fetch(f"https://127.0.0.1:{port}/metrics", web_tls, web_tls.password)
         assert code == 200
         assert stop(serve) == 0
+
+
+def leaking_sites(truth: dict[str, Any]) -> dict[str, int]:
+    """Blocks the workload never freed, by calling function."""
+    leaks: dict[str, int] = defaultdict(int)
+    for site in truth["sites"]:
+        leaks[site["function"]] += site["leaked_calls"]
+    return {function: n for function, n in leaks.items() if n}
+
+
+def test_record_and_report_match_user_frees_by_pointer(tmp_path: Path) -> None:
+    # GIVEN the workload recorded with its allocations as kmemtrace records
+    truth_file, out = tmp_path / "truth.json", tmp_path / "rec.d"
+    done = subprocess.run(
+        [*MTRACE, "record", "-o", str(out), "--libc", "--", str(built("alloc_workload")),
+         "--out", str(truth_file)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    # WHEN report reads them (ABI 3: user-space records of type 7)
+    report = subprocess.run([*MTRACE, "report", str(out), "--format", "json"],
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert report.returncode == 0, report.stderr
+    document = json.loads(report.stdout)
+    assert document["abi_version"] == 3 and document["kernel"]["sites"]
+    # THEN each call site's allocations, bytes and live blocks equal the truth
+    found: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for entry in document["user"]:
+        function = entry["name"].split("+", 1)[0]
+        site = found[(function, entry["allocator"])]
+        for key in ("allocs", "bytes", "live", "live_bytes"):
+            site[key] += entry[key]
+    truth = json.loads(truth_file.read_text())
+    for site in truth["sites"]:
+        got = found[(site["function"], site["fn"])]
+        assert (got["allocs"], got["bytes"]) == (site["calls"], site["bytes"]), site
+        assert (got["live"], got["live_bytes"]) == (site["leaked_calls"], site["leaked_bytes"])
+    # AND allocinfo lines name the leaking lines of the workload's source
+    allocinfo = subprocess.run([*MTRACE, "report", str(out), "--format", "allocinfo"],
+                               capture_output=True, text=True, timeout=300).stdout  # fmt: skip
+    chain = next(s for s in truth["sites"] if s["function"] == "realloc_chain")
+    line = next(x for x in allocinfo.splitlines() if "func:realloc_chain" in x)
+    assert line.split()[:2] == [str(chain["leaked_bytes"]), str(chain["leaked_calls"])]
+    assert "alloc_workload.c:" in line
+
+
+def test_sp_rtrace_leaks_read_back_by_convert_equal_the_workloads(tmp_path: Path) -> None:
+    # GIVEN the workload's allocations written as an sp-rtrace report
+    truth_file, report = tmp_path / "truth.json", tmp_path / "trace.txt"
+    done = subprocess.run(
+        [*MTRACE, "run", "-o", "summary", "--sp-rtrace", str(report), "--",
+         str(built("alloc_workload")), "--out", str(truth_file)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    text = report.read_text()
+    assert "<1> : memory (memory allocation in bytes)" in text
+    assert "realloc<memory>(" in text and "posix_memalign<memory>(" in text
+    # WHEN convert keeps only what was never freed
+    leaks = tmp_path / "leaks.txt"
+    converted = subprocess.run([*MTRACE, "convert", str(report), "--leaks", "-o", str(leaks)],
+                               capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert converted.returncode == 0, converted.stderr
+    # THEN the leaked blocks, by the function of their first frame, are the workload's
+    counted: dict[str, int] = defaultdict(int)
+    lines = leaks.read_text().splitlines()
+    for index, line in enumerate(lines):
+        if line[:1].isdigit() and ". " in line and index + 1 < len(lines):
+            frame = lines[index + 1]
+            if " in " in frame:
+                counted[frame.split(" in ", 1)[1].split("(", 1)[0]] += 1
+    truth = json.loads(truth_file.read_text())
+    for function, blocks in leaking_sites(truth).items():
+        assert counted[function] == blocks, (function, counted)
+
+
+def test_all_traces_the_allocations_of_every_process_mapping_the_libc(
+    sdt: sdt_glibc.SdtGlibc, tmp_path: Path
+) -> None:
+    # GIVEN a system-wide trace of the SDT libc's allocation functions
+    err = tmp_path / "all.err"
+    out = tmp_path / "all.out"
+    with Reaper() as reaper, open(err, "wb") as errors, open(out, "wb") as lines:
+        tracer = reaper.add(subprocess.Popen(
+            [*MTRACE, "--all", "--lib", str(sdt.libc), "-o", "json", "--duration", "120"],
+            stdout=lines, stderr=errors,
+        ))  # fmt: skip
+        wait_for_line(err, READY, tracer, timeout=120)
+        # WHEN the workload runs under that libc, not followed by pid
+        truth_file = tmp_path / "truth.json"
+        subprocess.run(sdt.wrap([str(built("alloc_workload")), "--out", str(truth_file)]),
+                       check=True, timeout=120)  # fmt: skip
+        tracer.send_signal(2)
+        assert tracer.wait(timeout=120) == 0, err.read_text()
+    truth = json.loads(truth_file.read_text())
+    stacks = [json.loads(x) for x in out.read_text().splitlines() if '"alloc_stacks"' in x]
+    mine = [row for row in stacks if row["pid"] == truth["pid"]]
+    # THEN its call sites are there, exactly
+    found = by_site(mine)
+    for site in truth["sites"]:
+        got = found[(site["function"], site["fn"])]
+        assert (got["calls"], got["live_bytes"]) == (site["calls"], site["leaked_bytes"]), site

@@ -159,7 +159,8 @@ def test_json_tables_name_every_frame() -> None:
     snap = trimmed(snapshot(), KnownNames())
     lines = [json.loads(x) for x in stack_table_json(snap, KnownNames())]
     assert lines[0] == {"table": "alloc_processes", "pid": PID, "calls": 1150, "bytes": 73600,
-                        "frees": 1050, "unknown_frees": 7, "failed": 0}  # fmt: skip
+                        "frees": 1050, "unknown_frees": 7, "failed": 0,
+                        "syscalls": {}}  # fmt: skip
     assert lines[1]["table"] == "alloc_functions" and lines[1]["calls"]["malloc"] == 1150
     stacks = lines[2:]
     assert stacks[0]["live_bytes"] == 6400 and stacks[0]["frames"][0]["function"] == "leaker"
