@@ -1055,16 +1055,21 @@ static __always_inline int vm_enter(u64 len, u64 other)
     return 0;
 }
 
-/* The call of this thread that just returned, taken out of vm_pending. */
-static __always_inline int vm_taken(struct vm_call *out)
+/* The call of this thread that just returned (taken out of vm_pending into
+ * `out`) and its process's counters, when it succeeded: `ret` 0 for munmap,
+ * not an error number for the others. */
+static __always_inline struct vm_proc *vm_returned(s64 ret, int zero_is_success,
+                                                   struct vm_call *out)
 {
     u32 tid = (u32)bpf_get_current_pid_tgid();
     struct vm_call *call = vm_pending.lookup(&tid);
     if (!call)
-        return 0;
+        return NULL;
     *out = *call;
     vm_pending.delete(&tid);
-    return 1;
+    if (zero_is_success ? ret != 0 : (ret < 0 && ret > -4096))
+        return NULL;
+    return vm_proc_of(bpf_get_current_pid_tgid() >> 32);
 }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_mmap)
@@ -1075,9 +1080,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_mmap)
 TRACEPOINT_PROBE(syscalls, sys_exit_mmap)
 {
     struct vm_call call;
-    if (!vm_taken(&call) || (s64)args->ret < 0 && (s64)args->ret > -4096)
-        return 0;
-    struct vm_proc *p = vm_proc_of(bpf_get_current_pid_tgid() >> 32);
+    struct vm_proc *p = vm_returned(args->ret, 0, &call);
     if (!p)
         return 0;
     __sync_fetch_and_add(&p->mmap_calls, 1);
@@ -1096,9 +1099,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_munmap)
 TRACEPOINT_PROBE(syscalls, sys_exit_munmap)
 {
     struct vm_call call;
-    if (!vm_taken(&call) || args->ret != 0)
-        return 0;
-    struct vm_proc *p = vm_proc_of(bpf_get_current_pid_tgid() >> 32);
+    struct vm_proc *p = vm_returned(args->ret, 1, &call);
     if (!p)
         return 0;
     __sync_fetch_and_add(&p->munmap_calls, 1);
@@ -1114,9 +1115,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_mremap)
 TRACEPOINT_PROBE(syscalls, sys_exit_mremap)
 {
     struct vm_call call;
-    if (!vm_taken(&call) || (s64)args->ret < 0 && (s64)args->ret > -4096)
-        return 0;
-    struct vm_proc *p = vm_proc_of(bpf_get_current_pid_tgid() >> 32);
+    struct vm_proc *p = vm_returned(args->ret, 0, &call);
     if (!p)
         return 0;
     __sync_fetch_and_add(&p->mremap_calls, 1);
@@ -1135,9 +1134,10 @@ TRACEPOINT_PROBE(syscalls, sys_enter_brk)
 /* brk returns the break, moved or not; the first one seen only sets it. */
 TRACEPOINT_PROBE(syscalls, sys_exit_brk)
 {
-    struct vm_call call;
-    if (!vm_taken(&call))
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    if (!vm_pending.lookup(&tid))
         return 0;
+    vm_pending.delete(&tid);
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     u64 now = (u64)args->ret;
     u64 *last = vm_brk.lookup(&tgid);

@@ -306,7 +306,7 @@ def test_record_and_report_match_user_frees_by_pointer(tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert report.returncode == 0, report.stderr
     document = json.loads(report.stdout)
-    assert document["abi_version"] == 3 and document["kernel"]["sites"]
+    assert document["abi_version"] == 3 and document["kernel"]["call_sites"]
     # THEN each call site's allocations, bytes and live blocks equal the truth
     found: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for entry in document["user"]:

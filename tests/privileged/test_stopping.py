@@ -31,7 +31,6 @@ def start_when_ready(argv: list[str], reaper: Reaper, needle: str) -> subprocess
     return proc  # type: ignore[return-value]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def programs_unloaded(before: set[int]) -> bool:
     """No program but those loaded before is left, within a minute (a guard
     against a leak, not a measure): the kernel frees a program once its
@@ -44,6 +43,7 @@ def programs_unloaded(before: set[int]) -> bool:
     return False
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_record_stops_with_every_record_written_and_detaches(
     sdt: SdtGlibc, tmp_path: Path, sig: signal.Signals
 ) -> None:
