@@ -18,7 +18,7 @@ Configurations, in alternating order:
 - the floor: empty BPF programs on mtrace-live's own sites (the entry
   uprobes and the return probes), the least any tracer there can cost;
 - bpftrace counting the same functions' entries and returns (entry sites);
-- bcc's memleak (``memleak-bpfcc -p PID``);
+- bcc's memleak (``memleak-bpfcc -p PID 1``, ready at its first report);
 - heaptrack (its LD_PRELOAD library; the workload started under it).
 
 Peak memory is the tracer process's VmHWM (heaptrack: not measured, its
@@ -147,7 +147,8 @@ def configs(mix: bool, tmp: Path, peers: dict[str, str | None]) -> dict[str, Cal
         found["bpftrace entry + return count()"] = lambda: traced(bpftrace_argv, "ready", mix, tmp)
     if peers.get("bcc memleak"):
         found["bcc memleak"] = lambda: traced(
-            lambda pid: ["memleak-bpfcc", "-p", str(pid)], "Attaching to pid", mix,
+            # its first report (every second) comes once it is attached
+            lambda pid: ["memleak-bpfcc", "-p", str(pid), "1"], "Top 10 stacks", mix,
             tmp)  # fmt: skip
     if peers.get("heaptrack"):
         found["heaptrack"] = lambda: under_heaptrack(mix, tmp)
