@@ -157,6 +157,9 @@ def summary_lines(snapshot: AllocSnapshot, names: FrameNames, command_ended: boo
             f"until freed (--max-outstanding), {misc['stacks_full']} not aggregated by "
             f"stack (--alloc-stacks), {misc['lost_events']} events lost"
         )
+    if misc.get("slot_taken"):
+        lines.append(f"allocation calls lost: {misc['slot_taken']} (two threads whose ids differ "
+                     "by a multiple of 65536 were inside an allocation function at once)")
     top = stack_lines(snapshot, names, "live")
     if top:
         lines += ["top call stacks by live bytes:", *top]

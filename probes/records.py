@@ -117,6 +117,7 @@ class AllocMisc(IntEnum):
     LOST_EVENTS = 2
     NESTED = 3
     NULL_FREES = 4
+    SLOT_TAKEN = 5
 
 
 # struct proc_key and struct proc_hit (proc_hits), struct site_key, struct

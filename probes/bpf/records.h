@@ -146,6 +146,7 @@ enum alloc_misc {
     AX_LOST_EVENTS,       /* events the ring had no room for */
     AX_NESTED,            /* calls made inside another allocation function (not counted again) */
     AX_NULL_FREES,        /* free(NULL) */
+    AX_SLOT_TAKEN,        /* calls lost: a thread whose id shares the pending slot took it */
     AX_COUNT,
 };
 
