@@ -93,7 +93,12 @@ def render(data: dict) -> str:
         "",
         f"Written by `make bench{' QUICK=1' if data['quick'] else ''}` (`bench/run.py`) in "
         f"{data['seconds'] / 60:.1f} minutes. Every configuration ran {data['reps']} times, in "
-        "alternating order (forward, then backward); the tables give medians.",
+        "alternating order (forward, then backward); the tables give medians."
+        + (
+            f" Measured again afterwards, alone (`--only`): {', '.join(data['rerun'])}."
+            if data.get("rerun")
+            else ""
+        ),
         "",
         "## The machine",
         "",
@@ -140,7 +145,8 @@ def main(argv: list[str]) -> int:
         if only != set(SECTIONS) and RESULTS.exists():
             # --only: the other sections' figures stay those of the last run
             kept = json.loads(RESULTS.read_text())
-            data = {**kept, **{k: v for k, v in data.items() if k in only}}
+            data = {**kept, **{k: v for k, v in data.items() if k in only},
+                    "rerun": sorted(only)}  # fmt: skip
         BUILD.mkdir(exist_ok=True)
         RESULTS.write_text(json.dumps(data, indent=1))
         say(f"wrote {RESULTS} ({data['seconds'] / 60:.1f} minutes)")

@@ -158,8 +158,10 @@ def summary_lines(snapshot: AllocSnapshot, names: FrameNames, command_ended: boo
             f"stack (--alloc-stacks), {misc['lost_events']} events lost"
         )
     if misc.get("slot_taken"):
-        lines.append(f"allocation calls lost: {misc['slot_taken']} (two threads whose ids differ "
-                     "by a multiple of 65536 were inside an allocation function at once)")
+        lines.append(
+            f"allocation calls lost: {misc['slot_taken']} (two threads whose ids differ "
+            "by a multiple of 65536 were inside an allocation function at once)"
+        )
     top = stack_lines(snapshot, names, "live")
     if top:
         lines += ["top call stacks by live bytes:", *top]
