@@ -167,13 +167,6 @@ def alloc_options(command: Any) -> Any:
             help="(process, call stack) rows the kernel aggregates; calls beyond are counted.",
         ),
         click.option(
-            "--leaks-older-than",
-            type=click.FloatRange(0),
-            metavar="SECONDS",
-            help="List the allocations outstanding for at least this long, by stack "
-            "(in the live view and the summary), as memleak's -o.",
-        ),
-        click.option(
             "--no-allocs",
             is_flag=True,
             help="Do not trace the allocation functions (malloc, free, ...).",
@@ -182,6 +175,14 @@ def alloc_options(command: Any) -> Any:
     for option in reversed(options):
         command = option(command)
     return command
+
+
+def alloc_settings(
+    no_allocs: bool, sample_bytes: int | None, max_outstanding: int, alloc_stacks: int
+) -> dict[str, Any]:
+    """The TraceRequest fields of ``alloc_options``."""
+    return {"allocs": not no_allocs, "sample_bytes": sample_bytes or 0,
+            "max_outstanding": max_outstanding, "alloc_stacks": alloc_stacks}  # fmt: skip
 
 
 def trace_options(command: Any) -> Any:
@@ -232,6 +233,13 @@ def trace_options(command: Any) -> Any:
         ),
         web_config_option,
         alloc_options,
+        click.option(
+            "--leaks-older-than",
+            type=click.FloatRange(0),
+            metavar="SECONDS",
+            help="List the allocations outstanding for at least this long, by stack "
+            "(in the live view and the summary), as memleak's -o.",
+        ),
     ]
     for option in reversed(options):
         command = option(command)

@@ -72,7 +72,6 @@ def serve(
     max_outstanding: int = 262144,
     alloc_stacks: int = 16384,
     no_allocs: bool = False,
-    leaks_older_than: float | None = None,
 ) -> None:
     """Serve Prometheus metrics of the allocation functions (malloc, free,
     ...), the libc allocator probes and the kernel kmem tracepoints until
@@ -112,10 +111,7 @@ def serve(
         comm=comm,
         cgroup=cgroup,
         end_with_target=False,
-        allocs=not (no_allocs or no_libc),
-        sample_bytes=sample_bytes or 0,
-        max_outstanding=max_outstanding,
-        alloc_stacks=alloc_stacks,
+        **options.alloc_settings(no_allocs or no_libc, sample_bytes, max_outstanding, alloc_stacks),
     )
     export = ExportOptions(
         address=address,

@@ -58,11 +58,10 @@ def start_trace(
         files=files,
         stack_depth=stack_depth,
         stack_entries=stack_map_size,
-        allocs=not (no_allocs or kmem_only),
-        sample_bytes=sample_bytes or 0,
-        max_outstanding=max_outstanding,
-        alloc_stacks=alloc_stacks,
         leaks_older_than=leaks_older_than,
+        **options.alloc_settings(
+            no_allocs or kmem_only, sample_bytes, max_outstanding, alloc_stacks
+        ),
     )
     if prometheus is not None:
         from ..serve import ExportOptions, serve_trace
