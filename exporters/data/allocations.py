@@ -180,14 +180,20 @@ class FrameNames:
             return self._names[key]
         if tgid not in self.symbols:
             self.remember(tgid)
-        found = self.symbols[tgid].resolve(address - 1)
+        found = self._lookup(tgid, address - 1)
         if found is None:
             self.remember(tgid)
-            found = self.symbols[tgid].resolve(address - 1)
+            found = self._lookup(tgid, address - 1)
         if found is not None and found.function is not None:
             found = replace(found, offset=found.offset + 1)
         self._names[key] = found
         return found
+
+    def _lookup(self, tgid: int, address: int) -> Symbol | None:
+        try:
+            return self.symbols[tgid].resolve(address)
+        except OSError:  # a file we may no longer read (serve runs unprivileged): unnamed
+            return None
 
     def frame(self, tgid: int, address: int) -> str:
         """``function+0xoff (file:line)`` or ``0xaddr (module)``: one frame, for reading."""

@@ -288,7 +288,11 @@ class ProcessSymbols:
         mapping = self.mappings[index]
         span = self._span(mapping.path)
         path = self.root / mapping.path.lstrip("/")
-        if not path.exists():
+        try:
+            reachable = path.exists()
+        except OSError:  # /proc/PID/root of another user's process, after serve gave up root
+            reachable = False
+        if not reachable:
             path = Path(mapping.path)
         symbols = module_symbols(path, self.debug_directories)
         vaddr = symbols.vaddr(address - mapping.start + mapping.offset)

@@ -230,3 +230,25 @@ def test_a_jump_elsewhere_is_not_a_tail_call() -> None:
     # the same jump to realloc's address is one
     code = bytes.fromhex("4889f0" + "e9" + (0x2000 - 0x1008).to_bytes(4, "little").hex())
     assert tail_call(code, 0x1000, {0x2000: "realloc"}) == "realloc"
+
+
+def test_a_process_root_that_cannot_be_read_leaves_the_frame_to_the_host_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # GIVEN a process whose /proc/PID/root refuses us (serve after giving up root)
+    from mtrace_live.exporters.data import symbolize
+
+    libc = Path("/lib/x86_64-linux-gnu/libc.so.6").resolve()
+    mapping = symbolize.Mapping(0x7F0000000000, 0x7F0000200000, 0x28000, str(libc))
+    symbols = symbolize.ProcessSymbols(PID, saved=[mapping])
+    real_exists = Path.exists
+
+    def refused(self: Path) -> bool:
+        if str(self).startswith("/proc/"):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_exists(self)
+
+    monkeypatch.setattr(Path, "exists", refused)
+    # WHEN an address in it is named, THEN the host's file is read instead
+    found = symbols.resolve(0x7F0000000000 + 0x1000)
+    assert found is not None and found.module == str(libc)
