@@ -62,23 +62,6 @@ class AllocPlan:
         """Functions whose site is single-stepped (no emulated instruction found)."""
         return [name for name, site in self.sites.items() if not site.emulated]
 
-    def lines(self) -> list[str]:
-        """One line per function, for ``probes`` and ``doctor``."""
-        out = []
-        for name, site in self.sites.items():
-            how = (
-                "emulated"
-                if site.emulated
-                else "single-stepped: no emulated site before the arguments change"
-            )
-            ret = ", return probe at entry" if name in RETURNS_POINTER else ""
-            out.append(
-                f"{name:<15} {site.entry:#x}+{site.offset:<3} {site.instruction:<22} ({how}{ret})"
-            )
-        for name, other in self.seen_as.items():
-            out.append(f"{name:<15} seen as {other}")
-        return out
-
 
 def plan(libc: Path) -> AllocPlan:
     """The sites to attach in ``libc``; NotElfError (exit 9) for a file that
