@@ -151,11 +151,13 @@ def summary_lines(snapshot: AllocSnapshot, names: FrameNames, command_ended: boo
     if delivered is not None:
         lines.append(f"allocation events: {delivered} delivered, {misc.get('lost_events', 0)} "
                      "lost (the ring buffer had no room)")  # fmt: skip
-    if misc.get("outstanding_full") or misc.get("stacks_full") or misc.get("lost_events"):
+    full = ("outstanding_full", "stacks_full", "frames_full", "lost_events")
+    if any(misc.get(name) for name in full):
         lines.append(
-            f"allocation tables full: {misc['outstanding_full']} allocations not tracked "
-            f"until freed (--max-outstanding), {misc['stacks_full']} not aggregated by "
-            f"stack (--alloc-stacks), {misc['lost_events']} events lost"
+            f"allocation tables full: {misc.get('outstanding_full', 0)} allocations not tracked "
+            f"until freed (--max-outstanding), {misc.get('stacks_full', 0)} not aggregated by "
+            f"stack (--alloc-stacks), {misc.get('frames_full', 0)} kept by call site alone "
+            f"(no room for their stack), {misc.get('lost_events', 0)} events lost"
         )
     if misc.get("slot_taken"):
         lines.append(

@@ -213,7 +213,8 @@ class MtraceCollector(Collector):
         yield stacks
         yield _by_label(
             _counter("alloc_table_dropped", "Allocations a kernel table had no room for: "
-                     "outstanding (not matched to their free), stacks (not aggregated).",
+                     "outstanding (not matched to their free), stacks (not aggregated), "
+                     "frames (aggregated by call site alone).",
                      ["table"]),
             figures.dropped,
         )  # fmt: skip

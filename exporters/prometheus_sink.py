@@ -236,7 +236,8 @@ class MetricsSource:
             for row in snapshot.top("live", STACKS_READ)
         ]  # fmt: skip
         dropped = {"outstanding": snapshot.misc.get("outstanding_full", 0),
-                   "stacks": snapshot.misc.get("stacks_full", 0)}  # fmt: skip
+                   "stacks": snapshot.misc.get("stacks_full", 0),
+                   "frames": snapshot.misc.get("frames_full", 0)}  # fmt: skip
         return AllocFigures(processes, stacks, dropped, sampled=bool(snapshot.sample_bytes))
 
     def _function(self, address: int) -> str:

@@ -118,6 +118,7 @@ class AllocMisc(IntEnum):
     NESTED = 3
     NULL_FREES = 4
     SLOT_TAKEN = 5
+    FRAMES_FULL = 6
 
 
 # struct proc_key and struct proc_hit (proc_hits), struct site_key, struct
@@ -139,6 +140,9 @@ SITE_FIELDS = (
 )
 SITE_STATS_DTYPE = np.dtype([(name, "<u8") for name in SITE_FIELDS])
 ORDER_STATS_DTYPE = np.dtype([("allocs", "<u8"), ("frees", "<u8")])
+
+# Stack ids of allocations from here on index alloc_frames, not `stacks`.
+ALLOC_FRAMES_BASE = 0x40000000
 
 # struct alloc_key and struct alloc_stats (alloc_stacks), struct alloc_proc
 # (alloc_procs), struct outstanding_key and struct outstanding (outstanding).

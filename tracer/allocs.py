@@ -118,6 +118,8 @@ def defines(sample_bytes: int, events: bool, walk: bool, outstanding: int, stack
         "WITH_ALLOCS": 1,
         "ALLOC_EVENTS": int(events),
         "ALLOC_WALK": int(walk),
+        "ALLOC_DEPTH": STACK_DEPTH,
+        "ALLOC_FRAME_ROWS": 1 << (2 * stacks - 1).bit_length(),
         "ALLOC_OUTSTANDING": outstanding,
         "ALLOC_STACKS": stacks,
         "SAMPLE_BYTES": sample_bytes,

@@ -23,6 +23,7 @@ from mtrace_live.exporters.data.errors import (
 )
 from mtrace_live.exporters.data.sink import ProcessHits
 from mtrace_live.probes import bpf_source
+from mtrace_live.probes.records import ALLOC_FRAMES_BASE
 
 from .bpf_syscalls import BatchReader
 
@@ -187,11 +188,15 @@ class BpfProgram:
                 np.frombuffer(b"".join(bytes(v) for _, v in items), dtype=values_dt))  # fmt: skip
 
     def stack(self, stack_id: int) -> list[int]:
-        """The addresses of one stored stack (``stacks``), innermost first."""
-        table = self._bpf["stacks"]
+        """The addresses of one stored stack, innermost first: from
+        ``alloc_frames`` for an allocation's stack, else from ``stacks``."""
+        if stack_id >= ALLOC_FRAMES_BASE:
+            table, key = self._bpf["alloc_frames"], stack_id - ALLOC_FRAMES_BASE
+        else:
+            table, key = self._bpf["stacks"], stack_id
         try:
-            frames = table[table.Key(stack_id)].ip
-        except KeyError:
+            frames = table[table.Key(key)].ip
+        except (KeyError, IndexError):
             return []
         out = []
         for address in frames:

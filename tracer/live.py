@@ -235,8 +235,6 @@ class LiveTrace:
             defines.update(allocs.defines(request.sample_bytes, request.alloc_events,
                                           walk=True, outstanding=request.max_outstanding,
                                           stacks=request.alloc_stacks, hold=self.hold))  # fmt: skip
-            defines["STACK_ENTRIES"] = max(request.stack_entries, request.alloc_stacks)
-            defines["STACK_DEPTH"] = max(request.stack_depth, allocs.STACK_DEPTH)
         stats_fd = bpf_syscalls.enable_run_time_stats() if request.bpf_stats else None
         if request.bpf_stats and stats_fd is None and not bpf_syscalls.sysctl_enabled():
             raise NotPrivilegedError("--bpf-stats: this kernel refused to count BPF run time")

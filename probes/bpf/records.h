@@ -147,14 +147,19 @@ enum alloc_misc {
     AX_NESTED,            /* calls made inside another allocation function (not counted again) */
     AX_NULL_FREES,        /* free(NULL) */
     AX_SLOT_TAKEN,        /* calls lost: a thread whose id shares the pending slot took it */
+    AX_FRAMES_FULL,       /* allocations whose stack alloc_frames had no room for (call site kept) */
     AX_COUNT,
 };
 
 /* alloc_stacks: per (process, stack). */
+/* Stack ids of allocations start here: they index alloc_frames, not the
+ * kernel's stack map `stacks` that probe and kmem events use. */
+#define ALLOC_FRAMES_BASE 0x40000000
+
 struct alloc_key {
     u64 call_site; /* the return address into the caller */
     u32 tgid;
-    s32 stack;     /* stack id in `stacks`, or < 0: not walked (-errno when the map refused) */
+    s32 stack;     /* ALLOC_FRAMES_BASE + row of alloc_frames, or -1: not walked or no room */
     u32 fn;        /* enum alloc_fn */
     u32 pad;
 };

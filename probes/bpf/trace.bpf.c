@@ -100,6 +100,9 @@
 #ifndef ALLOC_WALK
 #define ALLOC_WALK 1 /* walk the user stack of kept allocations (else: call site only) */
 #endif
+#ifndef ALLOC_DEPTH
+#define ALLOC_DEPTH 32 /* frames kept above an allocation's call site (a power of two) */
+#endif
 #ifndef SAMPLE_BYTES
 #define SAMPLE_BYTES 0
 #endif
@@ -120,7 +123,7 @@
 #define MTRACE_CLONE_THREAD 0x00010000 /* include/uapi/linux/sched.h */
 
 BPF_HASH(followed, u32, u8, MAX_FOLLOWED);
-#define STACK_MAP (WITH_STACKS || (WITH_ALLOCS && ALLOC_WALK))
+#define STACK_MAP WITH_STACKS
 #if STACK_MAP
 struct stack_frames {
     u64 ip[STACK_DEPTH];
@@ -690,6 +693,21 @@ struct pending_call {
 };
 
 BPF_ARRAY(pending, struct pending_call, PENDING_SLOTS);
+#if ALLOC_WALK
+/* The allocations' own stacks (not `stacks`): the frames above each call
+ * site, stored once, at the row of alloc_frames that their 64-bit hash
+ * picks (the next free of FRAME_PROBES rows on a collision). The first CPU
+ * to store a stack claims its row in alloc_frame_claims, writes the frames,
+ * then the hash. Ids in keys and events are ALLOC_FRAMES_BASE + row. */
+#define FRAME_PROBES 8
+struct alloc_frames_row {
+    u64 hash; /* 0: free, or not written yet */
+    u64 ip[ALLOC_DEPTH];
+};
+BPF_ARRAY(alloc_frames, struct alloc_frames_row, ALLOC_FRAME_ROWS);
+BPF_HASH(alloc_frame_claims, u32, u64, ALLOC_FRAME_ROWS);
+BPF_PERCPU_ARRAY(alloc_walk, struct alloc_frames_row, 1);
+#endif
 BPF_HASH(outstanding, struct outstanding_key, struct outstanding, ALLOC_OUTSTANDING);
 BPF_HASH(alloc_stacks, struct alloc_key, struct alloc_stats, ALLOC_STACKS);
 BPF_HASH(alloc_procs, u32, struct alloc_proc, MAX_FOLLOWED);
@@ -857,6 +875,66 @@ static __always_inline u64 sample_weight(u64 size)
 #endif
 }
 
+#if ALLOC_WALK
+#define MAX_FRAME_BYTES (8 << 20) /* a frame larger than the default stack limit ends a walk */
+/* The call site (the return address, where the return probe stands), then
+ * its callers, walked by frame pointers from %rbp (the caller's frame,
+ * restored by the function that returned): each saved %rbp must lie above
+ * the last, within MAX_FRAME_BYTES, and be 8-aligned, else the walk ends.
+ * A chain into code without frame pointers mostly ends there, without
+ * reading an unmapped address (a page fault). The kernel's walker
+ * (bpf_get_stackid) cost about ten times more here (docs/allocations.md).
+ * Returns the id of the stored frames, or -1. */
+static __always_inline s32 walk_frames(struct pt_regs *ctx)
+{
+    u32 zero = 0;
+    struct alloc_frames_row *row = alloc_walk.lookup(&zero);
+    if (!row)
+        return -1;
+    u64 fp = ctx->bp, below = PT_REGS_SP(ctx), ip = PT_REGS_IP(ctx);
+    u64 hash = (0x84222325cbf29ce4ull ^ ip) * 0x9e3779b97f4a7c15ull;
+    row->ip[0] = ip; /* the call site, then its callers */
+    int n = 1;
+    for (int i = 1; i < ALLOC_DEPTH; i++) {
+        u64 frame[2]; /* the saved %rbp, the return address */
+        if (fp <= below || fp - below > MAX_FRAME_BYTES || (fp & 7))
+            break;
+        if (bpf_probe_read_user(frame, sizeof(frame), (void *)fp) || !frame[1])
+            break;
+        row->ip[i] = frame[1];
+        hash = (hash ^ (hash >> 29) ^ frame[1]) * 0x9e3779b97f4a7c15ull;
+        below = fp;
+        fp = frame[0];
+        n = i + 1;
+    }
+    if (n < ALLOC_DEPTH)
+        row->ip[n & (ALLOC_DEPTH - 1)] = 0;
+    hash |= 1; /* never 0, which marks a free row */
+    for (u32 probe = 0; probe < FRAME_PROBES; probe++) {
+        u32 index = (u32)(hash + probe) & (ALLOC_FRAME_ROWS - 1);
+        struct alloc_frames_row *slot = alloc_frames.lookup(&index);
+        if (!slot)
+            break;
+        if (slot->hash == hash)
+            return ALLOC_FRAMES_BASE + index;
+        if (slot->hash)
+            continue; /* another stack's */
+        if (alloc_frame_claims.insert(&index, &hash)) { /* another CPU is storing a stack here */
+            u64 *claimed = alloc_frame_claims.lookup(&index);
+            if (claimed && *claimed == hash)
+                return ALLOC_FRAMES_BASE + index;
+            continue;
+        }
+        __builtin_memcpy(slot->ip, row->ip, sizeof(slot->ip));
+        asm volatile("" ::: "memory"); /* the frames before the hash that says they are there */
+        slot->hash = hash;
+        return ALLOC_FRAMES_BASE + index;
+    }
+    alloc_misc.increment(AX_FRAMES_FULL);
+    return -1;
+}
+#endif
+
 /* Every allocating function's return probe. */
 int alloc_return(struct pt_regs *ctx)
 {
@@ -906,7 +984,7 @@ int alloc_return(struct pt_regs *ctx)
 #endif
     struct alloc_key key = {.call_site = call_site, .tgid = tgid, .fn = call.fn};
 #if ALLOC_WALK
-    key.stack = walk_stack(ctx, BPF_F_USER_STACK, 0);
+    key.stack = walk_frames(ctx);
 #else
     key.stack = -1;
 #endif

@@ -15,6 +15,7 @@ import json
 import math
 import subprocess
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,12 +63,19 @@ def trace_workload(libc_kind: str, sdt: sdt_glibc.SdtGlibc, tmp: Path,
     workload = built("alloc_workload")
     truth_file = tmp / "truth.json"
     argv = [str(workload), "--wait", "--out", str(truth_file), "--scale", str(scale)]
-    libc = default_libc()
     if libc_kind == "sdt":
-        argv, libc = sdt.wrap(argv), sdt.libc
+        return trace_launched(sdt.wrap(argv), lambda _: sdt.libc, truth_file, tmp, extra)
+    return trace_launched(argv, lambda _: default_libc(), truth_file, tmp, extra)
+
+
+def trace_launched(argv: list[str], libc_of: Callable[[int], Path], truth_file: Path, tmp: Path,
+                   extra: tuple[str, ...] = (), lib_option: bool = True) -> Traced:  # fmt: skip
+    """The workload started by ``argv``, bpftrace on ``libc_of(pid)`` and
+    mtrace-live (given that libc with --lib when ``lib_option``) on its pid."""
     pprof = tmp / "allocs.pb.gz"
     with Reaper() as reaper:
         proc = start_workload(argv, reaper)
+        libc = libc_of(proc.pid)
         body = "\n".join(
             f"uprobe:{libc}:{name} /pid == $1/ {{ @hits[probe] = count(); }}" for name in COUNTED
         )
@@ -78,8 +86,8 @@ def trace_workload(libc_kind: str, sdt: sdt_glibc.SdtGlibc, tmp: Path,
         out = tmp / "trace.out"
         with open(err, "wb") as errors, open(out, "wb") as lines:
             tracer = reaper.add(subprocess.Popen(
-                [*MTRACE, "--pid", str(proc.pid), "--lib", str(libc), "-o", "json",
-                 "--pprof", str(pprof), *extra],
+                [*MTRACE, "--pid", str(proc.pid), *(("--lib", str(libc)) if lib_option else ()),
+                 "-o", "json", "--pprof", str(pprof), *extra],
                 stdout=lines, stderr=errors,
             ))  # fmt: skip
         wait_for_line(err, READY, tracer, timeout=120)
@@ -131,6 +139,44 @@ def test_every_call_site_counts_exactly_what_the_workload_did(traced: Traced) ->
         assert got["bytes"] == site["bytes"], key
         assert got["live_objects"] == site["leaked_calls"], key
         assert got["live_bytes"] == site["leaked_bytes"], key
+    # and above each call site made from main (the threads' start in libc,
+    # built without frame pointers, ends their walk) the walk found main
+    from_main = {site["function"] for site in traced.truth["sites"]} - {"threaded"}
+    rows = [row for row in traced.tables["alloc_stacks"]
+            if row["frames"][0]["function"] in from_main]  # fmt: skip
+    assert rows
+    for row in rows:
+        assert [f["function"] for f in row["frames"][1:2]] == ["main"], row["frames"]
+
+
+def test_a_process_in_another_mount_namespace_is_traced_through_its_root(tmp_path: Path) -> None:
+    # GIVEN the workload in a new mount namespace, running on a copy of the
+    # libc in a tmpfs that only that namespace sees (as in a container): the
+    # host's libc at the same path would be another file, whose probes never
+    # fire in this process
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    truth_file = tmp_path / "truth.json"
+    workload = built("alloc_workload")
+    script = (
+        f"mount -t tmpfs none {hidden} && cp {default_libc()} {hidden}/libc.so.6 && "
+        f"exec env LD_PRELOAD={hidden}/libc.so.6 {workload} --wait --out {truth_file}"
+    )
+    argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
+    # WHEN mtrace-live attaches by pid alone, finding the libc itself
+    traced = trace_launched(argv, lambda pid: Path(f"/proc/{pid}/root{hidden}/libc.so.6"),
+                            truth_file, tmp_path, lib_option=False)  # fmt: skip
+    assert not (hidden / "libc.so.6").exists()
+    # THEN every call site is counted exactly, and bpftrace, told the path
+    # through /proc/PID/root, saw the same calls
+    found = by_site(traced.tables["alloc_stacks"])
+    for site in traced.truth["sites"]:
+        got = found[(site["function"], site["fn"])]
+        assert (got["calls"], got["bytes"], got["live_bytes"]) == (
+            site["calls"], site["bytes"], site["leaked_bytes"]), site  # fmt: skip
+    (functions,) = traced.tables["alloc_functions"]
+    for name in COUNTED:
+        assert functions["calls"][name] == traced.bpftrace.get(name, 0), name
 
 
 def test_frees_of_memory_allocated_before_attaching_are_counted_apart(traced: Traced) -> None:
