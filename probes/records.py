@@ -145,19 +145,18 @@ ORDER_STATS_DTYPE = np.dtype([("allocs", "<u8"), ("frees", "<u8")])
 ALLOC_FRAMES_BASE = 0x40000000
 
 # struct alloc_key and struct alloc_stats (alloc_stacks), struct alloc_proc
-# (alloc_procs), struct outstanding_key and struct outstanding (outstanding).
+# (alloc_procs), struct outstanding and struct outstanding_row (outstanding).
 ALLOC_KEY_DTYPE = np.dtype(
     [("call_site", "<u8"), ("tgid", "<u4"), ("stack", "<i4"), ("fn", "<u4"), ("pad", "<u4")]
 )
 ALLOC_STATS_FIELDS = ("calls", "bytes", "sizes", "frees", "bytes_freed", "sizes_freed", "last_ts")
 ALLOC_STATS_DTYPE = np.dtype([(name, "<u8") for name in ALLOC_STATS_FIELDS])
-ALLOC_PROC_FIELDS = ("calls", "bytes", "frees", "unknown_frees", "failed")
+ALLOC_PROC_FIELDS = ("calls", "bytes", "frees", "unknown_frees", "failed", "untracked")
 ALLOC_PROC_DTYPE = np.dtype([(name, "<u8") for name in ALLOC_PROC_FIELDS])
 VM_PROC_FIELDS = ("mmap_calls", "mmap_bytes", "mmap_file_bytes", "munmap_calls", "munmap_bytes",
                   "mremap_calls", "mremap_grown", "mremap_shrunk", "brk_calls", "brk_grown",
                   "brk_shrunk")  # fmt: skip
 VM_PROC_DTYPE = np.dtype([(name, "<u8") for name in VM_PROC_FIELDS])
-OUTSTANDING_KEY_DTYPE = np.dtype([("ptr", "<u8"), ("tgid", "<u4"), ("pad", "<u4")])
 OUTSTANDING_DTYPE = np.dtype(
     [
         ("key", ALLOC_KEY_DTYPE),
@@ -168,6 +167,10 @@ OUTSTANDING_DTYPE = np.dtype(
         ("pad", "<u4"),
     ]
 )
+OUTSTANDING_ROW_DTYPE = np.dtype(
+    [("tag", "<u8"), ("ptr", "<u8"), ("tgid", "<u4"), ("pad", "<u4"), ("value", OUTSTANDING_DTYPE)]
+)
+OUTSTANDING_FREE_TAGS = (0, 1)  # a row never used, a row freed since
 
 # Each C struct of records.h and its dtype here.
 LAYOUTS = {
@@ -181,8 +184,8 @@ LAYOUTS = {
     "alloc_stats": ALLOC_STATS_DTYPE,
     "alloc_proc": ALLOC_PROC_DTYPE,
     "vm_proc": VM_PROC_DTYPE,
-    "outstanding_key": OUTSTANDING_KEY_DTYPE,
     "outstanding": OUTSTANDING_DTYPE,
+    "outstanding_row": OUTSTANDING_ROW_DTYPE,
 }
 
 

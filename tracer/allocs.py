@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from elftools.common.exceptions import ELFError
 from elftools.construct import ConstructError
 from mtrace_live.exporters.data.allocations import (
@@ -32,8 +34,8 @@ from mtrace_live.probes.records import (
     ALLOC_KEY_DTYPE,
     ALLOC_PROC_DTYPE,
     ALLOC_STATS_DTYPE,
-    OUTSTANDING_DTYPE,
-    OUTSTANDING_KEY_DTYPE,
+    OUTSTANDING_FREE_TAGS,
+    OUTSTANDING_ROW_DTYPE,
     VM_PROC_DTYPE,
     VM_PROC_FIELDS,
     AllocFn,
@@ -120,7 +122,7 @@ def defines(sample_bytes: int, events: bool, walk: bool, outstanding: int, stack
         "ALLOC_WALK": int(walk),
         "ALLOC_DEPTH": STACK_DEPTH,
         "ALLOC_FRAME_ROWS": 1 << (2 * stacks - 1).bit_length(),
-        "ALLOC_OUTSTANDING": outstanding,
+        "ALLOC_OUT_ROWS": 1 << (2 * outstanding - 1).bit_length(),
         "ALLOC_STACKS": stacks,
         "SAMPLE_BYTES": sample_bytes,
         "HOLD_AT_EXIT": int(hold),
@@ -159,10 +161,7 @@ def read_snapshot(program: BpfProgram, sample_bytes: int, started_ns: int,
         stacks.append(StackRow(tgid, _fn_name(fn), call_site,
                                _frames(program, stack, call_site, frames_of), *value))  # fmt: skip
     pkeys, pvalues = program.read_table("alloc_procs", "<u4", ALLOC_PROC_DTYPE)
-    processes = [
-        ProcessAllocs(int(tgid), *row)
-        for tgid, row in zip(pkeys.tolist(), pvalues.tolist(), strict=True)
-    ]
+    processes = _processes(pkeys, pvalues, () if sample_bytes else stacks)
     vkeys, vvalues = program.read_table("vm_procs", "<u4", VM_PROC_DTYPE)
     vm = {int(tgid): dict(zip(VM_PROC_FIELDS, row, strict=True))
           for tgid, row in zip(vkeys.tolist(), vvalues.tolist(), strict=True)}  # fmt: skip
@@ -170,10 +169,9 @@ def read_snapshot(program: BpfProgram, sample_bytes: int, started_ns: int,
     misc = program.percpu_array_totals("alloc_misc")
     held: list[Outstanding] = []
     if outstanding:
-        okeys, ovalues = program.read_table("outstanding", OUTSTANDING_KEY_DTYPE, OUTSTANDING_DTYPE)
-        for (ptr, tgid, _), (key, size, weight, ts, tid, _) in zip(
-            okeys.tolist(), ovalues.tolist(), strict=True
-        ):
+        _, rows = program.read_table("outstanding", "<u4", OUTSTANDING_ROW_DTYPE)
+        rows = rows[~np.isin(rows["tag"], OUTSTANDING_FREE_TAGS)]
+        for _, ptr, tgid, _, (key, size, weight, ts, tid, _) in rows.tolist():
             call_site, _, stack, fn, _ = key
             held.append(Outstanding(tgid, ptr, size, weight, ts, tid, _fn_name(fn), call_site,
                                     _frames(program, stack, call_site, frames_of)))  # fmt: skip
@@ -189,6 +187,28 @@ def read_snapshot(program: BpfProgram, sample_bytes: int, started_ns: int,
         outstanding_read=outstanding,
         vm=vm,
     )
+
+
+def _processes(tgids: np.ndarray, rows: np.ndarray,
+               stacks: Sequence[StackRow]) -> list[ProcessAllocs]:  # fmt: skip
+    """Each process's calls. Without sampling (``stacks`` given) the kernel
+    counts in alloc_procs only what no alloc_stacks row has, and the rest is
+    the sums of the process's rows; an allocation booked as freed because
+    ``outstanding`` was full (``untracked``) is not one of its frees."""
+    sums: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for row in stacks:
+        summed = sums[row.tgid]
+        summed[0] += row.calls
+        summed[1] += row.sizes
+        summed[2] += row.frees
+    out = []
+    for tgid, (calls, nbytes, frees, unknown, failed, untracked) in zip(
+        tgids.tolist(), rows.tolist(), strict=True
+    ):
+        add_calls, add_bytes, add_frees = sums.get(tgid, (0, 0, 0))
+        out.append(ProcessAllocs(int(tgid), calls + add_calls, nbytes + add_bytes,
+                                 frees + add_frees - untracked, unknown, failed))  # fmt: skip
+    return out
 
 
 def _fn_name(fn: int) -> str:

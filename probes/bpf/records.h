@@ -175,12 +175,13 @@ struct alloc_stats {
 };
 
 /* alloc_procs: per process, every call (sampled or not). */
-struct alloc_proc {
+struct alloc_proc { /* without sampling, only what alloc_stacks rows do not count (trace.bpf.c) */
     u64 calls;         /* allocations that returned a pointer */
     u64 bytes;         /* the bytes they asked for */
     u64 frees;         /* free() of a non-NULL pointer, and realloc's releases */
     u64 unknown_frees; /* of pointers not seen allocated (before attaching, or not kept) */
     u64 failed;        /* allocations that returned NULL */
+    u64 untracked;     /* without sampling: allocations booked as freed (outstanding full) */
 };
 
 /* vm_procs: per process, the memory system calls that bypass malloc
@@ -200,12 +201,6 @@ struct vm_proc {
 };
 
 /* outstanding: allocations not yet freed, by (process, pointer). */
-struct outstanding_key {
-    u64 ptr;
-    u32 tgid;
-    u32 pad;
-};
-
 struct outstanding {
     struct alloc_key key;
     u64 size;
@@ -213,6 +208,14 @@ struct outstanding {
     u64 ts;
     u32 tid;
     u32 pad;
+};
+
+struct outstanding_row {
+    u64 tag; /* 0: free; 1: freed since; else the allocation's (trace.bpf.c) */
+    u64 ptr;
+    u32 tgid;
+    u32 pad;
+    struct outstanding value;
 };
 
 #endif

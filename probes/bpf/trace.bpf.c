@@ -91,8 +91,11 @@
 #ifndef ALLOC_EVENTS
 #define ALLOC_EVENTS 0 /* send each kept allocation and free through the ring */
 #endif
-#ifndef ALLOC_OUTSTANDING
-#define ALLOC_OUTSTANDING 262144
+#ifndef ALLOC_OUT_ROWS
+#define ALLOC_OUT_ROWS 524288 /* rows of `outstanding` (a power of two): twice --max-outstanding */
+#endif
+#ifndef ALLOC_FRAME_ROWS
+#define ALLOC_FRAME_ROWS 32768 /* rows of alloc_frames (a power of two): twice --alloc-stacks */
 #endif
 #ifndef ALLOC_STACKS
 #define ALLOC_STACKS 16384
@@ -677,6 +680,12 @@ TRACEPOINT_PROBE(kmem, mm_page_free_batched)
  * allocations get a stack walk, an outstanding entry and an event. */
 #if WITH_ALLOCS
 
+/* Without sampling every allocation has its alloc_stacks row, so a
+ * process's allocations, bytes and frees of known pointers are the sums of
+ * its rows, and alloc_procs counts only what no row has: frees of unknown
+ * pointers, failed calls, allocations alloc_stacks had no room for. With
+ * sampling alloc_procs counts every call. (tracer/allocs.py adds them up.) */
+#define EXACT_STACKS (SAMPLE_BYTES == 0)
 #define SAMPLE_QUANTILES 1024 /* a power of two */
 #define MAX_CROSSINGS 32
 
@@ -689,7 +698,7 @@ struct pending_call {
     u32 fn;
     u32 depth; /* 1 + nested calls not yet returned; 0: the slot is free */
     u32 tid;   /* whose call it is */
-    u32 pad;
+    u32 proc_tgid; /* the process whose alloc_procs row this slot's thread has made */
 };
 
 BPF_ARRAY(pending, struct pending_call, PENDING_SLOTS);
@@ -708,7 +717,15 @@ BPF_ARRAY(alloc_frames, struct alloc_frames_row, ALLOC_FRAME_ROWS);
 BPF_HASH(alloc_frame_claims, u32, u64, ALLOC_FRAME_ROWS);
 BPF_PERCPU_ARRAY(alloc_walk, struct alloc_frames_row, 1);
 #endif
-BPF_HASH(outstanding, struct outstanding_key, struct outstanding, ALLOC_OUTSTANDING);
+/* The outstanding allocations: an open-addressed table in an array, so that
+ * an allocation and its free cost an array access and a compare-and-swap
+ * each, not a hash map's insert and delete with their bucket locks (about
+ * 0.1 us a call here, docs/allocations.md). A row is claimed by swapping its
+ * tag from free (0) or deleted (1) to the allocation's own; a free marks
+ * it deleted. Up to OUT_PROBES rows from the one the tag hashes to. */
+#define OUT_PROBES 16
+#define OUT_DELETED 1
+BPF_ARRAY(outstanding, struct outstanding_row, ALLOC_OUT_ROWS);
 BPF_HASH(alloc_stacks, struct alloc_key, struct alloc_stats, ALLOC_STACKS);
 BPF_HASH(alloc_procs, u32, struct alloc_proc, MAX_FOLLOWED);
 BPF_PERCPU_ARRAY(alloc_calls, u64, AF_COUNT); /* every hit, nested ones included */
@@ -816,11 +833,61 @@ static __always_inline void alloc_event(u8 kind, u32 fn, u32 tgid, u32 tid, u64 
 #endif
 }
 
-/* Release `ptr` of process `tgid`: its outstanding entry, its stack's live bytes. */
-static __always_inline void release(u32 fn, u32 tgid, u32 tid, u64 call_site, u64 ptr, struct alloc_proc *proc)
+/* An allocation's tag: never 0 or 1 (user pointers are below 2^47 and
+ * aligned); rows also hold the pointer and process in full. */
+static __always_inline u64 outstanding_tag(u64 ptr, u32 tgid)
 {
-    struct outstanding_key key = {.ptr = ptr, .tgid = tgid};
-    struct outstanding *o = outstanding.lookup(&key);
+    return ptr ^ ((u64)tgid << 47);
+}
+
+static __always_inline u32 outstanding_home(u64 tag)
+{
+    return (u32)((tag * 0x9e3779b97f4a7c15ull) >> 32) & (ALLOC_OUT_ROWS - 1);
+}
+
+static __always_inline struct outstanding_row *outstanding_find(u64 ptr, u32 tgid)
+{
+    u64 tag = outstanding_tag(ptr, tgid);
+    u32 home = outstanding_home(tag);
+    for (u32 i = 0; i < OUT_PROBES; i++) {
+        u32 index = (home + i) & (ALLOC_OUT_ROWS - 1);
+        struct outstanding_row *row = outstanding.lookup(&index);
+        if (!row || !row->tag)
+            return NULL; /* a free row ends the search */
+        if (row->tag == tag && row->ptr == ptr && row->tgid == tgid)
+            return row;
+    }
+    return NULL;
+}
+
+/* 0, or -1 when no row near its home was free. */
+static __always_inline int outstanding_add(u64 ptr, u32 tgid, struct outstanding *o)
+{
+    u64 tag = outstanding_tag(ptr, tgid);
+    u32 home = outstanding_home(tag);
+    for (u32 i = 0; i < OUT_PROBES; i++) {
+        u32 index = (home + i) & (ALLOC_OUT_ROWS - 1);
+        struct outstanding_row *row = outstanding.lookup(&index);
+        if (!row)
+            return -1;
+        u64 seen = row->tag;
+        if (seen > OUT_DELETED)
+            continue;
+        if (__sync_val_compare_and_swap(&row->tag, seen, tag) != seen)
+            continue; /* taken by another CPU meanwhile */
+        row->ptr = ptr;
+        row->tgid = tgid;
+        row->value = *o;
+        return 0;
+    }
+    return -1;
+}
+
+/* Release `ptr` of process `tgid`: its outstanding entry, its stack's live bytes. */
+static __always_inline void release(u32 fn, u32 tgid, u32 tid, u64 call_site, u64 ptr)
+{
+    struct outstanding_row *o = outstanding_find(ptr, tgid);
+    struct alloc_proc *proc = EXACT_STACKS && o ? NULL : alloc_proc_of(tgid);
     if (proc)
         __sync_fetch_and_add(&proc->frees, 1);
     if (!o) {
@@ -831,8 +898,8 @@ static __always_inline void release(u32 fn, u32 tgid, u32 tid, u64 call_site, u6
 #endif
         return;
     }
-    struct outstanding known = *o;
-    outstanding.delete(&key);
+    struct outstanding known = o->value;
+    o->tag = OUT_DELETED;
     struct alloc_stats *s = alloc_stacks.lookup(&known.key);
     if (s) {
         __sync_fetch_and_add(&s->frees, 1);
@@ -950,6 +1017,10 @@ int alloc_return(struct pt_regs *ctx)
     }
     struct pending_call call = *p;
     p->depth = 0;
+    if (p->proc_tgid != tgid) { /* the process's row, made once per thread */
+        alloc_proc_of(tgid);
+        p->proc_tgid = tgid;
+    }
     if (allocs_gate_closed())
         return 0;
     u64 ptr = PT_REGS_RC(ctx);
@@ -960,23 +1031,26 @@ int alloc_return(struct pt_regs *ctx)
         ptr = got;
     }
     u64 call_site = PT_REGS_IP(ctx); /* the return address, restored by the kernel */
-    struct alloc_proc *proc = alloc_proc_of(tgid);
     if (call.fn == AF_REALLOC || call.fn == AF_REALLOCARRAY) {
         /* glibc frees the old block on success, and on a request of 0 bytes. */
         if (call.aux && (ptr || call.size == 0))
-            release(call.fn, tgid, tid, call_site, call.aux, proc);
+            release(call.fn, tgid, tid, call_site, call.aux);
         if (!ptr && call.size == 0)
             return 0;
     }
     if (!ptr) { /* failed: counted, and nothing more */
+        struct alloc_proc *proc = alloc_proc_of(tgid);
         if (proc)
             __sync_fetch_and_add(&proc->failed, 1);
         return 0;
     }
+#if !EXACT_STACKS
+    struct alloc_proc *proc = alloc_proc_of(tgid);
     if (proc) {
         __sync_fetch_and_add(&proc->calls, 1);
         __sync_fetch_and_add(&proc->bytes, call.size);
     }
+#endif
     u64 weight = sample_weight(call.size);
 #if SAMPLE_BYTES > 0
     if (!weight)
@@ -993,6 +1067,13 @@ int alloc_return(struct pt_regs *ctx)
     u64 now = bpf_ktime_get_ns();
     if (!s) {
         alloc_misc.increment(AX_STACKS_FULL);
+#if EXACT_STACKS
+        struct alloc_proc *proc = alloc_proc_of(tgid); /* counted here, as no row has it */
+        if (proc) {
+            __sync_fetch_and_add(&proc->calls, 1);
+            __sync_fetch_and_add(&proc->bytes, call.size);
+        }
+#endif
     } else {
         __sync_fetch_and_add(&s->calls, 1);
         __sync_fetch_and_add(&s->bytes, weight);
@@ -1000,14 +1081,18 @@ int alloc_return(struct pt_regs *ctx)
         s->last_ts = now;
     }
     if (s) {
-        struct outstanding_key okey = {.ptr = ptr, .tgid = tgid};
         struct outstanding o = {.key = key, .size = call.size, .weight = weight, .ts = now, .tid = tid};
-        if (outstanding.update(&okey, &o)) {
+        if (outstanding_add(ptr, tgid, &o)) {
             alloc_misc.increment(AX_OUTSTANDING_FULL);
             /* never to be matched: counted as freed at once, so live bytes stay right */
             __sync_fetch_and_add(&s->frees, 1);
             __sync_fetch_and_add(&s->bytes_freed, weight);
             __sync_fetch_and_add(&s->sizes_freed, call.size);
+#if EXACT_STACKS
+            struct alloc_proc *proc = alloc_proc_of(tgid); /* not a free of the process's */
+            if (proc)
+                __sync_fetch_and_add(&proc->untracked, 1);
+#endif
         }
     }
     alloc_event(EV_ALLOC, call.fn, tgid, tid, call_site, ptr, call.size, call.aux, weight, 0, 0, key.stack);
@@ -1094,8 +1179,10 @@ int alloc_free(struct pt_regs *ctx)
         return 0;
     }
     u64 call_site = 0; /* the site is before any push: the return address is at sp */
-    bpf_probe_read_user(&call_site, sizeof(call_site), (void *)sp);
-    release(AF_FREE, tgid, (u32)id, call_site, ptr, alloc_proc_of(tgid));
+#if ALLOC_EVENTS
+    bpf_probe_read_user(&call_site, sizeof(call_site), (void *)sp); /* only events show it */
+#endif
+    release(AF_FREE, tgid, (u32)id, call_site, ptr);
     return 0;
 }
 
