@@ -16,7 +16,10 @@ Configurations, in alternating order:
   default interval);
 - mtrace-live with the event stream (``-o json`` to /dev/null);
 - the floor: empty BPF programs on mtrace-live's own sites (the entry
-  uprobes and the return probes), the least any tracer there can cost;
+  uprobes and the return probes), attached for the one process as
+  mtrace-live attaches them for ``--pid``, the least any tracer there can
+  cost; and the same attached for every process (as for ``--all``), which
+  the kernel does not filter per hit;
 - bpftrace counting the same functions' entries and returns (entry sites);
 - bcc's memleak (``memleak-bpfcc -p PID 1``, ready at its first report);
 - heaptrack (its LD_PRELOAD library; the workload started under it).
@@ -142,6 +145,9 @@ def configs(mix: bool, tmp: Path, peers: dict[str, str | None]) -> dict[str, Cal
             "Ctrl-C", mix, tmp),
         "floor: empty programs on mtrace-live's sites": lambda: traced(
             lambda pid: [sys.executable, str(FLOOR), str(pid)], "ready", mix, tmp),
+        "floor, attached for every process": lambda: traced(
+            lambda pid: [sys.executable, str(FLOOR), str(pid), "--every-process"], "ready", mix,
+            tmp),
     }  # fmt: skip
     if peers.get("bpftrace"):
         found["bpftrace entry + return count()"] = lambda: traced(bpftrace_argv, "ready", mix, tmp)
@@ -208,7 +214,10 @@ def render(data: dict) -> tuple[list[str], dict[str, bool | None]]:
         "Costs are the workload's own loop time with the tracer attached, untraced included, "
         "so a tracer's overhead is its figure minus the untraced one. The floor is what the "
         "uprobes and return probes themselves cost with programs that do nothing: the kernel's "
-        "breakpoint, its emulation of the probed instruction, and the return trampoline. "
+        "breakpoint, its emulation of the probed instruction, and the return trampoline; "
+        "attached for one process (`--pid` alone, as mtrace-live does), the kernel also "
+        "checks on each hit that the process is the one asked for, which the floor attached "
+        "for every process does not. "
         "mtrace-live's sites are chosen by disassembly so that none is single-stepped "
         "(docs/allocations.md); bpftrace and memleak attach at each function's first "
         "instruction, and free's (`test %rdi,%rdi`) is single-stepped on every call.",

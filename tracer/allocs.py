@@ -115,9 +115,12 @@ def _file_offset(libc: Path, name: str) -> int | None:
 
 
 def defines(sample_bytes: int, events: bool, walk: bool, outstanding: int, stacks: int,
-            hold: bool) -> dict[str, int]:  # fmt: skip
+            hold: bool, one_process: bool) -> dict[str, int]:  # fmt: skip
+    """``one_process``: the probes are attached for one process only (see
+    ``attach``), which the kernel then filters: the handlers ask nothing."""
     return {
         "WITH_ALLOCS": 1,
+        "ALLOC_ONE_PROCESS": int(one_process),
         "ALLOC_EVENTS": int(events),
         "ALLOC_WALK": int(walk),
         "ALLOC_DEPTH": STACK_DEPTH,
@@ -129,14 +132,18 @@ def defines(sample_bytes: int, events: bool, walk: bool, outstanding: int, stack
     }
 
 
-def attach(program: BpfProgram, chosen: AllocPlan, sample_bytes: int, hold: bool) -> None:
+def attach(program: BpfProgram, chosen: AllocPlan, sample_bytes: int, hold: bool,
+           pid: int = -1) -> None:  # fmt: skip
+    """Attach the handlers in every process that maps the libc, or, with
+    ``pid``, in that process alone: then no other process on the machine
+    takes a breakpoint on each malloc and free."""
     for name, site in chosen.sites.items():
-        program.attach_uprobe(chosen.libc, site.file_offset, f"alloc_{name}")
+        program.attach_uprobe(chosen.libc, site.file_offset, f"alloc_{name}", pid)
         if name in RETURNS_POINTER:
             entry = site.file_offset - site.offset
-            program.attach_uretprobe(chosen.libc, entry, "alloc_return")
+            program.attach_uretprobe(chosen.libc, entry, "alloc_return", pid)
     if hold and chosen.exit_offset is not None:
-        program.attach_uprobe(chosen.libc, chosen.exit_offset, "alloc_exit")
+        program.attach_uprobe(chosen.libc, chosen.exit_offset, "alloc_exit", pid)
     if sample_bytes > 0:
         program.fill_array("sample_quantiles", sample_intervals(sample_bytes))
 

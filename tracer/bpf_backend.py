@@ -148,17 +148,20 @@ class BpfProgram:
         except Exception as exc:
             raise AttachError(f"cannot load BPF program {name}: {exc}") from None
 
-    def attach_uprobe(self, path: Path, file_offset: int, handler: str) -> None:
-        """Attach ``handler`` at a file offset of ``path``, for every process."""
+    def attach_uprobe(self, path: Path, file_offset: int, handler: str, pid: int = -1) -> None:
+        """Attach ``handler`` at a file offset of ``path``: in every process
+        (pid -1), or only in the threads of process ``pid`` (the kernel then
+        places no breakpoint in any other process)."""
         try:
-            self._bpf.attach_uprobe(name=str(path), addr=file_offset, fn_name=handler, pid=-1)
+            self._bpf.attach_uprobe(name=str(path), addr=file_offset, fn_name=handler, pid=pid)
         except Exception as exc:
             raise AttachError(f"cannot attach to {path} at {file_offset:#x}: {exc}") from None
 
-    def attach_uretprobe(self, path: Path, file_offset: int, handler: str) -> None:
-        """Attach ``handler`` to the returns of the function at a file offset of ``path``."""
+    def attach_uretprobe(self, path: Path, file_offset: int, handler: str, pid: int = -1) -> None:
+        """Attach ``handler`` to the returns of the function at a file offset
+        of ``path``, in every process or in process ``pid`` only."""
         try:
-            self._bpf.attach_uretprobe(name=str(path), addr=file_offset, fn_name=handler, pid=-1)
+            self._bpf.attach_uretprobe(name=str(path), addr=file_offset, fn_name=handler, pid=pid)
         except Exception as exc:
             raise AttachError(
                 f"cannot attach a return probe to {path} at {file_offset:#x}: {exc}"

@@ -100,6 +100,17 @@ class TraceRequest:
         return not self.all_processes and self.cgroup is None
 
     @property
+    def one_process(self) -> bool:
+        """One process is traced, and only it (--pid or COMMAND, without
+        --follow-forks): its uprobes can be attached for it alone."""
+        return (
+            (self.pid is not None or bool(self.command))
+            and not self.follow_forks
+            and self.comm is None
+            and self.filtered_by_pid
+        )
+
+    @property
     def alloc_events(self) -> bool:
         """An output wants each allocation and free through the ring."""
         files = any(registry.file_output(name).alloc_records for name, _ in self.files)
@@ -165,11 +176,16 @@ class LiveTrace:
     """One attached program, its ring buffer and its sinks."""
 
     def __init__(
-        self, request: TraceRequest, libc: Path, make_sinks: Callable[[], list[Sink]]
+        self,
+        request: TraceRequest,
+        libc: Path,
+        make_sinks: Callable[[], list[Sink]],
+        target_pid: int | None = None,
     ) -> None:
         """``make_sinks`` runs once the probes are chosen and root is
         confirmed, before the program is built: an output that cannot be
-        written fails there, before anything attaches."""
+        written fails there, before anything attaches. ``target_pid``: the
+        process of --pid or COMMAND, known before anything attaches."""
         self.request = request
         self.notices: list[str] = []
         self.sdt = request.libc_probes
@@ -230,11 +246,14 @@ class LiveTrace:
         if self.kmem:
             defines.update(kmem_defines(tracepoint_format))
         self.hold = False
+        # One process alone: its uprobes are attached for it alone.
+        self.alloc_pid = target_pid if request.one_process and target_pid is not None else -1
         if self.alloc_plan is not None:
             self.hold = not request.privileges_dropped and self.alloc_plan.exit_offset is not None
             defines.update(allocs.defines(request.sample_bytes, request.alloc_events,
                                           walk=True, outstanding=request.max_outstanding,
-                                          stacks=request.alloc_stacks, hold=self.hold))  # fmt: skip
+                                          stacks=request.alloc_stacks, hold=self.hold,
+                                          one_process=self.alloc_pid >= 0))  # fmt: skip
         stats_fd = bpf_syscalls.enable_run_time_stats() if request.bpf_stats else None
         if request.bpf_stats and stats_fd is None and not bpf_syscalls.sysctl_enabled():
             raise NotPrivilegedError("--bpf-stats: this kernel refused to count BPF run time")
@@ -246,7 +265,8 @@ class LiveTrace:
         try:
             usdt.attach(self.program, self.selection)
             if self.alloc_plan is not None:
-                allocs.attach(self.program, self.alloc_plan, request.sample_bytes, self.hold)
+                allocs.attach(self.program, self.alloc_plan, request.sample_bytes, self.hold,
+                              self.alloc_pid)  # fmt: skip
             self.program.set_gate(True)
             self.reader = RingReader(
                 self.program.map_fd("events"), request.buffer_pages * mmap.PAGESIZE, EVENT_DTYPE
@@ -470,7 +490,8 @@ def run_trace(
     child = GatedCommand(argv) if argv is not None else None
     trace: LiveTrace | None = None
     try:
-        trace = LiveTrace(request, libc, make_sinks or (lambda: default_sinks(request)))
+        trace = LiveTrace(request, libc, make_sinks or (lambda: default_sinks(request)),
+                          child.pid if child is not None else request.pid)  # fmt: skip
     except BaseException:
         if child is not None:
             child.abandon()  # the command never ran

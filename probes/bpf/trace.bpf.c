@@ -91,6 +91,9 @@
 #ifndef ALLOC_EVENTS
 #define ALLOC_EVENTS 0 /* send each kept allocation and free through the ring */
 #endif
+#ifndef ALLOC_ONE_PROCESS
+#define ALLOC_ONE_PROCESS 0 /* the uprobes are attached for one process: the kernel filters */
+#endif
 #ifndef ALLOC_OUT_ROWS
 #define ALLOC_OUT_ROWS 524288 /* rows of `outstanding` (a power of two): twice --max-outstanding */
 #endif
@@ -746,6 +749,47 @@ static __always_inline int allocs_gate_closed(void)
 #endif
 }
 
+/* Attached for one process alone (ALLOC_ONE_PROCESS), the uprobes fire in
+ * no other: the kernel filters, and the followed table need not be asked. */
+static __always_inline int alloc_followed(u32 tgid)
+{
+#if ALLOC_ONE_PROCESS
+    return 1;
+#else
+    return tgid_is_followed(tgid);
+#endif
+}
+
+#if !ALLOC_EVENTS
+/* The time of an allocation when no event shows it: the ages of live
+ * blocks and the stacks' last allocations are read in seconds, so a clock
+ * read once a tick per CPU does, less than a tick (jiffy) behind; reading
+ * the clock on each allocation cost 20-30 ns here (docs/allocations.md). */
+struct tick_clock {
+    u64 jiffies;
+    u64 ns;
+};
+BPF_PERCPU_ARRAY(alloc_clock, struct tick_clock, 1);
+#endif
+
+static __always_inline u64 alloc_now(void)
+{
+#if ALLOC_EVENTS
+    return bpf_ktime_get_ns(); /* events show it, and order by it */
+#else
+    u32 zero = 0;
+    struct tick_clock *clock = alloc_clock.lookup(&zero);
+    if (!clock)
+        return bpf_ktime_get_ns();
+    u64 tick = bpf_jiffies64();
+    if (clock->jiffies != tick) {
+        clock->jiffies = tick;
+        clock->ns = bpf_ktime_get_ns();
+    }
+    return clock->ns;
+#endif
+}
+
 static __always_inline struct alloc_proc *alloc_proc_of(u32 tgid)
 {
     struct alloc_proc zero = {};
@@ -778,7 +822,7 @@ static __always_inline int on_alloc_entry(struct pt_regs *ctx, u32 fn, u64 size,
     if (allocs_gate_closed())
         return 0;
     u64 id = bpf_get_current_pid_tgid();
-    if (!tgid_is_followed(id >> 32))
+    if (!alloc_followed(id >> 32))
         return 0;
     alloc_calls.increment(fn);
     u32 tid = (u32)id;
@@ -1064,7 +1108,7 @@ int alloc_return(struct pt_regs *ctx)
 #endif
     struct alloc_stats zero = {};
     struct alloc_stats *s = alloc_stacks.lookup_or_try_init(&key, &zero);
-    u64 now = bpf_ktime_get_ns();
+    u64 now = alloc_now();
     if (!s) {
         alloc_misc.increment(AX_STACKS_FULL);
 #if EXACT_STACKS
@@ -1165,7 +1209,7 @@ int alloc_free(struct pt_regs *ctx)
         return 0;
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
-    if (!tgid_is_followed(tgid))
+    if (!alloc_followed(tgid))
         return 0;
     alloc_calls.increment(AF_FREE);
     u64 ptr = PT_REGS_PARM1(ctx);

@@ -29,6 +29,8 @@ from .test_serve import Prometheus, fetch, free_port, start_serve, stop
 from .tracing import (
     BPFTRACE_READY,
     Reaper,
+    finish,
+    gate,
     start_bpftrace,
     stop_bpftrace,
     wait_for_line,
@@ -430,3 +432,47 @@ def test_all_traces_the_allocations_of_every_process_mapping_the_libc(
     for site in truth["sites"]:
         got = found[(site["function"], site["fn"])]
         assert (got["calls"], got["live_bytes"]) == (site["calls"], site["leaked_bytes"]), site
+
+
+# Waits for a line, allocates 64 KiB blocks with the libc's malloc (below the
+# mmap threshold, above pymalloc's), says so, and waits again.
+ALLOCATING_PYTHON = (
+    "import sys\n"
+    "sys.stdin.readline()\n"
+    "blocks = [bytearray(1 << 16) for _ in range(64)]\n"
+    "print('allocated', flush=True)\n"
+    "sys.stdin.readline()\n"
+)
+
+
+def uprobe_area(pid: int) -> bool:
+    """Whether the kernel gave ``pid`` its uprobe area, which it maps on the
+    first return probe that fires in a process."""
+    return "[uprobes]" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_pid_alone_places_no_probe_in_other_processes(tmp_path: Path) -> None:
+    # GIVEN two processes on the same libc, each about to call malloc
+    err = tmp_path / "trace.err"
+    with Reaper() as reaper:
+        target, bystander = (
+            reaper.add(subprocess.Popen(["/usr/bin/python3", "-c", ALLOCATING_PYTHON],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+            for _ in range(2)
+        )  # fmt: skip
+        # WHEN mtrace-live traces one of them by --pid, and both allocate
+        with open(err, "wb") as errors:
+            tracer = reaper.add(subprocess.Popen(
+                [*MTRACE, "--pid", str(target.pid), "-o", "json"],
+                stdout=subprocess.DEVNULL, stderr=errors,
+            ))  # fmt: skip
+        wait_for_line(err, READY, tracer, timeout=120)
+        for proc in (target, bystander):
+            gate(proc, b"go\n", b"allocated\n")
+        # THEN the return probes fired in the target (its uprobe area is
+        # there) and the kernel never placed them in the other process
+        assert uprobe_area(target.pid)
+        assert not uprobe_area(bystander.pid)
+        assert (finish(target), finish(bystander)) == (0, 0)
+        tracer.send_signal(2)
+        assert tracer.wait(timeout=120) == 0, err.read_text()
