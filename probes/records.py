@@ -144,7 +144,7 @@ ORDER_STATS_DTYPE = np.dtype([("allocs", "<u8"), ("frees", "<u8")])
 # Stack ids of allocations from here on index alloc_frames, not `stacks`.
 ALLOC_FRAMES_BASE = 0x40000000
 
-# struct alloc_key and struct alloc_stats (alloc_stacks), struct alloc_proc
+# struct alloc_key, struct alloc_stats and struct alloc_stack_row (alloc_stacks), struct alloc_proc
 # (alloc_procs), struct outstanding and struct outstanding_row (outstanding).
 ALLOC_KEY_DTYPE = np.dtype(
     [("call_site", "<u8"), ("tgid", "<u4"), ("stack", "<i4"), ("fn", "<u4"), ("pad", "<u4")]
@@ -157,6 +157,9 @@ VM_PROC_FIELDS = ("mmap_calls", "mmap_bytes", "mmap_file_bytes", "munmap_calls",
                   "mremap_calls", "mremap_grown", "mremap_shrunk", "brk_calls", "brk_grown",
                   "brk_shrunk")  # fmt: skip
 VM_PROC_DTYPE = np.dtype([(name, "<u8") for name in VM_PROC_FIELDS])
+ALLOC_STACK_ROW_DTYPE = np.dtype(
+    [("tag", "<u8"), ("key", ALLOC_KEY_DTYPE), ("stats", ALLOC_STATS_DTYPE)]
+)
 OUTSTANDING_DTYPE = np.dtype(
     [
         ("key", ALLOC_KEY_DTYPE),
@@ -164,7 +167,7 @@ OUTSTANDING_DTYPE = np.dtype(
         ("weight", "<u8"),
         ("ts", "<u8"),
         ("tid", "<u4"),
-        ("pad", "<u4"),
+        ("stack_row", "<u4"),
     ]
 )
 OUTSTANDING_ROW_DTYPE = np.dtype(
@@ -182,6 +185,7 @@ LAYOUTS = {
     "order_stats": ORDER_STATS_DTYPE,
     "alloc_key": ALLOC_KEY_DTYPE,
     "alloc_stats": ALLOC_STATS_DTYPE,
+    "alloc_stack_row": ALLOC_STACK_ROW_DTYPE,
     "alloc_proc": ALLOC_PROC_DTYPE,
     "vm_proc": VM_PROC_DTYPE,
     "outstanding": OUTSTANDING_DTYPE,

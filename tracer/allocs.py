@@ -31,9 +31,8 @@ from mtrace_live.exporters.data.errors import NoProbesError, NotElfError
 from mtrace_live.probes.alloc_sites import AllocSite, alloc_sites
 from mtrace_live.probes.records import (
     ALLOC_FN_NAMES,
-    ALLOC_KEY_DTYPE,
     ALLOC_PROC_DTYPE,
-    ALLOC_STATS_DTYPE,
+    ALLOC_STACK_ROW_DTYPE,
     OUTSTANDING_FREE_TAGS,
     OUTSTANDING_ROW_DTYPE,
     VM_PROC_DTYPE,
@@ -126,7 +125,7 @@ def defines(sample_bytes: int, events: bool, walk: bool, outstanding: int, stack
         "ALLOC_DEPTH": STACK_DEPTH,
         "ALLOC_FRAME_ROWS": 1 << (2 * stacks - 1).bit_length(),
         "ALLOC_OUT_ROWS": 1 << (2 * outstanding - 1).bit_length(),
-        "ALLOC_STACKS": stacks,
+        "ALLOC_STACK_ROWS": 1 << (2 * stacks - 1).bit_length(),
         "SAMPLE_BYTES": sample_bytes,
         "HOLD_AT_EXIT": int(hold),
     }
@@ -160,10 +159,12 @@ def read_snapshot(program: BpfProgram, sample_bytes: int, started_ns: int,
                   outstanding: bool = False) -> AllocSnapshot:  # fmt: skip
     """The kernel's tables now; the outstanding allocations only when asked
     (there may be hundreds of thousands)."""
-    keys, values = program.read_table("alloc_stacks", ALLOC_KEY_DTYPE, ALLOC_STATS_DTYPE)
+    _, table = program.read_table("alloc_stacks", "<u4", ALLOC_STACK_ROW_DTYPE)
+    # claimed rows whose key is written (a CPU writes it just after its claim)
+    table = table[(table["tag"] != 0) & (table["key"]["call_site"] != 0)]
     stacks = []
     frames_of: dict[int, tuple[int, ...]] = {}
-    for key, value in zip(keys.tolist(), values.tolist(), strict=True):
+    for _, key, value in table.tolist():
         call_site, tgid, stack, fn, _ = key
         stacks.append(StackRow(tgid, _fn_name(fn), call_site,
                                _frames(program, stack, call_site, frames_of), *value))  # fmt: skip

@@ -174,6 +174,14 @@ struct alloc_stats {
     u64 last_ts;      /* the newest allocation's time */
 };
 
+/* A row of alloc_stacks, an open-addressed table in an array: tag is the
+ * key's 64-bit hash (0: a free row), set before the key is written. */
+struct alloc_stack_row {
+    u64 tag;
+    struct alloc_key key;
+    struct alloc_stats stats;
+};
+
 /* alloc_procs: per process, every call (sampled or not). */
 struct alloc_proc { /* without sampling, only what alloc_stacks rows do not count (trace.bpf.c) */
     u64 calls;         /* allocations that returned a pointer */
@@ -207,7 +215,7 @@ struct outstanding {
     u64 weight;
     u64 ts;
     u32 tid;
-    u32 pad;
+    u32 stack_row; /* the row of alloc_stacks that counts it */
 };
 
 struct outstanding_row {

@@ -100,8 +100,8 @@
 #ifndef ALLOC_FRAME_ROWS
 #define ALLOC_FRAME_ROWS 32768 /* rows of alloc_frames (a power of two): twice --alloc-stacks */
 #endif
-#ifndef ALLOC_STACKS
-#define ALLOC_STACKS 16384
+#ifndef ALLOC_STACK_ROWS
+#define ALLOC_STACK_ROWS 32768 /* rows of alloc_stacks (a power of two): twice --alloc-stacks */
 #endif
 #ifndef ALLOC_WALK
 #define ALLOC_WALK 1 /* walk the user stack of kept allocations (else: call site only) */
@@ -729,7 +729,14 @@ BPF_PERCPU_ARRAY(alloc_walk, struct alloc_frames_row, 1);
 #define OUT_PROBES 16
 #define OUT_DELETED 1
 BPF_ARRAY(outstanding, struct outstanding_row, ALLOC_OUT_ROWS);
-BPF_HASH(alloc_stacks, struct alloc_key, struct alloc_stats, ALLOC_STACKS);
+/* Per (process, function, stack): an open-addressed table in an array, so
+ * that the free of a block finds its stack's row by the index its
+ * outstanding row keeps, not by hashing the key again. A row is claimed by
+ * swapping its tag from 0 to the key's 64-bit hash; the tag alone then
+ * names the key (two keys of one hash among some thousands: about one
+ * chance in 2^40). Up to STACK_PROBES rows from the one the hash picks. */
+#define STACK_PROBES 8
+BPF_ARRAY(alloc_stacks, struct alloc_stack_row, ALLOC_STACK_ROWS);
 BPF_HASH(alloc_procs, u32, struct alloc_proc, MAX_FOLLOWED);
 BPF_PERCPU_ARRAY(alloc_calls, u64, AF_COUNT); /* every hit, nested ones included */
 BPF_PERCPU_ARRAY(alloc_misc, u64, AX_COUNT);
@@ -927,6 +934,41 @@ static __always_inline int outstanding_add(u64 ptr, u32 tgid, struct outstanding
     return -1;
 }
 
+static __always_inline u64 alloc_key_hash(const struct alloc_key *key)
+{
+    u64 h = (key->call_site ^ 0x84222325cbf29ce4ull) * 0x9e3779b97f4a7c15ull;
+    h = (h ^ (h >> 29) ^ ((u64)key->tgid << 32 | (u32)key->stack)) * 0x9e3779b97f4a7c15ull;
+    h = (h ^ (h >> 29) ^ key->fn) * 0x9e3779b97f4a7c15ull;
+    return h | 1; /* never 0, which marks a free row */
+}
+
+/* The row of `key`, claimed if it has none; NULL when none of its
+ * STACK_PROBES rows is its or free. `*index` is the row's. */
+static __always_inline struct alloc_stack_row *stack_row_of(const struct alloc_key *key, u32 *index)
+{
+    u64 tag = alloc_key_hash(key);
+    for (u32 i = 0; i < STACK_PROBES; i++) {
+        u32 at = (u32)(tag + i) & (ALLOC_STACK_ROWS - 1);
+        struct alloc_stack_row *row = alloc_stacks.lookup(&at);
+        if (!row)
+            return NULL;
+        u64 seen = row->tag;
+        if (!seen) {
+            seen = __sync_val_compare_and_swap(&row->tag, 0, tag);
+            if (!seen) { /* claimed: the key follows (user space skips a row without one) */
+                row->key = *key;
+                *index = at;
+                return row;
+            }
+        }
+        if (seen == tag) {
+            *index = at;
+            return row;
+        }
+    }
+    return NULL;
+}
+
 /* Release `ptr` of process `tgid`: its outstanding entry, its stack's live bytes. */
 static __always_inline void release(u32 fn, u32 tgid, u32 tid, u64 call_site, u64 ptr)
 {
@@ -944,7 +986,8 @@ static __always_inline void release(u32 fn, u32 tgid, u32 tid, u64 call_site, u6
     }
     struct outstanding known = o->value;
     o->tag = OUT_DELETED;
-    struct alloc_stats *s = alloc_stacks.lookup(&known.key);
+    struct alloc_stack_row *row = alloc_stacks.lookup(&known.stack_row);
+    struct alloc_stats *s = row ? &row->stats : NULL;
     if (s) {
         __sync_fetch_and_add(&s->frees, 1);
         __sync_fetch_and_add(&s->bytes_freed, known.weight);
@@ -1106,8 +1149,9 @@ int alloc_return(struct pt_regs *ctx)
 #else
     key.stack = -1;
 #endif
-    struct alloc_stats zero = {};
-    struct alloc_stats *s = alloc_stacks.lookup_or_try_init(&key, &zero);
+    u32 stack_row = 0;
+    struct alloc_stack_row *row = stack_row_of(&key, &stack_row);
+    struct alloc_stats *s = row ? &row->stats : NULL;
     u64 now = alloc_now();
     if (!s) {
         alloc_misc.increment(AX_STACKS_FULL);
@@ -1125,7 +1169,8 @@ int alloc_return(struct pt_regs *ctx)
         s->last_ts = now;
     }
     if (s) {
-        struct outstanding o = {.key = key, .size = call.size, .weight = weight, .ts = now, .tid = tid};
+        struct outstanding o = {.key = key, .size = call.size, .weight = weight, .ts = now,
+                                .tid = tid, .stack_row = stack_row};
         if (outstanding_add(ptr, tgid, &o)) {
             alloc_misc.increment(AX_OUTSTANDING_FULL);
             /* never to be matched: counted as freed at once, so live bytes stay right */
