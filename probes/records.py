@@ -144,8 +144,9 @@ ORDER_STATS_DTYPE = np.dtype([("allocs", "<u8"), ("frees", "<u8")])
 # Stack ids of allocations from here on index alloc_frames, not `stacks`.
 ALLOC_FRAMES_BASE = 0x40000000
 
-# struct alloc_key, struct alloc_stats and struct alloc_stack_row (alloc_stacks), struct alloc_proc
-# (alloc_procs), struct outstanding and struct outstanding_row (outstanding).
+# struct alloc_key, struct alloc_stats and struct alloc_stack_row
+# (alloc_stacks), struct alloc_proc (alloc_procs), struct outstanding and
+# struct outstanding_row (outstanding).
 ALLOC_KEY_DTYPE = np.dtype(
     [("call_site", "<u8"), ("tgid", "<u4"), ("stack", "<i4"), ("fn", "<u4"), ("pad", "<u4")]
 )

@@ -123,12 +123,18 @@ def defines(sample_bytes: int, events: bool, walk: bool, outstanding: int, stack
         "ALLOC_EVENTS": int(events),
         "ALLOC_WALK": int(walk),
         "ALLOC_DEPTH": STACK_DEPTH,
-        "ALLOC_FRAME_ROWS": 1 << (2 * stacks - 1).bit_length(),
-        "ALLOC_OUT_ROWS": 1 << (2 * outstanding - 1).bit_length(),
-        "ALLOC_STACK_ROWS": 1 << (2 * stacks - 1).bit_length(),
+        "ALLOC_FRAME_ROWS": _open_rows(stacks),
+        "ALLOC_OUT_ROWS": _open_rows(outstanding),
+        "ALLOC_STACK_ROWS": _open_rows(stacks),
         "SAMPLE_BYTES": sample_bytes,
         "HOLD_AT_EXIT": int(hold),
     }
+
+
+def _open_rows(entries: int) -> int:
+    """Rows of an open-addressed table in trace.bpf.c meant to hold
+    ``entries``: twice as many, rounded up to a power of two."""
+    return 1 << (2 * entries - 1).bit_length()
 
 
 def attach(program: BpfProgram, chosen: AllocPlan, sample_bytes: int, hold: bool,
