@@ -242,6 +242,11 @@ class BpfProgram:
         control = self._bpf["control"]
         control[control.Key(0)] = control.Leaf(int(open_))
 
+    def set_u64(self, table: str, key: int, value: int) -> None:
+        """One entry of a hash map of u32 keys and u64 values."""
+        bcc_table = self._bpf[table]
+        bcc_table[bcc_table.Key(key)] = bcc_table.Leaf(value)
+
     def follow(self, pids: Iterable[int]) -> None:
         followed = self._bpf["followed"]
         for pid in pids:

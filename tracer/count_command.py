@@ -26,6 +26,8 @@ class CountRequest:
     usdt: bool
     follow_forks: bool
     duration: float | None
+    derived: bool = False
+    debug_file: Path | None = None
 
 
 class _Stopped(KeyboardInterrupt):
@@ -98,8 +100,9 @@ def _announce(counter: HitCounter, pid: int) -> None:
 
 def _counter(request: CountRequest, libc: Path | None) -> HitCounter:
     return HitCounter(
-        libc if request.usdt else None, request.patterns, request.follow_forks, request.kmem
-    )
+        libc if request.usdt else None, request.patterns, request.follow_forks, request.kmem,
+        request.derived, request.debug_file,
+    )  # fmt: skip
 
 
 def _watch(pid: int, duration: float | None) -> None:

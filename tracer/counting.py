@@ -48,10 +48,15 @@ class HitCounter:
         patterns: Sequence[str],
         follow_forks: bool = True,
         kmem: bool = False,
+        derive: bool = False,
+        debug_file: Path | None = None,
     ) -> None:
-        """``libc=None`` counts no USDT probe (kmem tracepoints only)."""
-        # A libc without probes is worth saying even to a user without root.
-        self.selection = usdt.choose(libc, patterns) if libc is not None else None
+        """``libc=None`` counts no USDT probe (kmem tracepoints only). The
+        probes are derived (probes/derived.py) with ``derive``, or when the
+        libc has no SDT notes."""
+        self.selection = (
+            usdt.choose_source(libc, patterns, derive, debug_file) if libc is not None else None
+        )
         require_privileges()
         self.probes = list(self.selection.probes) if self.selection else []
         defines = {
@@ -59,6 +64,7 @@ class HitCounter:
             "WITH_KMEM": int(kmem),
             "WITH_EVENTS": 0,
             **usdt.site_defines(self.selection),
+            **usdt.derived_defines(self.selection),
         }
         self.kmem = kmem
         self._has_cache_name = False
@@ -72,7 +78,11 @@ class HitCounter:
             usdt.attach(self._program, self.selection)
 
     def follow(self, pids: Iterable[int]) -> None:
+        pids = list(pids)
         self._program.follow(pids)
+        if self.selection is not None:
+            for pid in pids:
+                usdt.seed_break(self._program, self.selection, pid)
 
     def usdt_counts(self) -> dict[str, int]:
         totals = self._program.percpu_array_totals("hits")

@@ -55,6 +55,7 @@ def run_checks(libc: Path, catalog: Catalog) -> Iterator[Check]:
     yield _alloc_functions(libc)
     yield _libc_notes(libc, catalog)
     yield _debug_file(libc)
+    yield _derived_probes(libc)
     for tracepoint in catalog.tracepoints.values():
         yield _tracepoint(tracepoint.category, tracepoint.name,
                           [f.name for f in tracepoint.fields if f.required])  # fmt: skip
@@ -124,7 +125,8 @@ def _libc_notes(libc: Path, catalog: Catalog) -> Check:
     ours = [s for s in sites if s.provider == "libc"]
     if not ours:
         return Check(name, UNAVAILABLE, f"{no_probes_error(libc)}; the allocation functions are "
-                     "traced without them, the arena and heap events need them")  # fmt: skip
+                     "traced without them, and the memory_* probes are derived (see 'derived "
+                     "probes')")  # fmt: skip
     known = sum(1 for n in {s.name for s in ours} if catalog.probe("libc", n))
     return Check(name, OK, f"{libc}: {len({s.name for s in ours})} probes at {len(ours)} sites, "
                            f"{known} in the catalog")  # fmt: skip
@@ -160,6 +162,52 @@ def _debug_file(libc: Path) -> Check:
     return Check(name, UNAVAILABLE, f"{libc} has no line tables or full symbol table, and no "
                  f"debug file by build-id {symbols.build_id or '?'} was found: frames inside "
                  "it show as addresses; install its debug package (Debian: libc6-dbg)")  # fmt: skip
+
+
+def _derived_probes(libc: Path) -> Check:
+    """What the derived memory_* probes can rebuild for this libc, and the
+    package that provides its debug file."""
+    from mtrace_live.probes.debuginfo import DebugInfoError
+    from mtrace_live.probes.derived import APPROXIMATE, EXACT, NotGlibcError, plan
+
+    name = "derived probes"
+    try:
+        derived = plan(libc)
+    except (OSError, ValueError, MtraceError, DebugInfoError, NotGlibcError) as exc:
+        return Check(name, NOT_SUPPORTED, f"{libc}: {exc}")
+    count = {status: sum(1 for p in derived.probes.values() if p.status == status)
+             for status in (EXACT, APPROXIMATE)}  # fmt: skip
+    summary = (f"{count[EXACT]} exact, {count[APPROXIMATE]} approximate, "
+               f"{len(derived.probes) - sum(count.values())} unavailable "
+               "('mtrace-live probes --derived' says why)")  # fmt: skip
+    if derived.debug_file is None:
+        return Check(name, UNAVAILABLE, f"{summary}; {derived.debug_problem}; the package that "
+                     f"provides it: {debug_package(libc)}")  # fmt: skip
+    return Check(name, OK, f"{summary}; debug file {derived.debug_file}, from "
+                           f"{debug_package(derived.debug_file)}")  # fmt: skip
+
+
+def debug_package(path: Path) -> str:
+    """The Debian package that owns ``path`` (dpkg -S), or that would
+    provide a libc's debug file (the libc's package name with -dbg)."""
+    import subprocess
+
+    def owner(file: Path) -> str | None:
+        try:
+            done = subprocess.run(["dpkg-query", "-S", str(file)], capture_output=True,
+                                  text=True, timeout=10)  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if done.returncode != 0 or ":" not in done.stdout:
+            return None
+        return done.stdout.split(":", 1)[0].strip()
+
+    found = owner(path) or owner(path.resolve())
+    if found is None:
+        return "none installed (not a Debian package file)"
+    if path.suffix == ".debug" or "/usr/lib/debug/" in str(path):
+        return f"package {found}"
+    return f"package {found.split(':')[0]}-dbg (apt-get install {found.split(':')[0]}-dbg)"
 
 
 def _tracepoint(category: str, event: str, required: list[str]) -> Check:

@@ -29,6 +29,7 @@ from mtrace_live.exporters import registry
 from mtrace_live.exporters.data.allocations import FrameNames
 from mtrace_live.exporters.data.errors import (
     MtraceError,
+    NoMatchingProbeError,
     NoProbesError,
     NotPrivilegedError,
     OutputClosedError,
@@ -68,6 +69,8 @@ class TraceRequest:
     command: tuple[str, ...] = ()
     lib: Path | None = None
     sdt_glibc: bool = False
+    derived: bool = False  # derive the memory_* probes even when the libc has SDT notes
+    debug_file: Path | None = None  # the libc's debug file, for the derived probes
     patterns: tuple[str, ...] = usdt.DEFAULT_PATTERNS
     output: str = "text"  # live, text or json
     follow_forks: bool = False
@@ -192,20 +195,22 @@ class LiveTrace:
         self.selection = usdt.ProbeSelection(libc, (), (), {})
         sdt_problem = None
         if request.libc_probes:
-            try:
-                self.selection = usdt.choose(libc, request.patterns)  # before root
-            except NoProbesError as exc:
+            try:  # before root
+                self.selection = usdt.choose_source(
+                    libc, request.patterns, request.derived, request.debug_file
+                )
+            except (NoProbesError, NoMatchingProbeError) as exc:
                 if not request.allocs:
                     raise
                 self.sdt = False
                 sdt_problem = str(exc)
+        self.notices.extend(derived_notices(self.selection))
         self.alloc_plan = allocs.plan(libc) if request.allocs and request.libc_probes else None
         if self.alloc_plan is not None:
             allocs.check_attachable(self.alloc_plan, sdt_problem)
             if sdt_problem is not None:
                 self.notices.append(
-                    f"no SDT probes: {libc} was built without --enable-systemtap, so its "
-                    "arena and heap events are not seen; the allocation functions are "
+                    f"no libc probes: {sdt_problem}; the allocation functions are traced "
                     "('mtrace-live doctor' says what each source needs)"
                 )
         require_privileges()
@@ -230,6 +235,7 @@ class LiveTrace:
             "WITH_EVENTS": 1,
             "RINGBUF_PAGES": request.buffer_pages,
             **usdt.site_defines(self.selection),
+            **usdt.derived_defines(self.selection),
             "WITH_KMEM": int(self.kmem),
             "KMEM_EVENTS": int(request.kernel_records),
             "PAGE_SHIFT_": mmap.PAGESIZE.bit_length() - 1,
@@ -318,6 +324,7 @@ class LiveTrace:
 
     def follow(self, pid: int) -> None:
         self.program.follow([pid])
+        usdt.seed_break(self.program, self.selection, pid)
 
     more_waiting = False  # the last read left events in the ring
 
@@ -438,6 +445,22 @@ def default_sinks(request: TraceRequest) -> list[Sink]:
     """The file outputs asked for, then the stream on standard output."""
     files = [registry.file_sink(name, path) for name, path in request.files]
     return [*files, registry.stream(request.output)]
+
+
+def derived_notices(selection: usdt.ProbeSelection) -> list[str]:
+    """What a trace on derived probes says first: where they come from, and
+    what is missing."""
+    plan = selection.derived
+    if plan is None:
+        return []
+    notes = [
+        f"{plan.libc}: memory_* probes derived from system calls, exported symbols"
+        + (f" and {plan.debug_file}" if plan.debug_file else "")
+        + " ('mtrace-live probes --derived' shows each source)"
+    ]
+    if plan.debug_problem:
+        notes.append(f"{plan.debug_problem}: the arena and retry probes are not derived")
+    return notes
 
 
 def announce(trace: LiveTrace, pid: int | None) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 from mtrace_live.exporters.data.errors import NoProbesError
 from mtrace_live.probes import sdt_notes
 from mtrace_live.probes.catalog import Catalog, Comparison, compare, parse_note_arg
+from mtrace_live.probes.derived import UNAVAILABLE, DerivedPlan
 
 from .target import read_file_sites
 
@@ -137,6 +138,59 @@ def render_text(listing: FileListing) -> list[str]:
     lines += [f"missing: {name}" for name in c.missing]
     lines += [f"mismatch: {line}" for line in c.mismatches]
     return lines
+
+
+def render_derived_text(plan: DerivedPlan) -> list[str]:
+    """Each memory_* probe (and lll_lock_wait_private) as derived: its
+    status, what it is derived from, and each uprobe site with the anchor
+    found, the instruction chosen and where each argument is."""
+    debug = plan.debug_file or plan.debug_problem
+    lines = [f"{plan.libc}: memory_* probes derived (docs/derived-probes.md); debug file: {debug}"]
+    for probe in plan.probes.values():
+        head = f"{probe.name}  {probe.status}"
+        if probe.status == UNAVAILABLE:
+            lines.append(f"{head}: {probe.differs}")
+            continue
+        lines.append(f"{head}, from {probe.source}: {probe.derived_from}")
+        if probe.differs:
+            lines.append(f"    differs: {probe.differs}")
+        for site in probe.sites:
+            how = "emulated" if site.emulated else "single-stepped"
+            lines.append(f"    {site.address:#x}  {site.instruction}  ({how}; {site.anchor})")
+            lines.append("      " + "  ".join(f"{a.name}={a.text}" for a in site.args))
+        for arg in probe.syscall_args:
+            lines.append(f"      {arg.name}: {arg.text}")
+    return lines
+
+
+def render_derived_json(plan: DerivedPlan) -> dict[str, Any]:
+    return {
+        "debug_file": str(plan.debug_file) if plan.debug_file else None,
+        "debug_problem": plan.debug_problem or None,
+        "probes": [
+            {
+                "name": p.name,
+                "status": p.status,
+                "source": p.source or None,
+                "derived_from": p.derived_from or None,
+                "differs": p.differs or None,
+                "sites": [
+                    {
+                        "address": s.address,
+                        "file_offset": s.file_offset,
+                        "function": s.function,
+                        "anchor": s.anchor,
+                        "instruction": s.instruction,
+                        "emulated": s.emulated,
+                        "arguments": [{"name": a.name, "location": a.text} for a in s.args],
+                    }
+                    for s in p.sites
+                ],
+                "arguments": [{"name": a.name, "from": a.text} for a in p.syscall_args],
+            }
+            for p in plan.probes.values()
+        ],
+    }
 
 
 def render_json(listing: FileListing) -> dict[str, Any]:

@@ -37,6 +37,22 @@ def require_process(pid: int) -> None:
         raise TargetError(f"no process with pid {pid}")
 
 
+def current_break(pid: int) -> int | None:
+    """Where process ``pid``'s break is: the end of its [heap] mapping (the
+    break rounded up to a page; glibc keeps it page-aligned), or, before the
+    heap has grown, its start_brk (field 47 of /proc/PID/stat); None if gone."""
+    try:
+        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
+            for line in maps:
+                if line.rstrip().endswith("[heap]"):
+                    return int(line.split("-", 1)[1].split()[0], 16)
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return int(fields[47 - 3])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def mapped_glibc(pid: int) -> MappedGlibc:
     """The libc and dynamic linker process ``pid`` really maps."""
     found: dict[str, Path] = {}

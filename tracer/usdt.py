@@ -14,9 +14,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mtrace_live.exporters.data.errors import NoMatchingProbeError, NoProbesError, UsageError
+from mtrace_live.exporters.data.errors import (
+    NoMatchingProbeError,
+    NoProbesError,
+    TargetError,
+    UsageError,
+)
 from mtrace_live.exporters.data.events import SiteInfo, site_info
+from mtrace_live.probes import derived
 from mtrace_live.probes.catalog import Catalog
+from mtrace_live.probes.debuginfo import DebugInfoError
 from mtrace_live.probes.locations import SiteLayout, layout_sites, rip_symbols, symbol_addresses
 from mtrace_live.probes.records import MAX_ARGS
 from mtrace_live.probes.sdt_notes import SdtSite
@@ -52,6 +59,7 @@ class ProbeSelection:
     probes: tuple[str, ...]
     layouts: tuple[SiteLayout, ...]
     symbols: Mapping[str, int]  # link-time addresses: the operands' and SYMBOLS_WANTED
+    derived: derived.DerivedPlan | None = None  # set when the probes are derived, not SDT
 
     def site_infos(self, catalog: Catalog) -> list[SiteInfo]:
         return [site_info(lay, catalog.probe(LIBC_PROVIDER, lay.site.name)) for lay in self.layouts]
@@ -99,6 +107,83 @@ def choose(libc: Path, patterns: Sequence[str]) -> ProbeSelection:
         )
     symbols = symbol_addresses(libc, rip_symbols(chosen) | set(SYMBOLS_WANTED))
     return ProbeSelection(libc, tuple(probes), tuple(layout_sites(libc, chosen, symbols)), symbols)
+
+
+def choose_derived(
+    libc: Path, patterns: Sequence[str], debug_file: Path | None = None
+) -> ProbeSelection:
+    """The probes matching ``patterns`` that probes/derived.py can rebuild
+    for ``libc``, with their uprobe sites first and one site entry per
+    syscall-derived probe after them (never attached)."""
+    try:
+        plan = derived.plan(libc, debug_file)
+    except DebugInfoError as exc:
+        raise TargetError(str(exc)) from None
+    except derived.NotGlibcError as exc:
+        raise NoProbesError(str(exc)) from None
+    names = [n for n in plan.available() if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+    if not names:
+        raise NoMatchingProbeError(
+            f"no probe derivable for {libc} matches {', '.join(patterns)}; "
+            f"'mtrace-live probes --derived --lib {libc}' lists them"
+        )
+    layouts = plan.layouts(names)
+    if len(layouts) > MAX_SITES:
+        raise UsageError(f"the derived probes have {len(layouts)} sites; at most {MAX_SITES}")
+    symbols = {"main_arena": plan.main_arena} if plan.main_arena is not None else {}
+    return ProbeSelection(libc, tuple(names), tuple(layouts), symbols, plan)
+
+
+def choose_source(
+    libc: Path, patterns: Sequence[str], derive: bool, debug_file: Path | None
+) -> ProbeSelection:
+    """The SDT probes, or the derived ones: with ``derive``, or when the libc
+    has no SDT notes."""
+    if not derive:
+        try:
+            return choose(libc, patterns)
+        except NoProbesError as exc:
+            try:
+                return choose_derived(libc, patterns, debug_file)
+            except NoProbesError as underived:
+                raise NoProbesError(f"{exc}; nor can they be derived: {underived}") from None
+    return choose_derived(libc, patterns, debug_file)
+
+
+def derived_defines(selection: ProbeSelection | None) -> dict[str, int]:
+    """DERIVED_SYSCALLS and, per syscall-derived probe, its slot (D_<NAME>,
+    -1 when not traced) and its site entry (D_<NAME>_SITE); the heap layout."""
+    plan = selection.derived if selection is not None else None
+    if selection is None or plan is None:
+        return {"DERIVED_SYSCALLS": 0}
+    traced = {p: i for i, p in enumerate(selection.probes)
+              if plan.probes[p].source == derived.SYSCALL}  # fmt: skip
+    defines = {
+        "DERIVED_SYSCALLS": int(bool(traced)),
+        "HEAP_MAX": derived.HEAP_MAX_SIZE,
+        "HEAP_SIZE_OFF": plan.heap_info["size"],
+        "HEAP_MPROTECT_OFF": plan.heap_info["mprotect_size"],
+    }
+    for name in derived.SYSCALL_PROBES:
+        macro = "D_" + name.removeprefix("memory_").upper()
+        defines[macro] = traced.get(name, -1)
+        site = [i for i, lay in enumerate(selection.layouts)
+                if lay.site.name == name and lay.site.file_offset < 0]  # fmt: skip
+        defines[macro + "_SITE"] = site[0] if site else 0
+    return defines
+
+
+def seed_break(program: BpfProgram, selection: ProbeSelection, pid: int) -> None:
+    """Tell the BPF side a running process's current break, so that its
+    next brk call is compared with it: the end of its [heap] mapping (glibc
+    keeps the break page-aligned), else its start_brk."""
+    if selection.derived is None or not {"memory_sbrk_more", "memory_sbrk_less"} & set(
+        selection.probes
+    ):
+        return
+    current = target.current_break(pid)
+    if current is not None:
+        program.set_u64("brk_last", pid, current)
 
 
 def resolve_libc(
@@ -153,4 +238,5 @@ def site_defines(selection: ProbeSelection | None) -> dict[str, int]:
 
 def attach(program: BpfProgram, selection: ProbeSelection) -> None:
     for index, lay in enumerate(selection.layouts):
-        program.attach_uprobe(selection.libc, lay.site.file_offset, f"site_{index}")
+        if lay.site.file_offset >= 0:  # < 0: a syscall-derived probe's entry
+            program.attach_uprobe(selection.libc, lay.site.file_offset, f"site_{index}")

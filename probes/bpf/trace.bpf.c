@@ -27,6 +27,9 @@
 
 #include "records.h"
 
+#ifndef DERIVED_SYSCALLS
+#define DERIVED_SYSCALLS 0 /* derive memory_sbrk_* and memory_heap_* from syscalls (probes/derived.py) */
+#endif
 #ifndef FILTER_PIDS
 #define FILTER_PIDS 1
 #endif
@@ -187,21 +190,41 @@ static __always_inline s32 stack_id(void *ctx, u64 flags, u32 slot)
 }
 
 /* ---- process lifecycle ---------------------------------------------------*/
-#if FILTER_PIDS
-#if FOLLOW_FORKS
+#if DERIVED_SYSCALLS
+/* The break each process last had, as its brk calls returned it, and the
+ * break each thread's brk call in flight asked for. */
+BPF_HASH(brk_last, u32, u64, 16384);
+BPF_HASH(brk_asked, u32, u64, 16384);
+#endif
+
+#if (FILTER_PIDS && FOLLOW_FORKS) || DERIVED_SYSCALLS
 TRACEPOINT_PROBE(task, task_newtask)
 {
     /* Threads share their parent's tgid and need no entry of their own. */
     if (args->clone_flags & MTRACE_CLONE_THREAD)
         return 0;
-    if (!tgid_is_followed(bpf_get_current_pid_tgid() >> 32))
+    u32 parent = bpf_get_current_pid_tgid() >> 32;
+    if (!tgid_is_followed(parent))
         return 0;
     u32 child = args->pid;
+#if FILTER_PIDS && FOLLOW_FORKS
     u8 one = 1;
     followed.update(&child, &one);
+#endif
+#if DERIVED_SYSCALLS
+    /* A forked child has its parent's break, and its libc knows it: it
+     * will not ask the kernel again before growing. */
+    u64 *brk = brk_last.lookup(&parent);
+    if (brk) {
+        u64 inherited = *brk;
+        brk_last.update(&child, &inherited);
+    }
+#endif
     return 0;
 }
 #endif
+
+#if FILTER_PIDS
 
 #if WITH_EVENTS
 static __always_inline void lifecycle_event(u32 tgid, u8 kind, u64 arg)
@@ -308,14 +331,9 @@ static __always_inline u64 load_arg(struct pt_regs *ctx, const u32 packed, const
 }
 
 /* ---- one body for every site ---------------------------------------------*/
-static __always_inline int on_site(struct pt_regs *ctx, const u32 site, const u32 probe,
-                                   const u32 nargs, const u32 a0, const s64 v0,
-                                   const u32 a1, const s64 v1, const u32 a2, const s64 v2,
-                                   const u32 a3, const s64 v3, const u32 a4, const s64 v4,
-                                   const u32 a5, const s64 v5)
+/* Counts a hit of `probe` by the current task if it is traced: 1 if so. */
+static __always_inline int admit(u32 tgid, const u32 probe)
 {
-    u64 id = bpf_get_current_pid_tgid();
-    u32 tgid = id >> 32;
 #if WITH_EVENTS
     u32 first = 0;
     u32 *open = control.lookup(&first);
@@ -335,21 +353,46 @@ static __always_inline int on_site(struct pt_regs *ctx, const u32 site, const u3
     } else {
         proc_hits_dropped.increment(0);
     }
+    return 1;
+}
+
 #if WITH_EVENTS
+/* A probe record with its header filled, or NULL (counted as lost). */
+static __always_inline struct event *probe_record(u64 ip, u64 id, const u32 site,
+                                                  const u32 probe, const u32 nargs)
+{
     struct event *e = events.ringbuf_reserve(sizeof(struct event));
     if (!e) {
         lost.increment(probe);
-        return 0;
+        return NULL;
     }
     e->ts = bpf_ktime_get_ns();
-    e->ip = PT_REGS_IP(ctx);
-    e->tgid = tgid;
+    e->ip = ip;
+    e->tgid = id >> 32;
     e->tid = (u32)id;
     e->cpu = bpf_get_smp_processor_id();
     e->probe = probe;
     e->site = site;
     e->kind = EV_PROBE;
     e->nargs = nargs;
+    e->kstack = -1;
+    return e;
+}
+#endif
+
+static __always_inline int on_site(struct pt_regs *ctx, const u32 site, const u32 probe,
+                                   const u32 nargs, const u32 a0, const s64 v0,
+                                   const u32 a1, const s64 v1, const u32 a2, const s64 v2,
+                                   const u32 a3, const s64 v3, const u32 a4, const s64 v4,
+                                   const u32 a5, const s64 v5)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!admit(id >> 32, probe))
+        return 0;
+#if WITH_EVENTS
+    struct event *e = probe_record(PT_REGS_IP(ctx), id, site, probe, nargs);
+    if (!e)
+        return 0;
     e->args[0] = load_arg(ctx, a0, v0);
     e->args[1] = load_arg(ctx, a1, v1);
     e->args[2] = load_arg(ctx, a2, v2);
@@ -357,7 +400,6 @@ static __always_inline int on_site(struct pt_regs *ctx, const u32 site, const u3
     e->args[4] = load_arg(ctx, a4, v4);
     e->args[5] = load_arg(ctx, a5, v5);
     e->ustack = stack_id(ctx, BPF_F_USER_STACK, 0);
-    e->kstack = -1;
     events.ringbuf_submit(e, 0);
 #endif
     return 0;
@@ -415,6 +457,125 @@ SITES_OF_TENS(11)
 #endif
 #if SITE_COUNT > 120
 SITE(120) SITE(121) SITE(122) SITE(123) SITE(124) SITE(125) SITE(126) SITE(127)
+#endif
+
+/* ---- memory_* probes derived from system calls (probes/derived.py) -------
+ * D_<PROBE> is the probe's slot, or -1 when it is not traced; D_<PROBE>_SITE
+ * the index of the site entry that names its arguments for user space.
+ * HEAP_MAX is glibc's HEAP_MAX_SIZE; HEAP_SIZE_OFF and HEAP_MPROTECT_OFF are
+ * the offsets of heap_info's size and mprotect_size. */
+#if DERIVED_SYSCALLS
+#define MTRACE_PROT_WRITE 0x2   /* include/uapi/asm-generic/mman-common.h */
+#define MTRACE_MADV_DONTNEED 4
+
+static __always_inline void derived_event(void *ctx, const s32 probe, const u32 site,
+                                          u64 a0, u64 a1)
+{
+    if (probe < 0)
+        return;
+    u64 id = bpf_get_current_pid_tgid();
+    if (!admit(id >> 32, probe))
+        return;
+#if WITH_EVENTS
+    struct event *e = probe_record(0, id, site, probe, 2);
+    if (!e)
+        return;
+    e->args[0] = a0;
+    e->args[1] = a1;
+    e->args[2] = e->args[3] = e->args[4] = e->args[5] = 0;
+    e->ustack = stack_id(ctx, BPF_F_USER_STACK, 0);
+    events.ringbuf_submit(e, 0);
+#endif
+}
+
+/* A field of a heap's heap_info, read from the process; 0 if unreadable. */
+static __always_inline u64 heap_field(u64 heap, u64 offset)
+{
+    u64 value = 0;
+    if (bpf_probe_read_user(&value, sizeof(value), (void *)(heap + offset)))
+        return 0;
+    return value;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_brk)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!tgid_is_followed(id >> 32))
+        return 0;
+    u32 tid = (u32)id;
+    u64 asked = args->brk;
+    brk_asked.update(&tid, &asked);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_brk)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = (u32)id, tgid = id >> 32;
+    u64 *asked = brk_asked.lookup(&tid);
+    if (!asked)
+        return 0;
+    u64 want = *asked;
+    brk_asked.delete(&tid);
+    u64 now = (u64)args->ret;
+    u64 *last = brk_last.lookup(&tgid);
+    /* brk(0) only asks where the break is, as sbrk does first in a new
+     * program: it sets the break known, and sends nothing. */
+    if (last && want) {
+        u64 old = *last;
+        if (now > old)
+            derived_event(args, D_SBRK_MORE, D_SBRK_MORE_SITE, old, now - old);
+        else if (now < old)
+            derived_event(args, D_SBRK_LESS, D_SBRK_LESS_SITE, now, old - now);
+        else if (want > old) /* a failed growth: sysmalloc's probe fires with NULL */
+            derived_event(args, D_SBRK_MORE, D_SBRK_MORE_SITE, 0, want - old);
+    }
+    brk_last.update(&tgid, &now);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_mprotect)
+{
+    if (!(args->prot & MTRACE_PROT_WRITE))
+        return 0;
+    u64 start = args->start;
+    u64 heap = start & ~((u64)HEAP_MAX - 1);
+    if (start == heap) { /* alloc_new_heap opens a new heap's first pages */
+        derived_event(args, D_HEAP_NEW, D_HEAP_NEW_SITE, start, args->len);
+        return 0;
+    }
+#if D_HEAP_MORE >= 0
+    /* grow_heap opens pages from the heap's mprotect_size on */
+    if (heap_field(heap, HEAP_MPROTECT_OFF) == start - heap)
+        derived_event(args, D_HEAP_MORE, D_HEAP_MORE_SITE, heap, start + args->len - heap);
+#endif
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_madvise)
+{
+    if (args->behavior != MTRACE_MADV_DONTNEED || D_HEAP_LESS < 0)
+        return 0;
+    u64 start = args->start;
+    u64 heap = start & ~((u64)HEAP_MAX - 1);
+    /* shrink_heap releases the top of the heap, up to its size */
+    if (start != heap && heap + heap_field(heap, HEAP_SIZE_OFF) == start + args->len_in)
+        derived_event(args, D_HEAP_LESS, D_HEAP_LESS_SITE, heap, start - heap);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_munmap)
+{
+    u64 heap = args->addr;
+    if (args->len != HEAP_MAX || (heap & ((u64)HEAP_MAX - 1)) || D_HEAP_FREE < 0)
+        return 0;
+    /* heap_trim unmaps a whole heap; its header is still there to read (an
+     * unused reservation is PROT_NONE, and unreadable) */
+    u64 size = heap_field(heap, HEAP_SIZE_OFF);
+    if (size)
+        derived_event(args, D_HEAP_FREE, D_HEAP_FREE_SITE, heap, size);
+    return 0;
+}
 #endif
 
 /* ---- kmem tracepoints ----------------------------------------------------

@@ -16,6 +16,7 @@ from . import options
 @options.pid_option("Count hits of this running process.")
 @options.lib_option("Attach to this libc instead of the one the target maps.")
 @options.sdt_glibc_option("Run COMMAND under the SDT-enabled glibc built by 'make sdt-glibc'.")
+@options.derived_options
 @options.probes_option("Glob of libc probe names to count; repeatable.", default=("*",))
 @click.option("--kmem", is_flag=True, help="Also count the kmem tracepoints for the target.")
 @click.option(
@@ -29,6 +30,8 @@ def count(
     pid: int | None,
     lib: Path | None,
     sdt_glibc: bool,
+    derived: bool,
+    debug_file: Path | None,
     patterns: tuple[str, ...],
     kmem: bool,
     kmem_only: bool,
@@ -60,6 +63,8 @@ def count(
         usdt=not kmem_only,
         follow_forks=follow_forks,
         duration=duration,
+        derived=derived,
+        debug_file=debug_file,
     )
     report = run_count(request)
     if as_json:

@@ -64,6 +64,28 @@ def sdt_glibc_option(help: str) -> Decorator:
     return click.option("--sdt-glibc", is_flag=True, help=help)
 
 
+def derived_options(command: Any) -> Any:
+    """Where the memory_* probes come from when the libc has SDT notes too."""
+    options = [
+        click.option(
+            "--derived",
+            is_flag=True,
+            help="Derive the memory_* probes from system calls, exported symbols and debug "
+            "info even when the libc has SDT notes (they are whenever it has none; "
+            "docs/derived-probes.md).",
+        ),
+        click.option(
+            "--debug-file",
+            type=click.Path(dir_okay=False, path_type=Path),
+            help="The libc's debug file, for the derived probes (default: found by build-id, "
+            "as Debian's libc6-dbg installs it); refused if its build-id differs.",
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 def probes_option(help: str, default: tuple[str, ...] = ()) -> Decorator:
     return click.option(
         "--probes", "patterns", multiple=True, default=default, show_default=bool(default),
@@ -189,6 +211,7 @@ def trace_options(command: Any) -> Any:
     """Options of the live trace (--pid/--all) and ``run``."""
     options = [
         lib_option("Attach to this libc (e.g. the SDT build) instead of the target's."),
+        derived_options,
         probes_option(
             "Glob of libc probe names; repeatable. Default: memory_* and "
             "lll_lock_wait_private (see docs/performance.md)."

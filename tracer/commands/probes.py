@@ -31,8 +31,11 @@ def targets(command: str, pid: int | None, lib: Path | None, with_ld_so: bool) -
 
 @click.command()
 @target_options
+@options.derived_options
 @click.option("--json", "as_json", is_flag=True, help="Print the listing as JSON.")
-def probes(pid: int | None, lib: Path | None, as_json: bool) -> None:
+def probes(
+    pid: int | None, lib: Path | None, derived: bool, debug_file: Path | None, as_json: bool
+) -> None:
     """List the SDT probes of a libc (and ld.so), decoded by the catalog,
     and where each allocation function (malloc, free, ...) is probed.
 
@@ -40,11 +43,22 @@ def probes(pid: int | None, lib: Path | None, as_json: bool) -> None:
     name:type@location, and whether the catalog knows it. With --pid, the
     libc and ld.so the process really maps are listed; with neither option,
     the system's default libc.
+
+    For a libc without SDT notes, or with --derived, each memory_* probe is
+    shown as derived: from a system call, an exported symbol or the debug
+    file (each site, the instruction chosen, where each argument is), or
+    unavailable and why.
     """
     from mtrace_live.exporters.data.errors import NoProbesError
     from mtrace_live.probes.catalog import load_catalog
 
-    from ..probe_listing import list_file, render_json, render_text
+    from ..probe_listing import (
+        list_file,
+        render_derived_json,
+        render_derived_text,
+        render_json,
+        render_text,
+    )
 
     catalog = load_catalog()
     libc, *others = targets("probes", pid, lib, with_ld_so=True)
@@ -58,12 +72,16 @@ def probes(pid: int | None, lib: Path | None, as_json: bool) -> None:
             if path == libc and not sites:
                 raise  # neither probes nor allocation functions: nothing to trace
             bare.append((path, str(exc)))
+    plan = _derived_plan(libc, debug_file) if derived or libc in (p for p, _ in bare) else None
     if as_json:
         documents = [render_json(item) for item in listings]
         documents += [{"path": str(path), "probes": [], "catalog": None} for path, _ in bare]
         for document in documents:
             if document["path"] == str(libc):
                 document["allocation_functions"] = sites
+                document["source"] = "derived" if plan is not None else "SDT notes"
+                if plan is not None:
+                    document["derived"] = render_derived_json(plan)
         click.echo(json.dumps(documents, indent=2))
         return
     for index, item in enumerate(listings):
@@ -73,6 +91,10 @@ def probes(pid: int | None, lib: Path | None, as_json: bool) -> None:
             click.echo(line)
     for path, why in bare:
         click.echo(f"\n{path}: no SDT probes" + (f" ({why})" if path == libc else ""))
+    if plan is not None:
+        click.echo()
+        for line in render_derived_text(plan):
+            click.echo(line)
     if sites:
         click.echo(f"\n{libc}: allocation functions, each probe at the first instruction the "
                    "kernel emulates (docs/allocations.md):")  # fmt: skip
@@ -81,6 +103,17 @@ def probes(pid: int | None, lib: Path | None, as_json: bool) -> None:
             where = where or (f"{site['entry']}+{site['offset']}  {site['instruction']}  "
                               f"({'emulated' if site['emulated'] else 'stepped'})")  # fmt: skip
             click.echo(f"  {site['function']:<15} {where}")
+
+
+def _derived_plan(libc: Path, debug_file: Path | None) -> Any:
+    from mtrace_live.exporters.data.errors import TargetError
+    from mtrace_live.probes.debuginfo import DebugInfoError
+    from mtrace_live.probes.derived import NotGlibcError, plan
+
+    try:
+        return plan(libc, debug_file)
+    except (DebugInfoError, NotGlibcError) as exc:
+        raise TargetError(str(exc)) from None
 
 
 def _alloc_sites(libc: Path) -> list[dict[str, Any]]:

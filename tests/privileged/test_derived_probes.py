@@ -1,0 +1,231 @@
+"""The derived memory_* probes (probes/derived.py), checked against the SDT
+probes of the same libc in the same run, against the exerciser's ground
+truth on Debian's stock libc, and in the arena table under load."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+from mtrace_live.probes import derived
+from mtrace_live.probes.sdt_notes import read_sites
+from mtrace_live.tracer.sdt_glibc import SdtGlibc
+from mtrace_live.tracer.target import default_libc
+
+from .conftest import MTRACE, built, mtrace_count
+from .tracing import GatedWorkload, Reaper, wait_for_line
+
+Events = dict[str, Counter[tuple[int, tuple[tuple[str, int | None], ...]]]]
+
+
+def direct(sdt: SdtGlibc, argv: list[str]) -> list[str]:
+    """``argv`` under the SDT build's loader, as testrun.sh runs it, but with
+    no shell in between: a shell would allocate with the stock libc in the
+    same process, which the syscall-derived probes see and the SDT ones not."""
+    build = sdt.libc.parent
+    paths = ":".join(str(build / d) for d in ("", "math", "elf", "dlfcn", "nss", "nptl", "rt"))
+    return [str(build / "elf" / "ld-linux-x86-64.so.2"), "--library-path", paths, *argv]
+
+
+def side_by_side(sdt: SdtGlibc, argv: list[str], tmp: Path) -> tuple[Events, Events]:
+    """The events of the SDT probes and of the derived ones, from two traces
+    of the same run of ``argv`` under the SDT build."""
+    with Reaper() as reaper:
+        workload = GatedWorkload(direct(sdt, argv), tmp, reaper)
+        tracers = {}
+        for tag, extra in (("sdt", []), ("derived", ["--derived"])):
+            with open(tmp / f"{tag}.json", "wb") as out, open(tmp / f"{tag}.err", "wb") as err:
+                tracers[tag] = reaper.add(
+                    subprocess.Popen(
+                        [
+                            *MTRACE,
+                            "--all",
+                            "--lib",
+                            str(sdt.libc),
+                            "--no-allocs",
+                            "-o",
+                            "json",
+                            "--probes",
+                            "memory_*",
+                            "--probes",
+                            "lll_lock_wait_private",
+                            *extra,
+                        ],
+                        stdout=out,
+                        stderr=err,
+                    )
+                )
+        for tag, proc in tracers.items():
+            wait_for_line(tmp / f"{tag}.err", "tracing", proc, timeout=120)
+        workload.release()
+        assert workload.wait() == 0
+        for tag, proc in tracers.items():
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=60) == 0, (tmp / f"{tag}.err").read_text()
+    sdt_events = _events(tmp / "sdt.json")
+    pids = {pid for counter in sdt_events.values() for pid, _ in counter}
+    return sdt_events, _events(tmp / "derived.json", pids)
+
+
+def _events(path: Path, pids: set[int] | None = None) -> Events:
+    """(pid, arguments) of each probe event; for the derived trace, of the
+    workload's processes only (--all sees every process's system calls)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    found: Events = {}
+    for row in rows:
+        if row.get("probe") in (None, "exec", "exit"):
+            continue
+        if pids is not None and row["pid"] not in pids:
+            continue
+        args = tuple(sorted(row["args"].items()))
+        found.setdefault(row["probe"], Counter())[(row["pid"], args)] += 1
+    return found
+
+
+def _without(events: Events, name: str, missing: set[str]) -> Counter[object]:
+    return Counter(
+        {
+            (pid, tuple(a for a in args if a[0] not in missing)): n
+            for (pid, args), n in events.get(name, Counter()).items()
+        }
+    )
+
+
+def check_against_sdt(plan: derived.DerivedPlan, ours: Events, theirs: Events) -> list[str]:
+    """Each exact probe: the same events with the same arguments; each
+    approximate one: the same, less the arguments it says it cannot read."""
+    checked = []
+    for name, probe in plan.probes.items():
+        if probe.status == derived.EXACT:
+            assert ours.get(name, Counter()) == theirs.get(name, Counter()), name
+            checked.append(name)
+        elif probe.status == derived.APPROXIMATE and probe.source == derived.DEBUG:
+            missing = {a.name for s in probe.sites for a in s.args if not a.location.readable}
+            assert missing, f"{name}: approximate, yet every argument is readable"
+            assert _without(ours, name, missing) == _without(theirs, name, missing), name
+            assert all(
+                dict(args)[m] is None for _, args in ours.get(name, Counter()) for m in missing
+            )
+            checked.append(name)
+    return checked
+
+
+def test_derived_probes_equal_the_sdt_probes_on_the_exerciser(
+    sdt: SdtGlibc, probe_exerciser: Path, tmp_path: Path
+) -> None:
+    # GIVEN the SDT build's probe exerciser, traced twice at once: by its
+    # SDT notes, and by the probes derived for the same libc
+    plan = derived.plan(sdt.libc)
+    theirs, ours = side_by_side(
+        sdt, [str(probe_exerciser), "--out", str(tmp_path / "t.json")], tmp_path
+    )
+    # THEN every exact probe has the same events, arguments included, and
+    # every approximate one the same events less its unreadable arguments
+    checked = check_against_sdt(plan, ours, theirs)
+    # AND the exerciser fired each of them (lll_lock_wait_private: at the arena limit)
+    assert all(sum(theirs.get(name, Counter()).values()) >= 1 for name in checked), theirs.keys()
+    assert len(checked) >= 15, checked
+
+
+def test_derived_probes_equal_the_sdt_probes_under_arena_contention(
+    sdt: SdtGlibc, tmp_path: Path
+) -> None:
+    # GIVEN 8 threads on 2 arenas, 100 bursts each, traced both ways at once
+    plan = derived.plan(sdt.libc)
+    theirs, ours = side_by_side(
+        sdt, [str(built("arena_contention")), "1", "8", "2", "100"], tmp_path
+    )
+    # THEN the heaps, the sbrk calls, the arenas and each lock wait agree
+    check_against_sdt(plan, ours, theirs)
+    for name in (
+        "memory_heap_more",
+        "memory_heap_less",
+        "memory_sbrk_more",
+        "lll_lock_wait_private",
+        "memory_arena_new",
+    ):
+        assert sum(theirs.get(name, Counter()).values()) >= 1, name
+
+
+def test_derived_sites_are_the_sdt_sites_where_the_code_allows(sdt: SdtGlibc) -> None:
+    # The SDT build's notes say where each probe is. Derived from its debug
+    # info instead, the lock-wait and heap sites land on the same nop.
+    notes = {(s.name, s.address) for s in read_sites(sdt.libc)}
+    plan = derived.plan(sdt.libc)
+    for name in ("lll_lock_wait_private", "memory_heap_more", "memory_heap_less"):
+        for site in plan.probes[name].sites:
+            assert (name, site.address) in notes, (name, hex(site.address))
+            assert site.emulated
+
+
+def test_stock_libc_exerciser_counts_equal_its_ground_truth(
+    probe_exerciser: Path, tmp_path: Path
+) -> None:
+    # GIVEN Debian's stock libc, which has no SDT notes
+    libc = default_libc()
+    assert not read_sites(libc)
+    plan = derived.plan(libc)
+    assert plan.debug_file is not None, plan.debug_problem
+    # WHEN the exerciser runs under it, counted by the derived probes
+    truth_file = tmp_path / "truth.json"
+    done = mtrace_count("--json", "--", str(probe_exerciser), "--out", str(truth_file))
+    assert done.returncode == 0, done.stderr
+    counted = json.loads(done.stdout)["usdt"]
+    truth = {n: e["count"] for n, e in json.loads(truth_file.read_text())["probes"].items()}
+    # THEN each probe derived exactly counts what the exerciser caused
+    exact = [n for n, p in plan.probes.items() if p.status == derived.EXACT and n in truth]
+    assert len(exact) >= 12, exact
+    assert {n: counted.get(n, 0) for n in exact} == {n: truth[n] for n in exact}
+    # AND the approximate ones too, here (the exerciser reuses no shrunk heap space)
+    approximate = [n for n, p in plan.probes.items() if p.status == derived.APPROXIMATE]
+    assert {n: counted.get(n, 0) for n in approximate} == {n: truth[n] for n in approximate}
+
+
+def test_arena_table_under_the_stock_libc() -> None:
+    # GIVEN arena_contention (8 threads, 2 arenas) under Debian's stock libc
+    done = subprocess.run(
+        [
+            *MTRACE,
+            "run",
+            "--no-allocs",
+            "-o",
+            "summary",
+            "--",
+            str(built("arena_contention")),
+            "1",
+            "8",
+            "2",
+            "100",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    # THEN the arena table has its 2 arenas, the main one among them
+    arenas = re.search(r"arenas: (\d+) seen, (\d+) created", out)
+    assert arenas is not None, out
+    assert (int(arenas[1]), int(arenas[2])) == (2, 1), out
+    rows = re.findall(
+        r"^\s+0x[0-9a-f]+ (main)?\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)$", out, re.M
+    )
+    assert len(rows) == 2 and rows[0][0] == "main", out
+    # AND lock waits per arena, summing to the contention total
+    waits = [int(row[4]) for row in rows]
+    total = re.search(r"contention waits (\d+)", out)
+    assert total is not None and sum(waits) == int(total[1]), out
+    # AND heap growth: 8 threads x 100 bursts each grow and shrink their arena
+    heaps = re.search(r"grown (\d+), released (\d+)", out)
+    assert heaps is not None and int(heaps[1]) > 0 and int(heaps[2]) > 0, out
+
+
+def test_a_debug_file_of_another_build_is_refused(sdt: SdtGlibc) -> None:
+    done = mtrace_count("--debug-file", str(sdt.libc), "--", "/bin/true")
+    assert done.returncode != 0
+    assert "build-id" in done.stderr and "refused" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
