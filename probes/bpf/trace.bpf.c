@@ -497,27 +497,24 @@ static __always_inline u64 heap_field(u64 heap, u64 offset)
     return value;
 }
 
-TRACEPOINT_PROBE(syscalls, sys_enter_brk)
+static __always_inline void derived_enter_brk(u64 asked)
 {
     u64 id = bpf_get_current_pid_tgid();
     if (!tgid_is_followed(id >> 32))
-        return 0;
+        return;
     u32 tid = (u32)id;
-    u64 asked = args->brk;
     brk_asked.update(&tid, &asked);
-    return 0;
 }
 
-TRACEPOINT_PROBE(syscalls, sys_exit_brk)
+static __always_inline void derived_exit_brk(void *args, u64 now)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 tid = (u32)id, tgid = id >> 32;
     u64 *asked = brk_asked.lookup(&tid);
     if (!asked)
-        return 0;
+        return;
     u64 want = *asked;
     brk_asked.delete(&tid);
-    u64 now = (u64)args->ret;
     u64 *last = brk_last.lookup(&tgid);
     /* brk(0) only asks where the break is, as sbrk does first in a new
      * program: it sets the break known, and sends nothing. */
@@ -531,7 +528,6 @@ TRACEPOINT_PROBE(syscalls, sys_exit_brk)
             derived_event(args, D_SBRK_MORE, D_SBRK_MORE_SITE, 0, want - old);
     }
     brk_last.update(&tgid, &now);
-    return 0;
 }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_mprotect)
@@ -564,17 +560,15 @@ TRACEPOINT_PROBE(syscalls, sys_enter_madvise)
     return 0;
 }
 
-TRACEPOINT_PROBE(syscalls, sys_enter_munmap)
+static __always_inline void derived_enter_munmap(void *args, u64 heap, u64 len)
 {
-    u64 heap = args->addr;
-    if (args->len != HEAP_MAX || (heap & ((u64)HEAP_MAX - 1)) || D_HEAP_FREE < 0)
-        return 0;
+    if (len != HEAP_MAX || (heap & ((u64)HEAP_MAX - 1)) || D_HEAP_FREE < 0)
+        return;
     /* heap_trim unmaps a whole heap; its header is still there to read (an
      * unused reservation is PROT_NONE, and unreadable) */
     u64 size = heap_field(heap, HEAP_SIZE_OFF);
     if (size)
         derived_event(args, D_HEAP_FREE, D_HEAP_FREE_SITE, heap, size);
-    return 0;
 }
 #endif
 
@@ -1533,10 +1527,8 @@ TRACEPOINT_PROBE(syscalls, sys_exit_mmap)
     return 0;
 }
 
-TRACEPOINT_PROBE(syscalls, sys_enter_munmap)
-{
-    return vm_enter(args->len, 0);
-}
+/* sys_enter_munmap and the brk tracepoints are shared with the derived
+ * probes: see the dispatch at the end. */
 
 TRACEPOINT_PROBE(syscalls, sys_exit_munmap)
 {
@@ -1568,20 +1560,15 @@ TRACEPOINT_PROBE(syscalls, sys_exit_mremap)
     return 0;
 }
 
-TRACEPOINT_PROBE(syscalls, sys_enter_brk)
-{
-    return vm_enter(0, args->brk);
-}
-
 /* brk returns the break, moved or not; the first one seen only sets it. */
-TRACEPOINT_PROBE(syscalls, sys_exit_brk)
+static __always_inline int vm_exit_brk(u64 ret)
 {
     u32 tid = (u32)bpf_get_current_pid_tgid();
     if (!vm_pending.lookup(&tid))
         return 0;
     vm_pending.delete(&tid);
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
-    u64 now = (u64)args->ret;
+    u64 now = ret;
     u64 *last = vm_brk.lookup(&tgid);
     if (!last) {
         vm_brk.update(&tgid, &now);
@@ -1599,6 +1586,42 @@ TRACEPOINT_PROBE(syscalls, sys_exit_brk)
         __sync_fetch_and_add(&p->brk_grown, now - before);
     else
         __sync_fetch_and_add(&p->brk_shrunk, before - now);
+    return 0;
+}
+#endif
+
+/* ---- system calls both the allocation tables and the derived probes use --*/
+#if WITH_ALLOCS || DERIVED_SYSCALLS
+TRACEPOINT_PROBE(syscalls, sys_enter_munmap)
+{
+#if WITH_ALLOCS
+    vm_enter(args->len, 0);
+#endif
+#if DERIVED_SYSCALLS
+    derived_enter_munmap(args, args->addr, args->len);
+#endif
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_brk)
+{
+#if WITH_ALLOCS
+    vm_enter(0, args->brk);
+#endif
+#if DERIVED_SYSCALLS
+    derived_enter_brk(args->brk);
+#endif
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_brk)
+{
+#if WITH_ALLOCS
+    vm_exit_brk((u64)args->ret);
+#endif
+#if DERIVED_SYSCALLS
+    derived_exit_brk(args, (u64)args->ret);
+#endif
     return 0;
 }
 #endif
