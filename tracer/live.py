@@ -29,7 +29,6 @@ from mtrace_live.exporters import registry
 from mtrace_live.exporters.data.allocations import FrameNames
 from mtrace_live.exporters.data.errors import (
     MtraceError,
-    NoMatchingProbeError,
     NoProbesError,
     NotPrivilegedError,
     OutputClosedError,
@@ -199,7 +198,7 @@ class LiveTrace:
                 self.selection = usdt.choose_source(
                     libc, request.patterns, request.derived, request.debug_file
                 )
-            except (NoProbesError, NoMatchingProbeError) as exc:
+            except NoProbesError as exc:
                 if not request.allocs:
                     raise
                 self.sdt = False
