@@ -280,6 +280,9 @@ def require_glibc(libc: Path) -> None:
         raise NotGlibcError(f"{libc} is not a glibc: it exports no malloc and mallopt")
 
 
+NO_DEBUG_FILE = Path("none")  # --debug-file none: derive as if no debug file were installed
+
+
 def plan(libc: Path, debug_file: Path | None = None) -> DerivedPlan:
     """Derive every memory_* probe (and lll_lock_wait_private) for ``libc``.
     ``debug_file``: given by the user (checked against the libc's build-id);
@@ -288,13 +291,16 @@ def plan(libc: Path, debug_file: Path | None = None) -> DerivedPlan:
     not fit."""
     require_glibc(libc)
     problem = ""
-    try:
-        found = find_debug_file(libc, debug_file)
-    except DebugInfoError:
-        if debug_file is not None:
-            raise
-        found = None
-    if found is None:
+    found = None
+    if debug_file == NO_DEBUG_FILE:
+        problem = "no debug file used (--debug-file none)"
+    else:
+        try:
+            found = find_debug_file(libc, debug_file)
+        except DebugInfoError:
+            if debug_file is not None:
+                raise
+    if found is None and not problem:
         problem = (
             f"no debug file for {libc} (Debian: install libc6-dbg, whose file is found by build-id)"
         )
@@ -632,6 +638,95 @@ def _arenas(d: _Deriver, p: DerivedPlan) -> list[DerivedProbe]:
     return found
 
 
+def _reuse_wait(d: _Deriver, p: DerivedPlan) -> list[DerivedProbe]:
+    """memory_arena_reuse_wait: in reused_arena's code, the lock of the
+    chosen arena that the trylock loop could not take: the `lock cmpxchg` on
+    the register whose value the slow path hands to __lll_lock_wait_private
+    (the free-list lock's is a global, loaded rip-relative)."""
+    name = "memory_arena_reuse_wait"
+    if d.debug is None:
+        return [_no_debug(name, "the arena lock in reused_arena", p)]
+    wait = d.dynamic.get("__lll_lock_wait_private")
+    if wait is None or d.debug.member_offset("malloc_state", "mutex") != 0:
+        why = "no __lll_lock_wait_private, or the arena's mutex is not its first member"
+        return [DerivedProbe(name, UNAVAILABLE, "", "", why)]
+    copies = d.debug.function_code("reused_arena")
+    sites = []
+    missing = False
+    for code in copies:
+        insns = [
+            insn
+            for begin, end in code.ranges
+            for insn in _disassembler().disasm(read_code(d.elf, begin, end), begin)
+        ]
+        locked = _arena_lock(insns, wait[0])
+        fn = d.containing(locked[0].address) if locked else None
+        if locked is None or fn is None:
+            continue
+        insn, register = locked
+        args = [
+            DerivedArg("mutex", _reg(register), f"%{register} (the lock's address)"),
+            DerivedArg("result", _reg(register), f"%{register} (the arena: its mutex is first)"),
+        ]
+        avoid = d.debug.parameter_register(code, "avoid_arena", insn.address)
+        if avoid is None:
+            missing = True
+            args.append(DerivedArg("avoid_arena", _missing("no register location"), "unknown"))
+        else:
+            args.append(
+                DerivedArg("avoid_arena", _reg(avoid), f"%{avoid} (DWARF location of avoid_arena)")
+            )
+        registers = {register} | ({avoid} if avoid else set())
+        anchor = f"the lock of the chosen arena in {code.describe()}"
+        sites.append(d.site(fn, insn.address, anchor, args, registers))
+    if not copies or len(sites) != len(copies):
+        why = "reused_arena's code has no lock of an arena with a slow path"
+        return [DerivedProbe(name, UNAVAILABLE, "", "", why)]
+    differs = "avoid_arena is not recoverable at the site: decoded as unreadable" if missing else ""
+    return [
+        DerivedProbe(
+            name,
+            APPROXIMATE if missing else EXACT,
+            DEBUG,
+            "the lock of the arena reused_arena waits for (its lock cmpxchg)",
+            differs,
+            tuple(sites),
+        )
+    ]
+
+
+def _arena_lock(insns: list[capstone.CsInsn], wait: int) -> tuple[capstone.CsInsn, str] | None:
+    """The `lock cmpxchg` on (%reg) whose slow path calls ``wait`` with
+    %rdi = %reg, and reg's name."""
+    for i, insn in enumerate(insns):
+        target = insn.operands[0] if insn.mnemonic == "call" and insn.operands else None
+        if target is None or target.type != x86.X86_OP_IMM or target.imm != wait:
+            continue
+        moves = [
+            m
+            for m in insns[max(0, i - 3) : i]
+            if m.mnemonic == "mov"
+            and len(m.operands) == 2
+            and m.operands[0].type == x86.X86_OP_REG
+            and m.reg_name(m.operands[0].reg) == "rdi"
+            and m.operands[1].type == x86.X86_OP_REG
+        ]
+        if not moves:
+            continue
+        register = moves[-1].reg_name(moves[-1].operands[1].reg)
+        for back in reversed(insns[:i]):
+            if (
+                "cmpxchg" in back.mnemonic
+                and back.operands
+                and back.operands[0].type == x86.X86_OP_MEM
+            ):
+                memory = back.operands[0].mem
+                if back.reg_name(memory.base) == register and memory.disp == 0:
+                    return back, register
+                break
+    return None
+
+
 def _tls_stores(d: _Deriver, code: Code) -> list[tuple[capstone.CsInsn, str]]:
     found = []
     for begin, end in code.ranges:
@@ -775,8 +870,6 @@ def _retries(d: _Deriver, p: DerivedPlan) -> list[DerivedProbe]:
 _UNAVAILABLE = {
     "memory_realloc_retry": "its retry is a call of malloc from realloc, not told apart from "
     "realloc's other calls of malloc",
-    "memory_arena_reuse_wait": "it fires before a lock is taken that is usually free by then; "
-    "contended waits show as lll_lock_wait_private on the arena",
     "memory_tcache_double_free": "a branch inside _int_free with no instruction of its own",
     "memory_mallopt_free_dyn_thresholds": "a branch inside free with no instruction of its own",
 }
@@ -819,4 +912,4 @@ def _unavailable(d: _Deriver, p: DerivedPlan) -> list[DerivedProbe]:
     return found
 
 
-_DERIVATIONS = (_sbrk, _heaps, _arenas, _retries, _mallopt, _lock_wait, _unavailable)
+_DERIVATIONS = (_sbrk, _heaps, _arenas, _reuse_wait, _retries, _mallopt, _lock_wait, _unavailable)

@@ -78,7 +78,8 @@ def derived_options(command: Any) -> Any:
             "--debug-file",
             type=click.Path(dir_okay=False, path_type=Path),
             help="The libc's debug file, for the derived probes (default: found by build-id, "
-            "as Debian's libc6-dbg installs it); refused if its build-id differs.",
+            "as Debian's libc6-dbg installs it); refused if its build-id differs. 'none': "
+            "derive without one.",
         ),
     ]
     for option in reversed(options):
