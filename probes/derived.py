@@ -28,7 +28,7 @@ why). docs/derived-probes.md has the table and the measurements.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -402,25 +402,39 @@ def _heap_store(d: _Deriver, p: DerivedPlan, name: str, function: str) -> Derive
     )
 
 
+def _code(d: _Deriver, code: Code) -> list[capstone.CsInsn]:
+    """The instructions of one copy of a function's code, range by range."""
+    return [
+        insn
+        for begin, end in code.ranges
+        for insn in _disassembler().disasm(read_code(d.elf, begin, end), begin)
+    ]
+
+
+def _register_stores(
+    d: _Deriver, code: Code
+) -> Iterator[tuple[capstone.CsInsn, x86.X86OpMem, str]]:
+    """Each 8-byte ``mov %reg, memory`` in ``code``: the instruction, its
+    memory operand, and the register stored."""
+    for insn in _code(d, code):
+        if insn.mnemonic != "mov" or len(insn.operands) != 2:
+            continue
+        dst, src = insn.operands
+        if dst.type == x86.X86_OP_MEM and src.type == x86.X86_OP_REG and dst.size == 8:
+            yield insn, dst.mem, insn.reg_name(src.reg)
+
+
 def _stores(d: _Deriver, code: Code, displacement: int) -> list[tuple[capstone.CsInsn, str, str]]:
-    """Stores ``mov %src, disp(%base)`` of 8 bytes inside ``code``."""
-    found = []
-    for begin, end in code.ranges:
-        for insn in _disassembler().disasm(read_code(d.elf, begin, end), begin):
-            if insn.mnemonic != "mov" or len(insn.operands) != 2:
-                continue
-            dst, src = insn.operands
-            if (
-                dst.type == x86.X86_OP_MEM
-                and src.type == x86.X86_OP_REG
-                and dst.size == 8
-                and dst.mem.disp == displacement
-                and dst.mem.index == 0
-                and dst.mem.segment == 0
-                and dst.mem.base not in (0, x86.X86_REG_RIP, x86.X86_REG_RSP)
-            ):
-                found.append((insn, insn.reg_name(dst.mem.base), insn.reg_name(src.reg)))
-    return found
+    """Stores ``mov %src, disp(%base)`` of 8 bytes inside ``code``, with the
+    base and source registers; not to the stack."""
+    return [
+        (insn, insn.reg_name(memory.base), source)
+        for insn, memory, source in _register_stores(d, code)
+        if memory.disp == displacement
+        and memory.index == 0
+        and memory.segment == 0
+        and memory.base not in (0, x86.X86_REG_RIP, x86.X86_REG_RSP)
+    ]
 
 
 def _heaps(d: _Deriver, p: DerivedPlan) -> list[DerivedProbe]:
@@ -654,12 +668,7 @@ def _reuse_wait(d: _Deriver, p: DerivedPlan) -> list[DerivedProbe]:
     sites = []
     missing = False
     for code in copies:
-        insns = [
-            insn
-            for begin, end in code.ranges
-            for insn in _disassembler().disasm(read_code(d.elf, begin, end), begin)
-        ]
-        locked = _arena_lock(insns, wait[0])
+        locked = _arena_lock(_code(d, code), wait[0])
         fn = d.containing(locked[0].address) if locked else None
         if locked is None or fn is None:
             continue
@@ -728,20 +737,12 @@ def _arena_lock(insns: list[capstone.CsInsn], wait: int) -> tuple[capstone.CsIns
 
 
 def _tls_stores(d: _Deriver, code: Code) -> list[tuple[capstone.CsInsn, str]]:
-    found = []
-    for begin, end in code.ranges:
-        for insn in _disassembler().disasm(read_code(d.elf, begin, end), begin):
-            if insn.mnemonic != "mov" or len(insn.operands) != 2:
-                continue
-            dst, src = insn.operands
-            if (
-                dst.type == x86.X86_OP_MEM
-                and dst.mem.segment == x86.X86_REG_FS
-                and src.type == x86.X86_OP_REG
-                and dst.size == 8
-            ):
-                found.append((insn, insn.reg_name(src.reg)))
-    return found
+    """Stores of a register to thread-local memory (%fs) inside ``code``."""
+    return [
+        (insn, source)
+        for insn, memory, source in _register_stores(d, code)
+        if memory.segment == x86.X86_REG_FS
+    ]
 
 
 def _retries(d: _Deriver, p: DerivedPlan) -> list[DerivedProbe]:
@@ -794,16 +795,15 @@ def _retries(d: _Deriver, p: DerivedPlan) -> list[DerivedProbe]:
     for name, caller, args in callers:
         calls = []
         for caller_code in d.debug.function_code(caller):
-            for begin, end in caller_code.ranges:
-                for insn in _disassembler().disasm(read_code(d.elf, begin, end), begin):
-                    operand = insn.operands[0] if insn.operands else None
-                    if (
-                        insn.mnemonic in ("call", "jmp")
-                        and operand is not None
-                        and operand.type == x86.X86_OP_IMM
-                        and operand.imm == retry.start
-                    ):
-                        calls.append((insn, caller_code))
+            for insn in _code(d, caller_code):
+                operand = insn.operands[0] if insn.operands else None
+                if (
+                    insn.mnemonic in ("call", "jmp")
+                    and operand is not None
+                    and operand.type == x86.X86_OP_IMM
+                    and operand.imm == retry.start
+                ):
+                    calls.append((insn, caller_code))
         if not calls:
             found.append(
                 DerivedProbe(
