@@ -17,7 +17,14 @@ from mtrace_live.tracer.sdt_glibc import SdtGlibc
 from mtrace_live.tracer.target import default_libc
 
 from .conftest import MTRACE, built, mtrace_count
-from .tracing import GatedWorkload, Reaper, wait_for_line
+from .tracing import (
+    BPFTRACE_READY,
+    GatedWorkload,
+    Reaper,
+    bpftrace_counts,
+    stop_bpftrace,
+    wait_for_line,
+)
 
 Events = dict[str, Counter[tuple[int, tuple[tuple[str, int | None], ...]]]]
 
@@ -32,10 +39,12 @@ def direct(sdt: SdtGlibc, argv: list[str]) -> list[str]:
 
 
 def side_by_side(
-    sdt: SdtGlibc, argv: list[str], tmp: Path, *derived_options: str
-) -> tuple[Events, Events]:
+    sdt: SdtGlibc, argv: list[str], tmp: Path, *derived_options: str, bpftrace: tuple[str, ...] = ()
+) -> tuple[Events, Events, dict[str, int]]:
     """The events of the SDT probes and of the derived ones, from two traces
-    of the same run of ``argv`` under the SDT build."""
+    of the same run of ``argv`` under the SDT build; with ``bpftrace``,
+    bpftrace counts those SDT probes in the same run (its counts, third)."""
+    peer_counts: dict[str, int] = {}
     with Reaper() as reaper:
         workload = GatedWorkload(direct(sdt, argv), tmp, reaper)
         tracers = {}
@@ -63,14 +72,20 @@ def side_by_side(
                 )
         for tag, proc in tracers.items():
             wait_for_line(tmp / f"{tag}.err", "tracing", proc, timeout=120)
+        if bpftrace:
+            peer, peer_out = bpftrace_counts(sdt.libc, list(bpftrace), workload.pid, tmp)
+            reaper.add(peer)
+            wait_for_line(peer_out, BPFTRACE_READY, peer, timeout=120)
         workload.release()
         assert workload.wait() == 0
         for tag, proc in tracers.items():
             proc.send_signal(signal.SIGINT)
             assert proc.wait(timeout=60) == 0, (tmp / f"{tag}.err").read_text()
+        if bpftrace:
+            peer_counts = stop_bpftrace(peer, peer_out)
     sdt_events = _events(tmp / "sdt.json")
     pids = {pid for counter in sdt_events.values() for pid, _ in counter}
-    return sdt_events, _events(tmp / "derived.json", pids)
+    return sdt_events, _events(tmp / "derived.json", pids), peer_counts
 
 
 def _events(path: Path, pids: set[int] | None = None) -> Events:
@@ -122,18 +137,22 @@ def check_against_sdt(plan: derived.DerivedPlan, ours: Events, theirs: Events) -
 def test_derived_probes_equal_the_sdt_probes_on_the_exerciser(
     sdt: SdtGlibc, probe_exerciser: Path, tmp_path: Path
 ) -> None:
-    # GIVEN the SDT build's probe exerciser, traced twice at once: by its
-    # SDT notes, and by the probes derived for the same libc
+    # GIVEN the SDT build's probe exerciser, traced three times at once: by
+    # its SDT notes, by the probes derived for the same libc, and by
+    # bpftrace counting the SDT probes the derived ones stand for
     plan = derived.plan(sdt.libc)
-    theirs, ours = side_by_side(
-        sdt, [str(probe_exerciser), "--out", str(tmp_path / "t.json")], tmp_path
-    )
+    exact = [name for name, p in plan.probes.items() if p.status == derived.EXACT]
+    argv = [str(probe_exerciser), "--out", str(tmp_path / "t.json")]
+    theirs, ours, peer = side_by_side(sdt, argv, tmp_path, bpftrace=tuple(exact))
     # THEN every exact probe has the same events, arguments included, and
     # every approximate one the same events less its unreadable arguments
     checked = check_against_sdt(plan, ours, theirs)
     # AND the exerciser fired each of them (lll_lock_wait_private: at the arena limit)
     assert all(sum(theirs.get(name, Counter()).values()) >= 1 for name in checked), theirs.keys()
     assert len(checked) >= 15, checked
+    # AND bpftrace counted as many of each in the same run
+    counted = {name: sum(ours.get(name, Counter()).values()) for name in exact}
+    assert {name: peer.get(name, 0) for name in exact} == counted
 
 
 def test_derived_probes_equal_the_sdt_probes_under_arena_contention(
@@ -141,7 +160,7 @@ def test_derived_probes_equal_the_sdt_probes_under_arena_contention(
 ) -> None:
     # GIVEN 8 threads on 2 arenas, 100 bursts each, traced both ways at once
     plan = derived.plan(sdt.libc)
-    theirs, ours = side_by_side(
+    theirs, ours, _ = side_by_side(
         sdt, [str(built("arena_contention")), "1", "8", "2", "100"], tmp_path
     )
     # THEN the heaps, the sbrk calls, the arenas and each lock wait agree
@@ -164,7 +183,7 @@ def test_without_the_debug_file_heap_growth_is_seen_when_it_maps_pages(
     # exported symbols only
     plan = derived.plan(sdt.libc, derived.NO_DEBUG_FILE)
     assert plan.probes["memory_heap_more"].status == derived.APPROXIMATE
-    theirs, ours = side_by_side(
+    theirs, ours, _ = side_by_side(
         sdt, [str(built("arena_contention")), "1", "8", "2", "100"], tmp_path,
         "--debug-file", "none",
     )  # fmt: skip
