@@ -274,3 +274,26 @@ def test_a_debug_file_of_another_build_is_refused(sdt: SdtGlibc) -> None:
     assert done.returncode != 0
     assert "build-id" in done.stderr and "refused" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_kmemtrace_records_carry_the_derived_events(tmp_path: Path) -> None:
+    # GIVEN arena_contention under Debian's stock libc, recorded as kmemtrace
+    records = tmp_path / "records"
+    done = subprocess.run(
+        [*MTRACE, "run", "--no-allocs", "--kmemtrace", str(records), "-o", "summary", "--",
+         str(built("arena_contention")), "1", "8", "2", "100"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    counted = re.findall(r"^(memory_sbrk_more|memory_heap_new)\s+(\d+)", done.stdout, re.M)
+    # WHEN report reads them back
+    report = subprocess.run([*MTRACE, "report", str(records)], capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    assert report.returncode == 0, report.stderr
+    # THEN the sbrk growths and the new heap are libc records, as many as were traced
+    hits = dict((name, int(n)) for name, n in counted)
+    sbrk = re.search(r"^libc sbrk: (\d+) allocations", report.stdout, re.M)
+    heap = re.search(r"^libc heap: (\d+) allocations", report.stdout, re.M)
+    assert sbrk is not None and heap is not None, report.stdout
+    assert int(sbrk[1]) == hits["memory_sbrk_more"] > 0
+    assert int(heap[1]) == hits["memory_heap_new"] >= 1
