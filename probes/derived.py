@@ -375,26 +375,33 @@ def _sbrk(d: _Deriver, p: DerivedPlan) -> list[DerivedProbe]:
 
 def _heap_store(d: _Deriver, p: DerivedPlan, name: str, function: str) -> DerivedProbe | None:
     """A heap probe at the one store of heap_info.size in each copy of
-    ``function``'s code: (h, size) are the store's base and source registers."""
+    ``function``'s code: h is the store's base register; size the value
+    stored, read from h->size itself once the store is done, so that the
+    site can move on to an emulated instruction while only h stays intact
+    (else the store itself, single-stepped, with size in its source register)."""
     if d.debug is None:
         return None
     copies = d.debug.function_code(function)
     sites = []
+    offset = p.heap_info["size"]
     for code in copies:
-        stores = _stores(d, code, displacement=p.heap_info["size"])
+        stores = _stores(d, code, displacement=offset)
         fn = d.containing(stores[0][0].address) if len(stores) == 1 else None
         if fn is None:
             return None
         insn, base, source = stores[0]
-        args = (
-            DerivedArg("h", _reg(base), f"%{base} (base of the store)"),
-            DerivedArg("size", _reg(source), f"%{source} (the value stored)"),
+        what = f"the store to h->size in {code.describe()}"
+        h = DerivedArg("h", _reg(base), f"%{base} (base of the store)")
+        after = DerivedArg(
+            "size",
+            ArgLocation(ArgKind.DEREF_REG, 8, False, reg=REGISTERS[base][0], value=offset),
+            f"{offset}(%{base}) (h->size, once stored)",
         )
-        sites.append(
-            d.site(
-                fn, insn.address, f"the store to h->size in {code.describe()}", args, {base, source}
-            )
-        )
+        site = d.site(fn, insn.address, what, (h, after), {base})
+        if not site.emulated or site.address == insn.address:
+            stored = DerivedArg("size", _reg(source), f"%{source} (the value stored)")
+            site = d.site(fn, insn.address, what, (h, stored), {base, source})
+        sites.append(site)
     if not sites:
         return None
     return DerivedProbe(
