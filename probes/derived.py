@@ -138,6 +138,43 @@ def _missing(why: str) -> ArgLocation:
     return ArgLocation(ArgKind.UNREADABLE, 8, False, why=why)
 
 
+def _parameter(debug: DebugInfo, code: Code, parameter: str, pc: int, name: str = "") -> DerivedArg:
+    """Argument ``name`` (default: the parameter's own) from the register
+    DWARF places ``parameter`` of ``code``'s function in at ``pc``, or an
+    unreadable one when it is elsewhere there."""
+    register = debug.parameter_register(code, parameter, pc)
+    if register is None:
+        return DerivedArg(
+            name or parameter, _missing(f"{parameter}: no register location"), "unknown"
+        )
+    return DerivedArg(
+        name or parameter, _reg(register), f"%{register} (DWARF location of {parameter})"
+    )
+
+
+def _registers(args: Iterable[DerivedArg]) -> set[str]:
+    """The registers the arguments are read from."""
+    by_slot = {slot: name for name, (slot, width) in REGISTERS.items() if width == 8}
+    return {
+        by_slot[arg.location.reg]
+        for arg in args
+        if arg.location.kind in (ArgKind.REG, ArgKind.DEREF_REG)
+    }
+
+
+def _debug_probe(name: str, derived_from: str, sites: Sequence[DerivedSite]) -> DerivedProbe:
+    """A probe from the debug file: exact, or approximate when some argument
+    has no register at a site."""
+    missing = sorted({a.name for site in sites for a in site.args if not a.location.readable})
+    if not missing:
+        return DerivedProbe(name, EXACT, DEBUG, derived_from, sites=tuple(sites))
+    differs = (
+        f"{', '.join(missing)} is not recoverable at the site (no DWARF register location): "
+        "decoded as unreadable"
+    )
+    return DerivedProbe(name, APPROXIMATE, DEBUG, derived_from, differs, tuple(sites))
+
+
 def _syscall_arg(name: str, signed: bool, text: str) -> DerivedArg:
     # The location is never read (the BPF side fills the arguments); it gives
     # the decoder the argument's signedness.
@@ -586,76 +623,22 @@ def _arenas(d: _Deriver, p: DerivedPlan) -> list[DerivedProbe]:
             continue
         copies = d.debug.function_code(function)
         sites = []
-        missing = set()
         for code in copies:
             stores = _tls_stores(d, code)
-            if len(stores) != 1:
-                continue
-            insn, source = stores[0]
-            fn = d.containing(insn.address)
+            fn = d.containing(stores[0][0].address) if len(stores) == 1 else None
             if fn is None:
                 continue
+            insn, source = stores[0]
             args = [DerivedArg(names[0], _reg(source), f"%{source} (the value stored)")]
-            registers = {source}
             if parameter is not None:
-                register = d.debug.parameter_register(code, parameter, insn.address)
-                if register is None:
-                    args.append(
-                        DerivedArg(
-                            parameter,
-                            _missing(f"{parameter} has no register location there"),
-                            "unknown",
-                        )
-                    )
-                    missing.add(parameter)
-                else:
-                    args.append(
-                        DerivedArg(
-                            parameter,
-                            _reg(register),
-                            f"%{register} (DWARF location of {parameter})",
-                        )
-                    )
-                    registers.add(register)
-            sites.append(
-                d.site(
-                    fn,
-                    insn.address,
-                    f"the store to thread_arena in {code.describe()}",
-                    args,
-                    registers,
-                )
-            )
+                args.append(_parameter(d.debug, code, parameter, insn.address))
+            what = f"the store to thread_arena in {code.describe()}"
+            sites.append(d.site(fn, insn.address, what, args, _registers(args)))
         if not copies or len(sites) != len(copies):
-            found.append(
-                DerivedProbe(
-                    name,
-                    UNAVAILABLE,
-                    "",
-                    "",
-                    f"{function}'s code has no single store to thread_arena",
-                )
-            )
+            why = f"{function}'s code has no single store to thread_arena"
+            found.append(DerivedProbe(name, UNAVAILABLE, "", "", why))
             continue
-        status = APPROXIMATE if missing else EXACT
-        differs = (
-            (
-                f"{', '.join(sorted(missing))} is not recoverable at the site (no DWARF "
-                "register location): decoded as unreadable"
-            )
-            if missing
-            else ""
-        )
-        found.append(
-            DerivedProbe(
-                name,
-                status,
-                DEBUG,
-                f"the store to thread_arena in {function}",
-                differs,
-                tuple(sites),
-            )
-        )
+        found.append(_debug_probe(name, f"the store to thread_arena in {function}", sites))
     return found
 
 
@@ -673,7 +656,6 @@ def _reuse_wait(d: _Deriver, p: DerivedPlan) -> list[DerivedProbe]:
         return [DerivedProbe(name, UNAVAILABLE, "", "", why)]
     copies = d.debug.function_code("reused_arena")
     sites = []
-    missing = False
     for code in copies:
         locked = _arena_lock(_code(d, code), wait[0])
         fn = d.containing(locked[0].address) if locked else None
@@ -683,32 +665,14 @@ def _reuse_wait(d: _Deriver, p: DerivedPlan) -> list[DerivedProbe]:
         args = [
             DerivedArg("mutex", _reg(register), f"%{register} (the lock's address)"),
             DerivedArg("result", _reg(register), f"%{register} (the arena: its mutex is first)"),
+            _parameter(d.debug, code, "avoid_arena", insn.address),
         ]
-        avoid = d.debug.parameter_register(code, "avoid_arena", insn.address)
-        if avoid is None:
-            missing = True
-            args.append(DerivedArg("avoid_arena", _missing("no register location"), "unknown"))
-        else:
-            args.append(
-                DerivedArg("avoid_arena", _reg(avoid), f"%{avoid} (DWARF location of avoid_arena)")
-            )
-        registers = {register} | ({avoid} if avoid else set())
         anchor = f"the lock of the chosen arena in {code.describe()}"
-        sites.append(d.site(fn, insn.address, anchor, args, registers))
+        sites.append(d.site(fn, insn.address, anchor, args, _registers(args)))
     if not copies or len(sites) != len(copies):
         why = "reused_arena's code has no lock of an arena with a slow path"
         return [DerivedProbe(name, UNAVAILABLE, "", "", why)]
-    differs = "avoid_arena is not recoverable at the site: decoded as unreadable" if missing else ""
-    return [
-        DerivedProbe(
-            name,
-            APPROXIMATE if missing else EXACT,
-            DEBUG,
-            "the lock of the arena reused_arena waits for (its lock cmpxchg)",
-            differs,
-            tuple(sites),
-        )
-    ]
+    return [_debug_probe(name, "the lock of the arena reused_arena waits for", sites)]
 
 
 def _arena_lock(insns: list[capstone.CsInsn], wait: int) -> tuple[capstone.CsInsn, str] | None:
@@ -819,57 +783,21 @@ def _retries(d: _Deriver, p: DerivedPlan) -> list[DerivedProbe]:
             )
             continue
         sites = []
-        missing: list[str] = []
         for call, caller_code in calls:
             derived = []
             for arg_name, callee_param in args:
-                if callee_param is not None:
-                    register = registers[callee_param] or ""
-                    derived.append(
-                        DerivedArg(
-                            arg_name,
-                            _reg(register),
-                            f"%{register} (arena_get_retry's {callee_param})",
-                        )
-                    )
+                if callee_param is None:  # the caller's own parameter
+                    derived.append(_parameter(d.debug, caller_code, arg_name, call.address))
                     continue
-                found_in = d.debug.parameter_register(caller_code, arg_name, call.address)
-                if found_in is None:
-                    missing.append(arg_name)
-                    derived.append(
-                        DerivedArg(arg_name, _missing("no register location"), "unknown")
-                    )
-                else:
-                    derived.append(
-                        DerivedArg(
-                            arg_name, _reg(found_in), f"%{found_in} (DWARF location of {arg_name})"
-                        )
-                    )
+                register = registers[callee_param] or ""
+                text = f"%{register} (arena_get_retry's {callee_param})"
+                derived.append(DerivedArg(arg_name, _reg(register), text))
             fn = d.containing(call.address)
             if fn is None:
                 continue
-            sites.append(
-                d.site(fn, call.address, f"the call of arena_get_retry in {caller}", derived, set())
-            )
-        status = APPROXIMATE if missing else EXACT
-        differs = (
-            (
-                f"{', '.join(sorted(set(missing)))} is not recoverable at the call (decoded "
-                "as unreadable)"
-            )
-            if missing
-            else ""
-        )
-        found.append(
-            DerivedProbe(
-                name,
-                status,
-                DEBUG,
-                f"the call of arena_get_retry in {caller}",
-                differs,
-                tuple(sites),
-            )
-        )
+            what = f"the call of arena_get_retry in {caller}"
+            sites.append(d.site(fn, call.address, what, derived, _registers(derived)))
+        found.append(_debug_probe(name, f"the call of arena_get_retry in {caller}", sites))
     return found
 
 
