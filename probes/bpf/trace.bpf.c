@@ -530,9 +530,15 @@ static __always_inline void derived_exit_brk(void *args, u64 now)
     brk_last.update(&tgid, &now);
 }
 
+/* Whether the current process is traced, before a heap header is read. */
+static __always_inline int derived_traced(void)
+{
+    return tgid_is_followed(bpf_get_current_pid_tgid() >> 32);
+}
+
 TRACEPOINT_PROBE(syscalls, sys_enter_mprotect)
 {
-    if (!(args->prot & MTRACE_PROT_WRITE))
+    if (!(args->prot & MTRACE_PROT_WRITE) || !derived_traced())
         return 0;
     u64 start = args->start;
     u64 heap = start & ~((u64)HEAP_MAX - 1);
@@ -550,7 +556,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_mprotect)
 
 TRACEPOINT_PROBE(syscalls, sys_enter_madvise)
 {
-    if (args->behavior != MTRACE_MADV_DONTNEED || D_HEAP_LESS < 0)
+    if (args->behavior != MTRACE_MADV_DONTNEED || D_HEAP_LESS < 0 || !derived_traced())
         return 0;
     u64 start = args->start;
     u64 heap = start & ~((u64)HEAP_MAX - 1);
@@ -562,7 +568,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_madvise)
 
 static __always_inline void derived_enter_munmap(void *args, u64 heap, u64 len)
 {
-    if (len != HEAP_MAX || (heap & ((u64)HEAP_MAX - 1)) || D_HEAP_FREE < 0)
+    if (len != HEAP_MAX || (heap & ((u64)HEAP_MAX - 1)) || D_HEAP_FREE < 0 || !derived_traced())
         return;
     /* heap_trim unmaps a whole heap; its header is still there to read (an
      * unused reservation is PROT_NONE, and unreadable) */
