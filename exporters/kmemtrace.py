@@ -547,14 +547,32 @@ def cpu_files(directory: Path) -> dict[int, Path]:
     return files
 
 
-def read_record_set(path: Path, big_endian: bool | None = None) -> RecordSet:
-    """Read every cpuN file of a record set (or, given one cpuN file, that
-    file with its directory's abi_version), ordered by sequence number.
+@dataclass
+class RecordSetHeader:
+    """A record set's files and header files, checked, before any record is read."""
 
-    Problems that leave the set unusable raise RecordSetError. A damaged file
-    (a truncated record, an event size below the core's) keeps every record
-    before the damage and adds a line to ``damage``; unknown ids are skipped
-    by their event size and counted."""
+    path: Path  # as given: the directory or one cpuN file
+    directory: Path
+    files: dict[int, Path]  # cpuN files, by CPU in ascending order
+    abi_version: int
+    big: bool
+    total_overruns: int | None
+    libc_probes: list[str]
+    kallsyms: str | None
+    user_maps: str
+    cpu_nodes: dict[int, int]
+
+    def sizes(self) -> dict[int, int]:
+        try:
+            return {cpu: path.stat().st_size for cpu, path in self.files.items()}
+        except OSError as exc:
+            raise RecordSetError(f"cannot read {exc.filename}: {exc.strerror}") from None
+
+
+def open_record_set(path: Path, big_endian: bool | None = None) -> RecordSetHeader:
+    """A record set's header: a directory's cpuN files (or, given one cpuN
+    file, that file with its directory's abi_version) and header files.
+    Problems that leave the set unusable raise RecordSetError."""
     if path.is_file():
         directory = path.parent
         match = _CPU_FILE.fullmatch(path.name)
@@ -595,44 +613,6 @@ def read_record_set(path: Path, big_endian: bool | None = None) -> RecordSet:
     missing = _first_missing(expected, files)
     if missing is not None:
         raise RecordSetError(f"{directory} lacks the file cpu{missing} of CPU {missing}")
-    big = sys.byteorder == "big" if big_endian is None else big_endian
-
-    parts = []
-    arg_parts = []
-    skipped = dict.fromkeys(SKIP_REASONS, 0)
-    damage = []
-    total_bytes = 0
-    sizes = {cpu: path.stat().st_size for cpu, path in files.items()}
-    # One buffer for every file's records, so that merging needs no concatenation.
-    decoded = np.empty(sum(size // CORE_SIZE for size in sizes.values()), dtype=DECODED)
-    used = 0
-    for cpu in sorted(files):
-        path = files[cpu]
-        try:
-            data = np.fromfile(path, dtype=np.uint8)
-        except OSError as exc:
-            raise RecordSetError(f"cannot read {path}: {exc.strerror}") from None
-        total_bytes += len(data)
-        room = decoded[used : used + len(data) // CORE_SIZE]
-        records, args, offset, status, skips = _scan_file(data, big, cpu, room)
-        used += len(records)
-        for reason, count in zip(SKIP_REASONS, skips, strict=True):
-            skipped[reason] += count
-        if status == _TRUNCATED:
-            damage.append(
-                f"{path}: truncated record at offset {offset} ({len(data) - offset} bytes left); "
-                f"the {len(records)} records before it were read"
-            )
-        elif status == _BAD_SIZE:
-            damage.append(
-                f"{path}: event size below {CORE_SIZE} at offset {offset}; the rest of the file "
-                f"cannot be walked; the {len(records)} records before it were read"
-            )
-        records["seq"] = unwrap(records["seq"].astype(np.int32))
-        parts.append(records)
-        arg_parts.append(args)
-
-    args = _one_scale(parts, arg_parts)
     overruns_text = _read_text(directory / OVERRUNS_FILE, MAX_HEADER_BYTES)
     probes_text = _read_text(directory / PROBES_FILE, MAX_KALLSYMS_BYTES)
     nodes = {}
@@ -640,19 +620,85 @@ def read_record_set(path: Path, big_endian: bool | None = None) -> RecordSet:
         match = _CPU_NODE.fullmatch(line.strip())
         if match and int(match[1]) <= MAX_CPU and int(match[2]) <= MAX_NODE:
             nodes[int(match[1])] = int(match[2])  # other lines name no CPU a record can have
-    return RecordSet(
+    return RecordSetHeader(
+        path=path,
         directory=directory,
+        files=dict(sorted(files.items())),
         abi_version=abi,
+        big=sys.byteorder == "big" if big_endian is None else big_endian,
+        total_overruns=_count(overruns_text),
+        libc_probes=probes_text.splitlines() if probes_text else [],
+        kallsyms=_read_text(directory / KALLSYMS_FILE, MAX_KALLSYMS_BYTES),
+        user_maps=_read_text(directory / USER_MAPS_FILE, MAX_KALLSYMS_BYTES) or "",
+        cpu_nodes=nodes,
+    )
+
+
+def damage_line(path: Path, status: int, offset: int, size: int, records: int) -> str | None:
+    """What a file's walk that stopped with ``status`` says of it (None: no damage)."""
+    if status == _TRUNCATED:
+        return (
+            f"{path}: truncated record at offset {offset} ({size - offset} bytes left); "
+            f"the {records} records before it were read"
+        )
+    if status == _BAD_SIZE:
+        return (
+            f"{path}: event size below {CORE_SIZE} at offset {offset}; the rest of the file "
+            f"cannot be walked; the {records} records before it were read"
+        )
+    return None
+
+
+def read_record_set(path: Path, big_endian: bool | None = None) -> RecordSet:
+    """Read every cpuN file of a record set (see open_record_set), ordered
+    by sequence number.
+
+    A damaged file (a truncated record, an event size below the core's)
+    keeps every record before the damage and adds a line to ``damage``;
+    unknown ids are skipped by their event size and counted."""
+    header = open_record_set(path, big_endian)
+    files = header.files
+    parts = []
+    arg_parts = []
+    skipped = dict.fromkeys(SKIP_REASONS, 0)
+    damage = []
+    total_bytes = 0
+    sizes = header.sizes()
+    # One buffer for every file's records, so that merging needs no concatenation.
+    decoded = np.empty(sum(size // CORE_SIZE for size in sizes.values()), dtype=DECODED)
+    used = 0
+    for cpu, path in files.items():
+        try:
+            data = np.fromfile(path, dtype=np.uint8)
+        except OSError as exc:
+            raise RecordSetError(f"cannot read {path}: {exc.strerror}") from None
+        total_bytes += len(data)
+        room = decoded[used : used + len(data) // CORE_SIZE]
+        records, args, offset, status, skips = _scan_file(data, header.big, cpu, room)
+        used += len(records)
+        for reason, count in zip(SKIP_REASONS, skips, strict=True):
+            skipped[reason] += count
+        line = damage_line(path, status, offset, len(data), len(records))
+        if line is not None:
+            damage.append(line)
+        records["seq"] = unwrap(records["seq"].astype(np.int32))
+        parts.append(records)
+        arg_parts.append(args)
+
+    args = _one_scale(parts, arg_parts)
+    return RecordSet(
+        directory=header.directory,
+        abi_version=header.abi_version,
         unordered=decoded[:used],
         args=args,
         skipped={k: v for k, v in skipped.items() if v},
         damage=damage,
-        total_overruns=_count(overruns_text),
-        libc_probes=probes_text.splitlines() if probes_text else [],
-        kallsyms=_read_text(directory / KALLSYMS_FILE, MAX_KALLSYMS_BYTES),
-        cpu_nodes=nodes,
+        total_overruns=header.total_overruns,
+        libc_probes=header.libc_probes,
+        kallsyms=header.kallsyms,
+        cpu_nodes=header.cpu_nodes,
         bytes_read=total_bytes,
-        user_maps=_read_text(directory / USER_MAPS_FILE, MAX_KALLSYMS_BYTES) or "",
+        user_maps=header.user_maps,
     )
 
 

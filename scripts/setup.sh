@@ -33,9 +33,10 @@ ARCH=$(dpkg --print-architecture)
 # ---- distro packages ------------------------------------------------------
 # prometheus (server and promtool) and openssl are for the exporter's tests;
 # golang-go for go tool pprof, which reads the pprof output in the tests;
-# heaptrack is a peer in make bench; libc6-dbg names the frames inside the libc.
+# heaptrack is a peer in make bench; libc6-dbg names the frames inside the libc;
+# python3-dev's headers build report's compiled pass at install.
 packages=(python3-bpfcc libbpfcc bpfcc-tools bpftrace gcc make libc6-dev libc6-dbg golang-go heaptrack
-          systemtap-sdt-dev python3-venv binutils prometheus openssl)
+          systemtap-sdt-dev python3-venv python3-dev binutils prometheus openssl)
 if [ "${ID}" = ubuntu ]; then
   packages+=(linux-tools-common "linux-tools-$KERNEL")
 else
@@ -145,7 +146,9 @@ fi
 # ---- the virtual environment -----------------------------------------------
 # Made from the distro's python3 with --system-site-packages, so that it sees
 # python3-bpfcc. A .venv left half-made by an interrupted run is rebuilt.
-want_stamp=$(sha256sum "$REPO/pyproject.toml" | cut -d' ' -f1)
+# The stamp covers the C that pip compiles (report's pass), so a change to it
+# rebuilds the extension.
+want_stamp=$(cat "$REPO/pyproject.toml" "$REPO/tracer/report_pass.c" | sha256sum | cut -d' ' -f1)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want_stamp" ] && [ -x "$VENV/bin/pip" ] \
    && "$VENV/bin/python" -c 'import bcc, mtrace_live.tracer.cli' 2>/dev/null; then
   say ".venv is up to date"

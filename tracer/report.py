@@ -1,28 +1,42 @@
 """``mtrace-live report``: kmemtrace's user-space analysis of a record set.
 
-Everything is computed in bulk with numpy from the decoded records (ordered
-by sequence number): allocations and frees per call site, frees matched to
-their allocation by pointer, cross-CPU frees, and the errors kmemtrace-report
-looked for.
+Allocations and frees per call site, frees matched to their allocation by
+pointer, cross-CPU frees, and the errors kmemtrace-report looked for.
+
+Two ways to the same answer:
+- ``stream``: one compiled pass (report_pass.c) merges the cpuN files by
+  sequence number in fixed-size chunks and matches frees in a table of the
+  allocations still live, so memory does not grow with the files. This is
+  what the command uses.
+- ``analyse``: every record decoded into memory, then matched by sorting
+  (numpy). It is the reference the tests hold the pass to, and the fallback
+  for a file whose sequence numbers go backwards, which no merge can order.
 """
 
 from __future__ import annotations
 
 import mmap
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from mtrace_live.exporters.data.allocations import AllocSnapshot, FrameNames, StackRow, frame_text
+from mtrace_live.exporters.data.errors import RecordSetError
 from mtrace_live.exporters.data.kallsyms import KernelSymbols
 from mtrace_live.exporters.data.kmem import CallSite, KmemTotals, name_sites
 from mtrace_live.exporters.data.symbolize import ProcessSymbols
 from mtrace_live.exporters.kmemtrace import (
     KERNEL_TYPES,
+    SKIP_REASONS,
     EventId,
     RecordSet,
+    RecordSetHeader,
     TypeId,
+    damage_line,
     parse_user_maps,
+    read_record_set,
 )
 from mtrace_live.probes.records import ALLOC_FN_NAMES
 
@@ -74,8 +88,29 @@ class UserSite:
 
 
 @dataclass
+class Source:
+    """What a report says of the record set it read."""
+
+    directory: Path
+    abi_version: int
+    records: int
+    bytes_read: int
+    total_overruns: int | None
+    skipped: dict[str, int]
+    damage: list[str]
+    cpus: int  # CPUs with records
+    user_maps: str
+
+    @classmethod
+    def of(cls, rs: RecordSet) -> Source:
+        return cls(rs.directory, rs.abi_version, len(rs.unordered), rs.bytes_read,
+                   rs.total_overruns, rs.skipped, rs.damage,
+                   len(np.unique(rs.unordered["cpu"])), rs.user_maps)  # fmt: skip
+
+
+@dataclass
 class Report:
-    records: RecordSet
+    source: Source
     kernel: KmemTotals
     findings: Findings
     cross_cpu_frees: int
@@ -86,11 +121,11 @@ class Report:
     user_unknown_frees: int = 0
 
     def as_json(self) -> dict[str, object]:
-        rs = self.records
+        rs = self.source
         return {
             "record_set": str(rs.directory),
             "abi_version": rs.abi_version,
-            "records": len(rs.unordered),
+            "records": rs.records,
             "bytes": rs.bytes_read,
             "total_overruns": rs.total_overruns,
             "skipped": rs.skipped,
@@ -218,7 +253,7 @@ def analyse(rs: RecordSet, symbols: KernelSymbols | None = None) -> Report:
     page_orders = {o: (allocated.get(o, 0), freed.get(o, 0)) for o in sorted({*allocated, *freed})}
 
     return Report(
-        records=rs,
+        source=Source.of(rs),
         kernel=KmemTotals(sites=call_sites, page_orders=page_orders),
         findings=findings,
         cross_cpu_frees=int(np.count_nonzero(cross_cpu)),
@@ -252,8 +287,7 @@ def _user_sites(rs: RecordSet) -> dict[str, Any]:
         key = (pid, fn, call_site)
         found = sites.get(key)
         if found is None:
-            name = ALLOC_FN_NAMES[fn] if fn < len(ALLOC_FN_NAMES) else f"fn{fn}"
-            found = sites[key] = UserSite(pid, name, call_site)
+            found = sites[key] = UserSite(pid, _function(fn), call_site)
         return found
 
     allocs = u[is_alloc]
@@ -271,11 +305,16 @@ def _user_sites(rs: RecordSet) -> dict[str, Any]:
         entry.frees += 1
         entry.bytes_freed += size
     unknown = int(np.count_nonzero(~is_alloc & ~matched & (u["ptr"] != 0)))
-    maps = parse_user_maps(rs.user_maps)
-    names = {
-        pid: ProcessSymbols(pid, saved=maps[pid]) for pid in {k[0] for k in sites} if pid in maps
-    }
-    for entry in sites.values():
+    return {"user": _named(list(sites.values()), rs.user_maps), "user_unknown_frees": unknown}
+
+
+def _named(sites: list[UserSite], user_maps: str) -> list[UserSite]:
+    """User sites named through the saved mappings, most live bytes first
+    (a stable sort: equal ones stay in the order given)."""
+    maps = parse_user_maps(user_maps)
+    names = {pid: ProcessSymbols(pid, saved=maps[pid]) for pid in {s.pid for s in sites}
+             if pid in maps}  # fmt: skip
+    for entry in sites:
         symbols = names.get(entry.pid)
         symbol = symbols.resolve(entry.call_site - 1) if symbols is not None else None
         if symbol is not None and symbol.function is not None:
@@ -283,8 +322,7 @@ def _user_sites(rs: RecordSet) -> dict[str, Any]:
         entry.name = frame_text(entry.call_site, symbol)
         entry.location = symbol.location if symbol is not None else None
         entry.symbol = symbol.function if symbol is not None else None
-    ordered = sorted(sites.values(), key=lambda s: (-s.live_bytes, -s.bytes))
-    return {"user": ordered, "user_unknown_frees": unknown}
+    return sorted(sites, key=lambda s: (-s.live_bytes, -s.bytes))
 
 
 def user_snapshot(report: Report) -> tuple[AllocSnapshot, FrameNames]:
@@ -298,7 +336,7 @@ def user_snapshot(report: Report) -> tuple[AllocSnapshot, FrameNames]:
     )  # fmt: skip
     snapshot = AllocSnapshot(rows, (), {}, {}, 0, 0, 0)
     names = FrameNames(live=False)
-    for pid, mappings in parse_user_maps(report.records.user_maps).items():
+    for pid, mappings in parse_user_maps(report.source.user_maps).items():
         names.symbols[pid] = ProcessSymbols(pid, saved=mappings)
     return snapshot, names
 
@@ -321,22 +359,101 @@ def _libc_totals(recs: np.ndarray) -> dict[str, dict[str, int]]:
 def _probe_hits(rs: RecordSet) -> dict[str, int]:
     probes = rs.unordered["probe"][rs.unordered["event_id"] == EventId.PROBE]
     numbers, counts = np.unique(probes, return_counts=True)
-    names = rs.libc_probes
-    return {
-        (names[num] if num < len(names) else f"probe {num}"): int(c)
-        for num, c in zip(numbers.tolist(), counts.tolist(), strict=True)
+    return _probe_names(zip(numbers.tolist(), counts.tolist(), strict=True), rs.libc_probes)
+
+
+def _probe_names(hits: Iterable[tuple[int, int]], names: list[str]) -> dict[str, int]:
+    return {(names[num] if num < len(names) else f"probe {num}"): int(c) for num, c in hits}
+
+
+def _function(fn: int) -> str:
+    return ALLOC_FN_NAMES[fn] if fn < len(ALLOC_FN_NAMES) else f"fn{fn}"
+
+
+# The pass's read size per file: at least two of the largest records (the
+# event size is 16 bits), at most 1 MiB, and 64 MiB for all files together.
+MIN_CHUNK, MAX_CHUNK, ALL_CHUNKS = 1 << 17, 1 << 20, 1 << 26
+KERNEL_COLUMNS = (
+    "allocs", "bytes_req", "bytes_alloc", "failed", "cross_node", "frees", "bytes_freed",
+    "cross_cpu_frees", "mismatched_frees", "unknown_frees",
+)  # fmt: skip
+
+
+def stream(
+    header: RecordSetHeader, symbols: KernelSymbols | None = None, chunk: int | None = None
+) -> Report:
+    """The report of a record set in one compiled pass over its files, in
+    memory bounded by the chunks, the call sites and the allocations live at
+    any one time. The same answer as ``analyse(read_record_set(...))``.
+    ``chunk``: the read size per file (tests make it small to cross many
+    chunk boundaries)."""
+    from ._report_pass import report_pass
+
+    files = header.files
+    sizes = header.sizes()
+    if chunk is None:
+        chunk = max(MIN_CHUNK, min(MAX_CHUNK, ALL_CHUNKS // len(files)))
+    try:
+        found = report_pass([str(p) for p in files.values()], list(files),
+                            [header.cpu_nodes.get(cpu, -1) for cpu in files], header.big,
+                            PAGE_SIZE, chunk)  # fmt: skip
+    except OSError as exc:
+        where = exc.filename or header.directory
+        raise RecordSetError(f"cannot read {where}: {exc.strerror}") from None
+    if found["unsorted"]:
+        return analyse(read_record_set(header.path, header.big), symbols)
+    skipped = dict.fromkeys(SKIP_REASONS, 0)
+    damage = []
+    for (cpu, path), (count, status, offset, skips) in zip(files.items(), found["files"],
+                                                          strict=True):  # fmt: skip
+        for reason, n in zip(SKIP_REASONS, skips, strict=True):
+            skipped[reason] += n
+        line = damage_line(path, status, offset, sizes[cpu], count)
+        if line is not None:
+            damage.append(line)
+    source = Source(header.directory, header.abi_version, found["records"], sum(sizes.values()),
+                    header.total_overruns, {k: v for k, v in skipped.items() if v}, damage,
+                    sum(1 for f in found["files"] if f[0]), header.user_maps)  # fmt: skip
+
+    call_sites = [
+        CallSite.with_counts(row[0], row[1], zip(KERNEL_COLUMNS, row[2:], strict=True))
+        for row in sorted(found["kernel_sites"], key=lambda row: (row[0], row[1]))
+    ]
+    if symbols is not None:
+        name_sites(call_sites, symbols)
+    findings = Findings(*found["findings"])
+    libc_types = (TypeId.SBRK, TypeId.HEAP, TypeId.ARENA)
+    libc = {
+        type_id.name.lower(): {"allocs": allocs, "bytes": total, "frees": frees}
+        for type_id, (allocs, total, frees) in zip(libc_types, found["libc"], strict=True)
+        if allocs or frees
     }
+    # Sites in the order the sorting analysis meets them: by process, then
+    # by the pointer and sequence of their first allocation.
+    rows = sorted(found["user_sites"], key=lambda row: (row[0], row[7], row[8]))
+    user = [UserSite(pid, _function(fn), call_site, allocs, total, frees, freed)
+            for pid, fn, call_site, allocs, total, frees, freed, _, _ in rows]  # fmt: skip
+    return Report(
+        source=source,
+        kernel=KmemTotals(sites=call_sites, page_orders=found["page_orders"]),
+        findings=findings,
+        cross_cpu_frees=found["cross_cpu_frees"],
+        cross_node_allocs=found["cross_node_allocs"],
+        libc=libc,
+        probe_hits=_probe_names(found["probe_hits"].items(), header.libc_probes),
+        user=_named(user, header.user_maps),
+        user_unknown_frees=found["user_unknown_frees"],
+    )
 
 
 def render_text(report: Report, limit: int | None, sort: str) -> list[str]:
     from mtrace_live.exporters.kmem_table import render_orders, render_table
 
-    rs = report.records
-    cpus = len(np.unique(rs.unordered["cpu"])) if len(rs.unordered) else 0
+    rs = report.source
     overruns = "unknown" if rs.total_overruns is None else str(rs.total_overruns)
     lines = [
-        f"record set {rs.directory}: ABI {rs.abi_version}, {len(rs.unordered)} records "
-        f"({rs.bytes_read} bytes, from {cpus} CPUs), total_overruns {overruns}"
+        f"record set {rs.directory}: ABI {rs.abi_version}, {rs.records} records "
+        f"({rs.bytes_read} bytes, from {rs.cpus} CPUs), total_overruns {overruns}"
     ]
     lines += [f"skipped: {count} ({reason})" for reason, count in rs.skipped.items()]
     lines.append("")

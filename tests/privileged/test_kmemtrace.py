@@ -15,8 +15,14 @@ from pathlib import Path
 
 import pytest
 from mtrace_live.exporters.data.kallsyms import KernelSymbols
-from mtrace_live.exporters.kmemtrace import EventId, RecordSet, TypeId, read_record_set
-from mtrace_live.tracer.report import analyse
+from mtrace_live.exporters.kmemtrace import (
+    EventId,
+    RecordSet,
+    TypeId,
+    open_record_set,
+    read_record_set,
+)
+from mtrace_live.tracer.report import analyse, stream
 
 from .conftest import MTRACE
 from .tracing import BPFTRACE_READY, Reaper, bpftrace_kmem_counts, stop_bpftrace, wait_for_line
@@ -156,6 +162,10 @@ def test_socket_inodes_are_counted_per_call_site_and_their_rcu_frees_follow_the_
     rs = recorded.records
     assert rs.kallsyms
     report = analyse(rs, KernelSymbols(rs.kallsyms))
+    # (the streaming pass that `report` runs says the same)
+    assert stream(open_record_set(recorded.directory), KernelSymbols(rs.kallsyms)).as_json() == (
+        report.as_json()
+    )
     # WHEN the call site allocating socket inodes is looked up
     sites = [s for s in report.kernel.sites if s.symbol.startswith("sock_alloc_inode+")]
     # THEN it made exactly one inode per socket() of the traced pid (none of

@@ -26,11 +26,11 @@ from mtrace_live.exporters.data.errors import (
     WebConfigError,
 )
 from mtrace_live.exporters.data.kallsyms import KernelSymbols
-from mtrace_live.exporters.kmemtrace import cpu_files, read_record_set
+from mtrace_live.exporters.kmemtrace import cpu_files, open_record_set, read_record_set
 from mtrace_live.exporters.kmemtrace_json import json_lines, write_record_set
 from mtrace_live.exporters.sprtrace_convert import from_record_set
 from mtrace_live.exporters.web import load_web_config, parse_address
-from mtrace_live.tracer.report import analyse, render_text
+from mtrace_live.tracer.report import analyse, render_text, stream
 
 # Files are written under /dev/shm where there is one: a target writes a
 # record set or a config for each input.
@@ -169,6 +169,8 @@ def record_set(data: bytes) -> None:
         assert len(records.unordered) <= total // 24
         symbols = KernelSymbols(records.kallsyms or "")
         report = analyse(records, symbols)
+        # the streaming pass reads the same hostile bytes to the same answer
+        assert stream(open_record_set(directory), symbols).as_json() == report.as_json()
         render_text(report, None, "bytes_alloc")
         allocs = int(np.count_nonzero(records.unordered["event_id"] == 0))
         assert sum(site.allocs for site in report.kernel.sites) <= allocs

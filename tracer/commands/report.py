@@ -46,18 +46,18 @@ def report(source: Path, fmt: str, sort: str, limit: int, kallsyms: Path | None)
     from mtrace_live.exporters.allocinfo import render_allocinfo
     from mtrace_live.exporters.data.errors import DamagedRecordsError
     from mtrace_live.exporters.data.kallsyms import KernelSymbols
-    from mtrace_live.exporters.kmemtrace import read_record_set
+    from mtrace_live.exporters.kmemtrace import open_record_set
 
-    from ..report import analyse, render_text
+    from ..report import render_text, stream
 
-    records = read_record_set(source)
+    header = open_record_set(source)
     if kallsyms is not None:
         symbols = KernelSymbols.load(kallsyms)
-    elif records.kallsyms:
-        symbols = KernelSymbols(records.kallsyms)
+    elif header.kallsyms:
+        symbols = KernelSymbols(header.kallsyms)
     else:
         symbols = KernelSymbols.load()
-    result = analyse(records, symbols)
+    result = stream(header, symbols)
     if fmt == "json":
         click.echo(json.dumps(result.as_json(), indent=2))
     elif fmt == "allocinfo":
@@ -87,7 +87,8 @@ def report(source: Path, fmt: str, sort: str, limit: int, kallsyms: Path | None)
         keys = {"bytes": "bytes_alloc", "calls": "allocs", "fragmentation": "fragmentation",
                 "live": "outstanding_bytes"}  # fmt: skip
         click.echo("\n".join(render_text(result, limit or None, keys[sort])))
-    if records.damage:
-        for line in records.damage[:-1]:
+    damage = result.source.damage
+    if damage:
+        for line in damage[:-1]:
             click.echo(f"mtrace-live: error: {line}", err=True)
-        raise DamagedRecordsError(records.damage[-1])
+        raise DamagedRecordsError(damage[-1])
