@@ -17,7 +17,6 @@ recorded by both tools over the same window, the time per event of
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -148,16 +147,31 @@ def synthetic_set(directory: Path, records: int) -> None:
     writer.close(0)
 
 
+# A process's peak RSS (ru_maxrss) keeps the high-water mark of the memory
+# it replaced at exec, so a command started straight from this large process
+# would report this process's size. It is started from a small launcher.
+_LAUNCH = (
+    "import os, sys\n"
+    "pid = os.fork()\n"
+    "if pid == 0:\n"
+    "    os.execvp(sys.argv[2], sys.argv[2:])\n"
+    "_, status, usage = os.wait4(pid, 0)\n"
+    "open(sys.argv[1], 'w').write(str(usage.ru_maxrss))\n"
+    "sys.exit(os.waitstatus_to_exitcode(status))\n"
+)
+
+
 def timed_child(argv: list[str], stdout: Path) -> tuple[float, float]:
     """Wall seconds and peak RSS (MiB) of one command."""
+    peak = stdout.with_suffix(".maxrss")
     started = time.perf_counter()
     with open(stdout, "wb") as out:
-        child = subprocess.Popen(argv, stdout=out, stderr=subprocess.PIPE)
-        _, status, usage = os.wait4(child.pid, 0)
+        child = subprocess.run(["/usr/bin/python3", "-S", "-c", _LAUNCH, str(peak), *argv],
+                               stdout=out, stderr=subprocess.PIPE, check=False)  # fmt: skip
     elapsed = time.perf_counter() - started
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"{' '.join(argv[:3])} failed: {child.stderr.read()[-800:]!r}")  # type: ignore[union-attr]
-    return elapsed, usage.ru_maxrss / 1024
+    if child.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv[:3])} failed: {child.stderr[-800:]!r}")
+    return elapsed, int(peak.read_text()) / 1024
 
 
 def report_throughput(tmp: Path, records: int) -> dict[str, float]:
