@@ -28,6 +28,8 @@ from elftools.elf.elffile import ELFFile
 from elftools.elf.relocation import RelocationSection
 from elftools.elf.sections import SymbolTableSection
 
+from .elf_symbols import STT_FUNC, STT_GNU_IFUNC, symbol_table
+
 # The allocation functions and the registers holding their arguments (SysV
 # x86-64 calling convention), in order.
 ALLOC_FUNCTIONS: Mapping[str, tuple[str, ...]] = {
@@ -117,17 +119,17 @@ def alloc_sites(path: Path) -> dict[str, AllocSite]:
     version), keyed by function name; functions it does not export are absent."""
     with path.open("rb") as stream:
         elf = ELFFile(stream)
-        dynsym = elf.get_section_by_name(".dynsym")
-        if not isinstance(dynsym, SymbolTableSection):
+        dynsym = symbol_table(elf, ".dynsym")
+        if dynsym is None:
             return {}
         entries: dict[str, int] = {}
-        for symbol in dynsym.iter_symbols():
+        for symbol in dynsym:
             if (
                 symbol.name in ALLOC_FUNCTIONS
-                and symbol["st_value"]
-                and (symbol["st_info"]["type"] in ("STT_FUNC", "STT_GNU_IFUNC"))
+                and symbol.value
+                and symbol.type in (STT_FUNC, STT_GNU_IFUNC)
             ):
-                entries.setdefault(symbol.name, symbol["st_value"])
+                entries.setdefault(symbol.name, symbol.value)
         by_address: dict[int, list[str]] = {}
         for name, address in entries.items():
             by_address.setdefault(address, []).append(name)

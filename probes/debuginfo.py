@@ -24,8 +24,9 @@ from elftools.dwarf.dwarf_expr import DWARFExprParser
 from elftools.dwarf.locationlists import BaseAddressEntry, LocationEntry, LocationParser
 from elftools.dwarf.ranges import RangeEntry
 from elftools.elf.elffile import ELFFile
-from elftools.elf.sections import NoteSection, SymbolTableSection
+from elftools.elf.sections import NoteSection
 
+from .elf_symbols import symbol_tables
 from .sdt_notes import _ELF_FAILURES
 
 DEBUG_ROOT = Path("/usr/lib/debug")
@@ -287,14 +288,10 @@ def file_offset(elf: ELFFile, address: int) -> int | None:
 
 def _symbols(elf: ELFFile) -> dict[str, tuple[int, int]]:
     found: dict[str, tuple[int, int]] = {}
-    for name in (".symtab", ".dynsym"):
-        section = elf.get_section_by_name(name)
-        if not isinstance(section, SymbolTableSection):
-            continue
-        for symbol in section.iter_symbols():
-            if symbol["st_shndx"] == "SHN_UNDEF" or not symbol.name:
-                continue
-            found.setdefault(symbol.name, (int(symbol["st_value"]), int(symbol["st_size"])))
+    for table in symbol_tables(elf):
+        for symbol in table:
+            if symbol.defined and symbol.name:
+                found.setdefault(symbol.name, (symbol.value, symbol.size))
     return found
 
 

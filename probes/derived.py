@@ -35,10 +35,10 @@ from pathlib import Path
 import capstone
 from capstone import x86
 from elftools.elf.elffile import ELFFile
-from elftools.elf.sections import SymbolTableSection
 
 from .alloc_sites import _WIDE, emulated
 from .debuginfo import Code, DebugInfo, DebugInfoError, file_offset, find_debug_file, read_code
+from .elf_symbols import STT_FUNC, symbol_tables
 from .locations import REGISTERS, ArgKind, ArgLocation, SiteLayout
 from .sdt_notes import _ELF_FAILURES, SdtSite
 
@@ -291,13 +291,11 @@ class _Deriver:
 
 
 def _dynamic_symbols(elf: ELFFile) -> dict[str, tuple[int, int]]:
-    section = elf.get_section_by_name(".dynsym")
     found: dict[str, tuple[int, int]] = {}
-    if not isinstance(section, SymbolTableSection):
-        return found
-    for symbol in section.iter_symbols():
-        if symbol["st_shndx"] != "SHN_UNDEF" and symbol["st_info"]["type"] == "STT_FUNC":
-            found.setdefault(symbol.name, (int(symbol["st_value"]), int(symbol["st_size"])))
+    for table in symbol_tables(elf, (".dynsym",)):
+        for symbol in table:
+            if symbol.defined and symbol.type == STT_FUNC:
+                found.setdefault(symbol.name, (symbol.value, symbol.size))
     return found
 
 

@@ -27,8 +27,8 @@ from enum import IntEnum
 from pathlib import Path
 
 from elftools.elf.elffile import ELFFile
-from elftools.elf.sections import SymbolTableSection
 
+from .elf_symbols import symbol_tables
 from .sdt_notes import SdtSite
 
 
@@ -161,14 +161,10 @@ def symbol_addresses(path: str | Path, names: Iterable[str]) -> dict[str, int]:
     if not wanted:
         return found
     with open(path, "rb") as stream:
-        elf = ELFFile(stream)
-        for section_name in (".symtab", ".dynsym"):
-            section = elf.get_section_by_name(section_name)
-            if not isinstance(section, SymbolTableSection):
-                continue
-            for sym in section.iter_symbols():
-                if sym.name in wanted and sym.name not in found and sym["st_shndx"] != "SHN_UNDEF":
-                    found[sym.name] = int(sym["st_value"])
+        for table in symbol_tables(ELFFile(stream)):
+            for sym in table:
+                if sym.name in wanted and sym.name not in found and sym.defined:
+                    found[sym.name] = sym.value
             if wanted <= set(found):
                 break
     return found

@@ -95,15 +95,14 @@ def _plan(libc: Path) -> AllocPlan:
 
 def _file_offset(libc: Path, name: str) -> int | None:
     from elftools.elf.elffile import ELFFile
-    from elftools.elf.sections import SymbolTableSection
+    from mtrace_live.probes.elf_symbols import symbol_table
 
     with libc.open("rb") as stream:
         elf = ELFFile(stream)
-        dynsym = elf.get_section_by_name(".dynsym")
-        if not isinstance(dynsym, SymbolTableSection):
+        dynsym = symbol_table(elf, ".dynsym")
+        if dynsym is None:
             return None
-        symbols = dynsym.get_symbol_by_name(name) or []
-        address = next((int(s["st_value"]) for s in symbols if s["st_value"]), None)
+        address = next((s.value for s in dynsym if s.name == name and s.value), None)
         if address is None:
             return None
         for segment in elf.iter_segments():

@@ -25,11 +25,12 @@ from pathlib import Path
 
 from elftools.common.exceptions import DWARFError, ELFError
 from elftools.elf.elffile import ELFFile
-from elftools.elf.sections import NoteSection, SymbolTableSection
+from elftools.elf.sections import NoteSection
+from mtrace_live.probes.elf_symbols import STT_FUNC, STT_GNU_IFUNC, symbol_table
 
 DEBUG_DIRECTORIES = (Path("/usr/lib/debug"),)
 PAGE = 4096
-_FUNCTION_TYPES = frozenset({"STT_FUNC", "STT_GNU_IFUNC"})
+_FUNCTION_TYPES = frozenset({STT_FUNC, STT_GNU_IFUNC})
 
 
 @dataclass(frozen=True)
@@ -105,12 +106,12 @@ class ModuleSymbols:
     def _read_symbols(self, elf: ELFFile) -> None:
         found: dict[int, tuple[int, str]] = {}
         for name in (".symtab", ".dynsym"):
-            table = elf.get_section_by_name(name)
-            if not isinstance(table, SymbolTableSection):
+            table = symbol_table(elf, name)
+            if table is None:
                 continue
-            for sym in table.iter_symbols():
-                if sym["st_info"]["type"] in _FUNCTION_TYPES and sym["st_value"] and sym.name:
-                    found.setdefault(sym["st_value"], (sym["st_size"], sym.name))
+            for sym in table:
+                if sym.type in _FUNCTION_TYPES and sym.value and sym.name:
+                    found.setdefault(sym.value, (sym.size, sym.name))
             if found:
                 self._full_symbols = name == ".symtab"
                 break
