@@ -252,9 +252,12 @@ class BpfProgram:
         for pid in pids:
             followed[followed.Key(pid)] = followed.Leaf(1)
 
-    def _read_all(self, table: str) -> tuple[Any, np.ndarray, np.ndarray] | None:
+    def _read_all(
+        self, table: str, limit: int | None = None
+    ) -> tuple[Any, np.ndarray, np.ndarray] | None:
         """(bcc table, raw keys (n, key bytes), u64 values (n, cpus, words))
-        of a whole map in one batched read; None where the kernel cannot."""
+        of a whole map (an array's first ``limit`` entries) in one batched
+        read; None where the kernel cannot."""
         bcc_table = self._bpf[table]
         reader = self._readers.get(table)
         if reader is None:
@@ -265,7 +268,7 @@ class BpfProgram:
                                  bcc_table.max_entries, cpus)  # fmt: skip
             reader.supported = percpu or leaf % 8 == 0
             self._readers[table] = reader
-        got = reader.read()
+        got = reader.read(limit)
         return None if got is None else (bcc_table, *got)
 
     def percpu_array_totals(self, table: str) -> list[int]:
@@ -292,6 +295,42 @@ class BpfProgram:
             rows.append((key, [int(v) for v in summed]))
         return rows
 
+    def slot_struct_totals(
+        self, count: str, keys: str, stats: str
+    ) -> list[tuple[tuple[int, ...], list[int]]]:
+        """A slot table of trace.bpf.c: ``count[0]`` slots used, their keys
+        in the array ``keys`` (structs of integers) and their u64-only
+        structs in the per-CPU array ``stats``. Returns [(key fields,
+        [field sums over the CPUs and over the slots of that key])]."""
+        used = min(int(self._bpf[count][0].value), self._bpf[stats].max_entries)
+        if used == 0:
+            return []
+        key_table = self._bpf[keys]
+        got_keys = self._read_all(keys, used)
+        got_stats = self._read_all(stats, used)
+        if got_keys is not None and got_stats is not None:
+            stride = got_keys[2].shape[-1] * 8
+            raw = got_keys[2].tobytes()
+            key_rows = [key_table.Leaf.from_buffer_copy(raw, i * stride)
+                        for i in range(len(got_keys[2]))]  # fmt: skip
+            sums = got_stats[2].sum(axis=1).tolist()
+        else:
+            key_rows = [key_table[key_table.Key(i)] for i in range(used)]
+            table = self._bpf[stats]
+            fields = len(table.sLeaf._fields_)
+            sums = [np.frombuffer(bytes(table[table.Key(i)]), dtype=np.uint64)
+                    .reshape(-1, fields).sum(axis=0).tolist() for i in range(used)]  # fmt: skip
+        merged: dict[tuple[int, ...], list[int]] = {}
+        for row, values in zip(key_rows, sums, strict=True):
+            if not any(values):  # a slot whose key was still being written, or unused
+                continue
+            key = tuple(int(getattr(row, name)) for name, *_ in row._fields_)
+            if key in merged:
+                merged[key] = [a + int(b) for a, b in zip(merged[key], values, strict=True)]
+            else:
+                merged[key] = [int(v) for v in values]
+        return list(merged.items())
+
     def program_fds(self) -> dict[str, int]:
         """The loaded programs (handlers) by function name."""
         return {name.decode() if isinstance(name, bytes) else str(name): int(func.fd)
@@ -303,6 +342,24 @@ class BpfProgram:
             bytes(key.name).split(b"\0", 1)[0].decode(errors="replace"): int(value.value)
             for key, value in counts.items()
         }
+
+    def slot_named_counts(self, keys: str, names: str, counts: str) -> dict[str, int]:
+        """Counts by name from a set-associative table of trace.bpf.c: the
+        array ``keys`` of buckets (``cache``: each way's key, 0 if free),
+        and per slot (bucket * ways + way) the array ``names`` and the
+        per-CPU array ``counts``. Two keys of one name are summed."""
+        totals = self.percpu_array_totals(counts)
+        named = self._bpf[names]
+        out: dict[str, int] = {}
+        for index, bucket in self._bpf[keys].items():
+            ways = len(bucket.cache)
+            for way in range(ways):
+                if bucket.cache[way]:
+                    slot = index.value * ways + way
+                    raw = bytes(named[named.Key(slot)].name)
+                    name = raw.split(b"\0", 1)[0].decode(errors="replace")
+                    out[name] = out.get(name, 0) + totals[slot]
+        return out
 
     def close(self) -> None:
         """Detach everything, without making the user wait for the kernel.

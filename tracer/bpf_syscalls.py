@@ -76,13 +76,17 @@ class BatchReader:
         self._batch = ctypes.create_string_buffer(8)
         self.supported = True
 
-    def read(self) -> tuple[np.ndarray, np.ndarray] | None:
+    def read(self, limit: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+        """The map's entries; with ``limit``, an array's first ``limit`` only."""
         if not self.supported:
             return None
+        count = self.max_entries if limit is None else max(0, min(limit, self.max_entries))
+        if count == 0:
+            return self._keys[:0].copy(), self._values[:0].copy()
         attr = ctypes.create_string_buffer(56)
         # in_batch NULL (from the start), out_batch, keys, values, count, map_fd
         pointers = (ctypes.addressof(self._batch), self._keys.ctypes.data, self._values.ctypes.data)
-        struct.pack_into("=QQQQII", attr, 0, 0, *pointers, self.max_entries, self.map_fd)
+        struct.pack_into("=QQQQII", attr, 0, 0, *pointers, count, self.map_fd)
         if _bpf(BPF_MAP_LOOKUP_BATCH, attr) < 0:
             error = ctypes.get_errno()
             if error != errno.ENOENT:  # ENOENT: that was everything (or the map is empty)

@@ -104,6 +104,8 @@ class BpfCounters:
                 label = f"usdt:{self.site_probes[index]}" if index < len(self.site_probes) else name
             elif name.startswith("tracepoint__"):
                 label = "tracepoint:" + name[len("tracepoint__") :].replace("__", ":", 1)
+            elif name.startswith("raw_tracepoint__"):  # only the kmem events are raw
+                label = "tracepoint:kmem:" + name[len("raw_tracepoint__") :]
             else:
                 label = name
             stats = bpf_syscalls.run_stats(fd)
@@ -120,10 +122,10 @@ class BpfCounters:
 def read_kernel_totals(program: BpfProgram) -> KmemTotals:
     """The in-kernel aggregation of trace.bpf.c (WITH_KMEM)."""
     sites = [
-        CallSite.with_counts(
-            int(key.call_site), int(key.type), zip(SITE_FIELDS, values, strict=True)
+        CallSite.with_counts(call_site, kind, zip(SITE_FIELDS, values, strict=True))
+        for (call_site, kind, *_), values in program.slot_struct_totals(
+            "site_count", "site_keys", "kmem_sites"
         )
-        for key, values in program.percpu_struct_totals("kmem_sites")
     ]
     orders = {
         int(key.value): (values[0], values[1])

@@ -15,6 +15,7 @@ from mtrace_live.probes.records import KMEM_EVENTS
 
 from . import usdt
 from .bpf_backend import BpfProgram, require_privileges, tracepoint_format
+from .kmem_attach import kmem_attach
 from .tracefs import kmem_defines
 
 
@@ -68,10 +69,14 @@ class HitCounter:
         }
         self.kmem = kmem
         self._has_cache_name = False
+        self._caches_by_pointer = False
         if kmem:
             variants = kmem_defines(tracepoint_format)
             self._has_cache_name = bool(variants["HAVE_CACHE_NAME"])
+            raw = kmem_attach(variants).defines
+            self._caches_by_pointer = bool(raw.get("RAW_CACHE_ALLOC"))
             defines.update(variants)
+            defines.update(raw)
         self.libc = libc
         self._program = BpfProgram("trace", defines)
         if self.selection is not None:
@@ -97,6 +102,8 @@ class HitCounter:
     def cache_allocs(self) -> dict[str, int]:
         if not self._has_cache_name:
             return {}
+        if self._caches_by_pointer:
+            return self._program.slot_named_counts("cache_keys", "cache_names", "cache_counts")
         return self._program.string_keyed_counts("cache_allocs")
 
     def report(self, pid: int, exit_code: int | None) -> CountReport:

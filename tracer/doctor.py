@@ -23,9 +23,10 @@ from mtrace_live.exporters.data.errors import (
 from mtrace_live.probes.catalog import Catalog
 
 from . import bpf_backend
+from .kmem_attach import kmem_attach
 from .probe_listing import no_probes_error
 from .target import read_file_sites
-from .tracefs import parse_format
+from .tracefs import kmem_defines, parse_format
 
 OK, NOT_PERMITTED, NOT_SUPPORTED = "ok", "not permitted", "not supported"
 UNAVAILABLE = "unavailable"
@@ -59,6 +60,7 @@ def run_checks(libc: Path, catalog: Catalog) -> Iterator[Check]:
     for tracepoint in catalog.tracepoints.values():
         yield _tracepoint(tracepoint.category, tracepoint.name,
                           [f.name for f in tracepoint.fields if f.required])  # fmt: skip
+    yield _raw_tracepoints()
 
 
 def exit_code(checks: list[Check]) -> int:
@@ -223,3 +225,23 @@ def _tracepoint(category: str, event: str, required: list[str]) -> Check:
     if absent:
         return Check(name, NOT_SUPPORTED, f"lacks the fields {', '.join(absent)} mtrace-live needs")
     return Check(name, OK, f"has {', '.join(required)}")
+
+
+def _raw_tracepoints() -> Check:
+    """Which kmem tracepoints are attached raw (their offsets from BTF), and
+    why the others stay classic."""
+    name = "raw kmem tracepoints"
+    try:
+        plan = kmem_attach(kmem_defines(bpf_backend.tracepoint_format))
+    except NotPrivilegedError as exc:
+        return Check(name, NOT_PERMITTED, str(exc))
+    except MtraceError as exc:
+        return Check(name, UNAVAILABLE, f"classic tracepoints only: {exc}")
+    reasons: dict[str, list[str]] = {}
+    for event, why in plan.classic.items():
+        reasons.setdefault(why, []).append(event)
+    classic = "; ".join(f"classic {', '.join(events)} ({why})" for why, events in reasons.items())
+    if not plan.raw:
+        return Check(name, UNAVAILABLE, classic)
+    raw = f"raw {', '.join(plan.raw)} (arguments and struct kmem_cache offsets from BTF)"
+    return Check(name, OK, f"{raw}; {classic}" if classic else raw)

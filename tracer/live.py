@@ -49,6 +49,7 @@ from mtrace_live.probes.records import EVENT_DTYPE, EventKind
 from . import allocs, bpf_syscalls, package_version, target, usdt
 from .bpf_backend import BpfProgram, bcc_version, require_privileges, tracepoint_format
 from .counters import BpfCounters
+from .kmem_attach import kmem_attach
 from .launch import GatedCommand
 from .model import AllocatorModel
 from .ringbuf import RingReader
@@ -78,6 +79,7 @@ class TraceRequest:
     interval: float = 1.0
     kmem: bool = False  # the kmem tracepoints too, aggregated per call site
     libc_probes: bool = True  # False: the kmem tracepoints only
+    classic_tracepoints: bool = False  # no raw kmem tracepoints (tracer/kmem_attach.py)
     # File outputs (exporters/registry.py: FILE_OUTPUTS) -> where each writes.
     files: tuple[tuple[str, Path], ...] = ()
     comm: str | None = None  # trace the processes with this kernel name (serve)
@@ -249,7 +251,11 @@ class LiveTrace:
             cgroup_id, level, _ = target.cgroup_target(request.cgroup)
             defines.update({"FILTER_CGROUP": 1, "CGROUP_ID": cgroup_id, "CGROUP_LEVEL": level})
         if self.kmem:
-            defines.update(kmem_defines(tracepoint_format))
+            variants = kmem_defines(tracepoint_format)
+            defines.update(variants)
+            defines.update(kmem_attach(variants, request.classic_tracepoints).defines)
+        if request.filtered_by_pid and request.comm is None and target_pid is not None:
+            defines["FIRST_TGID"] = target_pid
         self.hold = False
         # One process alone: its uprobes are attached for it alone.
         self.alloc_pid = target_pid if request.one_process and target_pid is not None else -1

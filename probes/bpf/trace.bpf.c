@@ -125,6 +125,10 @@
 #define KMEM_SITES 16384 /* call sites aggregated */
 #endif
 
+#ifndef FIRST_TGID
+#define FIRST_TGID 0 /* the process asked for, when known before compiling: followed without a lookup */
+#endif
+
 #define MAX_FOLLOWED 65536
 #define MAX_PROC_COUNTERS 65536
 #define MAX_SITES 128
@@ -132,6 +136,9 @@
 #define MTRACE_CLONE_THREAD 0x00010000 /* include/uapi/linux/sched.h */
 
 BPF_HASH(followed, u32, u8, MAX_FOLLOWED);
+#if FIRST_TGID
+BPF_ARRAY(first_gone, u32, 1); /* [0] != 0 once FIRST_TGID has exited: its pid may be reused */
+#endif
 #define STACK_MAP WITH_STACKS
 #if STACK_MAP
 struct stack_frames {
@@ -158,6 +165,15 @@ static __always_inline int tgid_is_followed(u32 tgid)
 #if FILTER_CGROUP
     return bpf_get_current_ancestor_cgroup_id(CGROUP_LEVEL) == CGROUP_ID;
 #elif FILTER_PIDS
+#if FIRST_TGID
+    /* Most events of a traced process are its own: a compare instead of a
+     * hash lookup (an array lookup is inlined by the verifier). */
+    if (tgid == FIRST_TGID) {
+        u32 first = 0;
+        u32 *gone = first_gone.lookup(&first);
+        return gone && !*gone;
+    }
+#endif
     return followed.lookup(&tgid) != NULL;
 #else
     return 1;
@@ -279,6 +295,12 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
     lifecycle_event(tgid, EV_EXIT, 0);
 #endif
     followed.delete(&tgid); /* the pid may be reused by an unrelated process */
+#if FIRST_TGID
+    if (tgid == FIRST_TGID) {
+        u32 first = 0, one = 1;
+        first_gone.update(&first, &one);
+    }
+#endif
     return 0;
 }
 #endif
@@ -592,9 +614,18 @@ static __always_inline void derived_enter_munmap(void *args, u64 heap, u64 len)
 #define CACHE_NAME_LEN 32
 #define MAX_ORDER_SLOTS 16
 
-struct cache_key {
-    char name[CACHE_NAME_LEN];
-};
+#ifndef RAW_KMALLOC
+#define RAW_KMALLOC 0 /* raw tracepoints (tracer/kmem_attach.py), with each argument's index */
+#endif
+#ifndef RAW_KFREE
+#define RAW_KFREE 0
+#endif
+#ifndef RAW_CACHE_ALLOC
+#define RAW_CACHE_ALLOC 0 /* with CACHE_SIZE_OFF, CACHE_OBJECT_SIZE_OFF (and CACHE_NAME_OFF), CACHE_SPAN_* */
+#endif
+#ifndef RAW_CACHE_FREE
+#define RAW_CACHE_FREE 0
+#endif
 
 struct live_object {
     u64 call_site;
@@ -603,12 +634,151 @@ struct live_object {
     u32 type;
 };
 
+/* The live objects, by pointer: a set-associative table in an array. A
+ * pointer's home is one bucket of TABLE_WAYS slots (its pointers in one
+ * cache line); when that is full it goes in the next bucket and the home
+ * counts it in live_spilled, so a lookup reads a second bucket only when
+ * something spilled. A slot is claimed with a compare-and-swap of its
+ * pointer (0: free) and freed by swapping it back to 0. An object cannot be
+ * freed while its allocation is still being recorded, so the entry's other
+ * fields need no lock. Array lookups are inlined by the verifier: a free
+ * costs a multiply and a scan of eight words, where a BPF hash map's lookup
+ * and delete took a bucket lock and an element from its free list
+ * (docs/performance.md, section 2). */
+#define TABLE_WAYS 8 /* the slots of a bucket: their keys fill one cache line */
+#define LIVE_BUCKETS (KMEM_OBJECTS / TABLE_WAYS) /* KMEM_OBJECTS is a power of two */
+struct live_bucket {
+    u64 ptr[TABLE_WAYS];
+    struct live_object object[TABLE_WAYS];
+};
+
 BPF_PERCPU_ARRAY(kmem_hits, u64, KM_COUNT);
 BPF_PERCPU_ARRAY(kmem_misc, u64, KX_COUNT);
-BPF_HASH(cache_allocs, struct cache_key, u64, 1024);
-BPF_PERCPU_HASH(kmem_sites, struct site_key, struct site_stats, KMEM_SITES);
-BPF_HASH(live_objects, u64, struct live_object, KMEM_OBJECTS);
+/* The call sites, in the same kind of table. A site's slot numbers come
+ * from site_count, in order, so user space reads only the slots used:
+ * site_keys and kmem_sites (per CPU) are indexed by slot, and site_index
+ * finds a key's slot by a hash of it (its tag). A way is claimed with its
+ * tag before its slot is known (slot + 1; 0 until then); a lookup that
+ * meets such a way, or a tag of another key, goes on, and at worst one key
+ * gets two slots, which user space adds up. */
+#define SITE_BUCKETS (2 * KMEM_SITES / TABLE_WAYS) /* KMEM_SITES is a power of two */
+struct site_bucket {
+    u64 tag[TABLE_WAYS];
+    u32 slot[TABLE_WAYS];
+};
+BPF_ARRAY(site_index, struct site_bucket, SITE_BUCKETS);
+BPF_ARRAY(site_keys, struct site_key, KMEM_SITES);
+BPF_PERCPU_ARRAY(kmem_sites, struct site_stats, KMEM_SITES);
+BPF_ARRAY(site_count, u64, 1); /* slots handed out (u64: bcc's LLVM swaps 64 bits only) */
+BPF_ARRAY(live_objects, struct live_bucket, LIVE_BUCKETS);
+BPF_ARRAY(live_spilled, u64, LIVE_BUCKETS);
 BPF_PERCPU_ARRAY(page_orders, struct order_stats, MAX_ORDER_SLOTS);
+#if HAVE_CACHE_NAME && RAW_CACHE_ALLOC
+/* Allocations per cache, keyed by the struct kmem_cache pointer the raw
+ * tracepoint gets (and its name's), in the same kind of table: cache_keys
+ * holds each slot's key, cache_names its name and cache_counts its per-CPU
+ * count. (Three
+ * maps, not one of structs: bcc 0.26 mistakes a two-dimensional char
+ * array's size.) */
+#define CACHE_BUCKETS 128
+struct cache_bucket {
+    u64 cache[TABLE_WAYS];
+};
+struct cache_key {
+    char name[CACHE_NAME_LEN];
+};
+BPF_ARRAY(cache_keys, struct cache_bucket, CACHE_BUCKETS);
+BPF_ARRAY(cache_names, struct cache_key, CACHE_BUCKETS * TABLE_WAYS);
+BPF_PERCPU_ARRAY(cache_counts, u64, CACHE_BUCKETS * TABLE_WAYS);
+#elif HAVE_CACHE_NAME
+struct cache_key {
+    char name[CACHE_NAME_LEN];
+};
+BPF_HASH(cache_allocs, struct cache_key, u64, 1024);
+#endif
+
+static __always_inline u32 table_bucket(u64 ptr, u32 buckets)
+{
+    return (u32)((ptr * 0x9E3779B97F4A7C15ULL) >> 32) & (buckets - 1);
+}
+
+/* The way of bucket `words` holding `value`, or -1. */
+static __always_inline int way_of(u64 *words, u64 value)
+{
+#pragma unroll
+    for (int i = 0; i < TABLE_WAYS; i++)
+        if (words[i] == value)
+            return i;
+    return -1;
+}
+
+/* Claims a free way of `words` for `value`: its index, or -1 if all are taken. */
+static __always_inline int claim_way(u64 *words, u64 value)
+{
+#pragma unroll
+    for (int i = 0; i < TABLE_WAYS; i++)
+        if (words[i] == 0 && __sync_val_compare_and_swap(&words[i], 0, value) == 0)
+            return i;
+    return -1;
+}
+
+/* Records a live object; 0 if the table had no room for it. */
+static __always_inline int live_put(u64 ptr, struct live_object *o)
+{
+    u32 home = table_bucket(ptr, LIVE_BUCKETS);
+    struct live_bucket *b = live_objects.lookup(&home);
+    if (!b)
+        return 0;
+    /* A pointer whose free was not seen (freed before the trace) is reused. */
+    int way = way_of(b->ptr, ptr);
+    if (way < 0)
+        way = claim_way(b->ptr, ptr);
+    if (way >= 0) {
+        b->object[way & (TABLE_WAYS - 1)] = *o;
+        return 1;
+    }
+    u32 next = (home + 1) & (LIVE_BUCKETS - 1);
+    struct live_bucket *n = live_objects.lookup(&next);
+    u64 *spilled = live_spilled.lookup(&home);
+    if (!n || !spilled)
+        return 0;
+    way = claim_way(n->ptr, ptr);
+    if (way < 0)
+        return 0;
+    n->object[way & (TABLE_WAYS - 1)] = *o;
+    __sync_fetch_and_add(spilled, 1);
+    return 1;
+}
+
+/* Takes ptr's live object out of the table; 0 if it was not there. */
+static __always_inline int live_take(u64 ptr, struct live_object *out)
+{
+    u32 home = table_bucket(ptr, LIVE_BUCKETS);
+    struct live_bucket *b = live_objects.lookup(&home);
+    if (!b)
+        return 0;
+    int way = way_of(b->ptr, ptr);
+    u64 *spilled = NULL;
+    if (way < 0) {
+        spilled = live_spilled.lookup(&home);
+        if (!spilled || !*spilled)
+            return 0;
+        u32 next = (home + 1) & (LIVE_BUCKETS - 1);
+        b = live_objects.lookup(&next);
+        if (!b)
+            return 0;
+        way = way_of(b->ptr, ptr);
+        if (way < 0)
+            return 0;
+    }
+    way &= TABLE_WAYS - 1;
+    *out = b->object[way];
+    if (__sync_val_compare_and_swap(&b->ptr[way], ptr, 0) != ptr)
+        return 0;
+    if (spilled)
+        __sync_fetch_and_add(spilled, -1);
+    return 1;
+}
 
 static __always_inline int kmem_gate_closed(void)
 {
@@ -621,11 +791,81 @@ static __always_inline int kmem_gate_closed(void)
 #endif
 }
 
+/* Whether an allocation by the current task is counted. */
+static __always_inline int kmem_alloc_traced(void)
+{
+    return !kmem_gate_closed() && tgid_is_followed(bpf_get_current_pid_tgid() >> 32);
+}
+
+/* key's stats if bucket b holds it. */
+static __always_inline struct site_stats *site_in(struct site_bucket *b, u64 tag, u64 call_site,
+                                                  u32 type)
+{
+#pragma unroll
+    for (int i = 0; i < TABLE_WAYS; i++) {
+        u32 slot = b->slot[i];
+        if (b->tag[i] != tag || !slot)
+            continue;
+        slot -= 1;
+        struct site_key *k = site_keys.lookup(&slot);
+        if (k && k->call_site == call_site && k->type == type)
+            return kmem_sites.lookup(&slot);
+    }
+    return NULL;
+}
+
+/* A new slot for the key, in bucket b; NULL if b or the slots are full. */
+static __always_inline struct site_stats *site_new(struct site_bucket *b, u64 tag, u64 call_site,
+                                                   u32 type)
+{
+    u32 first = 0;
+    u64 *count = site_count.lookup(&first);
+    if (!count || *count >= KMEM_SITES)
+        return NULL;
+    int way = claim_way(b->tag, tag);
+    if (way < 0)
+        return NULL;
+    /* A slot number, by compare-and-swap (bcc's LLVM cannot use the value
+     * an atomic add returns); four tries, as new sites come rarely. */
+    u32 slot = KMEM_SITES;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        u64 seen = *count;
+        if (__sync_val_compare_and_swap(count, seen, seen + 1) == seen) {
+            slot = (u32)seen;
+            break;
+        }
+    }
+    struct site_key *k = site_keys.lookup(&slot);
+    if (!k) /* slot >= KMEM_SITES: the way stays claimed and unused */
+        return NULL;
+    k->call_site = call_site;
+    k->type = type;
+    b->slot[way & (TABLE_WAYS - 1)] = slot + 1;
+    return kmem_sites.lookup(&slot);
+}
+
 static __always_inline struct site_stats *site_stats_of(u64 call_site, u32 type)
 {
-    struct site_key key = {.call_site = call_site, .type = type};
-    struct site_stats zero = {};
-    struct site_stats *s = kmem_sites.lookup_or_try_init(&key, &zero);
+    u64 tag = ((call_site ^ type) * 0x9E3779B97F4A7C15ULL) | 1;
+    u32 home = table_bucket(tag, SITE_BUCKETS);
+    struct site_bucket *b = site_index.lookup(&home);
+    if (!b)
+        return NULL;
+    struct site_stats *s = site_in(b, tag, call_site, type);
+    if (s)
+        return s;
+    if (!b->tag[TABLE_WAYS - 1]) { /* ways are claimed in order and never given back */
+        s = site_new(b, tag, call_site, type);
+    } else {
+        u32 next = (home + 1) & (SITE_BUCKETS - 1);
+        struct site_bucket *n = site_index.lookup(&next);
+        if (n) {
+            s = site_in(n, tag, call_site, type);
+            if (!s)
+                s = site_new(n, tag, call_site, type);
+        }
+    }
     if (!s)
         kmem_misc.increment(KX_SITES_DROPPED);
     return s;
@@ -673,13 +913,12 @@ static __always_inline void count_order(u32 order, int freed)
         o->allocs++;
 }
 
-/* ptr is the object, or for pages the pfn (user space writes pfn << PAGE_SHIFT);
- * order is counted per order for pages. */
-static __always_inline int on_kmem_alloc(void *ctx, u32 event, u32 type, u64 call_site, u64 ptr, u64 req,
-                                         u64 alloc, u64 gfp, s64 node, u64 order)
+/* An allocation that kmem_alloc_traced() let through. ptr is the object,
+ * or for pages the pfn (user space writes pfn << PAGE_SHIFT); order is
+ * counted per order for pages. */
+static __always_inline int count_kmem_alloc(void *ctx, u32 event, u32 type, u64 call_site, u64 ptr,
+                                            u64 req, u64 alloc, u64 gfp, s64 node, u64 order)
 {
-    if (kmem_gate_closed() || !tgid_is_followed(bpf_get_current_pid_tgid() >> 32))
-        return 0;
     kmem_hits.increment(event);
     u32 cpu = bpf_get_smp_processor_id();
     struct site_stats *s = site_stats_of(call_site, type);
@@ -696,11 +935,19 @@ static __always_inline int on_kmem_alloc(void *ctx, u32 event, u32 type, u64 cal
         count_order(order, 0);
     if (ptr) {
         struct live_object o = {.call_site = call_site, .bytes = alloc, .cpu = cpu, .type = type};
-        if (live_objects.update(&ptr, &o))
+        if (!live_put(ptr, &o))
             kmem_misc.increment(KX_OBJECTS_UNTRACKED);
     }
     kmem_event(ctx, event, type, call_site, ptr, req, alloc, gfp, node, order, 0);
     return 0;
+}
+
+static __always_inline int on_kmem_alloc(void *ctx, u32 event, u32 type, u64 call_site, u64 ptr, u64 req,
+                                         u64 alloc, u64 gfp, s64 node, u64 order)
+{
+    if (!kmem_alloc_traced())
+        return 0;
+    return count_kmem_alloc(ctx, event, type, call_site, ptr, req, alloc, gfp, node, order);
 }
 
 /* For pages (type KT_PAGES), order is counted per order too. */
@@ -708,10 +955,8 @@ static __always_inline int on_kmem_free(void *ctx, u32 event, u32 type, u64 call
 {
     if (kmem_gate_closed())
         return 0;
-    struct live_object *o = ptr ? live_objects.lookup(&ptr) : NULL;
-    if (o) {
-        struct live_object known = *o;
-        live_objects.delete(&ptr);
+    struct live_object known;
+    if (ptr && live_take(ptr, &known)) {
         struct site_stats *s = site_stats_of(known.call_site, known.type);
         if (s) {
             s->frees++;
@@ -737,6 +982,11 @@ static __always_inline int on_kmem_free(void *ctx, u32 event, u32 type, u64 call
     return 0;
 }
 
+/* A raw tracepoint's arguments are each widened to u64 from an unsigned type
+ * of its own size: an int node of -1 arrives as 0xffffffff. */
+#define RAW_ARG(prefix, name) (ctx->args[prefix##_ARG_##name])
+#define RAW_NODE(prefix) (prefix##_ARG_NODE >= 0 ? (s64)(s32)ctx->args[prefix##_ARG_NODE & 7] : -1)
+
 /* The allocation tracepoints share their fields; node is the variant's. */
 #define ALLOC_FROM_ARGS(event, type, node)                                                    \
     on_kmem_alloc(args, event, type, args->call_site, (u64)args->ptr, args->bytes_req,           \
@@ -752,10 +1002,19 @@ static __always_inline int on_kmem_free(void *ctx, u32 event, u32 type, u64 call
 #define CACHE_ALLOC_NODE -1
 #endif
 
+#if RAW_KMALLOC
+RAW_TRACEPOINT_PROBE(kmalloc)
+{
+    return on_kmem_alloc(ctx, KM_KMALLOC, KT_KMALLOC, RAW_ARG(KMALLOC, CALL_SITE), RAW_ARG(KMALLOC, PTR),
+                         RAW_ARG(KMALLOC, BYTES_REQ), RAW_ARG(KMALLOC, BYTES_ALLOC),
+                         (u32)RAW_ARG(KMALLOC, GFP_FLAGS), RAW_NODE(KMALLOC), 0);
+}
+#else
 TRACEPOINT_PROBE(kmem, kmalloc)
 {
     return ALLOC_FROM_ARGS(KM_KMALLOC, KT_KMALLOC, KMALLOC_NODE);
 }
+#endif
 
 #if HAVE_KMALLOC_NODE
 TRACEPOINT_PROBE(kmem, kmalloc_node)
@@ -764,16 +1023,73 @@ TRACEPOINT_PROBE(kmem, kmalloc_node)
 }
 #endif
 
+#if RAW_KFREE
+RAW_TRACEPOINT_PROBE(kfree)
+{
+    return on_kmem_free(ctx, KM_KFREE, KT_KMALLOC, RAW_ARG(KFREE, CALL_SITE), RAW_ARG(KFREE, PTR), 0);
+}
+#else
 TRACEPOINT_PROBE(kmem, kfree)
 {
     return on_kmem_free(args, KM_KFREE, KT_KMALLOC, args->call_site, (u64)args->ptr, 0);
 }
+#endif
 
+#if HAVE_CACHE_NAME && RAW_CACHE_ALLOC
+/* Counts an allocation of a cache, known by its struct kmem_cache and the
+ * address of its name (kstrdup_const'd when the cache was made), so that a
+ * cache destroyed and another made at the same address is another key; the
+ * name string is read once per key. */
+static __always_inline void count_cache(u64 cache, u64 name)
+{
+    u64 tag = (cache ^ (name * 0x9E3779B97F4A7C15ULL)) | 1;
+    u32 home = table_bucket(tag, CACHE_BUCKETS);
+    struct cache_bucket *b = cache_keys.lookup(&home);
+    if (!b)
+        return;
+    int way = way_of(b->cache, tag);
+    if (way < 0) {
+        way = claim_way(b->cache, tag);
+        if (way < 0)
+            return; /* CACHE_BUCKETS * TABLE_WAYS caches in all, and this bucket is full */
+        u32 slot = home * TABLE_WAYS + (way & (TABLE_WAYS - 1));
+        struct cache_key *named = cache_names.lookup(&slot);
+        if (named)
+            bpf_probe_read_kernel_str(named->name, CACHE_NAME_LEN, (const void *)name);
+    }
+    u32 slot = home * TABLE_WAYS + (way & (TABLE_WAYS - 1));
+    cache_counts.increment(slot);
+}
+#endif
+
+#if RAW_CACHE_ALLOC
+/* The classic record's bytes_req and bytes_alloc are the cache's object_size
+ * and size. They and the name's address are read in one copy of the span of
+ * struct kmem_cache that holds them (CACHE_SPAN_OFF, CACHE_SPAN_LEN). */
+#define CACHE_FIELD(type, off) (*(const type *)((const u8 *)span + (off) - CACHE_SPAN_OFF))
+RAW_TRACEPOINT_PROBE(kmem_cache_alloc)
+{
+    if (!kmem_alloc_traced())
+        return 0;
+    const char *cache = (const char *)RAW_ARG(CACHE_ALLOC, S);
+    u64 span[CACHE_SPAN_LEN / 8];
+    if (bpf_probe_read_kernel(span, sizeof(span), cache + CACHE_SPAN_OFF))
+        __builtin_memset(span, 0, sizeof(span));
+    u32 size = CACHE_FIELD(u32, CACHE_SIZE_OFF);
+    u32 object_size = CACHE_FIELD(u32, CACHE_OBJECT_SIZE_OFF);
+#if HAVE_CACHE_NAME
+    count_cache((u64)cache, CACHE_FIELD(u64, CACHE_NAME_OFF));
+#endif
+    return count_kmem_alloc(ctx, KM_KMEM_CACHE_ALLOC, KT_CACHE, RAW_ARG(CACHE_ALLOC, CALL_SITE),
+                            RAW_ARG(CACHE_ALLOC, PTR), object_size, size,
+                            (u32)RAW_ARG(CACHE_ALLOC, GFP_FLAGS), RAW_NODE(CACHE_ALLOC), 0);
+}
+#else
 TRACEPOINT_PROBE(kmem, kmem_cache_alloc)
 {
 #if HAVE_CACHE_NAME
     /* Not every kernel's format has the "name" field (6.18 has it). */
-    if (!kmem_gate_closed() && tgid_is_followed(bpf_get_current_pid_tgid() >> 32)) {
+    if (kmem_alloc_traced()) {
         struct cache_key key = {};
         TP_DATA_LOC_READ_STR(key.name, name, sizeof(key.name));
         cache_allocs.increment(key);
@@ -781,6 +1097,7 @@ TRACEPOINT_PROBE(kmem, kmem_cache_alloc)
 #endif
     return ALLOC_FROM_ARGS(KM_KMEM_CACHE_ALLOC, KT_CACHE, CACHE_ALLOC_NODE);
 }
+#endif
 
 #if HAVE_CACHE_ALLOC_NODE
 TRACEPOINT_PROBE(kmem, kmem_cache_alloc_node)
@@ -789,10 +1106,18 @@ TRACEPOINT_PROBE(kmem, kmem_cache_alloc_node)
 }
 #endif
 
+#if RAW_CACHE_FREE
+RAW_TRACEPOINT_PROBE(kmem_cache_free)
+{
+    return on_kmem_free(ctx, KM_KMEM_CACHE_FREE, KT_CACHE, RAW_ARG(CACHE_FREE, CALL_SITE),
+                        RAW_ARG(CACHE_FREE, PTR), 0);
+}
+#else
 TRACEPOINT_PROBE(kmem, kmem_cache_free)
 {
     return on_kmem_free(args, KM_KMEM_CACHE_FREE, KT_CACHE, args->call_site, (u64)args->ptr, 0);
 }
+#endif
 
 /* Pages have no call site in their tracepoints; they are keyed by pfn. */
 TRACEPOINT_PROBE(kmem, mm_page_alloc)

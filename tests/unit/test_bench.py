@@ -97,7 +97,7 @@ def test_a_run_without_peers_says_so_and_judges_nothing_against_them() -> None:
     page = bench_run.render(minimal_results({"bpftrace": None, "bcc trace": None, "perf": None}))
     assert "bpftrace NOT INSTALLED" in page
     assert "| USDT per-hit cost, jmp_loop, event stream | not measured |" in page
-    assert "| kmem aggregation <= 1.3x untraced and below bpftrace | not measured |" in page
+    assert "| kmem aggregation with pid filter below perf stat's overhead | not measured |" in page
     assert "| report >= 20 M records/s (on >= 1 GB) | not measured |" in page  # 600 bytes
     assert "| mtrace-live counters only | 0.800 | 1.60x | 300 |" in page
     assert "## 5." not in page  # sections not run are not on the page

@@ -236,6 +236,12 @@ def trace_options(command: Any) -> Any:
             "--kmem-only", is_flag=True, help="Trace only the kmem tracepoints (any libc will do)."
         ),
         click.option(
+            "--classic-tracepoints",
+            is_flag=True,
+            help="Attach the kmem tracepoints as classic tracepoints even where the kernel's "
+            "BTF allows raw ones (to compare; 'mtrace-live doctor' says which are raw).",
+        ),
+        click.option(
             "--stack-depth",
             type=click.IntRange(0, 127),
             default=0,

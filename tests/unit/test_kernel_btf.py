@@ -1,0 +1,80 @@
+"""The running kernel's BTF, read through libbpf: member offsets, sizes and
+tracepoint arguments, and the plan that turns them into raw kmem handlers.
+/sys/kernel/btf/vmlinux is world-readable: no root needed."""
+
+from __future__ import annotations
+
+import pytest
+from mtrace_live.tracer.kernel_btf import VMLINUX, KernelBtf
+from mtrace_live.tracer.kmem_attach import PAGE_EVENTS_WHY, _plan, kmem_attach
+
+pytestmark = pytest.mark.skipif(not VMLINUX.exists(), reason="this kernel has no BTF")
+
+VARIANTS = {"HAVE_CACHE_NAME": 1, "HAVE_PAGE_FREE_BATCHED": 1}
+EVENTS = ("kmalloc", "kfree", "kmem_cache_alloc", "kmem_cache_free", "mm_page_alloc",
+          "mm_page_free")  # fmt: skip
+
+
+def test_members_are_found_through_anonymous_structs_and_unions() -> None:
+    with KernelBtf() as btf:
+        # list_head is two pointers, on every kernel
+        assert btf.member("list_head", "next") == (0, 8)
+        assert btf.member("list_head", "prev") == (8, 8)
+        assert btf.struct_size("list_head") == 16
+        # struct page's lru sits in an anonymous union of anonymous structs
+        found = btf.member("page", "lru")
+        assert found is not None and found[1] == 16 and 0 < found[0] < btf.struct_size("page")
+        # unknown names are None, not an error
+        assert btf.member("page", "no_such_member") is None
+        assert btf.member("no_such_struct", "lru") is None
+
+
+def test_a_tracepoints_arguments_come_in_the_order_of_its_prototype() -> None:
+    with KernelBtf() as btf:
+        kfree = btf.tracepoint_args("kfree")
+        cache_free = btf.tracepoint_args("kmem_cache_free")
+        assert btf.tracepoint_args("no_such_tracepoint") is None
+    assert kfree is not None and kfree[:2] == ["call_site", "ptr"]
+    assert cache_free is not None and cache_free[:2] == ["call_site", "ptr"]
+
+
+def test_the_plan_makes_the_slab_events_raw_and_the_page_events_classic() -> None:
+    plan = kmem_attach(VARIANTS)
+    assert plan.raw == ("kmalloc", "kfree", "kmem_cache_alloc", "kmem_cache_free")
+    assert set(plan.classic) == {"mm_page_alloc", "mm_page_free", "mm_page_free_batched"}
+    assert set(plan.classic.values()) == {PAGE_EVENTS_WHY}
+    with KernelBtf() as btf:
+        args = btf.tracepoint_args("kmem_cache_alloc")
+        size = btf.member("kmem_cache", "size")
+    assert args is not None and size is not None
+    assert plan.defines["CACHE_ALLOC_ARG_S"] == args.index("s")
+    assert plan.defines["CACHE_SIZE_OFF"] == size[0]
+    # asked for classic: nothing raw, and each event says why
+    asked = kmem_attach(VARIANTS, classic=True)
+    assert asked.raw == () and asked.defines == {}
+    assert set(asked.classic.values()) == {"asked for (--classic-tracepoints)"}
+
+
+class _Lacking:
+    """The running kernel's BTF, less one struct member or one tracepoint,
+    as an older or differently built kernel would be."""
+
+    def __init__(self, btf: KernelBtf, member: str = "", tracepoint: str = "") -> None:
+        self.btf, self.lacks_member, self.lacks_tracepoint = btf, member, tracepoint
+
+    def member(self, struct: str, member: str) -> tuple[int, int] | None:
+        return None if member == self.lacks_member else self.btf.member(struct, member)
+
+    def tracepoint_args(self, event: str) -> list[str] | None:
+        return None if event == self.lacks_tracepoint else self.btf.tracepoint_args(event)
+
+
+def test_an_event_whose_facts_btf_lacks_stays_classic_and_says_why() -> None:
+    with KernelBtf() as btf:
+        no_name = _plan(_Lacking(btf, member="name"), VARIANTS, EVENTS)  # type: ignore[arg-type]
+        no_kfree = _plan(_Lacking(btf, tracepoint="kfree"), VARIANTS, EVENTS)  # type: ignore[arg-type]
+    assert "kmem_cache_alloc" not in no_name.raw and "RAW_CACHE_ALLOC" not in no_name.defines
+    assert "no usable member name" in no_name.classic["kmem_cache_alloc"]
+    assert "kmalloc" in no_name.raw
+    assert "kfree" not in no_kfree.raw and "RAW_KFREE" not in no_kfree.defines
+    assert "trace_event_raw_event_kfree" in no_kfree.classic["kfree"]
