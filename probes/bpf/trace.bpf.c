@@ -722,11 +722,18 @@ static __always_inline int claim_way(u64 *words, u64 value)
     return -1;
 }
 
+/* ptr's home bucket, and its index in `home`. */
+static __always_inline struct live_bucket *live_home(u64 ptr, u32 *home)
+{
+    *home = table_bucket(ptr, LIVE_BUCKETS);
+    return live_objects.lookup(home);
+}
+
 /* Records a live object; 0 if the table had no room for it. */
 static __always_inline int live_put(u64 ptr, struct live_object *o)
 {
-    u32 home = table_bucket(ptr, LIVE_BUCKETS);
-    struct live_bucket *b = live_objects.lookup(&home);
+    u32 home;
+    struct live_bucket *b = live_home(ptr, &home);
     if (!b)
         return 0;
     /* A pointer whose free was not seen (freed before the trace) is reused. */
@@ -753,8 +760,8 @@ static __always_inline int live_put(u64 ptr, struct live_object *o)
 /* Takes ptr's live object out of the table; 0 if it was not there. */
 static __always_inline int live_take(u64 ptr, struct live_object *out)
 {
-    u32 home = table_bucket(ptr, LIVE_BUCKETS);
-    struct live_bucket *b = live_objects.lookup(&home);
+    u32 home;
+    struct live_bucket *b = live_home(ptr, &home);
     if (!b)
         return 0;
     int way = way_of(b->ptr, ptr);
