@@ -36,6 +36,7 @@ from .data.allocator import arena_lock_waits
 from .data.kallsyms import KernelSymbols
 from .data.processes import process_name
 from .data.sink import RunStats, Sink, TraceInfo, TraceResult
+from .exposition import PublishedApp, Renderer, SharedPages
 from .prometheus import AllocFigures, MtraceCollector, ProcessFigures, Snapshot
 from .web import MetricsEndpoint
 
@@ -52,7 +53,7 @@ class ExportOptions:
     top_stacks: int = 20
     run_as: str | None = None  # drop root to this user once attached (serve)
     bpf_stats: bool = False
-    read_interval: float = 0.5  # BPF maps are read at most this often
+    read_interval: float = 0.5  # the page is rendered (the BPF maps read) this often while scraped
 
 
 class MetricsSource:
@@ -257,23 +258,32 @@ class MetricsSource:
 
 class PrometheusSink(Sink):
     """Serves the trace's metrics at an endpoint bound before the trace
-    attached (so that a bad address or TLS file fails at once): answering
-    starts with the trace, on the endpoint's own threads."""
+    attached (so that a bad address or TLS file fails at once).
+
+    The page is rendered on a thread of the tracing process into shared
+    ``pages`` (exporters/exposition.py). Given ``pages``, another process
+    (tracer/serve.py's fork) answers the scrapes from them; without, the
+    endpoint answers from this process, on its own threads."""
 
     def __init__(
         self,
         endpoint: MetricsEndpoint,
         options: ExportOptions,
         symbols: KernelSymbols,
+        pages: SharedPages | None = None,
     ) -> None:
         """``symbols``: read while still root (serve gives root up before ``start``)."""
         self.endpoint = endpoint
         self.options = options
         self.symbols = symbols
+        self.served_here = pages is None
+        self.pages = pages if pages is not None else SharedPages()
         self.source: MetricsSource | None = None
+        self.renderer: Renderer | None = None
 
     def start(self, info: TraceInfo) -> None:
-        self.source = MetricsSource(info, self.symbols, self.options.read_interval)
+        # The renderer paces the reads: one per page.
+        self.source = MetricsSource(info, self.symbols, read_interval=0.0)
         registry = self.endpoint.registry
         registry.register(
             MtraceCollector(
@@ -286,9 +296,14 @@ class PrometheusSink(Sink):
         # Everything loaded so far (bcc, numpy, the symbol table ...) lives
         # as long as the process: out of the collector's sight, a full
         # collection takes a fraction of a millisecond instead of 10-15 ms
-        # in the middle of a scrape.
+        # in the middle of a render.
         gc.freeze()
-        self.endpoint.start()
+        self.renderer = Renderer(registry, self.pages, self.options.read_interval,
+                                 self.endpoint.report)  # fmt: skip
+        self.renderer.start()
+        if self.served_here:
+            self.endpoint.serve_pages(PublishedApp(self.pages, self.options.read_interval))
+            self.endpoint.start()
         print(f"mtrace-live: serving metrics at {self.endpoint.url}", file=sys.stderr, flush=True)
 
     def tick(self) -> None:
@@ -296,7 +311,10 @@ class PrometheusSink(Sink):
             self.source.tick()
 
     def finish(self, result: TraceResult) -> None:
-        self.endpoint.close()
+        if self.renderer is not None:
+            self.renderer.close()
+        if self.served_here:
+            self.endpoint.close()
 
 
 def new_registry() -> CollectorRegistry:

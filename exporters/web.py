@@ -298,8 +298,9 @@ class _Server(socketserver.ThreadingMixIn, HTTPServer):
         self.lock = threading.Lock()
         self.closing = threading.Event()
         super().__init__(address, _Handler, bind_and_activate=True)
+        # Started with the serving (MetricsEndpoint.start), in the process
+        # that serves: a thread does not cross a fork.
         self.reaper = threading.Thread(target=self._reap, name="metrics-reaper", daemon=True)
-        self.reaper.start()
 
     def process_request(self, request: Any, client_address: Any) -> None:
         now = time.monotonic()
@@ -499,17 +500,36 @@ class MetricsEndpoint:
         shown = f"[{host}]" if ":" in host else host
         return f"{self.scheme}://{shown}:{self.port}/metrics"
 
+    def serve_pages(self, app: Callable[[dict[str, Any], StartResponse], Iterable[bytes]]) -> None:
+        """Serve /metrics from ``app`` (pages rendered elsewhere,
+        exporters/exposition.py) instead of collecting the registry here."""
+        self._metrics = app
+        self._render_lock = contextlib.nullcontext()  # type: ignore[assignment]
+
     def start(self) -> None:
+        self._server.reaper.start()
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="metrics", daemon=True
         )
         self._thread.start()
 
+    def serve_forever(self) -> None:
+        """Serve on this thread until ``close`` is called from another."""
+        self._server.reaper.start()
+        self._thread = threading.current_thread()
+        self._server.serve_forever()
+
     def close(self) -> None:
         if self._thread is not None:
-            self._server.shutdown()
+            if self._thread is not threading.current_thread():
+                self._server.shutdown()
             self._thread = None
         self._server.server_close()
+
+    def release(self) -> None:
+        """Close this process's copy of the listening socket (another
+        process serves it)."""
+        self._server.socket.close()
 
     def wsgi(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         """The endpoint as a WSGI application: basic auth in front of the

@@ -5,11 +5,17 @@ Order matters and is the point of this module:
 
 1. the web configuration is read and the address bound, before anything is
    attached, so a bad TLS file or a busy port fails at once (exit 17, 16);
-2. the programs are attached and the kernel's symbols read (root needed);
-3. ``serve`` gives up root;
-4. the endpoint (exporters/prometheus_sink.py, a sink like any output)
-   starts answering on its own threads, while the tracing loop goes on as
-   for any live trace, housekeeping every few seconds.
+2. the endpoint is handed to a process of its own, forked now, while the
+   tracer holds no BPF object and runs no thread; it gives up root at once
+   (``serve``) and answers every scrape from the last page the tracer
+   rendered into shared memory (exporters/exposition.py), so no scrape
+   waits for the tracing loop;
+3. the programs are attached and the kernel's symbols read (root needed);
+4. ``serve`` gives up root;
+5. the metrics sink (exporters/prometheus_sink.py, a sink like any output)
+   renders the page on a thread of its own every read interval while
+   scrapes come, and the tracing loop goes on as for any live trace,
+   housekeeping every few seconds.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from dataclasses import replace
 
 from mtrace_live.exporters.data.kallsyms import KernelSymbols
 from mtrace_live.exporters.data.sink import Sink, TraceResult
+from mtrace_live.exporters.exposition import ServingProcess, SharedPages
 from mtrace_live.exporters.prometheus_sink import ExportOptions, PrometheusSink, new_registry
 from mtrace_live.exporters.web import MetricsEndpoint, load_web_config
 
@@ -38,6 +45,8 @@ def serve_trace(
     config = load_web_config(options.web_config)
     user: pwd.struct_passwd | None = resolve_user(options.run_as) if options.run_as else None
     endpoint = MetricsEndpoint(options.address, new_registry(), config)
+    pages = SharedPages()
+    server = ServingProcess(endpoint, pages, options.read_interval)
     request = replace(
         request,
         bpf_stats=options.bpf_stats,
@@ -48,13 +57,19 @@ def serve_trace(
         sinks = default_sinks(request)
         if output is not None:
             sinks[-1] = output
-        return [PrometheusSink(endpoint, options, KernelSymbols.load()), *sinks]
+        return [PrometheusSink(endpoint, options, KernelSymbols.load(), pages), *sinks]
+
+    def give_up_root() -> None:
+        if user is not None:
+            drop_privileges(user)
 
     def before_start() -> None:
         if user is not None:  # before the first request is answered
             print(f"mtrace-live: {drop_privileges(user)}", file=sys.stderr, flush=True)
 
     try:
+        server.start(give_up_root)
         return run_trace(request, make_sinks, before_start)
     finally:
+        server.close()
         endpoint.close()

@@ -36,9 +36,9 @@ from . import options
 @click.option("--keep-privileges", is_flag=True, help="Stay root after attaching.")
 @click.option("--bpf-stats", is_flag=True,
               help="Count the BPF programs' run time (costs ~20 ns per probe hit).")  # fmt: skip
-@click.option("--read-interval", type=click.FloatRange(0), default=0.5, show_default=True,
-              help="Read the BPF maps at most this often (seconds); scrapes in between "
-              "get the last reading.")  # fmt: skip
+@click.option("--read-interval", type=click.FloatRange(0.1), default=0.5, show_default=True,
+              help="Render the metrics (reading the BPF maps) this often while scraped "
+              "(seconds); every scrape gets the last page rendered.")  # fmt: skip
 @click.option(
     "--top-stacks",
     type=click.IntRange(1),
