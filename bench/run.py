@@ -4,7 +4,7 @@ docs/performance.md written from it.
     python bench/run.py                 # the full run: 5 repetitions each, < 20 min on 2 CPUs
     QUICK=1 python bench/run.py         # one repetition each, smaller workloads, no section 7
     python bench/run.py --only usdt,kmem
-    python bench/run.py --rewrite       # docs/performance.md again from build/bench.json
+    python bench/run.py --rewrite       # docs/performance.md again from docs/bench.json
 
 Run as root after `make sdt-glibc exercisers`. Sections: usdt (1), kmem (2
 and 4), events (3), scrape (5), cost (6), rates (7: probe hit rates),
@@ -31,9 +31,11 @@ import kmem_bench
 import rates_bench
 import scrape_bench
 import usdt_bench
-from common import BUILD, PEERS, QUICK, REPO, REPS, machine, peer_versions, say
+from common import PEERS, QUICK, REPO, REPS, machine, peer_versions, say
 
-RESULTS = BUILD / "bench.json"
+# Kept with the page it renders, so that a later `--only` run on a fresh
+# machine merges its sections into the committed figures.
+RESULTS = REPO / "docs" / "bench.json"
 SECTIONS = ("usdt", "kmem", "events", "scrape", "cost", "rates", "allocs")
 # The page's sections in order, each from its part of the results.
 PAGE: tuple[tuple[str, Callable[[Any], tuple[list[str], dict[str, bool | None]]]], ...] = (
@@ -147,7 +149,6 @@ def main(argv: list[str]) -> int:
             kept = json.loads(RESULTS.read_text())
             data = {**kept, **{k: v for k, v in data.items() if k in only},
                     "rerun": sorted(only)}  # fmt: skip
-        BUILD.mkdir(exist_ok=True)
         RESULTS.write_text(json.dumps(data, indent=1))
         say(f"wrote {RESULTS} ({data['seconds'] / 60:.1f} minutes)")
     out = REPO / "docs" / "performance.md"

@@ -7,9 +7,12 @@ read snapshots through it and never see the BPF program itself.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
+import numpy as np
 from mtrace_live.exporters.data.allocations import AllocSnapshot, FrameNames, trimmed
 from mtrace_live.exporters.data.kmem import CallSite, KmemTotals
 from mtrace_live.exporters.data.sink import KernelCounters, ProcessHits, RunStats
@@ -50,6 +53,39 @@ class BpfCounters:
         self.sample_bytes = sample_bytes
         self.frame_names = frame_names or FrameNames()
         self.started_ns = time.monotonic_ns()
+        # (tgid, probe slot) -> probe records read from the ring: the kernel
+        # counts per process only what the ring had no room for
+        # (trace.bpf.c, name_process)
+        self._read_by_process: dict[tuple[int, int], int] = {}
+        self._by_process_lock = threading.Lock()
+
+    def count_read(self, tgids: np.ndarray, probes: np.ndarray) -> None:
+        """Adds the probe records just read from the ring to their processes."""
+        if len(tgids) == 0:
+            return
+        keys = (tgids.astype(np.uint64) << np.uint64(32)) | probes.astype(np.uint64)
+        unique, counts = np.unique(keys, return_counts=True)
+        with self._by_process_lock:
+            table = self._read_by_process
+            for key, count in zip(unique.tolist(), counts.tolist(), strict=True):
+                pair = (key >> 32, key & 0xFFFFFFFF)
+                table[pair] = table.get(pair, 0) + count
+
+    def _with_read(self, rows: list[ProcessHits], tgids: set[int] | None) -> list[ProcessHits]:
+        """The kernel's rows (names, and hits without a record) plus the
+        records read, by (tgid, probe); with ``tgids``, those processes'
+        records are taken out too."""
+        names = {row.tgid: row.comm for row in rows if row.comm}
+        kernel = {(row.tgid, row.probe): row.hits for row in rows}
+        with self._by_process_lock:
+            read = self._read_by_process
+            pairs = set(kernel) | {p for p in read if tgids is None or p[0] in tgids}
+            hits = {pair: kernel.get(pair, 0) + read.get(pair, 0) for pair in pairs}
+            if tgids is not None:
+                for pair in pairs:
+                    read.pop(pair, None)
+        return [ProcessHits(tgid, probe, count, names.get(tgid) or _comm(tgid))
+                for (tgid, probe), count in sorted(hits.items()) if count]  # fmt: skip
 
     def read(self, kmem: bool = False, runs: bool = False) -> KernelCounters:
         program = self.program
@@ -72,10 +108,10 @@ class BpfCounters:
         )
 
     def process_hits(self) -> list[ProcessHits]:
-        return self.program.process_hits() if self.libc else []
+        return self._with_read(self.program.process_hits(), None) if self.libc else []
 
     def take_process_hits(self, tgids: set[int]) -> list[ProcessHits]:
-        return self.program.process_hits(tgids, take=True)
+        return self._with_read(self.program.process_hits(tgids, take=True), tgids)
 
     def stack(self, stack_id: int) -> list[int]:
         return self.program.stack(stack_id)
@@ -117,6 +153,15 @@ class BpfCounters:
     def close(self) -> None:
         bpf_syscalls.close(self.stats_fd)
         self.stats_fd = None
+
+
+def _comm(tgid: int) -> str:
+    """A process's name from /proc, for one the kernel did not name (its
+    pid reused on a CPU that had named the pid's previous process)."""
+    try:
+        return Path(f"/proc/{tgid}/comm").read_text(errors="replace").strip()
+    except OSError:
+        return ""
 
 
 def read_kernel_totals(program: BpfProgram) -> KmemTotals:

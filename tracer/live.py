@@ -346,7 +346,9 @@ class LiveTrace:
             kinds = records["kind"]
             if self.hold:
                 self._continue_held(records[kinds == EventKind.HELD])
-            self.counters.delivered += int(np.count_nonzero(kinds == EventKind.PROBE))
+            probes = kinds == EventKind.PROBE
+            self.counters.delivered += int(np.count_nonzero(probes))
+            self.counters.count_read(records["tgid"][probes], records["probe"][probes])
             if self.alloc_plan is not None:
                 self.counters.alloc_delivered += int(
                     np.count_nonzero((kinds == EventKind.ALLOC) | (kinds == EventKind.FREE))

@@ -353,6 +353,39 @@ static __always_inline u64 load_arg(struct pt_regs *ctx, const u32 packed, const
 }
 
 /* ---- one body for every site ---------------------------------------------*/
+/* proc_hits' row of (tgid, probe), made with the current task's name if new. */
+static __always_inline struct proc_hit *process_row(u32 tgid, const u32 probe)
+{
+    struct proc_key key = {.tgid = tgid, .probe = probe};
+    struct proc_hit fresh = {};
+    struct proc_hit *n = proc_hits.lookup_or_try_init(&key, &fresh);
+    if (!n)
+        proc_hits_dropped.increment(0);
+    else if (!n->comm[0]) /* two first hits at once both write a name: harmless */
+        bpf_get_current_comm(n->comm, sizeof(n->comm));
+    return n;
+}
+
+#if WITH_EVENTS
+/* With the event stream, user space counts each process's hits from the
+ * records it reads (tracer/counters.py): proc_hits counts only the hits
+ * whose record the ring had no room for (probe_record), and names each
+ * process once, in a row of its first probe. A CPU remembers the process it
+ * named last, so a hit costs an array lookup here, not a hash lookup and an
+ * atomic add. */
+BPF_PERCPU_ARRAY(named_tgid, u32, 1);
+
+static __always_inline void name_process(u32 tgid, const u32 probe)
+{
+    u32 first = 0;
+    u32 *named = named_tgid.lookup(&first);
+    if (!named || *named == tgid)
+        return;
+    if (process_row(tgid, probe))
+        *named = tgid;
+}
+#endif
+
 /* Counts a hit of `probe` by the current task if it is traced: 1 if so. */
 static __always_inline int admit(u32 tgid, const u32 probe)
 {
@@ -365,16 +398,13 @@ static __always_inline int admit(u32 tgid, const u32 probe)
     if (!tgid_is_followed(tgid))
         return 0;
     hits.increment(probe);
-    struct proc_key key = {.tgid = tgid, .probe = probe};
-    struct proc_hit fresh = {};
-    struct proc_hit *n = proc_hits.lookup_or_try_init(&key, &fresh);
-    if (n) {
-        if (n->count == 0) /* two first hits at once both write a name: harmless */
-            bpf_get_current_comm(n->comm, sizeof(n->comm));
+#if WITH_EVENTS
+    name_process(tgid, probe);
+#else
+    struct proc_hit *n = process_row(tgid, probe);
+    if (n)
         __sync_fetch_and_add(&n->count, 1);
-    } else {
-        proc_hits_dropped.increment(0);
-    }
+#endif
     return 1;
 }
 
@@ -386,6 +416,9 @@ static __always_inline struct event *probe_record(u64 ip, u64 id, const u32 site
     struct event *e = events.ringbuf_reserve(sizeof(struct event));
     if (!e) {
         lost.increment(probe);
+        struct proc_hit *n = process_row(id >> 32, probe);
+        if (n)
+            __sync_fetch_and_add(&n->count, 1);
         return NULL;
     }
     e->ts = bpf_ktime_get_ns();
