@@ -6,10 +6,13 @@ without root and without bcc; they receive plain data from here.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
+import json
 import os
 import sys
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,7 @@ from mtrace_live.exporters.data.sink import ProcessHits
 from mtrace_live.probes import bpf_source
 from mtrace_live.probes.records import ALLOC_FRAMES_BASE
 
+from . import bpf_cache
 from .bpf_syscalls import BatchReader
 
 TRACEFS_ROOTS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
@@ -143,10 +147,23 @@ class BpfProgram:
         # they say nothing about mtrace-live's own C.
         cflags += ["-Wno-duplicate-decl-specifier", "-Wno-ignored-attributes"]
         self._readers: dict[str, BatchReader] = {}
+        sources = [src.read_bytes(), *(h.read_bytes() for h in sorted(src.parent.glob("*.h")))]
+        key = bpf_cache.cache_key(sources, cflags, bcc_version())
+        compiled = bpf_cache.load(key)
+        self.from_cache = False  # loaded from code a previous run compiled
+        if compiled is not None:
+            try:
+                self._bpf = _from_cache(bcc, compiled)
+                self.from_cache = True
+                return
+            except Exception:  # any doubt: compile, as without a cache
+                pass
         try:
             self._bpf = bcc.BPF(src_file=str(src).encode(), cflags=cflags)
         except Exception as exc:
             raise AttachError(f"cannot load BPF program {name}: {exc}") from None
+        with contextlib.suppress(Exception):  # the cache is only ever a saving
+            bpf_cache.store(key, _compiled(bcc, self._bpf))
 
     def attach_uprobe(self, path: Path, file_offset: int, handler: str, pid: int = -1) -> None:
         """Attach ``handler`` at a file offset of ``path``: in every process
@@ -246,6 +263,11 @@ class BpfProgram:
         """One entry of a hash map of u32 keys and u64 values."""
         bcc_table = self._bpf[table]
         bcc_table[bcc_table.Key(key)] = bcc_table.Leaf(value)
+
+    def set_first_target(self, pid: int) -> None:
+        """Name the process asked for to trace.bpf.c (FIRST_TGID)."""
+        table = self._bpf["first_target"]
+        table[table.Key(0)] = table.Leaf(pid, 1)
 
     def follow(self, pids: Iterable[int]) -> None:
         followed = self._bpf["followed"]
@@ -398,6 +420,163 @@ class BpfProgram:
         for name in tracepoints:
             self._bpf.tracepoint_fds.pop(name)
         self._bpf.cleanup()
+
+
+def _libbcc(bcc: Any) -> ctypes.CDLL:
+    """libbcc with the declarations the cache needs, on a handle of its own
+    (bcc's own declarations stay as bcc made them)."""
+    lib = ctypes.CDLL(bcc.libbcc.lib._name, use_errno=True)
+    size, text, module = ctypes.c_size_t, ctypes.c_char_p, ctypes.c_void_p
+    for function, result, arguments in (
+        ("bpf_num_functions", size, [module]),
+        ("bpf_function_name", text, [module, size]),
+        ("bpf_function_start", ctypes.c_void_p, [module, text]),
+        ("bpf_function_size", size, [module, text]),
+        ("bpf_module_license", text, [module]),
+        ("bpf_module_kern_version", ctypes.c_uint, [module]),
+        ("bpf_num_tables", size, [module]),
+        ("bpf_table_name", text, [module, size]),
+        ("bpf_table_fd_id", ctypes.c_int, [module, size]),
+        ("bpf_table_key_desc_id", text, [module, size]),
+        ("bpf_table_leaf_desc_id", text, [module, size]),
+        ("bcc_prog_load", ctypes.c_int, [ctypes.c_int, text, ctypes.c_void_p, ctypes.c_int, text,
+                                         ctypes.c_uint, ctypes.c_int, ctypes.c_void_p,
+                                         ctypes.c_uint]),
+    ):  # fmt: skip
+        getattr(lib, function).restype = result
+        getattr(lib, function).argtypes = arguments
+    return lib
+
+
+def _compiled(bcc: Any, bpf: Any) -> bpf_cache.Compiled:
+    """What bcc compiled: every function's code and every map's definition."""
+    lib = _libbcc(bcc)
+    module = bpf.module
+    functions = {}
+    for index in range(lib.bpf_num_functions(module)):
+        name = lib.bpf_function_name(module, index)
+        start, size = lib.bpf_function_start(module, name), lib.bpf_function_size(module, name)
+        functions[name.decode()] = ctypes.string_at(start, size)
+    maps = []
+    for index in range(lib.bpf_num_tables(module)):
+        fd = lib.bpf_table_fd_id(module, index)
+        if fd < 0:
+            raise ValueError("a table without a map")
+        maps.append(bpf_cache.map_spec(
+            fd, lib.bpf_table_name(module, index).decode(), index,
+            lib.bpf_table_key_desc_id(module, index).decode(),
+            lib.bpf_table_leaf_desc_id(module, index).decode(),
+        ))  # fmt: skip
+    license_ = lib.bpf_module_license(module).decode()
+    return bpf_cache.Compiled(license_, int(lib.bpf_module_kern_version(module)), functions, maps)
+
+
+class _TableFacts:
+    """Stands in for libbcc in bcc.table while one table is made: its type,
+    flags and size come from the cached map, everything else from libbcc."""
+
+    def __init__(self, lib: Any, spec: bpf_cache.MapSpec) -> None:
+        self._lib, self._spec = lib, spec
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lib, name)
+
+    def bpf_table_type_id(self, module: Any, table_id: int) -> int:
+        return self._spec.type
+
+    def bpf_table_flags_id(self, module: Any, table_id: int) -> int:
+        return self._spec.flags
+
+    def bpf_table_max_entries_id(self, module: Any, table_id: int) -> int:
+        return self._spec.max_entries
+
+
+_TABLE_FACTS_LOCK = threading.Lock()
+
+
+def _program_type(bcc: Any, name: str) -> int:
+    if name.startswith("tracepoint__"):
+        return int(bcc.BPF.TRACEPOINT)
+    if name.startswith("raw_tracepoint__"):
+        return int(bcc.BPF.RAW_TRACEPOINT)
+    return int(bcc.BPF.KPROBE)  # the uprobe and uretprobe handlers
+
+
+def _from_cache(bcc: Any, compiled: bpf_cache.Compiled) -> Any:
+    """A bcc.BPF object made from cached code instead of clang: the maps made
+    anew, the code loaded with their descriptors, the tracepoint handlers
+    attached as bcc's own start attaches them. Raises on anything
+    unexpected, with everything made so far closed."""
+    lib = _libbcc(bcc)
+    BPF = bcc.BPF
+    bpf = BPF.__new__(BPF)
+    for table in ("kprobe_fds", "uprobe_fds", "tracepoint_fds", "raw_tracepoint_fds",
+                  "kfunc_entry_fds", "kfunc_exit_fds", "lsm_fds", "perf_buffers",
+                  "open_perf_events", "funcs", "tables"):  # fmt: skip
+        setattr(bpf, table, {})
+    bpf._ringbuf_manager, bpf.tracefile, bpf.debug, bpf.module = None, None, 0, None
+    map_fds: dict[int, int] = {}
+    specs = {spec.name: spec for spec in compiled.maps}
+
+    def close() -> None:
+        for name, function in list(bpf.funcs.items()):
+            with contextlib.suppress(OSError):
+                os.close(function.fd)
+            del bpf.funcs[name]
+        for fd in map_fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        map_fds.clear()
+
+    def load_func(func_name: Any, prog_type: int, device: Any = None,
+                  attach_type: int = -1) -> Any:  # fmt: skip
+        name = func_name if isinstance(func_name, bytes) else str(func_name).encode()
+        if name not in bpf.funcs:
+            raise Exception(f"Unknown program {name.decode()}")
+        return bpf.funcs[name]
+
+    def get_table(name: Any, keytype: Any = None, leaftype: Any = None, reducer: Any = None) -> Any:
+        text = name.decode() if isinstance(name, bytes) else str(name)
+        spec = specs.get(text)
+        if spec is None:
+            raise KeyError(text)
+        keytype = keytype or BPF._decode_table_type(json.loads(spec.key_desc))
+        leaftype = leaftype or BPF._decode_table_type(json.loads(spec.leaf_desc))
+        with _TABLE_FACTS_LOCK:  # the scrape's thread may make its first table meanwhile
+            real = bcc.table.lib
+            bcc.table.lib = _TableFacts(real, spec)
+            try:
+                return bcc.table.Table(bpf, spec.table_id, map_fds[spec.fd], keytype, leaftype,
+                                       text.encode(), reducer=reducer)  # fmt: skip
+            finally:
+                bcc.table.lib = real
+
+    bpf.close, bpf.load_func, bpf.get_table = close, load_func, get_table
+    try:
+        for spec in compiled.maps:
+            map_fds[spec.fd] = bpf_cache.create_map(spec)
+        license_ = compiled.license.encode()
+        for text, code in compiled.functions.items():
+            insns = ctypes.create_string_buffer(bpf_cache.relocate(code, map_fds), len(code))
+            fd = lib.bcc_prog_load(_program_type(bcc, text), text.encode(), insns, len(code),
+                                   license_, compiled.kern_version, 0, None, 0)  # fmt: skip
+            if fd < 0:
+                raise OSError(ctypes.get_errno(), f"cannot load {text}")
+            bpf.funcs[text.encode()] = BPF.Function(bpf, text.encode(), fd)
+        for text in compiled.functions:  # as bcc's _trace_autoload
+            if text.startswith("tracepoint__"):
+                tracepoint = text[len("tracepoint__") :].replace("__", ":")
+                bpf.attach_tracepoint(tp=tracepoint.encode(), fn_name=text.encode())
+            elif text.startswith("raw_tracepoint__"):
+                bpf.attach_raw_tracepoint(tp=text[len("raw_tracepoint__") :].encode(),
+                                          fn_name=text.encode())  # fmt: skip
+    except BaseException:
+        with contextlib.suppress(Exception):
+            bpf.cleanup()
+        close()
+        raise
+    atexit.register(bpf.cleanup)
+    return bpf
 
 
 DETACHER_NAME = b"mtrace-detach"

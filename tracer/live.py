@@ -255,7 +255,7 @@ class LiveTrace:
             defines.update(variants)
             defines.update(kmem_attach(variants, request.classic_tracepoints).defines)
         if request.filtered_by_pid and request.comm is None and target_pid is not None:
-            defines["FIRST_TGID"] = target_pid
+            defines["FIRST_TGID"] = 1  # the pid itself is written once loaded
         self.hold = False
         # One process alone: its uprobes are attached for it alone.
         self.alloc_pid = target_pid if request.one_process and target_pid is not None else -1
@@ -274,6 +274,8 @@ class LiveTrace:
             bpf_syscalls.close(stats_fd)
             raise
         try:
+            if defines.get("FIRST_TGID") and target_pid is not None:
+                self.program.set_first_target(target_pid)
             usdt.attach(self.program, self.selection)
             if self.alloc_plan is not None:
                 allocs.attach(self.program, self.alloc_plan, request.sample_bytes, self.hold,

@@ -126,7 +126,7 @@
 #endif
 
 #ifndef FIRST_TGID
-#define FIRST_TGID 0 /* the process asked for, when known before compiling: followed without a lookup */
+#define FIRST_TGID 0 /* 1: user space names the process asked for in first_target (followed without a hash lookup) */
 #endif
 
 #define MAX_FOLLOWED 65536
@@ -137,7 +137,15 @@
 
 BPF_HASH(followed, u32, u8, MAX_FOLLOWED);
 #if FIRST_TGID
-BPF_ARRAY(first_gone, u32, 1); /* [0] != 0 once FIRST_TGID has exited: its pid may be reused */
+/* The process asked for, written by user space once the program is loaded
+ * (a value, not a compile-time constant, so that the compiled program does
+ * not depend on the pid and can be kept between runs: tracer/bpf_cache.py).
+ * live is 0 until then and once it has exited: its pid may be reused. */
+struct first_target {
+    u32 tgid;
+    u32 live;
+};
+BPF_ARRAY(first_target, struct first_target, 1);
 #endif
 #define STACK_MAP WITH_STACKS
 #if STACK_MAP
@@ -168,11 +176,10 @@ static __always_inline int tgid_is_followed(u32 tgid)
 #if FIRST_TGID
     /* Most events of a traced process are its own: a compare instead of a
      * hash lookup (an array lookup is inlined by the verifier). */
-    if (tgid == FIRST_TGID) {
-        u32 first = 0;
-        u32 *gone = first_gone.lookup(&first);
-        return gone && !*gone;
-    }
+    u32 first = 0;
+    struct first_target *target = first_target.lookup(&first);
+    if (target && tgid == target->tgid && target->live)
+        return 1;
 #endif
     return followed.lookup(&tgid) != NULL;
 #else
@@ -296,10 +303,10 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
 #endif
     followed.delete(&tgid); /* the pid may be reused by an unrelated process */
 #if FIRST_TGID
-    if (tgid == FIRST_TGID) {
-        u32 first = 0, one = 1;
-        first_gone.update(&first, &one);
-    }
+    u32 first = 0;
+    struct first_target *target = first_target.lookup(&first);
+    if (target && tgid == target->tgid)
+        target->live = 0;
 #endif
     return 0;
 }

@@ -1,0 +1,204 @@
+"""Compiled BPF programs kept between runs, so that a trace starts without
+clang.
+
+bcc 0.26 compiles the C program with clang at every start: about 0.35 s for
+trace.bpf.c with the libc sites alone, 0.6 s with the allocation functions'
+handlers, most of a start-up (docs/performance.md, section 6). bcc has no
+object file to load instead (no CO-RE in this bcc). But what clang makes is
+plain BPF byte code whose only tie to the run that compiled it is the map
+file descriptors written into its 64-bit loads (``ld_imm64`` with
+``BPF_PSEUDO_MAP_FD``). So the first run with a given program (the source,
+its compile-time constants, the kernel and bcc) stores each function's code
+and each map's kernel definition (as the kernel reports it for the map bcc
+made); a later run creates the same maps, writes their new descriptors into
+the code, and loads it: no clang, no kernel headers.
+
+Anything unexpected (a cache file that does not parse, code that refers to
+anything but a map, a map the kernel will not create) makes the caller
+compile as before; the cache only ever saves time.
+
+The cache is a directory (``MTRACE_LIVE_BPF_CACHE``, default
+/var/cache/mtrace-live/bpf; ``off`` disables it) of one JSON file per
+program, at most ``KEEP`` of them, the least recently used removed first.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import ctypes
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .bpf_syscalls import BPF_OBJ_GET_INFO_BY_FD, _bpf
+
+DEFAULT_DIR = Path("/var/cache/mtrace-live/bpf")
+KEEP = 32
+FORMAT = 1
+BPF_MAP_CREATE = 0
+BPF_MAP_TYPE_RINGBUF = 27
+_LD_IMM64 = 0x18
+_PSEUDO_MAP_FD = 1
+# struct bpf_map_info: type, id, key_size, value_size, max_entries,
+# map_flags (u32 each), then name[16].
+_MAP_INFO = struct.Struct("=6I16s")
+# union bpf_attr for BPF_MAP_CREATE: map_type, key_size, value_size,
+# max_entries, map_flags, inner_map_fd, numa_node (u32 each), map_name[16].
+_MAP_CREATE = struct.Struct("=7I16s")
+
+
+@dataclass(frozen=True)
+class MapSpec:
+    """A map as bcc declared it (name, table id, descriptions of its key and
+    value types) and as the kernel made it."""
+
+    name: str
+    table_id: int
+    fd: int  # in the run that compiled the code
+    type: int
+    key_size: int
+    value_size: int
+    max_entries: int
+    flags: int
+    kernel_name: str
+    key_desc: str
+    leaf_desc: str
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """What a compile produced: each function's byte code, and the maps."""
+
+    license: str
+    kern_version: int
+    functions: dict[str, bytes]
+    maps: list[MapSpec]
+
+
+def cache_dir() -> Path | None:
+    configured = os.environ.get("MTRACE_LIVE_BPF_CACHE", "")
+    if configured == "off":
+        return None
+    return Path(configured) if configured else DEFAULT_DIR
+
+
+def cache_key(sources: list[bytes], cflags: list[str], bcc_version: str) -> str:
+    """Everything the compiled code depends on: the C, the constants, the
+    kernel (its build and the headers bcc compiled against) and bcc."""
+    digest = hashlib.sha256()
+    uname = os.uname()
+    build = Path(f"/lib/modules/{uname.release}/build")
+    with contextlib.suppress(OSError):
+        build = build.resolve()
+    for part in (*sources, *(f.encode() for f in cflags), uname.release.encode(),
+                 uname.version.encode(), uname.machine.encode(), str(build).encode(),
+                 bcc_version.encode(), str(FORMAT).encode()):  # fmt: skip
+        digest.update(len(part).to_bytes(8, "little"))
+        digest.update(part)
+    return digest.hexdigest()
+
+
+def map_spec(fd: int, name: str, table_id: int, key_desc: str, leaf_desc: str) -> MapSpec:
+    """The kernel's definition of the map behind ``fd``."""
+    info = ctypes.create_string_buffer(_MAP_INFO.size)
+    attr = ctypes.create_string_buffer(16)
+    struct.pack_into("=IIQ", attr, 0, fd, _MAP_INFO.size, ctypes.addressof(info))
+    if _bpf(BPF_OBJ_GET_INFO_BY_FD, attr) < 0:
+        raise OSError(ctypes.get_errno(), f"cannot read the definition of map {name}")
+    kind, _, key_size, value_size, max_entries, flags, raw_name = _MAP_INFO.unpack(info.raw)
+    return MapSpec(name, table_id, fd, kind, key_size, value_size, max_entries, flags,
+                   raw_name.split(b"\0", 1)[0].decode(errors="replace"), key_desc,
+                   leaf_desc)  # fmt: skip
+
+
+def create_map(spec: MapSpec) -> int:
+    """A new map like ``spec``'s; OSError if the kernel refuses."""
+    attr = ctypes.create_string_buffer(_MAP_CREATE.size)
+    _MAP_CREATE.pack_into(attr, 0, spec.type, spec.key_size, spec.value_size, spec.max_entries,
+                          spec.flags, 0, 0, spec.kernel_name.encode()[:15])  # fmt: skip
+    fd = _bpf(BPF_MAP_CREATE, attr)
+    if fd < 0:
+        raise OSError(ctypes.get_errno(), f"cannot create map {spec.name}")
+    return fd
+
+
+def relocate(code: bytes, fds: dict[int, int]) -> bytes:
+    """``code`` with each map descriptor of the compiling run replaced by
+    the new one; ValueError if it loads anything else by reference."""
+    if len(code) % 8:
+        raise ValueError("BPF code is not whole instructions")
+    out = bytearray(code)
+    index = 0
+    while index < len(out):
+        opcode, regs = out[index], out[index + 1]
+        if opcode == _LD_IMM64:
+            source = regs >> 4
+            if source == _PSEUDO_MAP_FD:
+                (old,) = struct.unpack_from("<i", out, index + 4)
+                if old not in fds:
+                    raise ValueError(f"the code loads map descriptor {old}, not one of its maps")
+                struct.pack_into("<i", out, index + 4, fds[old])
+            elif source != 0:
+                raise ValueError(f"the code loads a reference of kind {source}")
+            index += 16  # two instruction slots
+        else:
+            index += 8
+    return bytes(out)
+
+
+def load(key: str) -> Compiled | None:
+    """The compiled program under ``key``, or None."""
+    directory = cache_dir()
+    if directory is None:
+        return None
+    path = directory / f"{key}.json"
+    try:
+        document = json.loads(path.read_bytes())
+        compiled = Compiled(
+            license=str(document["license"]),
+            kern_version=int(document["kern_version"]),
+            functions={
+                str(name): base64.b64decode(code) for name, code in document["functions"].items()
+            },
+            maps=[MapSpec(**spec) for spec in document["maps"]],
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    with contextlib.suppress(OSError):
+        os.utime(path)  # recently used
+    return compiled
+
+
+def store(key: str, compiled: Compiled) -> None:
+    """Keep ``compiled`` under ``key`` (atomically); errors are ignored: the
+    cache is only ever a saving."""
+    directory = cache_dir()
+    if directory is None:
+        return
+    document = {
+        "format": FORMAT,
+        "license": compiled.license,
+        "kern_version": compiled.kern_version,
+        "functions": {
+            name: base64.b64encode(code).decode() for name, code in compiled.functions.items()
+        },
+        "maps": [asdict(spec) for spec in compiled.maps],
+    }
+    with contextlib.suppress(OSError):
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as tmp:
+            json.dump(document, tmp)
+        os.replace(tmp.name, directory / f"{key}.json")
+        _prune(directory)
+
+
+def _prune(directory: Path) -> None:
+    entries = sorted(directory.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for stale in entries[KEEP:]:
+        with contextlib.suppress(OSError):
+            stale.unlink()
