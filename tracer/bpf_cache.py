@@ -20,6 +20,8 @@ compile as before; the cache only ever saves time.
 The cache is a directory (``MTRACE_LIVE_BPF_CACHE``, default
 /var/cache/mtrace-live/bpf; ``off`` disables it) of one JSON file per
 program, at most ``KEEP`` of them, the least recently used removed first.
+The code is loaded into the kernel as root, so a file (or directory) that
+another user owns or could write is ignored.
 """
 
 from __future__ import annotations
@@ -158,6 +160,8 @@ def load(key: str) -> Compiled | None:
         return None
     path = directory / f"{key}.json"
     try:
+        if not (_private(directory) and _private(path)):
+            return None  # code that someone else could have written is never loaded
         document = json.loads(path.read_bytes())
         compiled = Compiled(
             license=str(document["license"]),
@@ -172,6 +176,12 @@ def load(key: str) -> Compiled | None:
     with contextlib.suppress(OSError):
         os.utime(path)  # recently used
     return compiled
+
+
+def _private(path: Path) -> bool:
+    """Owned by this user and writable by no one else."""
+    status = path.stat()
+    return status.st_uid == os.geteuid() and not status.st_mode & 0o022
 
 
 def store(key: str, compiled: Compiled) -> None:

@@ -60,6 +60,7 @@ def test_stored_programs_read_back_whole_and_the_oldest_go(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("MTRACE_LIVE_BPF_CACHE", str(tmp_path))
+    tmp_path.chmod(0o700)
     monkeypatch.setattr(bpf_cache, "KEEP", 2)
     compiled = bpf_cache.Compiled("GPL", 0x61200, {"site_0": ld_map(1, 5) + EXIT},
                                   [spec("events", 5), spec("hits", 6)])  # fmt: skip
@@ -84,6 +85,21 @@ def test_a_damaged_or_disabled_cache_reads_as_empty(
     bpf_cache.store("e" * 64, bpf_cache.Compiled("GPL", 0, {}, []))
     assert bpf_cache.load("e" * 64) is None
     assert not list(tmp_path.glob("e*"))
+
+
+def test_a_file_others_could_write_is_never_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MTRACE_LIVE_BPF_CACHE", str(tmp_path))
+    tmp_path.chmod(0o700)
+    compiled = bpf_cache.Compiled("GPL", 0, {"f": EXIT}, [])
+    bpf_cache.store("f" * 64, compiled)
+    assert bpf_cache.load("f" * 64) == compiled
+    (tmp_path / ("f" * 64 + ".json")).chmod(0o666)
+    assert bpf_cache.load("f" * 64) is None
+    (tmp_path / ("f" * 64 + ".json")).chmod(0o600)
+    tmp_path.chmod(0o777)
+    assert bpf_cache.load("f" * 64) is None
 
 
 def test_the_key_follows_the_source_the_constants_and_bcc() -> None:
