@@ -29,6 +29,7 @@ class Stream:
     help: str
     sink: str  # "module:Class"
     alloc_events: bool = False  # wants each allocation and free through the ring
+    event_times: bool = False  # shows each probe event's time to the nanosecond
 
 
 @dataclass(frozen=True)
@@ -43,15 +44,16 @@ class FileOutput:
     kmem: bool = False  # turns the kmem tracepoints on (as --kmem does)
     kernel_records: bool = False  # wants each kmem event in the ring, when they are on
     alloc_records: bool = False  # wants each allocation and free through the ring
+    event_times: bool = False  # writes each probe event's time to the nanosecond
 
 
 STREAMS = (
     Stream("live", "a top-like view (the default on a terminal)",
            "mtrace_live.exporters.live_view:LiveView"),
     Stream("text", "a line per event (the default otherwise)",
-           "mtrace_live.exporters.lines:TextLines"),
+           "mtrace_live.exporters.lines:TextLines", event_times=True),
     Stream("json", "JSON lines of events, allocations and frees included",
-           "mtrace_live.exporters.lines:JsonLines", alloc_events=True),
+           "mtrace_live.exporters.lines:JsonLines", alloc_events=True, event_times=True),
     Stream("summary", "only the summary at the end", "mtrace_live.exporters.summary:SummarySink"),
 )  # fmt: skip
 
@@ -59,11 +61,12 @@ FILE_OUTPUTS = (
     FileOutput("kmemtrace", "DIR",
                "Write kmemtrace records (kernel and libc events) to this new directory.",
                "mtrace_live.exporters.kmemtrace_sink:KmemtraceSink",
-               directory=True, kmem=True, kernel_records=True, alloc_records=True),
+               directory=True, kmem=True, kernel_records=True, alloc_records=True,
+               event_times=True),
     FileOutput("sp-rtrace", "FILE",
                "Write the allocation events to this file as an sp-rtrace text report.",
                "mtrace_live.exporters.sprtrace_writer:SpRtraceSink", kernel_records=True,
-               alloc_records=True),
+               alloc_records=True, event_times=True),
     FileOutput("pprof", "FILE",
                "Write the allocations by call stack to this file as a gzipped pprof profile "
                "(alloc_objects, alloc_space, inuse_objects, inuse_space).",
@@ -86,6 +89,10 @@ def stream(name: str) -> Sink:
 
 def stream_wants_events(name: str) -> bool:
     return any(entry.alloc_events for entry in STREAMS if entry.name == name)
+
+
+def stream_shows_times(name: str) -> bool:
+    return any(entry.event_times for entry in STREAMS if entry.name == name)
 
 
 def file_output(name: str) -> FileOutput:

@@ -121,6 +121,13 @@ class TraceRequest:
         return files or registry.stream_wants_events(self.output)
 
     @property
+    def exact_times(self) -> bool:
+        """An output shows each probe event's time to the nanosecond (the
+        others get it to the clock tick: trace.bpf.c, PROBE_EXACT_TIME)."""
+        files = any(registry.file_output(name).event_times for name, _ in self.files)
+        return files or registry.stream_shows_times(self.output)
+
+    @property
     def kernel_records(self) -> bool:
         """A file output wants each kmem event through the ring."""
         return any(registry.file_output(name).kernel_records for name, _ in self.files)
@@ -235,6 +242,7 @@ class LiveTrace:
             "FOLLOW_FORKS": int(request.follow_forks or request.comm is not None),
             "WITH_EVENTS": 1,
             "RINGBUF_PAGES": request.buffer_pages,
+            "PROBE_EXACT_TIME": int(request.exact_times),
             **usdt.site_defines(self.selection),
             **usdt.derived_defines(self.selection),
             "WITH_KMEM": int(self.kmem),

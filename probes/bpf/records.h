@@ -33,7 +33,7 @@ enum event_kind {
 
 /* One record of the `events` ring buffer. */
 struct event {
-    u64 ts;       /* bpf_ktime_get_ns(): CLOCK_MONOTONIC */
+    u64 ts;       /* CLOCK_MONOTONIC ns: exact, or to the tick (PROBE_EXACT_TIME 0) */
     u64 ip;       /* the site's address in the process */
     u32 tgid;
     u32 tid;

@@ -287,3 +287,17 @@ def test_a_new_output_is_one_module_and_one_registration(
 def test_every_registered_output_is_a_sink(entry: object) -> None:
     cls = registry._load(entry.sink)  # type: ignore[attr-defined]
     assert issubclass(cls, Sink)
+
+
+def test_event_times_are_exact_exactly_when_an_output_writes_them(tmp_path: Path) -> None:
+    from mtrace_live.tracer.live import TraceRequest
+
+    # outputs that print or write each event's time ask for the exact clock
+    for output in ("text", "json"):
+        assert TraceRequest(output=output).exact_times
+    for name in ("kmemtrace", "sp-rtrace"):
+        assert TraceRequest(output="summary", files=((name, tmp_path / name),)).exact_times
+    # the views, the summary, serve and the pprof file get the tick clock
+    for output in ("live", "summary"):
+        assert not TraceRequest(output=output).exact_times
+    assert not TraceRequest(output="summary", files=(("pprof", tmp_path / "p"),)).exact_times
