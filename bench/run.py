@@ -148,7 +148,7 @@ def main(argv: list[str]) -> int:
             # --only: the other sections' figures stay those of the last run
             kept = json.loads(RESULTS.read_text())
             data = {**kept, **{k: v for k, v in data.items() if k in only},
-                    "rerun": sorted(only)}  # fmt: skip
+                    "rerun": sorted(set(kept.get("rerun", [])) | only)}  # fmt: skip
         RESULTS.write_text(json.dumps(data, indent=1))
         say(f"wrote {RESULTS} ({data['seconds'] / 60:.1f} minutes)")
     out = REPO / "docs" / "performance.md"

@@ -50,7 +50,6 @@ from common import (
 from mtrace_live.tracer import bpf_syscalls
 
 JMP_PROBES = ["setjmp", "longjmp", "longjmp_target"]
-EXACT = "mtrace-live event stream, exact times"
 DEFAULT_PROBES = ["memory_*", "lll_lock_wait_private"]
 
 
@@ -105,9 +104,9 @@ def mtrace_counters(argv: list[str], globs: list[str]) -> Sample:
     return Sample(last_seconds(head), {"hits": hits})
 
 
-def mtrace_events(argv: list[str], globs: list[str], extra: tuple[str, ...] = ()) -> Sample:
-    out = check([*MTRACE, "run", "--sdt-glibc", *_probe_args(globs), "-o", "summary", *extra,
-                 "--", *argv])  # fmt: skip
+def mtrace_events(argv: list[str], globs: list[str]) -> Sample:
+    out = check([*MTRACE, "run", "--sdt-glibc", *_probe_args(globs), "-o", "summary", "--",
+                 *argv])  # fmt: skip
     kernel, _, lost = event_counts(out)
     return Sample(last_seconds(out.split("mtrace-live:", 1)[0]), {"hits": kernel, "lost": lost})
 
@@ -344,11 +343,6 @@ def run(tmp: Path, peers: dict[str, str | None]) -> dict[str, object]:
                 "untraced": lambda a=argv: untraced(a),
                 "mtrace-live counters only": lambda a=argv, g=globs: mtrace_counters(a, g),
                 "mtrace-live event stream": lambda a=argv, g=globs: mtrace_events(a, g),
-                # an output that writes each event's time (sp-rtrace; the loop
-                # allocates nothing, so it writes a header only)
-                EXACT: lambda a=argv, g=globs: mtrace_events(
-                    a, g, ("--sp-rtrace", str(tmp / "events.sprtrace"))
-                ),
             }
             if peers.get("bpftrace"):
                 configs["bpftrace count()"] = lambda a=argv, g=globs: bpftrace_count(a, g, tmp)
@@ -430,13 +424,16 @@ def render(data: dict[str, object]) -> tuple[list[str], dict[str, bool | None]]:
         "site's handler as constant loads. The kernel counts a process's hits only for the "
         "records the ring had no room for; user space counts the delivered ones itself, so "
         "an event-stream hit makes no hash update. A record's time is read from the clock "
-        "only when an output writes it (`-o text`, `-o json`, `--kmemtrace`, `--sp-rtrace`: "
-        "the exact-times row); otherwise (the live view, the summary, serve) it is the "
-        "clock read once a tick per CPU, which spares the 20-40 ns a paravirtual clock read "
-        "costs here. What remains above bpftrace's count() is the record itself: its "
-        "reservation, its 88 bytes and its commit. Committing without waking the reader "
-        "(waking it every few thousand records instead) made no difference in 9 alternating "
-        "runs.",
+        "only when an output writes it (`-o text`, `-o json`, `--kmemtrace`, `--sp-rtrace`); "
+        "otherwise (the live view, the summary, serve: the row above) it is the clock read "
+        "once a tick per CPU. By hand, in 7 alternating runs of the two builds of the same "
+        "trace, the exact clock cost about 25 ns a hit more here (a paravirtual clock read "
+        "under KVM); the outputs that write times cannot keep up with this loop in Python, "
+        "and a run that loses records is cheaper per hit, so the bench has no row for them. "
+        "What remains above bpftrace's count() is the record itself: its reservation, its "
+        "88 bytes and its commit. Committing without waking the reader (waking it every few "
+        "thousand records instead), or reading the ring at most every 1 or 5 ms, made no "
+        "difference beyond the noise in 6 to 9 alternating runs.",
         "",
         "bcc: `funccount` cannot attach USDT probes in bcc 0.26 (it hands the library path "
         "on as the text of a bytes object, `b'/...'`), so its `trace` stands in, printing a "
