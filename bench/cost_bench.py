@@ -38,6 +38,7 @@ from common import (
     sdt,
     summarise,
 )  # fmt: skip
+from mtrace_live.probes import bpf_source
 
 RATE = 300_000  # hits/s
 HOLD = 1.0 if QUICK else 3.0
@@ -65,8 +66,8 @@ COLD = "mtrace-live -o text, compiling (no program cache)"
 EMPTY_BCC = [
     str(Path(MTRACE[0]).with_name("python")),
     "-c",
-    "import bcc, time; bcc.BPF(text='int nothing(void *ctx) { return 0; }')"
-    ".load_func('nothing', bcc.BPF.KPROBE); print('loaded', flush=True); time.sleep(120)",
+    f"import bcc, time; bcc.BPF(src_file={str(bpf_source('empty'))!r})"
+    ".load_func('empty', bcc.BPF.KPROBE); print('loaded', flush=True); time.sleep(120)",
 ]
 
 

@@ -39,6 +39,7 @@ from common import (
     say,
     summarise,
 )  # fmt: skip
+from mtrace_live.probes import bpf_source
 
 PAIRS = 10_000 if QUICK else 50_000
 WINDOW_PAIRS = PAIRS if QUICK else 4 * PAIRS
@@ -67,23 +68,20 @@ def run_timed(argv: list[str], tmp: Path) -> Sample:
     return Sample(json.loads((tmp / "truth.json").read_text())["work_ns"] / 1e9)
 
 
-def attached_events() -> list[str]:
-    """The kmem tracepoints mtrace-live attaches on this kernel."""
+def page_free_batched() -> bool:
+    """This kernel has mm_page_free_batched (mtrace-live attaches it too)."""
     roots = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
-    batched = any((root / "events/kmem/mm_page_free_batched").exists() for root in roots)
-    return [*SIX, "mm_page_free_batched"] if batched else list(SIX)
+    return any((root / "events/kmem/mm_page_free_batched").exists() for root in roots)
 
 
 def empty_programs(raw: bool) -> list[str]:
-    """A bcc process holding empty handlers on the kmem tracepoints, raw for
-    the slab events if ``raw``; it prints "ready" once attached."""
-    handlers = [
-        f"RAW_TRACEPOINT_PROBE({event}) {{ return 0; }}"
-        if raw and event in SLAB
-        else f"TRACEPOINT_PROBE(kmem, {event}) {{ return 0; }}"
-        for event in attached_events()
-    ]
-    code = (f"import bcc, signal; b = bcc.BPF(text={chr(10).join(handlers)!r}); "
+    """A bcc process holding empty handlers (probes/bpf/kmem_empty.bpf.c) on
+    the kmem tracepoints, raw for the slab events if ``raw``; it prints
+    "ready" once attached. bcc itself, not mtrace-live's loader, so that
+    the floor is compiled as any bcc tool compiles."""
+    source = str(bpf_source("kmem_empty"))
+    cflags = [f"-DRAW_SLAB={int(raw)}", f"-DPAGE_FREE_BATCHED={int(page_free_batched())}"]
+    code = (f"import bcc, signal; b = bcc.BPF(src_file={source!r}, cflags={cflags!r}); "
             "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}); "
             "print('ready', flush=True); signal.sigwait({signal.SIGINT})")  # fmt: skip
     return [str(Path(MTRACE[0]).with_name("python")), "-c", code]
