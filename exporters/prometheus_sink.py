@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -271,8 +271,10 @@ class PrometheusSink(Sink):
         options: ExportOptions,
         symbols: KernelSymbols,
         pages: SharedPages | None = None,
+        server_alive: Callable[[], bool] | None = None,
     ) -> None:
-        """``symbols``: read while still root (serve gives root up before ``start``)."""
+        """``symbols``: read while still root (serve gives root up before ``start``);
+        ``server_alive``: whether the process answering from ``pages`` still runs."""
         self.endpoint = endpoint
         self.options = options
         self.symbols = symbols
@@ -280,6 +282,8 @@ class PrometheusSink(Sink):
         self.pages = pages if pages is not None else SharedPages()
         self.source: MetricsSource | None = None
         self.renderer: Renderer | None = None
+        self._server_alive = server_alive
+        self._next_server_check = time.monotonic() + HOUSEKEEPING_S
 
     def start(self, info: TraceInfo) -> None:
         # The renderer paces the reads: one per page.
@@ -309,6 +313,20 @@ class PrometheusSink(Sink):
     def tick(self) -> None:
         if self.source is not None:
             self.source.tick()
+        self._check_server()
+
+    def _check_server(self) -> None:
+        """Says once, within a housekeeping period, that the serving process
+        is gone: tracing goes on, but no scrape is answered any more."""
+        now = time.monotonic()
+        if self._server_alive is None or now < self._next_server_check:
+            return
+        self._next_server_check = now + HOUSEKEEPING_S
+        if not self._server_alive():
+            self._server_alive = None
+            print(f"mtrace-live: warning: the process serving {self.endpoint.url} has exited; "
+                  "scrapes go unanswered while tracing goes on",
+                  file=sys.stderr, flush=True)  # fmt: skip
 
     def finish(self, result: TraceResult) -> None:
         if self.renderer is not None:

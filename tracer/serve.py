@@ -57,7 +57,8 @@ def serve_trace(
         sinks = default_sinks(request)
         if output is not None:
             sinks[-1] = output
-        return [PrometheusSink(endpoint, options, KernelSymbols.load(), pages), *sinks]
+        metrics = PrometheusSink(endpoint, options, KernelSymbols.load(), pages, server.alive)
+        return [metrics, *sinks]
 
     def give_up_root() -> None:
         if user is not None:

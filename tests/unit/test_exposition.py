@@ -15,6 +15,7 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
+from mtrace_live.exporters.data.kallsyms import KernelSymbols
 from mtrace_live.exporters.exposition import (
     OPENMETRICS,
     TEXT,
@@ -23,6 +24,7 @@ from mtrace_live.exporters.exposition import (
     ServingProcess,
     SharedPages,
 )
+from mtrace_live.exporters.prometheus_sink import ExportOptions, PrometheusSink
 from mtrace_live.exporters.web import MetricsEndpoint, WebConfig
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
@@ -207,6 +209,31 @@ def test_a_forked_server_answers_and_stops_with_the_tracer() -> None:
     assert not server.alive()
     with pytest.raises(ChildProcessError):
         os.waitpid(pid, 0)
+
+
+def test_the_tracer_says_once_that_its_server_has_died(capsys: pytest.CaptureFixture[str]) -> None:
+    # GIVEN a forked server and the metrics sink that renders its pages
+    pages = SharedPages(slot_bytes=1 << 20)
+    endpoint = MetricsEndpoint("127.0.0.1:0", CollectorRegistry(), WebConfig())
+    server = ServingProcess(endpoint, pages, 0.1)
+    server.start(lambda: None)
+    sink = PrometheusSink(endpoint, ExportOptions("127.0.0.1:0"), KernelSymbols(""), pages,
+                          server.alive)  # fmt: skip
+    try:
+        sink.tick()
+        assert "warning" not in capsys.readouterr().err  # alive: nothing said
+        # WHEN the server is killed and two housekeeping periods pass
+        os.kill(server.pid, signal.SIGKILL)
+        os.waitid(os.P_PID, server.pid, os.WEXITED | os.WNOWAIT)  # dead, not yet reaped
+        for _ in range(2):
+            sink._next_server_check = 0.0  # the period is over
+            sink.tick()
+    finally:
+        server.close()
+    # THEN the tracer said so, once, naming the address no one answers
+    said = [line for line in capsys.readouterr().err.splitlines() if "has exited" in line]
+    assert said == [f"mtrace-live: warning: the process serving {endpoint.url} has exited; "
+                    "scrapes go unanswered while tracing goes on"]  # fmt: skip
 
 
 def test_a_page_over_the_slot_is_an_error_page_not_a_cut_one() -> None:
