@@ -43,12 +43,15 @@ from mtrace_live.probes import bpf_source
 
 PAIRS = 10_000 if QUICK else 50_000
 WINDOW_PAIRS = PAIRS if QUICK else 4 * PAIRS
+WINDOW_RING_PAGES = 65536  # 256 MiB: every record of the window's
 REPORT_RECORDS = 2_000_000 if QUICK else 18_000_000  # 18 M records: 1.08 GB
 BIG_REPORT_RECORDS = 4_000_000 if QUICK else 72_000_000  # 4.32 GB: RSS must not follow
 SIX = ("kmalloc", "kfree", "kmem_cache_alloc", "kmem_cache_free", "mm_page_alloc", "mm_page_free")
 SLAB = SIX[:4]  # the events mtrace-live attaches raw where BTF allows (tracer/kmem_attach.py)
 FLOOR = "floor: empty programs, raw slab and classic page tracepoints"
 CLASSIC_FLOOR = "empty programs, all classic tracepoints"
+PID_FLOOR = "floor + a pid filter: empty programs counting the workload's events"
+PID_FLOOR_SCRIPT = Path(__file__).with_name("kmem_floor.py")
 OURS = "mtrace-live aggregation, pid filter"
 OURS_CLASSIC = "mtrace-live aggregation, pid filter, --classic-tracepoints"
 PERF_STAT = "perf stat -e 'kmem:*'"
@@ -105,6 +108,17 @@ def with_bpftrace(tmp: Path) -> Sample:
         tracer.stop()
 
 
+def pid_floor(tmp: Path) -> Sample:
+    """bench/kmem_floor.py running the workload; with the events it matched."""
+    argv = [str(Path(MTRACE[0]).with_name("python")), str(PID_FLOOR_SCRIPT), "1",
+            str(int(page_free_batched())), "--", *workload(tmp)]  # fmt: skip
+    sample = run_timed(argv, tmp)
+    matched = re.search(r"kmem floor: (\d+) events", (tmp / "last.out").read_text())
+    if matched:
+        sample.extra = {"events": int(matched[1])}
+    return sample
+
+
 def slowdown(tmp: Path, peers: dict[str, str | None]) -> dict[str, object]:
     records = tmp / "records"
 
@@ -132,6 +146,7 @@ def slowdown(tmp: Path, peers: dict[str, str | None]) -> dict[str, object]:
         "untraced": lambda: run_timed(workload(tmp), tmp),
         FLOOR: lambda: with_background(empty_programs(raw=True), "ready", tmp),
         CLASSIC_FLOOR: lambda: with_background(empty_programs(raw=False), "ready", tmp),
+        PID_FLOOR: lambda: pid_floor(tmp),
         OURS: aggregation,
         OURS_CLASSIC: lambda: aggregation("--classic-tracepoints"),
         "mtrace-live aggregation + kmemtrace records": record,
@@ -249,12 +264,15 @@ def against_perf(tmp: Path, peers: dict[str, str | None]) -> dict[str, float] | 
     if done.returncode != 0 or not samples:
         raise RuntimeError(f"perf kmem record failed: {done.stderr[-800:]}")
     shutil.rmtree(ours, ignore_errors=True)
-    recorder = Background([*MTRACE, "record", "--all", "-o", str(ours)], "Ctrl-C to stop",
-                          tmp / "record-all.log")  # fmt: skip
+    # A ring that holds the whole window (256 MiB), so that mtrace-live keeps
+    # every event, as perf does, and both analyse the same events.
+    recorder = Background([*MTRACE, "record", "--all", "--buffer-pages", str(WINDOW_RING_PAGES),
+                           "-o", str(ours)], "Ctrl-C to stop", tmp / "record-all.log")  # fmt: skip
     try:
         run_timed(workload(tmp, WINDOW_PAIRS), tmp)
     finally:
-        recorder.stop()
+        log = recorder.stop()
+    lost = re.search(r"kmemtrace: \d+ records .*?, (\d+) lost", log)
     stat = [*PERF_KMEM, "-i", str(theirs), "stat", "--caller", "--alloc"]
     report = [*MTRACE, "report", str(ours), "-f", "json"]
     reps = 1 if QUICK else 3
@@ -262,7 +280,7 @@ def against_perf(tmp: Path, peers: dict[str, str | None]) -> dict[str, float] | 
     ours_s = sorted(timed_child(report, tmp / "ours.json")[0] for _ in range(reps))[reps // 2]
     records = json.loads((tmp / "ours.json").read_text())["records"]
     return {"perf_events": int(samples[1]), "perf_s": perf_s, "records": records,
-            "ours_s": ours_s}  # fmt: skip
+            "ours_s": ours_s, "lost": int(lost[1]) if lost else None}  # fmt: skip
 
 
 def run(tmp: Path, peers: dict[str, str | None]) -> dict[str, object]:
@@ -315,8 +333,37 @@ def render_slowdown(data: dict[str, object]) -> tuple[list[str], dict[str, bool 
     if floor is not None and floor > 1:
         lines.append(f"Its overhead is {over / (floor - 1):.1f} times the floor's (empty "
                      "programs on the same tracepoints, attached the same way).")  # fmt: skip
+    lines += _pid_floor_verdict(rows)
     lines.append("")
     return lines, {"kmem aggregation with pid filter below perf stat's overhead": met}
+
+
+def _pid_floor_verdict(rows: dict[str, dict[str, float]]) -> list[str]:
+    """How much room the pid-filter floor leaves under perf stat, an event."""
+    floor, perf, ours = (rows.get(name, {}) for name in (PID_FLOOR, PERF_STAT, OURS))
+    events = floor.get("events")
+    if not floor or not perf or not ours or not events:
+        return []
+    base = float(rows["untraced"]["median_s"])
+    room = (perf["median_s"] - floor["median_s"]) / events * 1e9
+    work = (ours["median_s"] - floor["median_s"]) / events * 1e9
+    said = (
+        f"The least any pid-filtered aggregation does at an event, compare its process with "
+        f"the traced one and count it if it matches (the same empty programs with that alone, "
+        f"bench/kmem_floor.py), costs {floor['median_s'] / base:.2f}x untraced, on the "
+        f"workload's {events:,.0f} events. "
+    )
+    if room <= 0:
+        return [said + f"That is already perf stat's {perf['ratio']:.2f}x or more: no "
+                "pid-filtered aggregation can meet this target on this machine."]  # fmt: skip
+    return [
+        said
+        + (
+            f"Under perf stat's {perf['ratio']:.2f}x, that leaves {room:.0f} ns an event for "
+            f"everything else; mtrace-live's aggregation by call site and its matching of every "
+            f"free to its allocation take {work:.0f} ns an event over that floor."
+        )
+    ]
 
 
 def render_report(data: dict[str, object]) -> tuple[list[str], dict[str, bool | None]]:
@@ -346,9 +393,12 @@ def render_report(data: dict[str, object]) -> tuple[list[str], dict[str, bool | 
         lines += [
             f"One workload ({data['window_pairs']:,} socket and pipe pairs) recorded "
             "system-wide by `perf kmem --slab --page record -- WORKLOAD`, then, over its "
-            "run again, by `mtrace-live record --all`; each tool's own analysis of its "
-            "file, start-up included. (Not both at once: while a BPF program that returns "
-            "0 is attached to a tracepoint, perf records none of its events.)",
+            "run again, by `mtrace-live record --all --buffer-pages 65536` (a ring that "
+            "holds the whole run, so that it keeps every event as perf does: "
+            f"{'?' if perf.get('lost') is None else format(perf['lost'], ',')} lost); "
+            "each tool's own analysis of its file, start-up included. (Not both at once: "
+            "while a BPF program that returns 0 is attached to a tracepoint, perf records "
+            "none of its events.)",
             "",
             "| analysis | events | seconds | ns per event |",
             "|---|---:|---:|---:|",
