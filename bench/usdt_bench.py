@@ -10,11 +10,13 @@ start-up and attach are not counted):
   hits are whatever the contention makes, as each tracer counts them.
 
 Configurations: untraced; mtrace-live counters only (`count`); mtrace-live
-with the event stream (`-o summary --no-allocs`: every hit is a ring record decoded into
-the allocator model); bpftrace `count()` on the same probes; bcc's `trace`
-on the same probes, attached to the workload's pid (bcc needs the pid for
-probes with several sites; its `funccount` cannot attach USDT probes at all
-in bcc 0.26, see docs/performance.md).
+with the event stream (`-o summary --no-allocs`: every hit is a ring record
+decoded into the allocator model); the floors (bench/usdt_floor.py: an empty
+program, and a ring record a hit read by a bulk reader and nothing else);
+bpftrace `count()` on the same probes; bcc's `trace` on the same probes,
+attached to the workload's pid (bcc needs the pid for probes with several
+sites; its `funccount` cannot attach USDT probes at all in bcc 0.26, see
+docs/performance.md).
 
 On jmp_loop the cost of a hit comes from the loop's own time. On
 arena_contention, where tracing changes the contention and so the work, the
@@ -164,12 +166,13 @@ def floor(argv: list[str], globs: list[str], tmp: Path, handler: str, size: int)
         seconds = last_seconds(check(sdt().wrap(argv)))
     finally:
         out = program.stop()
-    return Sample(seconds, _refused(out))
+    return Sample(seconds, _refused(out, handler))
 
 
-def _refused(out: str) -> dict[str, float]:
+def _refused(out: str, handler: str) -> dict[str, float]:
+    """The records a record floor's ring had no room for (the empty one writes none)."""
     found = re.search(r"^refused (\d+)$", out, re.MULTILINE)
-    return {"lost": float(found.group(1))} if found else {}
+    return {"lost": float(found.group(1))} if found and handler == "record" else {}
 
 
 def bcc_trace(argv: list[str], globs: list[str], tmp: Path) -> Sample:
@@ -297,7 +300,7 @@ def arena_configs(
     def floor_of(handler: str, size: int) -> Callable[[], Sample]:
         def measured() -> Sample:
             sample, log = attached(argv, lambda _: floor_argv(globs, handler, size), "ready", tmp)
-            sample.extra.update(_refused(log))
+            sample.extra.update(_refused(log, handler))
             return sample
 
         return measured
