@@ -28,6 +28,7 @@ the workload's two gates while every tracer is still attached.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 import re
 from collections.abc import Callable
@@ -76,10 +77,11 @@ def floor_argv(globs: list[str], handler: str, record_bytes: int) -> list[str]:
     return [PYTHON, str(FLOOR_SCRIPT), handler, str(record_bytes), *names]
 
 
-def _libc_probe_names() -> set[str]:
+@functools.cache
+def _libc_probe_names() -> frozenset[str]:
     from mtrace_live.probes.sdt_notes import read_sites
 
-    return {site.name for site in read_sites(sdt().libc) if site.provider == "libc"}
+    return frozenset(site.name for site in read_sites(sdt().libc) if site.provider == "libc")
 
 
 def bcc_probe_names(libc: Path, globs: list[str]) -> list[str]:

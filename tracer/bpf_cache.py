@@ -37,21 +37,13 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .bpf_syscalls import BPF_OBJ_GET_INFO_BY_FD, _bpf
+from . import bpf_syscalls
 
 DEFAULT_DIR = Path("/var/cache/mtrace-live/bpf")
 KEEP = 32
 FORMAT = 1
-BPF_MAP_CREATE = 0
-BPF_MAP_TYPE_RINGBUF = 27
 _LD_IMM64 = 0x18
 _PSEUDO_MAP_FD = 1
-# struct bpf_map_info: type, id, key_size, value_size, max_entries,
-# map_flags (u32 each), then name[16].
-_MAP_INFO = struct.Struct("=6I16s")
-# union bpf_attr for BPF_MAP_CREATE: map_type, key_size, value_size,
-# max_entries, map_flags, inner_map_fd, numa_node (u32 each), map_name[16].
-_MAP_CREATE = struct.Struct("=7I16s")
 
 
 @dataclass(frozen=True)
@@ -107,24 +99,19 @@ def cache_key(sources: list[bytes], cflags: list[str], bcc_version: str) -> str:
 
 def map_spec(fd: int, name: str, table_id: int, key_desc: str, leaf_desc: str) -> MapSpec:
     """The kernel's definition of the map behind ``fd``."""
-    info = ctypes.create_string_buffer(_MAP_INFO.size)
-    attr = ctypes.create_string_buffer(16)
-    struct.pack_into("=IIQ", attr, 0, fd, _MAP_INFO.size, ctypes.addressof(info))
-    if _bpf(BPF_OBJ_GET_INFO_BY_FD, attr) < 0:
+    info = bpf_syscalls.map_info(fd)
+    if info is None:
         raise OSError(ctypes.get_errno(), f"cannot read the definition of map {name}")
-    kind, _, key_size, value_size, max_entries, flags, raw_name = _MAP_INFO.unpack(info.raw)
-    return MapSpec(name, table_id, fd, kind, key_size, value_size, max_entries, flags,
-                   raw_name.split(b"\0", 1)[0].decode(errors="replace"), key_desc,
-                   leaf_desc)  # fmt: skip
+    return MapSpec(name, table_id, fd, info.type, info.key_size, info.value_size,
+                   info.max_entries, info.flags, info.name, key_desc, leaf_desc)  # fmt: skip
 
 
 def create_map(spec: MapSpec) -> int:
     """A new map like ``spec``'s; OSError if the kernel refuses."""
-    attr = ctypes.create_string_buffer(_MAP_CREATE.size)
-    _MAP_CREATE.pack_into(attr, 0, spec.type, spec.key_size, spec.value_size, spec.max_entries,
-                          spec.flags, 0, 0, spec.kernel_name.encode()[:15])  # fmt: skip
-    fd = _bpf(BPF_MAP_CREATE, attr)
-    if fd < 0:
+    fd = bpf_syscalls.create_map(bpf_syscalls.MapInfo(
+        spec.type, spec.key_size, spec.value_size, spec.max_entries, spec.flags,
+        spec.kernel_name))  # fmt: skip
+    if fd is None:
         raise OSError(ctypes.get_errno(), f"cannot create map {spec.name}")
     return fd
 

@@ -5,6 +5,9 @@ Batched map reads: a whole map in one BPF_MAP_LOOKUP_BATCH into a numpy
 buffer, instead of bcc's one lookup (and one ctypes conversion) per key. A
 scrape reads every map it needs this way.
 
+Maps' kernel definitions read and maps made from them (for the compiled
+programs kept between runs, tracer/bpf_cache.py).
+
 BPF programs' run time, as the kernel counts it (``bpftool prog`` shows the
 same ``run_time_ns`` and ``run_cnt``). The kernel counts only while
 statistics are enabled: the sysctl ``kernel.bpf_stats_enabled``, or as long
@@ -21,12 +24,14 @@ import os
 import platform
 import struct
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from mtrace_live.exporters.data.sink import RunStats
 
 SYS_BPF = {"x86_64": 321, "aarch64": 280, "riscv64": 280, "ppc64le": 361, "s390x": 351}
+BPF_MAP_CREATE = 0
 BPF_PROG_GET_NEXT_ID = 11
 BPF_PROG_GET_FD_BY_ID = 13
 BPF_OBJ_GET_INFO_BY_FD = 15
@@ -39,6 +44,12 @@ STATS_SYSCTL = Path("/proc/sys/kernel/bpf_stats_enabled")
 # min(info_len, its own size) and leaves the rest zero.
 _INFO_SIZE = 216
 _RUN_TIME_AT = 192
+# struct bpf_map_info: type, id, key_size, value_size, max_entries,
+# map_flags (u32 each), then name[16].
+_MAP_INFO = struct.Struct("=6I16s")
+# union bpf_attr for BPF_MAP_CREATE: map_type, key_size, value_size,
+# max_entries, map_flags, inner_map_fd, numa_node (u32 each), map_name[16].
+_MAP_CREATE = struct.Struct("=7I16s")
 
 
 # PyDLL: the call keeps the interpreter lock. These syscalls take
@@ -121,6 +132,40 @@ def run_stats(prog_fd: int) -> RunStats | None:
         return None
     words = np.frombuffer(info.raw, dtype=np.uint64, count=3, offset=_RUN_TIME_AT)
     return RunStats(int(words[0]), int(words[1]), int(words[2]))
+
+
+@dataclass(frozen=True)
+class MapInfo:
+    """A map's definition, as the kernel reports it and takes it to make one."""
+
+    type: int
+    key_size: int
+    value_size: int
+    max_entries: int
+    flags: int
+    name: str
+
+
+def map_info(map_fd: int) -> MapInfo | None:
+    """The kernel's definition of the map behind ``map_fd``; None (errno
+    set) if it will not say."""
+    info = ctypes.create_string_buffer(_MAP_INFO.size)
+    attr = ctypes.create_string_buffer(16)
+    struct.pack_into("=IIQ", attr, 0, map_fd, _MAP_INFO.size, ctypes.addressof(info))
+    if _bpf(BPF_OBJ_GET_INFO_BY_FD, attr) < 0:
+        return None
+    kind, _, key_size, value_size, max_entries, flags, name = _MAP_INFO.unpack(info.raw)
+    return MapInfo(kind, key_size, value_size, max_entries, flags,
+                   name.split(b"\0", 1)[0].decode(errors="replace"))  # fmt: skip
+
+
+def create_map(info: MapInfo) -> int | None:
+    """A new map of that definition: its fd, or None (errno set)."""
+    attr = ctypes.create_string_buffer(_MAP_CREATE.size)
+    _MAP_CREATE.pack_into(attr, 0, info.type, info.key_size, info.value_size, info.max_entries,
+                          info.flags, 0, 0, info.name.encode()[:15])  # fmt: skip
+    fd = _bpf(BPF_MAP_CREATE, attr)
+    return fd if fd >= 0 else None
 
 
 def program_ids() -> list[int]:

@@ -84,7 +84,9 @@ class BpfCounters:
             if tgids is not None:
                 for pair in pairs:
                     read.pop(pair, None)
-        return [ProcessHits(tgid, probe, count, names.get(tgid) or _comm(tgid))
+        for tgid in {tgid for tgid, _ in hits} - set(names):
+            names[tgid] = _comm(tgid)  # once a process, not once a probe
+        return [ProcessHits(tgid, probe, count, names[tgid])
                 for (tgid, probe), count in sorted(hits.items()) if count]  # fmt: skip
 
     def read(self, kmem: bool = False, runs: bool = False) -> KernelCounters:
