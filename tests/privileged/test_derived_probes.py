@@ -158,10 +158,12 @@ def test_derived_probes_equal_the_sdt_probes_on_the_exerciser(
 def test_derived_probes_equal_the_sdt_probes_under_arena_contention(
     sdt: SdtGlibc, tmp_path: Path
 ) -> None:
-    # GIVEN 8 threads on 2 arenas, 100 bursts each, traced both ways at once
+    # GIVEN 8 threads on 2 arenas, 1000 bursts each, traced both ways at once
+    # (lock waits depend on the scheduler: 100 bursts have been seen to
+    # finish in 12 ms with none; 1000 give hundreds in every run seen)
     plan = derived.plan(sdt.libc)
     theirs, ours, _ = side_by_side(
-        sdt, [str(built("arena_contention")), "1", "8", "2", "100"], tmp_path
+        sdt, [str(built("arena_contention")), "1", "8", "2", "1000"], tmp_path
     )
     # THEN the heaps, the sbrk calls, the arenas and each lock wait agree
     check_against_sdt(plan, ours, theirs)
@@ -230,7 +232,8 @@ def test_stock_libc_exerciser_counts_equal_its_ground_truth(
 
 
 def test_arena_table_under_the_stock_libc() -> None:
-    # GIVEN arena_contention (8 threads, 2 arenas) under Debian's stock libc
+    # GIVEN arena_contention (8 threads, 2 arenas, 1000 bursts each: enough
+    # that the threads overlap and wait) under Debian's stock libc
     done = subprocess.run(
         [
             *MTRACE,
@@ -243,7 +246,7 @@ def test_arena_table_under_the_stock_libc() -> None:
             "1",
             "8",
             "2",
-            "100",
+            "1000",
         ],
         capture_output=True,
         text=True,
