@@ -696,29 +696,42 @@ static __always_inline void derived_enter_munmap(void *args, u64 heap, u64 len)
 #define RAW_CACHE_FREE 0
 #endif
 
-struct live_object {
-    u64 call_site;
-    u64 bytes;
-    u32 cpu;
-    u32 type;
-};
+/* A live object in one word: its bytes, its call site's slot in the site
+ * table plus one (0: the site table had no room), and the CPU and type
+ * (KT_*) it was allocated with. The free goes straight to the site's
+ * statistics by the slot, without looking its call site up again. */
+_Static_assert(KMEM_SITES < 0xffff, "a live object holds its site's slot + 1 in 16 bits");
+#define LIVE_SITE_SHIFT 32
+#define LIVE_CPU_SHIFT 48
+#define LIVE_TYPE_SHIFT 62
+static __always_inline u64 live_word(u64 bytes, u32 site, u32 cpu, u32 type)
+{
+    /* An allocation is at most 2^(MAX_PAGE_ORDER + PAGE_SHIFT) bytes: 32
+     * bits hold it; the CPU takes 14 bits (NR_CPUS is at most 8192). */
+    return (bytes > 0xffffffffULL ? 0xffffffffULL : bytes) | (u64)(site & 0xffff) << LIVE_SITE_SHIFT |
+           (u64)(cpu & 0x3fff) << LIVE_CPU_SHIFT | (u64)(type & 3) << LIVE_TYPE_SHIFT;
+}
+#define LIVE_BYTES(w) ((w) & 0xffffffffULL)
+#define LIVE_SITE(w) ((u32)((w) >> LIVE_SITE_SHIFT) & 0xffff)
+#define LIVE_CPU(w) ((u32)((w) >> LIVE_CPU_SHIFT) & 0x3fff)
+#define LIVE_TYPE(w) ((u32)((w) >> LIVE_TYPE_SHIFT))
 
 /* The live objects, by pointer: a set-associative table in an array. A
- * pointer's home is one bucket of TABLE_WAYS slots (its pointers in one
- * cache line); when that is full it goes in the next bucket and the home
- * counts it in live_spilled, so a lookup reads a second bucket only when
- * something spilled. A slot is claimed with a compare-and-swap of its
- * pointer (0: free) and freed by swapping it back to 0. An object cannot be
- * freed while its allocation is still being recorded, so the entry's other
- * fields need no lock. Array lookups are inlined by the verifier: a free
- * costs a multiply and a scan of eight words, where a BPF hash map's lookup
- * and delete took a bucket lock and an element from its free list
- * (docs/performance.md, section 2). */
+ * pointer's home is one bucket of TABLE_WAYS slots, its pointers in one
+ * cache line and their live_word()s in the next; when that is full it goes
+ * in the next bucket and the home counts it in live_spilled, so a lookup
+ * reads a second bucket only when something spilled. A slot is claimed
+ * with a compare-and-swap of its pointer (0: free) and freed by swapping it
+ * back to 0. An object cannot be freed while its allocation is still being
+ * recorded, so the entry's word needs no lock. Array lookups are inlined by
+ * the verifier: a free costs a multiply and a scan of eight words, where a
+ * BPF hash map's lookup and delete took a bucket lock and an element from
+ * its free list (docs/performance.md, section 2). */
 #define TABLE_WAYS 8 /* the slots of a bucket: their keys fill one cache line */
 #define LIVE_BUCKETS (KMEM_OBJECTS / TABLE_WAYS) /* KMEM_OBJECTS is a power of two */
 struct live_bucket {
     u64 ptr[TABLE_WAYS];
-    struct live_object object[TABLE_WAYS];
+    u64 object[TABLE_WAYS]; /* live_word()s */
 };
 
 BPF_PERCPU_ARRAY(kmem_hits, u64, KM_COUNT);
@@ -798,8 +811,8 @@ static __always_inline struct live_bucket *live_home(u64 ptr, u32 *home)
     return live_objects.lookup(home);
 }
 
-/* Records a live object; 0 if the table had no room for it. */
-static __always_inline int live_put(u64 ptr, struct live_object *o)
+/* Records a live object (a live_word); 0 if the table had no room for it. */
+static __always_inline int live_put(u64 ptr, u64 object)
 {
     u32 home;
     struct live_bucket *b = live_home(ptr, &home);
@@ -810,7 +823,7 @@ static __always_inline int live_put(u64 ptr, struct live_object *o)
     if (way < 0)
         way = claim_way(b->ptr, ptr);
     if (way >= 0) {
-        b->object[way & (TABLE_WAYS - 1)] = *o;
+        b->object[way & (TABLE_WAYS - 1)] = object;
         return 1;
     }
     u32 next = (home + 1) & (LIVE_BUCKETS - 1);
@@ -821,13 +834,13 @@ static __always_inline int live_put(u64 ptr, struct live_object *o)
     way = claim_way(n->ptr, ptr);
     if (way < 0)
         return 0;
-    n->object[way & (TABLE_WAYS - 1)] = *o;
+    n->object[way & (TABLE_WAYS - 1)] = object;
     __sync_fetch_and_add(spilled, 1);
     return 1;
 }
 
-/* Takes ptr's live object out of the table; 0 if it was not there. */
-static __always_inline int live_take(u64 ptr, struct live_object *out)
+/* Takes ptr's live object (a live_word) out of the table; 0 if it was not there. */
+static __always_inline int live_take(u64 ptr, u64 *object)
 {
     u32 home;
     struct live_bucket *b = live_home(ptr, &home);
@@ -848,7 +861,7 @@ static __always_inline int live_take(u64 ptr, struct live_object *out)
             return 0;
     }
     way &= TABLE_WAYS - 1;
-    *out = b->object[way];
+    *object = b->object[way];
     if (__sync_val_compare_and_swap(&b->ptr[way], ptr, 0) != ptr)
         return 0;
     if (spilled)
@@ -873,34 +886,33 @@ static __always_inline int kmem_alloc_traced(void)
     return !kmem_gate_closed() && tgid_is_followed(bpf_get_current_pid_tgid() >> 32);
 }
 
-/* key's stats if bucket b holds it. */
-static __always_inline struct site_stats *site_in(struct site_bucket *b, u64 tag, u64 call_site,
-                                                  u32 type)
+/* key's slot + 1 if bucket b holds it, else 0. */
+static __always_inline u32 site_in(struct site_bucket *b, u64 tag, u64 call_site, u32 type)
 {
 #pragma unroll
     for (int i = 0; i < TABLE_WAYS; i++) {
         u32 slot = b->slot[i];
         if (b->tag[i] != tag || !slot)
             continue;
-        slot -= 1;
-        struct site_key *k = site_keys.lookup(&slot);
+        u32 index = slot - 1;
+        struct site_key *k = site_keys.lookup(&index);
         if (k && k->call_site == call_site && k->type == type)
-            return kmem_sites.lookup(&slot);
+            return slot;
     }
-    return NULL;
+    return 0;
 }
 
-/* A new slot for the key, in bucket b; NULL if b or the slots are full. */
-static __always_inline struct site_stats *site_new(struct site_bucket *b, u64 tag, u64 call_site,
-                                                   u32 type)
+/* A new slot for the key, in bucket b: its number + 1, or 0 if b or the
+ * slots are full. */
+static __always_inline u32 site_new(struct site_bucket *b, u64 tag, u64 call_site, u32 type)
 {
     u32 first = 0;
     u64 *count = site_count.lookup(&first);
     if (!count || *count >= KMEM_SITES)
-        return NULL;
+        return 0;
     int way = claim_way(b->tag, tag);
     if (way < 0)
-        return NULL;
+        return 0;
     /* A slot number, by compare-and-swap (bcc's LLVM cannot use the value
      * an atomic add returns); four tries, as new sites come rarely. */
     u32 slot = KMEM_SITES;
@@ -914,37 +926,52 @@ static __always_inline struct site_stats *site_new(struct site_bucket *b, u64 ta
     }
     struct site_key *k = site_keys.lookup(&slot);
     if (!k) /* slot >= KMEM_SITES: the way stays claimed and unused */
-        return NULL;
+        return 0;
     k->call_site = call_site;
     k->type = type;
     b->slot[way & (TABLE_WAYS - 1)] = slot + 1;
-    return kmem_sites.lookup(&slot);
+    return slot + 1;
 }
 
-static __always_inline struct site_stats *site_stats_of(u64 call_site, u32 type)
+/* The key's slot + 1, made if new; 0 if the site table has no room. */
+static __always_inline u32 site_slot_of(u64 call_site, u32 type)
 {
     u64 tag = ((call_site ^ type) * 0x9E3779B97F4A7C15ULL) | 1;
     u32 home = table_bucket(tag, SITE_BUCKETS);
     struct site_bucket *b = site_index.lookup(&home);
     if (!b)
-        return NULL;
-    struct site_stats *s = site_in(b, tag, call_site, type);
-    if (s)
-        return s;
+        return 0;
+    u32 slot = site_in(b, tag, call_site, type);
+    if (slot)
+        return slot;
     if (!b->tag[TABLE_WAYS - 1]) { /* ways are claimed in order and never given back */
-        s = site_new(b, tag, call_site, type);
+        slot = site_new(b, tag, call_site, type);
     } else {
         u32 next = (home + 1) & (SITE_BUCKETS - 1);
         struct site_bucket *n = site_index.lookup(&next);
         if (n) {
-            s = site_in(n, tag, call_site, type);
-            if (!s)
-                s = site_new(n, tag, call_site, type);
+            slot = site_in(n, tag, call_site, type);
+            if (!slot)
+                slot = site_new(n, tag, call_site, type);
         }
     }
-    if (!s)
+    if (!slot)
         kmem_misc.increment(KX_SITES_DROPPED);
-    return s;
+    return slot;
+}
+
+/* The statistics of a slot + 1 from site_slot_of; NULL for 0. */
+static __always_inline struct site_stats *site_stats_at(u32 slot)
+{
+    if (!slot)
+        return NULL;
+    u32 index = slot - 1;
+    return kmem_sites.lookup(&index);
+}
+
+static __always_inline struct site_stats *site_stats_of(u64 call_site, u32 type)
+{
+    return site_stats_at(site_slot_of(call_site, type));
 }
 
 static __always_inline void kmem_event(void *ctx, u32 event, u32 type, u64 call_site, u64 ptr, u64 req,
@@ -996,8 +1023,8 @@ static __always_inline int count_kmem_alloc(void *ctx, u32 event, u32 type, u64 
                                             u64 req, u64 alloc, u64 gfp, s64 node, u64 order)
 {
     kmem_hits.increment(event);
-    u32 cpu = bpf_get_smp_processor_id();
-    struct site_stats *s = site_stats_of(call_site, type);
+    u32 slot = site_slot_of(call_site, type);
+    struct site_stats *s = site_stats_at(slot);
     if (s) {
         s->allocs++;
         s->bytes_req += req;
@@ -1010,8 +1037,7 @@ static __always_inline int count_kmem_alloc(void *ctx, u32 event, u32 type, u64 
     if (type == KT_PAGES)
         count_order(order, 0);
     if (ptr) {
-        struct live_object o = {.call_site = call_site, .bytes = alloc, .cpu = cpu, .type = type};
-        if (!live_put(ptr, &o))
+        if (!live_put(ptr, live_word(alloc, slot, bpf_get_smp_processor_id(), type)))
             kmem_misc.increment(KX_OBJECTS_UNTRACKED);
     }
     kmem_event(ctx, event, type, call_site, ptr, req, alloc, gfp, node, order, 0);
@@ -1031,15 +1057,15 @@ static __always_inline int on_kmem_free(void *ctx, u32 event, u32 type, u64 call
 {
     if (kmem_gate_closed())
         return 0;
-    struct live_object known;
+    u64 known;
     if (ptr && live_take(ptr, &known)) {
-        struct site_stats *s = site_stats_of(known.call_site, known.type);
+        struct site_stats *s = site_stats_at(LIVE_SITE(known));
         if (s) {
             s->frees++;
-            s->bytes_freed += known.bytes;
-            if (known.cpu != bpf_get_smp_processor_id())
+            s->bytes_freed += LIVE_BYTES(known);
+            if (LIVE_CPU(known) != (bpf_get_smp_processor_id() & 0x3fff))
                 s->cross_cpu_frees++;
-            if (known.type != type)
+            if (LIVE_TYPE(known) != type)
                 s->mismatched_frees++;
         }
     } else {
