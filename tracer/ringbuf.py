@@ -13,6 +13,13 @@ rounded up to 8 bytes.
 slice, views it as a numpy structured array and advances the consumer
 position once. All of mtrace-live's records have one size, so the records sit
 at a fixed stride; a record of another size is skipped by walking headers.
+
+With ``buffer_size``, a thread of the C extension (tracer/ring_copy.c)
+empties the ring every millisecond into a buffer of that size in user
+memory, without the interpreter lock, and ``read()`` takes the records from
+there: the kernel's ring can then be small enough to stay in the CPU's cache
+while bursts still have the room the user asked for (docs/live-tracing.md).
+``fd`` is then the copier's eventfd, readable once records were copied.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ import mmap
 import struct
 
 import numpy as np
+
+from ._ring_copy import Copier
 
 BUSY_BIT = 1 << 31
 DISCARD_BIT = 1 << 30
@@ -34,7 +43,9 @@ def record_stride(size: int) -> int:
 class RingReader:
     """Consumer side of one BPF_MAP_TYPE_RINGBUF map."""
 
-    def __init__(self, map_fd: int, data_size: int, dtype: np.dtype) -> None:
+    def __init__(
+        self, map_fd: int, data_size: int, dtype: np.dtype, buffer_size: int | None = None
+    ) -> None:
         if data_size & (data_size - 1) or data_size % mmap.PAGESIZE:
             raise ValueError("ring buffer size must be a power-of-two multiple of the page size")
         page = mmap.PAGESIZE
@@ -42,6 +53,10 @@ class RingReader:
         self.dtype = dtype
         self.stride = record_stride(dtype.itemsize)
         self._mask = data_size - 1
+        self._copier: Copier | None = None
+        if buffer_size is not None:
+            self._copier = Copier(map_fd, data_size, buffer_size)
+            self.fd = self._copier.fd
         self._consumer = mmap.mmap(
             map_fd, page, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=0
         )
@@ -68,6 +83,14 @@ class RingReader:
 
     def read(self, limit: int | None = None) -> np.ndarray:
         """Every record committed since the last call, or the first ``limit``."""
+        if self._copier is not None:
+            raw = self._copier.take(-1 if limit is None else limit * self.stride)
+            records = np.frombuffer(raw, dtype=self._record, count=len(raw) // self.stride)
+            if len(records) * self.stride == len(raw) and not np.any(
+                records["len"] != self.dtype.itemsize
+            ):
+                return records["event"].copy()
+            return self._walk(raw)[1]
         consumer, producer = self._positions()
         available = producer - consumer
         if available <= 0:
@@ -88,6 +111,13 @@ class RingReader:
 
     def _read_walking(self, raw: bytes, consumer: int) -> np.ndarray:
         """Slow path: stop at a busy record, skip discarded or foreign ones."""
+        offset, records = self._walk(raw)
+        self._advance(consumer + offset)
+        return records
+
+    def _walk(self, raw: bytes) -> tuple[int, np.ndarray]:
+        """The records of ``raw`` up to the first busy one, less discarded or
+        foreign ones; and how many bytes they took."""
         offset = 0
         keep: list[bytes] = []
         while offset + HEADER_SIZE <= len(raw):
@@ -101,13 +131,19 @@ class RingReader:
             if not length & DISCARD_BIT and size == self.dtype.itemsize:
                 keep.append(raw[offset + HEADER_SIZE : offset + HEADER_SIZE + size])
             offset += step
-        self._advance(consumer + offset)
-        return np.frombuffer(b"".join(keep), dtype=self.dtype).copy()
+        return offset, np.frombuffer(b"".join(keep), dtype=self.dtype).copy()
 
     def _advance(self, position: int) -> None:
         self._consumer_word[0] = position
 
+    @property
+    def copier_stats(self) -> tuple[int, int] | None:
+        """With a copier: (its pulls that moved records, the bytes moved)."""
+        return None if self._copier is None else self._copier.stats
+
     def close(self) -> None:
+        if self._copier is not None:
+            self._copier.close()
         self._consumer_word.release()
         self._producer_word.release()
         self._consumer.close()

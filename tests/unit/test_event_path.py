@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import mmap
 import os
+import select
 import struct
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -103,6 +105,87 @@ def test_a_busy_record_stops_the_read_until_committed(ring: FakeRing) -> None:
     ring.write(written, busy_from=3)
     assert reader.read().tobytes() == written[:3].tobytes()
     assert ring.consumer() == 3 * STRIDE
+    reader.close()
+
+
+def wait_readable(fd: int) -> None:
+    """Until the copier's eventfd says it copied something (a liveness wait:
+    the copier pulls every millisecond)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    assert poller.poll(60_000), "the copier never signalled"
+
+
+def wait_copied(ring: FakeRing) -> None:
+    """Until the copier has taken everything committed (a liveness wait)."""
+    for _ in range(60_000):
+        if ring.consumer() == ring.producer:
+            return
+        time.sleep(0.001)
+    raise AssertionError("the copier never emptied the ring")
+
+
+def test_the_copier_takes_records_across_the_wrap(ring: FakeRing) -> None:
+    # GIVEN a ring whose 4th record straddles the end, read through a copier
+    start = DATA - 3 * STRIDE - STRIDE // 2
+    start -= start % 8
+    ring.set_positions(start, start)
+    reader = RingReader(ring.fd, DATA, EVENT_DTYPE, buffer_size=4 * DATA)
+    written = events(10)
+    # WHEN records are committed and the copier's thread has moved them
+    ring.write(written)
+    wait_readable(reader.fd)
+    # THEN the kernel's consumer position is past them, and a read returns them
+    assert ring.consumer() == start + 10 * STRIDE
+    assert reader.read().tobytes() == written.tobytes()
+    assert len(reader.read()) == 0
+    assert reader.copier_stats is not None and reader.copier_stats[1] == 10 * STRIDE
+    reader.close()
+
+
+def test_the_copier_holds_more_than_the_ring_and_reads_in_order(ring: FakeRing) -> None:
+    # GIVEN a copier's buffer four times the ring
+    ring.set_positions(0, 0)
+    reader = RingReader(ring.fd, DATA, EVENT_DTYPE, buffer_size=4 * DATA)
+    per_round = DATA // STRIDE - 1
+    written = events(3 * per_round)
+    # WHEN three ringfuls are committed, each once the ring was emptied
+    for start in range(0, len(written), per_round):
+        ring.write(written[start : start + per_round])
+        wait_copied(ring)
+    # THEN the reads give every record in order, at most `limit` at a time
+    first = reader.read(limit=5)
+    assert first.tobytes() == written[:5].tobytes()
+    assert reader.read().tobytes() == written[5:].tobytes()
+    reader.close()
+
+
+def test_a_busy_record_stops_the_copier_until_committed(ring: FakeRing) -> None:
+    ring.set_positions(0, 0)
+    reader = RingReader(ring.fd, DATA, EVENT_DTYPE, buffer_size=2 * DATA)
+    written = events(5)
+    ring.write(written, busy_from=3)
+    assert reader.read().tobytes() == written[:3].tobytes()
+    assert ring.consumer() == 3 * STRIDE
+    reader.close()
+
+
+def test_a_full_copier_leaves_the_records_in_the_ring(ring: FakeRing) -> None:
+    # GIVEN a copier whose buffer is the ring's size, holding one ringful
+    ring.set_positions(0, 0)
+    reader = RingReader(ring.fd, DATA, EVENT_DTYPE, buffer_size=DATA)
+    held = DATA // STRIDE
+    written = events(2 * held)
+    ring.write(written[:held])
+    wait_copied(ring)
+    # WHEN more records are committed than its buffer has room for
+    ring.write(written[held:])
+    # THEN they stay in the ring until a read makes room, and none is lost
+    assert ring.consumer() == held * STRIDE
+    got = [reader.read()]
+    while sum(len(g) for g in got) < len(written):
+        got.append(reader.read())
+    assert np.concatenate(got).tobytes() == written.tobytes()
     reader.close()
 
 
