@@ -61,9 +61,10 @@ LOOP_BATCH = 16384
 DEFAULT_BUFFER_PAGES = 2048  # 8 MiB: about 95,000 events of slack
 # The kernel's ring when the buffer asked for is larger: a ring that stays in
 # the CPU's cache costs the probed program less per record, and a thread of
-# its own (tracer/ring_copy.c) empties it every millisecond into a buffer of
-# the size asked for (docs/live-tracing.md). 2 MiB lasts 9 ms at 2.4 M
-# records a second, where the copier was seen to wait up to 5 ms for a CPU.
+# its own (tracer/ring_copy.c) empties it, every millisecond while records
+# come fast, into a buffer of the size asked for (docs/live-tracing.md).
+# 2 MiB lasts 9 ms at 2.4 M records a second, where the copier was seen to
+# wait up to 5 ms for a CPU.
 KERNEL_RING_PAGES = 512
 GATE_SETTLE_S = 0.01
 

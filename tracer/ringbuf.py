@@ -15,8 +15,8 @@ position once. All of mtrace-live's records have one size, so the records sit
 at a fixed stride; a record of another size is skipped by walking headers.
 
 With ``buffer_size``, a thread of the C extension (tracer/ring_copy.c)
-empties the ring every millisecond into a buffer of that size in user
-memory, without the interpreter lock, and ``read()`` takes the records from
+empties the ring, every millisecond while records come fast, into a buffer
+of that size in user memory, without the interpreter lock, and ``read()`` takes the records from
 there: the kernel's ring can then be small enough to stay in the CPU's cache
 while bursts still have the room the user asked for (docs/live-tracing.md).
 ``fd`` is then the copier's eventfd, readable once records were copied.
