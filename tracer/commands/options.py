@@ -110,7 +110,9 @@ buffer_pages_option = click.option(
     type=PowerOfTwo(),
     default=2048,
     show_default=True,
-    help="Ring buffer size in pages (a power of two).",
+    help="Room for events not yet read, in pages (a power of two). Above 512 pages, the "
+    "kernel's ring is 512 pages and a copier thread empties it into a buffer of this size "
+    "in user memory.",
 )
 
 web_config_option = click.option(
