@@ -264,7 +264,7 @@ def against_perf(tmp: Path, peers: dict[str, str | None]) -> dict[str, float] | 
     if done.returncode != 0 or not samples:
         raise RuntimeError(f"perf kmem record failed: {done.stderr[-800:]}")
     shutil.rmtree(ours, ignore_errors=True)
-    # A ring that holds the whole window (1 GiB), so that mtrace-live keeps
+    # Room for the whole window (1 GiB), so that mtrace-live keeps
     # every event, as perf does, and both analyse the same events.
     recorder = Background([*MTRACE, "record", "--all", "--buffer-pages", str(WINDOW_RING_PAGES),
                            "-o", str(ours)], "Ctrl-C to stop", tmp / "record-all.log")  # fmt: skip
@@ -397,9 +397,8 @@ def render_report(data: dict[str, object]) -> tuple[list[str], dict[str, bool | 
         lines += [
             f"One workload ({data['window_pairs']:,} socket and pipe pairs) recorded "
             "system-wide by `perf kmem --slab --page record -- WORKLOAD`, then, over its "
-            f"run again, by `mtrace-live record --all --buffer-pages {WINDOW_RING_PAGES}` (a ring "
-            "that "
-            "holds the whole run, so that it keeps every event as perf does: "
+            f"run again, by `mtrace-live record --all --buffer-pages {WINDOW_RING_PAGES}` (room "
+            "for the whole run, so that it keeps every event as perf does: "
             f"{'?' if perf.get('lost') is None else format(perf['lost'], ',')} lost); "
             "each tool's own analysis of its file, start-up included. (Not both at once: "
             "while a BPF program that returns 0 is attached to a tracepoint, perf records "

@@ -244,11 +244,12 @@ class LiveTrace:
 
         self.model = AllocatorModel(self.decoder, self.selection.probes, main_arena_of)
         self.sinks: list[Sink] = [self.model, *make_sinks()]
+        ring_pages = min(request.buffer_pages, KERNEL_RING_PAGES)
         defines = {
             "FILTER_PIDS": int(request.filtered_by_pid),
             "FOLLOW_FORKS": int(request.follow_forks or request.comm is not None),
             "WITH_EVENTS": 1,
-            "RINGBUF_PAGES": min(request.buffer_pages, KERNEL_RING_PAGES),
+            "RINGBUF_PAGES": ring_pages,
             "PROBE_EXACT_TIME": int(request.exact_times),
             **usdt.site_defines(self.selection),
             **usdt.derived_defines(self.selection),
@@ -296,7 +297,6 @@ class LiveTrace:
                 allocs.attach(self.program, self.alloc_plan, request.sample_bytes, self.hold,
                               self.alloc_pid)  # fmt: skip
             self.program.set_gate(True)
-            ring_pages = min(request.buffer_pages, KERNEL_RING_PAGES)
             self.reader = RingReader(
                 self.program.map_fd("events"),
                 ring_pages * mmap.PAGESIZE,

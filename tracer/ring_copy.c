@@ -8,10 +8,11 @@
  * milliseconds at two million records a second, and the interpreter, which
  * decodes the records and feeds the outputs, pauses longer than that now and
  * then. The copier takes every record committed, every millisecond while
- * they come fast (copier_main), whatever the interpreter is doing; the interpreter takes them from the copier's
- * buffer, which has the room the user asked for (--buffer-pages). The
- * kernel's ring is 2 MiB (tracer/live.py): with both CPUs busy the copier
- * was seen to wait up to 5 ms for a CPU, longer than 1 MiB lasts.
+ * they come fast (copier_main), whatever the interpreter is doing; the
+ * interpreter takes them from the copier's buffer, which has the room the
+ * user asked for (--buffer-pages). The kernel's ring is 2 MiB
+ * (tracer/live.py): with both CPUs busy the copier was seen to wait up to
+ * 5 ms for a CPU, longer than 1 MiB lasts.
  *
  * The kernel's ring (kernel/bpf/ringbuf.c): page 0 holds the consumer
  * position (read-write), page 1 the producer position, and the data pages

@@ -16,8 +16,9 @@ at a fixed stride; a record of another size is skipped by walking headers.
 
 With ``buffer_size``, a thread of the C extension (tracer/ring_copy.c)
 empties the ring, every millisecond while records come fast, into a buffer
-of that size in user memory, without the interpreter lock, and ``read()`` takes the records from
-there: the kernel's ring can then be small enough to stay in the CPU's cache
+of that size in user memory, without the interpreter lock, and ``read()``
+takes the records from there (the copier maps the ring; this class then
+does not): the kernel's ring can be small enough to stay in the CPU's cache
 while bursts still have the room the user asked for (docs/live-tracing.md).
 ``fd`` is then the copier's eventfd, readable once records were copied.
 """
@@ -53,10 +54,17 @@ class RingReader:
         self.dtype = dtype
         self.stride = record_stride(dtype.itemsize)
         self._mask = data_size - 1
+        self._record = np.dtype([("len", "<u4"), ("pgoff", "<u4"), ("event", dtype)], align=False)
+        if self._record.itemsize != self.stride:
+            pad = self.stride - self._record.itemsize
+            self._record = np.dtype(
+                [("len", "<u4"), ("pgoff", "<u4"), ("event", dtype), ("pad", f"V{pad}")]
+            )
         self._copier: Copier | None = None
         if buffer_size is not None:
             self._copier = Copier(map_fd, data_size, buffer_size)
             self.fd = self._copier.fd
+            return
         self._consumer = mmap.mmap(
             map_fd, page, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=0
         )
@@ -71,12 +79,6 @@ class RingReader:
         # native unsigned 64-bit items is one aligned 8-byte access.
         self._consumer_word = memoryview(self._consumer).cast("Q")
         self._producer_word = memoryview(self._producer).cast("Q")
-        self._record = np.dtype([("len", "<u4"), ("pgoff", "<u4"), ("event", dtype)], align=False)
-        if self._record.itemsize != self.stride:
-            pad = self.stride - self._record.itemsize
-            self._record = np.dtype(
-                [("len", "<u4"), ("pgoff", "<u4"), ("event", dtype), ("pad", f"V{pad}")]
-            )
 
     def _positions(self) -> tuple[int, int]:
         return self._consumer_word[0], self._producer_word[0]
@@ -84,13 +86,7 @@ class RingReader:
     def read(self, limit: int | None = None) -> np.ndarray:
         """Every record committed since the last call, or the first ``limit``."""
         if self._copier is not None:
-            raw = self._copier.take(-1 if limit is None else limit * self.stride)
-            records = np.frombuffer(raw, dtype=self._record, count=len(raw) // self.stride)
-            if len(records) * self.stride == len(raw) and not np.any(
-                records["len"] != self.dtype.itemsize
-            ):
-                return records["event"].copy()
-            return self._walk(raw)[1]
+            return self._decode(self._copier.take(-1 if limit is None else limit * self.stride))[1]
         consumer, producer = self._positions()
         available = producer - consumer
         if available <= 0:
@@ -98,26 +94,19 @@ class RingReader:
         if limit is not None:
             available = min(available, limit * self.stride)
         start = self._page + (consumer & self._mask)
-        raw = bytes(self._producer[start : start + available])
-        count = len(raw) // self.stride
-        records = np.frombuffer(raw, dtype=self._record, count=count)
-        lengths = records["len"]
-        wrong = np.flatnonzero(lengths != self.dtype.itemsize)
-        if len(wrong):
-            return self._read_walking(raw, consumer)
-        consumed = count * self.stride
+        consumed, events = self._decode(bytes(self._producer[start : start + available]))
         self._advance(consumer + consumed)
-        return records["event"].copy()
+        return events
 
-    def _read_walking(self, raw: bytes, consumer: int) -> np.ndarray:
-        """Slow path: stop at a busy record, skip discarded or foreign ones."""
-        offset, records = self._walk(raw)
-        self._advance(consumer + offset)
-        return records
-
-    def _walk(self, raw: bytes) -> tuple[int, np.ndarray]:
-        """The records of ``raw`` up to the first busy one, less discarded or
-        foreign ones; and how many bytes they took."""
+    def _decode(self, raw: bytes) -> tuple[int, np.ndarray]:
+        """The events in ``raw`` and how many of its bytes they took: at a
+        fixed stride when every record is one of ours, else (slow path) up to
+        the first busy record, less discarded or foreign ones."""
+        records = np.frombuffer(raw, dtype=self._record, count=len(raw) // self.stride)
+        if len(records) * self.stride == len(raw) and not np.any(
+            records["len"] != self.dtype.itemsize
+        ):
+            return len(raw), records["event"].copy()
         offset = 0
         keep: list[bytes] = []
         while offset + HEADER_SIZE <= len(raw):
@@ -144,6 +133,7 @@ class RingReader:
     def close(self) -> None:
         if self._copier is not None:
             self._copier.close()
+            return
         self._consumer_word.release()
         self._producer_word.release()
         self._consumer.close()
