@@ -28,8 +28,15 @@ from mtrace_live.exporters.data.sink import ProcessHits
 from mtrace_live.probes import bpf_source
 from mtrace_live.probes.records import ALLOC_FRAMES_BASE
 
-from . import bpf_cache
+from . import bpf_cache, bpf_syscalls
 from .bpf_syscalls import BatchReader
+from .kernel_btf import BtfUnavailable, KernelBtf
+
+# Handlers bcc does not load itself: TYPED_PREFIX + EVENT is a BTF-typed
+# tracepoint handler (tp_btf), loaded and attached here, and FALLBACK_PREFIX
+# + EVENT the raw handler attached instead where the kernel refuses it.
+TYPED_PREFIX = "tp_btf__"
+FALLBACK_PREFIX = "rawtp__"
 
 TRACEFS_ROOTS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
 
@@ -147,6 +154,9 @@ class BpfProgram:
         # they say nothing about mtrace-live's own C.
         cflags += ["-Wno-duplicate-decl-specifier", "-Wno-ignored-attributes"]
         self._readers: dict[str, BatchReader] = {}
+        self._typed: dict[str, tuple[int, int]] = {}  # handler -> (program fd, attachment fd)
+        # event -> why the kernel refused its BTF-typed handler (its raw one is attached)
+        self.typed_refused: dict[str, str] = {}
         sources = [src.read_bytes(), *(h.read_bytes() for h in sorted(src.parent.glob("*.h")))]
         key = bpf_cache.cache_key(sources, cflags, bcc_version())
         compiled = bpf_cache.load(key)
@@ -155,15 +165,58 @@ class BpfProgram:
             try:
                 self._bpf = _from_cache(bcc, compiled)
                 self.from_cache = True
-                return
             except Exception:  # any doubt: compile, as without a cache
-                pass
+                compiled = None
+        if compiled is None:
+            try:
+                self._bpf = bcc.BPF(src_file=str(src).encode(), cflags=cflags)
+            except Exception as exc:
+                raise AttachError(f"cannot load BPF program {name}: {exc}") from None
+            with contextlib.suppress(Exception):  # the cache is only ever a saving
+                bpf_cache.store(key, _compiled(bcc, self._bpf))
+        # The BTF-typed handlers' code, with this run's map descriptors in it.
+        if compiled is not None:
+            typed, license_ = self._bpf.mtrace_typed, compiled.license
+        else:
+            typed, license_ = _typed_handlers(bcc, self._bpf)
+        if typed:
+            try:
+                self._attach_typed(typed, license_)
+            except BaseException:
+                self.close()
+                raise
+
+    def _attach_typed(self, handlers: dict[str, bytes], license_: str) -> None:
+        """Load and attach each BTF-typed tracepoint handler; where the
+        kernel refuses one, attach its raw twin instead and keep why."""
         try:
-            self._bpf = bcc.BPF(src_file=str(src).encode(), cflags=cflags)
-        except Exception as exc:
-            raise AttachError(f"cannot load BPF program {name}: {exc}") from None
-        with contextlib.suppress(Exception):  # the cache is only ever a saving
-            bpf_cache.store(key, _compiled(bcc, self._bpf))
+            with KernelBtf() as btf:
+                type_ids = {text: btf.tracepoint_type_id(text[len(TYPED_PREFIX) :])
+                            for text in handlers}  # fmt: skip
+        except BtfUnavailable as exc:
+            type_ids = dict.fromkeys(handlers)
+            reason = str(exc)
+        else:
+            reason = "BTF does not name the tracepoint's type"
+        for text, code in handlers.items():
+            event = text[len(TYPED_PREFIX) :]
+            type_id = type_ids[text]
+            try:
+                if type_id is None:
+                    raise OSError(0, reason)
+                fd = bpf_syscalls.load_btf_tracepoint(code, license_, text, type_id)
+                try:
+                    self._typed[text] = (fd, bpf_syscalls.attach_raw_tracepoint(fd))
+                except OSError:
+                    os.close(fd)
+                    raise
+            except OSError as exc:
+                self.typed_refused[event] = exc.strerror or str(exc)
+                fallback = (FALLBACK_PREFIX + event).encode()
+                try:
+                    self._bpf.attach_raw_tracepoint(tp=event.encode(), fn_name=fallback)
+                except Exception as raw:
+                    raise AttachError(f"cannot attach to tracepoint {event}: {raw}") from None
 
     def attach_uprobe(self, path: Path, file_offset: int, handler: str, pid: int = -1) -> None:
         """Attach ``handler`` at a file offset of ``path``: in every process
@@ -355,8 +408,10 @@ class BpfProgram:
 
     def program_fds(self) -> dict[str, int]:
         """The loaded programs (handlers) by function name."""
-        return {name.decode() if isinstance(name, bytes) else str(name): int(func.fd)
-                for name, func in self._bpf.funcs.items()}  # fmt: skip
+        fds = {name.decode() if isinstance(name, bytes) else str(name): int(func.fd)
+               for name, func in self._bpf.funcs.items()}  # fmt: skip
+        fds.update((name, program) for name, (program, _) in self._typed.items())
+        return fds
 
     def string_keyed_counts(self, table: str) -> dict[str, int]:
         counts = self._bpf[table]
@@ -419,6 +474,10 @@ class BpfProgram:
             self._bpf._del_uprobe_fd(name)
         for name in tracepoints:
             self._bpf.tracepoint_fds.pop(name)
+        for program, attachment in self._typed.values():
+            os.close(attachment)
+            os.close(program)
+        self._typed.clear()
         self._bpf.cleanup()
 
 
@@ -446,6 +505,17 @@ def _libbcc(bcc: Any) -> ctypes.CDLL:
         getattr(lib, function).restype = result
         getattr(lib, function).argtypes = arguments
     return lib
+
+
+def _typed_handlers(bcc: Any, bpf: Any) -> tuple[dict[str, bytes], str]:
+    """The BTF-typed handlers bcc compiled (its code has its maps' descriptors
+    in it), and the program's license."""
+    lib = _libbcc(bcc)
+    module = bpf.module
+    names = [lib.bpf_function_name(module, i) for i in range(lib.bpf_num_functions(module))]
+    typed = {name.decode(): bytes(bpf.dump_func(name)) for name in names
+             if name.decode().startswith(TYPED_PREFIX)}  # fmt: skip
+    return typed, lib.bpf_module_license(module).decode()
 
 
 def _compiled(bcc: Any, bpf: Any) -> bpf_cache.Compiled:
@@ -497,7 +567,7 @@ _TABLE_FACTS_LOCK = threading.Lock()
 def _program_type(bcc: Any, name: str) -> int:
     if name.startswith("tracepoint__"):
         return int(bcc.BPF.TRACEPOINT)
-    if name.startswith("raw_tracepoint__"):
+    if name.startswith(("raw_tracepoint__", FALLBACK_PREFIX)):
         return int(bcc.BPF.RAW_TRACEPOINT)
     return int(bcc.BPF.KPROBE)  # the uprobe and uretprobe handlers
 
@@ -515,6 +585,7 @@ def _from_cache(bcc: Any, compiled: bpf_cache.Compiled) -> Any:
                   "open_perf_events", "funcs", "tables"):  # fmt: skip
         setattr(bpf, table, {})
     bpf._ringbuf_manager, bpf.tracefile, bpf.debug, bpf.module = None, None, 0, None
+    bpf.mtrace_typed = {}  # BTF-typed handlers: relocated, loaded by BpfProgram
     map_fds: dict[int, int] = {}
     specs = {spec.name: spec for spec in compiled.maps}
 
@@ -557,6 +628,9 @@ def _from_cache(bcc: Any, compiled: bpf_cache.Compiled) -> Any:
             map_fds[spec.fd] = bpf_cache.create_map(spec)
         license_ = compiled.license.encode()
         for text, code in compiled.functions.items():
+            if text.startswith(TYPED_PREFIX):
+                bpf.mtrace_typed[text] = bpf_cache.relocate(code, map_fds)
+                continue
             insns = ctypes.create_string_buffer(bpf_cache.relocate(code, map_fds), len(code))
             fd = lib.bcc_prog_load(_program_type(bcc, text), text.encode(), insns, len(code),
                                    license_, compiled.kern_version, 0, None, 0)  # fmt: skip

@@ -8,6 +8,9 @@ scrape reads every map it needs this way.
 Maps' kernel definitions read and maps made from them (for the compiled
 programs kept between runs, tracer/bpf_cache.py).
 
+A BTF-typed tracepoint program (tp_btf) loaded from code bcc compiled, and
+attached: bcc 0.26 offers neither.
+
 BPF programs' run time, as the kernel counts it (``bpftool prog`` shows the
 same ``run_time_ns`` and ``run_cnt``). The kernel counts only while
 statistics are enabled: the sysctl ``kernel.bpf_stats_enabled``, or as long
@@ -32,6 +35,8 @@ from mtrace_live.exporters.data.sink import RunStats
 
 SYS_BPF = {"x86_64": 321, "aarch64": 280, "riscv64": 280, "ppc64le": 361, "s390x": 351}
 BPF_MAP_CREATE = 0
+BPF_PROG_LOAD = 5
+BPF_RAW_TRACEPOINT_OPEN = 17
 BPF_PROG_GET_NEXT_ID = 11
 BPF_PROG_GET_FD_BY_ID = 13
 BPF_OBJ_GET_INFO_BY_FD = 15
@@ -50,6 +55,15 @@ _MAP_INFO = struct.Struct("=6I16s")
 # union bpf_attr for BPF_MAP_CREATE: map_type, key_size, value_size,
 # max_entries, map_flags, inner_map_fd, numa_node (u32 each), map_name[16].
 _MAP_CREATE = struct.Struct("=7I16s")
+# union bpf_attr for BPF_PROG_LOAD, from prog_type to attach_btf_id: prog_type,
+# insn_cnt, insns, license, log_level, log_size, log_buf, kern_version,
+# prog_flags, prog_name[16], prog_ifindex, expected_attach_type, prog_btf_fd,
+# func_info_rec_size, func_info, func_info_cnt, line_info_rec_size, line_info,
+# line_info_cnt, attach_btf_id; the kernel wants the rest zero.
+_PROG_LOAD = struct.Struct("=IIQQIIQII16sIIIIQIIQII")
+_PROG_TYPE_TRACING = 26  # enum bpf_prog_type
+_TRACE_RAW_TP = 23  # enum bpf_attach_type
+_LOG_SIZE = 1 << 20
 
 
 # PyDLL: the call keeps the interpreter lock. These syscalls take
@@ -122,16 +136,31 @@ def enable_run_time_stats() -> int | None:
     return fd if fd >= 0 else None
 
 
-def run_stats(prog_fd: int) -> RunStats | None:
-    """What the kernel counted for a loaded program, or None."""
+def _program_info(prog_fd: int) -> bytes | None:
+    """struct bpf_prog_info of a loaded program, or None."""
     info = ctypes.create_string_buffer(_INFO_SIZE)
     attr = ctypes.create_string_buffer(16)
     ctypes.memmove(attr, prog_fd.to_bytes(4, sys.byteorder) + _INFO_SIZE.to_bytes(4, sys.byteorder)
                    + ctypes.addressof(info).to_bytes(8, sys.byteorder), 16)  # fmt: skip
     if _bpf(BPF_OBJ_GET_INFO_BY_FD, attr) < 0:
         return None
-    words = np.frombuffer(info.raw, dtype=np.uint64, count=3, offset=_RUN_TIME_AT)
+    return info.raw
+
+
+def run_stats(prog_fd: int) -> RunStats | None:
+    """What the kernel counted for a loaded program, or None."""
+    info = _program_info(prog_fd)
+    if info is None:
+        return None
+    words = np.frombuffer(info, dtype=np.uint64, count=3, offset=_RUN_TIME_AT)
     return RunStats(int(words[0]), int(words[1]), int(words[2]))
+
+
+def program_type(prog_fd: int) -> int | None:
+    """A loaded program's type (enum bpf_prog_type, bpf_prog_info's first
+    word), or None."""
+    info = _program_info(prog_fd)
+    return None if info is None else int.from_bytes(info[:4], sys.byteorder)
 
 
 @dataclass(frozen=True)
@@ -185,6 +214,45 @@ def program_fd(prog_id: int) -> int | None:
     attr = ctypes.create_string_buffer(prog_id.to_bytes(4, sys.byteorder), 12)
     fd = _bpf(BPF_PROG_GET_FD_BY_ID, attr)
     return fd if fd >= 0 else None
+
+
+def load_btf_tracepoint(code: bytes, license_: str, name: str, type_id: int) -> int:
+    """Load ``code`` as a BTF-typed tracepoint program (tp_btf) for the
+    tracepoint whose ``btf_trace_<event>`` type is ``type_id`` in the
+    kernel's BTF: its fd. Raises OSError, with the verifier's last words
+    when it refused the code."""
+    insns = ctypes.create_string_buffer(code, len(code))
+    text = ctypes.create_string_buffer(license_.encode())
+    log = ctypes.create_string_buffer(0)
+    for level in (0, 1):  # the verifier's log only to say why
+        if level:
+            log = ctypes.create_string_buffer(_LOG_SIZE)
+        attr = ctypes.create_string_buffer(_PROG_LOAD.size + 16)
+        _PROG_LOAD.pack_into(attr, 0, _PROG_TYPE_TRACING, len(code) // 8, ctypes.addressof(insns),
+                             ctypes.addressof(text), level, len(log) if level else 0,
+                             ctypes.addressof(log) if level else 0, 0, 0, name.encode()[:15], 0,
+                             _TRACE_RAW_TP, 0, 0, 0, 0, 0, 0, 0, type_id)  # fmt: skip
+        fd = _bpf(BPF_PROG_LOAD, attr)
+        if fd >= 0:
+            return fd
+        error = ctypes.get_errno()
+        if error != errno.EACCES and error != errno.EINVAL:
+            break  # not the verifier: its log would say nothing
+    words = [line for line in log.value.decode(errors="replace").splitlines() if line.strip()]
+    said = f": {words[-2] if len(words) > 1 else words[-1]}" if words else ""
+    raise OSError(error, f"{os.strerror(error)}{said}")
+
+
+def attach_raw_tracepoint(prog_fd: int) -> int:
+    """Attach a loaded tp_btf program to its tracepoint: the attachment's
+    fd, which detaches it when closed. Raises OSError."""
+    attr = ctypes.create_string_buffer(16)
+    struct.pack_into("=QI", attr, 0, 0, prog_fd)  # name NULL: the program's own
+    fd = _bpf(BPF_RAW_TRACEPOINT_OPEN, attr)
+    if fd < 0:
+        error = ctypes.get_errno()
+        raise OSError(error, os.strerror(error))
+    return fd
 
 
 def close(fd: int | None) -> None:

@@ -142,8 +142,8 @@ class BpfCounters:
                 label = f"usdt:{self.site_probes[index]}" if index < len(self.site_probes) else name
             elif name.startswith("tracepoint__"):
                 label = "tracepoint:" + name[len("tracepoint__") :].replace("__", ":", 1)
-            elif name.startswith("raw_tracepoint__"):  # only the kmem events are raw
-                label = "tracepoint:kmem:" + name[len("raw_tracepoint__") :]
+            elif name.startswith(("raw_tracepoint__", "rawtp__", "tp_btf__")):
+                label = "tracepoint:kmem:" + name.split("__", 1)[1]  # only kmem events are raw
             else:
                 label = name
             stats = bpf_syscalls.run_stats(fd)

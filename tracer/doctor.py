@@ -244,4 +244,7 @@ def _raw_tracepoints() -> Check:
     if not plan.raw:
         return Check(name, UNAVAILABLE, classic)
     raw = f"raw {', '.join(plan.raw)} (arguments and struct kmem_cache offsets from BTF)"
+    if plan.typed:
+        typed = ", ".join(plan.typed)
+        raw += f", {typed} BTF-typed (tp_btf: struct kmem_cache read without a copy)"
     return Check(name, OK, f"{raw}; {classic}" if classic else raw)

@@ -7,12 +7,14 @@ read through libbpf's own parser (``libbpf.so.1``, which bcc's library
 depends on), with ctypes: loading and searching it takes a few
 milliseconds.
 
-Two facts are read:
+Three facts are read:
 
 - a tracepoint's arguments, in order, by name: the parameters of the
   kernel's ``trace_event_raw_event_<event>`` function (its first, ``__data``,
   is not an argument);
-- a struct member's offset in bytes, through anonymous structs and unions.
+- a struct member's offset in bytes, through anonymous structs and unions;
+- the id of a tracepoint's ``btf_trace_<event>`` type, for a BTF-typed
+  tracepoint program.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ VMLINUX = Path("/sys/kernel/btf/vmlinux")
 # include/uapi/linux/btf.h
 _KIND_STRUCT = 4
 _KIND_UNION = 5
+_KIND_TYPEDEF = 8
 _KIND_FUNC = 12
 _KIND_FUNC_PROTO = 13
 _TYPE_HEADER = 12  # struct btf_type: name_off, info, size/type
@@ -127,6 +130,12 @@ class KernelBtf:
         words = (ctypes.c_uint32 * (2 * proto.vlen)).from_address(proto.address + _TYPE_HEADER)
         names = [self._name(words[2 * i]) for i in range(proto.vlen)]
         return names[1:]  # void *__data, the tracepoint's own cookie
+
+    def tracepoint_type_id(self, event: str) -> int | None:
+        """The BTF id of the tracepoint's ``btf_trace_<event>`` typedef, which
+        a BTF-typed tracepoint program (tp_btf) names when loaded; None if
+        BTF does not know it."""
+        return self._find(f"btf_trace_{event}", _KIND_TYPEDEF)
 
     def struct_size(self, struct: str) -> int | None:
         type_id = self._find(struct, _KIND_STRUCT)

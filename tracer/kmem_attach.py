@@ -15,7 +15,13 @@ know, for the running kernel:
 - for kmem_cache_alloc, where ``struct kmem_cache`` keeps ``object_size``
   (the record's bytes_req), ``size`` (bytes_alloc) and ``name``: from BTF.
 
-Both become compile-time constants of trace.bpf.c. An event whose facts
+Both become compile-time constants of trace.bpf.c. Where BTF also names
+kmem_cache_alloc's tracepoint type (``btf_trace_kmem_cache_alloc``), its
+handler is loaded BTF-typed (tp_btf, ``BTF_CACHE_ALLOC``): the verifier then
+knows the argument is a ``struct kmem_cache`` and lets the handler load
+the members itself, where a raw one copies them with a helper call
+(tracer/bpf_backend.py loads it, and the raw one if the kernel refuses
+it). An event whose facts
 BTF lacks stays classic, and ``mtrace-live doctor`` says why. The page
 events stay classic everywhere: their records give the pfn, and the
 arguments a ``struct page *``, which becomes a pfn only through
@@ -56,6 +62,7 @@ class KmemAttach:
 
     defines: dict[str, int] = field(default_factory=dict)
     raw: tuple[str, ...] = ()
+    typed: tuple[str, ...] = ()  # of the raw ones, those loaded BTF-typed (tp_btf)
     classic: dict[str, str] = field(default_factory=dict)  # event -> why not raw
 
 
@@ -83,6 +90,7 @@ def kmem_attach(variants: dict[str, int], classic: bool = False) -> KmemAttach:
 def _plan(btf: KernelBtf, variants: dict[str, int], events: tuple[str, ...]) -> KmemAttach:
     defines: dict[str, int] = {}
     raw: list[str] = []
+    typed: list[str] = []
     why: dict[str, str] = {}
     for event, (prefix, needed, optional) in _RAW_EVENTS.items():
         if event == "kmalloc" and variants.get("HAVE_KMALLOC_NODE"):
@@ -105,6 +113,9 @@ def _plan(btf: KernelBtf, variants: dict[str, int], events: tuple[str, ...]) -> 
             continue
         if event == "kmem_cache_alloc" and isinstance(offsets, dict):
             defines.update(offsets)
+            if btf.tracepoint_type_id(event) is not None:
+                defines["BTF_CACHE_ALLOC"] = 1
+                typed.append(event)
         for name in (*needed, *optional):
             defines[f"{prefix}_ARG_{name.upper()}"] = args.index(name) if name in args else -1
         defines[f"RAW_{prefix}"] = 1
@@ -112,7 +123,7 @@ def _plan(btf: KernelBtf, variants: dict[str, int], events: tuple[str, ...]) -> 
     for event in events:
         if event.startswith("mm_page"):
             why[event] = PAGE_EVENTS_WHY
-    return KmemAttach(defines=defines, raw=tuple(raw), classic=why)
+    return KmemAttach(defines=defines, raw=tuple(raw), typed=tuple(typed), classic=why)
 
 
 def _cache_offsets(btf: KernelBtf, with_name: bool) -> dict[str, int] | str:

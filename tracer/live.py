@@ -244,7 +244,11 @@ class LiveTrace:
 
         self.model = AllocatorModel(self.decoder, self.selection.probes, main_arena_of)
         self.sinks: list[Sink] = [self.model, *make_sinks()]
-        ring_pages = min(request.buffer_pages, KERNEL_RING_PAGES)
+        # kmem records come in bursts faster than any copier wakes (a softirq
+        # freeing an RCU batch writes thousands within a millisecond): with
+        # them in the ring, the kernel's ring is all the room asked for.
+        ring_pages = (request.buffer_pages if request.kernel_records
+                      else min(request.buffer_pages, KERNEL_RING_PAGES))  # fmt: skip
         defines = {
             "FILTER_PIDS": int(request.filtered_by_pid),
             "FOLLOW_FORKS": int(request.follow_forks or request.comm is not None),
@@ -289,6 +293,9 @@ class LiveTrace:
         except BaseException:
             bpf_syscalls.close(stats_fd)
             raise
+        for event, why in self.program.typed_refused.items():
+            self.notices.append(f"kmem:{event} attached as a raw tracepoint: the kernel refused "
+                                f"its BTF-typed handler ({why})")  # fmt: skip
         try:
             if defines.get("FIRST_TGID") and target_pid is not None:
                 self.program.set_first_target(target_pid)

@@ -695,6 +695,9 @@ static __always_inline void derived_enter_munmap(void *args, u64 heap, u64 len)
 #ifndef RAW_CACHE_FREE
 #define RAW_CACHE_FREE 0
 #endif
+#ifndef BTF_CACHE_ALLOC
+#define BTF_CACHE_ALLOC 0 /* 1: kmem_cache_alloc's raw handler also as a BTF-typed one (tp_btf__) */
+#endif
 
 /* A live object in one word: its bytes, its call site's slot in the site
  * table plus one (0: the site table had no room), and the CPU and type
@@ -739,10 +742,10 @@ BPF_PERCPU_ARRAY(kmem_misc, u64, KX_COUNT);
 /* The call sites, in the same kind of table. A site's slot numbers come
  * from site_count, in order, so user space reads only the slots used:
  * site_keys and kmem_sites (per CPU) are indexed by slot, and site_index
- * finds a key's slot by a hash of it (its tag). A way is claimed with its
- * tag before its slot is known (slot + 1; 0 until then); a lookup that
- * meets such a way, or a tag of another key, goes on, and at worst one key
- * gets two slots, which user space adds up. */
+ * finds a key's slot by its tag, a one-to-one function of the key. A way
+ * is claimed with its tag before its slot is known (slot + 1; 0 until
+ * then); a lookup that meets such a way goes on, and at worst one key gets
+ * two slots, which user space adds up. */
 #define SITE_BUCKETS (2 * KMEM_SITES / TABLE_WAYS) /* KMEM_SITES is a power of two */
 struct site_bucket {
     u64 tag[TABLE_WAYS];
@@ -886,17 +889,14 @@ static __always_inline int kmem_alloc_traced(void)
     return !kmem_gate_closed() && tgid_is_followed(bpf_get_current_pid_tgid() >> 32);
 }
 
-/* key's slot + 1 if bucket b holds it, else 0. */
-static __always_inline u32 site_in(struct site_bucket *b, u64 tag, u64 call_site, u32 type)
+/* key's slot + 1 if bucket b holds its tag, else 0. A tag stands for one
+ * key (site_tag), so the key itself is not compared. */
+static __always_inline u32 site_in(struct site_bucket *b, u64 tag)
 {
 #pragma unroll
     for (int i = 0; i < TABLE_WAYS; i++) {
         u32 slot = b->slot[i];
-        if (b->tag[i] != tag || !slot)
-            continue;
-        u32 index = slot - 1;
-        struct site_key *k = site_keys.lookup(&index);
-        if (k && k->call_site == call_site && k->type == type)
+        if (b->tag[i] == tag && slot)
             return slot;
     }
     return 0;
@@ -936,12 +936,15 @@ static __always_inline u32 site_new(struct site_bucket *b, u64 tag, u64 call_sit
 /* The key's slot + 1, made if new; 0 if the site table has no room. */
 static __always_inline u32 site_slot_of(u64 call_site, u32 type)
 {
-    u64 tag = ((call_site ^ type) * 0x9E3779B97F4A7C15ULL) | 1;
+    /* Multiplying by an odd number permutes the 64-bit words, so two keys
+     * never share a tag; it is 0, a free way, only for a call site at the
+     * last addresses of the address space (~type), where no code is. */
+    u64 tag = (((call_site ^ type) + 1) * 0x9E3779B97F4A7C15ULL);
     u32 home = table_bucket(tag, SITE_BUCKETS);
     struct site_bucket *b = site_index.lookup(&home);
     if (!b)
         return 0;
-    u32 slot = site_in(b, tag, call_site, type);
+    u32 slot = site_in(b, tag);
     if (slot)
         return slot;
     if (!b->tag[TABLE_WAYS - 1]) { /* ways are claimed in order and never given back */
@@ -950,7 +953,7 @@ static __always_inline u32 site_slot_of(u64 call_site, u32 type)
         u32 next = (home + 1) & (SITE_BUCKETS - 1);
         struct site_bucket *n = site_index.lookup(&next);
         if (n) {
-            slot = site_in(n, tag, call_site, type);
+            slot = site_in(n, tag);
             if (!slot)
                 slot = site_new(n, tag, call_site, type);
         }
@@ -1138,13 +1141,15 @@ TRACEPOINT_PROBE(kmem, kfree)
 #endif
 
 #if HAVE_CACHE_NAME && RAW_CACHE_ALLOC
-/* Counts an allocation of a cache, known by its struct kmem_cache and the
- * address of its name (kstrdup_const'd when the cache was made), so that a
- * cache destroyed and another made at the same address is another key; the
- * name string is read once per key. */
-static __always_inline void count_cache(u64 cache, u64 name)
+/* Counts an allocation of a cache, known by the address of its name
+ * (kstrdup_const'd when the cache was made) and its sizes, so that a cache
+ * destroyed and another made with its name at the same address is another
+ * key unless it is alike; the name string is read once per key. (Not by
+ * the struct kmem_cache pointer: a BTF-typed program may only load through
+ * it.) Caches are shown by name, so two keys of one name add up. */
+static __always_inline void count_cache(u64 name, u32 size, u32 object_size)
 {
-    u64 tag = (cache ^ (name * 0x9E3779B97F4A7C15ULL)) | 1;
+    u64 tag = ((name * 0x9E3779B97F4A7C15ULL) ^ ((u64)size << 32 | object_size)) | 1;
     u32 home = table_bucket(tag, CACHE_BUCKETS);
     struct cache_bucket *b = cache_keys.lookup(&home);
     if (!b)
@@ -1166,10 +1171,28 @@ static __always_inline void count_cache(u64 cache, u64 name)
 
 #if RAW_CACHE_ALLOC
 /* The classic record's bytes_req and bytes_alloc are the cache's object_size
- * and size. They and the name's address are read in one copy of the span of
- * struct kmem_cache that holds them (CACHE_SPAN_OFF, CACHE_SPAN_LEN). */
+ * and size, read from its struct kmem_cache with the name's address. */
+static __always_inline int cache_alloc(struct bpf_raw_tracepoint_args *ctx, u32 size,
+                                       u32 object_size, u64 name)
+{
+#if HAVE_CACHE_NAME
+    count_cache(name, size, object_size);
+#endif
+    return count_kmem_alloc(ctx, KM_KMEM_CACHE_ALLOC, KT_CACHE, RAW_ARG(CACHE_ALLOC, CALL_SITE),
+                            RAW_ARG(CACHE_ALLOC, PTR), object_size, size,
+                            (u32)RAW_ARG(CACHE_ALLOC, GFP_FLAGS), RAW_NODE(CACHE_ALLOC), 0);
+}
+
+/* A raw program copies the span of struct kmem_cache that holds the three
+ * (CACHE_SPAN_OFF, CACHE_SPAN_LEN) with bpf_probe_read_kernel. Where BTF
+ * names the tracepoint's type (BTF_CACHE_ALLOC), tracer/bpf_backend.py
+ * loads tp_btf__kmem_cache_alloc instead, as a BTF-typed tracepoint: the
+ * verifier knows the argument is a struct kmem_cache and lets the program
+ * load its members directly (a fault loads 0), without a helper call; and
+ * keeps this one, then named rawtp__kmem_cache_alloc, for a kernel that
+ * refuses it. */
 #define CACHE_FIELD(type, off) (*(const type *)((const u8 *)span + (off) - CACHE_SPAN_OFF))
-RAW_TRACEPOINT_PROBE(kmem_cache_alloc)
+static __always_inline int cache_alloc_copied(struct bpf_raw_tracepoint_args *ctx)
 {
     if (!kmem_alloc_traced())
         return 0;
@@ -1177,15 +1200,46 @@ RAW_TRACEPOINT_PROBE(kmem_cache_alloc)
     u64 span[CACHE_SPAN_LEN / 8];
     if (bpf_probe_read_kernel(span, sizeof(span), cache + CACHE_SPAN_OFF))
         __builtin_memset(span, 0, sizeof(span));
-    u32 size = CACHE_FIELD(u32, CACHE_SIZE_OFF);
-    u32 object_size = CACHE_FIELD(u32, CACHE_OBJECT_SIZE_OFF);
+    u64 name = 0;
 #if HAVE_CACHE_NAME
-    count_cache((u64)cache, CACHE_FIELD(u64, CACHE_NAME_OFF));
+    name = CACHE_FIELD(u64, CACHE_NAME_OFF);
 #endif
-    return count_kmem_alloc(ctx, KM_KMEM_CACHE_ALLOC, KT_CACHE, RAW_ARG(CACHE_ALLOC, CALL_SITE),
-                            RAW_ARG(CACHE_ALLOC, PTR), object_size, size,
-                            (u32)RAW_ARG(CACHE_ALLOC, GFP_FLAGS), RAW_NODE(CACHE_ALLOC), 0);
+    return cache_alloc(ctx, CACHE_FIELD(u32, CACHE_SIZE_OFF), CACHE_FIELD(u32, CACHE_OBJECT_SIZE_OFF), name);
 }
+
+#if BTF_CACHE_ALLOC
+#define MTRACE_TEXT_(x) #x
+#define MTRACE_TEXT(x) MTRACE_TEXT_(x)
+/* out = *(width *)(cache + off), as written: bcc would turn a dereference
+ * in C into bpf_probe_read_kernel. */
+#define CACHE_LOAD(width, cache, off, out) \
+    asm volatile("%0 = *(" #width " *)(%1 + " MTRACE_TEXT(off) ")" : "=r"(out) : "r"(cache))
+
+int tp_btf__kmem_cache_alloc(struct bpf_raw_tracepoint_args *ctx)
+{
+    if (!kmem_alloc_traced())
+        return 0;
+    const void *cache = (const void *)RAW_ARG(CACHE_ALLOC, S);
+    u32 size, object_size;
+    u64 name = 0;
+    CACHE_LOAD(u32, cache, CACHE_SIZE_OFF, size);
+    CACHE_LOAD(u32, cache, CACHE_OBJECT_SIZE_OFF, object_size);
+#if HAVE_CACHE_NAME
+    CACHE_LOAD(u64, cache, CACHE_NAME_OFF, name);
+#endif
+    return cache_alloc(ctx, size, object_size, name);
+}
+
+int rawtp__kmem_cache_alloc(struct bpf_raw_tracepoint_args *ctx)
+{
+    return cache_alloc_copied(ctx);
+}
+#else
+RAW_TRACEPOINT_PROBE(kmem_cache_alloc)
+{
+    return cache_alloc_copied(ctx);
+}
+#endif
 #else
 TRACEPOINT_PROBE(kmem, kmem_cache_alloc)
 {

@@ -8,7 +8,15 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+from mtrace_live.tracer import bpf_syscalls
+from mtrace_live.tracer.count_command import CountRequest, run_count
+from mtrace_live.tracer.counting import HitCounter
+from mtrace_live.tracer.kernel_btf import KernelBtf
+
 from .conftest import MTRACE
+
+PROG_TYPE_TRACING = 26  # enum bpf_prog_type: what a tp_btf program is
 
 SOCKETS = 400
 PIPES = 300
@@ -79,3 +87,43 @@ def test_count_names_each_cache_from_its_raw_tracepoint_pointer(
     assert counted["sock_inode_cache"] == expected == SOCKETS
     # AND every name is a whole cache name (no empty or cut names)
     assert all(name and name.isprintable() for name in counted), counted
+
+
+def count_sockets(kmem_exerciser: Path, tmp: Path) -> int:
+    """`count --kmem-only` of the exerciser making SOCKETS sockets, in this
+    process: the socket inode cache's allocations."""
+    request = CountRequest(pid=None, command=[str(kmem_exerciser), "--sockets", str(SOCKETS),
+                           "--pipes", "0", "--out", str(tmp / "truth.json")], lib=None,
+                           sdt_glibc=False, patterns=[], kmem=True, usdt=False,
+                           follow_forks=True, duration=None)  # fmt: skip
+    return run_count(request).kmem_cache_allocs["sock_inode_cache"]
+
+
+def test_kmem_cache_alloc_is_btf_typed_and_falls_back_to_raw_where_the_kernel_refuses(
+    kmem_exerciser: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # GIVEN the kmem tracepoints as count attaches them on this kernel
+    typed = HitCounter(None, [], kmem=True)
+    try:
+        # THEN kmem_cache_alloc's handler is the BTF-typed one, loaded as such
+        programs = typed._program.program_fds()
+        assert typed._program.typed_refused == {}
+        assert bpf_syscalls.program_type(programs["tp_btf__kmem_cache_alloc"]) == PROG_TYPE_TRACING
+    finally:
+        typed.close()
+    # AND it counts one socket inode per socket made
+    assert count_sockets(kmem_exerciser, tmp_path) == SOCKETS
+    # WHEN BTF gives kfree's tracepoint type instead (two arguments, where
+    # the handler reads a third), so that the kernel's verifier refuses it
+    real = KernelBtf.tracepoint_type_id
+    monkeypatch.setattr(KernelBtf, "tracepoint_type_id", lambda btf, event: real(btf, "kfree"))
+    refused = HitCounter(None, [], kmem=True)
+    try:
+        # THEN the raw handler is attached instead, and the refusal kept, with its reason
+        assert "kmem_cache_alloc" in refused._program.typed_refused
+        assert refused._program.typed_refused["kmem_cache_alloc"]
+        assert "tp_btf__kmem_cache_alloc" not in refused._program.program_fds()
+    finally:
+        refused.close()
+    # AND it counts the same
+    assert count_sockets(kmem_exerciser, tmp_path) == SOCKETS

@@ -126,6 +126,26 @@ def stop_bpftrace(proc: subprocess.Popen[bytes], out: Path) -> dict[str, int]:
     raise AssertionError(f"bpftrace printed no counts: {out.read_text(errors='replace')}")
 
 
+def skipped_runs_of(pid: int) -> int:
+    """The runs the kernel skipped of every BPF program process ``pid``
+    holds (their ``recursion_misses``): a tracepoint whose program could
+    not run because another BPF program, or a BPF map system call, was
+    active on that CPU, as when an interrupt frees memory while a handler
+    runs."""
+    skipped = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            if os.readlink(fd) != "anon_inode:bpf-prog":
+                continue
+            info = Path(f"/proc/{pid}/fdinfo/{fd.name}").read_text()
+        except OSError:
+            continue
+        for line in info.splitlines():
+            if line.startswith("recursion_misses:"):
+                skipped += int(line.split()[1])
+    return skipped
+
+
 def gate(proc: subprocess.Popen[bytes], say: bytes, expect: bytes) -> None:
     """Write a line to a gated exerciser (if any) and expect one back (if any)."""
     assert proc.stdin is not None and proc.stdout is not None

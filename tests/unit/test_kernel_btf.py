@@ -49,6 +49,8 @@ def test_the_plan_makes_the_slab_events_raw_and_the_page_events_classic() -> Non
     assert args is not None and size is not None
     assert plan.defines["CACHE_ALLOC_ARG_S"] == args.index("s")
     assert plan.defines["CACHE_SIZE_OFF"] == size[0]
+    # kmem_cache_alloc's handler is BTF-typed: BTF names its tracepoint's type
+    assert plan.typed == ("kmem_cache_alloc",) and plan.defines["BTF_CACHE_ALLOC"] == 1
     # asked for classic: nothing raw, and each event says why
     asked = kmem_attach(VARIANTS, classic=True)
     assert asked.raw == () and asked.defines == {}
@@ -59,14 +61,19 @@ class _Lacking:
     """The running kernel's BTF, less one struct member or one tracepoint,
     as an older or differently built kernel would be."""
 
-    def __init__(self, btf: KernelBtf, member: str = "", tracepoint: str = "") -> None:
+    def __init__(self, btf: KernelBtf, member: str = "", tracepoint: str = "",
+                 tracepoint_type: str = "") -> None:  # fmt: skip
         self.btf, self.lacks_member, self.lacks_tracepoint = btf, member, tracepoint
+        self.lacks_type = tracepoint_type
 
     def member(self, struct: str, member: str) -> tuple[int, int] | None:
         return None if member == self.lacks_member else self.btf.member(struct, member)
 
     def tracepoint_args(self, event: str) -> list[str] | None:
         return None if event == self.lacks_tracepoint else self.btf.tracepoint_args(event)
+
+    def tracepoint_type_id(self, event: str) -> int | None:
+        return None if event == self.lacks_type else self.btf.tracepoint_type_id(event)
 
 
 def test_an_event_whose_facts_btf_lacks_stays_classic_and_says_why() -> None:
@@ -78,3 +85,12 @@ def test_an_event_whose_facts_btf_lacks_stays_classic_and_says_why() -> None:
     assert "kmalloc" in no_name.raw
     assert "kfree" not in no_kfree.raw and "RAW_KFREE" not in no_kfree.defines
     assert "trace_event_raw_event_kfree" in no_kfree.classic["kfree"]
+
+
+def test_without_the_tracepoints_btf_type_kmem_cache_alloc_stays_raw_untyped() -> None:
+    with KernelBtf() as btf:
+        assert btf.tracepoint_type_id("kmem_cache_alloc") is not None
+        assert btf.tracepoint_type_id("no_such_tracepoint") is None
+        untyped = _plan(_Lacking(btf, tracepoint_type="kmem_cache_alloc"), VARIANTS, EVENTS)  # type: ignore[arg-type]
+    assert "kmem_cache_alloc" in untyped.raw and untyped.typed == ()
+    assert untyped.defines["RAW_CACHE_ALLOC"] == 1 and "BTF_CACHE_ALLOC" not in untyped.defines

@@ -112,7 +112,8 @@ buffer_pages_option = click.option(
     show_default=True,
     help="Room for events not yet read, in pages (a power of two). Above 512 pages, the "
     "kernel's ring is 512 pages and a copier thread empties it into a buffer of this size "
-    "in user memory.",
+    "in user memory, unless kmem records go through it (record, --kmemtrace): then the "
+    "kernel's ring is this size.",
 )
 
 web_config_option = click.option(
