@@ -328,7 +328,11 @@ def render_slowdown(data: dict[str, object]) -> tuple[list[str], dict[str, bool 
         "the kernel's BTF gives the tracepoints' arguments and `struct kmem_cache`'s "
         "offsets, the slab events are raw tracepoints, so the kernel fills no trace record "
         "for them (`mtrace-live doctor` says which; the page events stay classic: their "
-        "pfn needs `vmemmap_base`, which neither BTF nor /proc/kallsyms gives here)."
+        "pfn needs `vmemmap_base`, which neither BTF nor /proc/kallsyms gives here); "
+        "kmem_cache_alloc's is BTF-typed (tp_btf), so it loads the cache's sizes and name "
+        "directly where a raw program calls bpf_probe_read_kernel, and a call site's "
+        "one-to-one tag finds its slot without comparing the key again (by hand, 8 "
+        "alternating runs: 39 ms over the floor before these two, 27 ms after)."
     )
     lines.append("")
     if perf is not None:
