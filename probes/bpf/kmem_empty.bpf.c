@@ -7,7 +7,17 @@
  * classic. PAGE_FREE_BATCHED 1: this kernel has mm_page_free_batched.
  * PID_FILTER 1: each handler does the least a pid-filtered aggregation does
  * (bench/kmem_floor.py): it compares the event's process with the one in
- * `target` and counts the events that match. */
+ * `target` and counts the events that match.
+ * MATCH_FREES 1 (with PID_FILTER and RAW_SLAB): besides, the least a
+ * tracer that knows which objects are live does: an allocation the filter
+ * lets through puts its pointer in a table, and every free, whoever frees,
+ * looks its pointer up there and takes it out. The table is the cheapest
+ * kind this project knows (trace.bpf.c's live objects): one bucket of
+ * eight pointers in one cache line, claimed and released with a
+ * compare-and-swap, with no spill to a second bucket and nothing stored
+ * beside the pointer. KMALLOC_ARG_PTR, KFREE_ARG_PTR, CACHE_ALLOC_ARG_PTR and
+ * CACHE_FREE_ARG_PTR are each event's pointer argument, from the kernel's BTF
+ * (tracer/kmem_attach.py). */
 #ifndef RAW_SLAB
 #define RAW_SLAB 1
 #endif
@@ -17,16 +27,24 @@
 #ifndef PID_FILTER
 #define PID_FILTER 0
 #endif
+#ifndef MATCH_FREES
+#define MATCH_FREES 0
+#endif
 
 #if PID_FILTER
 BPF_ARRAY(target, u32, 1);
 BPF_PERCPU_ARRAY(matched, u64, 1);
 
-static __always_inline int handled(void)
+static __always_inline int traced(void)
 {
     u32 zero = 0;
     u32 *tgid = target.lookup(&zero);
-    if (tgid && *tgid == bpf_get_current_pid_tgid() >> 32)
+    return tgid && *tgid == bpf_get_current_pid_tgid() >> 32;
+}
+
+static __always_inline int handled(void)
+{
+    if (traced())
         matched.increment(0);
     return 0;
 }
@@ -36,6 +54,76 @@ static __always_inline int handled(void)
     return 0;
 }
 #endif
+
+#if MATCH_FREES
+#define WAYS 8
+#define BUCKETS 32768 /* 262,144 pointers, as trace.bpf.c's KMEM_OBJECTS */
+struct bucket {
+    u64 ptr[WAYS];
+};
+BPF_ARRAY(live, struct bucket, BUCKETS);
+BPF_PERCPU_ARRAY(freed, u64, 1); /* frees whose allocation was found */
+BPF_PERCPU_ARRAY(full, u64, 1);  /* allocations whose bucket was full */
+
+static __always_inline struct bucket *home(u64 ptr)
+{
+    u32 index = (u32)((ptr * 0x9E3779B97F4A7C15ULL) >> 32) & (BUCKETS - 1);
+    return live.lookup(&index);
+}
+
+static __always_inline int way_of(struct bucket *b, u64 ptr)
+{
+#pragma unroll
+    for (int i = 0; i < WAYS; i++)
+        if (b->ptr[i] == ptr)
+            return i;
+    return -1;
+}
+
+static __always_inline int claim_way(struct bucket *b, u64 ptr)
+{
+#pragma unroll
+    for (int i = 0; i < WAYS; i++)
+        if (b->ptr[i] == 0 && __sync_val_compare_and_swap(&b->ptr[i], 0, ptr) == 0)
+            return i;
+    return -1;
+}
+
+static __always_inline int allocated(u64 ptr)
+{
+    if (!traced())
+        return 0;
+    matched.increment(0);
+    struct bucket *b = home(ptr);
+    if (b && ptr && claim_way(b, ptr) < 0)
+        full.increment(0);
+    return 0;
+}
+
+static __always_inline int released(u64 ptr)
+{
+    struct bucket *b = home(ptr);
+    if (!b || !ptr)
+        return 0;
+    int way = way_of(b, ptr);
+    if (way < 0)
+        return 0;
+    way &= WAYS - 1;
+    if (__sync_val_compare_and_swap(&b->ptr[way], ptr, 0) == ptr)
+        freed.increment(0);
+    return 0;
+}
+
+RAW_TRACEPOINT_PROBE(kmalloc) { return allocated(ctx->args[KMALLOC_ARG_PTR]); }
+RAW_TRACEPOINT_PROBE(kfree) { return released(ctx->args[KFREE_ARG_PTR]); }
+RAW_TRACEPOINT_PROBE(kmem_cache_alloc) { return allocated(ctx->args[CACHE_ALLOC_ARG_PTR]); }
+RAW_TRACEPOINT_PROBE(kmem_cache_free) { return released(ctx->args[CACHE_FREE_ARG_PTR]); }
+TRACEPOINT_PROBE(kmem, mm_page_alloc) { return allocated(args->pfn); }
+TRACEPOINT_PROBE(kmem, mm_page_free) { return released(args->pfn); }
+#if PAGE_FREE_BATCHED
+TRACEPOINT_PROBE(kmem, mm_page_free_batched) { return released(args->pfn); }
+#endif
+#else /* !MATCH_FREES */
 
 #if RAW_SLAB
 RAW_TRACEPOINT_PROBE(kmalloc) { return handled(); }
@@ -52,4 +140,5 @@ TRACEPOINT_PROBE(kmem, mm_page_alloc) { return handled(); }
 TRACEPOINT_PROBE(kmem, mm_page_free) { return handled(); }
 #if PAGE_FREE_BATCHED
 TRACEPOINT_PROBE(kmem, mm_page_free_batched) { return handled(); }
+#endif
 #endif
