@@ -104,13 +104,17 @@ def render(data: dict) -> str:
         "",
         "## The machine",
         "",
-        f"- CPU: {m['cpu']}; memory {m['memory']}; virtualisation: {m['virtualisation']}",
-        f"- {m['kernel']}; {m['glibc']}",
-        f"- {m['bcc']}; {m['python']}",
+        *_described(m),
         "- peers: "
         + "; ".join(f"{name} {version or 'NOT INSTALLED'}" for name, version in peers.items()),
         "",
     ]
+    elsewhere = {section: where for section, where in (data.get("measured_on") or {}).items()
+                 if where != m and section in data}  # fmt: skip
+    for where in [dict(t) for t in {tuple(w.items()) for w in elsewhere.values()}]:
+        named = ", ".join(sorted(s for s, w in elsewhere.items() if w == where))
+        lines += [f"Sections measured on another machine ({named}); compare their figures "
+                  "only with each other:", "", *_described(where), ""]  # fmt: skip
     targets: dict[str, bool | None] = {}
     sections = [render(data[key]) for key, render in PAGE if key in data]
     for _, found in sections:
@@ -126,6 +130,14 @@ def render(data: dict) -> str:
     for section, _ in sections:
         lines += section
     return "\n".join(lines)
+
+
+def _described(m: dict[str, str]) -> list[str]:
+    return [
+        f"- CPU: {m['cpu']}; memory {m['memory']}; virtualisation: {m['virtualisation']}",
+        f"- {m['kernel']}; {m['glibc']}",
+        f"- {m['bcc']}; {m['python']}",
+    ]
 
 
 def main(argv: list[str]) -> int:
@@ -144,11 +156,14 @@ def main(argv: list[str]) -> int:
             say(__doc__ or "")
             return 2
         data = measure(only)
+        data["measured_on"] = {section: data["machine"] for section in only}
         if only != set(SECTIONS) and RESULTS.exists():
             # --only: the other sections' figures stay those of the last run
             kept = json.loads(RESULTS.read_text())
+            where = kept.get("measured_on") or {s: kept["machine"] for s in SECTIONS if s in kept}
             data = {**kept, **{k: v for k, v in data.items() if k in only},
-                    "rerun": sorted(set(kept.get("rerun", [])) | only)}  # fmt: skip
+                    "rerun": sorted(set(kept.get("rerun", [])) | only),
+                    "measured_on": {**where, **data["measured_on"]}}  # fmt: skip
         RESULTS.write_text(json.dumps(data, indent=1))
         say(f"wrote {RESULTS} ({data['seconds'] / 60:.1f} minutes)")
     out = REPO / "docs" / "performance.md"
