@@ -141,3 +141,64 @@ def test_a_failing_peer_is_left_out_and_ours_stops_the_run(monkeypatch: pytest.M
 
     with pytest.raises(RuntimeError, match="exited 1"):
         common.alternate({"mtrace-live event stream": ours_broken}, reps=1)
+
+
+def test_the_floors_set_the_targets_that_replace_unreachable_ones() -> None:
+    # GIVEN a run whose floors already cost what perf stat and count() do
+    import kmem_bench
+    import usdt_bench
+
+    results = minimal_results({"bpftrace": "v0.17", "perf": "6.1"})
+    events = 1_000_000
+
+    def kmem_row(seconds: float, **extra: float) -> dict[str, object]:
+        return {"median_s": seconds, "samples": [seconds], "ratio": seconds / 1.0, **extra}
+
+    results["kmem"]["slowdown"]["rows"] = {  # type: ignore[index]
+        "untraced": kmem_row(1.0),
+        kmem_bench.PID_FLOOR: kmem_row(1.25, events=events),
+        kmem_bench.MATCH_FLOOR: kmem_row(1.30, frees_found=10),
+        kmem_bench.OURS: kmem_row(1.31),  # 10 ns an event over the live-object floor
+        kmem_bench.PERF_STAT: kmem_row(1.28),
+    }
+    usdt_rows = results["usdt"]["jmp_loop"]["rows"]  # type: ignore[index]
+    for name, ns in ((usdt_bench.EMPTY_FLOOR, 380.0), (usdt_bench.LEAST_RECORD, 400.0),
+                     (usdt_bench.HIT_RECORD, 409.0), (usdt_bench.RECORD_FLOOR, 411.0),
+                     ("bpftrace count()", 407.0)):  # fmt: skip
+        usdt_rows[name] = {"median_s": 1.0, "samples": [1.0], "ratio": 2.0, "ns_per_hit": ns}
+    usdt_rows["mtrace-live counters only"]["ns_per_hit"] = 402.0
+    usdt_rows["mtrace-live event stream"]["ns_per_hit"] = 409.0 + usdt_bench.EVENT_BUDGET_NS + 1
+
+    # WHEN the page is written
+    page = bench_run.render(results)
+
+    # THEN the original targets stay unmet, each with the floor that proves it
+    assert "| kmem aggregation with pid filter below perf stat's overhead | **NOT met** |" in page
+    assert "no aggregation that matches frees to allocations can meet the target here" in page
+    assert "| USDT per-hit cost, jmp_loop, event stream | **NOT met** |" in page
+    assert "the least record that holds a hit (40 bytes" in page
+    # AND the targets the floors set are judged by what is over them
+    kmem_target = f"kmem aggregation at most {kmem_bench.SITE_BUDGET_NS} ns an event"
+    assert f"| {kmem_target} over the live-object floor | met |" in page
+    assert "mtrace-live's aggregation takes 10 ns an event" in page
+    name = f"at most {usdt_bench.EVENT_BUDGET_NS} ns over the least record that holds a hit"
+    assert f"| USDT event stream: {name}, jmp_loop | **NOT met** |" in page
+
+
+def test_sections_measured_again_on_another_machine_say_so() -> None:
+    # GIVEN figures kept from one machine, and usdt measured again on another
+    results = minimal_results({"bpftrace": None, "bcc trace": None, "perf": None})
+    here = dict(results["machine"])  # type: ignore[call-overload]
+    there = {**here, "cpu": "another CPU, 2 CPUs"}
+    results["measured_on"] = {"usdt": there, "kmem": here}
+
+    # WHEN the page is written
+    page = bench_run.render(results)
+
+    # THEN the page names the other machine and the sections measured there
+    assert "- CPU: a CPU, 2 CPUs;" in page
+    assert "Sections measured on another machine (usdt)" in page
+    assert "- CPU: another CPU, 2 CPUs;" in page
+    # AND one machine throughout says nothing more
+    results["measured_on"] = {"usdt": here, "kmem": here}
+    assert "another machine" not in bench_run.render(results)
