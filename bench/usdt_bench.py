@@ -615,11 +615,12 @@ def _floor_verdict(
     budget = ""
     if over_hit is not None:
         budget = (
-            f" The target the floors set instead: mtrace-live's event stream at most "
+            (" The target the floors set instead" if hit > bpftrace else " The target beside it")
+            + ": mtrace-live's event stream at most "
             f"{EVENT_BUDGET_NS} {unit} over that least record, for what an event stream "
             "needs besides (the process filter, the gate that makes a stop lossless, the "
             "kernel's own count of hits that the loss accounting checks, the time, CPU, "
-            "probe and argument count, and the other three arguments' room): "
+            "probe and argument count, the room for three more arguments and the stack ids): "
             f"{over_hit:,.0f}, **{'met' if over_hit <= EVENT_BUDGET_NS else 'NOT met'}**."
         )
     return [
