@@ -109,6 +109,14 @@ def render(data: dict) -> str:
         + "; ".join(f"{name} {version or 'NOT INSTALLED'}" for name, version in peers.items()),
         "",
     ]
+    lines += [
+        "The tables and the verdicts are this run's. Figures the text gives as measured by "
+        "hand come from the change that each describes, measured when it was made, most on "
+        "an Intel Xeon of 2 CPUs under KVM: they compare the two sides of that change, not "
+        "this machine's figures.",
+        "",
+        *_noise(data),
+    ]
     elsewhere = {section: where for section, where in (data.get("measured_on") or {}).items()
                  if where != m and section in data}  # fmt: skip
     for where in [dict(t) for t in {tuple(w.items()) for w in elsewhere.values()}]:
@@ -130,6 +138,28 @@ def render(data: dict) -> str:
     for section, _ in sections:
         lines += section
     return "\n".join(lines)
+
+
+def _spreads(node: object) -> list[float]:
+    """(max - min) / median of every configuration's repeated times in a
+    part of the results."""
+    if isinstance(node, dict):
+        samples, median = node.get("samples"), node.get("median_s")
+        if isinstance(samples, list) and len(samples) >= 3 and median:
+            return [(max(samples) - min(samples)) / median]
+        return [spread for value in node.values() for spread in _spreads(value)]
+    return []
+
+
+def _noise(data: dict) -> list[str]:
+    spreads = sorted(_spreads({key: data[key] for key in SECTIONS if key in data}))
+    if not spreads:
+        return []
+    typical = spreads[len(spreads) // 2]
+    return [f"The runs of one configuration spread (slowest less fastest, over their median) "
+            f"by {typical:.0%} for the typical configuration here, {spreads[-1]:.0%} at most "
+            f"(docs/bench.json keeps every run's figure): differences of a few percent "
+            "between rows are within that.", ""]  # fmt: skip
 
 
 def _described(m: dict[str, str]) -> list[str]:

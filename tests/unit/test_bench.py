@@ -202,3 +202,16 @@ def test_sections_measured_again_on_another_machine_say_so() -> None:
     # AND one machine throughout says nothing more
     results["measured_on"] = {"usdt": here, "kmem": here}
     assert "another machine" not in bench_run.render(results)
+
+
+def test_the_page_says_how_far_repeated_runs_spread() -> None:
+    # GIVEN runs of one configuration at 1.0, 1.1 and 1.2 s
+    results = minimal_results({"bpftrace": None, "bcc trace": None, "perf": None})
+    rows = results["kmem"]["slowdown"]["rows"]  # type: ignore[index]
+    rows["untraced"].update(samples=[1.0, 1.1, 1.2], median_s=1.1)
+
+    # WHEN the page is written
+    page = bench_run.render(results)
+
+    # THEN it gives their spread, (1.2 - 1.0) / 1.1
+    assert "by 18% for the typical configuration here, 18% at most" in page
