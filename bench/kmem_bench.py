@@ -53,8 +53,9 @@ CLASSIC_FLOOR = "empty programs, all classic tracepoints"
 PID_FLOOR = "floor + a pid filter: empty programs counting the workload's events"
 MATCH_FLOOR = "floor + a pid filter + live objects: each free found and taken out by pointer"
 PID_FLOOR_SCRIPT = Path(__file__).with_name("kmem_floor.py")
-# What aggregating by call site may add to the live-object floor, an event:
-# the target set where perf stat's overhead is below that floor.
+# What aggregating by call site may add to the live-object floor, in ns an
+# event: the target that floor sets where it already costs perf stat's
+# overhead or more.
 SITE_BUDGET_NS = 20
 OURS = "mtrace-live aggregation, pid filter"
 OURS_CLASSIC = "mtrace-live aggregation, pid filter, --classic-tracepoints"
@@ -403,7 +404,7 @@ def _pid_floor_verdict(rows: dict[str, dict[str, float]]) -> tuple[list[str], bo
         said += (f", already perf stat's {perf['ratio']:.2f}x or more: no aggregation that "
                  "matches frees to allocations can meet the target here.")  # fmt: skip
     else:
-        said += f", {perf['median_s'] - live['median_s']:.3f} s under perf stat's."
+        said += f", {_ns_an_event(rows, PERF_STAT, MATCH_FLOOR):.0f} ns an event under perf stat's."
     within = over_live <= SITE_BUDGET_NS
     said += (
         f" Over that floor, mtrace-live's aggregation takes {over_live:.0f} ns an event: its "
