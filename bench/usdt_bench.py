@@ -615,7 +615,11 @@ def _floor_verdict(
     budget = ""
     if over_hit is not None:
         budget = (
-            (" The target the floors set instead" if hit > bpftrace else " The target beside it")
+            (
+                " The target the floors set instead"
+                if max(least, hit) > bpftrace
+                else " The target beside it"
+            )
             + ": mtrace-live's event stream at most "
             f"{EVENT_BUDGET_NS} {unit} over that least record, for what an event stream "
             "needs besides (the process filter, the gate that makes a stop lossless, the "
