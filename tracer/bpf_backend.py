@@ -448,8 +448,8 @@ class BpfProgram:
         4.1 s from 64 threads). A trace of 40 probe sites took 4 to 9 s to
         stop. So, once everything is written (the callers close the program
         last), a child process inherits the perf events and closes them,
-        tracepoints first, while this process closes its own copies, which
-        is instant (the child still holds them), and exits. The handlers
+        tracepoints first, once this process has closed its own copies,
+        which is instant (the child still holds them), and exits. The handlers
         are gated off by then, so the events of those last seconds go
         nowhere. The child is named ``DETACHER_NAME``; it is gone within
         about 80 ms per probe site. Where it cannot be started, the events
@@ -461,9 +461,6 @@ class BpfProgram:
         if fds and not _detach_in_child(fds):
             for fd in fds:
                 lib.bpf_close_perf_event_fd(fd)
-        else:
-            for fd in fds:
-                os.close(fd)
         for name in uprobes:
             # A legacy tracefs uprobe event of this name, if bcc made one,
             # goes too; after a privilege drop (serve) tracefs may not be
@@ -659,26 +656,45 @@ _PR_SET_NAME = 15
 
 def _detach_in_child(perf_fds: list[int]) -> bool:
     """Fork a process that closes ``perf_fds`` (in order) and every other
-    descriptor at once, in a session of its own; False if it cannot."""
+    descriptor, in a session of its own, and close this process's copies;
+    False (nothing closed) if it cannot.
+
+    The child closes the perf events only once this process has closed its
+    copies (it waits for the end of a pipe this process holds open until
+    then): the last close of an event is the one that waits for the kernel,
+    and a child scheduled first would otherwise leave that wait here (a stop
+    of 7 s was seen once in five)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
     prctl = ctypes.CDLL(None).prctl  # looked up here: dlopen in the child could find its lock held
     try:
-        pid = os.fork()
+        released, holding = os.pipe()
     except OSError:
         return False
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(released)
+        os.close(holding)
+        return False
     if pid:
+        for fd in perf_fds:
+            os.close(fd)
+        os.close(released)
+        os.close(holding)  # the child reads the end of file: its copies are the last
         return True
     try:  # the child: only system calls from here on (other threads' locks are not ours)
         os.setsid()
         prctl(_PR_SET_NAME, ctypes.c_char_p(DETACHER_NAME), 0, 0, 0)
-        keep = set(perf_fds)
+        keep = {*perf_fds, released}
         for entry in os.listdir("/proc/self/fd"):
             fd = int(entry)
             if fd not in keep:
                 with contextlib.suppress(OSError):
                     os.close(fd)
+        with contextlib.suppress(OSError):
+            os.read(released, 1)  # end of file: the parent's copies are closed, or it is gone
         for fd in perf_fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
