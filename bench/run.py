@@ -71,14 +71,18 @@ def measure(only: set[str]) -> dict[str, object]:
             "allocs": lambda: alloc_bench.run(tmp, peers),
         }
         durations = {}
+        failed: dict[str, dict[str, str]] = {}
         for section, run in runs.items():
             if section in only:
                 begun = time.monotonic()
+                before = set(common.FAILED)
                 data[section] = run()
                 durations[section] = round(time.monotonic() - begun, 1)
+                failed[section] = {name: why for name, why in common.FAILED.items()
+                                   if name not in before}  # fmt: skip
                 say(f"   ({section}: {durations[section]:.0f} s)")
     data["durations"] = durations
-    data["failed"] = dict(common.FAILED)
+    data["failed"] = failed
     data["seconds"] = time.monotonic() - started
     return data
 
@@ -127,7 +131,7 @@ def render(data: dict) -> str:
     sections = [render(data[key]) for key, render in PAGE if key in data]
     for _, found in sections:
         targets.update(found)
-    failed = data.get("failed") or {}
+    failed = _failures(data.get("failed") or {})
     if failed:
         lines += ["Configurations that failed and were left out:", ""]
         lines += [f"- {name}: {why}" for name, why in failed.items()]
@@ -162,12 +166,49 @@ def _noise(data: dict) -> list[str]:
             "between rows are within that.", ""]  # fmt: skip
 
 
+def _failures(failed: dict[str, Any]) -> dict[str, str]:
+    """Configuration -> why it failed, from the failures kept by section (or,
+    as runs before that kept them, by configuration alone)."""
+    flat: dict[str, str] = {}
+    for key, value in failed.items():
+        flat.update(value if isinstance(value, dict) else {key: value})
+    return flat
+
+
+def _names(node: object) -> set[str]:
+    """Every key in a part of the results (among them, its configurations)."""
+    if isinstance(node, dict):
+        return set(node).union(*(_names(value) for value in node.values()))
+    return set()
+
+
 def _described(m: dict[str, str]) -> list[str]:
     return [
         f"- CPU: {m['cpu']}; memory {m['memory']}; virtualisation: {m['virtualisation']}",
         f"- {m['kernel']}; {m['glibc']}",
         f"- {m['bcc']}; {m['python']}",
     ]
+
+
+def merged(kept: dict[str, Any], data: dict[str, Any], only: set[str]) -> dict[str, Any]:
+    """The results of an --only run over those kept: its sections, their
+    machine and their failures replace the kept ones."""
+    where = kept.get("measured_on") or {s: kept["machine"] for s in SECTIONS if s in kept}
+    # Failures kept by section go with its figures; those kept by
+    # configuration alone (runs before that) stay unless this run measured it.
+    ran = _names({k: data[k] for k in only})
+    failed = {
+        k: v
+        for k, v in (kept.get("failed") or {}).items()
+        if k not in only and (isinstance(v, dict) or k not in ran)
+    }
+    return {
+        **kept,
+        **{k: v for k, v in data.items() if k in only},
+        "failed": {**failed, **data["failed"]},
+        "rerun": sorted(set(kept.get("rerun", [])) | only),
+        "measured_on": {**where, **data["measured_on"]},
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -189,11 +230,7 @@ def main(argv: list[str]) -> int:
         data["measured_on"] = {section: data["machine"] for section in only}
         if only != set(SECTIONS) and RESULTS.exists():
             # --only: the other sections' figures stay those of the last run
-            kept = json.loads(RESULTS.read_text())
-            where = kept.get("measured_on") or {s: kept["machine"] for s in SECTIONS if s in kept}
-            data = {**kept, **{k: v for k, v in data.items() if k in only},
-                    "rerun": sorted(set(kept.get("rerun", [])) | only),
-                    "measured_on": {**where, **data["measured_on"]}}  # fmt: skip
+            data = merged(json.loads(RESULTS.read_text()), data, only)
         RESULTS.write_text(json.dumps(data, indent=1))
         say(f"wrote {RESULTS} ({data['seconds'] / 60:.1f} minutes)")
     out = REPO / "docs" / "performance.md"

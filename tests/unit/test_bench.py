@@ -215,3 +215,35 @@ def test_the_page_says_how_far_repeated_runs_spread() -> None:
 
     # THEN it gives their spread, (1.2 - 1.0) / 1.1
     assert "by 18% for the typical configuration here, 18% at most" in page
+
+
+def test_an_only_run_replaces_its_sections_failures_and_machine() -> None:
+    # GIVEN a full run whose cost and usdt sections each had a peer fail
+    # (kept by section), and an older failure kept by configuration alone
+    machine = {"cpu": "a CPU"}
+    kept = {
+        "machine": machine,
+        "cost": {"startup": {"bpftrace printf()": {}}},
+        "usdt": {"rows": {}},
+        "failed": {
+            "cost": {"bpftrace count()": "mount ns"},
+            "usdt": {"bcc trace": "no USDT"},
+            "perf kmem record": "an older run's",
+        },
+    }
+    # WHEN cost is measured again on another machine, bpftrace count() working this time
+    again = {"machine": {"cpu": "another CPU"}, "failed": {"cost": {}},
+             "cost": {"load": {"bpftrace count()": {"median_s": 1.0}}},
+             "measured_on": {"cost": {"cpu": "another CPU"}}}  # fmt: skip
+    data = bench_run.merged(kept, again, {"cost"})
+
+    # THEN the cost section and its failures are the new run's, the rest are kept
+    assert data["cost"] == again["cost"]
+    assert data["failed"] == {"cost": {}, "usdt": {"bcc trace": "no USDT"},
+                              "perf kmem record": "an older run's"}  # fmt: skip
+    assert data["machine"] == machine
+    assert data["measured_on"] == {"cost": {"cpu": "another CPU"}, "usdt": machine}
+    assert data["rerun"] == ["cost"]
+    # AND a failure kept by configuration alone goes once a run measured it
+    older = {**kept, "failed": {"bpftrace count()": "mount ns"}}
+    assert bench_run.merged(older, again, {"cost"})["failed"] == {"cost": {}}
