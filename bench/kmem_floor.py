@@ -43,7 +43,9 @@ def main(kind: str, page_free_batched: int, argv: list[str]) -> int:
     cflags = ["-DRAW_SLAB=1", f"-DPAGE_FREE_BATCHED={page_free_batched}", "-DPID_FILTER=1"]
     if kind == "match":
         cflags += ["-DMATCH_FREES=1", *pointer_arguments()]
-    program = bcc.BPF(src_file=str(bpf_source("kmem_empty")), cflags=cflags)
+    source = bpf_source("kmem_empty")
+    cflags.append(f"-I{source.parent}")  # set_table.h, beside it
+    program = bcc.BPF(src_file=str(source), cflags=cflags)
     go_read, go_write = os.pipe()
     pid = os.fork()
     if pid == 0:

@@ -12,10 +12,10 @@
  * tracer that knows which objects are live does: an allocation the filter
  * lets through puts its pointer in a table, and every free, whoever frees,
  * looks its pointer up there and takes it out. The table is the cheapest
- * kind this project knows (trace.bpf.c's live objects): one bucket of
+ * kind this project knows, trace.bpf.c's own (set_table.h): one bucket of
  * eight pointers in one cache line, claimed and released with a
- * compare-and-swap, with no spill to a second bucket and nothing stored
- * beside the pointer. KMALLOC_ARG_PTR, KFREE_ARG_PTR, CACHE_ALLOC_ARG_PTR and
+ * compare-and-swap, here with no spill to a second bucket and nothing
+ * stored beside the pointer. KMALLOC_ARG_PTR, KFREE_ARG_PTR, CACHE_ALLOC_ARG_PTR and
  * CACHE_FREE_ARG_PTR are each event's pointer argument, from the kernel's BTF
  * (tracer/kmem_attach.py). */
 #ifndef RAW_SLAB
@@ -56,10 +56,10 @@ static __always_inline int handled(void)
 #endif
 
 #if MATCH_FREES
-#define WAYS 8
+#include "set_table.h"
 #define BUCKETS 32768 /* 262,144 pointers, as trace.bpf.c's KMEM_OBJECTS */
 struct bucket {
-    u64 ptr[WAYS];
+    u64 ptr[TABLE_WAYS];
 };
 BPF_ARRAY(live, struct bucket, BUCKETS);
 BPF_PERCPU_ARRAY(freed, u64, 1); /* frees whose allocation was found */
@@ -67,26 +67,8 @@ BPF_PERCPU_ARRAY(full, u64, 1);  /* allocations whose bucket was full */
 
 static __always_inline struct bucket *home(u64 ptr)
 {
-    u32 index = (u32)((ptr * 0x9E3779B97F4A7C15ULL) >> 32) & (BUCKETS - 1);
+    u32 index = table_bucket(ptr, BUCKETS);
     return live.lookup(&index);
-}
-
-static __always_inline int way_of(struct bucket *b, u64 ptr)
-{
-#pragma unroll
-    for (int i = 0; i < WAYS; i++)
-        if (b->ptr[i] == ptr)
-            return i;
-    return -1;
-}
-
-static __always_inline int claim_way(struct bucket *b, u64 ptr)
-{
-#pragma unroll
-    for (int i = 0; i < WAYS; i++)
-        if (b->ptr[i] == 0 && __sync_val_compare_and_swap(&b->ptr[i], 0, ptr) == 0)
-            return i;
-    return -1;
 }
 
 static __always_inline int allocated(u64 ptr)
@@ -95,7 +77,7 @@ static __always_inline int allocated(u64 ptr)
         return 0;
     matched.increment(0);
     struct bucket *b = home(ptr);
-    if (b && ptr && claim_way(b, ptr) < 0)
+    if (b && ptr && claim_way(b->ptr, ptr) < 0)
         full.increment(0);
     return 0;
 }
@@ -105,10 +87,10 @@ static __always_inline int released(u64 ptr)
     struct bucket *b = home(ptr);
     if (!b || !ptr)
         return 0;
-    int way = way_of(b, ptr);
+    int way = way_of(b->ptr, ptr);
     if (way < 0)
         return 0;
-    way &= WAYS - 1;
+    way &= TABLE_WAYS - 1;
     if (__sync_val_compare_and_swap(&b->ptr[way], ptr, 0) == ptr)
         freed.increment(0);
     return 0;

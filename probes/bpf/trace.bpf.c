@@ -26,6 +26,7 @@
 #include <uapi/linux/ptrace.h>
 
 #include "records.h"
+#include "set_table.h"
 
 #ifndef DERIVED_SYSCALLS
 #define DERIVED_SYSCALLS 0 /* derive memory_sbrk_* and memory_heap_* from syscalls (probes/derived.py) */
@@ -730,7 +731,6 @@ static __always_inline u64 live_word(u64 bytes, u32 site, u32 cpu, u32 type)
  * the verifier: a free costs a multiply and a scan of eight words, where a
  * BPF hash map's lookup and delete took a bucket lock and an element from
  * its free list (docs/performance.md, section 2). */
-#define TABLE_WAYS 8 /* the slots of a bucket: their keys fill one cache line */
 #define LIVE_BUCKETS (KMEM_OBJECTS / TABLE_WAYS) /* KMEM_OBJECTS is a power of two */
 struct live_bucket {
     u64 ptr[TABLE_WAYS];
@@ -781,31 +781,6 @@ struct cache_key {
 };
 BPF_HASH(cache_allocs, struct cache_key, u64, 1024);
 #endif
-
-static __always_inline u32 table_bucket(u64 ptr, u32 buckets)
-{
-    return (u32)((ptr * 0x9E3779B97F4A7C15ULL) >> 32) & (buckets - 1);
-}
-
-/* The way of bucket `words` holding `value`, or -1. */
-static __always_inline int way_of(u64 *words, u64 value)
-{
-#pragma unroll
-    for (int i = 0; i < TABLE_WAYS; i++)
-        if (words[i] == value)
-            return i;
-    return -1;
-}
-
-/* Claims a free way of `words` for `value`: its index, or -1 if all are taken. */
-static __always_inline int claim_way(u64 *words, u64 value)
-{
-#pragma unroll
-    for (int i = 0; i < TABLE_WAYS; i++)
-        if (words[i] == 0 && __sync_val_compare_and_swap(&words[i], 0, value) == 0)
-            return i;
-    return -1;
-}
 
 /* ptr's home bucket, and its index in `home`. */
 static __always_inline struct live_bucket *live_home(u64 ptr, u32 *home)
