@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -159,14 +160,12 @@ class BpfProgram:
         self.typed_refused: dict[str, str] = {}
         sources = [src.read_bytes(), *(h.read_bytes() for h in sorted(src.parent.glob("*.h")))]
         key = bpf_cache.cache_key(sources, cflags, bcc_version())
-        compiled = bpf_cache.load(key)
-        self.from_cache = False  # loaded from code a previous run compiled
-        if compiled is not None:
-            try:
-                self._bpf = _from_cache(bcc, compiled)
-                self.from_cache = True
-            except Exception:  # any doubt: compile, as without a cache
-                compiled = None
+        # What the start-up report says of the load: warnings, and the origin
+        # (a debug line, MTRACE_LIVE_DEBUG=1).
+        self.warnings: list[str] = []
+        started = time.monotonic()
+        compiled = self._cached(bcc, key)
+        self.from_cache = compiled is not None  # loaded from code a previous run compiled
         if compiled is None:
             try:
                 self._bpf = bcc.BPF(src_file=str(src).encode(), cflags=cflags)
@@ -174,6 +173,8 @@ class BpfProgram:
                 raise AttachError(f"cannot load BPF program {name}: {exc}") from None
             with contextlib.suppress(Exception):  # the cache is only ever a saving
                 bpf_cache.store(key, _compiled(bcc, self._bpf))
+        how = "loaded from the cache" if self.from_cache else "compiled"
+        self.origin = f"BPF program {name} {how} in {time.monotonic() - started:.2f} s ({key[:12]})"
         # The BTF-typed handlers' code, with this run's map descriptors in it.
         if compiled is not None:
             typed, license_ = self._bpf.mtrace_typed, compiled.license
@@ -185,6 +186,25 @@ class BpfProgram:
             except BaseException:
                 self.close()
                 raise
+
+    def _cached(self, bcc: Any, key: str) -> bpf_cache.Compiled | None:
+        """The program stored under ``key``, loaded; None (with a warning
+        where one was stored) to compile it instead."""
+        try:
+            compiled = bpf_cache.load(key)
+            if compiled is not None:
+                self._bpf = _from_cache(bcc, compiled)
+            return compiled
+        except Exception as exc:  # any doubt: compile, as without a cache
+            self.warnings.append(f"warning: the cached BPF program is unusable, compiled "
+                                 f"it anew: {exc}")  # fmt: skip
+            return None
+
+    def start_up_notes(self) -> list[str]:
+        """What the start-up report says of this program: its warnings, and
+        where it came from when MTRACE_LIVE_DEBUG is set."""
+        debug = os.environ.get("MTRACE_LIVE_DEBUG", "") not in ("", "0")
+        return [*self.warnings, *([f"debug: {self.origin}"] if debug else [])]
 
     def _attach_typed(self, handlers: dict[str, bytes], license_: str) -> None:
         """Load and attach each BTF-typed tracepoint handler; where the

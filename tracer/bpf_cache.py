@@ -15,7 +15,9 @@ the code, and loads it: no clang, no kernel headers.
 
 Anything unexpected (a cache file that does not parse, code that refers to
 anything but a map, a map the kernel will not create) makes the caller
-compile as before; the cache only ever saves time.
+compile as before, with a warning that says why; the cache only ever saves
+time. Where the program came from (the cache, or clang) is a debug line of
+the start-up report (``MTRACE_LIVE_DEBUG=1``).
 
 The cache is a directory (``MTRACE_LIVE_BPF_CACHE``, default
 /var/cache/mtrace-live/bpf; ``off`` disables it) of one JSON file per
@@ -140,15 +142,24 @@ def relocate(code: bytes, fds: dict[int, int]) -> bytes:
     return bytes(out)
 
 
+class Unusable(Exception):
+    """A stored program that is there but cannot be used (it does not parse,
+    or someone else could have written it): the caller compiles, and says so."""
+
+
 def load(key: str) -> Compiled | None:
-    """The compiled program under ``key``, or None."""
+    """The compiled program under ``key``, or None where none is stored;
+    Unusable where one is stored but cannot be used."""
     directory = cache_dir()
     if directory is None:
         return None
     path = directory / f"{key}.json"
+    if not path.is_file():
+        return None
     try:
         if not (_private(directory) and _private(path)):
-            return None  # code that someone else could have written is never loaded
+            # code that someone else could have written is never loaded
+            raise Unusable(f"{path} could be written by another user")
         document = json.loads(path.read_bytes())
         compiled = Compiled(
             license=str(document["license"]),
@@ -158,8 +169,8 @@ def load(key: str) -> Compiled | None:
             },
             maps=[MapSpec(**spec) for spec in document["maps"]],
         )
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise Unusable(f"{path} does not read as a stored program ({type(exc).__name__})") from None
     with contextlib.suppress(OSError):
         os.utime(path)  # recently used
     return compiled

@@ -88,6 +88,8 @@ def _count_command(request: CountRequest) -> CountReport:
 
 def _announce(counter: HitCounter, pid: int) -> None:
     """Say that counting has begun, as bpftrace says "Attaching N probes"."""
+    for note in counter.start_up_notes():
+        print(f"mtrace-live: {note}", file=sys.stderr, flush=True)
     what = [f"{len(counter.probes)} libc probes"] if counter.probes else []
     if counter.kmem:
         what.append("the kmem tracepoints")

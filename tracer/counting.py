@@ -82,6 +82,9 @@ class HitCounter:
         if self.selection is not None:
             usdt.attach(self._program, self.selection)
 
+    def start_up_notes(self) -> list[str]:
+        return self._program.start_up_notes()
+
     def follow(self, pids: Iterable[int]) -> None:
         pids = list(pids)
         self._program.follow(pids)

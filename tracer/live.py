@@ -293,6 +293,7 @@ class LiveTrace:
         except BaseException:
             bpf_syscalls.close(stats_fd)
             raise
+        self.notices.extend(self.program.start_up_notes())
         for event, why in self.program.typed_refused.items():
             self.notices.append(f"kmem:{event} attached as a raw tracepoint: the kernel refused "
                                 f"its BTF-typed handler ({why})")  # fmt: skip

@@ -8,20 +8,34 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 from mtrace_live.tracer.sdt_glibc import SdtGlibc
 
-from .conftest import MTRACE
+from .conftest import MTRACE, built
+from .test_allocations import by_site
 from .test_live_trace import events_of, summary_numbers
 from .test_usdt_counts import DOCUMENTED_PROBES
 
-LONG_AGO = 1_000_000_000  # 2001: a cache file loaded since has a newer mtime
+COMPILED = "debug: BPF program trace compiled in"
+FROM_CACHE = "debug: BPF program trace loaded from the cache in"
+UNUSABLE = "warning: the cached BPF program is unusable, compiled it anew"
 
 
 def traced(cache: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "MTRACE_LIVE_BPF_CACHE": str(cache)}
+    """mtrace-live ARGS with ``cache`` as its program cache, saying in its
+    start-up report where its program came from."""
+    env = {**os.environ, "MTRACE_LIVE_BPF_CACHE": str(cache), "MTRACE_LIVE_DEBUG": "1"}
     return subprocess.run([*MTRACE, *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+def origin(done: subprocess.CompletedProcess[str]) -> str:
+    """Where the run's program came from, as its start-up report says."""
+    said = [line for line in done.stderr.splitlines() if "debug: BPF program" in line]
+    assert len(said) == 1, done.stderr
+    return "cache" if FROM_CACHE in said[0] else "compiled" if COMPILED in said[0] else said[0]
 
 
 def stored(cache: Path) -> list[Path]:
@@ -35,17 +49,13 @@ def test_a_live_trace_loaded_from_the_cache_counts_every_probe_and_allocation(
     # (its pid known before loading: the followed-pid shortcut; allocation
     # functions and the kmem tracepoints attached too)
     cache = tmp_path / "cache"
-    counts, calls = [], []
+    counts, origins = [], []
     for attempt in range(2):
         truth_file = tmp_path / f"truth{attempt}.json"
         done = traced(cache, "run", "--sdt-glibc", "--probes", "*", "--kmem", "-o", "json",
                       "--", str(probe_exerciser), "--out", str(truth_file))  # fmt: skip
         assert done.returncode == 0, done.stderr
-        # WHEN the first run has stored the program (then aged, to see the second load it)
-        if attempt == 0:
-            files = stored(cache)
-            assert len(files) == 1
-            os.utime(files[0], (LONG_AGO, LONG_AGO))
+        origins.append(origin(done))
         truth = json.loads(truth_file.read_text())
         by_probe: dict[str, int] = {}
         for event in events_of(done.stdout):
@@ -54,18 +64,39 @@ def test_a_live_trace_loaded_from_the_cache_counts_every_probe_and_allocation(
                        {n: truth["probes"][n]["count"] for n in DOCUMENTED_PROBES}))  # fmt: skip
         kernel, delivered, lost = summary_numbers(done.stderr)
         assert (kernel, lost) == (delivered, 0)
-        tables = [json.loads(line) for line in done.stdout.splitlines() if '"table"' in line]
-        calls.append(sum(row.get("calls", 0) for row in tables
-                         if row.get("table") == "alloc_processes"))  # fmt: skip
-    # THEN the second run loaded the stored program (and stored nothing new)
-    files = stored(cache)
-    assert len(files) == 1
-    assert files[0].stat().st_mtime > LONG_AGO
+    # THEN the first run compiled and stored the program, the second loaded
+    # it from the cache (and stored nothing new)
+    assert origins == ["compiled", "cache"]
+    assert len(stored(cache)) == 1
     # AND both runs counted every probe hit the exerciser made, exactly
     for seen, truth in counts:
         assert seen == truth
-    # AND both saw the exerciser's allocation calls
-    assert calls[0] > 0 and calls[1] > 0
+
+
+def test_allocations_traced_from_the_cache_are_exact_per_call_site(tmp_path: Path) -> None:
+    # GIVEN an empty cache, and the allocation workload run twice under `run`
+    cache = tmp_path / "cache"
+    for attempt, expected in enumerate(["compiled", "cache"]):
+        truth_file = tmp_path / f"truth{attempt}.json"
+        done = traced(cache, "run", "-o", "json", "--", str(built("alloc_workload")),
+                      "--out", str(truth_file))  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        # WHEN the second loads what the first compiled
+        assert origin(done) == expected
+        # THEN each counted every call site's calls, bytes and leaks exactly
+        truth = json.loads(truth_file.read_text())
+        tables: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for line in done.stdout.splitlines():
+            record = json.loads(line)
+            if "table" in record:
+                tables[record["table"]].append(record)
+        found = by_site(tables["alloc_stacks"])
+        for site in truth["sites"]:
+            got = found[(site["function"], site["fn"])]
+            assert (got["calls"], got["bytes"], got["live_bytes"]) == (
+                site["calls"], site["bytes"], site["leaked_bytes"]), (attempt, site)  # fmt: skip
+        (functions,) = tables["alloc_functions"]
+        assert functions["lost_events"] == 0
 
 
 def test_kmem_counts_for_one_pid_are_exact_from_the_cache(
@@ -81,15 +112,13 @@ def test_kmem_counts_for_one_pid_are_exact_from_the_cache(
                       "--sockets", str(sockets), "--pipes", "0",
                       "--out", str(truth_file))  # fmt: skip
         assert done.returncode == 0, done.stderr
-        if attempt == 0:
-            os.utime(stored(cache)[0], (LONG_AGO, LONG_AGO))
         truth = json.loads(truth_file.read_text())
-        reports.append((json.loads(done.stdout), truth))
-    # THEN the second loaded the first's program
-    assert stored(cache)[0].stat().st_mtime > LONG_AGO
+        reports.append((json.loads(done.stdout), truth, origin(done)))
+    # THEN the first compiled, and the second loaded the first's program
+    assert [said for _, _, said in reports] == ["compiled", "cache"]
     # AND each counted exactly the sockets its exerciser made (the raw
     # tracepoints, attached from the cache as bcc attaches them)
-    for report, truth in reports:
+    for report, truth, _ in reports:
         expected = truth["expected"]["kmem_cache_alloc"]["sock_inode_cache"]
         assert report["kmem_cache_allocs"]["sock_inode_cache"] == expected == sockets
 
@@ -99,12 +128,18 @@ def test_a_cache_that_does_not_parse_is_compiled_over(kmem_exerciser: Path, tmp_
     cache = tmp_path / "cache"
     argv = ["count", "--kmem-only", "--json", "--", str(kmem_exerciser), "--sockets", "50",
             "--pipes", "0", "--out", str(tmp_path / "t.json")]  # fmt: skip
-    assert traced(cache, *argv).returncode == 0
+    assert origin(traced(cache, *argv)) == "compiled"
     damaged = stored(cache)[0]
     damaged.write_text('{"functions": ')
     # WHEN the same trace runs again
     done = traced(cache, *argv)
-    # THEN it compiled (as without a cache), counted, and stored a good copy
+    # THEN it said the stored program was unusable, compiled it (as without
+    # a cache), counted, and stored a good copy, which a third run loads
     assert done.returncode == 0, done.stderr
+    (warning,) = [line for line in done.stderr.splitlines() if UNUSABLE in line]
+    assert str(damaged) in warning and "does not read as a stored program" in warning
+    assert origin(done) == "compiled"
     assert json.loads(done.stdout)["kmem_cache_allocs"]["sock_inode_cache"] == 50
     assert json.loads(damaged.read_text())["functions"]
+    again = traced(cache, *argv)
+    assert origin(again) == "cache" and UNUSABLE not in again.stderr

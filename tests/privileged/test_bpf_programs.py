@@ -6,19 +6,20 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from pathlib import Path
 
 from mtrace_live.tracer import bpf_syscalls
 
-from .tracing import BPFTRACE_READY, Reaper, wait_for_line
+from .tracing import BPFTRACE_READY, Reaper, programs_of, wait_for_line
 
 CALLS = 5000
 
 
-def runs_by_program() -> dict[int, bpf_syscalls.RunStats]:
+def runs_by_program(ids: set[int]) -> dict[int, bpf_syscalls.RunStats]:
+    """The run statistics of the programs ``ids`` that are loaded, found by id
+    among every loaded program as the harness finds them."""
     found = {}
-    for prog_id in bpf_syscalls.program_ids():
+    for prog_id in set(bpf_syscalls.program_ids()) & ids:
         fd = bpf_syscalls.program_fd(prog_id)
         if fd is None:
             continue  # unloaded since it was listed
@@ -43,16 +44,17 @@ def test_a_program_is_found_by_id_with_the_runs_and_time_it_took(tmp_path: Path)
             tracer = reaper.add(subprocess.Popen(["bpftrace", str(script)], stdout=sink,
                                                  stderr=sink))  # fmt: skip
             wait_for_line(log, BPFTRACE_READY, tracer, timeout=60)
-            before = runs_by_program()
+            # bpftrace's own programs (its pid's descriptors): other tools'
+            # programs, loaded or run meanwhile, are not this test's
+            held = programs_of(tracer.pid)
+            before = runs_by_program(held)
             for _ in range(CALLS):
                 os.getppid()
-            time.sleep(0.1)
-            after = runs_by_program()
+            after = runs_by_program(held)
     finally:
         bpf_syscalls.close(stats_fd)
-    new = {i: s for i, s in after.items() if i not in before}
-    assert not new  # bpftrace had loaded everything before it said ready
-    grown = {i: after[i].run_cnt - before[i].run_cnt for i in after if i in before}
+    assert set(before) == set(after) == held  # each found by id, before and after
+    grown = {i: after[i].run_cnt - before[i].run_cnt for i in after}
     ours = [i for i, n in grown.items() if n >= CALLS]
     assert len(ours) == 1, grown  # the getppid program, run at least once per call
     assert grown[ours[0]] < CALLS + 100  # other threads' getppid calls are few

@@ -18,7 +18,7 @@ from mtrace_live.tracer import bpf_syscalls
 from mtrace_live.tracer.sdt_glibc import SdtGlibc
 
 from .conftest import MTRACE, built
-from .tracing import Reaper, wait_for_detach
+from .tracing import Reaper, programs_of, wait_for_detach
 
 
 def start_when_ready(argv: list[str], reaper: Reaper, needle: str) -> subprocess.Popen[str]:
@@ -31,13 +31,15 @@ def start_when_ready(argv: list[str], reaper: Reaper, needle: str) -> subprocess
     return proc  # type: ignore[return-value]
 
 
-def programs_unloaded(before: set[int]) -> bool:
-    """No program but those loaded before is left, within a minute (a guard
+def programs_unloaded(loaded: set[int]) -> bool:
+    """None of the programs a tracer held is left, within a minute (a guard
     against a leak, not a measure): the kernel frees a program once its
     last perf event is gone, which under a busy uprobe load can lag the
-    detacher's exit by seconds."""
+    detacher's exit by seconds. Programs other tools load meanwhile are
+    theirs: only the tracer's own are asked about."""
+    assert loaded, "the tracer held no BPF program"
     for _ in range(600):
-        if set(bpf_syscalls.program_ids()) <= before:
+        if not loaded & set(bpf_syscalls.program_ids()):
             return True
         time.sleep(0.1)
     return False
@@ -47,7 +49,6 @@ def programs_unloaded(before: set[int]) -> bool:
 def test_record_stops_with_every_record_written_and_detaches(
     sdt: SdtGlibc, tmp_path: Path, sig: signal.Signals
 ) -> None:
-    before = set(bpf_syscalls.program_ids())  # the autouse fixture waited for earlier detachers
     out = tmp_path / "out.d"
     with Reaper() as reaper:
         # GIVEN a busy program under the SDT glibc, recorded with its libc probes and kmem
@@ -56,6 +57,7 @@ def test_record_stops_with_every_record_written_and_detaches(
         argv = [*MTRACE, "record", "-o", str(out), "--pid", str(load.pid), "--libc",
                 "--lib", str(sdt.libc)]  # fmt: skip
         tracer = start_when_ready(argv, reaper, "records to")
+        loaded = programs_of(tracer.pid)
         time.sleep(2)
         # WHEN it is signalled
         tracer.send_signal(sig)
@@ -71,11 +73,10 @@ def test_record_stops_with_every_record_written_and_detaches(
     assert not records.damage
     # AND once the detacher is done, none of its programs is left loaded
     wait_for_detach()
-    assert programs_unloaded(before)
+    assert programs_unloaded(loaded)
 
 
 def test_a_live_trace_and_serve_stop_on_sigterm_and_detach(sdt: SdtGlibc, tmp_path: Path) -> None:
-    before = set(bpf_syscalls.program_ids())  # the autouse fixture waited for earlier detachers
     with Reaper() as reaper:
         load = reaper.add(subprocess.Popen(sdt.wrap([str(built("arena_contention")), "60"]),
                                            stdout=subprocess.DEVNULL))  # fmt: skip
@@ -89,6 +90,7 @@ def test_a_live_trace_and_serve_stop_on_sigterm_and_detach(sdt: SdtGlibc, tmp_pa
              "--pid", str(load.pid)],
             reaper, "tracing",
         )  # fmt: skip
+        loaded = programs_of(trace.pid) | programs_of(serve.pid)
         time.sleep(2)
         # WHEN both get SIGTERM
         trace.send_signal(signal.SIGTERM)
@@ -106,4 +108,4 @@ def test_a_live_trace_and_serve_stop_on_sigterm_and_detach(sdt: SdtGlibc, tmp_pa
     assert len(lines.splitlines()) == int(delivered[1]) + int(allocations[1]) + tables
     # AND their programs go away
     wait_for_detach()
-    assert programs_unloaded(before)
+    assert programs_unloaded(loaded)

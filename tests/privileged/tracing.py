@@ -126,13 +126,9 @@ def stop_bpftrace(proc: subprocess.Popen[bytes], out: Path) -> dict[str, int]:
     raise AssertionError(f"bpftrace printed no counts: {out.read_text(errors='replace')}")
 
 
-def skipped_runs_of(pid: int) -> int:
-    """The runs the kernel skipped of every BPF program process ``pid``
-    holds (their ``recursion_misses``): a tracepoint whose program could
-    not run because another BPF program, or a BPF map system call, was
-    active on that CPU, as when an interrupt frees memory while a handler
-    runs."""
-    skipped = 0
+def program_fdinfo(pid: int) -> list[dict[str, str]]:
+    """The fdinfo fields of each BPF program descriptor process ``pid`` holds."""
+    found = []
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
             if os.readlink(fd) != "anon_inode:bpf-prog":
@@ -140,10 +136,24 @@ def skipped_runs_of(pid: int) -> int:
             info = Path(f"/proc/{pid}/fdinfo/{fd.name}").read_text()
         except OSError:
             continue
-        for line in info.splitlines():
-            if line.startswith("recursion_misses:"):
-                skipped += int(line.split()[1])
-    return skipped
+        fields = (line.split(":", 1) for line in info.splitlines() if ":" in line)
+        found.append({key.strip(): value.strip() for key, value in fields})
+    return found
+
+
+def programs_of(pid: int) -> set[int]:
+    """The ids of the BPF programs process ``pid`` holds: what a test asks
+    of its own tracer, whatever other tools load meanwhile."""
+    return {int(fields["prog_id"]) for fields in program_fdinfo(pid)}
+
+
+def skipped_runs_of(pid: int) -> int:
+    """The runs the kernel skipped of every BPF program process ``pid``
+    holds (their ``recursion_misses``): a tracepoint whose program could
+    not run because another BPF program, or a BPF map system call, was
+    active on that CPU, as when an interrupt frees memory while a handler
+    runs."""
+    return sum(int(fields.get("recursion_misses", 0)) for fields in program_fdinfo(pid))
 
 
 def gate(proc: subprocess.Popen[bytes], say: bytes, expect: bytes) -> None:

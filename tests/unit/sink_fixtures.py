@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from mtrace_live.exporters.data.allocations import AllocSnapshot, ProcessAllocs, StackRow
 from mtrace_live.exporters.data.allocator import Allocators
 from mtrace_live.exporters.data.events import EventDecoder, site_info
 from mtrace_live.exporters.data.kmem import KmemTotals
@@ -52,6 +53,7 @@ class PlainCounters:
     kmem: KmemTotals | None = None
     stacks: dict[int, list[int]] = field(default_factory=dict)
     taken: list[set[int]] = field(default_factory=list)
+    snapshot: AllocSnapshot | None = None  # what allocations() reads, where allocations are traced
 
     def read(self, kmem: bool = False, runs: bool = False) -> KernelCounters:
         return KernelCounters(
@@ -72,6 +74,9 @@ class PlainCounters:
 
     def stack(self, stack_id: int) -> list[int]:
         return self.stacks.get(stack_id, [])
+
+    def allocations(self, outstanding: bool = False) -> AllocSnapshot | None:
+        return self.snapshot
 
 
 def sites() -> tuple[Any, ...]:
@@ -161,4 +166,19 @@ def result(
         model=info.allocators,
         ended_by="SIGINT",
         kmem=kmem,
+    )
+
+
+def alloc_snapshot(site: int) -> AllocSnapshot:
+    """One process's allocations: 1,000 mallocs of 64 bytes at ``site``, 600
+    of them freed (25,600 bytes live), and 7 frees of blocks from before."""
+    stack = StackRow(PID, "malloc", site, (site,), 1000, 64_000, 64_000, 600, 38_400, 38_400, 0)
+    return AllocSnapshot(
+        stacks=(stack,),
+        processes=(ProcessAllocs(PID, 1000, 64_000, 607, 7, 0),),
+        calls={"malloc": 1000, "free": 607},
+        misc={"outstanding_full": 0, "stacks_full": 0, "lost_events": 0, "nested": 0},
+        sample_bytes=0,
+        now_ns=2_000_000_000,
+        started_ns=0,
     )

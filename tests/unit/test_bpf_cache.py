@@ -75,12 +75,14 @@ def test_stored_programs_read_back_whole_and_the_oldest_go(
     assert sorted(p.stem[0] for p in tmp_path.glob("*.json")) == ["b", "c"]
 
 
-def test_a_damaged_or_disabled_cache_reads_as_empty(
+def test_a_damaged_cache_entry_is_unusable_and_a_disabled_cache_empty(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("MTRACE_LIVE_BPF_CACHE", str(tmp_path))
+    tmp_path.chmod(0o700)
     (tmp_path / ("d" * 64 + ".json")).write_text('{"license": "GPL", "maps": [{"name": 1}]}')
-    assert bpf_cache.load("d" * 64) is None
+    with pytest.raises(bpf_cache.Unusable, match="does not read as a stored program"):
+        bpf_cache.load("d" * 64)
     monkeypatch.setenv("MTRACE_LIVE_BPF_CACHE", "off")
     bpf_cache.store("e" * 64, bpf_cache.Compiled("GPL", 0, {}, []))
     assert bpf_cache.load("e" * 64) is None
@@ -96,10 +98,12 @@ def test_a_file_others_could_write_is_never_loaded(
     bpf_cache.store("f" * 64, compiled)
     assert bpf_cache.load("f" * 64) == compiled
     (tmp_path / ("f" * 64 + ".json")).chmod(0o666)
-    assert bpf_cache.load("f" * 64) is None
+    with pytest.raises(bpf_cache.Unusable, match="another user"):
+        bpf_cache.load("f" * 64)
     (tmp_path / ("f" * 64 + ".json")).chmod(0o600)
     tmp_path.chmod(0o777)
-    assert bpf_cache.load("f" * 64) is None
+    with pytest.raises(bpf_cache.Unusable, match="another user"):
+        bpf_cache.load("f" * 64)
 
 
 def test_the_key_follows_the_source_the_constants_and_bcc() -> None:

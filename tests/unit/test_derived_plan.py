@@ -3,6 +3,8 @@ from what, with and without the debug file."""
 
 from __future__ import annotations
 
+import subprocess
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -38,12 +40,33 @@ def test_a_debug_file_of_another_build_is_refused(tmp_path: Path) -> None:
         derived.plan(default_libc(), other)
 
 
+def readelf_functions(path: Path) -> dict[str, list[tuple[int, int]]]:
+    """Each FUNC symbol's (address, size) as binutils' readelf reads the
+    symbol table: an independent reader of the debug file."""
+    done = subprocess.run(["readelf", "-sW", str(path)], capture_output=True, text=True,
+                          check=True)  # fmt: skip
+    functions: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for line in done.stdout.splitlines():
+        fields = line.split()
+        # Num: Value Size Type Bind Vis Ndx Name
+        if len(fields) >= 8 and fields[3] == "FUNC" and fields[6] != "UND":
+            size = int(fields[2], 16) if fields[2].startswith("0x") else int(fields[2])
+            functions[fields[7].split("@")[0]].append((int(fields[1], 16), size))
+    return functions
+
+
 def test_every_site_is_inside_the_function_it_names() -> None:
+    # GIVEN the function bounds readelf gives for the libc's debug file
     plan = derived.plan(default_libc())
     assert plan.debug_file is not None
-    with debuginfo.DebugInfo(plan.debug_file) as info:
-        for probe in plan.probes.values():
-            for site in probe.sites:
-                start, size = info.function(site.function) or (0, 0)
-                assert start <= site.address < start + size, (probe.name, site)
-                assert site.args and all(arg.text for arg in site.args)
+    functions = readelf_functions(plan.debug_file)
+    sites = 0
+    for probe in plan.probes.values():
+        for site in probe.sites:
+            # THEN each site lies inside a function of the name it gives
+            bounds = functions.get(site.function, [])
+            assert any(start <= site.address < start + size for start, size in bounds), (
+                probe.name, site, bounds)  # fmt: skip
+            assert site.args and all(arg.text for arg in site.args)
+            sites += 1
+    assert sites >= 10

@@ -17,7 +17,7 @@ from mtrace_live.probes.locations import ArgKind, ArgLocation, SiteLayout
 from mtrace_live.probes.records import EVENT_DTYPE, EventKind
 from mtrace_live.probes.sdt_notes import SdtSite
 from mtrace_live.tracer.model import AllocatorModel
-from mtrace_live.tracer.ringbuf import BUSY_BIT, RingReader, record_stride
+from mtrace_live.tracer.ringbuf import BUSY_BIT, DISCARD_BIT, RingReader, record_stride
 
 PAGE = mmap.PAGESIZE
 DATA = 4 * PAGE
@@ -44,19 +44,27 @@ class FakeRing:
 
     def write(self, events: np.ndarray, busy_from: int | None = None) -> None:
         for index, event in enumerate(events):
-            length = EVENT_DTYPE.itemsize | (
-                BUSY_BIT if busy_from is not None and index >= busy_from else 0
-            )
-            record = struct.pack("<II", length, 0) + event.tobytes()
-            record += b"\0" * (STRIDE - len(record))
-            for copy in (0, DATA):  # the double mapping
-                at = 2 * PAGE + copy + (self.producer % DATA)
-                end = min(len(record), 2 * PAGE + 2 * DATA - at)
-                self.map[at : at + end] = record[:end]
-            if (self.producer % DATA) + STRIDE > DATA:  # wrapped: head of the second copy
-                tail = (self.producer % DATA) + STRIDE - DATA
-                self.map[2 * PAGE : 2 * PAGE + tail] = record[STRIDE - tail :]
-            self.producer += STRIDE
+            busy = busy_from is not None and index >= busy_from
+            self.put(event.tobytes(), BUSY_BIT if busy else 0)
+        self.publish()
+
+    def put(self, payload: bytes, flags: int = 0) -> None:
+        """One record of ``payload`` (any size: the kernel's ring also holds
+        other programs' records), its header's length word with ``flags``
+        (BUSY_BIT, DISCARD_BIT), padded to 8 bytes; ``publish`` commits."""
+        record = struct.pack("<II", len(payload) | flags, 0) + payload
+        stride = record_stride(len(payload))
+        record += b"\0" * (stride - len(record))
+        for copy in (0, DATA):  # the double mapping
+            at = 2 * PAGE + copy + (self.producer % DATA)
+            end = min(len(record), 2 * PAGE + 2 * DATA - at)
+            self.map[at : at + end] = record[:end]
+        if (self.producer % DATA) + stride > DATA:  # wrapped: head of the second copy
+            tail = (self.producer % DATA) + stride - DATA
+            self.map[2 * PAGE : 2 * PAGE + tail] = record[stride - tail :]
+        self.producer += stride
+
+    def publish(self) -> None:
         struct.pack_into("<Q", self.map, PAGE, self.producer)
 
     def close(self) -> None:
@@ -105,6 +113,43 @@ def test_a_busy_record_stops_the_read_until_committed(ring: FakeRing) -> None:
     ring.write(written, busy_from=3)
     assert reader.read().tobytes() == written[:3].tobytes()
     assert ring.consumer() == 3 * STRIDE
+    reader.close()
+
+
+def write_with_strangers(ring: FakeRing, written: np.ndarray) -> int:
+    """``written`` with a discarded record of ours after each second one and
+    a record of a foreign size (12 bytes: 24 with its header) after each
+    third; the bytes of ring used."""
+    start = ring.producer
+    for index, event in enumerate(written):
+        ring.put(event.tobytes())
+        if index % 2 == 1:
+            ring.put(events(1, probe=99).tobytes(), DISCARD_BIT)
+        if index % 3 == 2:
+            ring.put(b"\xab" * 12)
+    ring.publish()
+    return ring.producer - start
+
+
+@pytest.mark.parametrize("copier", [False, True], ids=["direct", "copier"])
+def test_discarded_and_foreign_records_are_stepped_over(ring: FakeRing, copier: bool) -> None:
+    # GIVEN a ring whose records wrap around its end, among them discarded
+    # records and records of another size
+    start = DATA - 5 * STRIDE
+    ring.set_positions(start, start)
+    reader = RingReader(ring.fd, DATA, EVENT_DTYPE, buffer_size=2 * DATA if copier else None)
+    written = events(12)
+    used = write_with_strangers(ring, written)
+    assert used == 12 * STRIDE + 6 * STRIDE + 4 * 24
+    # WHEN it is read
+    if copier:
+        wait_readable(reader.fd)
+    got = reader.read()
+    # THEN exactly our committed records come out, in order, and the ring
+    # is consumed past every record
+    assert got.tobytes() == written.tobytes()
+    assert ring.consumer() == start + used
+    assert len(reader.read()) == 0
     reader.close()
 
 

@@ -76,15 +76,26 @@ def test_a_reader_in_another_process_never_sees_a_torn_page() -> None:
 
 
 class Counting:
-    """A collector whose one counter says how many times it was collected."""
+    """A collector whose one counter says how many times it was collected;
+    once ``hold`` is called, a collection stays inside until ``release``."""
 
-    def __init__(self, delay: float = 0.0) -> None:
+    def __init__(self) -> None:
         self.collections = 0
-        self.delay = delay
+        self.held = threading.Event()
+        self.held.set()
+        self.inside = threading.Event()  # a collection is waiting to be released
+
+    def hold(self) -> None:
+        self.held.clear()
+
+    def release(self) -> None:
+        self.held.set()
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         self.collections += 1
-        time.sleep(self.delay)
+        if not self.held.is_set():
+            self.inside.set()
+            self.held.wait()
         family = CounterMetricFamily("test_collections", "Collections so far.")
         family.add_metric([], self.collections)
         yield family
@@ -155,23 +166,20 @@ def test_formats_gzip_and_renders_while_scraped(
 def test_a_scrape_does_not_wait_for_a_slow_render(
     served: tuple[MetricsEndpoint, Renderer, Counting],
 ) -> None:
-    endpoint, _renderer, collector = served
-    get(endpoint.url, {})
-    # GIVEN a collection that now takes 1.5 s (a tracer too busy to render)
-    collector.delay = 1.5
-    time.sleep(0.3)  # the renderer is inside a slow collection
-    # WHEN the endpoint is scraped meanwhile
-    replies: list[float] = []
-
-    def scrape() -> None:
-        replies.append(value(get(endpoint.url, {})[2].decode()))
-
-    thread = threading.Thread(target=scrape)
-    thread.start()
-    thread.join(timeout=1.0)
-    # THEN the scrape was answered (from the last page) before the render ended
-    assert replies, "the scrape waited for the render"
-    collector.delay = 0.0
+    endpoint, renderer, collector = served
+    first = value(get(endpoint.url, {})[2].decode())
+    # GIVEN a renderer held inside a collection (a tracer too busy to render)
+    collector.hold()
+    renderer.pages.poke()  # as a scrape that finds the page old does
+    try:
+        assert collector.inside.wait(60), "the renderer never collected again"
+        # WHEN the endpoint is scraped meanwhile
+        reply = value(get(endpoint.url, {})[2].decode())
+        # THEN it was answered from the last whole page, the collection still held
+        assert collector.inside.is_set() and not collector.held.is_set()
+        assert first <= reply < collector.collections
+    finally:
+        collector.release()
 
 
 def test_a_forked_server_answers_and_stops_with_the_tracer() -> None:

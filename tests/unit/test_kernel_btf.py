@@ -4,9 +4,14 @@ tracepoint arguments, and the plan that turns them into raw kmem handlers.
 
 from __future__ import annotations
 
+import re
+import subprocess
+from collections import defaultdict
+from dataclasses import dataclass
+
 import pytest
 from mtrace_live.tracer.kernel_btf import VMLINUX, KernelBtf
-from mtrace_live.tracer.kmem_attach import PAGE_EVENTS_WHY, _plan, kmem_attach
+from mtrace_live.tracer.kmem_attach import _RAW_EVENTS, PAGE_EVENTS_WHY, _plan, kmem_attach
 
 pytestmark = pytest.mark.skipif(not VMLINUX.exists(), reason="this kernel has no BTF")
 
@@ -38,17 +43,69 @@ def test_a_tracepoints_arguments_come_in_the_order_of_its_prototype() -> None:
     assert cache_free is not None and cache_free[:2] == ["call_site", "ptr"]
 
 
-def test_the_plan_makes_the_slab_events_raw_and_the_page_events_classic() -> None:
+@dataclass
+class BtfType:
+    kind: str
+    name: str
+    members: list[tuple[str, int]]  # (name, bit offset; -1 for a prototype's parameters)
+
+
+@pytest.fixture(scope="module")
+def bpftool_btf() -> dict[str, list[BtfType]]:
+    """The running kernel's BTF as bpftool dumps it (an independent reader
+    of the same file), by type name."""
+    dump = subprocess.run(["bpftool", "btf", "dump", "file", str(VMLINUX), "format", "raw"],
+                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+    by_id: dict[int, BtfType] = {}
+    proto_of: dict[str, int] = {}  # a FUNC's name -> its FUNC_PROTO's id
+    current: BtfType | None = None
+    for line in dump.splitlines():
+        head = re.match(r"\[(\d+)\] (\w+) '([^']*)'(.*)", line)
+        if head:
+            current = BtfType(head[2], head[3], [])
+            by_id[int(head[1])] = current
+            if head[2] == "FUNC":
+                proto_of[head[3]] = int(re.search(r"type_id=(\d+)", head[4])[1])  # type: ignore[index]
+            continue
+        member = re.match(r"\s+'([^']*)' type_id=\d+(?: bits_offset=(\d+))?", line)
+        if member and current is not None:
+            current.members.append((member[1], int(member[2] or -1)))
+    named: dict[str, list[BtfType]] = defaultdict(list)
+    for kind_name in by_id.values():
+        named[kind_name.name].append(kind_name)
+    for func, proto in proto_of.items():
+        named[f"proto of {func}"].append(by_id[proto])
+    return named
+
+
+def test_the_plan_takes_offsets_and_argument_slots_as_bpftool_reads_them(
+    bpftool_btf: dict[str, list[BtfType]],
+) -> None:
     plan = kmem_attach(VARIANTS)
     assert plan.raw == ("kmalloc", "kfree", "kmem_cache_alloc", "kmem_cache_free")
     assert set(plan.classic) == {"mm_page_alloc", "mm_page_free", "mm_page_free_batched"}
     assert set(plan.classic.values()) == {PAGE_EVENTS_WHY}
-    with KernelBtf() as btf:
-        args = btf.tracepoint_args("kmem_cache_alloc")
-        size = btf.member("kmem_cache", "size")
-    assert args is not None and size is not None
-    assert plan.defines["CACHE_ALLOC_ARG_S"] == args.index("s")
-    assert plan.defines["CACHE_SIZE_OFF"] == size[0]
+    # every argument slot is the argument's place in the prototype bpftool
+    # shows for the tracepoint's event function, less its leading __data
+    checked = 0
+    for event, (prefix, needed, optional) in _RAW_EVENTS.items():
+        (proto,) = bpftool_btf[f"proto of trace_event_raw_event_{event}"]
+        params = [name for name, _ in proto.members]
+        assert params[0] == "__data"
+        for name in (*needed, *optional):
+            expected = params.index(name) - 1 if name in params else -1
+            assert plan.defines[f"{prefix}_ARG_{name.upper()}"] == expected, (event, name)
+            checked += 1
+    assert checked >= 8
+    # and every struct kmem_cache offset is the member's bit offset / 8
+    (cache,) = [t for t in bpftool_btf["kmem_cache"] if t.kind == "STRUCT"]
+    offsets = dict(cache.members)
+    read = {k: v for k, v in plan.defines.items() if k.startswith("CACHE_") and k.endswith("_OFF")
+            and k != "CACHE_SPAN_OFF"}  # fmt: skip
+    assert {"CACHE_SIZE_OFF", "CACHE_OBJECT_SIZE_OFF", "CACHE_NAME_OFF"} <= set(read)
+    for define, value in read.items():
+        member = define[len("CACHE_") : -len("_OFF")].lower()
+        assert value * 8 == offsets[member], define
     # kmem_cache_alloc's handler is BTF-typed: BTF names its tracepoint's type
     assert plan.typed == ("kmem_cache_alloc",) and plan.defines["BTF_CACHE_ALLOC"] == 1
     # asked for classic: nothing raw, and each event says why

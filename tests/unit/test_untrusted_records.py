@@ -17,7 +17,7 @@ import pytest
 from mtrace_live.exporters.data.errors import RecordSetError
 from mtrace_live.exporters.data.kallsyms import KernelSymbols
 from mtrace_live.exporters.kmemtrace import TypeId, read_record_set
-from mtrace_live.exporters.kmemtrace_json import json_lines, write_record_set
+from mtrace_live.exporters.kmemtrace_json import write_record_set
 from mtrace_live.probes.records import EventKind
 from mtrace_live.tracer.report import exact_total
 
@@ -65,7 +65,11 @@ def test_cpu_nodes_and_overruns_out_of_range_are_left_out(record_set: Path) -> N
     (record_set / "total_overruns").write_text("\u00b2\n")
     records = read_record_set(record_set)
     assert records.cpu_nodes == {0: 1} and records.total_overruns is None
-    same_report(record_set)  # and the analyses run on them, to the same answer
+    # and the analyses run on them, to the same answer: the batch's 4 kmallocs
+    # of 40 bytes (64 allocated), each freed on the other CPU
+    totals = same_report(record_set).as_json()["kernel"]["totals"]
+    assert (totals["allocs"], totals["bytes_req"], totals["bytes_alloc"]) == (4, 160, 256)
+    assert (totals["frees"], totals["cross_cpu_frees"], totals["unknown_frees"]) == (4, 4, 0)
 
 
 @pytest.mark.parametrize(
@@ -144,8 +148,25 @@ def test_report_and_convert_work_for_a_user_who_can_write_nowhere(world_readable
     assert "cache" in report.stdout
     assert convert.returncode == 0, convert.stderr
     records = [json.loads(line) for line in convert.stdout.splitlines()]
-    assert len(records) == len(list(json_lines(read_record_set(world_readable / "set"),
-                                               KernelSymbols(""))))  # fmt: skip
+    # and convert wrote the records written above, in order: each round of
+    # mixed_batch a kmalloc, its kfree on the other CPU and a probe record
+    # (probe 2, memory_mallopt, with arguments i and 2i); then the cache's
+    assert [r["seq"] for r in records] == list(range(13))
+    for i in range(4):
+        alloc, free, probe = records[3 * i : 3 * i + 3]
+        ptr = 0xFFFF888000000000 + 64 * i
+        assert (alloc["event"], alloc["type"], alloc["ptr"]) == ("alloc", "kmalloc", ptr)
+        assert (alloc["bytes_req"], alloc["bytes_alloc"], alloc["gfp_flags"]) == (40, 64, 0xCC0)
+        assert (alloc["cpu"], alloc["pid"], alloc["tid"]) == (i % 2, 4242, 4243)
+        assert (free["event"], free["type"], free["ptr"], free["cpu"]) == (
+            "free", "kmalloc", ptr, (i + 1) % 2)  # fmt: skip
+        assert (probe["event"], probe["probe"], probe["args"][:2]) == (
+            "probe", "memory_mallopt", [i, 2 * i])  # fmt: skip
+        assert probe["call_site"] == 0x7F0000000000 + i
+    assert {k: records[12][k] for k in ("event", "type", "ptr", "bytes_req", "node")} == {
+        "event": "alloc", "type": "kmem_cache", "ptr": 0xFFFF888000100000, "bytes_req": 192,
+        "node": 1}  # fmt: skip
+    assert records[12]["symbol"] == "some_function+0x67"
 
 
 def test_json_records_of_cpus_this_machine_lacks_convert_into_a_record_set(tmp_path: Path) -> None:
