@@ -205,21 +205,33 @@ def test_calls_per_function_equal_bpftraces_in_the_same_run(traced: Traced) -> N
 
 
 def test_every_allocation_and_free_reaches_the_json_stream(traced: Traced) -> None:
-    # GIVEN the allocation events of the workload's realloc chains
-    chain = [e for e in traced.events if e["probe"] == "realloc"]
+    # GIVEN the trace's events by function, none lost, and the kernel's count
+    # of each function's calls (equal to bpftrace's: the test above)
     (functions,) = traced.tables["alloc_functions"]
     assert functions["lost_events"] == 0
+    events: dict[str, int] = defaultdict(int)
+    for event in traced.events:
+        events[event["probe"]] += 1
+    # THEN each function's calls are its events, exactly: less, for malloc,
+    # the calls nested in realloc(NULL) (the realloc's event stands for them)
+    # and, for free, free(NULL), which frees nothing
+    for name, calls in functions["calls"].items():
+        nested = functions["nested"] if name == "malloc" else 0
+        null = functions["null_frees"] if name == "free" else 0
+        assert events[name] == calls - nested - null, (name, events[name], calls)
+    assert events["malloc"] and events["free"] and events["realloc"]
+    # AND each realloc of a block releases it: nine of each chain's ten (the
+    # first starts from NULL), the only reallocs of a block in the run
     realloc = next(s for s in traced.truth["sites"] if s["function"] == "realloc_chain")
-    # THEN there is one per call, and each new block's release follows
-    assert len(chain) >= realloc["calls"]
-    released = [e for e in traced.events if e["probe"] == "realloc:free"]
-    assert len(released) >= realloc["calls"] - realloc["leaked_calls"]
+    chains = realloc["leaked_calls"]  # each chain's last block is never freed
+    assert events["realloc:free"] == realloc["calls"] - chains
 
 
 def pprof_top(path: Path, sample_index: str) -> dict[str, int]:
     """``go tool pprof -top``'s flat bytes per function."""
     done = subprocess.run(
-        ["go", "tool", "pprof", "-top", "-nodecount=1000", f"-sample_index={sample_index}",
+        ["go", "tool", "pprof", "-top", "-nodecount=1000", "-nodefraction=0",
+         f"-sample_index={sample_index}",
          "-unit=B", str(path)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip

@@ -9,7 +9,6 @@ import re
 import shutil
 import signal
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +31,8 @@ from .tracing import (
     skipped_runs_of,
     stop_bpftrace,
     wait_for_line,
+    wait_freed,
+    watch_frees,
 )
 
 SOCKETS = 400
@@ -89,6 +90,9 @@ def recorded(kmem_exerciser: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         bpftrace, bpftrace_out = bpftrace_kmem_counts(work.pid, tmp)
         reaper.add(bpftrace)
         wait_for_line(bpftrace_out, BPFTRACE_READY, bpftrace, timeout=120)
+        watcher, watcher_out = watch_frees(work.pid, "sock_inode_cache", tmp)
+        reaper.add(watcher)
+        wait_for_line(watcher_out, BPFTRACE_READY, watcher, timeout=120)
         err = tmp / "record.err"
         with open(err, "wb") as err_sink, open(tmp / "record.out", "wb") as out_sink:
             record = reaper.add(
@@ -116,7 +120,8 @@ def recorded(kmem_exerciser: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         work.stdin.flush()
         assert work.stdout.readline() == b"done\n"
         assert decoy.wait(timeout=120) == 0
-        time.sleep(2.0)  # RCU grace periods: closed sockets' inodes are freed by callbacks
+        # closed sockets' inodes are freed by RCU callbacks, after grace periods
+        wait_freed(watcher, watcher_out, SOCKETS)
         record.send_signal(signal.SIGINT)
         exit_code = record.wait(timeout=120)
         skipped = skipped_runs_of(bpftrace.pid)

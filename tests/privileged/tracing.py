@@ -98,11 +98,42 @@ def bpftrace_kmem_counts(pid: int, tmp: Path) -> tuple[subprocess.Popen[bytes], 
     return start_bpftrace(f"{attach} /pid == $1/ {{ @hits[probe] = count(); }}\n", pid, tmp)
 
 
-def start_bpftrace(body: str, pid: int, tmp: Path) -> tuple[subprocess.Popen[bytes], Path]:
-    script = tmp / "count.bt"
+def watch_frees(pid: int, cache: str, tmp: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    """Start bpftrace following the objects of slab ``cache`` that ``pid``
+    allocates, printing every 100 ms how many of them were freed, in any
+    context (RCU callbacks included): what a test waits on before it stops
+    a trace that must see those frees."""
+    body = (
+        f'tracepoint:kmem:kmem_cache_alloc /pid == $1 && str(args->name) == "{cache}"/ '
+        "{ @live[args->ptr] = 1; }\n"
+        "tracepoint:kmem:kmem_cache_free /@live[args->ptr]/ "
+        "{ delete(@live[args->ptr]); @freed = count(); }\n"
+        'interval:ms:100 { print(@freed); }\n'
+        "END { clear(@live); }\n"
+    )
+    return start_bpftrace(body, pid, tmp, "watch")
+
+
+def wait_freed(proc: subprocess.Popen[bytes], out: Path, expected: int) -> None:
+    """Until the watcher of ``watch_frees`` has seen ``expected`` frees, less
+    any runs of its programs the kernel skipped (a guard against a hang, not
+    a measure)."""
+    for _ in range(1200):
+        freed = [int(json.loads(line)["data"]["@freed"])
+                 for line in out.read_text(errors="replace").splitlines()
+                 if line.startswith('{"type": "map"') and "@freed" in line]  # fmt: skip
+        if freed and freed[-1] + skipped_runs_of(proc.pid) >= expected:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the objects were never freed: {out.read_text(errors='replace')[-500:]}")
+
+
+def start_bpftrace(body: str, pid: int, tmp: Path,
+                   name: str = "count") -> tuple[subprocess.Popen[bytes], Path]:  # fmt: skip
+    script = tmp / f"{name}.bt"
     # bpftrace prints "attached_probes" before it attaches; BEGIN runs after.
     script.write_text(f'BEGIN {{ printf("{BPFTRACE_READY}\\n"); }}\n{body}')
-    out = tmp / "bpftrace.out"
+    out = tmp / f"bpftrace-{name}.out"
     with open(out, "wb") as sink:
         proc = subprocess.Popen(
             ["bpftrace", "-f", "json", str(script), str(pid)], stdout=sink, stderr=sink

@@ -324,3 +324,34 @@ def test_a_context_that_is_not_hex_is_part_of_the_function_as_sp_rtrace_reads_it
 def test_numbers_python_would_choke_on_are_clean_errors(line: str) -> None:
     with pytest.raises(SpRtraceError, match="line 2"):
         sprtrace.parse(["version=1.0", line], "numbers")
+
+
+def test_convert_resolves_kernel_frames_and_compresses_from_the_command_line(
+    tmp_path: Path,
+) -> None:
+    # GIVEN a report of five kmallocs from two unnamed kernel backtraces
+    # (three of 100 bytes from one, two of 10 from the other), and kallsyms
+    frames = {100: [Frame(0xFFFFFFFF81000010)], 10: [Frame(0xFFFFFFFF81000208)]}
+    trace = calls(*(("kmalloc", n, size) for n, size in enumerate((100, 10, 100, 10, 100), 1)))
+    for call in trace.calls:
+        call.frames = frames[call.size]  # type: ignore[index]
+    source = tmp_path / "in.txt"
+    source.write_text("\n".join(text_of(trace)) + "\n")
+    kallsyms = tmp_path / "kallsyms"
+    kallsyms.write_text("ffffffff81000000 T sock_alloc_inode\nffffffff81000200 t alloc_pipe_info\n")
+    # WHEN convert resolves and compresses it
+    done = mtrace("convert", str(source), "--resolve", "--kallsyms", str(kallsyms), "--compress")
+    # THEN each backtrace is written once, named, after its calls and their
+    # summary, largest group first, and the header names both filters
+    assert done.returncode == 0, done.stderr
+    out = done.stdout.splitlines()
+    assert "filter=compress|resolve" in out[0]
+    summaries = [line for line in out if line.startswith("# allocation summary")]
+    assert summaries == ["# allocation summary: 3 block(s) with total size 300",
+                         "# allocation summary: 2 block(s) with total size 20"]  # fmt: skip
+    assert [line for line in out if line.startswith("\t")] == [
+        "\t0xffffffff81000010 in sock_alloc_inode() from [kernel.kallsyms]",
+        "\t0xffffffff81000208 in alloc_pipe_info() from [kernel.kallsyms]",
+    ]
+    back = sprtrace.parse(io.StringIO(done.stdout), "out")
+    assert sorted(c.size for c in back.calls) == [10, 10, 100, 100, 100]

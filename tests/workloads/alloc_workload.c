@@ -12,6 +12,8 @@
  * --wait: allocate the "early" blocks, print "ready" and wait for a line on
  * standard input before the rest (so a tracer attached by --pid meanwhile
  * sees their frees as frees of memory allocated before it attached).
+ * --hold: once done (the truth written), print "done" and wait for a line
+ * on standard input before exiting, the leaks still outstanding.
  * --threads N: the threaded site runs in N threads (default 4).
  * --scale K: every count times K (default 1). */
 #define _GNU_SOURCE
@@ -192,12 +194,14 @@ static void write_truth(const char *path, long unknown_frees)
 int main(int argc, char **argv)
 {
     const char *out = NULL;
-    int wait = 0, threads = 4;
+    int wait = 0, hold = 0, threads = 4;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--out") && i + 1 < argc)
             out = argv[++i];
         else if (!strcmp(argv[i], "--wait"))
             wait = 1;
+        else if (!strcmp(argv[i], "--hold"))
+            hold = 1;
         else if (!strcmp(argv[i], "--threads") && i + 1 < argc)
             threads = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--scale") && i + 1 < argc)
@@ -232,5 +236,12 @@ int main(int argc, char **argv)
     free(early);
     if (out)
         write_truth(out, wait ? EARLY + 1 : 0);
+    if (hold) { /* the leaks stay outstanding in a live process until a line comes */
+        printf("done\n");
+        fflush(stdout);
+        char line[16];
+        if (!fgets(line, sizeof(line), stdin))
+            return 3;
+    }
     return 0;
 }
