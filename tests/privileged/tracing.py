@@ -108,7 +108,7 @@ def watch_frees(pid: int, cache: str, tmp: Path) -> tuple[subprocess.Popen[bytes
         "{ @live[args->ptr] = 1; }\n"
         "tracepoint:kmem:kmem_cache_free /@live[args->ptr]/ "
         "{ delete(@live[args->ptr]); @freed = count(); }\n"
-        'interval:ms:100 { print(@freed); }\n'
+        "interval:ms:100 { print(@freed); }\n"
         "END { clear(@live); }\n"
     )
     return start_bpftrace(body, pid, tmp, "watch")
