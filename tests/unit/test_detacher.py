@@ -1,7 +1,9 @@
 """The detacher: a forked child that closes a trace's perf events, so that
 the kernel's wait at each last close is the child's and not the tracer's.
-Pipes stand in for the perf events here: what is tested is who holds the
-last copy, which is the same for any descriptor."""
+Pipes stand in for the perf events here: what is tested is that this
+process's copies are closed at once and the child's after. The order of the
+two sides' closes is tested with real perf events, under bpftrace, in
+tests/privileged/test_detacher.py."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import select
 from mtrace_live.tracer.bpf_backend import _detach_in_child
 
 
-def test_the_child_closes_the_last_copies_after_the_parents() -> None:
+def test_this_processs_copies_close_at_once_and_the_childs_after() -> None:
     # GIVEN two descriptors standing for perf events, their other ends held here
     events = [os.pipe() for _ in range(2)]
     readers = [read for read, _ in events]

@@ -1,0 +1,71 @@
+"""The detacher with real perf events: the child closes its copies only once
+the tracer has closed its own, so that the last close of each event, the one
+that waits for the kernel, is the child's. bpftrace records every close(2)
+of both processes, with the kernel's clock, in the same run."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import struct
+from pathlib import Path
+
+from mtrace_live.tracer.bpf_backend import DETACHER_NAME, _detach_in_child
+
+from .tracing import BPFTRACE_READY, Reaper, start_bpftrace, wait_for_detach, wait_for_line
+
+EVENTS = 512  # enough that the closes of both sides would overlap, were they not ordered
+_PERF_EVENT_OPEN = 298  # x86_64
+_PERF_TYPE_SOFTWARE, _PERF_COUNT_SW_DUMMY = 1, 9
+_PERF_FLAG_FD_CLOEXEC = 1 << 3
+
+
+def perf_event() -> int:
+    """A real perf event on this process (a software event that counts nothing)."""
+    attr = ctypes.create_string_buffer(struct.pack("<IIQ", _PERF_TYPE_SOFTWARE, 128,
+                                                   _PERF_COUNT_SW_DUMMY), 128)  # fmt: skip
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.syscall(_PERF_EVENT_OPEN, attr, 0, -1, -1, _PERF_FLAG_FD_CLOEXEC)
+    if fd < 0:
+        raise OSError(ctypes.get_errno(), "perf_event_open")
+    return int(fd)
+
+
+def test_the_child_closes_each_perf_event_after_this_process_closed_its_copy(
+    tmp_path: Path,
+) -> None:
+    # GIVEN real perf events, and bpftrace recording each close(2) of this
+    # process and of the detacher
+    events = [perf_event() for _ in range(EVENTS)]
+    assert all(os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[perf_event]" for fd in events)
+    detacher = DETACHER_NAME.decode()
+    body = (f'tracepoint:syscalls:sys_enter_close /pid == $1 || comm == "{detacher}"/ '
+            '{ printf("close %d %d %d\\n", nsecs, pid == $1 ? 0 : 1, args->fd); }\n')  # fmt: skip
+    with Reaper() as reaper:
+        bpftrace, out = start_bpftrace(body, os.getpid(), tmp_path, "closes")
+        reaper.add(bpftrace)
+        wait_for_line(out, BPFTRACE_READY, bpftrace, timeout=120)
+        # WHEN the detacher takes them
+        assert _detach_in_child(events)
+        wait_for_detach()
+        bpftrace.send_signal(2)
+        bpftrace.wait(timeout=60)
+    closes: dict[int, list[tuple[int, int]]] = {0: [], 1: []}  # who -> [(ns, fd)]
+    for line in out.read_text().splitlines():
+        if line.startswith("{") and '"printf"' in line:
+            text = json.loads(line)["data"]
+            if text.startswith("close "):
+                _, ns, who, fd = text.split()
+                closes[int(who)].append((int(ns), int(fd)))
+    # THEN this process closed each event once (its first close of each number)
+    mine = {fd: min(ns for ns, f in closes[0] if f == fd) for fd in events
+            if any(f == fd for _, f in closes[0])}  # fmt: skip
+    assert sorted(mine) == sorted(events), closes[0]
+    # AND the child closed each one too, every close after the last of this
+    # process's: its copies were the last, and the kernel's wait was its own
+    theirs = [(ns, fd) for ns, fd in closes[1] if fd in mine]
+    assert sorted(fd for _, fd in theirs) == sorted(events), closes[1]
+    last_mine = max(mine.values())
+    early = [(fd, ns - last_mine) for ns, fd in theirs if ns <= last_mine]
+    assert not early, early
