@@ -136,3 +136,18 @@ def test_a_missing_command_under_the_sdt_glibc_is_exit_6_before_anything_is_writ
         # THEN it is one line and exit 6, as without --sdt-glibc, and no record set is left
         assert_one_line(done, 6, "command not found or not executable: /nonexistent/cmd")
         assert not out.exists()
+
+
+def test_every_example_in_a_commands_help_stands_on_a_line_of_its_own() -> None:
+    # GIVEN each command's help text, as click wraps it for the terminal
+    from mtrace_live.tracer import cli
+
+    for name in cli.COMMANDS:
+        command = cli.cli.get_command(None, name)  # type: ignore[arg-type]
+        assert command is not None and command.help is not None, name
+        examples = [line.strip() for line in command.help.splitlines()
+                    if line.strip().startswith("mtrace-live ")]  # fmt: skip
+        shown = [line.strip() for line in run(name, "--help").stdout.splitlines()]
+        # THEN each example of its docstring is a whole line of the help, as written
+        for example in examples:
+            assert example in shown, (name, example)

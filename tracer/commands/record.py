@@ -51,6 +51,7 @@ def record(
     total_overruns, plus kallsyms so that 'mtrace-live report' works on any
     machine. Give --pid N, --all or a COMMAND; stop with Ctrl-C or --duration.
 
+    \b
         mtrace-live record -o out.d --all --duration 10
         mtrace-live record -o out.d --libc --sdt-glibc -- ./my-program
     """
