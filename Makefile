@@ -78,9 +78,9 @@ demo: sdt-glibc exercisers
 	@$(BIN)/python scripts/compare-ground-truth $(BUILD)/demo-counts.json $(BUILD)/ground-truth.json
 
 # Every benchmark, side by side with bpftrace, bcc's trace and perf, in one
-# run; writes docs/bench.json and docs/performance.md (root; 11 to 20 minutes
+# run; writes docs/bench.json and docs/performance.md (root; about 31 minutes
 # on 2 CPUs). QUICK=1: one repetition of each, smaller workloads, no probe hit
-# rates (section 7): < 2 minutes.
+# rates (section 7): about 8 minutes.
 # BENCH="--only usdt,kmem" runs some sections; BENCH=--rewrite only rewrites
 # docs/performance.md from docs/bench.json.
 bench: sdt-glibc exercisers
