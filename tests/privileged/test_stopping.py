@@ -11,6 +11,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mtrace_live.exporters.kmemtrace import read_record_set
@@ -18,12 +19,13 @@ from mtrace_live.tracer import bpf_syscalls
 from mtrace_live.tracer.sdt_glibc import SdtGlibc
 
 from .conftest import MTRACE, built
-from .tracing import Reaper, programs_of, wait_for_detach
+from .tracing import Reaper, programs_of, wait_for_detach, wait_until
 
 
-def start_when_ready(argv: list[str], reaper: Reaper, needle: str) -> subprocess.Popen[str]:
+def start_when_ready(argv: list[str], reaper: Reaper, needle: str,
+                     stdout: Any = subprocess.PIPE) -> subprocess.Popen[str]:  # fmt: skip
     proc = reaper.add(
-        subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # type: ignore[arg-type]
+        subprocess.Popen(argv, stdout=stdout, stderr=subprocess.PIPE, text=True)  # type: ignore[arg-type]
     )
     assert proc.stderr is not None
     line = proc.stderr.readline()
@@ -58,7 +60,8 @@ def test_record_stops_with_every_record_written_and_detaches(
                 "--lib", str(sdt.libc)]  # fmt: skip
         tracer = start_when_ready(argv, reaper, "records to")
         loaded = programs_of(tracer.pid)
-        time.sleep(2)
+        # (once records reach the files: a stop with records in flight)
+        wait_until(lambda: sum(f.stat().st_size for f in out.glob("cpu*")) > 0, "records written")
         # WHEN it is signalled
         tracer.send_signal(sig)
         stdout, stderr = tracer.communicate(timeout=120)
@@ -81,22 +84,25 @@ def test_a_live_trace_and_serve_stop_on_sigterm_and_detach(sdt: SdtGlibc, tmp_pa
         load = reaper.add(subprocess.Popen(sdt.wrap([str(built("arena_contention")), "60"]),
                                            stdout=subprocess.DEVNULL))  # fmt: skip
         # GIVEN a live trace writing JSON lines, and a metrics server, both on the load
-        trace = start_when_ready(
-            [*MTRACE, "--pid", str(load.pid), "--lib", str(sdt.libc), "--kmem", "-o", "json"],
-            reaper, "tracing",
-        )  # fmt: skip
+        lines_file = tmp_path / "trace.jsonl"
+        with open(lines_file, "w") as lines_out:
+            trace = start_when_ready(
+                [*MTRACE, "--pid", str(load.pid), "--lib", str(sdt.libc), "--kmem", "-o", "json"],
+                reaper, "tracing", stdout=lines_out,
+            )  # fmt: skip
         serve = start_when_ready(
             [*MTRACE, "serve", "--lib", str(sdt.libc), "--web.listen-address", "127.0.0.1:0",
              "--pid", str(load.pid)],
             reaper, "tracing",
         )  # fmt: skip
         loaded = programs_of(trace.pid) | programs_of(serve.pid)
-        time.sleep(2)
-        # WHEN both get SIGTERM
+        wait_until(lambda: lines_file.stat().st_size > 0, "events written")
+        # WHEN both get SIGTERM, events in flight
         trace.send_signal(signal.SIGTERM)
         serve.send_signal(signal.SIGTERM)
-        lines, trace_err = trace.communicate(timeout=120)
+        _, trace_err = trace.communicate(timeout=120)
         _, serve_err = serve.communicate(timeout=120)
+        lines = lines_file.read_text()
     # THEN both end cleanly, the trace with a line for each event it delivered
     assert trace.returncode == 0, trace_err
     assert serve.returncode == 0, serve_err

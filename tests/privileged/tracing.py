@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from mtrace_live.tracer.bpf_backend import DETACHER_NAME
@@ -55,6 +56,15 @@ class GatedWorkload:
 
     def wait(self, timeout: float = 120) -> int:
         return self.proc.wait(timeout=timeout)
+
+
+def wait_until(ready: Callable[[], bool], what: str) -> None:
+    """Until ``ready()`` (a guard against a hang, not a measure)."""
+    for _ in range(600):
+        if ready():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"never: {what}")
 
 
 def wait_for_line(path: Path, needle: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
