@@ -80,7 +80,7 @@ demo: sdt-glibc exercisers
 # Every benchmark, side by side with bpftrace, bcc's trace and perf, in one
 # run; writes docs/bench.json and docs/performance.md (root; about 31 minutes
 # on 2 CPUs). QUICK=1: one repetition of each, smaller workloads, no probe hit
-# rates (section 7): about 8 minutes.
+# rates (section 7): 5 to 8 minutes.
 # BENCH="--only usdt,kmem" runs some sections; BENCH=--rewrite only rewrites
 # docs/performance.md from docs/bench.json.
 bench: sdt-glibc exercisers
