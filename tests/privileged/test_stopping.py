@@ -28,8 +28,11 @@ def start_when_ready(argv: list[str], reaper: Reaper, needle: str,
         subprocess.Popen(argv, stdout=stdout, stderr=subprocess.PIPE, text=True)  # type: ignore[arg-type]
     )
     assert proc.stderr is not None
-    line = proc.stderr.readline()
-    assert needle in line, line + proc.stderr.read()
+    said = ""  # notices (derived probes, a cache warning) may come first
+    while needle not in said:
+        line = proc.stderr.readline()
+        assert line, said + proc.stderr.read()
+        said += line
     return proc  # type: ignore[return-value]
 
 

@@ -10,14 +10,13 @@ import os
 import re
 import signal
 import subprocess
-import time
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 from .conftest import MTRACE, built
-from .tracing import Reaper, finish, wait_for_line
+from .tracing import Reaper, finish, wait_for_line, wait_until
 
 READY = "Ctrl-C to stop"
 
@@ -114,23 +113,15 @@ def test_run_passes_ctrl_c_and_sigterm_on_to_its_command(
         ))  # fmt: skip
         # WHEN mtrace-live gets the signal once the command runs (traced: run
         # starts it only once everything is attached)
-        wait_for_file(ready, tracer)
+        wait_until(lambda: ready.exists() or tracer.poll() is not None, "the command started")
+        assert tracer.poll() is None, tracer.communicate()
         tracer.send_signal(sig)
         out, err = tracer.communicate(timeout=120)
     # THEN the command got the same signal, and mtrace-live exits with its code
+    assert said.exists(), (tracer.returncode, out, err)
     assert said.read_text().strip() == sig.name.removeprefix("SIG")
     assert tracer.returncode == code, err
     assert "Traceback" not in err and "mtrace-live:" in out + err
-
-
-def wait_for_file(path: Path, proc: subprocess.Popen[str]) -> None:
-    """Until ``path`` exists (a guard against a hang, not a measure)."""
-    for _ in range(1200):
-        if path.exists():
-            return
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.1)
-    raise AssertionError(f"{path} never appeared")
 
 
 def test_exit_4_when_bcc_cannot_be_imported(tmp_path: Path) -> None:

@@ -128,14 +128,15 @@ def wait_freed(proc: subprocess.Popen[bytes], out: Path, expected: int) -> None:
     """Until the watcher of ``watch_frees`` has seen ``expected`` frees, less
     any runs of its programs the kernel skipped (a guard against a hang, not
     a measure)."""
-    for _ in range(1200):
-        freed = [int(json.loads(line)["data"]["@freed"])
-                 for line in out.read_text(errors="replace").splitlines()
-                 if line.startswith('{"type": "map"') and "@freed" in line]  # fmt: skip
-        if freed and freed[-1] + skipped_runs_of(proc.pid) >= expected:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"the objects were never freed: {out.read_text(errors='replace')[-500:]}")
+
+    def freed() -> int:
+        counts = [int(json.loads(line)["data"]["@freed"])
+                  for line in out.read_text(errors="replace").splitlines()
+                  if line.startswith('{"type": "map"') and "@freed" in line]  # fmt: skip
+        return counts[-1] if counts else 0
+
+    wait_until(lambda: freed() + skipped_runs_of(proc.pid) >= expected,
+               f"{expected} objects freed (seen: {out})")  # fmt: skip
 
 
 def start_bpftrace(body: str, pid: int, tmp: Path,
