@@ -626,6 +626,11 @@ def _loop(
     finally:
         trace.program.set_gate(False)
         time.sleep(GATE_SETTLE_S)  # a handler past the gate finishes its record
+        # Read now what the ring holds: a process stopped in _exit just before
+        # the gate closed (the command's own child, say) is continued as its
+        # record is read, so the command is not left waiting for it while it
+        # is asked to end.
+        settled = list(trace.drain())
         if child is not None:
             by_signal = stop.signal is not None and ended_by == signal.Signals(stop.signal).name
             exit_code = child.finish(
@@ -634,7 +639,7 @@ def _loop(
             )
         if pidfd is not None:
             os.close(pidfd)
-    for batch in trace.drain():  # everything committed before the detach
+    for batch in [*settled, *trace.drain()]:  # everything committed before the detach
         sinks.consume(batch)
     result = trace.result(started, ended_by, exit_code)
     sinks.finish(result)
