@@ -14,6 +14,7 @@ from __future__ import annotations
 import signal
 import sys
 
+from mtrace_live.probes.program import ProgramSource
 from mtrace_live.tracer.allocs import RETURNS_POINTER, plan
 from mtrace_live.tracer.bpf_backend import BpfProgram
 from mtrace_live.tracer.target import mapped_libc
@@ -22,7 +23,7 @@ from mtrace_live.tracer.target import mapped_libc
 def main(pid: int, every_process: bool) -> None:
     chosen = plan(mapped_libc(pid))
     scope = -1 if every_process else pid
-    program = BpfProgram("empty")
+    program = BpfProgram(ProgramSource.single("empty"))
     try:
         for name, site in chosen.sites.items():
             program.attach_uprobe(chosen.libc, site.file_offset, "empty", scope)

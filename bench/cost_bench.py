@@ -38,7 +38,7 @@ from common import (
     sdt,
     summarise,
 )  # fmt: skip
-from mtrace_live.probes import bpf_source
+from mtrace_live.probes.program import ProgramSource
 
 RATE = 300_000  # hits/s
 HOLD = 1.0 if QUICK else 3.0
@@ -66,7 +66,7 @@ COLD = "mtrace-live -o text, compiling (no program cache)"
 EMPTY_BCC = [
     str(Path(MTRACE[0]).with_name("python")),
     "-c",
-    f"import bcc, time; bcc.BPF(src_file={str(bpf_source('empty'))!r})"
+    f"import bcc, time; bcc.BPF(src_file={str(ProgramSource.single('empty').parts[0])!r})"
     ".load_func('empty', bcc.BPF.KPROBE); print('loaded', flush=True); time.sleep(120)",
 ]
 

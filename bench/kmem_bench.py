@@ -39,7 +39,7 @@ from common import (
     say,
     summarise,
 )  # fmt: skip
-from mtrace_live.probes import bpf_source
+from mtrace_live.probes.program import ProgramSource
 
 PAIRS = 10_000 if QUICK else 50_000
 WINDOW_PAIRS = PAIRS if QUICK else 4 * PAIRS
@@ -87,7 +87,7 @@ def empty_programs(raw: bool) -> list[str]:
     the kmem tracepoints, raw for the slab events if ``raw``; it prints
     "ready" once attached. bcc itself, not mtrace-live's loader, so that
     the floor is compiled as any bcc tool compiles."""
-    source = str(bpf_source("kmem_empty"))
+    source = str(ProgramSource.single("kmem_empty").parts[0])
     cflags = [f"-DRAW_SLAB={int(raw)}", f"-DPAGE_FREE_BATCHED={int(page_free_batched())}"]
     code = (f"import bcc, signal; b = bcc.BPF(src_file={source!r}, cflags={cflags!r}); "
             "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}); "

@@ -21,7 +21,7 @@ import os
 import sys
 
 import bcc
-from mtrace_live.probes import bpf_source
+from mtrace_live.probes.program import ProgramSource
 from mtrace_live.tracer.bpf_backend import tracepoint_format
 from mtrace_live.tracer.kmem_attach import kmem_attach
 from mtrace_live.tracer.tracefs import kmem_defines
@@ -43,7 +43,7 @@ def main(kind: str, page_free_batched: int, argv: list[str]) -> int:
     cflags = ["-DRAW_SLAB=1", f"-DPAGE_FREE_BATCHED={page_free_batched}", "-DPID_FILTER=1"]
     if kind == "match":
         cflags += ["-DMATCH_FREES=1", *pointer_arguments()]
-    source = bpf_source("kmem_empty")
+    source = ProgramSource.single("kmem_empty").parts[0]
     cflags.append(f"-I{source.parent}")  # set_table.h, beside it
     program = bcc.BPF(src_file=str(source), cflags=cflags)
     go_read, go_write = os.pipe()

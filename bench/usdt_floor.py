@@ -20,6 +20,7 @@ import sys
 import threading
 
 import numpy as np
+from mtrace_live.probes.program import ProgramSource
 from mtrace_live.probes.sdt_notes import read_sites
 from mtrace_live.tracer import sdt_glibc
 from mtrace_live.tracer.bpf_backend import BpfProgram
@@ -37,7 +38,9 @@ def read(reader: RingReader, stop: threading.Event) -> None:
 def main(handler: str, record_bytes: int, probes: list[str]) -> None:
     libc = sdt_glibc.locate().libc
     sites = [s for s in read_sites(libc) if s.provider == "libc" and s.name in probes]
-    program = BpfProgram("ring_floor", {"RECORD_BYTES": record_bytes, "RING_PAGES": RING_PAGES})
+    program = BpfProgram(
+        ProgramSource.single("ring_floor", {"RECORD_BYTES": record_bytes, "RING_PAGES": RING_PAGES})
+    )
     record = np.dtype([("words", "<u8", (record_bytes // 8,))])
     reader = RingReader(program.map_fd("records"), RING_PAGES * mmap.PAGESIZE, record)
     stop = threading.Event()

@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+from mtrace_live.probes.elf.errors import RecordSetError
 from mtrace_live.probes.meanings import meanings
 from mtrace_live.probes.records import KMEM_FREE_EVENTS
 
-from .data.errors import RecordSetError
 from .data.symbolize import Mapping as FileMapping
 
 ABI_VERSION = 3

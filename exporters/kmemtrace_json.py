@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from mtrace_live.exporters.data.errors import RecordSetError
 from mtrace_live.exporters.data.kallsyms import KernelSymbols
+from mtrace_live.probes.elf.errors import RecordSetError
 from mtrace_live.probes.records import EVENT_DTYPE, KMEM_EVENTS, MAX_ARGS, EventKind
 
 from .kmemtrace import KERNEL_TYPES, TYPES, EventId, KmemtraceWriter, RecordSet, TypeId

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from mtrace_live.probes.elf.errors import OutputError
 
 from .data.allocations import AllocSnapshot, FrameNames
-from .data.errors import OutputError
 from .data.sink import Sink, TraceInfo, TraceResult
 from .data.symbolize import Symbol
 

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import TextIO
 
 import numpy as np
+from mtrace_live.probes.elf.errors import TargetError
 from mtrace_live.probes.records import EventKind
 
-from .data.errors import TargetError
 from .data.kallsyms import KernelSymbols
 from .data.processes import process_name
 from .data.sink import EventBatch, Sink, TraceInfo, TraceResult

@@ -66,10 +66,9 @@ from typing import Any
 
 import bcrypt
 import yaml
+from mtrace_live.probes.elf.errors import ListenError, WebConfigError
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import make_wsgi_app
-
-from .data.errors import ListenError, WebConfigError
 
 StartResponse = Callable[[str, list[tuple[str, str]]], Any]
 

@@ -28,7 +28,8 @@ from elftools.elf.elffile import ELFFile
 from elftools.elf.relocation import RelocationSection
 from elftools.elf.sections import SymbolTableSection
 
-from .elf_symbols import STT_FUNC, STT_GNU_IFUNC, symbol_table
+from .elf.file import code_at, open_elf
+from .elf.symbols import STT_FUNC, STT_GNU_IFUNC, symbol_table
 
 # The allocation functions and the registers holding their arguments (SysV
 # x86-64 calling convention), in order.
@@ -117,8 +118,7 @@ def choose(code: bytes, entry: int, arguments: Iterable[str]) -> tuple[int, str,
 def alloc_sites(path: Path) -> dict[str, AllocSite]:
     """The site of each allocation function the file exports (by its default
     version), keyed by function name; functions it does not export are absent."""
-    with path.open("rb") as stream:
-        elf = ELFFile(stream)
+    with open_elf(path) as elf:
         dynsym = symbol_table(elf, ".dynsym")
         if dynsym is None:
             return {}
@@ -137,7 +137,7 @@ def alloc_sites(path: Path) -> dict[str, AllocSite]:
                    **_plt_targets(elf)}  # fmt: skip
         sites = {}
         for name, entry in entries.items():
-            code, bias = _code_at(elf, entry)
+            code, bias = code_at(elf, entry, entry + SCAN_BYTES, clamp=True)
             address, text, fast = choose(code, entry, ALLOC_FUNCTIONS[name])
             aliases = tuple(other for other in by_address[entry] if other != name)
             jumps_to = tail_call(code, entry, targets)
@@ -193,17 +193,3 @@ def _plt_targets(elf: ELFFile) -> dict[int, str]:
                     stub = insn.address - (insn.address - plt.header["sh_addr"]) % 16
                     stubs[stub] = slots[slot]
     return stubs
-
-
-def _code_at(elf: ELFFile, address: int) -> tuple[bytes, int]:
-    """SCAN_BYTES of the executable segment holding ``address``, and that
-    segment's vaddr - offset."""
-    for segment in elf.iter_segments():
-        if segment["p_type"] != "PT_LOAD" or not segment["p_flags"] & 1:
-            continue
-        start = segment["p_vaddr"]
-        if start <= address < start + segment["p_filesz"]:
-            data = segment.data()
-            at = address - start
-            return data[at : at + SCAN_BYTES], start - segment["p_offset"]
-    raise ValueError(f"{address:#x} is in no executable segment")

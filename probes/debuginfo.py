@@ -7,10 +7,10 @@ where a parameter lives at a given instruction (its location list). Only the
 compilation unit that holds ``__libc_malloc`` is read, found through
 ``.debug_aranges``: about 0.2 s with pyelftools.
 
-The debug file is the libc itself when it carries ``.debug_info`` (the SDT
-build does), else the file the build-id names under ``/usr/lib/debug``
-(Debian's ``libc6-dbg``). A debug file whose build-id differs from the libc's
-describes another build, and is refused.
+The debug file (``elf.debug.find_debug_file``) is the libc itself when it
+carries ``.debug_info`` (the SDT build does), else the file the build-id
+names under ``/usr/lib/debug`` (Debian's ``libc6-dbg``). A debug file whose
+build-id differs from the libc's describes another build, and is refused.
 """
 
 from __future__ import annotations
@@ -24,12 +24,10 @@ from elftools.dwarf.dwarf_expr import DWARFExprParser
 from elftools.dwarf.locationlists import BaseAddressEntry, LocationEntry, LocationParser
 from elftools.dwarf.ranges import RangeEntry
 from elftools.elf.elffile import ELFFile
-from elftools.elf.sections import NoteSection
 
-from .elf_symbols import symbol_tables
-from .sdt_notes import _ELF_FAILURES
-
-DEBUG_ROOT = Path("/usr/lib/debug")
+from .elf.errors import DebugInfoError
+from .elf.file import ELF_FAILURES
+from .elf.symbols import symbols_by_name
 
 # DWARF register numbers of x86-64 (System V psABI, figure 3.36).
 DWARF_REGISTERS = (
@@ -50,65 +48,6 @@ DWARF_REGISTERS = (
     "r14",
     "r15",
 )
-
-
-class DebugInfoError(Exception):
-    """A debug file that cannot be used: unreadable, or for another build."""
-
-
-def build_id(path: Path) -> str | None:
-    """The GNU build-id of an ELF file, in hex, or None."""
-    try:
-        with path.open("rb") as stream:
-            elf = ELFFile(stream)
-            for section in elf.iter_sections():
-                if not isinstance(section, NoteSection):
-                    continue
-                for note in section.iter_notes():
-                    if note["n_type"] == "NT_GNU_BUILD_ID":
-                        return str(note["n_desc"])
-    except (OSError, *_ELF_FAILURES):
-        return None
-    return None
-
-
-def has_debug_info(path: Path) -> bool:
-    try:
-        with path.open("rb") as stream:
-            return ELFFile(stream).get_section_by_name(".debug_info") is not None
-    except (OSError, *_ELF_FAILURES):
-        return False
-
-
-def debug_file_path(build: str) -> Path:
-    """Where a build-id's debug file is installed (gdb's .build-id layout)."""
-    return DEBUG_ROOT / ".build-id" / build[:2] / f"{build[2:]}.debug"
-
-
-def find_debug_file(libc: Path, given: Path | None = None) -> Path | None:
-    """The debug file for ``libc``: ``given`` if any (checked), the libc itself
-    when it has DWARF, else the one its build-id names, if installed."""
-    wanted = build_id(libc)
-    if given is not None:
-        if not given.is_file():
-            raise DebugInfoError(f"debug file {given}: no such file")
-        found = build_id(given)
-        if wanted is None or found != wanted:
-            raise DebugInfoError(
-                f"debug file {given} has build-id {found or 'none'}, but {libc} has "
-                f"{wanted or 'none'}: it describes another build, refused"
-            )
-        return given
-    if has_debug_info(libc):
-        return libc
-    if wanted is None:
-        return None
-    candidate = debug_file_path(wanted)
-    if not candidate.is_file():
-        return None
-    if build_id(candidate) != wanted:
-        raise DebugInfoError(f"{candidate} does not carry the build-id {wanted} it is filed under")
-    return candidate
 
 
 @dataclass(frozen=True)
@@ -137,7 +76,7 @@ class DebugInfo:
         try:
             self._stream = path.open("rb")
             self.elf = ELFFile(self._stream)
-            self.symbols = _symbols(self.elf)
+            self.symbols = symbols_by_name(self.elf)
             self.dwarf = self.elf.get_dwarf_info()
             malloc = self.symbols.get("__libc_malloc")
             if malloc is None:
@@ -148,7 +87,7 @@ class DebugInfo:
                 raise DebugInfoError(f"{path}: no .debug_aranges entry for __libc_malloc")
             self.cu: CompileUnit = self.dwarf.get_CU_at(offset)
             self._index()
-        except (OSError, *_ELF_FAILURES) as exc:
+        except (OSError, *ELF_FAILURES) as exc:
             raise DebugInfoError(f"{path}: unreadable debug information ({exc})") from None
 
     def close(self) -> None:
@@ -264,35 +203,6 @@ class DebugInfo:
         else:
             return None
         return DWARF_REGISTERS[number] if number < len(DWARF_REGISTERS) else None
-
-
-def read_code(elf: ELFFile, begin: int, end: int) -> bytes:
-    for segment in elf.iter_segments():
-        if segment["p_type"] != "PT_LOAD" or not segment["p_flags"] & 1:
-            continue
-        start = segment["p_vaddr"]
-        if start <= begin and end <= start + segment["p_filesz"]:
-            return bytes(segment.data()[begin - start : end - start])
-    raise ValueError(f"{begin:#x}-{end:#x} is in no executable segment")
-
-
-def file_offset(elf: ELFFile, address: int) -> int | None:
-    for segment in elf.iter_segments():
-        if segment["p_type"] != "PT_LOAD":
-            continue
-        start = segment["p_vaddr"]
-        if start <= address < start + segment["p_filesz"]:
-            return int(address - start + segment["p_offset"])
-    return None
-
-
-def _symbols(elf: ELFFile) -> dict[str, tuple[int, int]]:
-    found: dict[str, tuple[int, int]] = {}
-    for table in symbol_tables(elf):
-        for symbol in table:
-            if symbol.defined and symbol.name:
-                found.setdefault(symbol.name, (symbol.value, symbol.size))
-    return found
 
 
 def _name(die: DIE) -> str | None:

@@ -37,10 +37,13 @@ from capstone import x86
 from elftools.elf.elffile import ELFFile
 
 from .alloc_sites import _WIDE, emulated
-from .debuginfo import Code, DebugInfo, DebugInfoError, file_offset, find_debug_file, read_code
-from .elf_symbols import STT_FUNC, symbol_tables
+from .debuginfo import Code, DebugInfo
+from .elf.debug import find_debug_file
+from .elf.errors import DebugInfoError, NotGlibcError
+from .elf.file import ELF_FAILURES, code_at, file_offset, load_segments
+from .elf.symbols import STT_FUNC, symbols_by_name
 from .locations import REGISTERS, ArgKind, ArgLocation, SiteLayout
-from .sdt_notes import _ELF_FAILURES, SdtSite
+from .sdt_notes import SdtSite
 
 EXACT, APPROXIMATE, UNAVAILABLE = "exact", "approximate", "unavailable"
 SYSCALL, SYMBOL, DEBUG = "syscall", "exported symbol", "debug info"
@@ -205,7 +208,7 @@ def _disassembler() -> capstone.Cs:
 
 
 def _function(elf: ELFFile, name: str, start: int, size: int) -> _Function:
-    insns = list(_disassembler().disasm(read_code(elf, start, start + size), start))
+    insns = list(_disassembler().disasm(code_at(elf, start, start + size)[0], start))
     targets = set()
     for insn in insns:
         if insn.mnemonic.startswith("j") or insn.mnemonic == "call":
@@ -249,6 +252,7 @@ class _Deriver:
     def __init__(self, libc: Path, stream_elf: ELFFile, debug: DebugInfo | None) -> None:
         self.libc = libc
         self.elf = stream_elf
+        self.segments = load_segments(stream_elf)
         self.debug = debug
         self.dynamic = _dynamic_symbols(stream_elf)
         self._functions: dict[str, _Function] = {}
@@ -284,23 +288,14 @@ class _Deriver:
         registers: Iterable[str],
     ) -> DerivedSite:
         address, text, fast = choose_from(fn, anchor, registers)
-        offset = file_offset(self.elf, address)
+        offset = file_offset(self.segments, address)
         if offset is None:
             raise ValueError(f"{address:#x} is outside {self.libc}")
         return DerivedSite(fn.name, what, address, offset, text, fast, tuple(args))
 
 
 def _dynamic_symbols(elf: ELFFile) -> dict[str, tuple[int, int]]:
-    found: dict[str, tuple[int, int]] = {}
-    for table in symbol_tables(elf, (".dynsym",)):
-        for symbol in table:
-            if symbol.defined and symbol.type == STT_FUNC:
-                found.setdefault(symbol.name, (symbol.value, symbol.size))
-    return found
-
-
-class NotGlibcError(Exception):
-    """The file is not a glibc whose malloc probes can be derived."""
+    return symbols_by_name(elf, (".dynsym",), frozenset({STT_FUNC}))
 
 
 def require_glibc(libc: Path) -> None:
@@ -309,7 +304,7 @@ def require_glibc(libc: Path) -> None:
     try:
         with libc.open("rb") as stream:
             exported = _dynamic_symbols(ELFFile(stream))
-    except (OSError, *_ELF_FAILURES) as exc:
+    except (OSError, *ELF_FAILURES) as exc:
         raise NotGlibcError(f"{libc} is not a readable ELF file ({exc})") from None
     if not {"malloc", "mallopt"} <= set(exported):
         raise NotGlibcError(f"{libc} is not a glibc: it exports no malloc and mallopt")
@@ -449,7 +444,7 @@ def _code(d: _Deriver, code: Code) -> list[capstone.CsInsn]:
     return [
         insn
         for begin, end in code.ranges
-        for insn in _disassembler().disasm(read_code(d.elf, begin, end), begin)
+        for insn in _disassembler().disasm(code_at(d.elf, begin, end)[0], begin)
     ]
 
 

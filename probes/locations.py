@@ -28,7 +28,7 @@ from pathlib import Path
 
 from elftools.elf.elffile import ELFFile
 
-from .elf_symbols import symbol_tables
+from .elf.symbols import symbol_tables
 from .sdt_notes import SdtSite
 
 

@@ -16,29 +16,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from elftools.common.exceptions import ELFError
-from elftools.construct import ConstructError
-from elftools.elf.elffile import ELFFile
-from elftools.elf.segments import Segment
+from .elf.errors import MalformedNoteError, TargetError
+from .elf.file import ELF_FAILURES, LoadSegment, file_offset, load_segments, not_elf, open_elf
 
 NT_STAPSDT = 3
 _OWNER = b"stapsdt\0"
-
-
-class SdtNoteError(Exception):
-    """The file is not a readable ELF file, or its SDT notes are malformed."""
-
-
-class NotElfError(SdtNoteError):
-    """Not an ELF file, or a truncated one."""
-
-
-class MalformedNoteError(SdtNoteError):
-    """An ELF file whose .note.stapsdt section does not parse."""
-
-
-# What pyelftools may raise on a damaged file; all become NotElfError.
-_ELF_FAILURES = (ELFError, ConstructError, struct.error, ValueError, EOFError, IndexError, KeyError)
 
 
 @dataclass(frozen=True)
@@ -59,24 +41,21 @@ class SdtSite:
 
 
 def read_sites(path: str | Path) -> list[SdtSite]:
-    """All SDT probe sites of an ELF file, in note order."""
-    try:
-        with open(path, "rb") as stream:
-            try:
-                elf = ELFFile(stream)
-                notes = elf.get_section_by_name(".note.stapsdt")
-                data = notes.data() if notes is not None else b""
-                base_section = elf.get_section_by_name(".stapsdt.base")
-                actual_base = base_section["sh_addr"] if base_section is not None else None
-                loads = [seg for seg in elf.iter_segments() if seg["p_type"] == "PT_LOAD"]
-                layout = _Layout(elf.little_endian, 8 if elf.elfclass == 64 else 4, actual_base)
-            except _ELF_FAILURES as exc:
-                raise NotElfError(
-                    f"{path}: not a readable ELF file ({exc or 'truncated'})"
-                ) from None
-            return list(_sites(data, layout, loads, path))
-    except OSError as exc:
-        raise SdtNoteError(f"{path}: {exc.strerror}") from None
+    """All SDT probe sites of an ELF file, in note order. Raises TargetError
+    (unreadable), NotElfError (exit 9) or MalformedNoteError (exit 10)."""
+    with open_elf(path) as elf:
+        try:
+            notes = elf.get_section_by_name(".note.stapsdt")
+            data = notes.data() if notes is not None else b""
+            base_section = elf.get_section_by_name(".stapsdt.base")
+            actual_base = base_section["sh_addr"] if base_section is not None else None
+            loads = load_segments(elf)
+            layout = _Layout(elf.little_endian, 8 if elf.elfclass == 64 else 4, actual_base)
+        except ELF_FAILURES as exc:
+            raise not_elf(path, exc) from None
+        except OSError as exc:
+            raise TargetError(f"{path}: {exc.strerror}") from None
+        return list(_sites(data, layout, loads, path))
 
 
 @dataclass(frozen=True)
@@ -87,7 +66,7 @@ class _Layout:
 
 
 def _sites(
-    data: bytes, layout: _Layout, loads: Sequence[Segment], path: str | Path
+    data: bytes, layout: _Layout, loads: Sequence[LoadSegment], path: str | Path
 ) -> Iterator[SdtSite]:
     byte_order = "<" if layout.little_endian else ">"
     address_format = byte_order + ("QQQ" if layout.address_size == 8 else "III")
@@ -110,7 +89,11 @@ def _sites(
 
 
 def _site(
-    desc: bytes, layout: _Layout, address_format: str, loads: Sequence[Segment], path: str | Path
+    desc: bytes,
+    layout: _Layout,
+    address_format: str,
+    loads: Sequence[LoadSegment],
+    path: str | Path,
 ) -> SdtSite:
     head = 3 * layout.address_size
     strings = desc[head:].split(b"\0")
@@ -127,7 +110,7 @@ def _site(
         raise MalformedNoteError(f"{path}: a stapsdt note has non-ASCII names") from None
     if not provider or not name:
         raise MalformedNoteError(f"{path}: a stapsdt note has an empty provider or name")
-    offset = _file_offset(loads, pc)
+    offset = file_offset(loads, pc)
     if offset is None:
         raise MalformedNoteError(f"{path}: probe {provider}:{name} at {pc:#x} is outside the file")
     return SdtSite(
@@ -143,11 +126,3 @@ def _site(
 
 def _align4(size: int) -> int:
     return (size + 3) & ~3
-
-
-def _file_offset(loads: Sequence[Segment], vaddr: int) -> int | None:
-    for seg in loads:
-        start = seg["p_vaddr"]
-        if start <= vaddr < start + seg["p_filesz"]:
-            return int(vaddr - start + seg["p_offset"])
-    return None

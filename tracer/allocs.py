@@ -19,16 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from elftools.common.exceptions import ELFError
-from elftools.construct import ConstructError
 from mtrace_live.exporters.data.allocations import (
     AllocSnapshot,
     Outstanding,
     ProcessAllocs,
     StackRow,
 )
-from mtrace_live.exporters.data.errors import NoProbesError, NotElfError
 from mtrace_live.probes.alloc_sites import AllocSite, alloc_sites
+from mtrace_live.probes.elf.errors import NoProbesError
+from mtrace_live.probes.elf.file import ELF_FAILURES, file_offset, load_segments, not_elf, open_elf
+from mtrace_live.probes.elf.symbols import symbol_table
 from mtrace_live.probes.records import (
     ALLOC_FN_NAMES,
     ALLOC_PROC_DTYPE,
@@ -69,8 +69,8 @@ def plan(libc: Path) -> AllocPlan:
     is not a readable ELF file."""
     try:
         return _plan(libc)
-    except (ELFError, ConstructError, ValueError, IndexError, KeyError) as exc:
-        raise NotElfError(f"{libc}: not a readable ELF file ({exc})") from None
+    except ELF_FAILURES as exc:
+        raise not_elf(libc, exc) from None
 
 
 def _plan(libc: Path) -> AllocPlan:
@@ -94,22 +94,13 @@ def _plan(libc: Path) -> AllocPlan:
 
 
 def _file_offset(libc: Path, name: str) -> int | None:
-    from elftools.elf.elffile import ELFFile
-    from mtrace_live.probes.elf_symbols import symbol_table
-
-    with libc.open("rb") as stream:
-        elf = ELFFile(stream)
+    """Where the exported function ``name`` is in the libc's file."""
+    with open_elf(libc) as elf:
         dynsym = symbol_table(elf, ".dynsym")
         if dynsym is None:
             return None
         address = next((s.value for s in dynsym if s.name == name and s.value), None)
-        if address is None:
-            return None
-        for segment in elf.iter_segments():
-            start = segment["p_vaddr"]
-            if segment["p_type"] == "PT_LOAD" and start <= address < start + segment["p_filesz"]:
-                return int(address - start + segment["p_offset"])
-    return None
+        return None if address is None else file_offset(load_segments(elf), address)
 
 
 def defines(sample_bytes: int, events: bool, walk: bool, outstanding: int, stacks: int,

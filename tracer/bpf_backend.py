@@ -19,14 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from mtrace_live.exporters.data.errors import (
+from mtrace_live.exporters.data.sink import ProcessHits
+from mtrace_live.probes.elf.errors import (
     AttachError,
     BccUnavailableError,
     NotPrivilegedError,
     TracepointMissingError,
 )
-from mtrace_live.exporters.data.sink import ProcessHits
-from mtrace_live.probes import bpf_source
+from mtrace_live.probes.program import ProgramSource
 from mtrace_live.probes.records import ALLOC_FRAMES_BASE
 
 from . import bpf_cache, bpf_syscalls
@@ -140,17 +140,16 @@ def _pass_ref_ctr_offset(lib: Any) -> None:
 
 
 class BpfProgram:
-    """A compiled and attached bcc program built from one bundled .bpf.c file."""
+    """A compiled and attached bcc program, built from its bundled parts."""
 
-    def __init__(self, name: str, defines: dict[str, int] | None = None) -> None:
+    def __init__(self, source: ProgramSource) -> None:
         require_privileges()
         tracefs_root()
         bcc = import_bcc()
-        src = bpf_source(name)
-        cflags = [f"-D{key}={value}" for key, value in (defines or {}).items()]
-        # bcc compiles the file as /virtual/main.c: its own headers (records.h)
-        # are found through the file's directory.
-        cflags.append(f"-I{src.parent}")
+        name = source.name
+        # bcc compiles the text as /virtual/main.c: its own headers (records.h)
+        # are found through the parts' directory.
+        cflags = [*source.cflags(), f"-I{source.directory}"]
         # Two warnings every kernel header of 6.x raises under bcc's clang;
         # they say nothing about mtrace-live's own C.
         cflags += ["-Wno-duplicate-decl-specifier", "-Wno-ignored-attributes"]
@@ -158,7 +157,8 @@ class BpfProgram:
         self._typed: dict[str, tuple[int, int]] = {}  # handler -> (program fd, attachment fd)
         # event -> why the kernel refused its BTF-typed handler (its raw one is attached)
         self.typed_refused: dict[str, str] = {}
-        sources = [src.read_bytes(), *(h.read_bytes() for h in sorted(src.parent.glob("*.h")))]
+        text = source.text()
+        sources = [text.encode(), *(h.read_bytes() for h in source.headers())]
         key = bpf_cache.cache_key(sources, cflags, bcc_version())
         # What the start-up report says of the load: warnings, and the origin
         # (a debug line, MTRACE_LIVE_DEBUG=1).
@@ -168,7 +168,7 @@ class BpfProgram:
         self.from_cache = compiled is not None  # loaded from code a previous run compiled
         if compiled is None:
             try:
-                self._bpf = bcc.BPF(src_file=str(src).encode(), cflags=cflags)
+                self._bpf = bcc.BPF(text=text.encode(), cflags=cflags)
             except Exception as exc:
                 raise AttachError(f"cannot load BPF program {name}: {exc}") from None
             with contextlib.suppress(Exception):  # the cache is only ever a saving

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 import click
-from mtrace_live.exporters.data.errors import MtraceError
+from mtrace_live.probes.elf.errors import MtraceError
 
 from . import package_version
 from .commands import options

@@ -8,14 +8,14 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from mtrace_live.exporters import sprtrace
-from mtrace_live.exporters.data.errors import (
+from mtrace_live.exporters.data.kallsyms import KernelSymbols
+from mtrace_live.exporters.kmemtrace import ABI_FILE, cpu_files, read_record_set
+from mtrace_live.probes.elf.errors import (
     DamagedRecordsError,
     SpRtraceError,
     TargetError,
     UsageError,
 )
-from mtrace_live.exporters.data.kallsyms import KernelSymbols
-from mtrace_live.exporters.kmemtrace import ABI_FILE, cpu_files, read_record_set
 
 
 def _is_record_set(source: Path) -> bool:

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mtrace_live.probes.program import ProgramConfig
 from mtrace_live.probes.records import KMEM_EVENTS
 
 from . import usdt
@@ -60,25 +61,21 @@ class HitCounter:
         )
         require_privileges()
         self.probes = list(self.selection.probes) if self.selection else []
-        defines = {
-            "FOLLOW_FORKS": int(follow_forks),
-            "WITH_KMEM": int(kmem),
-            "WITH_EVENTS": 0,
-            **usdt.site_defines(self.selection),
-            **usdt.derived_defines(self.selection),
-        }
         self.kmem = kmem
         self._has_cache_name = False
         self._caches_by_pointer = False
+        kmem_switches = None
         if kmem:
             variants = kmem_defines(tracepoint_format)
             self._has_cache_name = bool(variants["HAVE_CACHE_NAME"])
             raw = kmem_attach(variants).defines
             self._caches_by_pointer = bool(raw.get("RAW_CACHE_ALLOC"))
-            defines.update(variants)
-            defines.update(raw)
+            kmem_switches = {**variants, **raw}
         self.libc = libc
-        self._program = BpfProgram("trace", defines)
+        config = ProgramConfig(events=False, follow_forks=follow_forks, kmem=kmem_switches,
+                               sites=usdt.site_defines(self.selection),
+                               derived=usdt.derived_defines(self.selection))  # fmt: skip
+        self._program = BpfProgram(config.source())
         if self.selection is not None:
             usdt.attach(self._program, self.selection)
 

@@ -15,17 +15,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from mtrace_live.exporters.data.errors import (
+from mtrace_live.probes.catalog import Catalog
+from mtrace_live.probes.elf.errors import (
     MtraceError,
     NotPrivilegedError,
     TracepointMissingError,
 )
-from mtrace_live.probes.catalog import Catalog
+from mtrace_live.probes.sdt_notes import read_sites
 
 from . import bpf_backend
 from .kmem_attach import kmem_attach
 from .probe_listing import no_probes_error
-from .target import read_file_sites
 from .tracefs import kmem_defines, parse_format
 
 OK, NOT_PERMITTED, NOT_SUPPORTED = "ok", "not permitted", "not supported"
@@ -121,7 +121,7 @@ def _bcc() -> str:
 def _libc_notes(libc: Path, catalog: Catalog) -> Check:
     name = "libc probes"
     try:
-        sites = read_file_sites(libc)
+        sites = read_sites(libc)
     except MtraceError as exc:
         return Check(name, NOT_SUPPORTED, str(exc))
     ours = [s for s in sites if s.provider == "libc"]
@@ -169,8 +169,8 @@ def _debug_file(libc: Path) -> Check:
 def _derived_probes(libc: Path) -> Check:
     """What the derived memory_* probes can rebuild for this libc, and the
     package that provides its debug file."""
-    from mtrace_live.probes.debuginfo import DebugInfoError
-    from mtrace_live.probes.derived import APPROXIMATE, EXACT, NotGlibcError, plan
+    from mtrace_live.probes.derived import APPROXIMATE, EXACT, plan
+    from mtrace_live.probes.elf.errors import DebugInfoError, NotGlibcError
 
     name = "derived probes"
     try:

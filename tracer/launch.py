@@ -14,7 +14,7 @@ import signal
 import time
 from collections.abc import Sequence
 
-from mtrace_live.exporters.data.errors import TargetError
+from mtrace_live.probes.elf.errors import TargetError
 
 
 def resolve_command(argv: Sequence[str]) -> list[str]:

@@ -27,14 +27,6 @@ from types import FrameType
 import numpy as np
 from mtrace_live.exporters import registry
 from mtrace_live.exporters.data.allocations import FrameNames
-from mtrace_live.exporters.data.errors import (
-    MtraceError,
-    NoProbesError,
-    NotPrivilegedError,
-    OutputClosedError,
-    TargetError,
-    TargetExecError,
-)
 from mtrace_live.exporters.data.events import Event, EventDecoder
 from mtrace_live.exporters.data.sink import (
     EventBatch,
@@ -44,6 +36,15 @@ from mtrace_live.exporters.data.sink import (
     TraceResult,
 )
 from mtrace_live.probes.catalog import load_catalog
+from mtrace_live.probes.elf.errors import (
+    MtraceError,
+    NoProbesError,
+    NotPrivilegedError,
+    OutputClosedError,
+    TargetError,
+    TargetExecError,
+)
+from mtrace_live.probes.program import ProgramConfig
 from mtrace_live.probes.records import EVENT_DTYPE, EventKind
 
 from . import allocs, bpf_syscalls, package_version, target, usdt
@@ -249,47 +250,42 @@ class LiveTrace:
         # them in the ring, the kernel's ring is all the room asked for.
         ring_pages = (request.buffer_pages if request.kernel_records
                       else min(request.buffer_pages, KERNEL_RING_PAGES))  # fmt: skip
-        defines = {
-            "FILTER_PIDS": int(request.filtered_by_pid),
-            "FOLLOW_FORKS": int(request.follow_forks or request.comm is not None),
-            "WITH_EVENTS": 1,
-            "RINGBUF_PAGES": ring_pages,
-            "PROBE_EXACT_TIME": int(request.exact_times),
-            **usdt.site_defines(self.selection),
-            **usdt.derived_defines(self.selection),
-            "WITH_KMEM": int(self.kmem),
-            "KMEM_EVENTS": int(request.kernel_records),
-            "PAGE_SHIFT_": mmap.PAGESIZE.bit_length() - 1,
-            "WITH_STACKS": int(request.stack_depth > 0),
-            "STACK_DEPTH": max(request.stack_depth, 1),
-            "STACK_ENTRIES": request.stack_entries,
-        }
-        if request.comm is not None:
-            low, high = target.comm_words(request.comm)
-            defines.update({"FILTER_COMM": 1, "COMM_LO": low, "COMM_HI": high})
-        if request.cgroup is not None:
-            cgroup_id, level, _ = target.cgroup_target(request.cgroup)
-            defines.update({"FILTER_CGROUP": 1, "CGROUP_ID": cgroup_id, "CGROUP_LEVEL": level})
-        if self.kmem:
-            variants = kmem_defines(tracepoint_format)
-            defines.update(variants)
-            defines.update(kmem_attach(variants, request.classic_tracepoints).defines)
-        if request.filtered_by_pid and request.comm is None and target_pid is not None:
-            defines["FIRST_TGID"] = 1  # the pid itself is written once loaded
         self.hold = False
         # One process alone: its uprobes are attached for it alone.
         self.alloc_pid = target_pid if request.one_process and target_pid is not None else -1
+        alloc_defines = None
         if self.alloc_plan is not None:
             self.hold = not request.privileges_dropped and self.alloc_plan.exit_offset is not None
-            defines.update(allocs.defines(request.sample_bytes, request.alloc_events,
-                                          walk=True, outstanding=request.max_outstanding,
-                                          stacks=request.alloc_stacks, hold=self.hold,
-                                          one_process=self.alloc_pid >= 0))  # fmt: skip
+            alloc_defines = allocs.defines(request.sample_bytes, request.alloc_events, walk=True,
+                                           outstanding=request.max_outstanding,
+                                           stacks=request.alloc_stacks, hold=self.hold,
+                                           one_process=self.alloc_pid >= 0)  # fmt: skip
+        kmem_switches = None
+        if self.kmem:
+            variants = kmem_defines(tracepoint_format)
+            raw = kmem_attach(variants, request.classic_tracepoints).defines
+            kmem_switches = {**variants, **raw}
+        config = ProgramConfig(
+            filter_pids=request.filtered_by_pid,
+            follow_forks=request.follow_forks or request.comm is not None,
+            first_tgid=request.filtered_by_pid and request.comm is None and target_pid is not None,
+            comm=target.comm_words(request.comm) if request.comm is not None else None,
+            cgroup=target.cgroup_target(request.cgroup)[:2] if request.cgroup is not None else None,
+            ring_pages=ring_pages,
+            exact_times=request.exact_times,
+            sites=usdt.site_defines(self.selection),
+            derived=usdt.derived_defines(self.selection),
+            kmem=kmem_switches,
+            kmem_events=request.kernel_records,
+            stack_depth=request.stack_depth,
+            stack_entries=request.stack_entries,
+            allocs=alloc_defines,
+        )
         stats_fd = bpf_syscalls.enable_run_time_stats() if request.bpf_stats else None
         if request.bpf_stats and stats_fd is None and not bpf_syscalls.sysctl_enabled():
             raise NotPrivilegedError("--bpf-stats: this kernel refused to count BPF run time")
         try:
-            self.program = BpfProgram("trace", defines)
+            self.program = BpfProgram(config.source())
         except BaseException:
             bpf_syscalls.close(stats_fd)
             raise
@@ -298,7 +294,7 @@ class LiveTrace:
             self.notices.append(f"kmem:{event} attached as a raw tracepoint: the kernel refused "
                                 f"its BTF-typed handler ({why})")  # fmt: skip
         try:
-            if defines.get("FIRST_TGID") and target_pid is not None:
+            if config.first_tgid and target_pid is not None:
                 self.program.set_first_target(target_pid)
             usdt.attach(self.program, self.selection)
             if self.alloc_plan is not None:

@@ -18,7 +18,7 @@ import os
 import pwd
 from pathlib import Path
 
-from mtrace_live.exporters.data.errors import PrivilegeDropError
+from mtrace_live.probes.elf.errors import PrivilegeDropError
 
 UNPRIVILEGED_BPF = Path("/proc/sys/kernel/unprivileged_bpf_disabled")
 _FD_OPS_UNCHECKED_SINCE = (6, 5)

@@ -6,12 +6,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mtrace_live.exporters.data.errors import NoProbesError
 from mtrace_live.probes import sdt_notes
 from mtrace_live.probes.catalog import Catalog, Comparison, compare, parse_note_arg
 from mtrace_live.probes.derived import UNAVAILABLE, DerivedPlan
-
-from .target import read_file_sites
+from mtrace_live.probes.elf.errors import NoProbesError
+from mtrace_live.probes.sdt_notes import read_sites
 
 
 @dataclass(frozen=True)
@@ -71,7 +70,7 @@ def no_probes_error(path: Path) -> NoProbesError:
 
 
 def list_file(path: Path, catalog: Catalog) -> FileListing:
-    sites = read_file_sites(path)
+    sites = read_sites(path)
     if not sites:
         raise no_probes_error(path)
     grouped: dict[tuple[str, str], list[sdt_notes.SdtSite]] = {}

@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 from mtrace_live.exporters.data.allocations import AllocSnapshot, FrameNames, StackRow, frame_text
-from mtrace_live.exporters.data.errors import RecordSetError
 from mtrace_live.exporters.data.kallsyms import KernelSymbols
 from mtrace_live.exporters.data.kmem import CallSite, KmemTotals, name_sites
 from mtrace_live.exporters.data.symbolize import ProcessSymbols
@@ -38,6 +37,7 @@ from mtrace_live.exporters.kmemtrace import (
     parse_user_maps,
     read_record_set,
 )
+from mtrace_live.probes.elf.errors import RecordSetError
 from mtrace_live.probes.records import ALLOC_FN_NAMES
 
 PAGE_SIZE = mmap.PAGESIZE  # of the recording machine, assumed the same

@@ -7,14 +7,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from mtrace_live.exporters.data.errors import (
-    MalformedNoteError,
-    NotElfError,
+from mtrace_live.exporters.data.processes import kernel_comm
+from mtrace_live.probes.elf.errors import (
     NotPrivilegedError,
     TargetError,
 )
-from mtrace_live.exporters.data.processes import kernel_comm
-from mtrace_live.probes import sdt_notes
 
 # glibc's soname; the versioned file name older glibcs installed; and libc.so,
 # the real file name in a glibc build tree, where libc.so.6 is a symlink to it
@@ -116,19 +113,6 @@ def _reachable(pid: int, path: Path, inode: int) -> Path:
     if not Path(f"/proc/{pid}").exists():
         raise TargetError(f"process {pid} exited")
     raise TargetError(f"cannot find the file process {pid} maps as {path}")
-
-
-def read_file_sites(path: Path) -> list[sdt_notes.SdtSite]:
-    """The SDT sites of a file, with the file's problems as mtrace-live errors
-    (exit 9 for a file that is not ELF, 10 for malformed notes)."""
-    try:
-        return sdt_notes.read_sites(path)
-    except sdt_notes.NotElfError as exc:
-        raise NotElfError(str(exc)) from None
-    except sdt_notes.MalformedNoteError as exc:
-        raise MalformedNoteError(str(exc)) from None
-    except sdt_notes.SdtNoteError as exc:
-        raise TargetError(str(exc)) from None
 
 
 def library_file(path: str | os.PathLike[str]) -> Path:

@@ -14,16 +14,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mtrace_live.exporters.data.errors import (
+from mtrace_live.exporters.data.events import SiteInfo, site_info
+from mtrace_live.probes import derived, sdt_notes
+from mtrace_live.probes.catalog import Catalog
+from mtrace_live.probes.elf.errors import (
     NoMatchingProbeError,
     NoProbesError,
-    TargetError,
     UsageError,
 )
-from mtrace_live.exporters.data.events import SiteInfo, site_info
-from mtrace_live.probes import derived
-from mtrace_live.probes.catalog import Catalog
-from mtrace_live.probes.debuginfo import DebugInfoError
 from mtrace_live.probes.locations import SiteLayout, layout_sites, rip_symbols, symbol_addresses
 from mtrace_live.probes.records import MAX_ARGS
 from mtrace_live.probes.sdt_notes import SdtSite
@@ -82,7 +80,7 @@ class ProbeSelection:
 
 
 def libc_sites(libc: Path) -> list[SdtSite]:
-    sites = target.read_file_sites(libc)
+    sites = sdt_notes.read_sites(libc)
     if not any(site.provider == LIBC_PROVIDER for site in sites):
         raise NoProbesError(
             f"{libc} has no libc SDT probes (glibc built without --enable-systemtap); "
@@ -115,12 +113,7 @@ def choose_derived(
     """The probes matching ``patterns`` that probes/derived.py can rebuild
     for ``libc``, with their uprobe sites first and one site entry per
     syscall-derived probe after them (never attached)."""
-    try:
-        plan = derived.plan(libc, debug_file)
-    except DebugInfoError as exc:
-        raise TargetError(str(exc)) from None
-    except derived.NotGlibcError as exc:
-        raise NoProbesError(str(exc)) from None
+    plan = derived.plan(libc, debug_file)
     names = [n for n in plan.available() if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
     if not names:
         raise NoMatchingProbeError(

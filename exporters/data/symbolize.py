@@ -25,10 +25,10 @@ from pathlib import Path
 
 from elftools.common.exceptions import DWARFError, ELFError
 from elftools.elf.elffile import ELFFile
-from elftools.elf.sections import NoteSection
-from mtrace_live.probes.elf_symbols import STT_FUNC, STT_GNU_IFUNC, symbol_table
+from mtrace_live.probes.elf.debug import DEBUG_DIRECTORIES, debug_files
+from mtrace_live.probes.elf.file import LoadSegment, build_id, debuglink, load_segments, vaddr_at
+from mtrace_live.probes.elf.symbols import STT_FUNC, STT_GNU_IFUNC, symbol_table
 
-DEBUG_DIRECTORIES = (Path("/usr/lib/debug"),)
 PAGE = 4096
 _FUNCTION_TYPES = frozenset({STT_FUNC, STT_GNU_IFUNC})
 
@@ -55,23 +55,22 @@ class ModuleSymbols:
         self._names: list[str] = []
         self._rows: list[int] = []  # line-table addresses, sorted
         self._places: list[str | None] = []
-        self.loads: list[tuple[int, int, int]] = []  # PT_LOAD (offset, vaddr, memsz)
+        self.loads: list[LoadSegment] = []
         self.build_id: str | None = None
         self.debug_file: Path | None = None  # where the names or lines came from, if not path
         self._full_symbols = False  # from a .symtab (static functions too), not .dynsym only
         try:
             with open(path, "rb") as file:
                 elf = ELFFile(file)
-                self.loads = [(s["p_offset"], s["p_vaddr"], s["p_memsz"])
-                              for s in elf.iter_segments() if s["p_type"] == "PT_LOAD"]  # fmt: skip
-                self.build_id = _build_id(elf)
+                self.loads = load_segments(elf)
+                self.build_id = build_id(elf)
                 self._read_symbols(elf)
                 self._read_lines(elf)
-                debuglink = _debuglink(elf)
+                link = debuglink(elf)
         except (OSError, ELFError, DWARFError, ValueError):
             return
         if not self._full_symbols or not self._rows:
-            for candidate in _debug_files(path, self.build_id, debuglink, debug_directories):
+            for candidate in debug_files(path, self.build_id, link, debug_directories):
                 if self._read_debug_file(candidate):
                     self.debug_file = candidate
                     break
@@ -89,7 +88,7 @@ class ModuleSymbols:
         try:
             with open(candidate, "rb") as file:
                 elf = ELFFile(file)
-                if self.build_id and _build_id(elf) not in (None, self.build_id):
+                if self.build_id and build_id(elf) not in (None, self.build_id):
                     return False
                 if not self._full_symbols:
                     before = (self._starts, self._ends, self._names)
@@ -170,48 +169,13 @@ class ModuleSymbols:
         expects; for a fixed-address executable, its first segment's page."""
         if not self.loads:
             return None
-        first = min(vaddr for _, vaddr, _ in self.loads) & ~(PAGE - 1)
-        last = max(vaddr + size for _, vaddr, size in self.loads)
+        first = min(load.vaddr for load in self.loads) & ~(PAGE - 1)
+        last = max(load.vaddr + load.memsz for load in self.loads)
         return bias + first, bias + ((last + PAGE - 1) & ~(PAGE - 1))
 
     def vaddr(self, file_offset: int) -> int | None:
         """The link-time address of a byte at this file offset."""
-        for offset, vaddr, size in self.loads:
-            if offset <= file_offset < offset + size:
-                return file_offset - offset + vaddr
-        return None
-
-
-def _build_id(elf: ELFFile) -> str | None:
-    for section in elf.iter_sections():
-        if isinstance(section, NoteSection):
-            for note in section.iter_notes():
-                if note["n_type"] == "NT_GNU_BUILD_ID":
-                    return str(note["n_desc"])
-    return None
-
-
-def _debuglink(elf: ELFFile) -> str | None:
-    section = elf.get_section_by_name(".gnu_debuglink")
-    if section is None:
-        return None
-    return section.data().split(b"\0", 1)[0].decode(errors="replace") or None
-
-
-def _debug_files(path: Path, build_id: str | None, debuglink: str | None,
-                 directories: Sequence[Path]) -> list[Path]:  # fmt: skip
-    """Where gdb looks for a separate debug file, in its order."""
-    candidates = []
-    for directory in directories:
-        if build_id and len(build_id) > 2:
-            candidates.append(directory / ".build-id" / build_id[:2] / f"{build_id[2:]}.debug")
-    if debuglink:
-        candidates.append(path.parent / debuglink)
-        candidates.append(path.parent / ".debug" / debuglink)
-        candidates += [
-            directory / str(path.parent).lstrip("/") / debuglink for directory in directories
-        ]
-    return [candidate for candidate in candidates if candidate.is_file()]
+        return vaddr_at(self.loads, file_offset)
 
 
 _CACHE: dict[tuple[str, int, int], ModuleSymbols] = {}

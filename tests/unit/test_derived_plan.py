@@ -8,7 +8,9 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from mtrace_live.probes import debuginfo, derived
+from mtrace_live.probes import derived
+from mtrace_live.probes.elf import debug
+from mtrace_live.probes.elf.errors import DebugInfoError
 from mtrace_live.tracer.target import default_libc
 
 
@@ -16,7 +18,7 @@ def test_without_a_debug_file_the_syscall_and_symbol_probes_remain(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     # GIVEN no debug file to be found by build-id
-    monkeypatch.setattr(debuginfo, "DEBUG_ROOT", tmp_path)
+    monkeypatch.setattr(debug, "DEBUG_ROOT", tmp_path)
     plan = derived.plan(default_libc())
     # THEN the system-call and exported-symbol probes are derived
     assert plan.debug_file is None and "libc6-dbg" in plan.debug_problem
@@ -36,7 +38,7 @@ def test_without_a_debug_file_the_syscall_and_symbol_probes_remain(
 def test_a_debug_file_of_another_build_is_refused(tmp_path: Path) -> None:
     other = tmp_path / "other.debug"
     other.write_bytes(Path("/bin/true").read_bytes())
-    with pytest.raises(debuginfo.DebugInfoError, match="another build"):
+    with pytest.raises(DebugInfoError, match="another build"):
         derived.plan(default_libc(), other)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
-from mtrace_live.probes.elf_symbols import SHN_UNDEF, symbol_table
+from mtrace_live.probes.elf.symbols import SHN_UNDEF, symbol_table
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "elf"
 FILES = [*sorted(FIXTURES.glob("*.so")), Path("/lib/x86_64-linux-gnu/libc.so.6"),

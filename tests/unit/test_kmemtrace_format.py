@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from mtrace_live.exporters.data.errors import RecordSetError
 from mtrace_live.exporters.kmemtrace import (
     ABI_VERSION,
     EventId,
@@ -19,6 +18,7 @@ from mtrace_live.exporters.kmemtrace import (
     encode,
     read_record_set,
 )
+from mtrace_live.probes.elf.errors import RecordSetError
 from mtrace_live.probes.records import EVENT_DTYPE, EventKind
 
 from .cli_runs import assert_one_line, mtrace

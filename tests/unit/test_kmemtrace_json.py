@@ -7,10 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mtrace_live.exporters.data.errors import RecordSetError
 from mtrace_live.exporters.data.kallsyms import KernelSymbols
 from mtrace_live.exporters.kmemtrace import EventId, TypeId, read_record_set
 from mtrace_live.exporters.kmemtrace_json import json_lines, write_record_set
+from mtrace_live.probes.elf.errors import RecordSetError
 from mtrace_live.probes.records import EventKind
 
 from .cli_runs import assert_one_line, mtrace

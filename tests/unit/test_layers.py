@@ -3,7 +3,8 @@
 From the top: ``mtrace_live.tracer`` (attach, read, decode, model, the
 commands) -> ``mtrace_live.exporters`` (one module per output) ->
 ``mtrace_live.exporters.data`` (the plain data every output receives) ->
-``mtrace_live.probes`` (catalog, ELF notes, BPF C, record layouts). A module
+``mtrace_live.probes`` (catalog, ELF notes, BPF C, record layouts) ->
+``mtrace_live.probes.elf`` (ELF files, the error hierarchy). A module
 may import its own layer and the layers below, never one above; no two
 modules may import each other, however indirectly; and bcc is imported in
 one module only.
@@ -21,6 +22,7 @@ LAYERS = (
     "mtrace_live.exporters",
     "mtrace_live.exporters.data",
     "mtrace_live.probes",
+    "mtrace_live.probes.elf",
 )
 PACKAGES = ("mtrace_live.probes", "mtrace_live.exporters", "mtrace_live.tracer")
 BCC_IMPORTER = "mtrace_live.tracer.bpf_backend"

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mtrace_live.exporters.data.errors import ListenError, WebConfigError
 from mtrace_live.exporters.data.kmem import CallSite, KmemTotals
 from mtrace_live.exporters.prometheus import MtraceCollector, ProcessFigures, Snapshot
 from mtrace_live.exporters.web import (
@@ -27,6 +26,7 @@ from mtrace_live.exporters.web import (
     load_web_config,
     parse_address,
 )
+from mtrace_live.probes.elf.errors import ListenError, WebConfigError
 from mtrace_live.probes.records import KmemType
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families

@@ -5,7 +5,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from mtrace_live.probes.sdt_notes import SdtNoteError, read_sites
+from mtrace_live.probes.elf.errors import NotElfError, TargetError
+from mtrace_live.probes.sdt_notes import read_sites
 
 PROGRAM = r"""
 #include <sys/sdt.h>
@@ -91,10 +92,10 @@ def test_library_without_notes_has_no_sites(tmp_path: Path) -> None:
 def test_not_an_elf_file_is_one_clear_error(tmp_path: Path) -> None:
     bogus = tmp_path / "libc.so.6"
     bogus.write_bytes(b"this is not an ELF file")
-    with pytest.raises(SdtNoteError, match="not a readable ELF file"):
+    with pytest.raises(NotElfError, match="not a readable ELF file"):
         read_sites(bogus)
 
 
 def test_missing_file_is_one_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(SdtNoteError, match="No such file"):
+    with pytest.raises(TargetError, match="No such file"):
         read_sites(tmp_path / "absent.so")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 from mtrace_live.exporters import sprtrace
-from mtrace_live.exporters.data.errors import SpRtraceError
 from mtrace_live.exporters.sprtrace import Call, Comment, Frame, Resource, Trace
+from mtrace_live.probes.elf.errors import SpRtraceError
 
 from .cli_runs import assert_one_line, mtrace
 

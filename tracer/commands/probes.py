@@ -49,8 +49,8 @@ def probes(
     file (each site, the instruction chosen, where each argument is), or
     unavailable and why.
     """
-    from mtrace_live.exporters.data.errors import NoProbesError
     from mtrace_live.probes.catalog import load_catalog
+    from mtrace_live.probes.elf.errors import NoProbesError
 
     from ..probe_listing import (
         list_file,
@@ -106,9 +106,8 @@ def probes(
 
 
 def _derived_plan(libc: Path, debug_file: Path | None) -> Any:
-    from mtrace_live.exporters.data.errors import TargetError
-    from mtrace_live.probes.debuginfo import DebugInfoError
-    from mtrace_live.probes.derived import NotGlibcError, plan
+    from mtrace_live.probes.derived import plan
+    from mtrace_live.probes.elf.errors import DebugInfoError, NotGlibcError, TargetError
 
     try:
         return plan(libc, debug_file)
@@ -118,7 +117,7 @@ def _derived_plan(libc: Path, debug_file: Path | None) -> Any:
 
 def _alloc_sites(libc: Path) -> list[dict[str, Any]]:
     """Each allocation function the libc exports, and where its probe sits."""
-    from mtrace_live.exporters.data.errors import MtraceError
+    from mtrace_live.probes.elf.errors import MtraceError
 
     from ..allocs import plan
 

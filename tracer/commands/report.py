@@ -44,9 +44,9 @@ def report(source: Path, fmt: str, sort: str, limit: int, kallsyms: Path | None)
     what was read).
     """
     from mtrace_live.exporters.allocinfo import render_allocinfo
-    from mtrace_live.exporters.data.errors import DamagedRecordsError
     from mtrace_live.exporters.data.kallsyms import KernelSymbols
     from mtrace_live.exporters.kmemtrace import open_record_set
+    from mtrace_live.probes.elf.errors import DamagedRecordsError
 
     from ..report import render_text, stream
 

@@ -1,4 +1,5 @@
-"""The one error hierarchy of mtrace-live.
+"""The one error hierarchy of mtrace-live, at the bottom layer so that
+every layer raises these classes and none translates another's.
 
 Library code raises these; only ``cli.main`` turns them into a single
 ``mtrace-live: error: ...`` line and the exit code below. Codes are stable and
@@ -30,10 +31,18 @@ class NoProbesError(MtraceError):
     exit_code = 5
 
 
+class NotGlibcError(NoProbesError):
+    """The file is not a glibc whose malloc probes can be derived."""
+
+
 class TargetError(MtraceError):
     """The target process, command or library does not exist or cannot be read."""
 
     exit_code = 6
+
+
+class DebugInfoError(TargetError):
+    """A debug file that cannot be used: unreadable, or for another build."""
 
 
 class AttachError(MtraceError):

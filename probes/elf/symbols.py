@@ -95,3 +95,19 @@ def symbol_tables(
         table = symbol_table(elf, name)
         if table is not None:
             yield table
+
+
+def symbols_by_name(
+    elf: ELFFile,
+    order: tuple[str, ...] = (".symtab", ".dynsym"),
+    types: frozenset[int] | None = None,
+) -> dict[str, tuple[int, int]]:
+    """name -> (value, size) of the defined, named symbols of the tables in
+    ``order`` (of the STT_* ``types`` only, if given); the first table
+    naming a symbol wins."""
+    found: dict[str, tuple[int, int]] = {}
+    for table in symbol_tables(elf, order):
+        for symbol in table:
+            if symbol.defined and symbol.name and (types is None or symbol.type in types):
+                found.setdefault(symbol.name, (symbol.value, symbol.size))
+    return found

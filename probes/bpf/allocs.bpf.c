@@ -1,0 +1,617 @@
+/* ---- the allocation functions --------------------------------------------
+ * Uprobes on malloc, calloc, realloc, reallocarray, free, memalign,
+ * posix_memalign, aligned_alloc, valloc and pvalloc, found in the libc's
+ * dynamic symbol table (probes/alloc_sites.py chooses each site), and one
+ * return probe at the entry of each allocating function.
+ *
+ * The entry handlers keep the arguments per thread in `pending`, an array
+ * indexed by the thread id's low bits (a hash map would cost a hash and a
+ * lock per call: measured, about 0.3 us of each malloc+free pair); the return
+ * handler accounts the call: per (process, stack) in alloc_stacks, per
+ * process in alloc_procs, and each pointer in `outstanding` until it is
+ * freed. A call made inside another allocation function (glibc's realloc of
+ * NULL calls malloc, its realloc to 0 bytes calls free, its memalign of a
+ * small alignment calls malloc) is the outer call's business: it is seen
+ * as nested because its stack pointer is below the pending call's, and is
+ * not counted again.
+ *
+ * SAMPLE_BYTES > 0: byte-based sampling. A per-CPU countdown of bytes is
+ * reloaded from exponentially distributed intervals of mean SAMPLE_BYTES
+ * (a Poisson process over the bytes allocated); an allocation is kept when
+ * the countdown runs out inside it, and stands for SAMPLE_BYTES times the
+ * number of times it did: an unbiased estimate of its bytes. Only kept
+ * allocations get a stack walk, an outstanding entry and an event. */
+#if WITH_ALLOCS
+
+/* Without sampling every allocation has its alloc_stacks row, so a
+ * process's allocations, bytes and frees of known pointers are the sums of
+ * its rows, and alloc_procs counts only what no row has: frees of unknown
+ * pointers, failed calls, allocations alloc_stacks had no room for. With
+ * sampling alloc_procs counts every call. (tracer/allocs.py adds them up.) */
+#define EXACT_STACKS (SAMPLE_BYTES == 0)
+#define SAMPLE_QUANTILES 1024 /* a power of two */
+#define MAX_CROSSINGS 32
+
+#define PENDING_SLOTS 65536 /* a power of two: threads whose ids differ by a multiple share one */
+
+struct pending_call {
+    u64 sp;    /* the stack pointer at the site: deeper calls are nested */
+    u64 size;
+    u64 aux;   /* realloc's old pointer, posix_memalign's pointer's address, the alignment */
+    u32 fn;
+    u32 depth; /* 1 + nested calls not yet returned; 0: the slot is free */
+    u32 tid;   /* whose call it is */
+    u32 proc_tgid; /* the process whose alloc_procs row this slot's thread has made */
+};
+
+BPF_ARRAY(pending, struct pending_call, PENDING_SLOTS);
+#if ALLOC_WALK
+/* The allocations' own stacks (not `stacks`): the frames above each call
+ * site, stored once, at the row of alloc_frames that their 64-bit hash
+ * picks (the next free of FRAME_PROBES rows on a collision). The first CPU
+ * to store a stack claims its row in alloc_frame_claims, writes the frames,
+ * then the hash. Ids in keys and events are ALLOC_FRAMES_BASE + row. */
+#define FRAME_PROBES 8
+struct alloc_frames_row {
+    u64 hash; /* 0: free, or not written yet */
+    u64 ip[ALLOC_DEPTH];
+};
+BPF_ARRAY(alloc_frames, struct alloc_frames_row, ALLOC_FRAME_ROWS);
+BPF_HASH(alloc_frame_claims, u32, u64, ALLOC_FRAME_ROWS);
+BPF_PERCPU_ARRAY(alloc_walk, struct alloc_frames_row, 1);
+#endif
+/* The outstanding allocations: an open-addressed table in an array, so that
+ * an allocation and its free cost an array access and a compare-and-swap
+ * each, not a hash map's insert and delete with their bucket locks (about
+ * 0.1 us a call here, docs/allocations.md). A row is claimed by swapping its
+ * tag from free (0) or deleted (1) to the allocation's own; a free marks
+ * it deleted. Up to OUT_PROBES rows from the one the tag hashes to. */
+#define OUT_PROBES 16
+#define OUT_DELETED 1
+BPF_ARRAY(outstanding, struct outstanding_row, ALLOC_OUT_ROWS);
+/* Per (process, function, stack): an open-addressed table in an array, so
+ * that the free of a block finds its stack's row by the index its
+ * outstanding row keeps, not by hashing the key again. A row is claimed by
+ * swapping its tag from 0 to the key's 64-bit hash; the tag alone then
+ * names the key (two keys of one hash among some thousands: about one
+ * chance in 2^40). Up to STACK_PROBES rows from the one the hash picks. */
+#define STACK_PROBES 8
+BPF_ARRAY(alloc_stacks, struct alloc_stack_row, ALLOC_STACK_ROWS);
+BPF_HASH(alloc_procs, u32, struct alloc_proc, MAX_FOLLOWED);
+BPF_PERCPU_ARRAY(alloc_calls, u64, AF_COUNT); /* every hit, nested ones included */
+BPF_PERCPU_ARRAY(alloc_misc, u64, AX_COUNT);
+#if SAMPLE_BYTES > 0
+BPF_ARRAY(sample_quantiles, u64, SAMPLE_QUANTILES); /* SAMPLE_BYTES * -ln(1 - (i + 0.5) / N) */
+BPF_PERCPU_ARRAY(sample_left, s64, 1);
+#endif
+
+/* Attached for one process alone (ALLOC_ONE_PROCESS), the uprobes fire in
+ * no other: the kernel filters, and the followed table need not be asked. */
+static __always_inline int alloc_followed(u32 tgid)
+{
+#if ALLOC_ONE_PROCESS
+    return 1;
+#else
+    return tgid_is_followed(tgid);
+#endif
+}
+
+static __always_inline u64 alloc_now(void)
+{
+#if ALLOC_EVENTS
+    return bpf_ktime_get_ns(); /* events show it, and order by it */
+#else
+    /* the ages of live blocks and the stacks' last allocations are read
+     * in seconds (docs/allocations.md) */
+    return tick_now();
+#endif
+}
+
+static __always_inline struct alloc_proc *alloc_proc_of(u32 tgid)
+{
+    struct alloc_proc zero = {};
+    return alloc_procs.lookup_or_try_init(&tgid, &zero);
+}
+
+static __always_inline struct pending_call *slot_of(u32 tid)
+{
+    u32 slot = tid & (PENDING_SLOTS - 1);
+    return pending.lookup(&slot);
+}
+
+/* The pending call of this thread, if the slot holds one. */
+static __always_inline struct pending_call *pending_of(struct pending_call *p, u32 tid)
+{
+    return p && p->depth && p->tid == tid ? p : NULL;
+}
+
+/* The pending call of this thread that the call at `sp` is nested in, if any. */
+static __always_inline struct pending_call *enclosing(struct pending_call *slot, u32 tid, u64 sp)
+{
+    struct pending_call *p = pending_of(slot, tid);
+    if (p && sp <= p->sp) /* equal: a tail call (reallocarray jumps to realloc) */
+        return p;
+    return NULL; /* none, or left over from a call that never returned */
+}
+
+static __always_inline int on_alloc_entry(struct pt_regs *ctx, u32 fn, u64 size, u64 aux)
+{
+    if (gate_closed())
+        return 0;
+    u64 id = bpf_get_current_pid_tgid();
+    if (!alloc_followed(id >> 32))
+        return 0;
+    alloc_calls.increment(fn);
+    u32 tid = (u32)id;
+    u64 sp = PT_REGS_SP(ctx);
+    struct pending_call *slot = slot_of(tid);
+    if (!slot)
+        return 0;
+    struct pending_call *outer = enclosing(slot, tid, sp);
+    if (outer) {
+        outer->depth++;
+        alloc_misc.increment(AX_NESTED);
+        return 0;
+    }
+    if (slot->depth && slot->tid != tid) /* another thread's call, in flight: it loses it */
+        alloc_misc.increment(AX_SLOT_TAKEN);
+    slot->sp = sp;
+    slot->size = size;
+    slot->aux = aux;
+    slot->fn = fn;
+    slot->tid = tid;
+    slot->depth = 1;
+    return 0;
+}
+
+static __always_inline void alloc_event(u8 kind, u32 fn, u32 tgid, u32 tid, u64 call_site, u64 ptr,
+                                        u64 size, u64 aux, u64 weight, u64 born, u64 site, s32 stack)
+{
+#if WITH_EVENTS && ALLOC_EVENTS
+    struct event *e = events.ringbuf_reserve(sizeof(struct event));
+    if (!e) {
+        alloc_misc.increment(AX_LOST_EVENTS);
+        return;
+    }
+    e->ts = bpf_ktime_get_ns();
+    e->ip = call_site;
+    e->tgid = tgid;
+    e->tid = tid;
+    e->cpu = bpf_get_smp_processor_id();
+    e->probe = fn;
+    e->site = 0;
+    e->kind = kind;
+    e->nargs = 6;
+    e->args[AA_PTR] = ptr;
+    e->args[AA_SIZE] = size;
+    e->args[AA_AUX] = aux;
+    e->args[AA_WEIGHT] = weight;
+    e->args[AA_BORN] = born;
+    e->args[AA_SITE] = site;
+    e->ustack = stack;
+    e->kstack = -1;
+    events.ringbuf_submit(e, 0);
+#endif
+}
+
+/* An allocation's tag: never 0 or 1 (user pointers are below 2^47 and
+ * aligned); rows also hold the pointer and process in full. */
+static __always_inline u64 outstanding_tag(u64 ptr, u32 tgid)
+{
+    return ptr ^ ((u64)tgid << 47);
+}
+
+static __always_inline u32 outstanding_home(u64 tag)
+{
+    return (u32)((tag * 0x9e3779b97f4a7c15ull) >> 32) & (ALLOC_OUT_ROWS - 1);
+}
+
+static __always_inline struct outstanding_row *outstanding_find(u64 ptr, u32 tgid)
+{
+    u64 tag = outstanding_tag(ptr, tgid);
+    u32 home = outstanding_home(tag);
+    for (u32 i = 0; i < OUT_PROBES; i++) {
+        u32 index = (home + i) & (ALLOC_OUT_ROWS - 1);
+        struct outstanding_row *row = outstanding.lookup(&index);
+        if (!row || !row->tag)
+            return NULL; /* a free row ends the search */
+        if (row->tag == tag && row->ptr == ptr && row->tgid == tgid)
+            return row;
+    }
+    return NULL;
+}
+
+/* 0, or -1 when no row near its home was free. */
+static __always_inline int outstanding_add(u64 ptr, u32 tgid, struct outstanding *o)
+{
+    u64 tag = outstanding_tag(ptr, tgid);
+    u32 home = outstanding_home(tag);
+    for (u32 i = 0; i < OUT_PROBES; i++) {
+        u32 index = (home + i) & (ALLOC_OUT_ROWS - 1);
+        struct outstanding_row *row = outstanding.lookup(&index);
+        if (!row)
+            return -1;
+        u64 seen = row->tag;
+        if (seen > OUT_DELETED)
+            continue;
+        if (__sync_val_compare_and_swap(&row->tag, seen, tag) != seen)
+            continue; /* taken by another CPU meanwhile */
+        row->ptr = ptr;
+        row->tgid = tgid;
+        row->value = *o;
+        return 0;
+    }
+    return -1;
+}
+
+static __always_inline u64 alloc_key_hash(const struct alloc_key *key)
+{
+    u64 h = (key->call_site ^ 0x84222325cbf29ce4ull) * 0x9e3779b97f4a7c15ull;
+    h = (h ^ (h >> 29) ^ ((u64)key->tgid << 32 | (u32)key->stack)) * 0x9e3779b97f4a7c15ull;
+    h = (h ^ (h >> 29) ^ key->fn) * 0x9e3779b97f4a7c15ull;
+    return h | 1; /* never 0, which marks a free row */
+}
+
+/* The row of `key`, claimed if it has none; NULL when none of its
+ * STACK_PROBES rows is its or free. `*index` is the row's. */
+static __always_inline struct alloc_stack_row *stack_row_of(const struct alloc_key *key, u32 *index)
+{
+    u64 tag = alloc_key_hash(key);
+    for (u32 i = 0; i < STACK_PROBES; i++) {
+        u32 at = (u32)(tag + i) & (ALLOC_STACK_ROWS - 1);
+        struct alloc_stack_row *row = alloc_stacks.lookup(&at);
+        if (!row)
+            return NULL;
+        u64 seen = row->tag;
+        if (!seen) {
+            seen = __sync_val_compare_and_swap(&row->tag, 0, tag);
+            if (!seen) { /* claimed: the key follows (user space skips a row without one) */
+                row->key = *key;
+                *index = at;
+                return row;
+            }
+        }
+        if (seen == tag) {
+            *index = at;
+            return row;
+        }
+    }
+    return NULL;
+}
+
+/* Release `ptr` of process `tgid`: its outstanding entry, its stack's live bytes. */
+static __always_inline void release(u32 fn, u32 tgid, u32 tid, u64 call_site, u64 ptr)
+{
+    struct outstanding_row *o = outstanding_find(ptr, tgid);
+    struct alloc_proc *proc = EXACT_STACKS && o ? NULL : alloc_proc_of(tgid);
+    if (proc)
+        __sync_fetch_and_add(&proc->frees, 1);
+    if (!o) {
+        if (proc)
+            __sync_fetch_and_add(&proc->unknown_frees, 1);
+#if SAMPLE_BYTES == 0
+        alloc_event(EV_FREE, fn, tgid, tid, call_site, ptr, 0, 0, 0, 0, 0, -1);
+#endif
+        return;
+    }
+    struct outstanding known = o->value;
+    o->tag = OUT_DELETED;
+    struct alloc_stack_row *row = alloc_stacks.lookup(&known.stack_row);
+    struct alloc_stats *s = row ? &row->stats : NULL;
+    if (s) {
+        __sync_fetch_and_add(&s->frees, 1);
+        __sync_fetch_and_add(&s->bytes_freed, known.weight);
+        __sync_fetch_and_add(&s->sizes_freed, known.size);
+    }
+    /* no stack: a free's stack is not walked (its call site is the event's ip) */
+    alloc_event(EV_FREE, fn, tgid, tid, call_site, ptr, known.size, 0, known.weight, known.ts,
+                known.key.call_site, -1);
+}
+
+/* How many bytes an allocation of `size` stands for: size itself without
+ * sampling; with it, SAMPLE_BYTES per sample point inside it, or 0. */
+static __always_inline u64 sample_weight(u64 size)
+{
+#if SAMPLE_BYTES > 0
+    u32 zero = 0;
+    s64 *left = sample_left.lookup(&zero);
+    if (!left)
+        return 0;
+    s64 remaining = *left - (s64)size;
+    u64 points = 0;
+#pragma unroll
+    for (int i = 0; i < MAX_CROSSINGS; i++) {
+        if (remaining > 0)
+            break;
+        u32 q = bpf_get_prandom_u32() & (SAMPLE_QUANTILES - 1);
+        u64 *interval = sample_quantiles.lookup(&q);
+        remaining += interval ? (s64)*interval : SAMPLE_BYTES;
+        points++;
+    }
+    if (remaining <= 0) { /* larger than MAX_CROSSINGS intervals: kept at its size */
+        *left = SAMPLE_BYTES;
+        return size;
+    }
+    *left = remaining;
+    return points * SAMPLE_BYTES;
+#else
+    return size;
+#endif
+}
+
+#if ALLOC_WALK
+#define MAX_FRAME_BYTES (8 << 20) /* a frame larger than the default stack limit ends a walk */
+/* The call site (the return address, where the return probe stands), then
+ * its callers, walked by frame pointers from %rbp (the caller's frame,
+ * restored by the function that returned): each saved %rbp must lie above
+ * the last, within MAX_FRAME_BYTES, and be 8-aligned, else the walk ends.
+ * A chain into code without frame pointers mostly ends there, without
+ * reading an unmapped address (a page fault). The kernel's walker
+ * (bpf_get_stackid) cost about ten times more here (docs/allocations.md).
+ * Returns the id of the stored frames, or -1. */
+static __always_inline s32 walk_frames(struct pt_regs *ctx)
+{
+    u32 zero = 0;
+    struct alloc_frames_row *row = alloc_walk.lookup(&zero);
+    if (!row)
+        return -1;
+    u64 fp = ctx->bp, below = PT_REGS_SP(ctx), ip = PT_REGS_IP(ctx);
+    u64 hash = (0x84222325cbf29ce4ull ^ ip) * 0x9e3779b97f4a7c15ull;
+    row->ip[0] = ip; /* the call site, then its callers */
+    int n = 1;
+    for (int i = 1; i < ALLOC_DEPTH; i++) {
+        u64 frame[2]; /* the saved %rbp, the return address */
+        if (fp <= below || fp - below > MAX_FRAME_BYTES || (fp & 7))
+            break;
+        if (bpf_probe_read_user(frame, sizeof(frame), (void *)fp) || !frame[1])
+            break;
+        row->ip[i] = frame[1];
+        hash = (hash ^ (hash >> 29) ^ frame[1]) * 0x9e3779b97f4a7c15ull;
+        below = fp;
+        fp = frame[0];
+        n = i + 1;
+    }
+    if (n < ALLOC_DEPTH)
+        row->ip[n & (ALLOC_DEPTH - 1)] = 0;
+    hash |= 1; /* never 0, which marks a free row */
+    for (u32 probe = 0; probe < FRAME_PROBES; probe++) {
+        u32 index = (u32)(hash + probe) & (ALLOC_FRAME_ROWS - 1);
+        struct alloc_frames_row *slot = alloc_frames.lookup(&index);
+        if (!slot)
+            break;
+        if (slot->hash == hash)
+            return ALLOC_FRAMES_BASE + index;
+        if (slot->hash)
+            continue; /* another stack's */
+        if (alloc_frame_claims.insert(&index, &hash)) { /* another CPU is storing a stack here */
+            u64 *claimed = alloc_frame_claims.lookup(&index);
+            if (claimed && *claimed == hash)
+                return ALLOC_FRAMES_BASE + index;
+            continue;
+        }
+        __builtin_memcpy(slot->ip, row->ip, sizeof(slot->ip));
+        asm volatile("" ::: "memory"); /* the frames before the hash that says they are there */
+        slot->hash = hash;
+        return ALLOC_FRAMES_BASE + index;
+    }
+    alloc_misc.increment(AX_FRAMES_FULL);
+    return -1;
+}
+#endif
+
+/* Every allocating function's return probe. */
+int alloc_return(struct pt_regs *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = (u32)id;
+    u32 tgid = id >> 32;
+    struct pending_call *p = pending_of(slot_of(tid), tid);
+    if (!p)
+        return 0;
+    if (p->depth > 1) {
+        p->depth--;
+        return 0;
+    }
+    struct pending_call call = *p;
+    p->depth = 0;
+    if (p->proc_tgid != tgid) { /* the process's row, made once per thread */
+        alloc_proc_of(tgid);
+        p->proc_tgid = tgid;
+    }
+    if (gate_closed())
+        return 0;
+    u64 ptr = PT_REGS_RC(ctx);
+    if (call.fn == AF_POSIX_MEMALIGN) {
+        u64 got = 0;
+        if ((int)ptr != 0 || bpf_probe_read_user(&got, sizeof(got), (void *)call.aux))
+            got = 0;
+        ptr = got;
+    }
+    u64 call_site = PT_REGS_IP(ctx); /* the return address, restored by the kernel */
+    if (call.fn == AF_REALLOC || call.fn == AF_REALLOCARRAY) {
+        /* glibc frees the old block on success, and on a request of 0 bytes. */
+        if (call.aux && (ptr || call.size == 0))
+            release(call.fn, tgid, tid, call_site, call.aux);
+        if (!ptr && call.size == 0)
+            return 0;
+    }
+    if (!ptr) { /* failed: counted, and nothing more */
+        struct alloc_proc *proc = alloc_proc_of(tgid);
+        if (proc)
+            __sync_fetch_and_add(&proc->failed, 1);
+        return 0;
+    }
+#if !EXACT_STACKS
+    struct alloc_proc *proc = alloc_proc_of(tgid);
+    if (proc) {
+        __sync_fetch_and_add(&proc->calls, 1);
+        __sync_fetch_and_add(&proc->bytes, call.size);
+    }
+#endif
+    u64 weight = sample_weight(call.size);
+#if SAMPLE_BYTES > 0
+    if (!weight)
+        return 0;
+#endif
+    struct alloc_key key = {.call_site = call_site, .tgid = tgid, .fn = call.fn};
+#if ALLOC_WALK
+    key.stack = walk_frames(ctx);
+#else
+    key.stack = -1;
+#endif
+    u32 stack_row = 0;
+    struct alloc_stack_row *row = stack_row_of(&key, &stack_row);
+    struct alloc_stats *s = row ? &row->stats : NULL;
+    u64 now = alloc_now();
+    if (!s) {
+        alloc_misc.increment(AX_STACKS_FULL);
+#if EXACT_STACKS
+        struct alloc_proc *proc = alloc_proc_of(tgid); /* counted here, as no row has it */
+        if (proc) {
+            __sync_fetch_and_add(&proc->calls, 1);
+            __sync_fetch_and_add(&proc->bytes, call.size);
+        }
+#endif
+    } else {
+        __sync_fetch_and_add(&s->calls, 1);
+        __sync_fetch_and_add(&s->bytes, weight);
+        __sync_fetch_and_add(&s->sizes, call.size);
+        s->last_ts = now;
+    }
+    if (s) {
+        struct outstanding o = {.key = key, .size = call.size, .weight = weight, .ts = now,
+                                .tid = tid, .stack_row = stack_row};
+        if (outstanding_add(ptr, tgid, &o)) {
+            alloc_misc.increment(AX_OUTSTANDING_FULL);
+            /* never to be matched: counted as freed at once, so live bytes stay right */
+            __sync_fetch_and_add(&s->frees, 1);
+            __sync_fetch_and_add(&s->bytes_freed, weight);
+            __sync_fetch_and_add(&s->sizes_freed, call.size);
+#if EXACT_STACKS
+            struct alloc_proc *proc = alloc_proc_of(tgid); /* not a free of the process's */
+            if (proc)
+                __sync_fetch_and_add(&proc->untracked, 1);
+#endif
+        }
+    }
+    alloc_event(EV_ALLOC, call.fn, tgid, tid, call_site, ptr, call.size, call.aux, weight, 0, 0, key.stack);
+    return 0;
+}
+
+/* Entry handlers: the sites' registers, as alloc_sites.py checked. */
+int alloc_malloc(struct pt_regs *ctx)
+{
+    return on_alloc_entry(ctx, AF_MALLOC, PT_REGS_PARM1(ctx), 0);
+}
+
+/* n * size, or 0 where it overflows (the call then fails). */
+static __always_inline u64 product(u64 n, u64 size)
+{
+    if (!((n | size) >> 32))
+        return n * size;
+    if (!size)
+        return 0;
+    u64 limit = (u64)-1 / size;
+    asm volatile("" : "+r"(limit)); /* else clang fuses this into a 128-bit multiply BPF lacks */
+    return n > limit ? 0 : n * size;
+}
+
+int alloc_calloc(struct pt_regs *ctx)
+{
+    u64 n = PT_REGS_PARM1(ctx), size = PT_REGS_PARM2(ctx);
+    return on_alloc_entry(ctx, AF_CALLOC, product(n, size), 0);
+}
+
+int alloc_realloc(struct pt_regs *ctx)
+{
+    return on_alloc_entry(ctx, AF_REALLOC, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx));
+}
+
+int alloc_reallocarray(struct pt_regs *ctx)
+{
+    u64 n = PT_REGS_PARM2(ctx), size = PT_REGS_PARM3(ctx);
+    return on_alloc_entry(ctx, AF_REALLOCARRAY, product(n, size), PT_REGS_PARM1(ctx));
+}
+
+int alloc_memalign(struct pt_regs *ctx)
+{
+    return on_alloc_entry(ctx, AF_MEMALIGN, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx));
+}
+
+int alloc_aligned_alloc(struct pt_regs *ctx)
+{
+    return on_alloc_entry(ctx, AF_ALIGNED_ALLOC, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx));
+}
+
+int alloc_posix_memalign(struct pt_regs *ctx)
+{
+    return on_alloc_entry(ctx, AF_POSIX_MEMALIGN, PT_REGS_PARM3(ctx), PT_REGS_PARM1(ctx));
+}
+
+int alloc_valloc(struct pt_regs *ctx)
+{
+    return on_alloc_entry(ctx, AF_VALLOC, PT_REGS_PARM1(ctx), 0);
+}
+
+int alloc_pvalloc(struct pt_regs *ctx)
+{
+    return on_alloc_entry(ctx, AF_PVALLOC, PT_REGS_PARM1(ctx), 0);
+}
+
+int alloc_free(struct pt_regs *ctx)
+{
+    if (gate_closed())
+        return 0;
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if (!alloc_followed(tgid))
+        return 0;
+    alloc_calls.increment(AF_FREE);
+    u64 ptr = PT_REGS_PARM1(ctx);
+    if (!ptr) {
+        alloc_misc.increment(AX_NULL_FREES);
+        return 0;
+    }
+    u64 sp = PT_REGS_SP(ctx);
+    if (enclosing(slot_of((u32)id), (u32)id, sp)) { /* realloc's own free of its old block */
+        alloc_misc.increment(AX_NESTED);
+        return 0;
+    }
+    u64 call_site = 0; /* the site is before any push: the return address is at sp */
+#if ALLOC_EVENTS
+    bpf_probe_read_user(&call_site, sizeof(call_site), (void *)sp); /* only events show it */
+#endif
+    release(AF_FREE, tgid, (u32)id, call_site, ptr);
+    return 0;
+}
+
+#if HOLD_AT_EXIT && WITH_EVENTS
+/* _exit: the process's mappings are still there. It stops itself (SIGSTOP,
+ * delivered as the handler returns to user space) and says so; user space
+ * reads /proc/PID/maps, to name the frames of its stacks after it is gone,
+ * and continues it. Only processes with allocations seen, and only while
+ * the gate is open: a trace that ends stops no one. */
+int alloc_exit(struct pt_regs *ctx)
+{
+    if (gate_closed())
+        return 0;
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if (!tgid_is_followed(tgid) || !alloc_procs.lookup(&tgid))
+        return 0; /* only processes whose allocations were seen */
+    struct event *e = events.ringbuf_reserve(sizeof(struct event));
+    if (!e)
+        return 0; /* no room to say so: not held */
+    __builtin_memset(e, 0, sizeof(*e));
+    e->ts = bpf_ktime_get_ns();
+    e->tgid = tgid;
+    e->tid = (u32)id;
+    e->kind = EV_HELD;
+    e->ustack = e->kstack = -1;
+    bpf_send_signal(19); /* SIGSTOP */
+    events.ringbuf_submit(e, 0);
+    return 0;
+}
+#endif
+
+#endif /* WITH_ALLOCS */

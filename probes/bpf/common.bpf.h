@@ -1,0 +1,414 @@
+/* mtrace-live's BPF program, first part: the settings, the maps every part
+ * uses, the process filter and the process lifecycle. The loader
+ * (probes/program.py) joins this header and the parts after it into one
+ * text, in the order of program.PARTS: sdt.bpf.c (the libc's SDT sites),
+ * derived.bpf.c (memory_* probes derived from system calls), kmem.bpf.c (the
+ * kmem tracepoints), allocs.bpf.c (the allocation functions) and vm.bpf.c
+ * (mmap, munmap, mremap, brk). bcc rewrites map calls only in the main
+ * source file, so the parts are one text, not #includes; the layouts user
+ * space reads are in records.h.
+ *
+ * Every probe hit is counted in the kernel and (WITH_EVENTS) streamed
+ * through the `events` ring buffer.
+ *
+ * Process filter (FILTER_PIDS): `followed` holds the tgids to trace. With
+ * FOLLOW_FORKS every process a followed one forks is added before it can run
+ * an instruction (task_newtask fires in copy_process, ahead of
+ * wake_up_new_task). Exec and exit of a followed process are sent as events.
+ *
+ * Two more filters, for `serve`: FILTER_COMM (with FILTER_PIDS) follows a
+ * process from the exec that gives it the name COMM_LO/COMM_HI (the 16 bytes
+ * of the kernel's comm, as two little-endian u64) and forgets it when it
+ * exec's another program; FILTER_CGROUP keeps the tasks whose cgroup v2
+ * ancestor at CGROUP_LEVEL has id CGROUP_ID (the cgroup and its children).
+ *
+ * A handler that two parts share (task_newtask here, munmap and brk in
+ * vm.bpf.c) calls one hook per part; a part that is switched off defines
+ * its hooks empty. */
+#include <uapi/linux/ptrace.h>
+
+#include "records.h"
+#include "set_table.h"
+
+#ifndef DERIVED_SYSCALLS
+#define DERIVED_SYSCALLS 0 /* derive memory_sbrk_* and memory_heap_* from syscalls (probes/derived.py) */
+#endif
+#ifndef PROBE_EXACT_TIME
+#define PROBE_EXACT_TIME 1 /* 0: no output shows a probe event's time to the ns */
+#endif
+#ifndef FILTER_PIDS
+#define FILTER_PIDS 1
+#endif
+#ifndef FOLLOW_FORKS
+#define FOLLOW_FORKS 1
+#endif
+#ifndef WITH_EVENTS
+#define WITH_EVENTS 1
+#endif
+#ifndef RINGBUF_PAGES
+#define RINGBUF_PAGES 2048 /* 8 MiB with 4 KiB pages; a power of two */
+#endif
+#ifndef SITE_COUNT
+#define SITE_COUNT 0 /* how many site_<n> handlers to build, at most 128 */
+#endif
+#ifndef WITH_KMEM
+#define WITH_KMEM 0
+#endif
+#ifndef HAVE_CACHE_NAME
+#define HAVE_CACHE_NAME 0
+#endif
+#ifndef KMEM_EVENTS
+#define KMEM_EVENTS 0 /* send kmem events through the ring too (kmemtrace records) */
+#endif
+/* Tracepoint variants, set by user space from tracefs (tracer/tracefs.py). */
+#ifndef KMALLOC_HAS_NODE
+#define KMALLOC_HAS_NODE 0 /* Linux >= 6.1 merged kmalloc_node into kmalloc */
+#endif
+#ifndef CACHE_ALLOC_HAS_NODE
+#define CACHE_ALLOC_HAS_NODE 0
+#endif
+#ifndef HAVE_KMALLOC_NODE
+#define HAVE_KMALLOC_NODE 0 /* the separate *_node tracepoints of Linux < 6.1 */
+#endif
+#ifndef HAVE_CACHE_ALLOC_NODE
+#define HAVE_CACHE_ALLOC_NODE 0
+#endif
+#ifndef HAVE_PAGE_FREE_BATCHED
+#define HAVE_PAGE_FREE_BATCHED 0
+#endif
+#ifndef PAGE_SHIFT_
+#define PAGE_SHIFT_ 12
+#endif
+#ifndef FILTER_COMM
+#define FILTER_COMM 0
+#endif
+#ifndef FILTER_CGROUP
+#define FILTER_CGROUP 0
+#endif
+#ifndef WITH_STACKS
+#define WITH_STACKS 0 /* a user (and, for kmem, kernel) stack id on each event */
+#endif
+#ifndef STACK_DEPTH
+#define STACK_DEPTH 32 /* frames kept per stack */
+#endif
+#ifndef STACK_ENTRIES
+#define STACK_ENTRIES 16384 /* distinct stacks the map holds */
+#endif
+#ifndef WITH_ALLOCS
+#define WITH_ALLOCS 0 /* the allocation functions (malloc, free, ...) */
+#endif
+#ifndef ALLOC_EVENTS
+#define ALLOC_EVENTS 0 /* send each kept allocation and free through the ring */
+#endif
+#ifndef ALLOC_ONE_PROCESS
+#define ALLOC_ONE_PROCESS 0 /* the uprobes are attached for one process: the kernel filters */
+#endif
+#ifndef ALLOC_OUT_ROWS
+#define ALLOC_OUT_ROWS 524288 /* rows of `outstanding` (a power of two): twice --max-outstanding */
+#endif
+#ifndef ALLOC_FRAME_ROWS
+#define ALLOC_FRAME_ROWS 32768 /* rows of alloc_frames (a power of two): twice --alloc-stacks */
+#endif
+#ifndef ALLOC_STACK_ROWS
+#define ALLOC_STACK_ROWS 32768 /* rows of alloc_stacks (a power of two): twice --alloc-stacks */
+#endif
+#ifndef ALLOC_WALK
+#define ALLOC_WALK 1 /* walk the user stack of kept allocations (else: call site only) */
+#endif
+#ifndef ALLOC_DEPTH
+#define ALLOC_DEPTH 32 /* frames kept above an allocation's call site (a power of two) */
+#endif
+#ifndef SAMPLE_BYTES
+#define SAMPLE_BYTES 0
+#endif
+#ifndef HOLD_AT_EXIT
+#define HOLD_AT_EXIT 0 /* stop a followed process in _exit until user space has read its maps */
+#endif
+#ifndef KMEM_OBJECTS
+#define KMEM_OBJECTS 262144 /* live objects tracked by pointer */
+#endif
+#ifndef KMEM_SITES
+#define KMEM_SITES 16384 /* call sites aggregated */
+#endif
+
+#ifndef FIRST_TGID
+#define FIRST_TGID 0 /* 1: user space names the process asked for in first_target (followed without a hash lookup) */
+#endif
+
+#define MAX_FOLLOWED 65536
+#define MAX_PROC_COUNTERS 65536
+#define MAX_SITES 128
+#define MAX_PROBES MAX_SITES
+#define MTRACE_CLONE_THREAD 0x00010000 /* include/uapi/linux/sched.h */
+
+BPF_HASH(followed, u32, u8, MAX_FOLLOWED);
+#if FIRST_TGID
+/* The process asked for, written by user space once the program is loaded
+ * (a value, not a compile-time constant, so that the compiled program does
+ * not depend on the pid and can be kept between runs: tracer/bpf_cache.py).
+ * live is 0 until then and once it has exited: its pid may be reused. */
+struct first_target {
+    u32 tgid;
+    u32 live;
+};
+BPF_ARRAY(first_target, struct first_target, 1);
+#endif
+#if WITH_STACKS
+struct stack_frames {
+    u64 ip[STACK_DEPTH];
+};
+BPF_TABLE("stacktrace", int, struct stack_frames, stacks, STACK_ENTRIES);
+BPF_PERCPU_ARRAY(stack_errors, u64, 2);           /* [0] user, [1] kernel: stacks not stored */
+#endif
+BPF_PERCPU_ARRAY(hits, u64, MAX_PROBES);          /* every hit that passed the filter */
+BPF_HASH(proc_hits, struct proc_key, struct proc_hit, MAX_PROC_COUNTERS);
+BPF_PERCPU_ARRAY(proc_hits_dropped, u64, 1);      /* hits proc_hits had no room for */
+#if WITH_EVENTS
+/* control[0] != 0 while tracing. Unregistering a uprobe takes the kernel
+ * about 0.1 s per site, so at the end user space closes the gate, reads
+ * everything, and only then detaches. */
+BPF_ARRAY(control, u32, 1);
+BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
+BPF_PERCPU_ARRAY(lost, u64, MAX_PROBES);          /* hits the ring buffer had no room for */
+BPF_PERCPU_ARRAY(lost_lifecycle, u64, 1);         /* exec/exit events without room */
+#endif
+
+static __always_inline int tgid_is_followed(u32 tgid)
+{
+#if FILTER_CGROUP
+    return bpf_get_current_ancestor_cgroup_id(CGROUP_LEVEL) == CGROUP_ID;
+#elif FILTER_PIDS
+#if FIRST_TGID
+    /* Most events of a traced process are its own: a compare instead of a
+     * hash lookup (an array lookup is inlined by the verifier). */
+    u32 first = 0;
+    struct first_target *target = first_target.lookup(&first);
+    if (target && tgid == target->tgid && target->live)
+        return 1;
+#endif
+    return followed.lookup(&tgid) != NULL;
+#else
+    return 1;
+#endif
+}
+
+/* A stack on each probe and kmem event (WITH_STACKS). */
+static __always_inline s32 stack_id(void *ctx, u64 flags, u32 slot)
+{
+#if WITH_STACKS
+    int id = stacks.get_stackid(ctx, flags);
+    if (id < 0)
+        stack_errors.increment(slot);
+    return id;
+#else
+    return -1;
+#endif
+}
+
+/* ---- process lifecycle ---------------------------------------------------*/
+
+/* The hook of derived.bpf.c: a forked child inherits its parent's break. */
+static __always_inline void derived_fork(u32 parent, u32 child);
+
+static __always_inline void follow_child(u32 child)
+{
+#if FILTER_PIDS && FOLLOW_FORKS
+    u8 one = 1;
+    followed.update(&child, &one);
+#endif
+}
+
+#if (FILTER_PIDS && FOLLOW_FORKS) || DERIVED_SYSCALLS
+TRACEPOINT_PROBE(task, task_newtask)
+{
+    /* Threads share their parent's tgid and need no entry of their own. */
+    if (args->clone_flags & MTRACE_CLONE_THREAD)
+        return 0;
+    u32 parent = bpf_get_current_pid_tgid() >> 32;
+    if (!tgid_is_followed(parent))
+        return 0;
+    follow_child(args->pid);
+    derived_fork(parent, args->pid);
+    return 0;
+}
+#endif
+
+#if FILTER_PIDS
+
+#if WITH_EVENTS
+static __always_inline void lifecycle_event(u32 tgid, u8 kind, u64 arg)
+{
+    struct event *e = events.ringbuf_reserve(sizeof(struct event));
+    if (!e) {
+        lost_lifecycle.increment(0);
+        return;
+    }
+    u64 id = bpf_get_current_pid_tgid();
+    __builtin_memset(e, 0, sizeof(*e));
+    e->ts = bpf_ktime_get_ns();
+    e->tgid = tgid;
+    e->tid = (u32)id;
+    e->cpu = bpf_get_smp_processor_id();
+    e->kind = kind;
+    e->nargs = 1;
+    e->args[0] = arg;
+    e->ustack = e->kstack = -1;
+    events.ringbuf_submit(e, 0);
+}
+
+TRACEPOINT_PROBE(sched, sched_process_exec)
+{
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    if (tgid_is_followed(tgid))
+        lifecycle_event(tgid, EV_EXEC, args->old_pid);
+#if FILTER_COMM
+    /* The comm is the new program's by now (begin_new_exec set it). */
+    u64 comm[2] = {};
+    bpf_get_current_comm(comm, sizeof(comm));
+    if (comm[0] == COMM_LO && comm[1] == COMM_HI) {
+        u8 one = 1;
+        followed.update(&tgid, &one);
+    } else {
+        followed.delete(&tgid);
+    }
+#endif
+    return 0;
+}
+#endif
+
+TRACEPOINT_PROBE(sched, sched_process_exit)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if ((u32)id != tgid || !tgid_is_followed(tgid))
+        return 0; /* only the group leader's exit ends a process */
+#if WITH_EVENTS
+    /* No exit code: task_struct's layout in the build headers need not be
+     * the running kernel's. */
+    lifecycle_event(tgid, EV_EXIT, 0);
+#endif
+    followed.delete(&tgid); /* the pid may be reused by an unrelated process */
+#if FIRST_TGID
+    u32 first = 0;
+    struct first_target *target = first_target.lookup(&first);
+    if (target && tgid == target->tgid)
+        target->live = 0;
+#endif
+    return 0;
+}
+#endif
+
+/* ---- clocks ----------------------------------------------------------------*/
+/* A time that no output shows to the nanosecond: the clock read once a tick
+ * per CPU, less than a tick (jiffy) behind. Reading the clock at every hit
+ * cost 20-40 ns of a 400-600 ns uprobe hit here (a paravirtual clock read
+ * under KVM); bpf_jiffies64 and a per-CPU array cost a few. */
+struct tick_clock {
+    u64 jiffies;
+    u64 ns;
+};
+BPF_PERCPU_ARRAY(tick_clocks, struct tick_clock, 1);
+
+static __always_inline u64 tick_now(void)
+{
+    u32 zero = 0;
+    struct tick_clock *clock = tick_clocks.lookup(&zero);
+    if (!clock)
+        return bpf_ktime_get_ns();
+    u64 tick = bpf_jiffies64();
+    if (clock->jiffies != tick) {
+        clock->jiffies = tick;
+        clock->ns = bpf_ktime_get_ns();
+    }
+    return clock->ns;
+}
+
+/* ---- the hits every part counts ------------------------------------------*/
+/* 1 once user space has closed the gate at the end of a trace (or before
+ * it opens it): the handlers count nothing more. */
+static __always_inline int gate_closed(void)
+{
+#if WITH_EVENTS
+    u32 first = 0;
+    u32 *open = control.lookup(&first);
+    return !open || !*open;
+#else
+    return 0;
+#endif
+}
+
+/* proc_hits' row of (tgid, probe), made with the current task's name if new. */
+static __always_inline struct proc_hit *process_row(u32 tgid, const u32 probe)
+{
+    struct proc_key key = {.tgid = tgid, .probe = probe};
+    struct proc_hit fresh = {};
+    struct proc_hit *n = proc_hits.lookup_or_try_init(&key, &fresh);
+    if (!n)
+        proc_hits_dropped.increment(0);
+    else if (!n->comm[0]) /* two first hits at once both write a name: harmless */
+        bpf_get_current_comm(n->comm, sizeof(n->comm));
+    return n;
+}
+
+#if WITH_EVENTS
+/* With the event stream, user space counts each process's hits from the
+ * records it reads (tracer/counters.py): proc_hits counts only the hits
+ * whose record the ring had no room for (probe_record), and names each
+ * process once, in a row of its first probe. A CPU remembers the process it
+ * named last, so a hit costs an array lookup here, not a hash lookup and an
+ * atomic add. */
+BPF_PERCPU_ARRAY(named_tgid, u32, 1);
+
+static __always_inline void name_process(u32 tgid, const u32 probe)
+{
+    u32 first = 0;
+    u32 *named = named_tgid.lookup(&first);
+    if (!named || *named == tgid)
+        return;
+    if (process_row(tgid, probe))
+        *named = tgid;
+}
+#endif
+
+/* Counts a hit of `probe` by the current task if it is traced: 1 if so. */
+static __always_inline int admit(u32 tgid, const u32 probe)
+{
+    if (gate_closed() || !tgid_is_followed(tgid))
+        return 0;
+    hits.increment(probe);
+#if WITH_EVENTS
+    name_process(tgid, probe);
+#else
+    struct proc_hit *n = process_row(tgid, probe);
+    if (n)
+        __sync_fetch_and_add(&n->count, 1);
+#endif
+    return 1;
+}
+
+#if WITH_EVENTS
+/* A probe record with its header filled, or NULL (counted as lost). */
+static __always_inline struct event *probe_record(u64 ip, u64 id, const u32 site,
+                                                  const u32 probe, const u32 nargs)
+{
+    struct event *e = events.ringbuf_reserve(sizeof(struct event));
+    if (!e) {
+        lost.increment(probe);
+        struct proc_hit *n = process_row(id >> 32, probe);
+        if (n)
+            __sync_fetch_and_add(&n->count, 1);
+        return NULL;
+    }
+    e->ts = PROBE_EXACT_TIME ? bpf_ktime_get_ns() : tick_now();
+    e->ip = ip;
+    e->tgid = id >> 32;
+    e->tid = (u32)id;
+    e->cpu = bpf_get_smp_processor_id();
+    e->probe = probe;
+    e->site = site;
+    e->kind = EV_PROBE;
+    e->nargs = nargs;
+    e->kstack = -1;
+    return e;
+}
+#endif

@@ -1,0 +1,128 @@
+"""Opening an ELF file, and what every reader of one needs: its build-id,
+its loadable segments, where a link-time address is in the file, and the
+code at an address.
+
+pyelftools reads the file; what it raises on a damaged one is
+``ELF_FAILURES``, and ``open_elf`` turns it into ``NotElfError`` (exit 9).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+from elftools.common.exceptions import DWARFError, ELFError
+from elftools.construct import ConstructError
+from elftools.elf.elffile import ELFFile
+from elftools.elf.sections import NoteSection
+
+from .errors import NotElfError, TargetError
+
+# What pyelftools may raise on a damaged file.
+ELF_FAILURES = (ELFError, DWARFError, ConstructError, struct.error, ValueError, EOFError,
+                IndexError, KeyError)  # fmt: skip
+PF_X = 1
+
+
+def not_elf(path: str | Path, exc: BaseException) -> NotElfError:
+    return NotElfError(f"{path}: not a readable ELF file ({exc or 'truncated'})")
+
+
+@contextlib.contextmanager
+def open_elf(path: str | Path) -> Iterator[ELFFile]:
+    """The file, parsed: TargetError when it cannot be opened, NotElfError
+    when it is not ELF (what the body raises goes through unchanged)."""
+    try:
+        stream = open(path, "rb")  # noqa: SIM115 (closed below)
+    except OSError as exc:
+        raise TargetError(f"{path}: {exc.strerror}") from None
+    with stream:
+        try:
+            elf = ELFFile(stream)
+        except ELF_FAILURES as exc:
+            raise not_elf(path, exc) from None
+        yield elf
+
+
+def build_id(elf: ELFFile) -> str | None:
+    """The GNU build-id, in hex, or None."""
+    for section in elf.iter_sections():
+        if isinstance(section, NoteSection):
+            for note in section.iter_notes():
+                if note["n_type"] == "NT_GNU_BUILD_ID":
+                    return str(note["n_desc"])
+    return None
+
+
+def build_id_of(path: Path) -> str | None:
+    """The build-id of the file at ``path``; None when it has none or
+    cannot be read."""
+    try:
+        with open_elf(path) as elf:
+            return build_id(elf)
+    except (OSError, NotElfError, TargetError, *ELF_FAILURES):
+        return None
+
+
+def debuglink(elf: ELFFile) -> str | None:
+    """The name in ``.gnu_debuglink``, or None."""
+    section = elf.get_section_by_name(".gnu_debuglink")
+    if section is None:
+        return None
+    return section.data().split(b"\0", 1)[0].decode(errors="replace") or None
+
+
+class LoadSegment(NamedTuple):
+    """One PT_LOAD segment."""
+
+    offset: int
+    vaddr: int
+    filesz: int
+    memsz: int
+    flags: int
+
+    @property
+    def executable(self) -> bool:
+        return bool(self.flags & PF_X)
+
+
+def load_segments(elf: ELFFile) -> list[LoadSegment]:
+    return [LoadSegment(s["p_offset"], s["p_vaddr"], s["p_filesz"], s["p_memsz"], s["p_flags"])
+            for s in elf.iter_segments() if s["p_type"] == "PT_LOAD"]  # fmt: skip
+
+
+def file_offset(segments: Sequence[LoadSegment], vaddr: int) -> int | None:
+    """Where the byte at link-time address ``vaddr`` is in the file."""
+    for segment in segments:
+        if segment.vaddr <= vaddr < segment.vaddr + segment.filesz:
+            return vaddr - segment.vaddr + segment.offset
+    return None
+
+
+def vaddr_at(segments: Sequence[LoadSegment], offset: int) -> int | None:
+    """The link-time address of the byte at file ``offset`` (within a
+    segment's size in memory)."""
+    for segment in segments:
+        if segment.offset <= offset < segment.offset + segment.memsz:
+            return offset - segment.offset + segment.vaddr
+    return None
+
+
+def code_at(elf: ELFFile, begin: int, end: int, clamp: bool = False) -> tuple[bytes, int]:
+    """The bytes [begin, end) of the executable segment holding them, and
+    that segment's vaddr less its file offset. ``clamp``: up to ``end`` or
+    the segment's end, whichever comes first. ValueError when no executable
+    segment holds them."""
+    for segment in elf.iter_segments():
+        if segment["p_type"] != "PT_LOAD" or not segment["p_flags"] & PF_X:
+            continue
+        start = segment["p_vaddr"]
+        stop = start + segment["p_filesz"]
+        if clamp and start <= begin < stop:
+            end = min(end, stop)
+        if start <= begin and end <= stop:
+            return bytes(segment.data()[begin - start : end - start]), start - segment["p_offset"]
+    raise ValueError(f"{begin:#x}-{end:#x} is in no executable segment")

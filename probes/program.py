@@ -1,0 +1,126 @@
+"""The trace program's configuration, and the one text bcc compiles.
+
+The trace program is in parts under ``bpf/``, one concern each (``PARTS``).
+bcc rewrites map calls only in the main source file, so the loader joins the
+parts into one text instead of #including them; the headers beside them
+(``records.h``, ``set_table.h``) hold no maps and are #included.
+
+``ProgramConfig`` holds every switch of the program. The live trace and
+``count`` both build one, and it gives the parts and the ``-D`` defines;
+the program cache's key covers the joined text, every header and the
+defines (tracer/bpf_cache.py).
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib.resources import files
+from pathlib import Path
+
+# In the order they are joined: the common header first, then each concern.
+PARTS = (
+    "common.bpf.h",  # settings, shared maps, process filter and lifecycle
+    "sdt.bpf.c",  # the libc's SDT sites
+    "derived.bpf.c",  # memory_* probes derived from system calls
+    "kmem.bpf.c",  # the kmem tracepoints
+    "allocs.bpf.c",  # the allocation functions
+    "vm.bpf.c",  # mmap, munmap, mremap, brk (and the handlers shared with derived)
+)
+PAGE_SHIFT = mmap.PAGESIZE.bit_length() - 1
+
+
+def bpf_directory() -> Path:
+    return Path(str(files("mtrace_live.probes") / "bpf"))
+
+
+@dataclass(frozen=True)
+class ProgramSource:
+    """A BPF program as bcc gets it: a name, its parts and its defines."""
+
+    name: str
+    parts: tuple[Path, ...]
+    defines: Mapping[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def single(cls, name: str, defines: Mapping[str, int] | None = None) -> ProgramSource:
+        """A program of one file, ``bpf/<name>.bpf.c`` (the benches' floors)."""
+        path = bpf_directory() / f"{name}.bpf.c"
+        if not path.is_file():
+            raise FileNotFoundError(path)
+        return cls(name, (path,), dict(defines or {}))
+
+    @property
+    def directory(self) -> Path:
+        """Where its headers are found."""
+        return self.parts[0].parent
+
+    def text(self) -> str:
+        """The parts joined, each under a line that names it."""
+        return "".join(f"/* ==== {part.name} ==== */\n{part.read_text()}" for part in self.parts)
+
+    def headers(self) -> list[Path]:
+        return sorted(self.directory.glob("*.h"))
+
+    def cflags(self) -> list[str]:
+        return [f"-D{key}={value}" for key, value in self.defines.items()]
+
+
+@dataclass(frozen=True)
+class ProgramConfig:
+    """Every switch of the trace program (common.bpf.h's settings).
+
+    The mappings come from the modules that know them: the SDT sites'
+    handlers (tracer/usdt.py), the derived probes' (probes/derived.py), the
+    kmem tracepoints' variants and raw handlers (tracer/tracefs.py,
+    tracer/kmem_attach.py), the allocation functions' tables
+    (tracer/allocs.py)."""
+
+    events: bool = True  # stream records through the ring (else: counts only)
+    filter_pids: bool = True  # the followed table decides
+    follow_forks: bool = True
+    first_tgid: bool = False  # the process asked for is named in first_target
+    comm: tuple[int, int] | None = None  # follow processes of this name (two u64)
+    cgroup: tuple[int, int] | None = None  # (id, level) of a cgroup v2
+    ring_pages: int = 2048
+    exact_times: bool = True  # probe events timed to the ns (else: to the tick)
+    sites: Mapping[str, int] = field(default_factory=dict)
+    derived: Mapping[str, int] = field(default_factory=dict)
+    kmem: Mapping[str, int] | None = None  # None: no kmem tracepoints
+    kmem_events: bool = False  # kmem events through the ring too
+    page_shift: int = PAGE_SHIFT
+    stack_depth: int = 0  # > 0: a stack id on each probe and kmem event
+    stack_entries: int = 16384
+    allocs: Mapping[str, int] | None = None  # None: no allocation functions
+
+    def defines(self) -> dict[str, int]:
+        defines = {
+            "FILTER_PIDS": int(self.filter_pids),
+            "FOLLOW_FORKS": int(self.follow_forks),
+            "WITH_EVENTS": int(self.events),
+            "RINGBUF_PAGES": self.ring_pages,
+            "PROBE_EXACT_TIME": int(self.exact_times),
+            **self.sites,
+            **self.derived,
+            "WITH_KMEM": int(self.kmem is not None),
+            "KMEM_EVENTS": int(self.kmem_events),
+            "PAGE_SHIFT_": self.page_shift,
+            "WITH_STACKS": int(self.stack_depth > 0),
+            "STACK_DEPTH": max(self.stack_depth, 1),
+            "STACK_ENTRIES": self.stack_entries,
+        }
+        if self.comm is not None:
+            defines.update({"FILTER_COMM": 1, "COMM_LO": self.comm[0], "COMM_HI": self.comm[1]})
+        if self.cgroup is not None:
+            defines.update({"FILTER_CGROUP": 1, "CGROUP_ID": self.cgroup[0],
+                            "CGROUP_LEVEL": self.cgroup[1]})  # fmt: skip
+        defines.update(self.kmem or {})
+        if self.first_tgid:
+            defines["FIRST_TGID"] = 1
+        defines.update(self.allocs or {})
+        return defines
+
+    def source(self) -> ProgramSource:
+        directory = bpf_directory()
+        return ProgramSource("trace", tuple(directory / part for part in PARTS), self.defines())
