@@ -182,7 +182,7 @@ def slowdown(tmp: Path, peers: dict[str, str | None]) -> dict[str, object]:
 def synthetic_set(directory: Path, records: int) -> None:
     """kmalloc/kfree and cache alloc/free pairs on two CPUs, through the
     tracer's own encoder."""
-    from mtrace_live.exporters.kmemtrace import KmemtraceWriter
+    from mtrace_live.exporters.kmemtrace.writer import KmemtraceWriter
     from mtrace_live.probes.records import EVENT_DTYPE, EventKind
 
     rng = np.random.default_rng(1)
@@ -467,7 +467,7 @@ def render_report(data: dict[str, object]) -> tuple[list[str], dict[str, bool | 
     bounded = big["peak_rss_mib"] <= 512 if big["bytes"] >= 4e9 else None
     lines += [
         "`report` reads the cpuN files in chunks of up to 1 MiB each and merges them by "
-        "sequence number in one compiled pass (`tracer/report_pass.c`, built at install), "
+        "sequence number in one compiled pass (`exporters/kmemtrace/walker.c`, built at install), "
         "which matches each free to its allocation in an open-addressing table of the "
         "allocations still live. Memory is the chunks (at most 64 MiB for all files), the "
         "call sites and the allocations live at one time, so it does not grow with the "

@@ -60,12 +60,12 @@ STREAMS = (
 FILE_OUTPUTS = (
     FileOutput("kmemtrace", "DIR",
                "Write kmemtrace records (kernel and libc events) to this new directory.",
-               "mtrace_live.exporters.kmemtrace_sink:KmemtraceSink",
+               "mtrace_live.exporters.kmemtrace.sink:KmemtraceSink",
                directory=True, kmem=True, kernel_records=True, alloc_records=True,
                event_times=True),
     FileOutput("sp-rtrace", "FILE",
                "Write the allocation events to this file as an sp-rtrace text report.",
-               "mtrace_live.exporters.sprtrace_writer:SpRtraceSink", kernel_records=True,
+               "mtrace_live.exporters.sprtrace.sink:SpRtraceSink", kernel_records=True,
                alloc_records=True, event_times=True),
     FileOutput("pprof", "FILE",
                "Write the allocations by call stack to this file as a gzipped pprof profile "

@@ -3,7 +3,7 @@
 Each SDT probe that has an equivalent is rebuilt from what any glibc shows:
 
 - **system calls** (brk, mprotect, madvise, munmap), seen by the kernel's
-  syscall tracepoints and classified in BPF (``probes/bpf/trace.bpf.c``,
+  syscall tracepoints and classified in BPF (``probes/bpf/derived.bpf.c``,
   DERIVED_SYSCALLS): sbrk growth and shrinkage, and the non-main heaps, which
   glibc reserves ``HEAP_MAX_SIZE``-aligned;
 - **exported symbols** (``mallopt``, ``__lll_lock_wait_private``), whose

@@ -86,7 +86,7 @@ _SIZED = re.compile(r"^(-?)(\d+)@(.+)$")
 
 @dataclass(frozen=True)
 class ArgLocation:
-    """One argument as BPF reads it: see struct arg_desc in bpf/trace.bpf.c."""
+    """One argument as BPF reads it: see struct arg_desc in bpf/sdt.bpf.c."""
 
     kind: ArgKind
     size: int  # 1, 2, 4 or 8

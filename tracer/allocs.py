@@ -1,5 +1,5 @@
 """The allocation functions: which sites to attach, attaching them, and
-reading what trace.bpf.c (WITH_ALLOCS) aggregated.
+reading what allocs.bpf.c (WITH_ALLOCS) aggregated.
 
 Each function gets an entry uprobe at the site probes/alloc_sites.py chose
 and, if it returns a pointer, a return probe at its entry (where the kernel
@@ -44,7 +44,7 @@ from mtrace_live.probes.records import (
 from .bpf_backend import BpfProgram
 
 RETURNS_POINTER = frozenset(fn.name.lower() for fn in AllocFn) - {"free"}
-SAMPLE_QUANTILES = 1024  # trace.bpf.c's table of exponential intervals
+SAMPLE_QUANTILES = 1024  # allocs.bpf.c's table of exponential intervals
 STACK_DEPTH = 32  # frames kept of each allocation's stack, as bcc's memleak
 EXIT_FUNCTION = "_exit"  # every exit() passes it: processes are held there (hold_at_exit)
 
@@ -122,7 +122,7 @@ def defines(sample_bytes: int, events: bool, walk: bool, outstanding: int, stack
 
 
 def _open_rows(entries: int) -> int:
-    """Rows of an open-addressed table in trace.bpf.c meant to hold
+    """Rows of an open-addressed table in allocs.bpf.c meant to hold
     ``entries``: twice as many, rounded up to a power of two."""
     return 1 << (2 * entries - 1).bit_length()
 

@@ -328,7 +328,7 @@ class BpfProgram:
         return rows
 
     def set_gate(self, open_: bool) -> None:
-        """Open or close trace.bpf.c's ``control`` gate for the site handlers."""
+        """Open or close the trace program's ``control`` gate for the site handlers."""
         control = self._bpf["control"]
         control[control.Key(0)] = control.Leaf(int(open_))
 
@@ -338,7 +338,7 @@ class BpfProgram:
         bcc_table[bcc_table.Key(key)] = bcc_table.Leaf(value)
 
     def set_first_target(self, pid: int) -> None:
-        """Name the process asked for to trace.bpf.c (FIRST_TGID)."""
+        """Name the process asked for to the trace program (FIRST_TGID)."""
         table = self._bpf["first_target"]
         table[table.Key(0)] = table.Leaf(pid, 1)
 
@@ -393,7 +393,7 @@ class BpfProgram:
     def slot_struct_totals(
         self, count: str, keys: str, stats: str
     ) -> list[tuple[tuple[int, ...], list[int]]]:
-        """A slot table of trace.bpf.c: ``count[0]`` slots used, their keys
+        """A slot table of the trace program: ``count[0]`` slots used, their keys
         in the array ``keys`` (structs of integers) and their u64-only
         structs in the per-CPU array ``stats``. Returns [(key fields,
         [field sums over the CPUs and over the slots of that key])]."""
@@ -441,7 +441,7 @@ class BpfProgram:
         }
 
     def slot_named_counts(self, keys: str, names: str, counts: str) -> dict[str, int]:
-        """Counts by name from a set-associative table of trace.bpf.c: the
+        """Counts by name from a set-associative table of the trace program: the
         array ``keys`` of buckets (``cache``: each way's key, 0 if free),
         and per slot (bucket * ways + way) the array ``names`` and the
         per-CPU array ``counts``. Two keys of one name are summed."""

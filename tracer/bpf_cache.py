@@ -2,7 +2,7 @@
 clang.
 
 bcc 0.26 compiles the C program with clang at every start: about 0.35 s for
-trace.bpf.c with the libc sites alone, 0.6 s with the allocation functions'
+the trace program with the libc sites alone, 0.6 s with the allocation functions'
 handlers, most of a start-up (docs/performance.md, section 6). bcc has no
 object file to load instead (no CO-RE in this bcc). But what clang makes is
 plain BPF byte code whose only tie to the run that compiled it is the map

@@ -55,7 +55,7 @@ class BpfCounters:
         self.started_ns = time.monotonic_ns()
         # (tgid, probe slot) -> probe records read from the ring: the kernel
         # counts per process only what the ring had no room for
-        # (trace.bpf.c, name_process)
+        # (the trace program, name_process)
         self._read_by_process: dict[tuple[int, int], int] = {}
         self._by_process_lock = threading.Lock()
 
@@ -167,7 +167,7 @@ def _comm(tgid: int) -> str:
 
 
 def read_kernel_totals(program: BpfProgram) -> KmemTotals:
-    """The in-kernel aggregation of trace.bpf.c (WITH_KMEM)."""
+    """The in-kernel aggregation of the trace program (WITH_KMEM)."""
     sites = [
         CallSite.with_counts(call_site, kind, zip(SITE_FIELDS, values, strict=True))
         for (call_site, kind, *_), values in program.slot_struct_totals(

@@ -1,7 +1,7 @@
 """The running kernel's types, from its BTF (/sys/kernel/btf/vmlinux).
 
 bcc 0.26 compiles against kernel headers and cannot relocate field
-accesses (no CO-RE), so the raw tracepoint handlers of trace.bpf.c get the
+accesses (no CO-RE), so the raw tracepoint handlers of kmem.bpf.c get the
 offsets they read as compile-time constants, looked up here. The BTF is
 read through libbpf's own parser (``libbpf.so.1``, which bcc's library
 depends on), with ctypes: loading and searching it takes a few

@@ -15,7 +15,7 @@ know, for the running kernel:
 - for kmem_cache_alloc, where ``struct kmem_cache`` keeps ``object_size``
   (the record's bytes_req), ``size`` (bytes_alloc) and ``name``: from BTF.
 
-Both become compile-time constants of trace.bpf.c. Where BTF also names
+Both become compile-time constants of kmem.bpf.c. Where BTF also names
 kmem_cache_alloc's tracepoint type (``btf_trace_kmem_cache_alloc``), its
 handler is loaded BTF-typed (tp_btf, ``BTF_CACHE_ALLOC``): the verifier then
 knows the argument is a ``struct kmem_cache`` and lets the handler load
@@ -58,7 +58,7 @@ PAGE_EVENTS_WHY = (
 
 @dataclass(frozen=True)
 class KmemAttach:
-    """trace.bpf.c's defines for the raw handlers, and each event's way."""
+    """kmem.bpf.c's defines for the raw handlers, and each event's way."""
 
     defines: dict[str, int] = field(default_factory=dict)
     raw: tuple[str, ...] = ()

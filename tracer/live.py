@@ -131,7 +131,7 @@ class TraceRequest:
     @property
     def exact_times(self) -> bool:
         """An output shows each probe event's time to the nanosecond (the
-        others get it to the clock tick: trace.bpf.c, PROBE_EXACT_TIME)."""
+        others get it to the clock tick: the trace program, PROBE_EXACT_TIME)."""
         files = any(registry.file_output(name).event_times for name, _ in self.files)
         return files or registry.stream_shows_times(self.output)
 

@@ -134,7 +134,7 @@ COMM_LEN = 16  # TASK_COMM_LEN, the terminating NUL included
 
 def comm_words(name: str) -> tuple[int, int]:
     """``name`` as the kernel stores a comm: 16 bytes (NUL-padded), read by
-    trace.bpf.c as two little-endian u64."""
+    the trace program as two little-endian u64."""
     raw = name.encode()
     if not raw or len(raw) >= COMM_LEN or b"\0" in raw:
         raise TargetError(

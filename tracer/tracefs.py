@@ -75,7 +75,7 @@ KMEM_OPTIONAL = ("kmalloc_node", "kmem_cache_alloc_node", "mm_page_free_batched"
 
 
 def kmem_defines(read: Callable[[str, str], str]) -> dict[str, int]:
-    """trace.bpf.c's variant switches for this kernel; ``read(category,
+    """kmem.bpf.c's variant switches for this kernel; ``read(category,
     event)`` returns a format file's text or raises TracepointMissingError."""
     formats = {}
     for event, needed in KMEM_REQUIRED.items():

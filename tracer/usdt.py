@@ -1,4 +1,4 @@
-"""Choosing libc probe sites and attaching trace.bpf.c's handlers to them.
+"""Choosing libc probe sites and attaching sdt.bpf.c's handlers to them.
 
 One uprobe per SDT site, as bpftrace does: bcc's USDT helper refuses
 shared-object probes with several sites unless it is given a pid, and it
@@ -31,7 +31,7 @@ from .bpf_backend import BpfProgram
 from .launch import resolve_command
 
 LIBC_PROVIDER = "libc"
-MAX_SITES = 128  # the handlers site_0 ... site_127 in trace.bpf.c
+MAX_SITES = 128  # the handlers site_0 ... site_127 in sdt.bpf.c
 
 # The default probe set, chosen by measuring hit rates (docs/performance.md):
 # the allocator's own probes and the private-lock wait that arena contention
@@ -202,14 +202,14 @@ def resolve_libc(
 
 
 def handlers_compiled(sites: int) -> int:
-    """trace.bpf.c compiles its site handlers in blocks of ten, up to MAX_SITES."""
+    """sdt.bpf.c compiles its site handlers in blocks of ten, up to MAX_SITES."""
     return min(MAX_SITES, -(-sites // 10) * 10)
 
 
 def site_defines(selection: ProbeSelection | None) -> dict[str, int]:
     """SITE_COUNT, and each compiled handler's probe slot (SP<n>), argument
     count (SN<n>) and argument locations (SA<n>_<i>, SV<n>_<i>; see load_arg
-    in trace.bpf.c). Handlers beyond the sites get zeros: they are compiled
+    in sdt.bpf.c). Handlers beyond the sites get zeros: they are compiled
     in a block but never attached."""
     layouts = selection.layouts if selection is not None else []
     slots = {name: slot for slot, name in enumerate(selection.probes)} if selection else {}

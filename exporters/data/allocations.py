@@ -1,4 +1,4 @@
-"""Allocations by call stack, as plain data: what trace.bpf.c (WITH_ALLOCS)
+"""Allocations by call stack, as plain data: what allocs.bpf.c (WITH_ALLOCS)
 aggregated for the allocation functions, and the names of their frames.
 
 A row of ``AllocSnapshot.stacks`` is one (process, allocating function,

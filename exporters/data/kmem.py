@@ -1,4 +1,4 @@
-"""Kernel allocations per call site: the numbers trace.bpf.c aggregates in
+"""Kernel allocations per call site: the numbers kmem.bpf.c aggregates in
 the kernel, and the same shape computed from kmemtrace records by
 ``mtrace-live report``, so both render through one set of exporters."""
 

@@ -15,10 +15,7 @@ import atheris
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
-# The numba-compiled record walker is left alone: numba compiles its bytecode.
-with atheris.instrument_imports(
-    include=["mtrace_live", "fuzz_targets"], exclude=["mtrace_live.exporters.kmemtrace_scan"]
-):
+with atheris.instrument_imports(include=["mtrace_live", "fuzz_targets"]):
     from fuzz_targets import TARGETS
 
 

@@ -14,14 +14,9 @@ from pathlib import Path
 
 import pytest
 from mtrace_live.exporters.data.kallsyms import KernelSymbols
-from mtrace_live.exporters.kmemtrace import (
-    EventId,
-    RecordSet,
-    TypeId,
-    open_record_set,
-    read_record_set,
-)
-from mtrace_live.tracer.report import analyse, stream
+from mtrace_live.exporters.kmemtrace.abi import EventId, TypeId
+from mtrace_live.exporters.kmemtrace.reader import RecordSet, open_record_set, read_record_set
+from mtrace_live.exporters.kmemtrace.report import analyse, stream
 
 from .conftest import MTRACE
 from .tracing import (

@@ -9,9 +9,9 @@ import signal
 import subprocess
 from pathlib import Path
 
-from mtrace_live.exporters import sprtrace
 from mtrace_live.exporters.data.symbolize import ModuleSymbols, ProcessSymbols
-from mtrace_live.exporters.kmemtrace import read_record_set
+from mtrace_live.exporters.kmemtrace.reader import read_record_set
+from mtrace_live.exporters.sprtrace import text as sprtrace
 from mtrace_live.tracer import sdt_glibc
 
 from .conftest import MTRACE

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mtrace_live.exporters.kmemtrace import read_record_set
+from mtrace_live.exporters.kmemtrace.reader import read_record_set
 from mtrace_live.tracer import bpf_syscalls
 from mtrace_live.tracer.sdt_glibc import SdtGlibc
 

@@ -18,11 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from mtrace_live.exporters import sprtrace
 from mtrace_live.exporters.data.kallsyms import KernelSymbols
-from mtrace_live.exporters.kmemtrace import cpu_files, open_record_set, read_record_set
-from mtrace_live.exporters.kmemtrace_json import json_lines, write_record_set
-from mtrace_live.exporters.sprtrace_convert import from_record_set
+from mtrace_live.exporters.kmemtrace.json_lines import json_lines, write_record_set
+from mtrace_live.exporters.kmemtrace.reader import cpu_files, open_record_set, read_record_set
+from mtrace_live.exporters.kmemtrace.report import analyse, render_text, stream
+from mtrace_live.exporters.sprtrace import text as sprtrace
+from mtrace_live.exporters.sprtrace.convert import from_record_set
 from mtrace_live.exporters.web import load_web_config, parse_address
 from mtrace_live.probes.elf.errors import (
     ListenError,
@@ -30,7 +31,6 @@ from mtrace_live.probes.elf.errors import (
     SpRtraceError,
     WebConfigError,
 )
-from mtrace_live.tracer.report import analyse, render_text, stream
 
 # Files are written under /dev/shm where there is one: a target writes a
 # record set or a config for each input.

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from mtrace_live.exporters.data.kallsyms import KernelSymbols
-from mtrace_live.exporters.kmemtrace import open_record_set, read_record_set
-from mtrace_live.tracer.report import Report, analyse, render_text, stream
+from mtrace_live.exporters.kmemtrace.reader import open_record_set, read_record_set
+from mtrace_live.exporters.kmemtrace.report import Report, analyse, render_text, stream
 
 
 def same_report(path: Path, symbols: KernelSymbols | None = None, **stream_args: object) -> Report:

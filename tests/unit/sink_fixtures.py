@@ -1,5 +1,5 @@
 """Plain data for the sinks' tests: a trace description, batches of records
-built the way trace.bpf.c writes them, and counters held in memory."""
+built the way the trace program writes them, and counters held in memory."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The event path without the kernel: ring layout -> bulk read -> typed
-events -> allocator model, on records built the way trace.bpf.c writes them."""
+events -> allocator model, on records built the way the trace program writes them."""
 
 from __future__ import annotations
 

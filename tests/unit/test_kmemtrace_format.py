@@ -10,14 +10,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from mtrace_live.exporters.kmemtrace import (
-    ABI_VERSION,
-    EventId,
-    KmemtraceWriter,
-    TypeId,
-    encode,
-    read_record_set,
-)
+from mtrace_live.exporters.kmemtrace.abi import ABI_VERSION, EventId, TypeId
+from mtrace_live.exporters.kmemtrace.reader import read_record_set
+from mtrace_live.exporters.kmemtrace.writer import KmemtraceWriter, encode
 from mtrace_live.probes.elf.errors import RecordSetError
 from mtrace_live.probes.records import EVENT_DTYPE, EventKind
 
@@ -264,3 +259,17 @@ def test_a_writer_refuses_to_mix_into_an_existing_record_set(tmp_path: Path) -> 
     write_set(tmp_path / "set", [mixed_batch(1)])
     with pytest.raises(RecordSetError, match="already holds a record set"):
         KmemtraceWriter(tmp_path / "set", [], "")
+
+
+def test_the_c_walker_decodes_into_the_decoded_layout() -> None:
+    # GIVEN the walker's record struct, as the compiler laid it out
+    from mtrace_live.exporters.kmemtrace._walker import record_layout
+    from mtrace_live.exporters.kmemtrace.abi import DECODED
+
+    layout = record_layout()
+    # THEN every field of DECODED is at the same offset with the same size, and no other
+    assert set(layout) == set(DECODED.names)
+    for name in DECODED.names:
+        dtype, offset = DECODED.fields[name][:2]
+        assert layout[name] == (offset, dtype.itemsize), name
+    assert max(o + s for o, s in layout.values()) == DECODED.itemsize

@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mtrace_live.exporters.data.kallsyms import KernelSymbols
-from mtrace_live.exporters.kmemtrace import EventId, TypeId, read_record_set
-from mtrace_live.exporters.kmemtrace_json import json_lines, write_record_set
+from mtrace_live.exporters.kmemtrace.abi import EventId, TypeId
+from mtrace_live.exporters.kmemtrace.json_lines import json_lines, write_record_set
+from mtrace_live.exporters.kmemtrace.reader import read_record_set
 from mtrace_live.probes.elf.errors import RecordSetError
 from mtrace_live.probes.records import EventKind
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from mtrace_live.exporters.kmemtrace import open_record_set, read_record_set
-from mtrace_live.tracer.report import analyse, render_text, stream
+from mtrace_live.exporters.kmemtrace.reader import open_record_set, read_record_set
+from mtrace_live.exporters.kmemtrace.report import analyse, render_text, stream
 
 SITES = (0xFFFFFFFF81000100, 0xFFFFFFFF81000200, 0x401000, 0)
 POINTERS = (0, 0x1000, 0x2000, 0x3000, 0xFFFF888000000040)

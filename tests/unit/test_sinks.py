@@ -17,13 +17,13 @@ from mtrace_live.exporters import registry
 from mtrace_live.exporters.data.kallsyms import KernelSymbols
 from mtrace_live.exporters.data.kmem import KmemTotals
 from mtrace_live.exporters.data.sink import KmemResult, ProcessHits, Sink
-from mtrace_live.exporters.kmemtrace import read_record_set
-from mtrace_live.exporters.kmemtrace_sink import KmemtraceSink
+from mtrace_live.exporters.kmemtrace.reader import read_record_set
+from mtrace_live.exporters.kmemtrace.sink import KmemtraceSink
 from mtrace_live.exporters.lines import JsonLines, TextLines
 from mtrace_live.exporters.live_view import LiveView
 from mtrace_live.exporters.prometheus_sink import ExportOptions, PrometheusSink, new_registry
-from mtrace_live.exporters.sprtrace import parse
-from mtrace_live.exporters.sprtrace_writer import SpRtraceSink
+from mtrace_live.exporters.sprtrace.sink import SpRtraceSink
+from mtrace_live.exporters.sprtrace.text import parse
 from mtrace_live.exporters.summary import SummarySink
 from mtrace_live.exporters.web import MetricsEndpoint, WebConfig
 from mtrace_live.tracer.commands import options

@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 
 import pytest
-from mtrace_live.exporters import sprtrace
-from mtrace_live.exporters.sprtrace import Call, Comment, Frame, Resource, Trace
+from mtrace_live.exporters.sprtrace import text as sprtrace
+from mtrace_live.exporters.sprtrace.text import Call, Comment, Frame, Resource, Trace
 from mtrace_live.probes.elf.errors import SpRtraceError
 
 from .cli_runs import assert_one_line, mtrace
@@ -204,8 +204,8 @@ def test_convert_post_processes_a_report_again(tmp_path: Path) -> None:
 
 
 def test_a_record_set_lists_every_resource_its_records_use() -> None:
-    from mtrace_live.exporters.kmemtrace import TypeId
-    from mtrace_live.exporters.sprtrace_convert import resources
+    from mtrace_live.exporters.kmemtrace.abi import TypeId
+    from mtrace_live.exporters.sprtrace.convert import resources
 
     # GIVEN the types present, as a one-pass iterable (what from_record_set gives)
     present = iter([int(TypeId.KMALLOC), int(TypeId.CACHE), int(TypeId.ARENA)])

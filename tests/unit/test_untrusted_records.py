@@ -15,11 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mtrace_live.exporters.data.kallsyms import KernelSymbols
-from mtrace_live.exporters.kmemtrace import TypeId, read_record_set
-from mtrace_live.exporters.kmemtrace_json import write_record_set
+from mtrace_live.exporters.kmemtrace.abi import TypeId
+from mtrace_live.exporters.kmemtrace.json_lines import write_record_set
+from mtrace_live.exporters.kmemtrace.reader import read_record_set
+from mtrace_live.exporters.kmemtrace.report import exact_total
 from mtrace_live.probes.elf.errors import RecordSetError
 from mtrace_live.probes.records import EventKind
-from mtrace_live.tracer.report import exact_total
 
 from .cli_runs import assert_one_line, mtrace, mtrace_unprivileged
 from .report_check import same_report
@@ -137,8 +138,8 @@ def test_report_and_convert_work_for_a_user_who_can_write_nowhere(world_readable
     for path in (world_readable / "set").iterdir():
         path.chmod(0o644)
     (world_readable / "set").chmod(0o755)
-    # WHEN a user whose HOME does not exist reads it (numba's cache has no
-    # home there, nor beside a root-owned checkout)
+    # WHEN a user whose HOME does not exist reads it (nothing may need to
+    # be written there, nor beside a root-owned checkout)
     env = {k: v for k, v in os.environ.items() if k not in ("XDG_CACHE_HOME", "NUMBA_CACHE_DIR")}
     env["HOME"] = "/nonexistent"
     report = mtrace_unprivileged("report", str(world_readable / "set"), env=env)

@@ -37,7 +37,8 @@ def convert(**params: Any) -> None:
       mtrace-live convert out.d --to json > out.jsonl
       mtrace-live convert out.jsonl --to kmemtrace -o again.d
     """
+    from mtrace_live.exporters.convert import run_convert
+
     from .. import package_version
-    from ..convert import run_convert
 
     run_convert(version=package_version(), **params)

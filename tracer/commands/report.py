@@ -45,10 +45,9 @@ def report(source: Path, fmt: str, sort: str, limit: int, kallsyms: Path | None)
     """
     from mtrace_live.exporters.allocinfo import render_allocinfo
     from mtrace_live.exporters.data.kallsyms import KernelSymbols
-    from mtrace_live.exporters.kmemtrace import open_record_set
+    from mtrace_live.exporters.kmemtrace.reader import open_record_set
+    from mtrace_live.exporters.kmemtrace.report import render_text, stream
     from mtrace_live.probes.elf.errors import DamagedRecordsError
-
-    from ..report import render_text, stream
 
     header = open_record_set(source)
     if kallsyms is not None:
@@ -66,7 +65,7 @@ def report(source: Path, fmt: str, sort: str, limit: int, kallsyms: Path | None)
         user = [(s.live_bytes, s.live, s.location, s.symbol, s.name) for s in result.user]
         click.echo("\n".join([*render_allocinfo(result.kernel), *render_user_allocinfo(user)]))
     elif fmt in ("pprof", "folded"):
-        from ..report import user_snapshot
+        from mtrace_live.exporters.kmemtrace.report import user_snapshot
 
         snapshot, names = user_snapshot(result)
         if fmt == "folded":

@@ -1,22 +1,16 @@
 """``--kmemtrace DIR`` and ``record``: a live trace's events as a kmemtrace
-record set (the format: exporters/kmemtrace.py)."""
+record set (the format: abi.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from mtrace_live.exporters.data.allocations import FrameNames
+from mtrace_live.exporters.data.kallsyms import saved_text
+from mtrace_live.exporters.data.sink import EventBatch, Sink, TraceInfo, TraceResult
+from mtrace_live.exporters.kmemtrace.abi import ALLOC_TASK_RECORD, FREE_TASK_RECORD, record_size
+from mtrace_live.exporters.kmemtrace.writer import KmemtraceWriter, new_record_set
 from mtrace_live.probes.records import EventKind
-
-from .data.allocations import FrameNames
-from .data.kallsyms import saved_text
-from .data.sink import EventBatch, Sink, TraceInfo, TraceResult
-from .kmemtrace import (
-    ALLOC_TASK_RECORD,
-    FREE_TASK_RECORD,
-    KmemtraceWriter,
-    new_record_set,
-    record_size,
-)
 
 
 class KmemtraceSink(Sink):

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from mtrace_live.exporters.data.kallsyms import KernelSymbols
+from mtrace_live.exporters.kmemtrace.abi import TYPES, EventId, TypeId
+from mtrace_live.exporters.kmemtrace.reader import RecordSet
+from mtrace_live.exporters.sprtrace.text import Call, Comment, Frame, Resource, Trace, clock
 from mtrace_live.probes.records import ALLOC_FN_NAMES
-
-from .kmemtrace import TYPES, EventId, RecordSet, TypeId
-from .sprtrace import Call, Comment, Frame, Resource, Trace, clock
 
 if TYPE_CHECKING:
     from mtrace_live.exporters.data.symbolize import Symbol

@@ -7,9 +7,10 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from mtrace_live.exporters import sprtrace
 from mtrace_live.exporters.data.kallsyms import KernelSymbols
-from mtrace_live.exporters.kmemtrace import ABI_FILE, cpu_files, read_record_set
+from mtrace_live.exporters.kmemtrace.abi import ABI_FILE, cpu_files
+from mtrace_live.exporters.kmemtrace.reader import read_record_set
+from mtrace_live.exporters.sprtrace import text as sprtrace
 from mtrace_live.probes.elf.errors import (
     DamagedRecordsError,
     SpRtraceError,
@@ -40,8 +41,8 @@ def run_convert(
     symbols = KernelSymbols.load(kallsyms) if kallsyms is not None else None
     damage: list[str] = []
     if _is_record_set(source):
-        from mtrace_live.exporters.kmemtrace_json import json_lines
-        from mtrace_live.exporters.sprtrace_convert import from_record_set
+        from mtrace_live.exporters.kmemtrace.json_lines import json_lines
+        from mtrace_live.exporters.sprtrace.convert import from_record_set
 
         records = read_record_set(source)
         damage = records.damage
@@ -61,7 +62,7 @@ def run_convert(
             raise UsageError(f"{source} holds JSON lines: convert them --to kmemtrace -o DIR")
         if output is None:
             raise UsageError("--to kmemtrace needs -o DIR, the record set to create")
-        from mtrace_live.exporters.kmemtrace_json import write_record_set
+        from mtrace_live.exporters.kmemtrace.json_lines import write_record_set
 
         with open(source, encoding="utf-8") as stream:
             written = write_record_set(stream, output, str(source))

@@ -16,16 +16,16 @@ from pathlib import Path
 from typing import TextIO
 
 import numpy as np
+from mtrace_live.exporters.data.kallsyms import KernelSymbols
+from mtrace_live.exporters.data.processes import process_name
+from mtrace_live.exporters.data.sink import EventBatch, Sink, TraceInfo, TraceResult
+from mtrace_live.exporters.data.symbolize import Symbol, module_symbols
+from mtrace_live.exporters.kmemtrace.abi import KERNEL_TYPES, TypeId
+from mtrace_live.exporters.kmemtrace.reader import decode_batch
+from mtrace_live.exporters.sprtrace.convert import RecordCalls, header, resources
+from mtrace_live.exporters.sprtrace.text import Trace, lines, map_line
 from mtrace_live.probes.elf.errors import TargetError
 from mtrace_live.probes.records import EventKind
-
-from .data.kallsyms import KernelSymbols
-from .data.processes import process_name
-from .data.sink import EventBatch, Sink, TraceInfo, TraceResult
-from .data.symbolize import Symbol, module_symbols
-from .kmemtrace import KERNEL_TYPES, TypeId, decode_batch
-from .sprtrace import Trace, lines, map_line
-from .sprtrace_convert import RecordCalls, header, resources
 
 LIBC_TYPES = (TypeId.SBRK, TypeId.HEAP, TypeId.ARENA)
 ALLOC_STACK_DEPTH = 16  # frames of an allocation's backtrace when --stack-depth is not given

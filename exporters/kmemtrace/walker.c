@@ -22,6 +22,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <stddef.h>
 #include <fcntl.h>
 #include <math.h>
 #include <stdint.h>
@@ -38,15 +39,19 @@ enum { T_KMALLOC = 0, T_CACHE = 1, T_PAGES = 2, T_SBRK = 3, T_ARENA = 5, T_PROBE
 #define ORDERS 66
 #define NO_FUNCTION 0xFF
 
-/* One record, as much of it as the report uses. */
+/* One decoded record: the layout of exporters/kmemtrace/reader.py's
+ * DECODED (tests/unit/test_kmemtrace_format.py compares the two). */
 typedef struct {
     int64_t seq;
-    uint64_t call_site, ptr, bytes_req, bytes_alloc;
+    uint64_t call_site, ptr, bytes_req, bytes_alloc, timestamp;
+    uint32_t pid, tid, gfp_flags;
     int32_t target;
-    uint32_t pid;
-    uint16_t probe;
-    uint8_t eid, tid, fn;
+    uint16_t probe, cpu;
+    uint8_t event_id, type_id, has_task, fn;
+    uint64_t aux, weight;
 } rec_t;
+_Static_assert(sizeof(rec_t) == 88, "rec_t is DECODED's 88 bytes, without padding");
+#define MAX_ARGS 6
 
 typedef struct {
     int fd;
@@ -281,6 +286,77 @@ static int64_t usite(site_table *t, uint32_t pid, uint8_t fn, uint64_t call_site
     return (int64_t)t->count - 1;
 }
 
+/* ---- one record -------------------------------------------------------------- */
+
+/* The feature blocks after a record's body: the task (pid, tid, time) and
+ * the allocation function (function, aux, weight). */
+static void decode_features(const unsigned char *p, size_t size, size_t at, rec_t *r,
+                            int64_t *skipped) {
+    while (at + 3 <= size) {
+        size_t fsize = (size_t)rd(p + at, 2);
+        if (fsize < 3 || at + fsize > size) {
+            skipped[3]++;
+            return;
+        }
+        if (p[at + 2] == 1 && fsize >= 24) {
+            r->has_task = 1;
+            r->pid = (uint32_t)rd(p + at + 4, 4);
+            r->tid = (uint32_t)rd(p + at + 8, 4);
+            r->timestamp = rd(p + at + 16, 8);
+        } else if (p[at + 2] == 2 && fsize >= 24) {
+            r->fn = p[at + 3];
+            r->aux = rd(p + at + 8, 8);
+            r->weight = rd(p + at + 16, 8);
+        }
+        at += fsize;
+    }
+}
+
+/* The record at p, `size` bytes (24 or more, all of them there), into *r,
+ * and a probe record's arguments into args[0..5] when args is not NULL: 1.
+ * 0 for a record skipped, its reason counted in skipped[] (SKIP_REASONS:
+ * unknown event id, unknown type id, too short; a bad feature block ends
+ * the record's features). r->seq is the 32-bit number, sign-extended. */
+static int decode(const unsigned char *p, size_t size, rec_t *r, uint64_t *args,
+                  int64_t *skipped) {
+    uint8_t eid = p[0], tid = p[1];
+    if (eid > 2) {
+        skipped[0]++;
+        return 0;
+    }
+    if ((eid < 2 && tid > 5 && tid != 7) || (eid == 2 && tid != 6)) {
+        skipped[1]++;
+        return 0;
+    }
+    if ((eid == 0 && size < 48) || (eid == 2 && size < 80)) {
+        skipped[2]++;
+        return 0;
+    }
+    memset(r, 0, sizeof *r);
+    r->event_id = eid;
+    r->type_id = tid;
+    r->seq = (int32_t)(uint32_t)rd(p + 4, 4);
+    r->call_site = rd(p + 8, 8);
+    r->ptr = rd(p + 16, 8);
+    r->target = -1;
+    r->fn = NO_FUNCTION;
+    size_t body = 24;
+    if (eid == 0) {
+        r->bytes_req = rd(p + 24, 8);
+        r->bytes_alloc = rd(p + 32, 8);
+        r->gfp_flags = (uint32_t)rd(p + 40, 4);
+        r->target = (int32_t)(uint32_t)rd(p + 44, 4);
+        body = 48;
+    } else if (eid == 2) {
+        r->probe = (uint16_t)rd(p + 24, 2);
+        if (args)
+            for (int a = 0; a < MAX_ARGS; a++) args[a] = rd(p + 32 + 8 * a, 8);
+        body = 80;
+    }
+    decode_features(p, size, body, r, skipped);
+    return 1;
+}
+
 /* ---- reading one file ------------------------------------------------------ */
 
 static int g_unsorted;
@@ -361,23 +437,10 @@ static int next_record(file_t *f) {
             return 0;
         }
         f->pos += size;
-        uint8_t eid = p[0], tid = p[1];
-        if (eid > 2) {
-            f->skipped[0]++;
-            continue;
-        }
-        if ((eid < 2 && tid > 5 && tid != 7) || (eid == 2 && tid != 6)) {
-            f->skipped[1]++;
-            continue;
-        }
-        if ((eid == 0 && size < 48) || (eid == 2 && size < 80)) {
-            f->skipped[2]++;
-            continue;
-        }
         rec_t *r = &f->head;
-        r->eid = eid;
-        r->tid = tid;
-        uint32_t raw = (uint32_t)rd(p + 4, 4);
+        if (!decode(p, size, r, NULL, f->skipped))
+            continue;
+        uint32_t raw = (uint32_t)r->seq;
         int64_t seq;
         if (f->count == 0) {
             seq = (int32_t)raw;
@@ -388,34 +451,6 @@ static int next_record(file_t *f) {
         f->prev_raw = raw;
         f->prev_seq = seq;
         r->seq = seq + f->scale;
-        r->call_site = rd(p + 8, 8);
-        r->ptr = rd(p + 16, 8);
-        r->bytes_req = r->bytes_alloc = 0;
-        r->target = -1;
-        r->probe = 0;
-        r->pid = 0;
-        r->fn = NO_FUNCTION;
-        size_t body = 24;
-        if (eid == 0) {
-            r->bytes_req = rd(p + 24, 8);
-            r->bytes_alloc = rd(p + 32, 8);
-            r->target = (int32_t)(uint32_t)rd(p + 44, 4);
-            body = 48;
-        } else if (eid == 2) {
-            r->probe = (uint16_t)rd(p + 24, 2);
-            body = 80;
-        }
-        size_t at = body;
-        while (at + 3 <= size) {
-            size_t fsize = (size_t)rd(p + at, 2);
-            if (fsize < 3 || at + fsize > size) {
-                f->skipped[3]++;
-                break;
-            }
-            if (p[at + 2] == 1 && fsize >= 24) r->pid = (uint32_t)rd(p + at + 4, 4);
-            else if (p[at + 2] == 2 && fsize >= 24) r->fn = p[at + 3];
-            at += fsize;
-        }
         f->count++;
         return 1;
     }
@@ -468,13 +503,13 @@ static inline int page_order(uint64_t bytes, uint64_t page_size) {
 /* 0 fine, -1 out of memory. */
 static int handle(state_t *s, const rec_t *r, const file_t *f, int64_t rank) {
     s->records++;
-    if (r->eid == EV_PROBE) {
+    if (r->event_id == EV_PROBE) {
         s->probes[r->probe]++;
         return 0;
     }
-    if (r->tid <= T_PAGES) {
-        if (r->eid == EV_ALLOC) {
-            int64_t at = ksite(&s->ks, r->call_site, r->tid);
+    if (r->type_id <= T_PAGES) {
+        if (r->event_id == EV_ALLOC) {
+            int64_t at = ksite(&s->ks, r->call_site, r->type_id);
             if (at < 0) return -1;
             ksite_t *site = (ksite_t *)s->ks.items + at;
             site->allocs++;
@@ -485,14 +520,14 @@ static int handle(state_t *s, const rec_t *r, const file_t *f, int64_t rank) {
             site->cross_node += cross;
             s->cross_node += cross;
             s->above += r->bytes_req > r->bytes_alloc;
-            if (r->tid == T_PAGES) s->orders_alloc[page_order(r->bytes_alloc, s->page_size)]++;
+            if (r->type_id == T_PAGES) s->orders_alloc[page_order(r->bytes_alloc, s->page_size)]++;
             if (r->ptr) {
                 int fresh;
                 live_t *e = live_claim(&s->klive, r->ptr, 0, &fresh);
                 if (!e) return -1;
                 if (!fresh) s->reallocated_live++;
                 e->site = (uint32_t)at;
-                e->type = r->tid;
+                e->type = r->type_id;
                 e->cpu = (uint16_t)f->cpu;
                 e->bytes = r->bytes_alloc;
             }
@@ -507,7 +542,7 @@ static int handle(state_t *s, const rec_t *r, const file_t *f, int64_t rank) {
             ksite_t *site = (ksite_t *)s->ks.items + e->site;
             site->frees++;
             site->bytes_freed += e->bytes;
-            int cross = e->cpu != f->cpu, mismatched = e->type != r->tid;
+            int cross = e->cpu != f->cpu, mismatched = e->type != r->type_id;
             site->cross_cpu += cross;
             site->mismatched += mismatched;
             s->cross_cpu += cross;
@@ -516,15 +551,15 @@ static int handle(state_t *s, const rec_t *r, const file_t *f, int64_t rank) {
             live_remove(&s->klive, e);
             return 0;
         }
-        int64_t at = ksite(&s->ks, r->call_site, r->tid);
+        int64_t at = ksite(&s->ks, r->call_site, r->type_id);
         if (at < 0) return -1;
         ((ksite_t *)s->ks.items + at)->unknown++;
         s->unknown_frees++;
         return 0;
     }
-    if (r->tid <= T_ARENA) {
-        int k = r->tid - T_SBRK;
-        if (r->eid == EV_ALLOC) {
+    if (r->type_id <= T_ARENA) {
+        int k = r->type_id - T_SBRK;
+        if (r->event_id == EV_ALLOC) {
             s->libc_allocs[k]++;
             s->libc_bytes[k] += r->bytes_alloc;
         } else {
@@ -533,7 +568,7 @@ static int handle(state_t *s, const rec_t *r, const file_t *f, int64_t rank) {
         return 0;
     }
     /* T_USER: frees matched by (process, pointer) */
-    if (r->eid == EV_ALLOC) {
+    if (r->event_id == EV_ALLOC) {
         int64_t at = usite(&s->us, r->pid, r->fn, r->call_site);
         if (at < 0) return -1;
         usite_t *site = (usite_t *)s->us.items + at;
@@ -852,14 +887,96 @@ static PyObject *report_pass(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* ---- one file, decoded into memory ------------------------------------------ */
+
+/* The walk of scan(): (records, probe records, offset, status). */
+static void walk(const unsigned char *buf, size_t n, uint16_t cpu, rec_t *out, uint64_t *args,
+                 int64_t *skipped, size_t result[4]) {
+    size_t o = 0, k = 0, probes = 0;
+    int status = ST_OK;
+    while (o < n) {
+        if (n - o < 4) {
+            status = ST_TRUNCATED;
+            break;
+        }
+        size_t size = (size_t)rd(buf + o + 2, 2);
+        if (size < 24) {
+            status = ST_BAD_SIZE;
+            break;
+        }
+        if (o + size > n) {
+            status = ST_TRUNCATED;
+            break;
+        }
+        if (decode(buf + o, size, &out[k], args + MAX_ARGS * probes, skipped)) {
+            out[k].cpu = cpu;
+            probes += out[k].event_id == EV_PROBE;
+            k++;
+        }
+        o += size;
+    }
+    result[0] = k;
+    result[1] = probes;
+    result[2] = o;
+    result[3] = (size_t)status;
+}
+
+static PyObject *scan(PyObject *self, PyObject *pyargs) {
+    (void)self;
+    Py_buffer data, out, args, skipped;
+    int big;
+    unsigned int cpu;
+    if (!PyArg_ParseTuple(pyargs, "y*pIw*w*w*", &data, &big, &cpu, &out, &args, &skipped))
+        return NULL;
+    size_t n = (size_t)data.len, result[4] = {0, 0, 0, 0};
+    int fits = (size_t)out.len >= n / 24 * sizeof(rec_t) &&
+               (size_t)args.len >= (n / 80 + 1) * MAX_ARGS * sizeof(uint64_t) &&
+               (size_t)skipped.len >= 4 * sizeof(int64_t) && cpu <= UINT16_MAX;
+    if (fits) {
+        g_big = big;
+        walk(data.buf, n, (uint16_t)cpu, out.buf, args.buf, skipped.buf, result);
+    }
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&args);
+    PyBuffer_Release(&skipped);
+    if (!fits) {
+        PyErr_SetString(PyExc_ValueError, "scan: an output has no room for the file's records");
+        return NULL;
+    }
+    return Py_BuildValue("(nnnn)", (Py_ssize_t)result[0], (Py_ssize_t)result[1],
+                         (Py_ssize_t)result[2], (Py_ssize_t)result[3]);
+}
+
+/* Each field of rec_t: name -> (offset, size), for the layout test. */
+static PyObject *record_layout(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+#define FIELD(name) #name, (Py_ssize_t)offsetof(rec_t, name), (Py_ssize_t)sizeof(((rec_t *)0)->name)
+    return Py_BuildValue(
+        "{s(nn)s(nn)s(nn)s(nn)s(nn)s(nn)s(nn)s(nn)s(nn)s(nn)s(nn)s(nn)s(nn)s(nn)s(nn)s(nn)s(nn)"
+        "s(nn)}",
+        FIELD(seq), FIELD(call_site), FIELD(ptr), FIELD(bytes_req), FIELD(bytes_alloc),
+        FIELD(timestamp), FIELD(pid), FIELD(tid), FIELD(gfp_flags), FIELD(target), FIELD(probe),
+        FIELD(cpu), FIELD(event_id), FIELD(type_id), FIELD(has_task), FIELD(fn), FIELD(aux),
+        FIELD(weight));
+#undef FIELD
+}
+
 static PyMethodDef methods[] = {
+    {"scan", scan, METH_VARARGS,
+     "scan(data, big_endian, cpu, out, args, skipped) -> (records, probe records, offset, "
+     "status): one cpuN file's records decoded into out (DECODED), the probe records' "
+     "arguments into args, the records skipped counted in skipped."},
+    {"record_layout", record_layout, METH_NOARGS,
+     "record_layout() -> {field: (offset, size)} of a decoded record."},
     {"report_pass", report_pass, METH_VARARGS,
      "report_pass(paths, cpus, nodes, big_endian, page_size, chunk) -> dict: the report's "
      "figures from the cpuN files, merged by sequence number in one pass."},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_report_pass", NULL, -1, methods,
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_walker", NULL, -1, methods,
                                     NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__report_pass(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__walker(void) { return PyModule_Create(&module); }

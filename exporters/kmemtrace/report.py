@@ -4,7 +4,7 @@ Allocations and frees per call site, frees matched to their allocation by
 pointer, cross-CPU frees, and the errors kmemtrace-report looked for.
 
 Two ways to the same answer:
-- ``stream``: one compiled pass (report_pass.c) merges the cpuN files by
+- ``stream``: one compiled pass (walker.c) merges the cpuN files by
   sequence number in fixed-size chunks and matches frees in a table of the
   allocations still live, so memory does not grow with the files. This is
   what the command uses.
@@ -26,13 +26,10 @@ from mtrace_live.exporters.data.allocations import AllocSnapshot, FrameNames, St
 from mtrace_live.exporters.data.kallsyms import KernelSymbols
 from mtrace_live.exporters.data.kmem import CallSite, KmemTotals, name_sites
 from mtrace_live.exporters.data.symbolize import ProcessSymbols
-from mtrace_live.exporters.kmemtrace import (
-    KERNEL_TYPES,
-    SKIP_REASONS,
-    EventId,
+from mtrace_live.exporters.kmemtrace.abi import KERNEL_TYPES, SKIP_REASONS, EventId, TypeId
+from mtrace_live.exporters.kmemtrace.reader import (
     RecordSet,
     RecordSetHeader,
-    TypeId,
     damage_line,
     parse_user_maps,
     read_record_set,
@@ -387,7 +384,7 @@ def stream(
     any one time. The same answer as ``analyse(read_record_set(...))``.
     ``chunk``: the read size per file (tests make it small to cross many
     chunk boundaries)."""
-    from ._report_pass import report_pass
+    from ._walker import report_pass
 
     files = header.files
     sizes = header.sizes()

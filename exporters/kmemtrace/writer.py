@@ -1,0 +1,244 @@
+"""Writing a kmemtrace record set: batches of ring-buffer events
+(probes/records.py) converted to records with numpy, one ``cpuN`` file per
+CPU (the ABI: ``abi``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from mtrace_live.probes.elf.errors import RecordSetError
+from mtrace_live.probes.records import KMEM_FREE_EVENTS
+
+from .abi import (
+    ABI_FILE,
+    ABI_VERSION,
+    ALLOC_TASK_RECORD,
+    CPUS_FILE,
+    FREE_TASK_RECORD,
+    KALLSYMS_FILE,
+    NODES_FILE,
+    OVERRUNS_FILE,
+    PROBE_TASK_RECORD,
+    PROBES_FILE,
+    TASK_FEATURE_SIZE,
+    USER_ALLOC_RECORD,
+    USER_FEATURE_SIZE,
+    USER_FREE_RECORD,
+    USER_MAPS_FILE,
+    EventId,
+    FeatureId,
+    TypeId,
+    cpu_files,
+    cpu_list_text,
+    libc_records,
+    parse_cpu_list,
+    possible_cpus,
+)
+
+
+def _cpu_nodes() -> str:
+    lines = []
+    for node_dir in sorted(Path("/sys/devices/system/node").glob("node[0-9]*")):
+        try:
+            cpus = parse_cpu_list((node_dir / "cpulist").read_text())
+        except (OSError, ValueError):
+            continue
+        lines += [f"{cpu} {node_dir.name[4:]}" for cpu in cpus]
+    return "".join(f"{line}\n" for line in sorted(lines, key=lambda s: int(s.split()[0])))
+
+
+# ---- writing ----------------------------------------------------------------
+
+
+@dataclass
+class Encoded:
+    """One batch as bytes per CPU file, and how many records of each kind."""
+
+    per_cpu: dict[int, bytes]
+    records: int
+    next_seq: int
+
+
+def encode(
+    batch: np.ndarray,
+    seq: int,
+    libc_probes: Sequence[str],
+    kmem_kind: int,
+    probe_kind: int,
+    page_shift: int = 12,
+    user_kinds: tuple[int, int] | None = None,
+) -> Encoded:
+    """Turn ring events (probes/records.py: EVENT_DTYPE) into kmemtrace records.
+
+    Sequence numbers follow the rows' order, which is the order the kernel
+    reserved them in mtrace-live's single ring buffer: one total order across
+    CPUs. ``kmem_kind`` and ``probe_kind`` are EventKind values, and so are
+    ``user_kinds``: (allocation, free) of the allocation functions."""
+    wanted = (batch["kind"] == kmem_kind) | (batch["kind"] == probe_kind)
+    if user_kinds is not None:
+        wanted |= (batch["kind"] == user_kinds[0]) | (batch["kind"] == user_kinds[1])
+    rows = batch[wanted]
+    n = len(rows)
+    if n == 0:
+        return Encoded({}, 0, seq)
+    seqs = ((np.arange(n, dtype=np.int64) + seq) & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
+    kmem = rows["kind"] == kmem_kind
+    event_number = rows["probe"].astype(np.int64)
+    args = rows["args"]
+
+    # Classify every row: event id, type id, pointer, sizes.
+    event_id = np.full(n, EventId.PROBE, dtype=np.uint8)
+    type_id = np.full(n, TypeId.LIBC_PROBE, dtype=np.uint8)
+    ptr = np.zeros(n, dtype=np.uint64)
+    req = np.zeros(n, dtype=np.uint64)
+    alloc = np.zeros(n, dtype=np.uint64)
+    gfp = np.zeros(n, dtype=np.uint32)
+    target = np.full(n, -1, dtype=np.int32)
+
+    kfree = kmem & np.isin(event_number, tuple(KMEM_FREE_EVENTS))
+    event_id[kmem] = np.where(kfree[kmem], EventId.FREE, EventId.ALLOC)
+    type_id[kmem] = rows["site"][kmem].astype(np.uint8)  # enum kmem_type: kmemtrace's ids
+    pages = kmem & (type_id == TypeId.PAGES)
+    ptr[kmem] = args[kmem, 0]
+    ptr[pages] = args[pages, 0] << np.uint64(page_shift)
+    req[kmem] = args[kmem, 1]
+    alloc[kmem] = args[kmem, 2]
+    gfp[kmem] = args[kmem, 3].astype(np.uint32)
+    target[kmem] = args[kmem, 4].astype(np.int64).astype(np.int32)
+
+    user = np.zeros(n, dtype=bool)
+    if user_kinds is not None:
+        user_alloc = rows["kind"] == user_kinds[0]
+        user = user_alloc | (rows["kind"] == user_kinds[1])
+        event_id[user] = np.where(user_alloc[user], EventId.ALLOC, EventId.FREE)
+        type_id[user] = TypeId.USER
+        ptr[user] = args[user, 0]
+        req[user_alloc] = alloc[user_alloc] = args[user_alloc, 1]
+    libc = ~kmem & ~user
+    for table, eid in (
+        (libc_records("alloc"), EventId.ALLOC),
+        (libc_records("free"), EventId.FREE),
+    ):
+        for name, tid in table.items():
+            if name not in libc_probes:
+                continue
+            hit = libc & (event_number == libc_probes.index(name))
+            event_id[hit] = eid
+            type_id[hit] = tid
+            ptr[hit] = args[hit, 0]
+            if eid == EventId.ALLOC:
+                req[hit] = alloc[hit] = args[hit, 1]
+
+    out = np.zeros((n, PROBE_TASK_RECORD.itemsize), dtype=np.uint8)
+    sizes = np.empty(n, dtype=np.int64)
+    for eid, dtype, of_user in (
+        (EventId.ALLOC, ALLOC_TASK_RECORD, False),
+        (EventId.FREE, FREE_TASK_RECORD, False),
+        (EventId.PROBE, PROBE_TASK_RECORD, False),
+        (EventId.ALLOC, USER_ALLOC_RECORD, True),
+        (EventId.FREE, USER_FREE_RECORD, True),
+    ):
+        pick = np.flatnonzero((event_id == eid) & (user == of_user))
+        if len(pick) == 0:
+            continue
+        rec = np.zeros(len(pick), dtype=dtype)
+        rec["event_id"] = eid
+        rec["type_id"] = type_id[pick]
+        rec["event_size"] = dtype.itemsize
+        rec["seq"] = seqs[pick]
+        rec["call_site"] = rows["ip"][pick]
+        rec["ptr"] = ptr[pick]
+        if eid == EventId.ALLOC:
+            rec["bytes_req"] = req[pick]
+            rec["bytes_alloc"] = alloc[pick]
+            rec["gfp_flags"] = gfp[pick]
+            rec["target"] = target[pick]
+        if eid == EventId.PROBE:
+            rec["probe"] = event_number[pick]
+            rec["nargs"] = rows["nargs"][pick]
+            rec["args"] = args[pick]
+        rec["f_size"] = TASK_FEATURE_SIZE
+        rec["f_id"] = FeatureId.TASK
+        rec["pid"] = rows["tgid"][pick]
+        rec["tid"] = rows["tid"][pick]
+        rec["timestamp"] = rows["ts"][pick]
+        if of_user:
+            rec["u_size"] = USER_FEATURE_SIZE
+            rec["u_id"] = FeatureId.USER_CALL
+            rec["fn"] = rows["probe"][pick]
+            rec["aux"] = args[pick, 2] if eid == EventId.ALLOC else 0
+            rec["weight"] = args[pick, 3]
+        out[pick, : dtype.itemsize] = rec.view(np.uint8).reshape(len(pick), dtype.itemsize)
+        sizes[pick] = dtype.itemsize
+
+    columns = np.arange(out.shape[1])
+    per_cpu = {}
+    cpus = rows["cpu"]
+    for cpu in np.unique(cpus):
+        mine = cpus == cpu
+        per_cpu[int(cpu)] = out[mine][columns < sizes[mine, None]].tobytes()
+    return Encoded(per_cpu, n, seq + n)
+
+
+def new_record_set(directory: Path) -> None:
+    """Make ``directory`` for a record set, or refuse one that holds a set."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        stale = sorted(cpu_files(directory).values())
+    except OSError as exc:
+        raise RecordSetError(f"cannot write the record set {directory}: {exc}") from None
+    if stale:
+        raise RecordSetError(
+            f"{directory} already holds a record set ({stale[0].name}); give a new directory"
+        )
+
+
+class KmemtraceWriter:
+    """Appends records to a record set directory as batches arrive."""
+
+    def __init__(
+        self,
+        directory: Path,
+        libc_probes: Sequence[str],
+        kallsyms: str,
+        cpus: Sequence[int] | None = None,
+    ) -> None:
+        """``cpus``: the CPUs of records made elsewhere (convert); by default
+        this machine's possible CPUs, whose NUMA nodes are then saved too."""
+        self.directory = directory
+        self.libc_probes = list(libc_probes)
+        self.records = 0
+        self.bytes = 0
+        self._seq = 0
+        new_record_set(directory)
+        try:
+            self.cpus = sorted(set(cpus)) if cpus else possible_cpus()
+            self._files = {cpu: open(directory / f"cpu{cpu}", "wb") for cpu in self.cpus}  # noqa: SIM115
+            (directory / ABI_FILE).write_text(f"{ABI_VERSION}\n")
+            (directory / CPUS_FILE).write_text(cpu_list_text(self.cpus) + "\n")
+            (directory / PROBES_FILE).write_text("".join(f"{p}\n" for p in self.libc_probes))
+            (directory / NODES_FILE).write_text("" if cpus else _cpu_nodes())
+            (directory / KALLSYMS_FILE).write_text(kallsyms)
+        except OSError as exc:
+            raise RecordSetError(f"cannot write the record set {directory}: {exc}") from None
+
+    def write(self, batch: np.ndarray, kmem_kind: int, probe_kind: int,
+              user_kinds: tuple[int, int] | None = None) -> None:  # fmt: skip
+        encoded = encode(batch, self._seq, self.libc_probes, kmem_kind, probe_kind,
+                         user_kinds=user_kinds)  # fmt: skip
+        self._seq = encoded.next_seq
+        self.records += encoded.records
+        for cpu, data in encoded.per_cpu.items():
+            self._files[cpu].write(data)
+            self.bytes += len(data)
+
+    def close(self, overrun_bytes: int, user_maps: str = "") -> None:
+        """``user_maps``: the traced processes' executable mappings, as
+        ``pid start end offset path`` lines, for naming user call sites."""
+        for handle in self._files.values():
+            handle.close()
+        (self.directory / OVERRUNS_FILE).write_text(f"{overrun_bytes}\n")
+        (self.directory / USER_MAPS_FILE).write_text(user_maps)
