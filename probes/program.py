@@ -2,7 +2,7 @@
 
 The trace program is in parts under ``bpf/``, one concern each (``PARTS``).
 bcc rewrites map calls only in the main source file, so the loader joins the
-parts into one text instead of #including them; the headers beside them
+parts into one file (``main_file``) instead of #including them; the headers beside them
 (``records.h``, ``set_table.h``) hold no maps and are #included.
 
 ``ProgramConfig`` holds every switch of the program. The live trace and
@@ -59,6 +59,15 @@ class ProgramSource:
     def text(self) -> str:
         """The parts joined, each under a line that names it."""
         return "".join(f"/* ==== {part.name} ==== */\n{part.read_text()}" for part in self.parts)
+
+    def main_file(self, scratch: Path) -> Path:
+        """The file bcc compiles as its main file: the one part itself, or
+        the parts joined into a file in ``scratch``."""
+        if len(self.parts) == 1:
+            return self.parts[0]
+        joined = scratch / f"{self.name}.bpf.c"
+        joined.write_text(self.text())
+        return joined
 
     def headers(self) -> list[Path]:
         return sorted(self.directory.glob("*.h"))

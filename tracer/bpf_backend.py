@@ -12,6 +12,7 @@ import ctypes
 import json
 import os
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -157,8 +158,7 @@ class BpfProgram:
         self._typed: dict[str, tuple[int, int]] = {}  # handler -> (program fd, attachment fd)
         # event -> why the kernel refused its BTF-typed handler (its raw one is attached)
         self.typed_refused: dict[str, str] = {}
-        text = source.text()
-        sources = [text.encode(), *(h.read_bytes() for h in source.headers())]
+        sources = [source.text().encode(), *(h.read_bytes() for h in source.headers())]
         key = bpf_cache.cache_key(sources, cflags, bcc_version())
         # What the start-up report says of the load: warnings, and the origin
         # (a debug line, MTRACE_LIVE_DEBUG=1).
@@ -168,7 +168,9 @@ class BpfProgram:
         self.from_cache = compiled is not None  # loaded from code a previous run compiled
         if compiled is None:
             try:
-                self._bpf = bcc.BPF(text=text.encode(), cflags=cflags)
+                with tempfile.TemporaryDirectory(prefix="mtrace-live-bpf-") as scratch:
+                    main = source.main_file(Path(scratch))
+                    self._bpf = bcc.BPF(src_file=str(main).encode(), cflags=cflags)
             except Exception as exc:
                 raise AttachError(f"cannot load BPF program {name}: {exc}") from None
             with contextlib.suppress(Exception):  # the cache is only ever a saving
