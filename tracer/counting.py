@@ -15,9 +15,8 @@ from mtrace_live.probes.program import ProgramConfig
 from mtrace_live.probes.records import KMEM_EVENTS
 
 from . import usdt
-from .bpf_backend import BpfProgram, require_privileges, tracepoint_format
-from .kmem_attach import kmem_attach
-from .tracefs import kmem_defines
+from .bpf_backend import BpfProgram, require_privileges
+from .kmem_attach import kmem_switches
 
 
 @dataclass
@@ -62,17 +61,11 @@ class HitCounter:
         require_privileges()
         self.probes = list(self.selection.probes) if self.selection else []
         self.kmem = kmem
-        self._has_cache_name = False
-        self._caches_by_pointer = False
-        kmem_switches = None
-        if kmem:
-            variants = kmem_defines(tracepoint_format)
-            self._has_cache_name = bool(variants["HAVE_CACHE_NAME"])
-            raw = kmem_attach(variants).defines
-            self._caches_by_pointer = bool(raw.get("RAW_CACHE_ALLOC"))
-            kmem_switches = {**variants, **raw}
+        switches = kmem_switches() if kmem else None
+        self._has_cache_name = bool(switches and switches["HAVE_CACHE_NAME"])
+        self._caches_by_pointer = bool(switches and switches.get("RAW_CACHE_ALLOC"))
         self.libc = libc
-        config = ProgramConfig(events=False, follow_forks=follow_forks, kmem=kmem_switches,
+        config = ProgramConfig(events=False, follow_forks=follow_forks, kmem=switches,
                                sites=usdt.site_defines(self.selection),
                                derived=usdt.derived_defines(self.selection))  # fmt: skip
         self._program = BpfProgram(config.source())

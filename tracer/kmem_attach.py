@@ -33,7 +33,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .bpf_backend import tracepoint_format
 from .kernel_btf import BtfUnavailable, KernelBtf
+from .tracefs import kmem_defines
 
 # event -> (its define's prefix, the arguments read, the optional ones)
 _RAW_EVENTS = {
@@ -147,3 +149,10 @@ def _cache_offsets(btf: KernelBtf, with_name: bool) -> dict[str, int] | str:
     if length > _MAX_SPAN:
         return f"BTF's struct kmem_cache spreads the members read over {length} bytes"
     return {**offsets, "CACHE_SPAN_OFF": start, "CACHE_SPAN_LEN": length}
+
+
+def kmem_switches(classic: bool = False) -> dict[str, int]:
+    """The kmem part's defines on this kernel: its tracepoints' variants
+    (tracefs) and which handlers are raw (``kmem_attach``)."""
+    variants = kmem_defines(tracepoint_format)
+    return {**variants, **kmem_attach(variants, classic).defines}

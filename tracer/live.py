@@ -20,7 +20,6 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
@@ -38,117 +37,26 @@ from mtrace_live.exporters.data.sink import (
 from mtrace_live.probes.catalog import load_catalog
 from mtrace_live.probes.elf.errors import (
     MtraceError,
-    NoProbesError,
     NotPrivilegedError,
     OutputClosedError,
     TargetError,
     TargetExecError,
 )
-from mtrace_live.probes.program import ProgramConfig
 from mtrace_live.probes.records import EVENT_DTYPE, EventKind
 
 from . import allocs, bpf_syscalls, package_version, target, usdt
-from .bpf_backend import BpfProgram, bcc_version, require_privileges, tracepoint_format
+from .bpf_backend import BpfProgram, bcc_version, require_privileges
 from .counters import BpfCounters
-from .kmem_attach import kmem_attach
+from .kmem_attach import kmem_switches
 from .launch import GatedCommand
 from .model import AllocatorModel
+from .plan import ProgramPlan, TraceRequest, choose_probes, program_plan
 from .ringbuf import RingReader
-from .tracefs import kmem_defines
 
 # Events handled between two looks at signals and deadlines: about 0.1 s of
 # event lines in the slowest output (text).
 LOOP_BATCH = 16384
-DEFAULT_BUFFER_PAGES = 2048  # 8 MiB: about 95,000 events of slack
-# The kernel's ring when the buffer asked for is larger: a ring that stays in
-# the CPU's cache costs the probed program less per record, and a thread of
-# its own (tracer/ring_copy.c) empties it, every millisecond while records
-# come fast, into a buffer of the size asked for (docs/live-tracing.md).
-# 2 MiB lasts 9 ms at 2.4 M records a second, where the copier was seen to
-# wait up to 5 ms for a CPU.
-KERNEL_RING_PAGES = 512
 GATE_SETTLE_S = 0.01
-
-
-@dataclass(frozen=True)
-class TraceRequest:
-    pid: int | None = None
-    all_processes: bool = False
-    command: tuple[str, ...] = ()
-    lib: Path | None = None
-    sdt_glibc: bool = False
-    derived: bool = False  # derive the memory_* probes even when the libc has SDT notes
-    debug_file: Path | None = None  # the libc's debug file, for the derived probes
-    patterns: tuple[str, ...] = usdt.DEFAULT_PATTERNS
-    output: str = "text"  # live, text or json
-    follow_forks: bool = False
-    buffer_pages: int = DEFAULT_BUFFER_PAGES
-    duration: float | None = None
-    interval: float = 1.0
-    kmem: bool = False  # the kmem tracepoints too, aggregated per call site
-    libc_probes: bool = True  # False: the kmem tracepoints only
-    classic_tracepoints: bool = False  # no raw kmem tracepoints (tracer/kmem_attach.py)
-    # File outputs (exporters/registry.py: FILE_OUTPUTS) -> where each writes.
-    files: tuple[tuple[str, Path], ...] = ()
-    comm: str | None = None  # trace the processes with this kernel name (serve)
-    cgroup: str | None = None  # trace the tasks of this cgroup v2 and below (serve)
-    end_with_target: bool = True  # False: go on after a --pid target exits (serve)
-    stack_depth: int = 0  # > 0: a user (and kernel, for kmem) stack on each event
-    stack_entries: int = 16384  # distinct stacks the BPF stack map holds
-    bpf_stats: bool = False  # have the kernel count the handlers' run time (serve --bpf-stats)
-    allocs: bool = True  # the allocation functions (malloc, free, ...)
-    sample_bytes: int = 0  # > 0: keep one allocation per this many bytes, on average
-    max_outstanding: int = 262144  # allocations tracked until freed
-    alloc_stacks: int = 16384  # (process, stack) rows aggregated
-    leaks_older_than: float | None = None  # list what has been outstanding this long (seconds)
-    # serve gives up root in before_start: then no process can be held in
-    # _exit (it could not be continued), and the target's symbols are read
-    # before, while /proc/PID/maps and its files can still be read.
-    privileges_dropped: bool = False
-
-    @property
-    def filtered_by_pid(self) -> bool:
-        """The ``followed`` table decides (--pid, COMMAND, --comm)."""
-        return not self.all_processes and self.cgroup is None
-
-    @property
-    def one_process(self) -> bool:
-        """One process is traced, and only it (--pid or COMMAND, without
-        --follow-forks): its uprobes can be attached for it alone."""
-        return (
-            (self.pid is not None or bool(self.command))
-            and not self.follow_forks
-            and self.comm is None
-            and self.filtered_by_pid
-        )
-
-    @property
-    def alloc_events(self) -> bool:
-        """An output wants each allocation and free through the ring."""
-        files = any(registry.file_output(name).alloc_records for name, _ in self.files)
-        return files or registry.stream_wants_events(self.output)
-
-    @property
-    def exact_times(self) -> bool:
-        """An output shows each probe event's time to the nanosecond (the
-        others get it to the clock tick: the trace program, PROBE_EXACT_TIME)."""
-        files = any(registry.file_output(name).event_times for name, _ in self.files)
-        return files or registry.stream_shows_times(self.output)
-
-    @property
-    def kernel_records(self) -> bool:
-        """A file output wants each kmem event through the ring."""
-        return any(registry.file_output(name).kernel_records for name, _ in self.files)
-
-    @property
-    def with_kmem(self) -> bool:
-        """The kmem tracepoints are attached: asked for, needed by a file
-        output, or all there is (no libc probes)."""
-        outputs = any(registry.file_output(name).kmem for name, _ in self.files)
-        return self.kmem or outputs or not self.libc_probes
-
-    def file(self, name: str) -> Path | None:
-        return next((path for output, path in self.files if output == name), None)
 
 
 class _Stop:
@@ -206,111 +114,28 @@ class LiveTrace:
         written fails there, before anything attaches. ``target_pid``: the
         process of --pid or COMMAND, known before anything attaches."""
         self.request = request
-        self.notices: list[str] = []
-        self.sdt = request.libc_probes
-        self.selection = usdt.ProbeSelection(libc, (), (), {})
-        sdt_problem = None
-        if request.libc_probes:
-            try:  # before root
-                self.selection = usdt.choose_source(
-                    libc, request.patterns, request.derived, request.debug_file
-                )
-            except NoProbesError as exc:
-                if not request.allocs:
-                    raise
-                self.sdt = False
-                sdt_problem = str(exc)
-        self.notices.extend(derived_notices(self.selection))
-        self.alloc_plan = allocs.plan(libc) if request.allocs and request.libc_probes else None
-        if self.alloc_plan is not None:
-            allocs.check_attachable(self.alloc_plan, sdt_problem)
-            if sdt_problem is not None:
-                self.notices.append(
-                    f"no libc probes: {sdt_problem}; the allocation functions are traced "
-                    "('mtrace-live doctor' says what each source needs)"
-                )
+        probes = choose_probes(request, libc)  # before root
+        self.selection, self.sdt, self.alloc_plan = probes.selection, probes.sdt, probes.alloc_plan
+        self.notices: list[str] = list(probes.notices)
         require_privileges()
         self.frame_names = FrameNames()
         self.kmem = request.with_kmem
-        catalog = load_catalog()
-        self.sites = tuple(self.selection.site_infos(catalog))
+        self.sites = tuple(self.selection.site_infos(load_catalog()))
         self.decoder = EventDecoder(self.sites)
-        main_arena = self.selection.symbol("main_arena")
-        site_addresses = [lay.site.address for lay in self.selection.layouts]
-
-        def main_arena_of(event: Event, site: int) -> int | None:
-            if main_arena is None or event.ip == 0 or site >= len(site_addresses):
-                return None
-            return event.ip - site_addresses[site] + main_arena
-
-        self.model = AllocatorModel(self.decoder, self.selection.probes, main_arena_of)
+        self.model = AllocatorModel(self.decoder, self.selection.probes, self._main_arena_of())
         self.sinks: list[Sink] = [self.model, *make_sinks()]
-        # kmem records come in bursts faster than any copier wakes (a softirq
-        # freeing an RCU batch writes thousands within a millisecond): with
-        # them in the ring, the kernel's ring is all the room asked for.
-        ring_pages = (request.buffer_pages if request.kernel_records
-                      else min(request.buffer_pages, KERNEL_RING_PAGES))  # fmt: skip
-        self.hold = False
-        # One process alone: its uprobes are attached for it alone.
-        self.alloc_pid = target_pid if request.one_process and target_pid is not None else -1
-        alloc_defines = None
-        if self.alloc_plan is not None:
-            self.hold = not request.privileges_dropped and self.alloc_plan.exit_offset is not None
-            alloc_defines = allocs.defines(request.sample_bytes, request.alloc_events, walk=True,
-                                           outstanding=request.max_outstanding,
-                                           stacks=request.alloc_stacks, hold=self.hold,
-                                           one_process=self.alloc_pid >= 0)  # fmt: skip
-        kmem_switches = None
-        if self.kmem:
-            variants = kmem_defines(tracepoint_format)
-            raw = kmem_attach(variants, request.classic_tracepoints).defines
-            kmem_switches = {**variants, **raw}
-        config = ProgramConfig(
-            filter_pids=request.filtered_by_pid,
-            follow_forks=request.follow_forks or request.comm is not None,
-            first_tgid=request.filtered_by_pid and request.comm is None and target_pid is not None,
-            comm=target.comm_words(request.comm) if request.comm is not None else None,
-            cgroup=target.cgroup_target(request.cgroup)[:2] if request.cgroup is not None else None,
-            ring_pages=ring_pages,
-            exact_times=request.exact_times,
-            sites=usdt.site_defines(self.selection),
-            derived=usdt.derived_defines(self.selection),
-            kmem=kmem_switches,
-            kmem_events=request.kernel_records,
-            stack_depth=request.stack_depth,
-            stack_entries=request.stack_entries,
-            allocs=alloc_defines,
-        )
+        switches = kmem_switches(request.classic_tracepoints) if self.kmem else None
+        plan = program_plan(request, probes, target_pid, switches)
+        self.hold, self.alloc_pid = plan.hold, plan.alloc_pid
         stats_fd = bpf_syscalls.enable_run_time_stats() if request.bpf_stats else None
         if request.bpf_stats and stats_fd is None and not bpf_syscalls.sysctl_enabled():
             raise NotPrivilegedError("--bpf-stats: this kernel refused to count BPF run time")
         try:
-            self.program = BpfProgram(config.source())
+            self.program = BpfProgram(plan.config.source())
         except BaseException:
             bpf_syscalls.close(stats_fd)
             raise
-        self.notices.extend(self.program.start_up_notes())
-        for event, why in self.program.typed_refused.items():
-            self.notices.append(f"kmem:{event} attached as a raw tracepoint: the kernel refused "
-                                f"its BTF-typed handler ({why})")  # fmt: skip
-        try:
-            if config.first_tgid and target_pid is not None:
-                self.program.set_first_target(target_pid)
-            usdt.attach(self.program, self.selection)
-            if self.alloc_plan is not None:
-                allocs.attach(self.program, self.alloc_plan, request.sample_bytes, self.hold,
-                              self.alloc_pid)  # fmt: skip
-            self.program.set_gate(True)
-            self.reader = RingReader(
-                self.program.map_fd("events"),
-                ring_pages * mmap.PAGESIZE,
-                EVENT_DTYPE,
-                request.buffer_pages * mmap.PAGESIZE if request.buffer_pages > ring_pages else None,
-            )
-        except BaseException:
-            self.program.close()
-            bpf_syscalls.close(stats_fd)
-            raise
+        self._attach(plan, target_pid, stats_fd)
         self.counters = BpfCounters(
             self.program,
             self.selection.probes,
@@ -322,6 +147,47 @@ class LiveTrace:
             sample_bytes=request.sample_bytes if self.alloc_plan is not None else None,
             frame_names=self.frame_names,
         )
+
+    def _main_arena_of(self) -> Callable[[Event, int], int | None]:
+        """main_arena's address in the process of an event at a site: its
+        distance from the site's, in the libc, added to the event's ip."""
+        main_arena = self.selection.symbol("main_arena")
+        site_addresses = [lay.site.address for lay in self.selection.layouts]
+
+        def main_arena_of(event: Event, site: int) -> int | None:
+            if main_arena is None or event.ip == 0 or site >= len(site_addresses):
+                return None
+            return event.ip - site_addresses[site] + main_arena
+
+        return main_arena_of
+
+    def _attach(self, plan: ProgramPlan, target_pid: int | None, stats_fd: int | None) -> None:
+        """Attach the loaded program, open its gate and its ring; on any
+        failure, close it (and the run-time statistics) again."""
+        self.notices.extend(self.program.start_up_notes())
+        for event, why in self.program.typed_refused.items():
+            self.notices.append(f"kmem:{event} attached as a raw tracepoint: the kernel refused "
+                                f"its BTF-typed handler ({why})")  # fmt: skip
+        request = self.request
+        try:
+            if plan.config.first_tgid and target_pid is not None:
+                self.program.set_first_target(target_pid)
+            usdt.attach(self.program, self.selection)
+            if self.alloc_plan is not None:
+                allocs.attach(self.program, self.alloc_plan, request.sample_bytes, self.hold,
+                              self.alloc_pid)  # fmt: skip
+            self.program.set_gate(True)
+            buffer_bytes = request.buffer_pages * mmap.PAGESIZE
+            self.reader = RingReader(
+                self.program.map_fd("events"),
+                plan.ring_pages * mmap.PAGESIZE,
+                EVENT_DTYPE,
+                buffer_bytes if request.buffer_pages > plan.ring_pages else None,
+            )
+        except BaseException:
+            self.program.close()
+            bpf_syscalls.close(stats_fd)
+            raise
 
     def info(self, pid: int | None) -> TraceInfo:
         request = self.request
@@ -479,22 +345,6 @@ def default_sinks(request: TraceRequest) -> list[Sink]:
     return [*files, registry.stream(request.output)]
 
 
-def derived_notices(selection: usdt.ProbeSelection) -> list[str]:
-    """What a trace on derived probes says first: where they come from, and
-    what is missing."""
-    plan = selection.derived
-    if plan is None:
-        return []
-    notes = [
-        f"{plan.libc}: memory_* probes derived from system calls, exported symbols"
-        + (f" and {plan.debug_file}" if plan.debug_file else "")
-        + " ('mtrace-live probes --derived' shows each source)"
-    ]
-    if plan.debug_problem:
-        notes.append(f"{plan.debug_problem}: the arena and retry probes are not derived")
-    return notes
-
-
 def announce(trace: LiveTrace, pid: int | None) -> None:
     """Say that tracing has begun, as bpftrace says "Attaching N probes"."""
     request = trace.request
@@ -558,29 +408,66 @@ def run_trace(
         trace.close()
 
 
-def _loop(
-    trace: LiveTrace,
-    request: TraceRequest,
-    child: GatedCommand | None,
-    stop: _Stop,
-    before_start: Callable[[], None] | None,
-) -> TraceResult:
+class _Watch:
+    """What the loop waits on: the ring, the signal pipe and the target's
+    pidfd; and what ends the trace."""
+
+    def __init__(self, trace: LiveTrace, request: TraceRequest, stop: _Stop,
+                 target_pid: int | None) -> None:  # fmt: skip
+        self.request, self.stop, self.target_pid = request, stop, target_pid
+        self.pidfd = _pidfd(target_pid) if target_pid is not None else None
+        self.poller = select.poll()
+        for fd in (trace.reader.fd, stop.fd, self.pidfd):
+            if fd is not None:
+                self.poller.register(fd, select.POLLIN)
+        self.deadline: float | None = None
+
+    def wait(self, now: bool, wait_ms: int) -> set[int]:
+        """The descriptors ready, at once (``now``) or within ``wait_ms``."""
+        ready = {fd for fd, _ in self.poller.poll(0 if now else wait_ms)}
+        if self.stop.fd is not None and self.stop.fd in ready:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self.stop.fd, 512)  # the signal's byte; its handler set stop.signal
+        return ready
+
+    def ended_by(self, ready: set[int], sinks: Fanout, failure: MtraceError | None) -> str:
+        """Why the trace ends now, or "" to go on."""
+        if sinks.closed is not None:
+            return "output closed"
+        if failure is not None:
+            return "exec"
+        if self.pidfd is not None and self.pidfd in ready:
+            if self.request.end_with_target:
+                return "exit"
+            self.poller.unregister(self.pidfd)
+            print(f"mtrace-live: pid {self.target_pid} exited; still serving its metrics",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        elif self.stop.signal is not None:
+            return signal.Signals(self.stop.signal).name
+        elif self.deadline is not None and time.monotonic() >= self.deadline:
+            return "duration"
+        return ""
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+
+
+def _start(trace: LiveTrace, request: TraceRequest,
+           child: GatedCommand | None) -> tuple[int | None, Fanout]:  # fmt: skip
+    """Follow the targets: the target's pid, and the sinks to hand batches to."""
     target_pid = child.pid if child is not None else request.pid
     if target_pid is not None:
         trace.follow(target_pid)
     if request.comm is not None:  # later ones are followed from their exec, in the kernel
         for pid in target.processes_with_comm(request.comm):
             trace.follow(pid)
-    pidfd = _pidfd(target_pid) if target_pid is not None else None
-    poller = select.poll()
-    poller.register(trace.reader.fd, select.POLLIN)
-    if stop.fd is not None:
-        poller.register(stop.fd, select.POLLIN)
-    if pidfd is not None:
-        poller.register(pidfd, select.POLLIN)
-    started = time.monotonic()
-    deadline = started + request.duration if request.duration else None
-    sinks = Fanout(trace.sinks)
+    return target_pid, Fanout(trace.sinks)
+
+
+def _release(trace: LiveTrace, request: TraceRequest, sinks: Fanout, child: GatedCommand | None,
+             target_pid: int | None, before_start: Callable[[], None] | None) -> None:  # fmt: skip
+    """Announce the trace, start the sinks, and let the command run."""
     announce(trace, target_pid)
     if trace.alloc_plan is not None and target_pid is not None and request.privileges_dropped:
         trace.frame_names.preload(target_pid)
@@ -589,52 +476,56 @@ def _loop(
     sinks.start(trace.info(target_pid))
     if child is not None:
         child.release()
+
+
+def _close_gate(trace: LiveTrace, child: GatedCommand | None, stop: _Stop,
+                ended_by: str) -> tuple[list[EventBatch], int | None]:  # fmt: skip
+    """Close the handlers' gate, read what the ring holds, end the command:
+    the batches read and the command's exit code."""
+    trace.program.set_gate(False)
+    time.sleep(GATE_SETTLE_S)  # a handler past the gate finishes its record
+    # Read now what the ring holds: a process stopped in _exit just before
+    # the gate closed (the command's own child, say) is continued as its
+    # record is read, so the command is not left waiting for it while it
+    # is asked to end.
+    settled = list(trace.drain())
+    exit_code = None
+    if child is not None:
+        by_signal = stop.signal is not None and ended_by == signal.Signals(stop.signal).name
+        exit_code = child.finish(
+            grace=0.0 if ended_by == "exit" else 1.0,
+            first=signal.Signals(stop.signal) if by_signal and stop.signal else None,
+        )
+    return settled, exit_code
+
+
+def _loop(
+    trace: LiveTrace,
+    request: TraceRequest,
+    child: GatedCommand | None,
+    stop: _Stop,
+    before_start: Callable[[], None] | None,
+) -> TraceResult:
+    target_pid, sinks = _start(trace, request, child)
+    watch = _Watch(trace, request, stop, target_pid)
+    started = time.monotonic()
+    watch.deadline = started + request.duration if request.duration else None
+    _release(trace, request, sinks, child, target_pid, before_start)
     ended_by = ""
     failure: MtraceError | None = None
-    exit_code: int | None = None
     wait_ms = int(min(request.interval, 0.25) * 1000)
     try:
         while not ended_by:
             # A full batch leaves events in the ring, which wakes no one: look again at once.
-            ready = {fd for fd, _ in poller.poll(0 if trace.more_waiting else wait_ms)}
-            if stop.fd is not None and stop.fd in ready:
-                with contextlib.suppress(BlockingIOError):
-                    os.read(stop.fd, 512)  # the signal's byte; its handler set stop.signal
+            ready = watch.wait(trace.more_waiting, wait_ms)
             for batch in trace.drain(once=True):
                 sinks.consume(batch)
                 failure = failure or _exec_failure(request, batch.records)
-            if sinks.closed is not None:
-                ended_by = "output closed"
-            elif failure is not None:
-                ended_by = "exec"
-            elif pidfd is not None and pidfd in ready:
-                if request.end_with_target:
-                    ended_by = "exit"
-                else:
-                    poller.unregister(pidfd)
-                    print(f"mtrace-live: pid {target_pid} exited; still serving its metrics",
-                          file=sys.stderr, flush=True)  # fmt: skip
-            elif stop.signal is not None:
-                ended_by = signal.Signals(stop.signal).name
-            elif deadline is not None and time.monotonic() >= deadline:
-                ended_by = "duration"
+            ended_by = watch.ended_by(ready, sinks, failure)
             sinks.tick()
     finally:
-        trace.program.set_gate(False)
-        time.sleep(GATE_SETTLE_S)  # a handler past the gate finishes its record
-        # Read now what the ring holds: a process stopped in _exit just before
-        # the gate closed (the command's own child, say) is continued as its
-        # record is read, so the command is not left waiting for it while it
-        # is asked to end.
-        settled = list(trace.drain())
-        if child is not None:
-            by_signal = stop.signal is not None and ended_by == signal.Signals(stop.signal).name
-            exit_code = child.finish(
-                grace=0.0 if ended_by == "exit" else 1.0,
-                first=signal.Signals(stop.signal) if by_signal and stop.signal else None,
-            )
-        if pidfd is not None:
-            os.close(pidfd)
+        settled, exit_code = _close_gate(trace, child, stop, ended_by)
+        watch.close()
     for batch in [*settled, *trace.drain()]:  # everything committed before the detach
         sinks.consume(batch)
     result = trace.result(started, ended_by, exit_code)

@@ -31,7 +31,8 @@ from mtrace_live.exporters.exposition import ServingProcess, SharedPages
 from mtrace_live.exporters.prometheus_sink import ExportOptions, PrometheusSink, new_registry
 from mtrace_live.exporters.web import MetricsEndpoint, load_web_config
 
-from .live import TraceRequest, default_sinks, run_trace
+from .live import default_sinks, run_trace
+from .plan import TraceRequest
 from .privileges import drop_privileges, resolve_user
 
 __all__ = ["ExportOptions", "serve_trace"]

@@ -334,7 +334,7 @@ def test_every_registered_output_is_a_sink(entry: object) -> None:
 
 
 def test_event_times_are_exact_exactly_when_an_output_writes_them(tmp_path: Path) -> None:
-    from mtrace_live.tracer.live import TraceRequest
+    from mtrace_live.tracer.plan import TraceRequest
 
     # outputs that print or write each event's time ask for the exact clock
     for output in ("text", "json"):

@@ -93,7 +93,7 @@ def serve(
     )  # fmt: skip
     from mtrace_live.exporters.summary import StopLine
 
-    from ..live import TraceRequest
+    from ..plan import TraceRequest
     from ..sdt_glibc import locate
     from ..serve import ExportOptions, serve_trace
     from ..usdt import DEFAULT_PATTERNS

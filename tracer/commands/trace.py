@@ -39,7 +39,8 @@ def start_trace(
     leaks_older_than: float | None = None,
 ) -> None:
     """Trace, then exit with the command's exit code when there is one."""
-    from ..live import TraceRequest, run_trace
+    from ..live import run_trace
+    from ..plan import TraceRequest
     from ..usdt import DEFAULT_PATTERNS
 
     if output is None:

@@ -1,0 +1,127 @@
+"""A live trace's plan, without root: which probes, and which program
+switches, each request makes (tracer/plan.py)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from mtrace_live.tracer import allocs
+from mtrace_live.tracer.plan import (
+    KERNEL_RING_PAGES,
+    Probes,
+    TraceRequest,
+    choose_probes,
+    program_plan,
+)
+from mtrace_live.tracer.target import default_libc
+from mtrace_live.tracer.usdt import ProbeSelection
+
+NO_PROBES = Probes(ProbeSelection(Path("/nonexistent/libc.so.6"), (), (), {}), False, None, ())
+
+
+def defines(request: TraceRequest, target_pid: int | None = None,
+            probes: Probes = NO_PROBES) -> dict[str, int]:  # fmt: skip
+    return program_plan(request, probes, target_pid, None).config.defines()
+
+
+def test_a_pid_is_followed_by_the_first_target_slot_and_alone() -> None:
+    # GIVEN --pid 1234 without --follow-forks
+    plan = program_plan(TraceRequest(pid=1234), NO_PROBES, 1234, None)
+    found = plan.config.defines()
+    # THEN the pid filter is on, forks are not followed, and the pid is named
+    # in first_target once loaded, not compiled in
+    assert (found["FILTER_PIDS"], found["FOLLOW_FORKS"], found["FIRST_TGID"]) == (1, 0, 1)
+    assert 1234 not in found.values()
+    # AND the uprobes are attached for that process alone
+    assert plan.alloc_pid == 1234
+    # AND the kernel's ring is the small one the copier empties
+    assert plan.ring_pages == KERNEL_RING_PAGES == found["RINGBUF_PAGES"]
+    assert "FILTER_COMM" not in found and "FILTER_CGROUP" not in found
+
+
+def test_follow_forks_attaches_for_every_process() -> None:
+    plan = program_plan(TraceRequest(pid=1234, follow_forks=True), NO_PROBES, 1234, None)
+    assert plan.alloc_pid == -1
+    assert plan.config.defines()["FOLLOW_FORKS"] == 1
+
+
+def test_a_process_name_is_compiled_as_the_kernels_comm_words() -> None:
+    # GIVEN serve's --comm nginx
+    found = defines(TraceRequest(comm="nginx", end_with_target=False))
+    # THEN the 16 bytes of the comm, NUL-padded, are two little-endian words
+    raw = b"nginx".ljust(16, b"\0")
+    assert found["FILTER_COMM"] == 1
+    assert found["COMM_LO"] == int.from_bytes(raw[:8], "little")
+    assert found["COMM_HI"] == int.from_bytes(raw[8:], "little")
+    # AND the processes it forks are followed, none named in advance
+    assert found["FOLLOW_FORKS"] == 1 and "FIRST_TGID" not in found
+
+
+def test_all_processes_filter_nothing() -> None:
+    found = defines(TraceRequest(all_processes=True))
+    assert found["FILTER_PIDS"] == 0 and "FIRST_TGID" not in found
+
+
+def test_kmem_records_take_the_whole_ring_asked_for(tmp_path: Path) -> None:
+    # GIVEN --kmemtrace DIR, which wants every kmem event through the ring
+    request = TraceRequest(pid=1, buffer_pages=4096, files=(("kmemtrace", tmp_path / "set"),))
+    plan = program_plan(request, NO_PROBES, 1, {"HAVE_CACHE_NAME": 1})
+    found = plan.config.defines()
+    # THEN the kernel's ring is the buffer asked for, and kmem events go through it
+    assert plan.ring_pages == 4096 == found["RINGBUF_PAGES"]
+    assert (found["WITH_KMEM"], found["KMEM_EVENTS"], found["HAVE_CACHE_NAME"]) == (1, 1, 1)
+
+
+def test_stacks_and_exact_times_follow_the_request() -> None:
+    found = defines(TraceRequest(output="json", stack_depth=16, stack_entries=4096))
+    assert (found["WITH_STACKS"], found["STACK_DEPTH"], found["STACK_ENTRIES"]) == (1, 16, 4096)
+    assert found["PROBE_EXACT_TIME"] == 1
+    found = defines(TraceRequest(output="summary"))
+    assert (found["WITH_STACKS"], found["PROBE_EXACT_TIME"]) == (0, 0)
+
+
+def exported_exit(libc: Path) -> bool:
+    """Whether the libc exports _exit, as binutils' readelf reads it."""
+    table = subprocess.run(["readelf", "--dyn-syms", "-W", str(libc)], capture_output=True,
+                           text=True, check=True).stdout  # fmt: skip
+    names = [line.split()[-1] for line in table.splitlines() if line.split()]
+    return any(name.split("@")[0] == "_exit" for name in names)
+
+
+@pytest.mark.parametrize("dropped", [False, True])
+def test_the_allocation_functions_hold_at_exit_unless_root_is_given_up(dropped: bool) -> None:
+    # GIVEN the system libc's allocation functions, for one process
+    libc = default_libc()
+    probes = Probes(NO_PROBES.selection, False, allocs.plan(libc), ())
+    request = TraceRequest(pid=1234, privileges_dropped=dropped, sample_bytes=65536)
+    plan = program_plan(request, probes, 1234, None)
+    found = plan.config.defines()
+    # THEN they are compiled in, sampled, for one process
+    assert (found["WITH_ALLOCS"], found["ALLOC_ONE_PROCESS"], found["SAMPLE_BYTES"]) == (
+        1,
+        1,
+        65536,
+    )
+    # AND a process calling _exit is held only while root can continue it
+    assert exported_exit(libc)
+    assert plan.hold is (not dropped)
+    assert found["HOLD_AT_EXIT"] == int(not dropped)
+
+
+def test_a_libc_without_sdt_notes_gets_derived_probes_and_says_so() -> None:
+    # GIVEN the system libc (Debian's has no SDT notes)
+    libc = default_libc()
+    notes = subprocess.run(["readelf", "-n", str(libc)], capture_output=True, text=True,
+                           check=True).stdout  # fmt: skip
+    if "stapsdt" in notes:
+        pytest.skip("this libc has SDT notes: nothing is derived")
+    probes = choose_probes(TraceRequest(pid=1234), libc)
+    # THEN the memory_* probes are derived, the first notice says where from,
+    # and the allocation functions are planned too
+    assert probes.sdt and probes.selection.derived is not None
+    assert "derived from system calls" in probes.notices[0]
+    assert probes.alloc_plan is not None and "malloc" in probes.alloc_plan.sites
+    # AND the program gets the derived syscall handlers
+    assert defines(TraceRequest(pid=1234), 1234, probes)["DERIVED_SYSCALLS"] == 1

@@ -1,0 +1,209 @@
+"""A live trace's plan: what it attaches and how its program is built.
+
+Everything here is decided before anything is loaded: the libc's probes and
+the allocation functions' sites (read from its ELF files, before root), and
+the program's configuration (``ProgramConfig``) from the request, the
+probes, the target and this kernel's kmem switches. ``tracer/live.py``'s
+``LiveTrace`` is the session that compiles, attaches and runs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from mtrace_live.exporters import registry
+from mtrace_live.probes.elf.errors import NoProbesError
+from mtrace_live.probes.program import ProgramConfig
+
+from . import allocs, target, usdt
+
+DEFAULT_BUFFER_PAGES = 2048  # 8 MiB: about 95,000 events of slack
+# The kernel's ring when the buffer asked for is larger: a ring that stays in
+# the CPU's cache costs the probed program less per record, and a thread of
+# its own (tracer/ring_copy.c) empties it, every millisecond while records
+# come fast, into a buffer of the size asked for (docs/live-tracing.md).
+# 2 MiB lasts 9 ms at 2.4 M records a second, where the copier was seen to
+# wait up to 5 ms for a CPU.
+KERNEL_RING_PAGES = 512
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    pid: int | None = None
+    all_processes: bool = False
+    command: tuple[str, ...] = ()
+    lib: Path | None = None
+    sdt_glibc: bool = False
+    derived: bool = False  # derive the memory_* probes even when the libc has SDT notes
+    debug_file: Path | None = None  # the libc's debug file, for the derived probes
+    patterns: tuple[str, ...] = usdt.DEFAULT_PATTERNS
+    output: str = "text"  # live, text or json
+    follow_forks: bool = False
+    buffer_pages: int = DEFAULT_BUFFER_PAGES
+    duration: float | None = None
+    interval: float = 1.0
+    kmem: bool = False  # the kmem tracepoints too, aggregated per call site
+    libc_probes: bool = True  # False: the kmem tracepoints only
+    classic_tracepoints: bool = False  # no raw kmem tracepoints (tracer/kmem_attach.py)
+    # File outputs (exporters/registry.py: FILE_OUTPUTS) -> where each writes.
+    files: tuple[tuple[str, Path], ...] = ()
+    comm: str | None = None  # trace the processes with this kernel name (serve)
+    cgroup: str | None = None  # trace the tasks of this cgroup v2 and below (serve)
+    end_with_target: bool = True  # False: go on after a --pid target exits (serve)
+    stack_depth: int = 0  # > 0: a user (and kernel, for kmem) stack on each event
+    stack_entries: int = 16384  # distinct stacks the BPF stack map holds
+    bpf_stats: bool = False  # have the kernel count the handlers' run time (serve --bpf-stats)
+    allocs: bool = True  # the allocation functions (malloc, free, ...)
+    sample_bytes: int = 0  # > 0: keep one allocation per this many bytes, on average
+    max_outstanding: int = 262144  # allocations tracked until freed
+    alloc_stacks: int = 16384  # (process, stack) rows aggregated
+    leaks_older_than: float | None = None  # list what has been outstanding this long (seconds)
+    # serve gives up root in before_start: then no process can be held in
+    # _exit (it could not be continued), and the target's symbols are read
+    # before, while /proc/PID/maps and its files can still be read.
+    privileges_dropped: bool = False
+
+    @property
+    def filtered_by_pid(self) -> bool:
+        """The ``followed`` table decides (--pid, COMMAND, --comm)."""
+        return not self.all_processes and self.cgroup is None
+
+    @property
+    def one_process(self) -> bool:
+        """One process is traced, and only it (--pid or COMMAND, without
+        --follow-forks): its uprobes can be attached for it alone."""
+        return (
+            (self.pid is not None or bool(self.command))
+            and not self.follow_forks
+            and self.comm is None
+            and self.filtered_by_pid
+        )
+
+    @property
+    def alloc_events(self) -> bool:
+        """An output wants each allocation and free through the ring."""
+        files = any(registry.file_output(name).alloc_records for name, _ in self.files)
+        return files or registry.stream_wants_events(self.output)
+
+    @property
+    def exact_times(self) -> bool:
+        """An output shows each probe event's time to the nanosecond (the
+        others get it to the clock tick: the trace program, PROBE_EXACT_TIME)."""
+        files = any(registry.file_output(name).event_times for name, _ in self.files)
+        return files or registry.stream_shows_times(self.output)
+
+    @property
+    def kernel_records(self) -> bool:
+        """A file output wants each kmem event through the ring."""
+        return any(registry.file_output(name).kernel_records for name, _ in self.files)
+
+    @property
+    def with_kmem(self) -> bool:
+        """The kmem tracepoints are attached: asked for, needed by a file
+        output, or all there is (no libc probes)."""
+        outputs = any(registry.file_output(name).kmem for name, _ in self.files)
+        return self.kmem or outputs or not self.libc_probes
+
+    def file(self, name: str) -> Path | None:
+        return next((path for output, path in self.files if output == name), None)
+
+
+def derived_notices(selection: usdt.ProbeSelection) -> list[str]:
+    """What a trace on derived probes says first: where they come from, and
+    what is missing."""
+    plan = selection.derived
+    if plan is None:
+        return []
+    notes = [
+        f"{plan.libc}: memory_* probes derived from system calls, exported symbols"
+        + (f" and {plan.debug_file}" if plan.debug_file else "")
+        + " ('mtrace-live probes --derived' shows each source)"
+    ]
+    if plan.debug_problem:
+        notes.append(f"{plan.debug_problem}: the arena and retry probes are not derived")
+    return notes
+
+
+@dataclass(frozen=True)
+class Probes:
+    """The probes a trace attaches in the libc: its SDT (or derived) sites
+    and the allocation functions' sites, with what to say of them."""
+
+    selection: usdt.ProbeSelection
+    sdt: bool  # libc probes are traced (False: the allocation functions only)
+    alloc_plan: allocs.AllocPlan | None
+    notices: tuple[str, ...]
+
+
+def choose_probes(request: TraceRequest, libc: Path) -> Probes:
+    """The libc's probes the request asks for: NoProbesError when it has
+    none and the allocation functions are not asked for either."""
+    selection = usdt.ProbeSelection(libc, (), (), {})
+    sdt, sdt_problem = request.libc_probes, None
+    if request.libc_probes:
+        try:
+            selection = usdt.choose_source(libc, request.patterns, request.derived,
+                                           request.debug_file)  # fmt: skip
+        except NoProbesError as exc:
+            if not request.allocs:
+                raise
+            sdt, sdt_problem = False, str(exc)
+    notices = derived_notices(selection)
+    alloc_plan = allocs.plan(libc) if request.allocs and request.libc_probes else None
+    if alloc_plan is not None:
+        allocs.check_attachable(alloc_plan, sdt_problem)
+        if sdt_problem is not None:
+            notices.append(
+                f"no libc probes: {sdt_problem}; the allocation functions are traced "
+                "('mtrace-live doctor' says what each source needs)"
+            )
+    return Probes(selection, sdt, alloc_plan, tuple(notices))
+
+
+@dataclass(frozen=True)
+class ProgramPlan:
+    """The program to build, and what attaching it needs beside."""
+
+    config: ProgramConfig
+    ring_pages: int  # the kernel's ring
+    hold: bool  # a process calling _exit is held until its maps are read
+    alloc_pid: int  # the one process the uprobes are attached for, or -1
+
+
+def program_plan(request: TraceRequest, probes: Probes, target_pid: int | None,
+                 kmem_switches: dict[str, int] | None) -> ProgramPlan:  # fmt: skip
+    """``target_pid``: the process of --pid or COMMAND, if known;
+    ``kmem_switches``: this kernel's kmem variants and raw handlers
+    (tracer/tracefs.py, tracer/kmem_attach.py), or None without kmem."""
+    # kmem records come in bursts faster than any copier wakes (a softirq
+    # freeing an RCU batch writes thousands within a millisecond): with
+    # them in the ring, the kernel's ring is all the room asked for.
+    ring_pages = (request.buffer_pages if request.kernel_records
+                  else min(request.buffer_pages, KERNEL_RING_PAGES))  # fmt: skip
+    # One process alone: its uprobes are attached for it alone.
+    alloc_pid = target_pid if request.one_process and target_pid is not None else -1
+    hold, alloc_defines = False, None
+    if probes.alloc_plan is not None:
+        hold = not request.privileges_dropped and probes.alloc_plan.exit_offset is not None
+        alloc_defines = allocs.defines(request.sample_bytes, request.alloc_events, walk=True,
+                                       outstanding=request.max_outstanding,
+                                       stacks=request.alloc_stacks, hold=hold,
+                                       one_process=alloc_pid >= 0)  # fmt: skip
+    config = ProgramConfig(
+        filter_pids=request.filtered_by_pid,
+        follow_forks=request.follow_forks or request.comm is not None,
+        first_tgid=request.filtered_by_pid and request.comm is None and target_pid is not None,
+        comm=target.comm_words(request.comm) if request.comm is not None else None,
+        cgroup=target.cgroup_target(request.cgroup)[:2] if request.cgroup is not None else None,
+        ring_pages=ring_pages,
+        exact_times=request.exact_times,
+        sites=usdt.site_defines(probes.selection),
+        derived=usdt.derived_defines(probes.selection),
+        kmem=kmem_switches,
+        kmem_events=request.kernel_records,
+        stack_depth=request.stack_depth,
+        stack_entries=request.stack_entries,
+        allocs=alloc_defines,
+    )
+    return ProgramPlan(config, ring_pages, hold, alloc_pid)
