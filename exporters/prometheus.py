@@ -19,7 +19,6 @@ import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from mtrace_live.probes.meanings import meanings
 from mtrace_live.probes.records import KmemType
@@ -27,8 +26,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from .data.kmem import TYPE_NAMES, CallSite, KmemTotals
+from .prometheus_families import BUILD_INFO, PREFIX, family
 
-PREFIX = "mtrace"
 OTHER = "other"
 UNKNOWN = "unknown"
 
@@ -41,7 +40,7 @@ REUSE_WAIT_PROBE = meanings().with_effect("arena_reuse_wait")[0]
 MALLOPT_PROBE = meanings().with_effect("mallopt")[0]
 
 
-Family = TypeVar("Family", CounterMetricFamily, GaugeMetricFamily)
+MetricFamily = CounterMetricFamily | GaugeMetricFamily
 
 
 @dataclass
@@ -139,67 +138,20 @@ class MtraceCollector(Collector):
         yield from _self_metrics(snap)
 
     # ---- the allocation functions -------------------------------------------
-    def _allocs(self, figures: AllocFigures) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        estimated = " (estimated from samples)" if figures.sampled else ""
-        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
-            "calls": _counter("alloc_calls", "Allocations that returned a pointer (malloc, calloc, "
-                              "realloc, memalign & co).", ["process"]),
-            "bytes": _counter("alloc_bytes", "Bytes those allocations asked for.", ["process"]),
-            "frees": _counter("free_calls", "free() of a non-NULL pointer, and realloc's "
-                              "release of its old block.", ["process"]),
-            "unknown_frees": _counter("free_unknown_calls", "Frees of pointers not seen "
-                                      "allocated (before the trace, or not sampled).", ["process"]),
-            "failed": _counter("alloc_failed_calls", "Allocations that returned NULL.",
-                               ["process"]),
-            "live_bytes": _gauge("alloc_live_bytes", "Bytes allocated during the trace and not "
-                                 f"freed yet{estimated}.", ["process"]),
-            "live_objects": _gauge("alloc_live_objects", "Blocks allocated during the trace and "
-                                   f"not freed yet{estimated}.", ["process"]),
-        }  # fmt: skip
+    def _allocs(self, figures: AllocFigures) -> Iterator[MetricFamily]:
         self._processes.admit(
             sorted(figures.processes, key=lambda n: -figures.processes[n]["bytes"])
         )
         totals: dict[str, Counter[str]] = defaultdict(Counter)
         for name, values in figures.processes.items():
             totals[self._processes(name)].update(values)
-        for name in sorted(totals):
-            for key, family in families.items():
-                family.add_metric([name], totals[name][key])
-        yield from families.values()
-        vm_calls = _counter(
-            "vm_calls",
-            "mmap, munmap, mremap and brk calls that succeeded (brk: that moved the break).",
-            ["process", "syscall"],
-        )
-        vm_bytes = _counter(
-            "vm_bytes",
-            "Bytes of memory the process mapped, unmapped, remapped "
-            "or moved its break by, outside malloc.",
-            ["process", "kind"],
-        )
-        for name in sorted(totals):
-            counts = totals[name]
-            for syscall in ("mmap", "munmap", "mremap", "brk"):
-                vm_calls.add_metric([name, syscall], counts[f"vm_{syscall}_calls"])
-            for kind in (
-                "mmap_bytes",
-                "mmap_file_bytes",
-                "munmap_bytes",
-                "mremap_grown",
-                "mremap_shrunk",
-                "brk_grown",
-                "brk_shrunk",
-            ):
-                label = {
-                    "mmap_bytes": "mmap_anonymous",
-                    "mmap_file_bytes": "mmap_file",
-                    "munmap_bytes": "munmap",
-                }.get(kind, kind)
-                vm_bytes.add_metric([name, label], counts[f"vm_{kind}"])
-        yield from (vm_calls, vm_bytes)
-        stacks = _gauge("alloc_stack_live_bytes", "Live bytes of the call stacks holding most "
-                        "(at most --top-stacks of them; the rest under stack=\"other\")"
-                        f"{estimated}.", ["process", "allocator", "stack"])  # fmt: skip
+        yield from _alloc_processes(totals, figures.sampled)
+        yield from _vm(totals)
+        yield self._alloc_stacks(figures)
+        yield _by_label(family("alloc_table_dropped"), figures.dropped)
+
+    def _alloc_stacks(self, figures: AllocFigures) -> MetricFamily:
+        stacks = family("alloc_stack_live_bytes", estimated=figures.sampled)
         ranked = sorted(figures.stacks, key=lambda row: -row[3])
         self._stacks.admit("\0".join(row[:3]) for row in ranked)
         rows: Counter[tuple[str, str, str]] = Counter()
@@ -210,110 +162,26 @@ class MtraceCollector(Collector):
                 rows[(self._processes(process), allocator, stack)] += live
         for labels, live in sorted(rows.items()):
             stacks.add_metric(list(labels), live)
-        yield stacks
-        yield _by_label(
-            _counter("alloc_table_dropped", "Allocations a kernel table had no room for: "
-                     "outstanding (not matched to their free), stacks (not aggregated), "
-                     "frames (aggregated by call site alone).",
-                     ["table"]),
-            figures.dropped,
-        )  # fmt: skip
+        return stacks
 
     # ---- libc -------------------------------------------------------------
-    def _libc(self, snap: Snapshot) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        yield _by_label(
-            _counter("libc_probe_hits", "libc SDT probe hits counted in the kernel.", ["probe"]),
-            snap.probe_hits,
-        )
-        yield _by_label(
-            _counter("libc_probe_events_lost", "libc probe hits whose event the ring buffer had "
-                     "no room for (counted, not decoded).", ["probe"]),
-            snap.probe_lost,
-        )  # fmt: skip
-
+    def _libc(self, snap: Snapshot) -> Iterator[MetricFamily]:
+        yield _by_label(family("libc_probe_hits"), snap.probe_hits)
+        yield _by_label(family("libc_probe_events_lost"), snap.probe_lost)
         self._processes.admit(
             sorted(snap.processes, key=lambda n: (-sum(snap.processes[n].hits.values()), n))
         )
         merged: dict[str, ProcessFigures] = defaultdict(ProcessFigures)
         for name, figures in snap.processes.items():
             merged[self._processes(name)].add(figures)
-        names = sorted(merged)
-
-        by_process = _counter(
-            "libc_process_probe_hits",
-            "libc SDT probe hits by process name (capped; the rest are 'other').",
-            ["process", "probe"],
-        )
-        retries = _counter(
-            "libc_allocation_retries",
-            "Allocations glibc retried in another arena after the first failed, by call.",
-            ["process", "kind"],
-        )
-        double_frees = _counter(
-            "libc_tcache_double_free_checks",
-            "Frees that made glibc search a tcache bin for the chunk (memory_tcache_double_free). "
-            "The check is probabilistic: most are not double frees, but one that is aborts "
-            "the process.",
-            ["process"],
-        )
-        waits = _counter(
-            "libc_arena_waits",
-            "Waits for a busy arena: reuse_wait when choosing one at the arena limit, lock_wait "
-            "when blocking on the mutex of an arena already in use.",
-            ["process", "kind"],
-        )
-        mallopt = _counter("libc_mallopt_calls", "mallopt() calls.", ["process"])
-        settings = _counter(
-            "libc_setting_changes",
-            "Allocator parameters set, by mallopt() or by GLIBC_TUNABLES at start.",
-            ["process", "setting"],
-        )
-        live = _gauge("libc_processes", "Traced processes alive with this name.", ["process"])
-        arenas = _gauge(
-            "libc_arenas", "Arenas seen in the live processes (main arena included).", ["process"]
-        )
-        heap = _gauge("libc_heap_bytes", "Bytes of the live mmapped (non-main) heaps.", ["process"])
-        sbrk = _gauge(
-            "libc_sbrk_bytes", "Net bytes the main heap grew by sbrk while traced.", ["process"]
-        )
-        for name in names:
-            figures = merged[name]
-            for probe, value in sorted(figures.hits.items()):
-                by_process.add_metric([name, probe], value)
-                if probe in RETRY_PROBES:
-                    retries.add_metric([name, RETRY_PROBES[probe]], value)
-                elif probe in SETTINGS:
-                    settings.add_metric([name, SETTINGS[probe]], value)
-            if DOUBLE_FREE_PROBE in snap.probe_hits:
-                double_frees.add_metric([name], figures.hits.get(DOUBLE_FREE_PROBE, 0))
-            if REUSE_WAIT_PROBE in snap.probe_hits:
-                waits.add_metric([name, "reuse_wait"], figures.hits.get(REUSE_WAIT_PROBE, 0))
-            waits.add_metric([name, "lock_wait"], figures.arena_lock_waits)
-            if MALLOPT_PROBE in snap.probe_hits:
-                mallopt.add_metric([name], figures.hits.get(MALLOPT_PROBE, 0))
-            live.add_metric([name], figures.live)
-            arenas.add_metric([name], figures.arenas)
-            heap.add_metric([name], figures.heap_bytes)
-            sbrk.add_metric([name], figures.sbrk_bytes)
-        yield from (by_process, retries, double_frees, waits, mallopt, settings)
-        yield from (live, arenas, heap, sbrk)
-        dropped = _counter(
-            "libc_process_hits_dropped",
-            "Hits not counted by process because the per-process table was full.",
-            [],
-        )
+        yield from _libc_processes(merged, snap.probe_hits)
+        dropped = family("libc_process_hits_dropped")
         dropped.add_metric([], snap.process_hits_dropped)
         yield dropped
 
     # ---- kmem -------------------------------------------------------------
-    def _kmem(self, kmem: KmemTotals) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        yield _by_label(
-            _counter(
-                "kmem_tracepoint_hits", "kmem tracepoint hits by the traced tasks.", ["tracepoint"]
-            ),
-            kmem.hits,
-        )
-
+    def _kmem(self, kmem: KmemTotals) -> Iterator[MetricFamily]:
+        yield _by_label(family("kmem_tracepoint_hits"), kmem.hits)
         kinds = {name: CallSite(0, type_) for type_, name in TYPE_NAMES.items()}
         functions: dict[str, CallSite] = {}
         for site in kmem.sites:
@@ -324,152 +192,158 @@ class MtraceCollector(Collector):
             if site.type != KmemType.PAGES:
                 function = site.symbol or UNKNOWN
                 _accumulate(functions.setdefault(function, CallSite(0, site.type)), site)
-        families = {
-            "allocs": ("kmem_allocations", "Kernel allocations (failed ones included)."),
-            "failed": ("kmem_failed_allocations", "Kernel allocations that returned NULL."),
-            "frees": ("kmem_frees", "Frees of objects allocated while traced, matched by pointer."),
-            "bytes_req": ("kmem_requested_bytes", "Bytes the callers asked for."),
-            "bytes_alloc": ("kmem_allocated_bytes", "Bytes the allocator handed out."),
-            "bytes_freed": ("kmem_freed_bytes", "Bytes freed of objects allocated while traced."),
-            "cross_cpu_frees": (
-                "kmem_cross_cpu_frees",
-                "Frees on another CPU than the allocation's.",
-            ),
-            "mismatched_frees": (
-                "kmem_mismatched_frees",
-                "Frees by another allocator's free function.",
-            ),
-        }
-        for attribute, (name, help_) in families.items():
-            family = _counter(name, help_ + " By allocator kind.", ["kind"])
-            for kind_name, total in kinds.items():
-                family.add_metric([kind_name], getattr(total, attribute))
-            yield family
-        fragmentation = _gauge(
-            "kmem_fragmentation_ratio",
-            "Share of the allocated bytes that were not requested (1 - requested/allocated).",
-            ["kind"],
-        )
-        for kind_name, total in kinds.items():
-            if kind_name != "pages":
-                fragmentation.add_metric([kind_name], total.fragmentation)
-        yield fragmentation
-
+        yield from _kmem_kinds(kinds)
         self._functions.admit(sorted(functions, key=lambda f: (-functions[f].bytes_alloc, f)))
         merged: dict[str, CallSite] = {}
         for function, site in functions.items():
             _accumulate(merged.setdefault(self._functions(function), CallSite(0, 0)), site)
-        helps = {
-            "allocs": (
-                "kmem_function_allocations",
-                "Slab allocations by calling kernel function (capped; the rest are 'other').",
-            ),
-            "bytes_req": ("kmem_function_requested_bytes", "Bytes requested by calling function."),
-            "bytes_alloc": (
-                "kmem_function_allocated_bytes",
-                "Bytes allocated by calling function.",
-            ),
-            "frees": ("kmem_function_frees", "Frees of the objects each function allocated."),
-        }
-        site_families = {
-            key: _counter(name, text, ["function"]) for key, (name, text) in helps.items()
-        }
-        frag = _gauge(
-            "kmem_function_fragmentation_ratio",
-            "Share of the bytes a kernel function was given that it did not ask for.",
-            ["function"],
-        )
-        live_bytes = _gauge(
-            "kmem_function_live_bytes",
-            "Bytes a kernel function allocated while traced and that are not freed yet.",
-            ["function"],
-        )
-        for function in sorted(merged):
-            site = merged[function]
-            for attribute, family in site_families.items():
-                family.add_metric([function], getattr(site, attribute))
-            frag.add_metric([function], site.fragmentation)
-            live_bytes.add_metric([function], max(site.outstanding_bytes, 0))
-        yield from site_families.values()
-        yield from (frag, live_bytes)
+        yield from _kmem_functions(merged)
+        yield from _kmem_pages_and_tables(kmem)
 
-        orders_alloc = _counter("kmem_page_allocations", "Page allocations by order.", ["order"])
-        orders_free = _counter("kmem_page_frees", "Page frees by order.", ["order"])
-        for order, (allocs, frees) in sorted(kmem.page_orders.items()):
-            orders_alloc.add_metric([str(order)], allocs)
-            orders_free.add_metric([str(order)], frees)
-        yield from (orders_alloc, orders_free)
-        tables = _counter(
-            "kmem_table_full_drops",
-            "Updates the in-kernel tables had no room for: objects not tracked by pointer, "
-            "call-site updates dropped.",
-            ["table"],
-        )
-        tables.add_metric(["objects"], kmem.untracked)
-        tables.add_metric(["call_sites"], kmem.sites_dropped)
-        yield tables
+
+# The per-process allocation counters: family -> key of AllocFigures.processes.
+ALLOC_PROCESS_FAMILIES = {
+    "alloc_calls": "calls", "alloc_bytes": "bytes", "free_calls": "frees",
+    "free_unknown_calls": "unknown_frees", "alloc_failed_calls": "failed",
+    "alloc_live_bytes": "live_bytes", "alloc_live_objects": "live_objects",
+}  # fmt: skip
+VM_SYSCALLS = ("mmap", "munmap", "mremap", "brk")
+# vm_bytes' kind label -> key of AllocFigures.processes (less "vm_").
+VM_BYTES = {
+    "mmap_anonymous": "mmap_bytes", "mmap_file": "mmap_file_bytes", "munmap": "munmap_bytes",
+    "mremap_grown": "mremap_grown", "mremap_shrunk": "mremap_shrunk",
+    "brk_grown": "brk_grown", "brk_shrunk": "brk_shrunk",
+}  # fmt: skip
+# The kmem families by allocator kind: family -> CallSite attribute.
+KMEM_KIND_FAMILIES = {
+    "kmem_allocations": "allocs", "kmem_failed_allocations": "failed", "kmem_frees": "frees",
+    "kmem_requested_bytes": "bytes_req", "kmem_allocated_bytes": "bytes_alloc",
+    "kmem_freed_bytes": "bytes_freed", "kmem_cross_cpu_frees": "cross_cpu_frees",
+    "kmem_mismatched_frees": "mismatched_frees",
+}  # fmt: skip
+KMEM_FUNCTION_FAMILIES = {
+    "kmem_function_allocations": "allocs", "kmem_function_requested_bytes": "bytes_req",
+    "kmem_function_allocated_bytes": "bytes_alloc", "kmem_function_frees": "frees",
+}  # fmt: skip
+
+
+def _alloc_processes(totals: Mapping[str, Counter[str]], sampled: bool) -> Iterator[MetricFamily]:
+    for name_, key in ALLOC_PROCESS_FAMILIES.items():
+        metrics = family(name_, estimated=sampled)
+        for name in sorted(totals):
+            metrics.add_metric([name], totals[name][key])
+        yield metrics
+
+
+def _vm(totals: Mapping[str, Counter[str]]) -> Iterator[MetricFamily]:
+    vm_calls, vm_bytes = family("vm_calls"), family("vm_bytes")
+    for name in sorted(totals):
+        counts = totals[name]
+        for syscall in VM_SYSCALLS:
+            vm_calls.add_metric([name, syscall], counts[f"vm_{syscall}_calls"])
+        for label, key in VM_BYTES.items():
+            vm_bytes.add_metric([name, label], counts[f"vm_{key}"])
+    yield from (vm_calls, vm_bytes)
+
+
+def _libc_processes(merged: Mapping[str, ProcessFigures],
+                    probe_hits: Mapping[str, int]) -> Iterator[MetricFamily]:  # fmt: skip
+    names = ("libc_process_probe_hits", "libc_allocation_retries",
+             "libc_tcache_double_free_checks", "libc_arena_waits", "libc_mallopt_calls",
+             "libc_setting_changes", "libc_processes", "libc_arenas", "libc_heap_bytes",
+             "libc_sbrk_bytes")  # fmt: skip
+    f = {name: family(name) for name in names}
+    for name in sorted(merged):
+        figures = merged[name]
+        for probe, value in sorted(figures.hits.items()):
+            f["libc_process_probe_hits"].add_metric([name, probe], value)
+            if probe in RETRY_PROBES:
+                f["libc_allocation_retries"].add_metric([name, RETRY_PROBES[probe]], value)
+            elif probe in SETTINGS:
+                f["libc_setting_changes"].add_metric([name, SETTINGS[probe]], value)
+        if DOUBLE_FREE_PROBE in probe_hits:
+            f["libc_tcache_double_free_checks"].add_metric(
+                [name], figures.hits.get(DOUBLE_FREE_PROBE, 0)
+            )
+        if REUSE_WAIT_PROBE in probe_hits:
+            f["libc_arena_waits"].add_metric(
+                [name, "reuse_wait"], figures.hits.get(REUSE_WAIT_PROBE, 0)
+            )
+        f["libc_arena_waits"].add_metric([name, "lock_wait"], figures.arena_lock_waits)
+        if MALLOPT_PROBE in probe_hits:
+            f["libc_mallopt_calls"].add_metric([name], figures.hits.get(MALLOPT_PROBE, 0))
+        f["libc_processes"].add_metric([name], figures.live)
+        f["libc_arenas"].add_metric([name], figures.arenas)
+        f["libc_heap_bytes"].add_metric([name], figures.heap_bytes)
+        f["libc_sbrk_bytes"].add_metric([name], figures.sbrk_bytes)
+    yield from f.values()
+
+
+def _kmem_kinds(kinds: Mapping[str, CallSite]) -> Iterator[MetricFamily]:
+    for name, attribute in KMEM_KIND_FAMILIES.items():
+        metrics = family(name)
+        for kind_name, total in kinds.items():
+            metrics.add_metric([kind_name], getattr(total, attribute))
+        yield metrics
+    fragmentation = family("kmem_fragmentation_ratio")
+    for kind_name, total in kinds.items():
+        if kind_name != "pages":
+            fragmentation.add_metric([kind_name], total.fragmentation)
+    yield fragmentation
+
+
+def _kmem_functions(merged: Mapping[str, CallSite]) -> Iterator[MetricFamily]:
+    site_families = {name: family(name) for name in KMEM_FUNCTION_FAMILIES}
+    frag = family("kmem_function_fragmentation_ratio")
+    live_bytes = family("kmem_function_live_bytes")
+    for function in sorted(merged):
+        site = merged[function]
+        for name, metrics in site_families.items():
+            metrics.add_metric([function], getattr(site, KMEM_FUNCTION_FAMILIES[name]))
+        frag.add_metric([function], site.fragmentation)
+        live_bytes.add_metric([function], max(site.outstanding_bytes, 0))
+    yield from site_families.values()
+    yield from (frag, live_bytes)
+
+
+def _kmem_pages_and_tables(kmem: KmemTotals) -> Iterator[MetricFamily]:
+    orders_alloc, orders_free = family("kmem_page_allocations"), family("kmem_page_frees")
+    for order, (allocs, frees) in sorted(kmem.page_orders.items()):
+        orders_alloc.add_metric([str(order)], allocs)
+        orders_free.add_metric([str(order)], frees)
+    yield from (orders_alloc, orders_free)
+    tables = family("kmem_table_full_drops")
+    tables.add_metric(["objects"], kmem.untracked)
+    tables.add_metric(["call_sites"], kmem.sites_dropped)
+    yield tables
 
 
 def _accumulate(total: CallSite, site: CallSite) -> None:
-    for attribute in ("allocs", "failed", "frees", "bytes_req", "bytes_alloc", "bytes_freed",
-                      "cross_cpu_frees", "mismatched_frees"):  # fmt: skip
+    for attribute in KMEM_KIND_FAMILIES.values():
         setattr(total, attribute, getattr(total, attribute) + getattr(site, attribute))
 
 
-def _self_metrics(
-    snap: Snapshot,
-) -> Iterator[CounterMetricFamily | GaugeMetricFamily | InfoMetricFamily]:
-    yield _by_label(
-        _counter("events_processed", "Events the tracer processed: libc events read from the "
-                 "ring buffer, kmem tracepoint hits aggregated in the kernel.", ["source"]),
-        snap.events_processed,
-    )  # fmt: skip
-    yield _by_label(
-        _counter("events_lost", "Events lost: libc and kmem, events the ring buffer had no room "
-                 "for (the kernel's counts stay exact); *_missed, probe and tracepoint runs the "
-                 "kernel skipped (not counted anywhere); lifecycle, exec and exit records.",
-                 ["source"]),
-        snap.events_lost,
-    )  # fmt: skip
-    yield _by_label(
-        _gauge("probes_attached", "Probes attached: USDT probes and sites, tracepoints.", ["kind"]),
-        snap.probes_attached,
-    )
+def _self_metrics(snap: Snapshot) -> Iterator[MetricFamily | InfoMetricFamily]:
+    yield _by_label(family("events_processed"), snap.events_processed)
+    yield _by_label(family("events_lost"), snap.events_lost)
+    yield _by_label(family("probes_attached"), snap.probes_attached)
     if snap.bpf_runs is not None:
-        seconds = _counter(
-            "bpf_program_run_seconds",
-            "Time the kernel spent running mtrace-live's BPF programs (kernel.bpf_stats_enabled).",
-            ["program"],
-        )
-        runs = _counter("bpf_program_runs", "Runs of mtrace-live's BPF programs.", ["program"])
+        seconds, runs = family("bpf_program_run_seconds"), family("bpf_program_runs")
         for program, (ns, count) in sorted(snap.bpf_runs.items()):
             seconds.add_metric([program], ns / 1e9)
             runs.add_metric([program], count)
         yield from (seconds, runs)
-    yield _by_label(
-        _counter("bpf_program_missed_runs", "Runs of mtrace-live's BPF programs the kernel "
-                 "skipped because another BPF program or a BPF map system call was active on "
-                 "that CPU: events not seen at all.", ["program"]),
-        snap.bpf_misses,
-    )  # fmt: skip
-    start = _gauge("start_time_seconds", "Unix time the trace began.", [])
+    yield _by_label(family("bpf_program_missed_runs"), snap.bpf_misses)
+    start = family("start_time_seconds")
     start.add_metric([], snap.started)
     yield start
-    info = InfoMetricFamily(f"{PREFIX}_build", "mtrace-live's version and what it runs on.")
+    info = InfoMetricFamily(f"{PREFIX}_{BUILD_INFO[0]}", BUILD_INFO[1])
     info.add_metric([], {**snap.build, "python": platform.python_version()})
     yield info
 
 
-def _by_label(family: Family, values: Mapping[str, float]) -> Family:
+def _by_label(metrics: MetricFamily, values: Mapping[str, float]) -> MetricFamily:
     """A family with one label, a sample per value, in label order."""
     for label, value in sorted(values.items()):
-        family.add_metric([label], value)
-    return family
-
-
-def _counter(name: str, help_: str, labels: list[str]) -> CounterMetricFamily:
-    return CounterMetricFamily(f"{PREFIX}_{name}", help_, labels=labels)
-
-
-def _gauge(name: str, help_: str, labels: list[str]) -> GaugeMetricFamily:
-    return GaugeMetricFamily(f"{PREFIX}_{name}", help_, labels=labels)
+        metrics.add_metric([label], value)
+    return metrics

@@ -84,54 +84,12 @@ def encode(
     n = len(rows)
     if n == 0:
         return Encoded({}, 0, seq)
-    seqs = ((np.arange(n, dtype=np.int64) + seq) & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
-    kmem = rows["kind"] == kmem_kind
-    event_number = rows["probe"].astype(np.int64)
-    args = rows["args"]
-
-    # Classify every row: event id, type id, pointer, sizes.
-    event_id = np.full(n, EventId.PROBE, dtype=np.uint8)
-    type_id = np.full(n, TypeId.LIBC_PROBE, dtype=np.uint8)
-    ptr = np.zeros(n, dtype=np.uint64)
-    req = np.zeros(n, dtype=np.uint64)
-    alloc = np.zeros(n, dtype=np.uint64)
-    gfp = np.zeros(n, dtype=np.uint32)
-    target = np.full(n, -1, dtype=np.int32)
-
-    kfree = kmem & np.isin(event_number, tuple(KMEM_FREE_EVENTS))
-    event_id[kmem] = np.where(kfree[kmem], EventId.FREE, EventId.ALLOC)
-    type_id[kmem] = rows["site"][kmem].astype(np.uint8)  # enum kmem_type: kmemtrace's ids
-    pages = kmem & (type_id == TypeId.PAGES)
-    ptr[kmem] = args[kmem, 0]
-    ptr[pages] = args[pages, 0] << np.uint64(page_shift)
-    req[kmem] = args[kmem, 1]
-    alloc[kmem] = args[kmem, 2]
-    gfp[kmem] = args[kmem, 3].astype(np.uint32)
-    target[kmem] = args[kmem, 4].astype(np.int64).astype(np.int32)
-
-    user = np.zeros(n, dtype=bool)
+    fields = _Fields(rows)
+    fields.kernel(rows["kind"] == kmem_kind, page_shift)
     if user_kinds is not None:
-        user_alloc = rows["kind"] == user_kinds[0]
-        user = user_alloc | (rows["kind"] == user_kinds[1])
-        event_id[user] = np.where(user_alloc[user], EventId.ALLOC, EventId.FREE)
-        type_id[user] = TypeId.USER
-        ptr[user] = args[user, 0]
-        req[user_alloc] = alloc[user_alloc] = args[user_alloc, 1]
-    libc = ~kmem & ~user
-    for table, eid in (
-        (libc_records("alloc"), EventId.ALLOC),
-        (libc_records("free"), EventId.FREE),
-    ):
-        for name, tid in table.items():
-            if name not in libc_probes:
-                continue
-            hit = libc & (event_number == libc_probes.index(name))
-            event_id[hit] = eid
-            type_id[hit] = tid
-            ptr[hit] = args[hit, 0]
-            if eid == EventId.ALLOC:
-                req[hit] = alloc[hit] = args[hit, 1]
-
+        fields.user_calls(rows["kind"] == user_kinds[0], rows["kind"] == user_kinds[1])
+    fields.libc(libc_probes)
+    seqs = ((np.arange(n, dtype=np.int64) + seq) & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
     out = np.zeros((n, PROBE_TASK_RECORD.itemsize), dtype=np.uint8)
     sizes = np.empty(n, dtype=np.int64)
     for eid, dtype, of_user in (
@@ -141,23 +99,96 @@ def encode(
         (EventId.ALLOC, USER_ALLOC_RECORD, True),
         (EventId.FREE, USER_FREE_RECORD, True),
     ):
-        pick = np.flatnonzero((event_id == eid) & (user == of_user))
-        if len(pick) == 0:
-            continue
+        pick = np.flatnonzero((fields.event_id == eid) & (fields.user == of_user))
+        if len(pick):
+            rec = fields.records(pick, eid, dtype, of_user, seqs)
+            out[pick, : dtype.itemsize] = rec.view(np.uint8).reshape(len(pick), dtype.itemsize)
+            sizes[pick] = dtype.itemsize
+    columns = np.arange(out.shape[1])
+    per_cpu = {}
+    cpus = rows["cpu"]
+    for cpu in np.unique(cpus):
+        mine = cpus == cpu
+        per_cpu[int(cpu)] = out[mine][columns < sizes[mine, None]].tobytes()
+    return Encoded(per_cpu, n, seq + n)
+
+
+class _Fields:
+    """Every row's record fields, by kind of event: event id, type id,
+    pointer, sizes, flags and node."""
+
+    def __init__(self, rows: np.ndarray) -> None:
+        n = len(rows)
+        self.rows = rows
+        self.args = rows["args"]
+        self.event_number = rows["probe"].astype(np.int64)
+        self.event_id = np.full(n, EventId.PROBE, dtype=np.uint8)
+        self.type_id = np.full(n, TypeId.LIBC_PROBE, dtype=np.uint8)
+        self.ptr = np.zeros(n, dtype=np.uint64)
+        self.req = np.zeros(n, dtype=np.uint64)
+        self.alloc = np.zeros(n, dtype=np.uint64)
+        self.gfp = np.zeros(n, dtype=np.uint32)
+        self.target = np.full(n, -1, dtype=np.int32)
+        self.kmem = np.zeros(n, dtype=bool)
+        self.user = np.zeros(n, dtype=bool)
+
+    def kernel(self, kmem: np.ndarray, page_shift: int) -> None:
+        args = self.args
+        self.kmem = kmem
+        kfree = kmem & np.isin(self.event_number, tuple(KMEM_FREE_EVENTS))
+        self.event_id[kmem] = np.where(kfree[kmem], EventId.FREE, EventId.ALLOC)
+        self.type_id[kmem] = self.rows["site"][kmem].astype(np.uint8)  # enum kmem_type
+        pages = kmem & (self.type_id == TypeId.PAGES)
+        self.ptr[kmem] = args[kmem, 0]
+        self.ptr[pages] = args[pages, 0] << np.uint64(page_shift)
+        self.req[kmem] = args[kmem, 1]
+        self.alloc[kmem] = args[kmem, 2]
+        self.gfp[kmem] = args[kmem, 3].astype(np.uint32)
+        self.target[kmem] = args[kmem, 4].astype(np.int64).astype(np.int32)
+
+    def user_calls(self, allocs: np.ndarray, frees: np.ndarray) -> None:
+        """The allocation functions' calls (``allocs`` and ``frees``)."""
+        user = self.user = allocs | frees
+        self.event_id[user] = np.where(allocs[user], EventId.ALLOC, EventId.FREE)
+        self.type_id[user] = TypeId.USER
+        self.ptr[user] = self.args[user, 0]
+        self.req[allocs] = self.alloc[allocs] = self.args[allocs, 1]
+
+    def libc(self, libc_probes: Sequence[str]) -> None:
+        """The libc probes recorded as allocations and frees (sbrk, heap, arena)."""
+        libc = ~self.kmem & ~self.user
+        for table, eid in (
+            (libc_records("alloc"), EventId.ALLOC),
+            (libc_records("free"), EventId.FREE),
+        ):
+            for name, tid in table.items():
+                if name not in libc_probes:
+                    continue
+                hit = libc & (self.event_number == libc_probes.index(name))
+                self.event_id[hit] = eid
+                self.type_id[hit] = tid
+                self.ptr[hit] = self.args[hit, 0]
+                if eid == EventId.ALLOC:
+                    self.req[hit] = self.alloc[hit] = self.args[hit, 1]
+
+    def records(self, pick: np.ndarray, eid: int, dtype: np.dtype, of_user: bool,
+                seqs: np.ndarray) -> np.ndarray:  # fmt: skip
+        """The records of the rows ``pick``, all of event ``eid``, as ``dtype``."""
+        rows, args = self.rows, self.args
         rec = np.zeros(len(pick), dtype=dtype)
         rec["event_id"] = eid
-        rec["type_id"] = type_id[pick]
+        rec["type_id"] = self.type_id[pick]
         rec["event_size"] = dtype.itemsize
         rec["seq"] = seqs[pick]
         rec["call_site"] = rows["ip"][pick]
-        rec["ptr"] = ptr[pick]
+        rec["ptr"] = self.ptr[pick]
         if eid == EventId.ALLOC:
-            rec["bytes_req"] = req[pick]
-            rec["bytes_alloc"] = alloc[pick]
-            rec["gfp_flags"] = gfp[pick]
-            rec["target"] = target[pick]
+            rec["bytes_req"] = self.req[pick]
+            rec["bytes_alloc"] = self.alloc[pick]
+            rec["gfp_flags"] = self.gfp[pick]
+            rec["target"] = self.target[pick]
         if eid == EventId.PROBE:
-            rec["probe"] = event_number[pick]
+            rec["probe"] = self.event_number[pick]
             rec["nargs"] = rows["nargs"][pick]
             rec["args"] = args[pick]
         rec["f_size"] = TASK_FEATURE_SIZE
@@ -171,16 +202,7 @@ def encode(
             rec["fn"] = rows["probe"][pick]
             rec["aux"] = args[pick, 2] if eid == EventId.ALLOC else 0
             rec["weight"] = args[pick, 3]
-        out[pick, : dtype.itemsize] = rec.view(np.uint8).reshape(len(pick), dtype.itemsize)
-        sizes[pick] = dtype.itemsize
-
-    columns = np.arange(out.shape[1])
-    per_cpu = {}
-    cpus = rows["cpu"]
-    for cpu in np.unique(cpus):
-        mine = cpus == cpu
-        per_cpu[int(cpu)] = out[mine][columns < sizes[mine, None]].tobytes()
-    return Encoded(per_cpu, n, seq + n)
+        return rec
 
 
 def new_record_set(directory: Path) -> None:

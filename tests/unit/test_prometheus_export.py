@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import gzip
 import re
 import socket
@@ -359,3 +360,25 @@ def test_garbage_and_more_idle_clients_than_places_do_not_stop_scrapes(
         with contextlib.suppress(OSError):
             assert not sock.recv(64).startswith(b"HTTP/")
         sock.close()
+
+
+def test_the_collector_publishes_exactly_the_families_of_the_table() -> None:
+    # GIVEN a scrape with libc probes, kmem, the allocation functions and BPF run times
+    from mtrace_live.exporters.prometheus import AllocFigures
+    from mtrace_live.exporters.prometheus_families import FAMILIES
+
+    allocs = AllocFigures(processes={"app": {"calls": 5, "bytes": 100}},
+                          stacks=[("app", "malloc", "main;f", 40)], dropped={"stacks": 0},
+                          sampled=True)  # fmt: skip
+    snap = dataclasses.replace(snapshot({"app": HITS}, {"alloc_skb": 100}), allocs=allocs)
+    registry = CollectorRegistry()
+    registry.register(MtraceCollector(lambda: snap))
+    page = generate_latest(registry).decode()
+    # THEN every family of the table is there, with its type and help, and no other
+    published = {f.name: f for f in text_string_to_metric_families(page)}
+    assert set(published) == {f"mtrace_{name}" for name in FAMILIES} | {"mtrace_build_info"}
+    for name, spec in FAMILIES.items():
+        assert published[f"mtrace_{name}"].type == spec.type, name
+        assert published[f"mtrace_{name}"].documentation == spec.help.format(
+            estimated=" (estimated from samples)"
+        ), name
