@@ -3,14 +3,15 @@
 Allocations and frees per call site, frees matched to their allocation by
 pointer, cross-CPU frees, and the errors kmemtrace-report looked for.
 
-Two ways to the same answer:
-- ``stream``: one compiled pass (walker.c) merges the cpuN files by
-  sequence number in fixed-size chunks and matches frees in a table of the
-  allocations still live, so memory does not grow with the files. This is
-  what the command uses.
-- ``analyse``: every record decoded into memory, then matched by sorting
-  (numpy). It is the reference the tests hold the pass to, and the fallback
-  for a file whose sequence numbers go backwards, which no merge can order.
+The walker (walker.c) analyses the records, in sequence order, two ways:
+- ``stream``: one compiled pass merges the cpuN files by sequence number in
+  fixed-size chunks and matches frees in a table of the allocations still
+  live, so memory does not grow with the files. This is what the command
+  uses.
+- ``analyse``: every record decoded into memory by the walker and sorted
+  (the reader), then the same analysis over the array. It is the fallback
+  for a file whose sequence numbers go backwards, which no merge can order,
+  and what the tests hold the merge to.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from mtrace_live.exporters.data.allocations import AllocSnapshot, FrameNames, St
 from mtrace_live.exporters.data.kallsyms import KernelSymbols
 from mtrace_live.exporters.data.kmem import CallSite, KmemTotals, name_sites
 from mtrace_live.exporters.data.symbolize import ProcessSymbols
-from mtrace_live.exporters.kmemtrace.abi import KERNEL_TYPES, SKIP_REASONS, EventId, TypeId
+from mtrace_live.exporters.kmemtrace.abi import SKIP_REASONS, TypeId
 from mtrace_live.exporters.kmemtrace.reader import (
     RecordSet,
     RecordSetHeader,
@@ -137,174 +138,6 @@ class Report:
         }
 
 
-def _group(call_site: np.ndarray, type_id: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Unique (call site, type) pairs and each row's group index."""
-    sites, site_index = np.unique(call_site, return_inverse=True)
-    pair = site_index.astype(np.int64) * 256 + type_id
-    pairs, group = np.unique(pair, return_inverse=True)
-    return sites[pairs // 256], (pairs % 256).astype(np.uint8), group
-
-
-_EXACT = 1 << 53  # float64 holds every integer below this
-_CHUNK_BITS = 21  # a 64-bit value in four chunks; 2**32 records' chunk sums stay exact
-
-
-def _sum(group: np.ndarray, n: int, values: np.ndarray | None = None) -> np.ndarray:
-    """Per group, the count (no values) or the exact sum of unsigned values,
-    however large: a sum that would not be exact in float64 is made of
-    21-bit chunks, each summed exactly, and comes back as Python ints."""
-    if values is None or values.dtype == np.bool_:
-        return np.bincount(group, weights=values, minlength=n).astype(np.int64)
-    values = values.astype(np.uint64)
-    if not len(values) or int(values.max()) * len(values) < _EXACT:
-        return np.bincount(group, weights=values.astype(np.float64), minlength=n).astype(np.int64)
-    total = np.zeros(n, dtype=object)
-    mask = np.uint64((1 << _CHUNK_BITS) - 1)
-    for shift in range(0, 64, _CHUNK_BITS):
-        chunk = (values >> np.uint64(shift)) & mask
-        sums = np.bincount(group, weights=chunk.astype(np.float64), minlength=n)
-        total += np.array([int(x) << shift for x in sums.tolist()], dtype=object)
-    return total
-
-
-def exact_total(values: np.ndarray) -> int:
-    """The exact sum of unsigned values, however large."""
-    return int(_sum(np.zeros(len(values), dtype=np.int64), 1, values)[0])
-
-
-def analyse(rs: RecordSet, symbols: KernelSymbols | None = None) -> Report:
-    recs = rs.unordered
-    kernel = recs[(recs["type_id"] <= max(KERNEL_TYPES)) & (recs["event_id"] <= EventId.FREE)]
-    is_alloc = kernel["event_id"] == EventId.ALLOC
-    findings = Findings()
-
-    # Match frees to allocations: per pointer, in sequence order, a free
-    # belongs to the allocation right before it.
-    order = np.lexsort((kernel["seq"], kernel["ptr"]))
-    k = kernel[order]
-    alloc_k = is_alloc[order]
-    same_ptr = np.zeros(len(k), dtype=bool)
-    same_ptr[1:] = k["ptr"][1:] == k["ptr"][:-1]
-    prev_alloc = np.zeros(len(k), dtype=bool)
-    prev_alloc[1:] = alloc_k[:-1]
-    nonnull = k["ptr"] != 0
-    matched = ~alloc_k & same_ptr & prev_alloc & nonnull
-    findings.null_frees = int(np.count_nonzero(~alloc_k & ~nonnull))
-    unknown = ~alloc_k & nonnull & ~matched
-    findings.unknown_frees = int(np.count_nonzero(unknown))
-    findings.reallocated_live = int(np.count_nonzero(alloc_k & same_ptr & prev_alloc & nonnull))
-    freed_rows = np.flatnonzero(matched)
-    alloc_of = freed_rows - 1
-    mismatched = k["type_id"][freed_rows] != k["type_id"][alloc_of]
-    findings.mismatched_frees = int(np.count_nonzero(mismatched))
-    cross_cpu = k["cpu"][freed_rows] != k["cpu"][alloc_of]
-
-    allocs = kernel[is_alloc]
-    findings.requested_above_allocated = int(
-        np.count_nonzero(allocs["bytes_req"] > allocs["bytes_alloc"])
-    )
-    node_of_cpu = np.full(int(recs["cpu"].max()) + 1 if len(recs) else 1, -1, dtype=np.int64)
-    for cpu, node in rs.cpu_nodes.items():
-        if cpu < len(node_of_cpu):
-            node_of_cpu[cpu] = node
-    targeted = allocs["target"] >= 0
-    cross_node = targeted & (allocs["target"] != node_of_cpu[allocs["cpu"]])
-
-    # Per (call site, type): allocations at the allocating site; matched frees
-    # at their allocation's site; unknown frees at the freeing site.
-    unknown_rows = k[unknown]
-    cs = np.concatenate([allocs["call_site"], k["call_site"][alloc_of], unknown_rows["call_site"]])
-    ty = np.concatenate([allocs["type_id"], k["type_id"][alloc_of], unknown_rows["type_id"]])
-    sites, types, group = _group(cs, ty)
-    n = len(sites)
-    na, nf = len(allocs), len(alloc_of)
-    g_alloc, g_free, g_unknown = group[:na], group[na : na + nf], group[na + nf :]
-    columns = {
-        "allocs": _sum(g_alloc, n),
-        "bytes_req": _sum(g_alloc, n, allocs["bytes_req"]),
-        "bytes_alloc": _sum(g_alloc, n, allocs["bytes_alloc"]),
-        "failed": _sum(g_alloc, n, (allocs["ptr"] == 0)),
-        "cross_node": _sum(g_alloc, n, cross_node),
-        "frees": _sum(g_free, n),
-        "bytes_freed": _sum(g_free, n, k["bytes_alloc"][alloc_of]),
-        "cross_cpu_frees": _sum(g_free, n, cross_cpu),
-        "mismatched_frees": _sum(g_free, n, mismatched),
-        "unknown_frees": _sum(g_unknown, n),
-    }
-    call_sites = [
-        CallSite.with_counts(
-            int(sites[i]), int(types[i]), ((name, int(col[i])) for name, col in columns.items())
-        )
-        for i in range(n)
-    ]
-    if symbols is not None:
-        name_sites(call_sites, symbols)
-
-    def orders(rows: np.ndarray) -> dict[int, int]:
-        pages = rows[rows["type_id"] == TypeId.PAGES]
-        order = np.log2(np.maximum(pages["bytes_alloc"] // PAGE_SIZE, 1)).astype(np.int64)
-        found, counts = np.unique(order, return_counts=True)
-        return dict(zip(found.tolist(), counts.tolist(), strict=True))
-
-    allocated, freed = orders(allocs), orders(k[alloc_of])
-    page_orders = {o: (allocated.get(o, 0), freed.get(o, 0)) for o in sorted({*allocated, *freed})}
-
-    return Report(
-        source=Source.of(rs),
-        kernel=KmemTotals(sites=call_sites, page_orders=page_orders),
-        findings=findings,
-        cross_cpu_frees=int(np.count_nonzero(cross_cpu)),
-        cross_node_allocs=int(np.count_nonzero(cross_node)),
-        libc=_libc_totals(recs),
-        probe_hits=_probe_hits(rs),
-        **_user_sites(rs),
-    )
-
-
-def _user_sites(rs: RecordSet) -> dict[str, Any]:
-    """Allocations and frees of the allocation functions (type USER), per
-    (process, function, call site); frees matched by (process, pointer) in
-    sequence order, at their allocation's site. Named through the mappings
-    saved with the records (user_maps)."""
-    recs = rs.unordered
-    user = recs[(recs["type_id"] == TypeId.USER) & (recs["event_id"] <= EventId.FREE)]
-    if len(user) == 0:
-        return {}
-    u = user[np.lexsort((user["seq"], user["ptr"], user["pid"]))]
-    is_alloc = u["event_id"] == EventId.ALLOC
-    same = np.zeros(len(u), dtype=bool)
-    same[1:] = (u["ptr"][1:] == u["ptr"][:-1]) & (u["pid"][1:] == u["pid"][:-1])
-    prev_alloc = np.zeros(len(u), dtype=bool)
-    prev_alloc[1:] = is_alloc[:-1]
-    matched = ~is_alloc & same & prev_alloc & (u["ptr"] != 0)
-    alloc_of = np.flatnonzero(matched) - 1
-    sites: dict[tuple[int, int, int], UserSite] = {}
-
-    def site(pid: int, fn: int, call_site: int) -> UserSite:
-        key = (pid, fn, call_site)
-        found = sites.get(key)
-        if found is None:
-            found = sites[key] = UserSite(pid, _function(fn), call_site)
-        return found
-
-    allocs = u[is_alloc]
-    for pid, fn, call_site, size in zip(allocs["pid"].tolist(), allocs["fn"].tolist(),
-                                        allocs["call_site"].tolist(),
-                                        allocs["bytes_req"].tolist(), strict=True):  # fmt: skip
-        entry = site(pid, fn, call_site)
-        entry.allocs += 1
-        entry.bytes += size
-    freed = u[alloc_of]
-    for pid, fn, call_site, size in zip(freed["pid"].tolist(), freed["fn"].tolist(),
-                                        freed["call_site"].tolist(),
-                                        freed["bytes_req"].tolist(), strict=True):  # fmt: skip
-        entry = site(pid, fn, call_site)
-        entry.frees += 1
-        entry.bytes_freed += size
-    unknown = int(np.count_nonzero(~is_alloc & ~matched & (u["ptr"] != 0)))
-    return {"user": _named(list(sites.values()), rs.user_maps), "user_unknown_frees": unknown}
-
-
 def _named(sites: list[UserSite], user_maps: str) -> list[UserSite]:
     """User sites named through the saved mappings, most live bytes first
     (a stable sort: equal ones stay in the order given)."""
@@ -338,27 +171,6 @@ def user_snapshot(report: Report) -> tuple[AllocSnapshot, FrameNames]:
     return snapshot, names
 
 
-def _libc_totals(recs: np.ndarray) -> dict[str, dict[str, int]]:
-    totals = {}
-    for type_id in (TypeId.SBRK, TypeId.HEAP, TypeId.ARENA):
-        mine = recs[(recs["type_id"] == type_id) & (recs["event_id"] <= EventId.FREE)]
-        if len(mine) == 0:
-            continue
-        alloc = mine[mine["event_id"] == EventId.ALLOC]
-        totals[type_id.name.lower()] = {
-            "allocs": len(alloc),
-            "bytes": exact_total(alloc["bytes_alloc"]),
-            "frees": len(mine) - len(alloc),
-        }
-    return totals
-
-
-def _probe_hits(rs: RecordSet) -> dict[str, int]:
-    probes = rs.unordered["probe"][rs.unordered["event_id"] == EventId.PROBE]
-    numbers, counts = np.unique(probes, return_counts=True)
-    return _probe_names(zip(numbers.tolist(), counts.tolist(), strict=True), rs.libc_probes)
-
-
 def _probe_names(hits: Iterable[tuple[int, int]], names: list[str]) -> dict[str, int]:
     return {(names[num] if num < len(names) else f"probe {num}"): int(c) for num, c in hits}
 
@@ -376,6 +188,17 @@ KERNEL_COLUMNS = (
 )  # fmt: skip
 
 
+def analyse(rs: RecordSet, symbols: KernelSymbols | None = None) -> Report:
+    """The report of a record set read whole (``read_record_set``): the
+    walker's analysis of its records in sequence order. For a set whose
+    files no merge can order, where ``stream`` falls back to it."""
+    from ._walker import report_records
+
+    nodes = [rs.cpu_nodes.get(cpu, -1) for cpu in range(max(rs.cpu_nodes, default=-1) + 1)]
+    found = report_records(np.ascontiguousarray(rs.records), nodes, PAGE_SIZE)
+    return _report(found, Source.of(rs), symbols, rs.libc_probes, rs.user_maps)
+
+
 def stream(
     header: RecordSetHeader, symbols: KernelSymbols | None = None, chunk: int | None = None
 ) -> Report:
@@ -387,7 +210,6 @@ def stream(
     from ._walker import report_pass
 
     files = header.files
-    sizes = header.sizes()
     if chunk is None:
         chunk = max(MIN_CHUNK, min(MAX_CHUNK, ALL_CHUNKS // len(files)))
     try:
@@ -399,46 +221,55 @@ def stream(
         raise RecordSetError(f"cannot read {where}: {exc.strerror}") from None
     if found["unsorted"]:
         return analyse(read_record_set(header.path, header.big), symbols)
+    return _report(found, _source(header, found), symbols, header.libc_probes, header.user_maps)
+
+
+def _source(header: RecordSetHeader, found: dict[str, Any]) -> Source:
+    """What the pass says of the files it read: records, skips, damage."""
+    sizes = header.sizes()
     skipped = dict.fromkeys(SKIP_REASONS, 0)
     damage = []
-    for (cpu, path), (count, status, offset, skips) in zip(files.items(), found["files"],
+    for (cpu, path), (count, status, offset, skips) in zip(header.files.items(), found["files"],
                                                           strict=True):  # fmt: skip
         for reason, n in zip(SKIP_REASONS, skips, strict=True):
             skipped[reason] += n
         line = damage_line(path, status, offset, sizes[cpu], count)
         if line is not None:
             damage.append(line)
-    source = Source(header.directory, header.abi_version, found["records"], sum(sizes.values()),
-                    header.total_overruns, {k: v for k, v in skipped.items() if v}, damage,
-                    sum(1 for f in found["files"] if f[0]), header.user_maps)  # fmt: skip
+    return Source(header.directory, header.abi_version, found["records"], sum(sizes.values()),
+                  header.total_overruns, {k: v for k, v in skipped.items() if v}, damage,
+                  sum(1 for f in found["files"] if f[0]), header.user_maps)  # fmt: skip
 
+
+def _report(found: dict[str, Any], source: Source, symbols: KernelSymbols | None,
+            libc_probes: list[str], user_maps: str) -> Report:  # fmt: skip
+    """The walker's figures (report_pass, report_records) as a Report."""
     call_sites = [
         CallSite.with_counts(row[0], row[1], zip(KERNEL_COLUMNS, row[2:], strict=True))
         for row in sorted(found["kernel_sites"], key=lambda row: (row[0], row[1]))
     ]
     if symbols is not None:
         name_sites(call_sites, symbols)
-    findings = Findings(*found["findings"])
     libc_types = (TypeId.SBRK, TypeId.HEAP, TypeId.ARENA)
     libc = {
         type_id.name.lower(): {"allocs": allocs, "bytes": total, "frees": frees}
         for type_id, (allocs, total, frees) in zip(libc_types, found["libc"], strict=True)
         if allocs or frees
     }
-    # Sites in the order the sorting analysis meets them: by process, then
-    # by the pointer and sequence of their first allocation.
+    # Sites by process, then by the pointer and sequence of their first
+    # allocation (then, in _named, by live bytes).
     rows = sorted(found["user_sites"], key=lambda row: (row[0], row[7], row[8]))
     user = [UserSite(pid, _function(fn), call_site, allocs, total, frees, freed)
             for pid, fn, call_site, allocs, total, frees, freed, _, _ in rows]  # fmt: skip
     return Report(
         source=source,
         kernel=KmemTotals(sites=call_sites, page_orders=found["page_orders"]),
-        findings=findings,
+        findings=Findings(*found["findings"]),
         cross_cpu_frees=found["cross_cpu_frees"],
         cross_node_allocs=found["cross_node_allocs"],
         libc=libc,
-        probe_hits=_probe_names(found["probe_hits"].items(), header.libc_probes),
-        user=_named(user, header.user_maps),
+        probe_hits=_probe_names(found["probe_hits"].items(), libc_probes),
+        user=_named(user, user_maps),
         user_unknown_frees=found["user_unknown_frees"],
     )
 

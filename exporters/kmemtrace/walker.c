@@ -501,7 +501,9 @@ static inline int page_order(uint64_t bytes, uint64_t page_size) {
 }
 
 /* 0 fine, -1 out of memory. */
-static int handle(state_t *s, const rec_t *r, const file_t *f, int64_t rank) {
+/* One record, in sequence order, allocated or freed on ``cpu`` of ``node``;
+ * ``rank``: its place in that order. 0, or -1 out of memory. */
+static int handle(state_t *s, const rec_t *r, int32_t cpu, int32_t node, int64_t rank) {
     s->records++;
     if (r->event_id == EV_PROBE) {
         s->probes[r->probe]++;
@@ -516,7 +518,7 @@ static int handle(state_t *s, const rec_t *r, const file_t *f, int64_t rank) {
             site->bytes_req += r->bytes_req;
             site->bytes_alloc += r->bytes_alloc;
             site->failed += r->ptr == 0;
-            int cross = r->target >= 0 && r->target != f->node;
+            int cross = r->target >= 0 && r->target != node;
             site->cross_node += cross;
             s->cross_node += cross;
             s->above += r->bytes_req > r->bytes_alloc;
@@ -528,7 +530,7 @@ static int handle(state_t *s, const rec_t *r, const file_t *f, int64_t rank) {
                 if (!fresh) s->reallocated_live++;
                 e->site = (uint32_t)at;
                 e->type = r->type_id;
-                e->cpu = (uint16_t)f->cpu;
+                e->cpu = (uint16_t)cpu;
                 e->bytes = r->bytes_alloc;
             }
             return 0;
@@ -542,7 +544,7 @@ static int handle(state_t *s, const rec_t *r, const file_t *f, int64_t rank) {
             ksite_t *site = (ksite_t *)s->ks.items + e->site;
             site->frees++;
             site->bytes_freed += e->bytes;
-            int cross = e->cpu != f->cpu, mismatched = e->type != r->type_id;
+            int cross = e->cpu != cpu, mismatched = e->type != r->type_id;
             site->cross_cpu += cross;
             site->mismatched += mismatched;
             s->cross_cpu += cross;
@@ -755,12 +757,15 @@ fail:
     return NULL;
 }
 
-static void release(state_t *s, file_t *files, Py_ssize_t n) {
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (files[i].fd >= 0) close(files[i].fd);
-        free(files[i].buf);
-    }
-    free(files);
+static int state_init(state_t *s, uint64_t page_size) {
+    memset(s, 0, sizeof *s);
+    s->page_size = page_size;
+    return sites_init(&s->ks, sizeof(ksite_t)) && sites_init(&s->us, sizeof(usite_t)) &&
+           live_init(&s->klive, 1 << 12) && live_init(&s->ulive, 1 << 12) &&
+           (s->probes = calloc(65536, sizeof(uint64_t))) != NULL;
+}
+
+static void state_free(state_t *s) {
     free(s->ks.slots);
     free(s->ks.items);
     free(s->us.slots);
@@ -768,6 +773,15 @@ static void release(state_t *s, file_t *files, Py_ssize_t n) {
     free(s->klive.slots);
     free(s->ulive.slots);
     free(s->probes);
+}
+
+static void release(state_t *s, file_t *files, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (files[i].fd >= 0) close(files[i].fd);
+        free(files[i].buf);
+    }
+    free(files);
+    state_free(s);
 }
 
 /* The pass proper, without the interpreter's lock: 0, -1 read error, -2 memory. */
@@ -799,7 +813,7 @@ static int run(state_t *s, file_t *files, int n) {
     int64_t rank = 0;
     while (live && !g_unsorted) {
         file_t *f = &files[heap[0]];
-        if (handle(s, &f->head, f, rank++) < 0) {
+        if (handle(s, &f->head, f->cpu, f->node, rank++) < 0) {
             free(heap);
             return -2;
         }
@@ -829,17 +843,13 @@ static PyObject *report_pass(PyObject *self, PyObject *args) {
         return NULL;
     }
     state_t s;
-    memset(&s, 0, sizeof s);
-    s.page_size = page_size;
     file_t *files = calloc((size_t)(n ? n : 1), sizeof(file_t));
     if (!files) return PyErr_NoMemory();
     for (Py_ssize_t i = 0; i < n; i++) files[i].fd = -1;
     g_files = files;
     g_big = big;
     g_unsorted = 0;
-    if (!sites_init(&s.ks, sizeof(ksite_t)) || !sites_init(&s.us, sizeof(usite_t)) ||
-        !live_init(&s.klive, 1 << 12) || !live_init(&s.ulive, 1 << 12) ||
-        !(s.probes = calloc(65536, sizeof(uint64_t)))) {
+    if (!state_init(&s, page_size)) {
         release(&s, files, n);
         return PyErr_NoMemory();
     }
@@ -884,6 +894,46 @@ static PyObject *report_pass(PyObject *self, PyObject *args) {
     else
         out = results(&s, files, n);
     release(&s, files, n);
+    return out;
+}
+
+/* The report's figures from decoded records (DECODED) already in sequence
+ * order: what report_pass gives, for a record set no merge can order. */
+static PyObject *report_records(PyObject *self, PyObject *pyargs) {
+    (void)self;
+    Py_buffer recs;
+    PyObject *nodes;
+    unsigned long long page_size;
+    if (!PyArg_ParseTuple(pyargs, "y*OK", &recs, &nodes, &page_size)) return NULL;
+    Py_ssize_t known = PySequence_Size(nodes);
+    if (known < 0 || recs.len % (Py_ssize_t)sizeof(rec_t) || page_size == 0) {
+        PyBuffer_Release(&recs);
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "report_records: bad arguments");
+        return NULL;
+    }
+    int32_t *node_of = malloc(65536 * sizeof(int32_t));
+    state_t s;
+    memset(&s, 0, sizeof s);
+    int ok = node_of != NULL;
+    for (long cpu = 0; ok && cpu < 65536; cpu++) {
+        node_of[cpu] = -1;
+        if (cpu < known) {
+            PyObject *node = PySequence_GetItem(nodes, cpu);
+            node_of[cpu] = node ? (int32_t)PyLong_AsLong(node) : -1;
+            Py_XDECREF(node);
+        }
+    }
+    ok = ok && !PyErr_Occurred() && state_init(&s, page_size);
+    const rec_t *r = recs.buf;
+    size_t n = (size_t)recs.len / sizeof(rec_t);
+    for (size_t i = 0; ok && i < n; i++)
+        ok = handle(&s, &r[i], r[i].cpu, node_of[r[i].cpu], (int64_t)i) == 0;
+    free(node_of);
+    PyBuffer_Release(&recs);
+    g_unsorted = 0;
+    PyObject *out = ok ? results(&s, NULL, 0) : NULL;
+    if (!ok && !PyErr_Occurred()) PyErr_NoMemory();
+    state_free(&s);
     return out;
 }
 
@@ -968,6 +1018,9 @@ static PyMethodDef methods[] = {
      "scan(data, big_endian, cpu, out, args, skipped) -> (records, probe records, offset, "
      "status): one cpuN file's records decoded into out (DECODED), the probe records' "
      "arguments into args, the records skipped counted in skipped."},
+    {"report_records", report_records, METH_VARARGS,
+     "report_records(records, nodes, page_size) -> dict: report_pass's figures from decoded "
+     "records in sequence order; nodes[cpu] is the CPU's node, or -1."},
     {"record_layout", record_layout, METH_NOARGS,
      "record_layout() -> {field: (offset, size)} of a decoded record."},
     {"report_pass", report_pass, METH_VARARGS,

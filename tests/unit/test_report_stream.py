@@ -1,7 +1,8 @@
 """The streaming report (one compiled pass, bounded memory) against the
-in-memory analysis that sorts every record: the same answer on random record
-sets, with wraparound, records lost mid-stream, skipped and damaged records,
-and chunk boundaries anywhere."""
+in-memory analysis that sorts every record, and both against what the
+records written say: the same answer on random record sets, with
+wraparound, records lost mid-stream, skipped and damaged records, and
+chunk boundaries anywhere."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from mtrace_live.exporters.data.kmem import TYPE_NAMES
 from mtrace_live.exporters.kmemtrace.reader import open_record_set, read_record_set
 from mtrace_live.exporters.kmemtrace.report import analyse, render_text, stream
 
@@ -116,6 +118,39 @@ def write(directory: Path, spec: dict[str, object]) -> None:
     (directory / "user_maps").write_text("1 400000 402000 0 x /usr/bin/prog\n")
 
 
+def kernel_truth(spec: dict[str, object]) -> dict[str, object]:
+    """What the records written say of the kernel allocations, worked out
+    here from the generator's own list, in sequence (= list) order: per
+    (call site, type) allocations, matched frees and unknown frees, and the
+    findings that come of matching frees to allocations by pointer."""
+    sites: dict[tuple[str, str], dict[str, int]] = {}
+    live: dict[int, tuple[tuple[str, str], int]] = {}
+    errors = {"null_frees": 0, "reallocated_live": 0, "mismatched_frees": 0, "unknown_frees": 0}
+
+    def site(key: tuple[str, str]) -> dict[str, int]:
+        return sites.setdefault(key, {"allocs": 0, "frees": 0, "unknown_frees": 0})
+
+    for rec in spec["records"]:  # type: ignore[attr-defined]
+        if rec.type_id > 2 or rec.kind not in ("alloc", "free", "bad_feature"):
+            continue
+        key = (f"{rec.site:#x}", TYPE_NAMES[rec.type_id])
+        if rec.kind != "free":
+            site(key)["allocs"] += 1
+            if rec.ptr:
+                errors["reallocated_live"] += rec.ptr in live
+                live[rec.ptr] = (key, rec.type_id)
+        elif rec.ptr == 0:
+            errors["null_frees"] += 1
+        elif rec.ptr in live:
+            (owner, type_id) = live.pop(rec.ptr)
+            site(owner)["frees"] += 1
+            errors["mismatched_frees"] += type_id != rec.type_id
+        else:
+            site(key)["unknown_frees"] += 1
+            errors["unknown_frees"] += 1
+    return {"sites": sites, "errors": errors}
+
+
 def both(path: Path, big: bool | None = None, chunk: int | None = None) -> tuple[dict, dict]:
     sorting = analyse(read_record_set(path, big))
     streaming = stream(open_record_set(path, big), chunk=chunk)
@@ -137,6 +172,12 @@ def test_the_streaming_pass_answers_as_the_sorting_analysis(spec: dict, tmp_path
     streaming, sorting = both(directory, spec["big"], spec["chunk"])
     # THEN every figure is the same
     assert streaming == sorting
+    # AND the kernel allocations are those the records written say
+    truth = kernel_truth(spec)
+    found = {(s["call_site"], s["type"]): {k: s[k] for k in ("allocs", "frees", "unknown_frees")}
+             for s in streaming["kernel"]["call_sites"]}  # fmt: skip
+    assert found == truth["sites"]
+    assert {k: streaming["errors"][k] for k in truth["errors"]} == truth["errors"]
     # AND on an undamaged little-endian set, every record written was read
     if not spec["big"] and not spec["tail"]:
         kept = ("alloc", "free", "probe", "bad_feature")
