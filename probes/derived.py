@@ -709,15 +709,17 @@ def _tls_stores(d: _Deriver, code: Code) -> list[tuple[capstone.CsInsn, str]]:
     ]
 
 
+_RETRY_CALLERS = (
+    ("memory_malloc_retry", "__libc_malloc", (("bytes", "bytes"),)),
+    ("memory_calloc_retry", "__libc_calloc", (("sz", "bytes"),)),
+    ("memory_memalign_retry", "_mid_memalign", (("bytes", "bytes"), ("alignment", None))),
+)
+
+
 def _retries(d: _Deriver, p: DerivedPlan) -> list[DerivedProbe]:
     """memory_arena_retry at arena_get_retry's entry; the per-function retry
     probes at each call of arena_get_retry from that function."""
-    callers = (
-        ("memory_malloc_retry", "__libc_malloc", (("bytes", "bytes"),)),
-        ("memory_calloc_retry", "__libc_calloc", (("sz", "bytes"),)),
-        ("memory_memalign_retry", "_mid_memalign", (("bytes", "bytes"), ("alignment", None))),
-    )
-    names = ["memory_arena_retry", *(c[0] for c in callers)]
+    names = ["memory_arena_retry", *(c[0] for c in _RETRY_CALLERS)]
     if d.debug is None:
         return [_no_debug(n, "arena_get_retry and its callers", p) for n in names]
     retry = d.function("arena_get_retry")
@@ -730,68 +732,63 @@ def _retries(d: _Deriver, p: DerivedPlan) -> list[DerivedProbe]:
     ):
         why = "arena_get_retry is inlined (or absent) in this build"
         return [DerivedProbe(n, UNAVAILABLE, "", "", why) for n in names]
-    code = whole[0]
-    registers = {q: d.debug.parameter_register(code, q, retry.start) for q in ("bytes", "ar_ptr")}
+    registers = {q: d.debug.parameter_register(whole[0], q, retry.start)
+                 for q in ("bytes", "ar_ptr")}  # fmt: skip
     if None in registers.values():
         why = "arena_get_retry's parameters have no register location at its entry"
         return [DerivedProbe(n, UNAVAILABLE, "", "", why) for n in names]
-    by = {
-        q: DerivedArg(q, _reg(r), f"%{r} (DWARF location at entry)")
-        for q, r in registers.items()
-        if r is not None
-    }
-    entry = d.site(
-        retry,
-        retry.start,
-        "the entry of arena_get_retry",
-        (by["bytes"], by["ar_ptr"]),
-        {r for r in registers.values() if r is not None},
-    )
-    found = [
-        DerivedProbe(
-            "memory_arena_retry",
-            EXACT,
-            DEBUG,
-            "the entry of arena_get_retry (bytes, ar_ptr by DWARF)",
-            sites=(entry,),
-        )
-    ]
-    for name, caller, args in callers:
-        calls = []
-        for caller_code in d.debug.function_code(caller):
-            for insn in _code(d, caller_code):
-                operand = insn.operands[0] if insn.operands else None
-                if (
-                    insn.mnemonic in ("call", "jmp")
-                    and operand is not None
-                    and operand.type == x86.X86_OP_IMM
-                    and operand.imm == retry.start
-                ):
-                    calls.append((insn, caller_code))
-        if not calls:
-            found.append(
-                DerivedProbe(
-                    name, UNAVAILABLE, "", "", f"no call of arena_get_retry found in {caller}"
-                )
-            )
-            continue
-        sites = []
-        for call, caller_code in calls:
-            derived = []
-            for arg_name, callee_param in args:
-                if callee_param is None:  # the caller's own parameter
-                    derived.append(_parameter(d.debug, caller_code, arg_name, call.address))
-                    continue
-                register = registers[callee_param] or ""
-                text = f"%{register} (arena_get_retry's {callee_param})"
-                derived.append(DerivedArg(arg_name, _reg(register), text))
-            fn = d.containing(call.address)
-            if fn is None:
-                continue
-            what = f"the call of arena_get_retry in {caller}"
-            sites.append(d.site(fn, call.address, what, derived, _registers(derived)))
-        found.append(_debug_probe(name, f"the call of arena_get_retry in {caller}", sites))
+    by = {q: DerivedArg(q, _reg(r), f"%{r} (DWARF location at entry)")
+          for q, r in registers.items() if r is not None}  # fmt: skip
+    used = {r for r in registers.values() if r is not None}
+    entry = d.site(retry, retry.start, "the entry of arena_get_retry",
+                   (by["bytes"], by["ar_ptr"]), used)  # fmt: skip
+    found = [DerivedProbe("memory_arena_retry", EXACT, DEBUG,
+                          "the entry of arena_get_retry (bytes, ar_ptr by DWARF)",
+                          sites=(entry,))]  # fmt: skip
+    for name, caller, args in _RETRY_CALLERS:
+        found.append(_retry_caller(d, retry, registers, name, caller, args))
     return found
+
+
+def _retry_caller(
+    d: _Deriver, retry: _Function, registers: dict[str, str | None], name: str, caller: str,
+    args: tuple[tuple[str, str | None], ...],
+) -> DerivedProbe:  # fmt: skip
+    """The retry probe of one caller: a site at each of its calls of
+    arena_get_retry, each argument the callee's parameter register or the
+    caller's own parameter."""
+    assert d.debug is not None
+    calls = []
+    for caller_code in d.debug.function_code(caller):
+        for insn in _code(d, caller_code):
+            operand = insn.operands[0] if insn.operands else None
+            if (
+                insn.mnemonic in ("call", "jmp")
+                and operand is not None
+                and operand.type == x86.X86_OP_IMM
+                and operand.imm == retry.start
+            ):
+                calls.append((insn, caller_code))
+    if not calls:
+        return DerivedProbe(
+            name, UNAVAILABLE, "", "", f"no call of arena_get_retry found in {caller}"
+        )
+    sites = []
+    for call, caller_code in calls:
+        derived = []
+        for arg_name, callee_param in args:
+            if callee_param is None:  # the caller's own parameter
+                derived.append(_parameter(d.debug, caller_code, arg_name, call.address))
+                continue
+            register = registers[callee_param] or ""
+            text = f"%{register} (arena_get_retry's {callee_param})"
+            derived.append(DerivedArg(arg_name, _reg(register), text))
+        fn = d.containing(call.address)
+        if fn is None:
+            continue
+        what = f"the call of arena_get_retry in {caller}"
+        sites.append(d.site(fn, call.address, what, derived, _registers(derived)))
+    return _debug_probe(name, f"the call of arena_get_retry in {caller}", sites)
 
 
 # The SDT probes with no equivalent here, and why.

@@ -596,7 +596,6 @@ def _from_cache(bcc: Any, compiled: bpf_cache.Compiled) -> Any:
     anew, the code loaded with their descriptors, the tracepoint handlers
     attached as bcc's own start attaches them. Raises on anything
     unexpected, with everything made so far closed."""
-    lib = _libbcc(bcc)
     BPF = bcc.BPF
     bpf = BPF.__new__(BPF)
     for table in ("kprobe_fds", "uprobe_fds", "tracepoint_fds", "raw_tracepoint_fds",
@@ -605,57 +604,10 @@ def _from_cache(bcc: Any, compiled: bpf_cache.Compiled) -> Any:
         setattr(bpf, table, {})
     bpf._ringbuf_manager, bpf.tracefile, bpf.debug, bpf.module = None, None, 0, None
     bpf.mtrace_typed = {}  # BTF-typed handlers: relocated, loaded by BpfProgram
-    map_fds: dict[int, int] = {}
-    specs = {spec.name: spec for spec in compiled.maps}
-
-    def close() -> None:
-        for name, function in list(bpf.funcs.items()):
-            with contextlib.suppress(OSError):
-                os.close(function.fd)
-            del bpf.funcs[name]
-        for fd in map_fds.values():
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        map_fds.clear()
-
-    def load_func(func_name: Any, prog_type: int, device: Any = None,
-                  attach_type: int = -1) -> Any:  # fmt: skip
-        name = func_name if isinstance(func_name, bytes) else str(func_name).encode()
-        if name not in bpf.funcs:
-            raise Exception(f"Unknown program {name.decode()}")
-        return bpf.funcs[name]
-
-    def get_table(name: Any, keytype: Any = None, leaftype: Any = None, reducer: Any = None) -> Any:
-        text = name.decode() if isinstance(name, bytes) else str(name)
-        spec = specs.get(text)
-        if spec is None:
-            raise KeyError(text)
-        keytype = keytype or BPF._decode_table_type(json.loads(spec.key_desc))
-        leaftype = leaftype or BPF._decode_table_type(json.loads(spec.leaf_desc))
-        with _TABLE_FACTS_LOCK:  # the scrape's thread may make its first table meanwhile
-            real = bcc.table.lib
-            bcc.table.lib = _TableFacts(real, spec)
-            try:
-                return bcc.table.Table(bpf, spec.table_id, map_fds[spec.fd], keytype, leaftype,
-                                       text.encode(), reducer=reducer)  # fmt: skip
-            finally:
-                bcc.table.lib = real
-
-    bpf.close, bpf.load_func, bpf.get_table = close, load_func, get_table
+    cached = _CachedParts(bcc, bpf, compiled)
+    bpf.close, bpf.load_func, bpf.get_table = cached.close, cached.load_func, cached.get_table
     try:
-        for spec in compiled.maps:
-            map_fds[spec.fd] = bpf_cache.create_map(spec)
-        license_ = compiled.license.encode()
-        for text, code in compiled.functions.items():
-            if text.startswith(TYPED_PREFIX):
-                bpf.mtrace_typed[text] = bpf_cache.relocate(code, map_fds)
-                continue
-            insns = ctypes.create_string_buffer(bpf_cache.relocate(code, map_fds), len(code))
-            fd = lib.bcc_prog_load(_program_type(bcc, text), text.encode(), insns, len(code),
-                                   license_, compiled.kern_version, 0, None, 0)  # fmt: skip
-            if fd < 0:
-                raise OSError(ctypes.get_errno(), f"cannot load {text}")
-            bpf.funcs[text.encode()] = BPF.Function(bpf, text.encode(), fd)
+        cached.load(_libbcc(bcc))
         for text in compiled.functions:  # as bcc's _trace_autoload
             if text.startswith("tracepoint__"):
                 tracepoint = text[len("tracepoint__") :].replace("__", ":")
@@ -666,10 +618,73 @@ def _from_cache(bcc: Any, compiled: bpf_cache.Compiled) -> Any:
     except BaseException:
         with contextlib.suppress(Exception):
             bpf.cleanup()
-        close()
+        cached.close()
         raise
     atexit.register(bpf.cleanup)
     return bpf
+
+
+class _CachedParts:
+    """What a bcc.BPF object made from cached code holds in place of bcc's
+    module: the maps made anew, the programs loaded, and the three methods
+    (close, load_func, get_table) that reach them."""
+
+    def __init__(self, bcc: Any, bpf: Any, compiled: bpf_cache.Compiled) -> None:
+        self.bcc, self.bpf, self.compiled = bcc, bpf, compiled
+        self.map_fds: dict[int, int] = {}
+        self.specs = {spec.name: spec for spec in compiled.maps}
+
+    def load(self, lib: Any) -> None:
+        """Make the maps, and load every program with their descriptors."""
+        compiled, bpf = self.compiled, self.bpf
+        for spec in compiled.maps:
+            self.map_fds[spec.fd] = bpf_cache.create_map(spec)
+        license_ = compiled.license.encode()
+        for text, code in compiled.functions.items():
+            if text.startswith(TYPED_PREFIX):
+                bpf.mtrace_typed[text] = bpf_cache.relocate(code, self.map_fds)
+                continue
+            insns = ctypes.create_string_buffer(bpf_cache.relocate(code, self.map_fds), len(code))
+            fd = lib.bcc_prog_load(_program_type(self.bcc, text), text.encode(), insns, len(code),
+                                   license_, compiled.kern_version, 0, None, 0)  # fmt: skip
+            if fd < 0:
+                raise OSError(ctypes.get_errno(), f"cannot load {text}")
+            bpf.funcs[text.encode()] = self.bcc.BPF.Function(bpf, text.encode(), fd)
+
+    def close(self) -> None:
+        for name, function in list(self.bpf.funcs.items()):
+            with contextlib.suppress(OSError):
+                os.close(function.fd)
+            del self.bpf.funcs[name]
+        for fd in self.map_fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.map_fds.clear()
+
+    def load_func(self, func_name: Any, prog_type: int, device: Any = None,
+                  attach_type: int = -1) -> Any:  # fmt: skip
+        name = func_name if isinstance(func_name, bytes) else str(func_name).encode()
+        if name not in self.bpf.funcs:
+            raise Exception(f"Unknown program {name.decode()}")
+        return self.bpf.funcs[name]
+
+    def get_table(self, name: Any, keytype: Any = None, leaftype: Any = None,
+                  reducer: Any = None) -> Any:  # fmt: skip
+        bcc, BPF = self.bcc, self.bcc.BPF
+        text = name.decode() if isinstance(name, bytes) else str(name)
+        spec = self.specs.get(text)
+        if spec is None:
+            raise KeyError(text)
+        keytype = keytype or BPF._decode_table_type(json.loads(spec.key_desc))
+        leaftype = leaftype or BPF._decode_table_type(json.loads(spec.leaf_desc))
+        with _TABLE_FACTS_LOCK:  # the scrape's thread may make its first table meanwhile
+            real = bcc.table.lib
+            bcc.table.lib = _TableFacts(real, spec)
+            try:
+                return bcc.table.Table(self.bpf, spec.table_id, self.map_fds[spec.fd], keytype,
+                                       leaftype, text.encode(), reducer=reducer)  # fmt: skip
+            finally:
+                bcc.table.lib = real
 
 
 DETACHER_NAME = b"mtrace-detach"
