@@ -21,11 +21,11 @@ from mtrace_live.probes.elf.errors import (
     NotPrivilegedError,
     TracepointMissingError,
 )
+from mtrace_live.probes.listing import no_probes_error
 from mtrace_live.probes.sdt_notes import read_sites
 
 from . import bpf_backend
 from .kmem_attach import kmem_attach
-from .probe_listing import no_probes_error
 from .tracefs import kmem_defines, parse_format
 
 OK, NOT_PERMITTED, NOT_SUPPORTED = "ok", "not permitted", "not supported"

@@ -13,7 +13,7 @@ _AS_NOBODY = """
 import os, sys
 import mtrace_live.tracer.cli as cli
 import mtrace_live.tracer.count_command, mtrace_live.tracer.doctor
-import mtrace_live.tracer.probe_listing, mtrace_live.tracer.target
+import mtrace_live.probes.listing, mtrace_live.tracer.target, mtrace_live.exporters.probe_list
 import mtrace_live.tracer.live, mtrace_live.exporters.live_view
 import mtrace_live.exporters.lines, mtrace_live.exporters.summary
 import mtrace_live.probes.catalog as catalog

@@ -51,14 +51,7 @@ def probes(
     """
     from mtrace_live.probes.catalog import load_catalog
     from mtrace_live.probes.elf.errors import NoProbesError
-
-    from ..probe_listing import (
-        list_file,
-        render_derived_json,
-        render_derived_text,
-        render_json,
-        render_text,
-    )
+    from mtrace_live.probes.listing import list_file
 
     catalog = load_catalog()
     libc, *others = targets("probes", pid, lib, with_ld_so=True)
@@ -74,16 +67,30 @@ def probes(
             bare.append((path, str(exc)))
     plan = _derived_plan(libc, debug_file) if derived or libc in (p for p, _ in bare) else None
     if as_json:
-        documents = [render_json(item) for item in listings]
-        documents += [{"path": str(path), "probes": [], "catalog": None} for path, _ in bare]
-        for document in documents:
-            if document["path"] == str(libc):
-                document["allocation_functions"] = sites
-                document["source"] = "derived" if plan is not None else "SDT notes"
-                if plan is not None:
-                    document["derived"] = render_derived_json(plan)
-        click.echo(json.dumps(documents, indent=2))
-        return
+        _print_json(libc, listings, bare, plan, sites)
+    else:
+        _print_text(libc, listings, bare, plan, sites)
+
+
+def _print_json(libc: Path, listings: list[Any], bare: list[tuple[Path, str]], plan: Any,
+                sites: list[dict[str, Any]]) -> None:  # fmt: skip
+    from mtrace_live.exporters.probe_list import render_derived_json, render_json
+
+    documents = [render_json(item) for item in listings]
+    documents += [{"path": str(path), "probes": [], "catalog": None} for path, _ in bare]
+    for document in documents:
+        if document["path"] == str(libc):
+            document["allocation_functions"] = sites
+            document["source"] = "derived" if plan is not None else "SDT notes"
+            if plan is not None:
+                document["derived"] = render_derived_json(plan)
+    click.echo(json.dumps(documents, indent=2))
+
+
+def _print_text(libc: Path, listings: list[Any], bare: list[tuple[Path, str]], plan: Any,
+                sites: list[dict[str, Any]]) -> None:  # fmt: skip
+    from mtrace_live.exporters.probe_list import render_derived_text, render_text
+
     for index, item in enumerate(listings):
         if index:
             click.echo()

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from . import options
+
+if TYPE_CHECKING:
+    from ..plan import TraceRequest
+    from ..serve import ExportOptions
 
 
 @click.command(context_settings={"allow_interspersed_args": False})
@@ -49,30 +53,7 @@ from . import options
 )
 @options.alloc_options
 @options.buffer_pages_option
-def serve(
-    pid: int | None,
-    comm: str | None,
-    cgroup: str | None,
-    lib: Path | None,
-    sdt_glibc: bool,
-    patterns: tuple[str, ...],
-    no_libc: bool,
-    no_kmem: bool,
-    address: str,
-    web_config: Path | None,
-    max_processes: int,
-    top_functions: int,
-    user: str,
-    keep_privileges: bool,
-    bpf_stats: bool,
-    read_interval: float,
-    buffer_pages: int,
-    top_stacks: int = 20,
-    sample_bytes: int | None = None,
-    max_outstanding: int = 262144,
-    alloc_stacks: int = 16384,
-    no_allocs: bool = False,
-) -> None:
+def serve(**params: Any) -> None:
     """Serve Prometheus metrics of the allocation functions (malloc, free,
     ...), the libc allocator probes and the kernel kmem tracepoints until
     stopped (SIGTERM or Ctrl-C).
@@ -86,41 +67,54 @@ def serve(
       mtrace-live serve --no-libc --web.listen-address :9477
       mtrace-live serve --comm nginx --lib /opt/glibc-sdt/lib/libc.so.6
     """
-    options.check(
-        "serve",
-        {"pid": pid, "comm": comm, "cgroup": cgroup, "no_libc": no_libc, "no_kmem": no_kmem,
-         "sdt_glibc": sdt_glibc, "lib": lib},
-    )  # fmt: skip
+    checked = ("pid", "comm", "cgroup", "no_libc", "no_kmem", "sdt_glibc", "lib")
+    options.check("serve", {key: params[key] for key in checked})
     from mtrace_live.exporters.summary import StopLine
 
-    from ..plan import TraceRequest
+    from ..serve import serve_trace
+
+    serve_trace(_request(params), _export(params), StopLine())
+
+
+def _request(params: dict[str, Any]) -> TraceRequest:
     from ..sdt_glibc import locate
-    from ..serve import ExportOptions, serve_trace
     from ..usdt import DEFAULT_PATTERNS
 
-    request = TraceRequest(
+    pid, comm, cgroup = params["pid"], params["comm"], params["cgroup"]
+    no_libc = params["no_libc"]
+    allocs = options.alloc_settings(
+        params["no_allocs"] or no_libc,
+        params["sample_bytes"],
+        params["max_outstanding"],
+        params["alloc_stacks"],
+    )
+    return TraceRequest(
         pid=pid,
         all_processes=pid is None and comm is None and cgroup is None,
-        lib=locate().libc if sdt_glibc and not no_libc else lib,
-        patterns=patterns or DEFAULT_PATTERNS,
+        lib=locate().libc if params["sdt_glibc"] and not no_libc else params["lib"],
+        patterns=params["patterns"] or DEFAULT_PATTERNS,
         output="summary",
         follow_forks=True,
-        buffer_pages=buffer_pages,
-        kmem=not no_kmem,
+        buffer_pages=params["buffer_pages"],
+        kmem=not params["no_kmem"],
         libc_probes=not no_libc,
         comm=comm,
         cgroup=cgroup,
         end_with_target=False,
-        **options.alloc_settings(no_allocs or no_libc, sample_bytes, max_outstanding, alloc_stacks),
+        **allocs,
     )
-    export = ExportOptions(
-        address=address,
-        web_config=web_config,
-        max_processes=max_processes,
-        top_functions=top_functions,
-        top_stacks=top_stacks,
-        run_as=None if keep_privileges else user,
-        bpf_stats=bpf_stats,
-        read_interval=read_interval,
+
+
+def _export(params: dict[str, Any]) -> ExportOptions:
+    from ..serve import ExportOptions
+
+    return ExportOptions(
+        address=params["address"],
+        web_config=params["web_config"],
+        max_processes=params["max_processes"],
+        top_functions=params["top_functions"],
+        top_stacks=params["top_stacks"],
+        run_as=None if params["keep_privileges"] else params["user"],
+        bpf_stats=params["bpf_stats"],
+        read_interval=params["read_interval"],
     )
-    serve_trace(request, export, StopLine())
