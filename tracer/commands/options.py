@@ -211,70 +211,73 @@ def alloc_settings(
             "max_outstanding": max_outstanding, "alloc_stacks": alloc_stacks}  # fmt: skip
 
 
+# The options of the live trace (--pid/--all) and run, in the order --help lists them.
+TRACE_OPTIONS = [
+    lib_option("Attach to this libc (e.g. the SDT build) instead of the target's."),
+    derived_options,
+    probes_option(
+        "Glob of libc probe names; repeatable. Default: memory_* and "
+        "lll_lock_wait_private (see docs/performance.md)."
+    ),
+    output_options,
+    buffer_pages_option,
+    duration_option(),
+    click.option(
+        "--interval",
+        type=Positive(),
+        default=1.0,
+        show_default=True,
+        help="Live view refresh, seconds.",
+    ),
+    click.option(
+        "--kmem",
+        is_flag=True,
+        help="Also trace the kernel's kmem tracepoints, aggregated per call site.",
+    ),
+    click.option(
+        "--kmem-only", is_flag=True, help="Trace only the kmem tracepoints (any libc will do)."
+    ),
+    click.option(
+        "--classic-tracepoints",
+        is_flag=True,
+        help="Attach the kmem tracepoints as classic tracepoints even where the kernel's "
+        "BTF allows raw ones (to compare; 'mtrace-live doctor' says which are raw).",
+    ),
+    click.option(
+        "--stack-depth",
+        type=click.IntRange(0, 127),
+        default=0,
+        show_default=True,
+        help="Record this many frames of each event's stack (user; kernel too for kmem) "
+        "for --sp-rtrace backtraces; 0 for none.",
+    ),
+    click.option(
+        "--stack-map-size",
+        type=click.IntRange(1),
+        default=16384,
+        show_default=True,
+        help="Distinct stacks the kernel keeps for --stack-depth; stacks beyond are counted.",
+    ),
+    click.option(
+        "--prometheus",
+        metavar="ADDR",
+        help="Also serve Prometheus metrics at ADDR (host:port) while tracing.",
+    ),
+    web_config_option,
+    alloc_options,
+    click.option(
+        "--leaks-older-than",
+        type=click.FloatRange(0),
+        metavar="SECONDS",
+        help="List the allocations outstanding for at least this long, by stack "
+        "(in the live view and the summary), as memleak's -o.",
+    ),
+]
+
+
 def trace_options(command: Any) -> Any:
     """Options of the live trace (--pid/--all) and ``run``."""
-    options = [
-        lib_option("Attach to this libc (e.g. the SDT build) instead of the target's."),
-        derived_options,
-        probes_option(
-            "Glob of libc probe names; repeatable. Default: memory_* and "
-            "lll_lock_wait_private (see docs/performance.md)."
-        ),
-        output_options,
-        buffer_pages_option,
-        duration_option(),
-        click.option(
-            "--interval",
-            type=Positive(),
-            default=1.0,
-            show_default=True,
-            help="Live view refresh, seconds.",
-        ),
-        click.option(
-            "--kmem",
-            is_flag=True,
-            help="Also trace the kernel's kmem tracepoints, aggregated per call site.",
-        ),
-        click.option(
-            "--kmem-only", is_flag=True, help="Trace only the kmem tracepoints (any libc will do)."
-        ),
-        click.option(
-            "--classic-tracepoints",
-            is_flag=True,
-            help="Attach the kmem tracepoints as classic tracepoints even where the kernel's "
-            "BTF allows raw ones (to compare; 'mtrace-live doctor' says which are raw).",
-        ),
-        click.option(
-            "--stack-depth",
-            type=click.IntRange(0, 127),
-            default=0,
-            show_default=True,
-            help="Record this many frames of each event's stack (user; kernel too for kmem) "
-            "for --sp-rtrace backtraces; 0 for none.",
-        ),
-        click.option(
-            "--stack-map-size",
-            type=click.IntRange(1),
-            default=16384,
-            show_default=True,
-            help="Distinct stacks the kernel keeps for --stack-depth; stacks beyond are counted.",
-        ),
-        click.option(
-            "--prometheus",
-            metavar="ADDR",
-            help="Also serve Prometheus metrics at ADDR (host:port) while tracing.",
-        ),
-        web_config_option,
-        alloc_options,
-        click.option(
-            "--leaks-older-than",
-            type=click.FloatRange(0),
-            metavar="SECONDS",
-            help="List the allocations outstanding for at least this long, by stack "
-            "(in the live view and the summary), as memleak's -o.",
-        ),
-    ]
-    for option in reversed(options):
+    for option in reversed(TRACE_OPTIONS):
         command = option(command)
     return command
 

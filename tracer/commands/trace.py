@@ -5,71 +5,21 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from . import options
 
-
-def start_trace(
-    *,
-    pid: int | None = None,
-    all_processes: bool = False,
-    command: tuple[str, ...] = (),
-    sdt_glibc: bool = False,
-    derived: bool = False,
-    debug_file: Path | None = None,
-    follow_forks: bool,
-    lib: Path | None,
-    patterns: tuple[str, ...],
-    output: str | None,
-    buffer_pages: int,
-    duration: float | None,
-    interval: float,
-    kmem: bool = False,
-    kmem_only: bool = False,
-    classic_tracepoints: bool = False,
-    files: tuple[tuple[str, Path], ...] = (),
-    prometheus: str | None = None,
-    web_config: Path | None = None,
-    stack_depth: int = 0,
-    stack_map_size: int = 16384,
-    sample_bytes: int | None = None,
-    max_outstanding: int = 262144,
-    alloc_stacks: int = 16384,
-    no_allocs: bool = False,
-    leaks_older_than: float | None = None,
-) -> None:
-    """Trace, then exit with the command's exit code when there is one."""
-    from ..live import run_trace
+if TYPE_CHECKING:
     from ..plan import TraceRequest
-    from ..usdt import DEFAULT_PATTERNS
 
-    if output is None:
-        output = "live" if sys.stdout.isatty() else "text"
-    request = TraceRequest(
-        pid=pid,
-        all_processes=all_processes,
-        command=command,
-        lib=lib,
-        sdt_glibc=sdt_glibc,
-        derived=derived,
-        debug_file=debug_file,
-        patterns=patterns or DEFAULT_PATTERNS,
-        output=output,
-        follow_forks=follow_forks,
-        buffer_pages=buffer_pages,
-        duration=duration,
-        interval=interval,
-        kmem=kmem or kmem_only,
-        libc_probes=not kmem_only,
-        classic_tracepoints=classic_tracepoints,
-        files=files,
-        stack_depth=stack_depth,
-        stack_entries=stack_map_size,
-        leaks_older_than=leaks_older_than,
-        **options.alloc_settings(
-            no_allocs or kmem_only, sample_bytes, max_outstanding, alloc_stacks
-        ),
-    )
+
+def start_trace(*, prometheus: str | None = None, web_config: Path | None = None,
+                **params: Any) -> None:  # fmt: skip
+    """Trace, then exit with the command's exit code when there is one.
+    ``params``: the tracing options (trace_request)."""
+    from ..live import run_trace
+
+    request = trace_request(params)
     if prometheus is not None:
         from ..serve import ExportOptions, serve_trace
 
@@ -78,6 +28,31 @@ def start_trace(
         result = run_trace(request)
     if result.exit_code is not None:
         sys.exit(result.exit_code)
+
+
+def trace_request(params: dict[str, Any]) -> TraceRequest:
+    """The request of a tracing command's options: the options TraceRequest
+    has as fields, plus ``output`` (None: live on a terminal, else text),
+    ``kmem_only``, ``stack_map_size`` and the allocation functions' options."""
+    from ..plan import TraceRequest
+    from ..usdt import DEFAULT_PATTERNS
+
+    rest = dict(params)
+    kmem_only = rest.pop("kmem_only", False)
+    allocs = options.alloc_settings(rest.pop("no_allocs", False) or kmem_only,
+                                    rest.pop("sample_bytes", None),
+                                    rest.pop("max_outstanding", 262144),
+                                    rest.pop("alloc_stacks", 16384))  # fmt: skip
+    output = rest.pop("output", None) or ("live" if sys.stdout.isatty() else "text")
+    return TraceRequest(
+        output=output,
+        patterns=rest.pop("patterns", ()) or DEFAULT_PATTERNS,
+        kmem=rest.pop("kmem", False) or kmem_only,
+        libc_probes=not kmem_only,
+        stack_entries=rest.pop("stack_map_size", 16384),
+        **allocs,
+        **rest,
+    )
 
 
 def trace(name: str, **params: object) -> None:
