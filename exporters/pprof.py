@@ -123,57 +123,67 @@ def build_profile(snapshot: AllocSnapshot, names: FrameNames, duration_ns: int =
     profile.duration_nanos = duration_ns
     for text in comments:
         profile.comment.append(strings(text))
-    locations: dict[tuple[int, int], int] = {}
-    functions: dict[tuple[str, str], int] = {}
-    mappings: dict[tuple[int, str], int] = {}
-
-    def mapping_id(tgid: int, symbol: Symbol | None) -> int:
-        if symbol is None or symbol.span is None:
-            return 0
-        key = (tgid, symbol.module)
-        found = mappings.get(key)
-        if found is None:
-            found = mappings[key] = len(mappings) + 1
-            start, end = symbol.span
-            profile.mapping.add(id=found, memory_start=start, memory_limit=end,
-                                filename=strings(symbol.module), has_functions=True,
-                                has_filenames=symbol.location is not None,
-                                has_line_numbers=symbol.location is not None)  # fmt: skip
-        return found
-
-    def function_id(name: str, filename: str) -> int:
-        key = (name, filename)
-        found = functions.get(key)
-        if found is None:
-            found = functions[key] = len(functions) + 1
-            profile.function.add(id=found, name=strings(name), system_name=strings(name),
-                                 filename=strings(filename))  # fmt: skip
-        return found
-
-    def location_id(tgid: int, address: int) -> int:
-        key = (tgid, address)
-        found = locations.get(key)
-        if found is None:
-            found = locations[key] = len(locations) + 1
-            symbol = names.resolve(tgid, address)
-            location = profile.location.add(id=found, address=address,
-                                            mapping_id=mapping_id(tgid, symbol))  # fmt: skip
-            if symbol is not None and symbol.function is not None:
-                filename, line = _place(symbol.location)
-                location.line.add(function_id=function_id(symbol.function, filename), line=line)
-        return found
-
+    tables = _Tables(profile, strings, names)
     pid_key, allocator_key = strings("pid"), strings("allocator")
     for row in snapshot.stacks:
         if not row.calls:
             continue
         sample = profile.sample.add()
-        sample.location_id.extend(location_id(row.tgid, address) for address in row.frames)
+        sample.location_id.extend(tables.location_id(row.tgid, address) for address in row.frames)
         sample.value.extend([row.objects, row.bytes, row.live_objects, row.live_bytes])
         sample.label.add(key=pid_key, num=row.tgid)
         sample.label.add(key=allocator_key, str=strings(row.function))
     profile.string_table.extend(strings.table)
     return profile
+
+
+class _Tables:
+    """A profile's locations, functions and mappings, each added once, with
+    the ids samples refer to them by."""
+
+    def __init__(self, profile: Any, strings: _Strings, names: FrameNames) -> None:
+        self.profile, self.strings, self.names = profile, strings, names
+        self.locations: dict[tuple[int, int], int] = {}
+        self.functions: dict[tuple[str, str], int] = {}
+        self.mappings: dict[tuple[int, str], int] = {}
+
+    def mapping_id(self, tgid: int, symbol: Symbol | None) -> int:
+        if symbol is None or symbol.span is None:
+            return 0
+        key = (tgid, symbol.module)
+        found = self.mappings.get(key)
+        if found is None:
+            found = self.mappings[key] = len(self.mappings) + 1
+            start, end = symbol.span
+            self.profile.mapping.add(id=found, memory_start=start, memory_limit=end,
+                                     filename=self.strings(symbol.module), has_functions=True,
+                                     has_filenames=symbol.location is not None,
+                                     has_line_numbers=symbol.location is not None)  # fmt: skip
+        return found
+
+    def function_id(self, name: str, filename: str) -> int:
+        key = (name, filename)
+        found = self.functions.get(key)
+        if found is None:
+            found = self.functions[key] = len(self.functions) + 1
+            self.profile.function.add(id=found, name=self.strings(name),
+                                      system_name=self.strings(name),
+                                      filename=self.strings(filename))  # fmt: skip
+        return found
+
+    def location_id(self, tgid: int, address: int) -> int:
+        key = (tgid, address)
+        found = self.locations.get(key)
+        if found is None:
+            found = self.locations[key] = len(self.locations) + 1
+            symbol = self.names.resolve(tgid, address)
+            mapping = self.mapping_id(tgid, symbol)
+            location = self.profile.location.add(id=found, address=address, mapping_id=mapping)
+            if symbol is not None and symbol.function is not None:
+                filename, line = _place(symbol.location)
+                location.line.add(function_id=self.function_id(symbol.function, filename),
+                                  line=line)  # fmt: skip
+        return found
 
 
 def _place(location: str | None) -> tuple[str, int]:
