@@ -152,28 +152,7 @@ class MetricsSource:
     def _read(self) -> Snapshot:
         info = self.info
         libc = info.libc_probes
-        processes: dict[str, ProcessFigures] = {}
-        if libc:
-            with self.allocators.lock:
-                for name, figures in self._retired.items():
-                    processes[name] = _copy(figures)
-                live: dict[int, ProcessFigures] = defaultdict(ProcessFigures)
-                hints = {}
-                for row in self.counters.process_hits():
-                    if row.probe < len(self.probes):
-                        live[row.tgid].hits[self.probes[row.probe]] += row.hits
-                        hints[row.tgid] = row.comm
-                for pid, state in self.allocators.processes.items():
-                    figures = live[pid]
-                    figures.arena_lock_waits = arena_lock_waits(state)
-                    figures.arenas = len(state.arenas)
-                    figures.heap_bytes = state.heap_bytes
-                    figures.sbrk_bytes = state.sbrk_grown - state.sbrk_shrunk
-                for pid, figures in live.items():
-                    figures.live = 1
-                    processes.setdefault(self._name(pid, hints.get(pid, "")), ProcessFigures()).add(
-                        figures
-                    )
+        processes = self._processes() if libc else {}
         counters = self.counters.read(kmem=info.kmem, runs=True)
         kmem = None
         processed = {"libc": counters.delivered} if libc else {}
@@ -211,6 +190,30 @@ class MetricsSource:
             started=self.started,
             build=self._build,
         )
+
+    def _processes(self) -> dict[str, ProcessFigures]:
+        """The libc figures by process name: the exited ones' and the live ones'."""
+        processes: dict[str, ProcessFigures] = {}
+        with self.allocators.lock:
+            for name, figures in self._retired.items():
+                processes[name] = _copy(figures)
+            live: dict[int, ProcessFigures] = defaultdict(ProcessFigures)
+            hints = {}
+            for row in self.counters.process_hits():
+                if row.probe < len(self.probes):
+                    live[row.tgid].hits[self.probes[row.probe]] += row.hits
+                    hints[row.tgid] = row.comm
+            for pid, state in self.allocators.processes.items():
+                figures = live[pid]
+                figures.arena_lock_waits = arena_lock_waits(state)
+                figures.arenas = len(state.arenas)
+                figures.heap_bytes = state.heap_bytes
+                figures.sbrk_bytes = state.sbrk_grown - state.sbrk_shrunk
+            for pid, figures in live.items():
+                figures.live = 1
+                name = self._name(pid, hints.get(pid, ""))
+                processes.setdefault(name, ProcessFigures()).add(figures)
+        return processes
 
     def _allocs(self) -> AllocFigures | None:
         snapshot = self.counters.allocations()

@@ -179,6 +179,38 @@ def open_record_set(path: Path, big_endian: bool | None = None) -> RecordSetHead
     """A record set's header: a directory's cpuN files (or, given one cpuN
     file, that file with its directory's abi_version) and header files.
     Problems that leave the set unusable raise RecordSetError."""
+    directory, files = _files_of(path)
+    abi = _abi_version(directory, files)
+    cpus_text = _read_text(directory / CPUS_FILE) if path.is_dir() else None
+    try:
+        expected = cpu_ranges(cpus_text) if cpus_text else [(min(files), max(files))]
+    except ValueError:
+        raise RecordSetError(
+            f"{directory / CPUS_FILE}: not a CPU list (such as 0-3,5; CPUs 0 to {MAX_CPU})"
+        ) from None
+    missing = _first_missing(expected, files)
+    if missing is not None:
+        raise RecordSetError(f"{directory} lacks the file cpu{missing} of CPU {missing}")
+    overruns_text = _read_text(directory / OVERRUNS_FILE, MAX_HEADER_BYTES)
+    probes_text = _read_text(directory / PROBES_FILE, MAX_KALLSYMS_BYTES)
+    nodes = _cpu_nodes(directory)
+    return RecordSetHeader(
+        path=path,
+        directory=directory,
+        files=dict(sorted(files.items())),
+        abi_version=abi,
+        big=sys.byteorder == "big" if big_endian is None else big_endian,
+        total_overruns=_count(overruns_text),
+        libc_probes=probes_text.splitlines() if probes_text else [],
+        kallsyms=_read_text(directory / KALLSYMS_FILE, MAX_KALLSYMS_BYTES),
+        user_maps=_read_text(directory / USER_MAPS_FILE, MAX_KALLSYMS_BYTES) or "",
+        cpu_nodes=nodes,
+    )
+
+
+def _files_of(path: Path) -> tuple[Path, dict[int, Path]]:
+    """The set's directory and its cpuN files, by CPU: a directory's, or
+    the one cpuN file given."""
     if path.is_file():
         directory = path.parent
         match = CPU_FILE.fullmatch(path.name)
@@ -193,6 +225,10 @@ def open_record_set(path: Path, big_endian: bool | None = None) -> RecordSetHead
     too_high = [cpu for cpu in files if cpu > MAX_CPU]
     if too_high:
         raise RecordSetError(f"{files[too_high[0]]}: CPU {too_high[0]} is over {MAX_CPU}")
+    return directory, files
+
+
+def _abi_version(directory: Path, files: Mapping[int, Path]) -> int:
     abi_text = _read_text(directory / ABI_FILE, MAX_HEADER_BYTES)
     if not files:
         raise RecordSetError(f"{directory} is not a kmemtrace record set: it has no cpuN files")
@@ -209,35 +245,17 @@ def open_record_set(path: Path, big_endian: bool | None = None) -> RecordSetHead
             f"{directory / ABI_FILE}: ABI version {abi} is unknown (this reader knows "
             f"{', '.join(map(str, READABLE_ABI_VERSIONS))})"
         )
-    cpus_text = _read_text(directory / CPUS_FILE) if path.is_dir() else None
-    try:
-        expected = cpu_ranges(cpus_text) if cpus_text else [(min(files), max(files))]
-    except ValueError:
-        raise RecordSetError(
-            f"{directory / CPUS_FILE}: not a CPU list (such as 0-3,5; CPUs 0 to {MAX_CPU})"
-        ) from None
-    missing = _first_missing(expected, files)
-    if missing is not None:
-        raise RecordSetError(f"{directory} lacks the file cpu{missing} of CPU {missing}")
-    overruns_text = _read_text(directory / OVERRUNS_FILE, MAX_HEADER_BYTES)
-    probes_text = _read_text(directory / PROBES_FILE, MAX_KALLSYMS_BYTES)
+    return abi
+
+
+def _cpu_nodes(directory: Path) -> dict[int, int]:
+    """cpu_nodes' CPU -> node, of the lines that name a CPU a record can have."""
     nodes = {}
     for line in (_read_text(directory / NODES_FILE) or "").splitlines():
         match = _CPU_NODE.fullmatch(line.strip())
         if match and int(match[1]) <= MAX_CPU and int(match[2]) <= MAX_NODE:
-            nodes[int(match[1])] = int(match[2])  # other lines name no CPU a record can have
-    return RecordSetHeader(
-        path=path,
-        directory=directory,
-        files=dict(sorted(files.items())),
-        abi_version=abi,
-        big=sys.byteorder == "big" if big_endian is None else big_endian,
-        total_overruns=_count(overruns_text),
-        libc_probes=probes_text.splitlines() if probes_text else [],
-        kallsyms=_read_text(directory / KALLSYMS_FILE, MAX_KALLSYMS_BYTES),
-        user_maps=_read_text(directory / USER_MAPS_FILE, MAX_KALLSYMS_BYTES) or "",
-        cpu_nodes=nodes,
-    )
+            nodes[int(match[1])] = int(match[2])
+    return nodes
 
 
 def damage_line(path: Path, status: int, offset: int, size: int, records: int) -> str | None:
