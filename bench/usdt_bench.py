@@ -440,116 +440,124 @@ def run(tmp: Path, peers: dict[str, str | None]) -> dict[str, object]:
     return results
 
 
+_INTRO = [
+    "## 1. Cost of a USDT probe hit",
+    "",
+    "Each workload runs under the SDT glibc and times its own work, so start-up and attach "
+    "are not counted.",
+    "",
+    "- jmp_loop: ns per hit = (median time - untraced median) / hits. Every tracer counts "
+    "the same hits, and the whole cost of a hit (the uprobe trap, the program, and for "
+    "bcc's trace its output) lands on the loop's one thread.",
+    "- arena_contention: the hits are what the contention makes, and tracing changes the "
+    "contention (a slower critical section makes more or fewer waits), so the workload's "
+    "time says little about a hit. The kernel's own BPF run-time statistics "
+    "(`BPF_ENABLE_STATS`) give each tracer's program time per run instead, read while "
+    "the tracers are still attached (each attaches to the gated workload's pid; bpftrace "
+    "attaches to the library). The uprobe trap, the same for all, is not in it.",
+    "",
+    "hits are what each tracer counted (for bcc's trace: lines printed plus samples it "
+    "reported lost).",
+    "",
+]
+_NOTES = [
+    "mtrace-live's event stream runs with `--no-allocs`: the allocation functions, "
+    "traced by default, would add their own runs to the BPF time per run. "
+    "An event-stream hit costs more than a counted one: besides the counters it reserves "
+    "and submits an 88-byte ring record; with several threads on both CPUs, the ring's "
+    "reservations also contend for its lock. The arguments are compiled into each "
+    "site's handler as constant loads. The kernel counts a process's hits only for the "
+    "records the ring had no room for; user space counts the delivered ones itself, so "
+    "an event-stream hit makes no hash update. A record's time is read from the clock "
+    "only when an output writes it (`-o text`, `-o json`, `--kmemtrace`, `--sp-rtrace`); "
+    "otherwise (the live view, the summary, serve: the row above) it is the clock read "
+    "once a tick per CPU. By hand, in 7 alternating runs of the two builds of the same "
+    "trace, the exact clock cost about 25 ns a hit more here (a paravirtual clock read "
+    "under KVM); the outputs that write times cannot keep up with this loop in Python, "
+    "and a run that loses records is cheaper per hit, so the bench has no row for them. "
+    "What remains above bpftrace's count() is the record itself, as the floors show: on "
+    "the same sites in every process (as bpftrace attaches), a program that does nothing "
+    "(the uprobe trap alone), and programs that only reserve a ring record, write what "
+    "it holds of the hit into it (the thread's ids; then the site; then three argument "
+    "registers) and submit it (probes/bpf/ring_floor.bpf.c), at the least size a record "
+    f"can have (8 bytes: the thread), the least that holds a hit ({HIT_BYTES}), and the "
+    f"size of mtrace-live's ({EVENT_BYTES}). The "
+    "least an event stream can pay: a thread on the other CPU copies everything committed"
+    " every millisecond (mtrace-live's own bulk reader) and does nothing else, their ring"
+    " (1 MiB) fits in the CPU's 4 MiB L2, and a commit wakes no one. A record nobody "
+    "reads costs less: by hand, 411 ns a hit for 88 bytes against 390 for the empty "
+    "program (3 runs each), so about half of what a read record costs is its cache lines "
+    "going to the reader's CPU and coming back for the next write. In a ring larger than "
+    "the L2 the trap's return waits longer for those stores: the 88-byte floor with an 8 "
+    "MiB ring costs 469 ns a hit against 433 with 1 MiB (by hand, 5 alternating runs "
+    "each). So mtrace-live's kernel ring is 2 MiB, and its slack (`--buffer-pages`, 8 MiB"
+    " by default) is in user memory: the ring copier, a thread in C that never takes the "
+    "interpreter lock (tracer/ring_copy.c), moves the committed records there, every "
+    "millisecond while they come fast (docs/live-tracing.md). By hand, 8 alternating "
+    "runs of 3 M hits on jmp_loop: 1.400 s with the "
+    "8 MiB ring read by the interpreter, 1.307 s with the copier and a 2 MiB ring, "
+    "1.293 s with a 1 MiB ring, which lost records in 1 run in 16 (the copier was seen to "
+    "wait up to 5 ms for a CPU), and 1.343 s with the copier's thread made real-time "
+    "(it then preempts the traced program). Before the copier, reading a 1 MiB ring from "
+    "Python lost 0.5-0.8% of the records; a consumer that takes the records the moment "
+    "they are committed (woken at every one it catches up with) costs more, 510 ns a "
+    "hit; committing without waking the reader made no difference beyond the noise.",
+    "",
+    "bcc: `funccount` cannot attach USDT probes in bcc 0.26 (it hands the library path "
+    "on as the text of a bytes object, `b'/...'`), so its `trace` stands in, printing a "
+    "line per hit through bcc's perf buffer. `trace` needs the pid for probes with several "
+    "sites, so the workload waits on stdin until `trace -p PID` has attached; and bcc "
+    "generates no code for rip-relative arguments (`8@32+mp_(%rip)`), so the "
+    "mallopt/tunable probes that have them are left out of its probe list (they fire at "
+    "start-up, before the timed work).",
+    "",
+]
+
+
 def render(data: dict[str, object]) -> tuple[list[str], dict[str, bool | None]]:
-    lines = [
-        "## 1. Cost of a USDT probe hit",
-        "",
-        "Each workload runs under the SDT glibc and times its own work, so start-up and attach "
-        "are not counted.",
-        "",
-        "- jmp_loop: ns per hit = (median time - untraced median) / hits. Every tracer counts "
-        "the same hits, and the whole cost of a hit (the uprobe trap, the program, and for "
-        "bcc's trace its output) lands on the loop's one thread.",
-        "- arena_contention: the hits are what the contention makes, and tracing changes the "
-        "contention (a slower critical section makes more or fewer waits), so the workload's "
-        "time says little about a hit. The kernel's own BPF run-time statistics "
-        "(`BPF_ENABLE_STATS`) give each tracer's program time per run instead, read while "
-        "the tracers are still attached (each attaches to the gated workload's pid; bpftrace "
-        "attaches to the library). The uprobe trap, the same for all, is not in it.",
-        "",
-        "hits are what each tracer counted (for bcc's trace: lines printed plus samples it "
-        "reported lost).",
-        "",
-    ]
+    lines = list(_INTRO)
     targets: dict[str, bool | None] = {}
     for name, result in data.items():
-        if name == "derived":
-            continue
-        rows: dict[str, dict[str, float]] = result["rows"]  # type: ignore[index]
-        metric = "bpf_ns" if any("bpf_ns" in row for row in rows.values()) else "ns_per_hit"
-        title = "BPF ns per run" if metric == "bpf_ns" else "ns per hit"
-        bpftrace = rows.get("bpftrace count()", {}).get(metric)
-        lines += [
-            f"### {name}",
-            "",
-            str(result["title"]) + ".",  # type: ignore[index]
-            "",
-            f"| configuration | median s | vs untraced | hits | {title} | vs bpftrace count() "
-            "| lost |",
-            "|---|---:|---:|---:|---:|---:|---:|",
-        ]
-        for config, row in rows.items():
-            cost = row.get(metric)
-            versus = f"{cost / bpftrace:.2f}x" if cost is not None and bpftrace else "-"
-            lines.append(_table_row(config, row, cost, versus))
-        for config in ("mtrace-live counters only", "mtrace-live event stream"):
-            ours = rows[config].get(metric)
-            key = f"USDT per-hit cost, {name}, {config.removeprefix('mtrace-live ')}"
-            targets[key] = None if ours is None or not bpftrace else ours <= bpftrace
-        record = _record_costs(rows, metric)
-        key = f"USDT event stream: its record costs at most a bare {EVENT_BYTES}-byte one, {name}"
-        targets[key] = None if record is None else record[0] <= record[1]
-        over_hit = _over_hit_floor(rows, metric)
-        key = (f"USDT event stream: at most {EVENT_BUDGET_NS} ns over the least record that "
-               f"holds a hit, {name}")  # fmt: skip
-        targets[key] = None if over_hit is None else over_hit <= EVENT_BUDGET_NS
-        lines.append("")
-        lines += _floor_verdict(rows, metric, bpftrace, record)
-    lines += [
-        "mtrace-live's event stream runs with `--no-allocs`: the allocation functions, "
-        "traced by default, would add their own runs to the BPF time per run. "
-        "An event-stream hit costs more than a counted one: besides the counters it reserves "
-        "and submits an 88-byte ring record; with several threads on both CPUs, the ring's "
-        "reservations also contend for its lock. The arguments are compiled into each "
-        "site's handler as constant loads. The kernel counts a process's hits only for the "
-        "records the ring had no room for; user space counts the delivered ones itself, so "
-        "an event-stream hit makes no hash update. A record's time is read from the clock "
-        "only when an output writes it (`-o text`, `-o json`, `--kmemtrace`, `--sp-rtrace`); "
-        "otherwise (the live view, the summary, serve: the row above) it is the clock read "
-        "once a tick per CPU. By hand, in 7 alternating runs of the two builds of the same "
-        "trace, the exact clock cost about 25 ns a hit more here (a paravirtual clock read "
-        "under KVM); the outputs that write times cannot keep up with this loop in Python, "
-        "and a run that loses records is cheaper per hit, so the bench has no row for them. "
-        "What remains above bpftrace's count() is the record itself, as the floors show: on "
-        "the same sites in every process (as bpftrace attaches), a program that does nothing "
-        "(the uprobe trap alone), and programs that only reserve a ring record, write what "
-        "it holds of the hit into it (the thread's ids; then the site; then three argument "
-        "registers) and submit it (probes/bpf/ring_floor.bpf.c), at the least size a record "
-        f"can have (8 bytes: the thread), the least that holds a hit ({HIT_BYTES}), and the "
-        f"size of mtrace-live's ({EVENT_BYTES}). The "
-        "least an event stream can pay: a thread on the other CPU copies everything committed"
-        " every millisecond (mtrace-live's own bulk reader) and does nothing else, their ring"
-        " (1 MiB) fits in the CPU's 4 MiB L2, and a commit wakes no one. A record nobody "
-        "reads costs less: by hand, 411 ns a hit for 88 bytes against 390 for the empty "
-        "program (3 runs each), so about half of what a read record costs is its cache lines "
-        "going to the reader's CPU and coming back for the next write. In a ring larger than "
-        "the L2 the trap's return waits longer for those stores: the 88-byte floor with an 8 "
-        "MiB ring costs 469 ns a hit against 433 with 1 MiB (by hand, 5 alternating runs "
-        "each). So mtrace-live's kernel ring is 2 MiB, and its slack (`--buffer-pages`, 8 MiB"
-        " by default) is in user memory: the ring copier, a thread in C that never takes the "
-        "interpreter lock (tracer/ring_copy.c), moves the committed records there, every "
-        "millisecond while they come fast (docs/live-tracing.md). By hand, 8 alternating "
-        "runs of 3 M hits on jmp_loop: 1.400 s with the "
-        "8 MiB ring read by the interpreter, 1.307 s with the copier and a 2 MiB ring, "
-        "1.293 s with a 1 MiB ring, which lost records in 1 run in 16 (the copier was seen to "
-        "wait up to 5 ms for a CPU), and 1.343 s with the copier's thread made real-time "
-        "(it then preempts the traced program). Before the copier, reading a 1 MiB ring from "
-        "Python lost 0.5-0.8% of the records; a consumer that takes the records the moment "
-        "they are committed (woken at every one it catches up with) costs more, 510 ns a "
-        "hit; committing without waking the reader made no difference beyond the noise.",
-        "",
-        "bcc: `funccount` cannot attach USDT probes in bcc 0.26 (it hands the library path "
-        "on as the text of a bytes object, `b'/...'`), so its `trace` stands in, printing a "
-        "line per hit through bcc's perf buffer. `trace` needs the pid for probes with several "
-        "sites, so the workload waits on stdin until `trace -p PID` has attached; and bcc "
-        "generates no code for rip-relative arguments (`8@32+mp_(%rip)`), so the "
-        "mallopt/tunable probes that have them are left out of its probe list (they fire at "
-        "start-up, before the timed work).",
-        "",
-    ]
+        if name != "derived":
+            lines += _workload(name, result, targets)  # type: ignore[arg-type]
+    lines += _NOTES
     if "derived" in data:
         lines += render_derived(data["derived"])  # type: ignore[arg-type]
     return lines, targets
+
+
+def _workload(name: str, result: dict[str, object], targets: dict[str, bool | None]) -> list[str]:
+    """One workload's table and verdicts; its targets' verdicts into ``targets``."""
+    rows: dict[str, dict[str, float]] = result["rows"]  # type: ignore[assignment]
+    metric = "bpf_ns" if any("bpf_ns" in row for row in rows.values()) else "ns_per_hit"
+    title = "BPF ns per run" if metric == "bpf_ns" else "ns per hit"
+    bpftrace = rows.get("bpftrace count()", {}).get(metric)
+    lines = [
+        f"### {name}",
+        "",
+        str(result["title"]) + ".",
+        "",
+        f"| configuration | median s | vs untraced | hits | {title} | vs bpftrace count() | lost |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for config, row in rows.items():
+        cost = row.get(metric)
+        versus = f"{cost / bpftrace:.2f}x" if cost is not None and bpftrace else "-"
+        lines.append(_table_row(config, row, cost, versus))
+    for config in ("mtrace-live counters only", "mtrace-live event stream"):
+        ours = rows[config].get(metric)
+        key = f"USDT per-hit cost, {name}, {config.removeprefix('mtrace-live ')}"
+        targets[key] = None if ours is None or not bpftrace else ours <= bpftrace
+    record = _record_costs(rows, metric)
+    key = f"USDT event stream: its record costs at most a bare {EVENT_BYTES}-byte one, {name}"
+    targets[key] = None if record is None else record[0] <= record[1]
+    over_hit = _over_hit_floor(rows, metric)
+    key = (f"USDT event stream: at most {EVENT_BUDGET_NS} ns over the least record that "
+           f"holds a hit, {name}")  # fmt: skip
+    targets[key] = None if over_hit is None else over_hit <= EVENT_BUDGET_NS
+    lines.append("")
+    lines += _floor_verdict(rows, metric, bpftrace, record)
+    return lines
 
 
 def _record_costs(rows: dict[str, dict[str, float]], metric: str) -> tuple[float, float] | None:
