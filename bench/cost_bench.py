@@ -247,21 +247,7 @@ def render(data: dict) -> tuple[list[str], dict[str, bool | None]]:
     floor = data["startup"].get(FLOOR, {}).get("median_s")
     verdicts["start-up <= 0.3 s to the first event"] = ours <= 0.3
     if floor is not None:
-        lines += [
-            "",
-            f"The floor, {floor:.2f} s, is what any bcc tool pays to start: the interpreter, "
-            "bcc's import, and clang parsing the kernel headers for even an empty program. "
-            "mtrace-live pays it once per program: the first start with a given program "
-            "(its C, the constants chosen for the sites, the kernel, bcc) compiles it and keeps "
-            "its byte code and map definitions (`tracer/bpf_cache.py`); later starts create "
-            "the maps, write their descriptors into the code and load it, with no clang. The "
-            "first two rows are such starts; the cold row compiles every time. The pid is a "
-            "value written once loaded, not a constant, so any pid shares a program. What "
-            "remains is the interpreter and its imports, choosing the sites (the libc's ELF "
-            "notes and symbol tables, read in bulk, and the allocation functions' "
-            "disassembly), the kernel's verifier, and attaching each uprobe; `--no-allocs` "
-            "leaves out the allocation functions.",
-        ]
+        lines += ["", _floor_text(floor)]
     lines += [
         "",
         f"CPU and memory while attached, over {data['hold']:.0f} s of tracing (start-up "
@@ -272,6 +258,30 @@ def render(data: dict) -> tuple[list[str], dict[str, bool | None]]:
     ]
     lines += [f"| {name} | {row['median_s']:.1f} | {row['peak_rss_mib']:.0f} |"
               for name, row in data["cost"].items()]  # fmt: skip
+    lines += _stopping(data, verdicts)
+    return lines + _COST_NOTES, verdicts
+
+
+def _floor_text(floor: float) -> str:
+    return (
+        f"The floor, {floor:.2f} s, is what any bcc tool pays to start: the interpreter, "
+        "bcc's import, and clang parsing the kernel headers for even an empty program. "
+        "mtrace-live pays it once per program: the first start with a given program "
+        "(its C, the constants chosen for the sites, the kernel, bcc) compiles it and keeps "
+        "its byte code and map definitions (`tracer/bpf_cache.py`); later starts create "
+        "the maps, write their descriptors into the code and load it, with no clang. The "
+        "first two rows are such starts; the cold row compiles every time. The pid is a "
+        "value written once loaded, not a constant, so any pid shares a program. What "
+        "remains is the interpreter and its imports, choosing the sites (the libc's ELF "
+        "notes and symbol tables, read in bulk, and the allocation functions' "
+        "disassembly), the kernel's verifier, and attaching each uprobe; `--no-allocs` "
+        "leaves out the allocation functions."
+    )
+
+
+def _stopping(data: dict, verdicts: dict[str, bool | None]) -> list[str]:
+    """The stopping table, with its verdict into ``verdicts``."""
+    lines: list[str] = []
     if data.get("stop"):
         lines += [
             "",
@@ -288,14 +298,16 @@ def render(data: dict) -> tuple[list[str], dict[str, bool | None]]:
         ours = [max(row["samples"]) for name, row in data["stop"].items()
                 if name.startswith("mtrace")]  # fmt: skip
         verdicts["Stop within 1 s of SIGINT (record, trace, serve)"] = max(ours) < 1.0
-    lines += [
-        "",
-        "Without the program cache, most of mtrace-live's start-up is bcc compiling the C "
-        "program with clang against the kernel headers (the cold row); bpftrace compiles a "
-        "one-line script. Counting in the kernel costs neither tracer any CPU while "
-        "attached; the event stream costs the decoding of every event in Python. Peak RSS "
-        "is mostly the interpreter with numpy and bcc's libraries; a start from the cache "
-        "never runs clang, so LLVM's memory for the compile is not in it.",
-        "",
-    ]
-    return lines, verdicts
+    return lines
+
+
+_COST_NOTES = [
+    "",
+    "Without the program cache, most of mtrace-live's start-up is bcc compiling the C "
+    "program with clang against the kernel headers (the cold row); bpftrace compiles a "
+    "one-line script. Counting in the kernel costs neither tracer any CPU while "
+    "attached; the event stream costs the decoding of every event in Python. Peak RSS "
+    "is mostly the interpreter with numpy and bcc's libraries; a start from the cache "
+    "never runs clang, so LLVM's memory for the compile is not in it.",
+    "",
+]
