@@ -192,6 +192,16 @@ def render(data: dict) -> tuple[list[str], dict[str, bool | None]]:
         m = mix.get(name, {}).get("median_s")
         lines.append(f"| {name} | {pairs[name]['median_s']:.0f} | "
                      f"{'' if m is None else f'{m:.0f}'} | {shown} |")  # fmt: skip
+    verdicts, ratios = _verdicts(pairs)
+    lines += _COST_NOTES
+    if ratios:
+        lines += [f"On the malloc/free loop, mtrace-live's aggregation costs {' and '.join(ratios)}"
+                  " (overheads over untraced).", ""]  # fmt: skip
+    return lines + _HEAPTRACK_NOTE, verdicts
+
+
+def _verdicts(pairs: dict) -> tuple[dict[str, bool | None], list[str]]:
+    """The targets' verdicts, and mtrace-live's overhead against each floor."""
     verdicts: dict[str, bool | None] = {}
     floor = pairs.get("floor: empty programs on mtrace-live's sites", {}).get("median_s")
     ours = pairs.get("mtrace-live (aggregation)", {}).get("median_s")
@@ -216,27 +226,26 @@ def render(data: dict) -> tuple[list[str], dict[str, bool | None]]:
     heaptrack = pairs.get("heaptrack", {}).get("median_s")
     if heaptrack and ours:
         verdicts["Allocations: on par with heaptrack (within 1.5x)"] = ours <= 1.5 * heaptrack
-    lines += [
-        "",
-        "Costs are the workload's own loop time with the tracer attached, untraced included, "
-        "so a tracer's overhead is its figure minus the untraced one. The floor is what the "
-        "uprobes and return probes themselves cost with programs that do nothing: the kernel's "
-        "breakpoint, its emulation of the probed instruction, and the return trampoline; "
-        "attached for one process (`--pid` alone, as mtrace-live does), the kernel also "
-        "checks on each hit that the process is the one asked for, which the floor attached "
-        "for every process does not. "
-        "mtrace-live's sites are chosen by disassembly so that none is single-stepped "
-        "(docs/allocations.md); bpftrace and memleak attach at each function's first "
-        "instruction, and free's (`test %rdi,%rdi`) is single-stepped on every call.",
-        "",
-    ]
-    if ratios:
-        lines += [f"On the malloc/free loop, mtrace-live's aggregation costs {' and '.join(ratios)}"
-                  " (overheads over untraced).", ""]  # fmt: skip
-    lines += [
-        "heaptrack records inside the traced process (its LD_PRELOAD library) and never traps "
-        "into the kernel, so it costs less than the uprobes' own floor: no tracer built on "
-        "uprobes can be on par with it, and mtrace-live's aim is the floor.",
-        "",
-    ]
-    return lines, verdicts
+    return verdicts, ratios
+
+
+_COST_NOTES = [
+    "",
+    "Costs are the workload's own loop time with the tracer attached, untraced included, "
+    "so a tracer's overhead is its figure minus the untraced one. The floor is what the "
+    "uprobes and return probes themselves cost with programs that do nothing: the kernel's "
+    "breakpoint, its emulation of the probed instruction, and the return trampoline; "
+    "attached for one process (`--pid` alone, as mtrace-live does), the kernel also "
+    "checks on each hit that the process is the one asked for, which the floor attached "
+    "for every process does not. "
+    "mtrace-live's sites are chosen by disassembly so that none is single-stepped "
+    "(docs/allocations.md); bpftrace and memleak attach at each function's first "
+    "instruction, and free's (`test %rdi,%rdi`) is single-stepped on every call.",
+    "",
+]
+_HEAPTRACK_NOTE = [
+    "heaptrack records inside the traced process (its LD_PRELOAD library) and never traps "
+    "into the kernel, so it costs less than the uprobes' own floor: no tracer built on "
+    "uprobes can be on par with it, and mtrace-live's aim is the floor.",
+    "",
+]
