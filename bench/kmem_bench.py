@@ -436,48 +436,59 @@ def render_report(data: dict[str, object]) -> tuple[list[str], dict[str, bool | 
         lines.append(f"| {rep['records']:,} | {rep['bytes'] / 1e9:.2f} | {rep['seconds']:.2f} | "
                      f"{rep['records_per_s']:,.0f} | {rep['peak_rss_mib']:,.0f} |")  # fmt: skip
     lines.append("")
-    perf = data.get("perf")
-    faster = None
-    if perf:
-        ours_ns = perf["ours_s"] / perf["records"] * 1e9  # type: ignore[index]
-        perf_ns = perf["perf_s"] / perf["perf_events"] * 1e9  # type: ignore[index]
-        faster = perf_ns / ours_ns
-        lines += [
-            f"One workload ({data['window_pairs']:,} socket and pipe pairs) recorded "
-            "system-wide by `perf kmem --slab --page record -- WORKLOAD`, then, over its "
-            f"run again, by `mtrace-live record --all --buffer-pages {WINDOW_RING_PAGES}` (room "
-            "for the whole run, so that it keeps every event as perf does: "
-            f"{'?' if perf.get('lost') is None else format(perf['lost'], ',')} lost); "
-            "each tool's own analysis of its file, start-up included. (Not both at once: "
-            "while a BPF program that returns 0 is attached to a tracepoint, perf records "
-            "none of its events.)",
-            "",
-            "| analysis | events | seconds | ns per event |",
-            "|---|---:|---:|---:|",
-            f"| mtrace-live report -f json | {perf['records']:,} | {perf['ours_s']:.2f} | "  # type: ignore[index]
-            f"{ours_ns:,.0f} |",
-            f"| perf kmem --slab --page -i FILE stat --caller --alloc | {perf['perf_events']:,} | "  # type: ignore[index]
-            f"{perf['perf_s']:.2f} | {perf_ns:,.0f} |",  # type: ignore[index]
-            "",
-            f"Per event, `report` is {faster:.1f}x faster than `perf kmem stat`.",
-            "",
-        ]
+    perf_lines, faster = _perf_section(data)
+    lines += perf_lines
     first, big = sets[0], sets[-1]
     rate = first["records_per_s"] >= 20e6 if first["bytes"] >= 1e9 else None
     bounded = big["peak_rss_mib"] <= 512 if big["bytes"] >= 4e9 else None
-    lines += [
-        "`report` reads the cpuN files in chunks of up to 1 MiB each and merges them by "
-        "sequence number in one compiled pass (`exporters/kmemtrace/walker.c`, built at install), "
-        "which matches each free to its allocation in an open-addressing table of the "
-        "allocations still live. Memory is the chunks (at most 64 MiB for all files), the "
-        "call sites and the allocations live at one time, so it does not grow with the "
-        "files: a record set whose allocations are never freed holds 64 to 128 bytes per "
-        "live allocation. Start-up is the interpreter and numpy, with no compiler to load.",
-        "",
-    ]
+    lines += _REPORT_NOTES
     return lines, {
         "report >= 20 M records/s (on >= 1 GB)": rate,
         "report peak RSS <= 512 MiB (on >= 4 GB)": bounded,
         "report >= 3x faster per event than perf kmem stat": None if faster is None
         else faster >= 3,
     }  # fmt: skip
+
+
+def _perf_section(data: dict[str, object]) -> tuple[list[str], float | None]:
+    """report against perf kmem stat on one workload: the lines, and how
+    many times faster per event report was (None: not measured)."""
+    perf = data.get("perf")
+    if not perf:
+        return [], None
+    ours_ns = perf["ours_s"] / perf["records"] * 1e9  # type: ignore[index]
+    perf_ns = perf["perf_s"] / perf["perf_events"] * 1e9  # type: ignore[index]
+    faster = perf_ns / ours_ns
+    lines = [
+        f"One workload ({data['window_pairs']:,} socket and pipe pairs) recorded "
+        "system-wide by `perf kmem --slab --page record -- WORKLOAD`, then, over its "
+        f"run again, by `mtrace-live record --all --buffer-pages {WINDOW_RING_PAGES}` (room "
+        "for the whole run, so that it keeps every event as perf does: "
+        f"{'?' if perf.get('lost') is None else format(perf['lost'], ',')} lost); "
+        "each tool's own analysis of its file, start-up included. (Not both at once: "
+        "while a BPF program that returns 0 is attached to a tracepoint, perf records "
+        "none of its events.)",
+        "",
+        "| analysis | events | seconds | ns per event |",
+        "|---|---:|---:|---:|",
+        f"| mtrace-live report -f json | {perf['records']:,} | {perf['ours_s']:.2f} | "  # type: ignore[index]
+        f"{ours_ns:,.0f} |",
+        f"| perf kmem --slab --page -i FILE stat --caller --alloc | {perf['perf_events']:,} | "  # type: ignore[index]
+        f"{perf['perf_s']:.2f} | {perf_ns:,.0f} |",  # type: ignore[index]
+        "",
+        f"Per event, `report` is {faster:.1f}x faster than `perf kmem stat`.",
+        "",
+    ]
+    return lines, faster
+
+
+_REPORT_NOTES = [
+    "`report` reads the cpuN files in chunks of up to 1 MiB each and merges them by "
+    "sequence number in one compiled pass (`exporters/kmemtrace/walker.c`, built at install), "
+    "which matches each free to its allocation in an open-addressing table of the "
+    "allocations still live. Memory is the chunks (at most 64 MiB for all files), the "
+    "call sites and the allocations live at one time, so it does not grow with the "
+    "files: a record set whose allocations are never freed holds 64 to 128 bytes per "
+    "live allocation. Start-up is the interpreter and numpy, with no compiler to load.",
+    "",
+]

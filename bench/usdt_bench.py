@@ -270,64 +270,73 @@ def attached(
 def arena_configs(
     argv: list[str], globs: list[str], tmp: Path, peers: dict[str, str | None]
 ) -> dict[str, Callable[[], Sample]]:
-    libc = str(sdt().libc)
-    probes = _probe_args(globs)
+    run = _ArenaRuns(argv, globs, tmp)
+    configs: dict[str, Callable[[], Sample]] = {
+        "untraced": lambda: attached(argv, None, "", tmp, measured=False)[0],
+        "mtrace-live counters only": run.counters,
+        "mtrace-live event stream": run.events,
+    }
+    for name, (handler, size) in FLOORS.items():
+        configs[name] = run.floor_of(handler, size)
+    if peers.get("bpftrace"):
+        configs["bpftrace count()"] = run.bpftrace
+    if peers.get("bcc trace"):
+        configs["bcc trace"] = run.bcc
+    return configs
 
-    def counters() -> Sample:
+
+class _ArenaRuns:
+    """One arena_contention run under each tracer, attached to its pid."""
+
+    def __init__(self, argv: list[str], globs: list[str], tmp: Path) -> None:
+        self.argv, self.globs, self.tmp = argv, globs, tmp
+        self.libc = str(sdt().libc)
+        self.probes = _probe_args(globs)
+
+    def counters(self) -> Sample:
         def argv_of(pid: int) -> list[str]:
-            return [*MTRACE, "count", "--pid", str(pid), "--lib", libc, *probes, "--json"]
+            return [*MTRACE, "count", "--pid", str(pid), "--lib", self.libc, *self.probes,
+                    "--json"]  # fmt: skip
 
-        sample, log = attached(argv, argv_of, "Ctrl-C", tmp)
+        sample, log = attached(self.argv, argv_of, "Ctrl-C", self.tmp)
         counts, _ = json.JSONDecoder().raw_decode(log[log.index("{") :])
         sample.extra["hits"] = sum(counts["usdt"].values())
         return sample
 
-    def events() -> Sample:
+    def events(self) -> Sample:
         def argv_of(pid: int) -> list[str]:
-            return [*MTRACE, "--pid", str(pid), "--lib", libc, "--no-allocs", *probes, "-o",
-                    "summary"]  # fmt: skip
+            return [*MTRACE, "--pid", str(pid), "--lib", self.libc, "--no-allocs", *self.probes,
+                    "-o", "summary"]  # fmt: skip
 
-        sample, log = attached(argv, argv_of, "Ctrl-C", tmp)
+        sample, log = attached(self.argv, argv_of, "Ctrl-C", self.tmp)
         kernel, _, lost = event_counts(log)
         sample.extra.update(hits=kernel, lost=lost)
         return sample
 
-    def bpftrace() -> Sample:
-        tracer = bpftrace_counting(globs, tmp)
+    def bpftrace(self) -> Sample:
+        tracer = bpftrace_counting(self.globs, self.tmp)
         try:
-            sample, _ = attached(argv, None, "", tmp)
+            sample, _ = attached(self.argv, None, "", self.tmp)
         finally:
             out = tracer.stop()
         sample.extra["hits"] = bpftrace_hits(out)
         return sample
 
-    def bcc() -> Sample:
-        specs = [f"u:{libc}:{name}" for name in bcc_probe_names(Path(libc), globs)]
-        sample, log = attached(argv, lambda pid: ["trace-bpfcc", "-p", str(pid), *specs],
-                               "FUNC", tmp)  # fmt: skip
+    def bcc(self) -> Sample:
+        specs = [f"u:{self.libc}:{name}" for name in bcc_probe_names(Path(self.libc), self.globs)]
+        sample, log = attached(self.argv, lambda pid: ["trace-bpfcc", "-p", str(pid), *specs],
+                               "FUNC", self.tmp)  # fmt: skip
         sample.extra.update(trace_counts(log))
         return sample
 
-    def floor_of(handler: str, size: int) -> Callable[[], Sample]:
+    def floor_of(self, handler: str, size: int) -> Callable[[], Sample]:
         def measured() -> Sample:
-            sample, log = attached(argv, lambda _: floor_argv(globs, handler, size), "ready", tmp)
+            sample, log = attached(self.argv, lambda _: floor_argv(self.globs, handler, size),
+                                   "ready", self.tmp)  # fmt: skip
             sample.extra.update(_refused(log, handler))
             return sample
 
         return measured
-
-    configs: dict[str, Callable[[], Sample]] = {
-        "untraced": lambda: attached(argv, None, "", tmp, measured=False)[0],
-        "mtrace-live counters only": counters,
-        "mtrace-live event stream": events,
-    }
-    for name, (handler, size) in FLOORS.items():
-        configs[name] = floor_of(handler, size)
-    if peers.get("bpftrace"):
-        configs["bpftrace count()"] = bpftrace
-    if peers.get("bcc trace"):
-        configs["bcc trace"] = bcc
-    return configs
 
 
 # ---- the derived probes (probes/derived.py) against the SDT ones ---------------
