@@ -15,13 +15,13 @@ import signal
 import sys
 
 from mtrace_live.probes.program import ProgramSource
-from mtrace_live.tracer.allocs import RETURNS_POINTER, plan
+from mtrace_live.tracer.alloc_probes import RETURNS_POINTER, plan_sites
 from mtrace_live.tracer.bpf_backend import BpfProgram
 from mtrace_live.tracer.target import mapped_libc
 
 
 def main(pid: int, every_process: bool) -> None:
-    chosen = plan(mapped_libc(pid))
+    chosen = plan_sites(mapped_libc(pid))
     scope = -1 if every_process else pid
     program = BpfProgram(ProgramSource.single("empty"))
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .data.allocations import AllocSnapshot, FrameNames, Outstanding, StackRow, function_name
+from .data.alloc_snapshot import AllocSnapshot, FrameNames, Outstanding, StackRow, function_name
 
 STACK_FRAMES_SHOWN = 4
 
@@ -35,7 +35,7 @@ def stack_label(names: FrameNames, tgid: int, frames: Sequence[int],
     return " < ".join(shown) + (" < ..." if len(frames) > limit else "")
 
 
-def process_lines(snapshot: AllocSnapshot) -> list[str]:
+def alloc_process_lines(snapshot: AllocSnapshot) -> list[str]:
     lines = []
     live = _live_by_process(snapshot.stacks)
     for proc in sorted(snapshot.processes, key=lambda p: p.tgid):
@@ -141,12 +141,12 @@ def leak_lines(snapshot: AllocSnapshot, names: FrameNames, older_than_s: float =
     return lines
 
 
-def summary_lines(snapshot: AllocSnapshot, names: FrameNames, command_ended: bool,
+def alloc_summary_lines(snapshot: AllocSnapshot, names: FrameNames, command_ended: bool,
                   leaks_older_than: float | None = None,
                   delivered: int | None = None) -> list[str]:  # fmt: skip
     """``delivered``: the allocation events read from the ring, when an
     output asked for them."""
-    lines = ["", *process_lines(snapshot)]
+    lines = ["", *alloc_process_lines(snapshot)]
     misc = snapshot.misc
     if delivered is not None:
         lines.append(f"allocation events: {delivered} delivered, {misc.get('lost_events', 0)} "

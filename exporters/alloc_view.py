@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .alloc_table import leak_groups, size_text, stack_text
-from .data.allocations import AllocSnapshot, FrameNames, StackRow
+from .data.alloc_snapshot import AllocSnapshot, FrameNames, StackRow
 
 HISTORY = 40  # refreshes kept for the sparklines
 STACKS_SHOWN = 8

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .data.allocations import AllocSnapshot, FrameNames, function_name
+from .data.alloc_snapshot import AllocSnapshot, FrameNames, function_name
 
 
 def folded_lines(

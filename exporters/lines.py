@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterator
 from typing import TextIO
 
-from .data.allocations import AllocSnapshot, FrameNames
+from .data.alloc_snapshot import AllocSnapshot, FrameNames
 from .data.sink import EventBatch, Sink, TraceInfo, TraceResult
 from .summary import print_summary
 

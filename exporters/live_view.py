@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .alloc_view import AllocPanel
-from .data.allocator import Allocators, ProcessState
+from .data.allocator_state import Allocators, ProcessState
 from .data.sink import EventBatch, Sink, TraceInfo, TraceResult
 from .summary import print_summary, setting_change
 

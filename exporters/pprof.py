@@ -5,7 +5,7 @@ which ``go tool pprof``, Pyroscope and Parca read. Its four sample types are
 those of a Go heap profile: ``alloc_objects`` and ``alloc_space`` (count and
 bytes allocated since the trace began) and ``inuse_objects`` and
 ``inuse_space`` (still allocated at its end); inuse_space is the default.
-With sampling the values are the estimates (exporters/data/allocations.py)
+With sampling the values are the estimates (exporters/data/alloc_snapshot.py)
 and ``period`` is the mean sampling interval in bytes.
 
 The messages are encoded by the protobuf library from a descriptor built
@@ -29,7 +29,7 @@ from typing import Any
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from mtrace_live.probes.elf.errors import OutputError
 
-from .data.allocations import AllocSnapshot, FrameNames
+from .data.alloc_snapshot import AllocSnapshot, FrameNames
 from .data.sink import Sink, TraceInfo, TraceResult
 from .data.symbolize import Symbol
 

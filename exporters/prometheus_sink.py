@@ -32,7 +32,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 
 from .alloc_table import stack_label
-from .data.allocator import arena_lock_waits
+from .data.allocator_state import arena_lock_waits
 from .data.kallsyms import KernelSymbols
 from .data.processes import process_name
 from .data.sink import RunStats, Sink, TraceInfo, TraceResult
@@ -265,7 +265,7 @@ class PrometheusSink(Sink):
 
     The page is rendered on a thread of the tracing process into shared
     ``pages`` (exporters/exposition.py). Given ``pages``, another process
-    (tracer/serve.py's fork) answers the scrapes from them; without, the
+    (tracer/metrics_endpoint.py's fork) answers the scrapes from them; without, the
     endpoint answers from this process, on its own threads."""
 
     def __init__(

@@ -8,7 +8,7 @@ import sys
 from typing import TextIO
 
 from . import alloc_table
-from .data.allocator import ProcessState, SettingChange
+from .data.allocator_state import ProcessState, SettingChange
 from .data.events import format_value
 from .data.kallsyms import KernelSymbols
 from .data.kmem import name_sites
@@ -77,7 +77,7 @@ def summary_lines(result: TraceResult) -> list[str]:
         lines += kmem_lines(result.kmem)
     if result.allocations is not None:
         command_ended = result.exit_code is not None or result.ended_by == "exit"
-        lines += alloc_table.summary_lines(
+        lines += alloc_table.alloc_summary_lines(
             result.allocations, result.frame_names, command_ended, result.leaks_older_than,
             result.alloc_delivered if result.alloc_delivered else None,
         )  # fmt: skip

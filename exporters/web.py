@@ -153,7 +153,7 @@ def load_web_config(path: Path | None) -> WebConfig:
             )
         headers = _mapping(http.get("headers") or {}, f"{where}: http_server_config.headers")
         config.headers = {
-            _text(k, f"{where}: http_server_config.headers"): _text(
+            _config_text(k, f"{where}: http_server_config.headers"): _config_text(
                 v, f"{where}: http_server_config.headers.{k}"
             )
             for k, v in headers.items()
@@ -167,12 +167,12 @@ def load_web_config(path: Path | None) -> WebConfig:
             raw = hashed.encode()
             if not raw.startswith((b"$2a$", b"$2b$", b"$2y$")) or len(raw) != 60:
                 raise WebConfigError(f"{where}: basic_auth_users.{user} is not a bcrypt hash")
-            checked[_text(user, f"{where}: basic_auth_users")] = raw
+            checked[_config_text(user, f"{where}: basic_auth_users")] = raw
         config.users = checked
     return config
 
 
-def _text(value: Any, where: str) -> str:
+def _config_text(value: Any, where: str) -> str:
     """A setting that must be a string (or a plain number): never str() of a
     list or mapping, which YAML aliases can make exponentially large."""
     if isinstance(value, bool) or not isinstance(value, str | int | float):
@@ -201,8 +201,8 @@ def _tls_context(tls: Mapping[str, Any], base: Path, where: str) -> ssl.SSLConte
     context.minimum_version = _tls_version(tls.get("min_version", "TLS12"), f"{where}.min_version")
     if "max_version" in tls:
         context.maximum_version = _tls_version(tls["max_version"], f"{where}.max_version")
-    cert = base / _text(tls["cert_file"], f"{where}.cert_file")
-    key = base / _text(tls["key_file"], f"{where}.key_file")
+    cert = base / _config_text(tls["cert_file"], f"{where}.cert_file")
+    key = base / _config_text(tls["key_file"], f"{where}.key_file")
     for name, file in (("cert_file", cert), ("key_file", key)):
         _readable_file(file, f"{where}.{name}")
     try:
@@ -212,7 +212,7 @@ def _tls_context(tls: Mapping[str, Any], base: Path, where: str) -> ssl.SSLConte
             f"{where}: {cert} and {key} are not a usable certificate and key "
             f"({exc.__class__.__name__}: {exc})"
         ) from None
-    auth = _text(tls.get("client_auth_type", "NoClientCert"), f"{where}.client_auth_type")
+    auth = _config_text(tls.get("client_auth_type", "NoClientCert"), f"{where}.client_auth_type")
     if auth not in CLIENT_AUTH:
         raise WebConfigError(
             f"{where}.client_auth_type {auth} is not one of {', '.join(CLIENT_AUTH)}"
@@ -221,7 +221,7 @@ def _tls_context(tls: Mapping[str, Any], base: Path, where: str) -> ssl.SSLConte
     if auth != "NoClientCert":
         if not tls.get("client_ca_file"):
             raise WebConfigError(f"{where}.client_auth_type {auth} needs client_ca_file")
-        ca = base / _text(tls["client_ca_file"], f"{where}.client_ca_file")
+        ca = base / _config_text(tls["client_ca_file"], f"{where}.client_ca_file")
         _readable_file(ca, f"{where}.client_ca_file")
         try:
             context.load_verify_locations(ca)
@@ -246,7 +246,7 @@ def _readable_file(path: Path, where: str) -> None:
 
 
 def _tls_version(value: Any, where: str) -> ssl.TLSVersion:
-    version = TLS_VERSIONS.get(_text(value, where))
+    version = TLS_VERSIONS.get(_config_text(value, where))
     if version is None:
         raise WebConfigError(f"{where} {value} is not one of {', '.join(TLS_VERSIONS)}")
     return version

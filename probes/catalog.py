@@ -164,7 +164,7 @@ def build_catalog(documents: Mapping[str, Mapping[str, Any]]) -> Catalog:
                 raise CatalogError(f"{origin}: {spec.qualified_name} is listed twice")
             probes[(spec.provider, spec.name)] = spec
         for raw in document.get("tracepoint", []):
-            tp = _tracepoint(origin, raw)
+            tp = _tracepoint_spec(origin, raw)
             if tp.name in tracepoints:
                 raise CatalogError(f"{origin}: tracepoint {tp.name} is listed twice")
             tracepoints[tp.name] = tp
@@ -227,7 +227,7 @@ def _kmemtrace(where: str, raw: Mapping[str, Any]) -> tuple[str, str] | None:
     return record, type_name
 
 
-def _tracepoint(origin: str, raw: Mapping[str, Any]) -> TracepointSpec:
+def _tracepoint_spec(origin: str, raw: Mapping[str, Any]) -> TracepointSpec:
     _require(origin, raw, ("category", "name", "fires", "meaning", "fields"), ("kmemtrace",))
     where = f"{origin}: tracepoint {raw['name']}"
     if raw["fires"] not in FIRES:

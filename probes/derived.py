@@ -223,7 +223,7 @@ def _written(insn: capstone.CsInsn) -> set[str]:
     return {_WIDE.get(insn.reg_name(reg), insn.reg_name(reg)) for reg in written}
 
 
-def _text(insn: capstone.CsInsn) -> str:
+def _insn_text(insn: capstone.CsInsn) -> str:
     return f"{insn.mnemonic} {insn.op_str}".strip()
 
 
@@ -239,10 +239,10 @@ def choose_from(fn: _Function, anchor: int, registers: Iterable[str]) -> tuple[i
         if i > start and insn.address in fn.targets:
             break
         if emulated(insn):
-            return insn.address, _text(insn), True
+            return insn.address, _insn_text(insn), True
         if _written(insn) & wanted or insn.mnemonic in ("ret", "syscall", "hlt", "ud2"):
             break
-    return first.address, _text(first), False
+    return first.address, _insn_text(first), False
 
 
 # ---- the plan --------------------------------------------------------------
@@ -545,7 +545,7 @@ def _entry_probe(
     return DerivedProbe(name, EXACT, SYMBOL, f"the exported {function}: {why}", sites=(site,))
 
 
-def _mallopt(d: _Deriver, p: DerivedPlan) -> list[DerivedProbe]:
+def _mallopt_probes(d: _Deriver, p: DerivedPlan) -> list[DerivedProbe]:
     return [
         _entry_probe(
             d,
@@ -837,4 +837,13 @@ def _unavailable(d: _Deriver, p: DerivedPlan) -> list[DerivedProbe]:
     return found
 
 
-_DERIVATIONS = (_sbrk, _heaps, _arenas, _reuse_wait, _retries, _mallopt, _lock_wait, _unavailable)
+_DERIVATIONS = (
+    _sbrk,
+    _heaps,
+    _arenas,
+    _reuse_wait,
+    _retries,
+    _mallopt_probes,
+    _lock_wait,
+    _unavailable,
+)

@@ -84,7 +84,7 @@ class ProgramConfig:
     handlers (tracer/usdt.py), the derived probes' (probes/derived.py), the
     kmem tracepoints' variants and raw handlers (tracer/tracefs.py,
     tracer/kmem_attach.py), the allocation functions' tables
-    (tracer/allocs.py)."""
+    (tracer/alloc_probes.py)."""
 
     events: bool = True  # stream records through the ring (else: counts only)
     filter_pids: bool = True  # the followed table decides

@@ -638,7 +638,7 @@ class _CachedParts:
         """Make the maps, and load every program with their descriptors."""
         compiled, bpf = self.compiled, self.bpf
         for spec in compiled.maps:
-            self.map_fds[spec.fd] = bpf_cache.create_map(spec)
+            self.map_fds[spec.fd] = bpf_cache.recreate_map(spec)
         license_ = compiled.license.encode()
         for text, code in compiled.functions.items():
             if text.startswith(TYPED_PREFIX):

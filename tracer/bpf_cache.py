@@ -76,7 +76,7 @@ class Compiled:
     maps: list[MapSpec]
 
 
-def cache_dir() -> Path | None:
+def program_cache_dir() -> Path | None:
     configured = os.environ.get("MTRACE_LIVE_BPF_CACHE", "")
     if configured == "off":
         return None
@@ -108,7 +108,7 @@ def map_spec(fd: int, name: str, table_id: int, key_desc: str, leaf_desc: str) -
                    info.max_entries, info.flags, info.name, key_desc, leaf_desc)  # fmt: skip
 
 
-def create_map(spec: MapSpec) -> int:
+def recreate_map(spec: MapSpec) -> int:
     """A new map like ``spec``'s; OSError if the kernel refuses."""
     fd = bpf_syscalls.create_map(bpf_syscalls.MapInfo(
         spec.type, spec.key_size, spec.value_size, spec.max_entries, spec.flags,
@@ -150,7 +150,7 @@ class Unusable(Exception):
 def load(key: str) -> Compiled | None:
     """The compiled program under ``key``, or None where none is stored;
     Unusable where one is stored but cannot be used."""
-    directory = cache_dir()
+    directory = program_cache_dir()
     if directory is None:
         return None
     path = directory / f"{key}.json"
@@ -185,7 +185,7 @@ def _private(path: Path) -> bool:
 def store(key: str, compiled: Compiled) -> None:
     """Keep ``compiled`` under ``key`` (atomically); errors are ignored: the
     cache is only ever a saving."""
-    directory = cache_dir()
+    directory = program_cache_dir()
     if directory is None:
         return
     document = {

@@ -13,12 +13,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from mtrace_live.exporters.data.allocations import AllocSnapshot, FrameNames, trimmed
+from mtrace_live.exporters.data.alloc_snapshot import AllocSnapshot, FrameNames, trimmed
 from mtrace_live.exporters.data.kmem import CallSite, KmemTotals
 from mtrace_live.exporters.data.sink import KernelCounters, ProcessHits, RunStats
 from mtrace_live.probes.records import KMEM_EVENTS, SITE_FIELDS, KmemMisc
 
-from . import allocs, bpf_syscalls
+from . import alloc_probes, bpf_syscalls
 from .bpf_backend import BpfProgram
 
 
@@ -121,7 +121,7 @@ class BpfCounters:
     def allocations(self, outstanding: bool = False) -> AllocSnapshot | None:
         if self.sample_bytes is None:
             return None
-        snapshot = allocs.read_snapshot(
+        snapshot = alloc_probes.read_snapshot(
             self.program, self.sample_bytes, self.started_ns, outstanding
         )
         return trimmed(snapshot, self.frame_names)

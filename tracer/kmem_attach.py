@@ -86,10 +86,10 @@ def kmem_attach(variants: dict[str, int], classic: bool = False) -> KmemAttach:
     except BtfUnavailable as exc:
         return _classic_all(events, str(exc))
     with btf:
-        return _plan(btf, variants, events)
+        return _raw_plan(btf, variants, events)
 
 
-def _plan(btf: KernelBtf, variants: dict[str, int], events: tuple[str, ...]) -> KmemAttach:
+def _raw_plan(btf: KernelBtf, variants: dict[str, int], events: tuple[str, ...]) -> KmemAttach:
     defines: dict[str, int] = {}
     raw: list[str] = []
     typed: list[str] = []

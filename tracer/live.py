@@ -25,7 +25,7 @@ from types import FrameType
 
 import numpy as np
 from mtrace_live.exporters import registry
-from mtrace_live.exporters.data.allocations import FrameNames
+from mtrace_live.exporters.data.alloc_snapshot import FrameNames
 from mtrace_live.exporters.data.events import Event, EventDecoder
 from mtrace_live.exporters.data.sink import (
     EventBatch,
@@ -44,7 +44,7 @@ from mtrace_live.probes.elf.errors import (
 )
 from mtrace_live.probes.records import EVENT_DTYPE, EventKind
 
-from . import allocs, bpf_syscalls, package_version, target, usdt
+from . import alloc_probes, bpf_syscalls, package_version, target, usdt
 from .bpf_backend import BpfProgram, bcc_version, require_privileges
 from .counters import BpfCounters
 from .kmem_attach import kmem_switches
@@ -172,10 +172,10 @@ class LiveTrace:
         try:
             if plan.config.first_tgid and target_pid is not None:
                 self.program.set_first_target(target_pid)
-            usdt.attach(self.program, self.selection)
+            usdt.attach_sites(self.program, self.selection)
             if self.alloc_plan is not None:
-                allocs.attach(self.program, self.alloc_plan, request.sample_bytes, self.hold,
-                              self.alloc_pid)  # fmt: skip
+                alloc_probes.attach_allocs(self.program, self.alloc_plan, request.sample_bytes,
+                                           self.hold, self.alloc_pid)  # fmt: skip
             self.program.set_gate(True)
             buffer_bytes = request.buffer_pages * mmap.PAGESIZE
             self.reader = RingReader(

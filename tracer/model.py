@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from mtrace_live.exporters.data.allocator import (
+from mtrace_live.exporters.data.allocator_state import (
     LOG_LIMIT,
     Allocators,
     DoubleFreeCheck,
@@ -228,7 +228,7 @@ def _setting(state: ProcessState, event: Event, meaning: Meanings) -> None:
     _log(state.settings, change)
 
 
-def _mallopt(state: ProcessState, event: Event, _: Meanings) -> None:
+def _apply_mallopt(state: ProcessState, event: Event, _: Meanings) -> None:
     param = _arg(event, "param_number")
     name = MALLOPT_PARAMS.get(param, str(param))
     change = SettingChange(event.ts_ns, event.pid, f"mallopt({name})", None, _arg(event, "value"))
@@ -260,7 +260,7 @@ _HANDLERS: dict[str, Callable[[ProcessState, Event, Meanings], None]] = {
     "retry": _retry,
     "arena_retry": _arena_retry,
     "setting": _setting,
-    "mallopt": _mallopt,
+    "mallopt": _apply_mallopt,
     "dynamic_thresholds": _dynamic_thresholds,
     "double_free_check": _double_free,
 }

@@ -16,7 +16,7 @@ from mtrace_live.exporters import registry
 from mtrace_live.probes.elf.errors import NoProbesError
 from mtrace_live.probes.program import ProgramConfig
 
-from . import allocs, target, usdt
+from . import alloc_probes, target, usdt
 
 DEFAULT_BUFFER_PAGES = 2048  # 8 MiB: about 95,000 events of slack
 # The kernel's ring when the buffer asked for is larger: a ring that stays in
@@ -132,7 +132,7 @@ class Probes:
 
     selection: usdt.ProbeSelection
     sdt: bool  # libc probes are traced (False: the allocation functions only)
-    alloc_plan: allocs.AllocPlan | None
+    alloc_plan: alloc_probes.AllocPlan | None
     notices: tuple[str, ...]
 
 
@@ -150,9 +150,9 @@ def choose_probes(request: TraceRequest, libc: Path) -> Probes:
                 raise
             sdt, sdt_problem = False, str(exc)
     notices = derived_notices(selection)
-    alloc_plan = allocs.plan(libc) if request.allocs and request.libc_probes else None
+    alloc_plan = alloc_probes.plan_sites(libc) if request.allocs and request.libc_probes else None
     if alloc_plan is not None:
-        allocs.check_attachable(alloc_plan, sdt_problem)
+        alloc_probes.check_attachable(alloc_plan, sdt_problem)
         if sdt_problem is not None:
             notices.append(
                 f"no libc probes: {sdt_problem}; the allocation functions are traced "
@@ -186,7 +186,7 @@ def program_plan(request: TraceRequest, probes: Probes, target_pid: int | None,
     hold, alloc_defines = False, None
     if probes.alloc_plan is not None:
         hold = not request.privileges_dropped and probes.alloc_plan.exit_offset is not None
-        alloc_defines = allocs.defines(request.sample_bytes, request.alloc_events, walk=True,
+        alloc_defines = alloc_probes.defines(request.sample_bytes, request.alloc_events, walk=True,
                                        outstanding=request.max_outstanding,
                                        stacks=request.alloc_stacks, hold=hold,
                                        one_process=alloc_pid >= 0)  # fmt: skip

@@ -186,6 +186,51 @@ static void release(Copier *c)
     }
 }
 
+/* The kernel's ring mapped (its consumer page, then its producer page and
+ * data twice over) and the copier's buffer, populated: 0, or -1 (errno). */
+static int map_ring(Copier *c, int map_fd)
+{
+    void *consumer = mmap(NULL, c->page, PROT_READ | PROT_WRITE, MAP_SHARED, map_fd, 0);
+    if (consumer == MAP_FAILED)
+        return -1;
+    c->consumer_pos = consumer;
+    c->producer_map = c->page + 2 * c->ring_size;
+    void *producer = mmap(NULL, c->producer_map, PROT_READ, MAP_SHARED, map_fd, (off_t)c->page);
+    if (producer == MAP_FAILED)
+        return -1;
+    c->producer_pos = producer;
+    c->data = (const uint8_t *)producer + c->page;
+    /* Populated now, as the kernel's ring is: a page fault in the copier
+     * waits for the mmap lock, which the interpreter's own mappings take. */
+    void *buffer = mmap(NULL, c->size, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    if (buffer == MAP_FAILED)
+        return -1;
+    c->buffer = buffer;
+    return 0;
+}
+
+/* The copier's descriptors and lock made and its thread started: 0, or -1 (errno). */
+static int start_copying(Copier *c, int map_fd)
+{
+    c->fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    c->stop_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    /* Its own descriptor of the map, to poll: the caller's may be closed first. */
+    c->ring_fd = fcntl(map_fd, F_DUPFD_CLOEXEC, 0);
+    if (c->fd < 0 || c->stop_fd < 0 || c->ring_fd < 0)
+        return -1;
+    if (pthread_mutex_init(&c->lock, NULL)) {
+        errno = EAGAIN;
+        return -1;
+    }
+    int err = pthread_create(&c->thread, NULL, copier_main, c);
+    if (err) {
+        errno = err;
+        return -1;
+    }
+    return 0;
+}
+
 static int copier_init(Copier *c, PyObject *args, PyObject *kwds)
 {
     static char *keywords[] = {"map_fd", "ring_size", "buffer_size", "interval_us", NULL};
@@ -211,38 +256,8 @@ static int copier_init(Copier *c, PyObject *args, PyObject *kwds)
     c->size = (size_t)buffer_size;
     c->interval_ns = interval_us * 1000L;
     c->owner = getpid();
-    void *consumer = mmap(NULL, c->page, PROT_READ | PROT_WRITE, MAP_SHARED, map_fd, 0);
-    if (consumer == MAP_FAILED)
+    if (map_ring(c, map_fd) || start_copying(c, map_fd))
         goto failed;
-    c->consumer_pos = consumer;
-    c->producer_map = c->page + 2 * c->ring_size;
-    void *producer = mmap(NULL, c->producer_map, PROT_READ, MAP_SHARED, map_fd, (off_t)c->page);
-    if (producer == MAP_FAILED)
-        goto failed;
-    c->producer_pos = producer;
-    c->data = (const uint8_t *)producer + c->page;
-    /* Populated now, as the kernel's ring is: a page fault in the copier
-     * waits for the mmap lock, which the interpreter's own mappings take. */
-    void *buffer = mmap(NULL, c->size, PROT_READ | PROT_WRITE,
-                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-    if (buffer == MAP_FAILED)
-        goto failed;
-    c->buffer = buffer;
-    c->fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    c->stop_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    /* Its own descriptor of the map, to poll: the caller's may be closed first. */
-    c->ring_fd = fcntl(map_fd, F_DUPFD_CLOEXEC, 0);
-    if (c->fd < 0 || c->stop_fd < 0 || c->ring_fd < 0)
-        goto failed;
-    if (pthread_mutex_init(&c->lock, NULL)) {
-        errno = EAGAIN;
-        goto failed;
-    }
-    int err = pthread_create(&c->thread, NULL, copier_main, c);
-    if (err) {
-        errno = err;
-        goto failed;
-    }
     c->running = 1;
     return 0;
 failed:

@@ -90,7 +90,7 @@ def libc_sites(libc: Path) -> list[SdtSite]:
     return sites
 
 
-def choose(libc: Path, patterns: Sequence[str]) -> ProbeSelection:
+def choose_sdt(libc: Path, patterns: Sequence[str]) -> ProbeSelection:
     sites = libc_sites(libc)
     probes = select_probes(sites, patterns)
     if not probes:
@@ -134,7 +134,7 @@ def choose_source(
     has no SDT notes."""
     if not derive:
         try:
-            return choose(libc, patterns)
+            return choose_sdt(libc, patterns)
         except NoProbesError as exc:
             try:
                 return choose_derived(libc, patterns, debug_file)
@@ -229,7 +229,7 @@ def site_defines(selection: ProbeSelection | None) -> dict[str, int]:
     return defines
 
 
-def attach(program: BpfProgram, selection: ProbeSelection) -> None:
+def attach_sites(program: BpfProgram, selection: ProbeSelection) -> None:
     for index, lay in enumerate(selection.layouts):
         if lay.site.file_offset >= 0:  # < 0: a syscall-derived probe's entry
             program.attach_uprobe(selection.libc, lay.site.file_offset, f"site_{index}")

@@ -28,8 +28,8 @@ from typing import NamedTuple, Protocol
 import numpy as np
 from mtrace_live.probes.records import EventKind
 
-from .allocations import AllocSnapshot, FrameNames
-from .allocator import Allocators
+from .alloc_snapshot import AllocSnapshot, FrameNames
+from .allocator_state import Allocators
 from .events import Event, EventDecoder, SiteInfo
 from .kmem import KmemTotals
 

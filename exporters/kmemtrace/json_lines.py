@@ -71,7 +71,7 @@ def write_record_set(lines: Iterable[str], directory: Path, source: str) -> int:
             doc = json.loads(line)
             if not isinstance(doc, dict):
                 raise TypeError("not an object")
-            docs.append((_int(doc, "seq", -(1 << 63), (1 << 63) - 1), doc))
+            docs.append((_field_int(doc, "seq", -(1 << 63), (1 << 63) - 1), doc))
         except (ValueError, KeyError, TypeError, RecursionError):
             raise RecordSetError(
                 f"{source}: line {number} is not a JSON record of a record set"
@@ -111,7 +111,7 @@ U64, U32, U16 = (1 << 64) - 1, (1 << 32) - 1, (1 << 16) - 1
 EVENTS = ("alloc", "free", "probe")
 
 
-def _int(doc: dict[str, Any], key: str, low: int, high: int) -> int:
+def _field_int(doc: dict[str, Any], key: str, low: int, high: int) -> int:
     """A field that must be a JSON integer in [low, high] (never a float,
     a boolean or a string): ValueError naming the field otherwise."""
     value = doc[key]
@@ -121,10 +121,10 @@ def _int(doc: dict[str, Any], key: str, low: int, high: int) -> int:
 
 
 def _fill(row: np.void, doc: dict[str, Any], probes: list[str]) -> None:
-    row["ts"], row["cpu"] = _int(doc, "ts_ns", 0, U64), _int(doc, "cpu", 0, U16)
-    row["tgid"], row["tid"] = _int(doc, "pid", 0, U32), _int(doc, "tid", 0, U32)
+    row["ts"], row["cpu"] = _field_int(doc, "ts_ns", 0, U64), _field_int(doc, "cpu", 0, U16)
+    row["tgid"], row["tid"] = _field_int(doc, "pid", 0, U32), _field_int(doc, "tid", 0, U32)
     args = np.zeros(6, dtype=np.uint64)
-    row["ip"] = _int(doc, "call_site", 0, U64)
+    row["ip"] = _field_int(doc, "call_site", 0, U64)
     if doc["event"] not in EVENTS:
         raise ValueError(f"'event' (one of {', '.join(EVENTS)})")
     if doc["event"] == "probe":
@@ -132,11 +132,11 @@ def _fill(row: np.void, doc: dict[str, Any], probes: list[str]) -> None:
         values = doc["args"]
         if not isinstance(values, list) or len(values) > MAX_ARGS:
             raise ValueError(f"'args' (a list of at most {MAX_ARGS} integers)")
-        args[: len(values)] = [_int({"args": v}, "args", 0, U64) for v in values]
+        args[: len(values)] = [_field_int({"args": v}, "args", 0, U64) for v in values]
         row["nargs"] = len(values)
     else:
         type_id = TYPE_IDS[str(doc["type"])]
-        ptr = _int(doc, "ptr", 0, U64)
+        ptr = _field_int(doc, "ptr", 0, U64)
         alloc = doc["event"] == "alloc"
         if type_id in KERNEL_TYPES:
             row["kind"], row["site"] = EventKind.KMEM, type_id
@@ -145,10 +145,12 @@ def _fill(row: np.void, doc: dict[str, Any], probes: list[str]) -> None:
                 raise ValueError("'ptr' (a page's address, a multiple of 4096)")
             args[0] = ptr >> PAGE_SHIFT if type_id == TypeId.PAGES else ptr
             if alloc:
-                args[1] = _int(doc, "bytes_req", 0, U64)
-                args[2] = _int(doc, "bytes_alloc", 0, U64)
-                args[3] = _int(doc, "gfp_flags", 0, U32)
-                args[4] = np.int64(_int(doc, "node", -(1 << 31), (1 << 31) - 1)).astype(np.uint64)
+                args[1] = _field_int(doc, "bytes_req", 0, U64)
+                args[2] = _field_int(doc, "bytes_alloc", 0, U64)
+                args[3] = _field_int(doc, "gfp_flags", 0, U32)
+                args[4] = np.int64(_field_int(doc, "node", -(1 << 31), (1 << 31) - 1)).astype(
+                    np.uint64
+                )
         else:
             row["kind"], row["probe"] = (
                 EventKind.PROBE,
@@ -156,6 +158,6 @@ def _fill(row: np.void, doc: dict[str, Any], probes: list[str]) -> None:
             )
             args[0] = ptr
             if alloc:
-                args[1] = _int(doc, "bytes_req", 0, U64)
+                args[1] = _field_int(doc, "bytes_req", 0, U64)
         row["nargs"] = 6
     row["args"] = args

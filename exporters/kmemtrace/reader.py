@@ -193,7 +193,7 @@ def open_record_set(path: Path, big_endian: bool | None = None) -> RecordSetHead
         raise RecordSetError(f"{directory} lacks the file cpu{missing} of CPU {missing}")
     overruns_text = _read_text(directory / OVERRUNS_FILE, MAX_HEADER_BYTES)
     probes_text = _read_text(directory / PROBES_FILE, MAX_KALLSYMS_BYTES)
-    nodes = _cpu_nodes(directory)
+    nodes = _recorded_nodes(directory)
     return RecordSetHeader(
         path=path,
         directory=directory,
@@ -248,7 +248,7 @@ def _abi_version(directory: Path, files: Mapping[int, Path]) -> int:
     return abi
 
 
-def _cpu_nodes(directory: Path) -> dict[int, int]:
+def _recorded_nodes(directory: Path) -> dict[int, int]:
     """cpu_nodes' CPU -> node, of the lines that name a CPU a record can have."""
     nodes = {}
     for line in (_read_text(directory / NODES_FILE) or "").splitlines():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mtrace_live.exporters.data.allocations import FrameNames
+from mtrace_live.exporters.data.alloc_snapshot import FrameNames
 from mtrace_live.exporters.data.kallsyms import saved_text
 from mtrace_live.exporters.data.sink import EventBatch, Sink, TraceInfo, TraceResult
 from mtrace_live.exporters.kmemtrace.abi import ALLOC_TASK_RECORD, FREE_TASK_RECORD, record_size

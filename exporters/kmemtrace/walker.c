@@ -501,75 +501,63 @@ static inline int page_order(uint64_t bytes, uint64_t page_size) {
 }
 
 /* 0 fine, -1 out of memory. */
-/* One record, in sequence order, allocated or freed on ``cpu`` of ``node``;
- * ``rank``: its place in that order. 0, or -1 out of memory. */
-static int handle(state_t *s, const rec_t *r, int32_t cpu, int32_t node, int64_t rank) {
-    s->records++;
-    if (r->event_id == EV_PROBE) {
-        s->probes[r->probe]++;
+/* A kernel allocation on ``cpu`` of ``node``: 0, or -1 out of memory. */
+static int kernel_alloc(state_t *s, const rec_t *r, int32_t cpu, int32_t node) {
+    int64_t at = ksite(&s->ks, r->call_site, r->type_id);
+    if (at < 0) return -1;
+    ksite_t *site = (ksite_t *)s->ks.items + at;
+    site->allocs++;
+    site->bytes_req += r->bytes_req;
+    site->bytes_alloc += r->bytes_alloc;
+    site->failed += r->ptr == 0;
+    int cross = r->target >= 0 && r->target != node;
+    site->cross_node += cross;
+    s->cross_node += cross;
+    s->above += r->bytes_req > r->bytes_alloc;
+    if (r->type_id == T_PAGES) s->orders_alloc[page_order(r->bytes_alloc, s->page_size)]++;
+    if (!r->ptr) return 0;
+    int fresh;
+    live_t *e = live_claim(&s->klive, r->ptr, 0, &fresh);
+    if (!e) return -1;
+    if (!fresh) s->reallocated_live++;
+    e->site = (uint32_t)at;
+    e->type = r->type_id;
+    e->cpu = (uint16_t)cpu;
+    e->bytes = r->bytes_alloc;
+    return 0;
+}
+
+/* A kernel free on ``cpu``: matched by pointer to its allocation, or
+ * counted unknown at its own call site. 0, or -1 out of memory. */
+static int kernel_free(state_t *s, const rec_t *r, int32_t cpu) {
+    if (!r->ptr) {
+        s->null_frees++;
         return 0;
     }
-    if (r->type_id <= T_PAGES) {
-        if (r->event_id == EV_ALLOC) {
-            int64_t at = ksite(&s->ks, r->call_site, r->type_id);
-            if (at < 0) return -1;
-            ksite_t *site = (ksite_t *)s->ks.items + at;
-            site->allocs++;
-            site->bytes_req += r->bytes_req;
-            site->bytes_alloc += r->bytes_alloc;
-            site->failed += r->ptr == 0;
-            int cross = r->target >= 0 && r->target != node;
-            site->cross_node += cross;
-            s->cross_node += cross;
-            s->above += r->bytes_req > r->bytes_alloc;
-            if (r->type_id == T_PAGES) s->orders_alloc[page_order(r->bytes_alloc, s->page_size)]++;
-            if (r->ptr) {
-                int fresh;
-                live_t *e = live_claim(&s->klive, r->ptr, 0, &fresh);
-                if (!e) return -1;
-                if (!fresh) s->reallocated_live++;
-                e->site = (uint32_t)at;
-                e->type = r->type_id;
-                e->cpu = (uint16_t)cpu;
-                e->bytes = r->bytes_alloc;
-            }
-            return 0;
-        }
-        if (!r->ptr) {
-            s->null_frees++;
-            return 0;
-        }
-        live_t *e = live_find(&s->klive, r->ptr, 0);
-        if (e) {
-            ksite_t *site = (ksite_t *)s->ks.items + e->site;
-            site->frees++;
-            site->bytes_freed += e->bytes;
-            int cross = e->cpu != cpu, mismatched = e->type != r->type_id;
-            site->cross_cpu += cross;
-            site->mismatched += mismatched;
-            s->cross_cpu += cross;
-            s->mismatched += mismatched;
-            if (e->type == T_PAGES) s->orders_free[page_order(e->bytes, s->page_size)]++;
-            live_remove(&s->klive, e);
-            return 0;
-        }
-        int64_t at = ksite(&s->ks, r->call_site, r->type_id);
-        if (at < 0) return -1;
-        ((ksite_t *)s->ks.items + at)->unknown++;
-        s->unknown_frees++;
+    live_t *e = live_find(&s->klive, r->ptr, 0);
+    if (e) {
+        ksite_t *site = (ksite_t *)s->ks.items + e->site;
+        site->frees++;
+        site->bytes_freed += e->bytes;
+        int cross = e->cpu != cpu, mismatched = e->type != r->type_id;
+        site->cross_cpu += cross;
+        site->mismatched += mismatched;
+        s->cross_cpu += cross;
+        s->mismatched += mismatched;
+        if (e->type == T_PAGES) s->orders_free[page_order(e->bytes, s->page_size)]++;
+        live_remove(&s->klive, e);
         return 0;
     }
-    if (r->type_id <= T_ARENA) {
-        int k = r->type_id - T_SBRK;
-        if (r->event_id == EV_ALLOC) {
-            s->libc_allocs[k]++;
-            s->libc_bytes[k] += r->bytes_alloc;
-        } else {
-            s->libc_frees[k]++;
-        }
-        return 0;
-    }
-    /* T_USER: frees matched by (process, pointer) */
+    int64_t at = ksite(&s->ks, r->call_site, r->type_id);
+    if (at < 0) return -1;
+    ((ksite_t *)s->ks.items + at)->unknown++;
+    s->unknown_frees++;
+    return 0;
+}
+
+/* An allocation function's call (T_USER): frees matched by (process,
+ * pointer). ``rank``: the record's place in sequence order. */
+static int user_call(state_t *s, const rec_t *r, int64_t rank) {
     if (r->event_id == EV_ALLOC) {
         int64_t at = usite(&s->us, r->pid, r->fn, r->call_site);
         if (at < 0) return -1;
@@ -602,6 +590,29 @@ static int handle(state_t *s, const rec_t *r, int32_t cpu, int32_t node, int64_t
     return 0;
 }
 
+/* One record, in sequence order, allocated or freed on ``cpu`` of ``node``;
+ * ``rank``: its place in that order. 0, or -1 out of memory. */
+static int handle(state_t *s, const rec_t *r, int32_t cpu, int32_t node, int64_t rank) {
+    s->records++;
+    if (r->event_id == EV_PROBE) {
+        s->probes[r->probe]++;
+        return 0;
+    }
+    if (r->type_id <= T_PAGES)
+        return r->event_id == EV_ALLOC ? kernel_alloc(s, r, cpu, node) : kernel_free(s, r, cpu);
+    if (r->type_id <= T_ARENA) {
+        int k = r->type_id - T_SBRK;
+        if (r->event_id == EV_ALLOC) {
+            s->libc_allocs[k]++;
+            s->libc_bytes[k] += r->bytes_alloc;
+        } else {
+            s->libc_frees[k]++;
+        }
+        return 0;
+    }
+    return user_call(s, r, rank);
+}
+
 /* ---- Python ------------------------------------------------------------------ */
 
 static PyObject *u128_long(u128 v) {
@@ -622,6 +633,108 @@ static PyObject *u128_long(u128 v) {
     return out;
 }
 
+/* Each file's walk: (records, status, offset, (skipped by reason)). */
+static PyObject *files_list(const file_t *files, Py_ssize_t n) {
+    PyObject *list = PyList_New(n);
+    for (Py_ssize_t i = 0; list && i < n; i++) {
+        const file_t *f = &files[i];
+        PyObject *t = Py_BuildValue("(LiK(LLLL))", (long long)f->count, f->status,
+                                    (unsigned long long)f->status_offset,
+                                    (long long)f->skipped[0], (long long)f->skipped[1],
+                                    (long long)f->skipped[2], (long long)f->skipped[3]);
+        if (!t) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, i, t);
+    }
+    return list;
+}
+
+static PyObject *ksite_tuple(const ksite_t *k) {
+    PyObject *br = u128_long(k->bytes_req), *ba = u128_long(k->bytes_alloc),
+             *bf = u128_long(k->bytes_freed), *t = NULL;
+    if (br && ba && bf)
+        t = Py_BuildValue("(KiKOOKKKOKKK)", (unsigned long long)k->call_site, (int)k->type,
+                          (unsigned long long)k->allocs, br, ba, (unsigned long long)k->failed,
+                          (unsigned long long)k->cross_node, (unsigned long long)k->frees, bf,
+                          (unsigned long long)k->cross_cpu, (unsigned long long)k->mismatched,
+                          (unsigned long long)k->unknown);
+    Py_XDECREF(br);
+    Py_XDECREF(ba);
+    Py_XDECREF(bf);
+    return t;
+}
+
+static PyObject *usite_tuple(const usite_t *u) {
+    PyObject *b = u128_long(u->bytes), *bf = u128_long(u->bytes_freed), *t = NULL;
+    if (b && bf)
+        t = Py_BuildValue("(IiKKOKOKL)", (unsigned)u->pid, (int)u->fn,
+                          (unsigned long long)u->call_site, (unsigned long long)u->allocs, b,
+                          (unsigned long long)u->frees, bf, (unsigned long long)u->min_ptr,
+                          (long long)u->min_rank);
+    Py_XDECREF(b);
+    Py_XDECREF(bf);
+    return t;
+}
+
+static PyObject *libc_tuple(const state_t *s, int k) {
+    PyObject *bytes = u128_long(s->libc_bytes[k]), *t = NULL;
+    if (bytes)
+        t = Py_BuildValue("(KOK)", (unsigned long long)s->libc_allocs[k], bytes,
+                          (unsigned long long)s->libc_frees[k]);
+    Py_XDECREF(bytes);
+    return t;
+}
+
+/* A list of ``count`` tuples, the i-th made by ``make(items, i)``. */
+static PyObject *tuples(size_t count, PyObject *(*make)(const state_t *, size_t),
+                        const state_t *s) {
+    PyObject *list = PyList_New((Py_ssize_t)count);
+    for (size_t i = 0; list && i < count; i++) {
+        PyObject *t = make(s, i);
+        if (!t) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, (Py_ssize_t)i, t);
+    }
+    return list;
+}
+
+static PyObject *kernel_site(const state_t *s, size_t i) {
+    return ksite_tuple((const ksite_t *)s->ks.items + i);
+}
+
+static PyObject *user_site(const state_t *s, size_t i) {
+    return usite_tuple((const usite_t *)s->us.items + i);
+}
+
+static PyObject *libc_kind(const state_t *s, size_t i) { return libc_tuple(s, (int)i); }
+
+/* {key: value} of the nonzero entries: value(s, key), or NULL for none. */
+static PyObject *sparse(const state_t *s, long keys, PyObject *(*value)(const state_t *, long)) {
+    PyObject *dict = PyDict_New();
+    for (long k = 0; dict && k < keys; k++) {
+        PyObject *v = value(s, k);
+        if (v == Py_None) {
+            Py_DECREF(v);
+            continue;
+        }
+        PyObject *key = PyLong_FromLong(k);
+        int bad = !key || !v || PyDict_SetItem(dict, key, v) < 0;
+        Py_XDECREF(key);
+        Py_XDECREF(v);
+        if (bad) Py_CLEAR(dict);
+    }
+    return dict;
+}
+
+static PyObject *order_pair(const state_t *s, long o) {
+    if (!s->orders_alloc[o] && !s->orders_free[o]) Py_RETURN_NONE;
+    return Py_BuildValue("(KK)", (unsigned long long)s->orders_alloc[o],
+                         (unsigned long long)s->orders_free[o]);
+}
+
+static PyObject *probe_count(const state_t *s, long p) {
+    if (!s->probes[p]) Py_RETURN_NONE;
+    return PyLong_FromUnsignedLongLong(s->probes[p]);
+}
+
 static PyObject *results(state_t *s, file_t *files, Py_ssize_t n) {
     PyObject *out = PyDict_New(), *item = NULL;
     if (!out) return NULL;
@@ -632,21 +745,7 @@ static PyObject *results(state_t *s, file_t *files, Py_ssize_t n) {
         Py_DECREF(item);                                                    \
         item = NULL;                                                        \
     } while (0)
-    PyObject *list = PyList_New(n);
-    if (!list) goto fail;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        file_t *f = &files[i];
-        PyObject *t = Py_BuildValue("(LiK(LLLL))", (long long)f->count, f->status,
-                                    (unsigned long long)f->status_offset,
-                                    (long long)f->skipped[0], (long long)f->skipped[1],
-                                    (long long)f->skipped[2], (long long)f->skipped[3]);
-        if (!t) {
-            Py_DECREF(list);
-            goto fail;
-        }
-        PyList_SET_ITEM(list, i, t);
-    }
-    PUT("files", list);
+    PUT("files", files_list(files, n));
     PUT("unsorted", PyBool_FromLong(g_unsorted));
     PUT("records", PyLong_FromUnsignedLongLong(s->records));
     PUT("findings", Py_BuildValue("(KKKKK)", (unsigned long long)s->mismatched,
@@ -657,98 +756,11 @@ static PyObject *results(state_t *s, file_t *files, Py_ssize_t n) {
     PUT("cross_cpu_frees", PyLong_FromUnsignedLongLong(s->cross_cpu));
     PUT("cross_node_allocs", PyLong_FromUnsignedLongLong(s->cross_node));
     PUT("user_unknown_frees", PyLong_FromUnsignedLongLong(s->user_unknown));
-
-    list = PyList_New((Py_ssize_t)s->ks.count);
-    if (!list) goto fail;
-    for (size_t i = 0; i < s->ks.count; i++) {
-        ksite_t *k = (ksite_t *)s->ks.items + i;
-        PyObject *br = u128_long(k->bytes_req), *ba = u128_long(k->bytes_alloc),
-                 *bf = u128_long(k->bytes_freed), *t = NULL;
-        if (br && ba && bf)
-            t = Py_BuildValue("(KiKOOKKKOKKK)", (unsigned long long)k->call_site, (int)k->type,
-                              (unsigned long long)k->allocs, br, ba, (unsigned long long)k->failed,
-                              (unsigned long long)k->cross_node, (unsigned long long)k->frees, bf,
-                              (unsigned long long)k->cross_cpu, (unsigned long long)k->mismatched,
-                              (unsigned long long)k->unknown);
-        Py_XDECREF(br);
-        Py_XDECREF(ba);
-        Py_XDECREF(bf);
-        if (!t) {
-            Py_DECREF(list);
-            goto fail;
-        }
-        PyList_SET_ITEM(list, (Py_ssize_t)i, t);
-    }
-    PUT("kernel_sites", list);
-
-    list = PyList_New((Py_ssize_t)s->us.count);
-    if (!list) goto fail;
-    for (size_t i = 0; i < s->us.count; i++) {
-        usite_t *u = (usite_t *)s->us.items + i;
-        PyObject *b = u128_long(u->bytes), *bf = u128_long(u->bytes_freed), *t = NULL;
-        if (b && bf)
-            t = Py_BuildValue("(IiKKOKOKL)", (unsigned)u->pid, (int)u->fn,
-                              (unsigned long long)u->call_site, (unsigned long long)u->allocs, b,
-                              (unsigned long long)u->frees, bf, (unsigned long long)u->min_ptr,
-                              (long long)u->min_rank);
-        Py_XDECREF(b);
-        Py_XDECREF(bf);
-        if (!t) {
-            Py_DECREF(list);
-            goto fail;
-        }
-        PyList_SET_ITEM(list, (Py_ssize_t)i, t);
-    }
-    PUT("user_sites", list);
-
-    PyObject *orders = PyDict_New();
-    if (!orders) goto fail;
-    for (int o = 0; o < ORDERS; o++) {
-        if (!s->orders_alloc[o] && !s->orders_free[o]) continue;
-        PyObject *key = PyLong_FromLong(o);
-        PyObject *pair = Py_BuildValue("(KK)", (unsigned long long)s->orders_alloc[o],
-                                       (unsigned long long)s->orders_free[o]);
-        int bad = !key || !pair || PyDict_SetItem(orders, key, pair) < 0;
-        Py_XDECREF(key);
-        Py_XDECREF(pair);
-        if (bad) {
-            Py_DECREF(orders);
-            goto fail;
-        }
-    }
-    PUT("page_orders", orders);
-
-    list = PyList_New(3);
-    if (!list) goto fail;
-    for (int k = 0; k < 3; k++) {
-        PyObject *bytes = u128_long(s->libc_bytes[k]), *t = NULL;
-        if (bytes)
-            t = Py_BuildValue("(KOK)", (unsigned long long)s->libc_allocs[k], bytes,
-                              (unsigned long long)s->libc_frees[k]);
-        Py_XDECREF(bytes);
-        if (!t) {
-            Py_DECREF(list);
-            goto fail;
-        }
-        PyList_SET_ITEM(list, k, t);
-    }
-    PUT("libc", list);
-
-    PyObject *probes = PyDict_New();
-    if (!probes) goto fail;
-    for (long p = 0; p < 65536; p++) {
-        if (!s->probes[p]) continue;
-        PyObject *key = PyLong_FromLong(p);
-        PyObject *count = PyLong_FromUnsignedLongLong(s->probes[p]);
-        int bad = !key || !count || PyDict_SetItem(probes, key, count) < 0;
-        Py_XDECREF(key);
-        Py_XDECREF(count);
-        if (bad) {
-            Py_DECREF(probes);
-            goto fail;
-        }
-    }
-    PUT("probe_hits", probes);
+    PUT("kernel_sites", tuples(s->ks.count, kernel_site, s));
+    PUT("user_sites", tuples(s->us.count, user_site, s));
+    PUT("page_orders", sparse(s, ORDERS, order_pair));
+    PUT("libc", tuples(3, libc_kind, s));
+    PUT("probe_hits", sparse(s, 65536, probe_count));
 #undef PUT
     return out;
 fail:
@@ -829,6 +841,36 @@ static int run(state_t *s, file_t *files, int n) {
     return 0;
 }
 
+/* File i of the pass, opened for reading in chunks of ``chunk`` bytes: 1,
+ * or 0 with the Python error set. */
+static int open_file(file_t *f, PyObject *paths, PyObject *cpus, PyObject *nodes, Py_ssize_t i,
+                     size_t chunk) {
+    PyObject *path = PySequence_GetItem(paths, i), *cpu = PySequence_GetItem(cpus, i),
+             *node = PySequence_GetItem(nodes, i), *encoded = NULL;
+    int ok = path && cpu && node && PyUnicode_FSConverter(path, &encoded);
+    if (ok) {
+        f->cpu = (int32_t)PyLong_AsLong(cpu);
+        f->node = (int32_t)PyLong_AsLong(node);
+        f->cap = chunk;
+        f->buf = malloc(f->cap);
+        f->fd = open(PyBytes_AS_STRING(encoded), O_RDONLY | O_CLOEXEC);
+        if (f->fd < 0) {
+            PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path);
+            ok = 0;
+        } else if (!f->buf) {
+            PyErr_NoMemory();
+            ok = 0;
+        } else {
+            posix_fadvise(f->fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+        }
+    }
+    Py_XDECREF(path);
+    Py_XDECREF(cpu);
+    Py_XDECREF(node);
+    Py_XDECREF(encoded);
+    return ok && !PyErr_Occurred();
+}
+
 static PyObject *report_pass(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *paths, *cpus, *nodes;
@@ -854,30 +896,7 @@ static PyObject *report_pass(PyObject *self, PyObject *args) {
         return PyErr_NoMemory();
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *path = PySequence_GetItem(paths, i), *cpu = PySequence_GetItem(cpus, i),
-                 *node = PySequence_GetItem(nodes, i), *encoded = NULL;
-        int ok = path && cpu && node && PyUnicode_FSConverter(path, &encoded);
-        if (ok) {
-            files[i].cpu = (int32_t)PyLong_AsLong(cpu);
-            files[i].node = (int32_t)PyLong_AsLong(node);
-            files[i].cap = (size_t)chunk;
-            files[i].buf = malloc(files[i].cap);
-            files[i].fd = open(PyBytes_AS_STRING(encoded), O_RDONLY | O_CLOEXEC);
-            if (files[i].fd < 0) {
-                PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path);
-                ok = 0;
-            } else if (!files[i].buf) {
-                PyErr_NoMemory();
-                ok = 0;
-            } else {
-                posix_fadvise(files[i].fd, 0, 0, POSIX_FADV_SEQUENTIAL);
-            }
-        }
-        Py_XDECREF(path);
-        Py_XDECREF(cpu);
-        Py_XDECREF(node);
-        Py_XDECREF(encoded);
-        if (!ok || PyErr_Occurred()) {
+        if (!open_file(&files[i], paths, cpus, nodes, i, (size_t)chunk)) {
             release(&s, files, n);
             return NULL;
         }

@@ -39,7 +39,7 @@ from .abi import (
 )
 
 
-def _cpu_nodes() -> str:
+def _machine_nodes() -> str:
     lines = []
     for node_dir in sorted(Path("/sys/devices/system/node").glob("node[0-9]*")):
         try:
@@ -242,7 +242,7 @@ class KmemtraceWriter:
             (directory / ABI_FILE).write_text(f"{ABI_VERSION}\n")
             (directory / CPUS_FILE).write_text(cpu_list_text(self.cpus) + "\n")
             (directory / PROBES_FILE).write_text("".join(f"{p}\n" for p in self.libc_probes))
-            (directory / NODES_FILE).write_text("" if cpus else _cpu_nodes())
+            (directory / NODES_FILE).write_text("" if cpus else _machine_nodes())
             (directory / KALLSYMS_FILE).write_text(kallsyms)
         except OSError as exc:
             raise RecordSetError(f"cannot write the record set {directory}: {exc}") from None

@@ -399,12 +399,27 @@ static __always_inline s32 walk_frames(struct pt_regs *ctx)
 }
 #endif
 
-/* Every allocating function's return probe. */
-int alloc_return(struct pt_regs *ctx)
+/* An allocation the outstanding table had no room for: never to be
+ * matched, so counted as freed at once (live bytes stay right), and, without
+ * sampling, as untracked in its process's row (not a free of the process's). */
+static __always_inline void untracked(struct alloc_stats *s, u32 tgid, u64 size, u64 weight)
 {
-    u64 id = bpf_get_current_pid_tgid();
-    u32 tid = (u32)id;
-    u32 tgid = id >> 32;
+    alloc_misc.increment(AX_OUTSTANDING_FULL);
+    __sync_fetch_and_add(&s->frees, 1);
+    __sync_fetch_and_add(&s->bytes_freed, weight);
+    __sync_fetch_and_add(&s->sizes_freed, size);
+    if (EXACT_STACKS) {
+        struct alloc_proc *proc = alloc_proc_of(tgid);
+        if (proc)
+            __sync_fetch_and_add(&proc->untracked, 1);
+    }
+}
+
+/* The call of this thread that returns now, taken out of its pending slot
+ * into *call: 1, or 0 when there is none to account (a nested call's
+ * return, or the gate closed). */
+static __always_inline int returning_call(u32 tgid, u32 tid, struct pending_call *call)
+{
     struct pending_call *p = pending_of(slot_of(tid), tid);
     if (!p)
         return 0;
@@ -412,21 +427,82 @@ int alloc_return(struct pt_regs *ctx)
         p->depth--;
         return 0;
     }
-    struct pending_call call = *p;
+    *call = *p;
     p->depth = 0;
     if (p->proc_tgid != tgid) { /* the process's row, made once per thread */
         alloc_proc_of(tgid);
         p->proc_tgid = tgid;
     }
-    if (gate_closed())
-        return 0;
+    return !gate_closed();
+}
+
+/* The block the call returned: its return value, or for posix_memalign
+ * the pointer it stored (0 when it failed). */
+static __always_inline u64 returned_block(struct pt_regs *ctx, const struct pending_call *call)
+{
     u64 ptr = PT_REGS_RC(ctx);
-    if (call.fn == AF_POSIX_MEMALIGN) {
+    if (call->fn == AF_POSIX_MEMALIGN) {
         u64 got = 0;
-        if ((int)ptr != 0 || bpf_probe_read_user(&got, sizeof(got), (void *)call.aux))
+        if ((int)ptr != 0 || bpf_probe_read_user(&got, sizeof(got), (void *)call->aux))
             got = 0;
         ptr = got;
     }
+    return ptr;
+}
+
+/* A call counted in its process's row (every call with sampling; without,
+ * only one that no stack row has). */
+static __always_inline void count_in_process(u32 tgid, u64 size)
+{
+    struct alloc_proc *proc = alloc_proc_of(tgid);
+    if (proc) {
+        __sync_fetch_and_add(&proc->calls, 1);
+        __sync_fetch_and_add(&proc->bytes, size);
+    }
+}
+
+/* A kept allocation: counted in its stack's row and tracked until freed. */
+static __always_inline void keep_allocation(struct pt_regs *ctx, const struct pending_call *call,
+                                            u32 tgid, u32 tid, u64 call_site, u64 ptr, u64 weight)
+{
+    struct alloc_key key = {.call_site = call_site, .tgid = tgid, .fn = call->fn};
+#if ALLOC_WALK
+    key.stack = walk_frames(ctx);
+#else
+    key.stack = -1;
+#endif
+    u32 stack_row = 0;
+    struct alloc_stack_row *row = stack_row_of(&key, &stack_row);
+    struct alloc_stats *s = row ? &row->stats : NULL;
+    u64 now = alloc_now();
+    if (!s) {
+        alloc_misc.increment(AX_STACKS_FULL);
+        if (EXACT_STACKS)
+            count_in_process(tgid, call->size); /* counted here, as no row has it */
+    } else {
+        __sync_fetch_and_add(&s->calls, 1);
+        __sync_fetch_and_add(&s->bytes, weight);
+        __sync_fetch_and_add(&s->sizes, call->size);
+        s->last_ts = now;
+        struct outstanding o = {.key = key, .size = call->size, .weight = weight, .ts = now,
+                                .tid = tid, .stack_row = stack_row};
+        if (outstanding_add(ptr, tgid, &o))
+            untracked(s, tgid, call->size, weight);
+    }
+    alloc_event(EV_ALLOC, call->fn, tgid, tid, call_site, ptr, call->size, call->aux, weight, 0, 0,
+                key.stack);
+}
+
+/* Every allocating function's return probe. */
+int alloc_return(struct pt_regs *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = (u32)id;
+    u32 tgid = id >> 32;
+    struct pending_call call;
+    if (!returning_call(tgid, tid, &call))
+        return 0;
+    u64 ptr = returned_block(ctx, &call);
     u64 call_site = PT_REGS_IP(ctx); /* the return address, restored by the kernel */
     if (call.fn == AF_REALLOC || call.fn == AF_REALLOCARRAY) {
         /* glibc frees the old block on success, and on a request of 0 bytes. */
@@ -441,60 +517,12 @@ int alloc_return(struct pt_regs *ctx)
             __sync_fetch_and_add(&proc->failed, 1);
         return 0;
     }
-#if !EXACT_STACKS
-    struct alloc_proc *proc = alloc_proc_of(tgid);
-    if (proc) {
-        __sync_fetch_and_add(&proc->calls, 1);
-        __sync_fetch_and_add(&proc->bytes, call.size);
-    }
-#endif
+    if (!EXACT_STACKS)
+        count_in_process(tgid, call.size);
     u64 weight = sample_weight(call.size);
-#if SAMPLE_BYTES > 0
-    if (!weight)
+    if (SAMPLE_BYTES > 0 && !weight)
         return 0;
-#endif
-    struct alloc_key key = {.call_site = call_site, .tgid = tgid, .fn = call.fn};
-#if ALLOC_WALK
-    key.stack = walk_frames(ctx);
-#else
-    key.stack = -1;
-#endif
-    u32 stack_row = 0;
-    struct alloc_stack_row *row = stack_row_of(&key, &stack_row);
-    struct alloc_stats *s = row ? &row->stats : NULL;
-    u64 now = alloc_now();
-    if (!s) {
-        alloc_misc.increment(AX_STACKS_FULL);
-#if EXACT_STACKS
-        struct alloc_proc *proc = alloc_proc_of(tgid); /* counted here, as no row has it */
-        if (proc) {
-            __sync_fetch_and_add(&proc->calls, 1);
-            __sync_fetch_and_add(&proc->bytes, call.size);
-        }
-#endif
-    } else {
-        __sync_fetch_and_add(&s->calls, 1);
-        __sync_fetch_and_add(&s->bytes, weight);
-        __sync_fetch_and_add(&s->sizes, call.size);
-        s->last_ts = now;
-    }
-    if (s) {
-        struct outstanding o = {.key = key, .size = call.size, .weight = weight, .ts = now,
-                                .tid = tid, .stack_row = stack_row};
-        if (outstanding_add(ptr, tgid, &o)) {
-            alloc_misc.increment(AX_OUTSTANDING_FULL);
-            /* never to be matched: counted as freed at once, so live bytes stay right */
-            __sync_fetch_and_add(&s->frees, 1);
-            __sync_fetch_and_add(&s->bytes_freed, weight);
-            __sync_fetch_and_add(&s->sizes_freed, call.size);
-#if EXACT_STACKS
-            struct alloc_proc *proc = alloc_proc_of(tgid); /* not a free of the process's */
-            if (proc)
-                __sync_fetch_and_add(&proc->untracked, 1);
-#endif
-        }
-    }
-    alloc_event(EV_ALLOC, call.fn, tgid, tid, call_site, ptr, call.size, call.aux, weight, 0, 0, key.stack);
+    keep_allocation(ctx, &call, tgid, tid, call_site, ptr, weight);
     return 0;
 }
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from mtrace_live.exporters.data.kallsyms import KernelSymbols
 from mtrace_live.exporters.kmemtrace.abi import EventId, TypeId
+from mtrace_live.exporters.kmemtrace.analysis import analyse, stream_report
 from mtrace_live.exporters.kmemtrace.reader import RecordSet, open_record_set, read_record_set
-from mtrace_live.exporters.kmemtrace.report import analyse, stream
 
 from .conftest import MTRACE
 from .tracing import (
@@ -64,22 +64,10 @@ def recorded(kmem_exerciser: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     tmp = tmp_path_factory.mktemp("kmemtrace")
     directory = tmp / "records"
     with Reaper() as reaper:
-        work = reaper.add(
-            subprocess.Popen(
-                [
-                    str(kmem_exerciser),
-                    "--sockets",
-                    str(SOCKETS),
-                    "--pipes",
-                    str(PIPES),
-                    "--out",
-                    str(tmp / "truth.json"),
-                    "--gated",
-                ],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-            )
-        )
+        work = reaper.add(subprocess.Popen(
+            [str(kmem_exerciser), "--sockets", str(SOCKETS), "--pipes", str(PIPES),
+             "--out", str(tmp / "truth.json"), "--gated"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE))  # fmt: skip
         assert work.stdin is not None and work.stdout is not None
         assert work.stdout.readline() == b"ready\n"
         bpftrace, bpftrace_out = bpftrace_kmem_counts(work.pid, tmp)
@@ -98,19 +86,9 @@ def recorded(kmem_exerciser: Path, tmp_path_factory: pytest.TempPathFactory) -> 
                 )
             )
         wait_for_line(err, "Ctrl-C to stop", record, timeout=120)
-        decoy = reaper.add(
-            subprocess.Popen(
-                [
-                    str(kmem_exerciser),
-                    "--sockets",
-                    str(10 * SOCKETS),
-                    "--pipes",
-                    "0",
-                    "--out",
-                    str(tmp / "decoy.json"),
-                ]
-            )
-        )
+        decoy = reaper.add(subprocess.Popen(
+            [str(kmem_exerciser), "--sockets", str(10 * SOCKETS), "--pipes", "0",
+             "--out", str(tmp / "decoy.json")]))  # fmt: skip
         work.stdin.write(b"go\n")
         work.stdin.flush()
         assert work.stdout.readline() == b"done\n"
@@ -187,9 +165,9 @@ def test_socket_inodes_are_counted_per_call_site_and_their_rcu_frees_follow_the_
     assert rs.kallsyms
     report = analyse(rs, KernelSymbols(rs.kallsyms))
     # (the streaming pass that `report` runs says the same)
-    assert stream(open_record_set(recorded.directory), KernelSymbols(rs.kallsyms)).as_json() == (
-        report.as_json()
-    )
+    assert stream_report(
+        open_record_set(recorded.directory), KernelSymbols(rs.kallsyms)
+    ).as_json() == (report.as_json())
     # WHEN the call site allocating socket inodes is looked up
     sites = [s for s in report.kernel.sites if s.symbol.startswith("sock_alloc_inode+")]
     # THEN it made exactly one inode per socket() of the traced pid (none of

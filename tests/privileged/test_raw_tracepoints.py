@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 from mtrace_live.tracer import bpf_syscalls
-from mtrace_live.tracer.count_command import CountRequest, run_count
-from mtrace_live.tracer.counting import HitCounter
+from mtrace_live.tracer.hit_counts import CountRequest, HitCounter, run_count
 from mtrace_live.tracer.kernel_btf import KernelBtf
 
 from .conftest import MTRACE

@@ -12,7 +12,7 @@ MTRACE = [sys.executable, "-m", "mtrace_live.tracer.cli"]
 _AS_NOBODY = """
 import os, sys
 import mtrace_live.tracer.cli as cli
-import mtrace_live.tracer.count_command, mtrace_live.tracer.doctor
+import mtrace_live.tracer.hit_counts, mtrace_live.tracer.checks
 import mtrace_live.probes.listing, mtrace_live.tracer.target, mtrace_live.exporters.probe_list
 import mtrace_live.tracer.live, mtrace_live.exporters.live_view
 import mtrace_live.exporters.lines, mtrace_live.exporters.summary

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 from mtrace_live.exporters.data.kallsyms import KernelSymbols
+from mtrace_live.exporters.kmemtrace.analysis import analyse, report_lines, stream_report
 from mtrace_live.exporters.kmemtrace.json_lines import json_lines, write_record_set
 from mtrace_live.exporters.kmemtrace.reader import cpu_files, open_record_set, read_record_set
-from mtrace_live.exporters.kmemtrace.report import analyse, render_text, stream
 from mtrace_live.exporters.sprtrace import text as sprtrace
 from mtrace_live.exporters.sprtrace.convert import from_record_set
 from mtrace_live.exporters.web import load_web_config, parse_address
@@ -170,8 +170,8 @@ def record_set(data: bytes) -> None:
         symbols = KernelSymbols(records.kallsyms or "")
         report = analyse(records, symbols)
         # the streaming pass reads the same hostile bytes to the same answer
-        assert stream(open_record_set(directory), symbols).as_json() == report.as_json()
-        render_text(report, None, "bytes_alloc")
+        assert stream_report(open_record_set(directory), symbols).as_json() == report.as_json()
+        report_lines(report, None, "bytes_alloc")
         allocs = int(np.count_nonzero(records.unordered["event_id"] == 0))
         assert sum(site.allocs for site in report.kernel.sites) <= allocs
         for site in report.kernel.sites:

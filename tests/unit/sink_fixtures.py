@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from mtrace_live.exporters.data.allocations import AllocSnapshot, ProcessAllocs, StackRow
-from mtrace_live.exporters.data.allocator import Allocators
+from mtrace_live.exporters.data.alloc_snapshot import AllocSnapshot, ProcessAllocs, StackRow
+from mtrace_live.exporters.data.allocator_state import Allocators
 from mtrace_live.exporters.data.events import EventDecoder, site_info
 from mtrace_live.exporters.data.kmem import KmemTotals
 from mtrace_live.exporters.data.sink import (

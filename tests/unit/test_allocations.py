@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from mtrace_live.exporters import alloc_table
 from mtrace_live.exporters.alloc_view import AllocPanel, sparkline
-from mtrace_live.exporters.data.allocations import (
+from mtrace_live.exporters.data.alloc_snapshot import (
     AllocSnapshot,
     FrameNames,
     Outstanding,
@@ -30,7 +30,7 @@ from mtrace_live.exporters.pprof import build_profile, message_class, write_prof
 from mtrace_live.exporters.prometheus import AllocFigures, MtraceCollector
 from mtrace_live.probes.alloc_sites import alloc_sites, tail_call
 from mtrace_live.probes.records import EVENT_DTYPE, AllocArg, AllocFn, EventKind
-from mtrace_live.tracer.allocs import plan, sample_intervals
+from mtrace_live.tracer.alloc_probes import plan_sites, sample_intervals
 from prometheus_client import CollectorRegistry
 from rich.console import Console
 
@@ -90,7 +90,7 @@ def test_stacks_are_cut_at_their_first_frame_outside_the_program_and_merged() ->
 
 def test_the_summary_lists_top_stacks_and_what_was_never_freed() -> None:
     snap = trimmed(snapshot(), KnownNames())
-    lines = alloc_table.summary_lines(snap, KnownNames(), command_ended=True)
+    lines = alloc_table.alloc_summary_lines(snap, KnownNames(), command_ended=True)
     text = "\n".join(lines)
     assert "allocations: pid 4242: 1150 calls" in text and "7 of memory allocated before" in text
     top = lines[lines.index("top call stacks by live bytes:") + 2]
@@ -217,7 +217,7 @@ def test_reallocarray_jumps_to_realloc_through_the_plt_and_gets_no_probe() -> No
     # THEN reallocarray is found to end in a jump to realloc's PLT stub
     assert sites["reallocarray"].tail_calls == "realloc"
     assert sites["malloc"].tail_calls is None
-    chosen = plan(DEBIAN_LIBC)
+    chosen = plan_sites(DEBIAN_LIBC)
     # AND the plan probes neither it nor aligned_alloc (memalign's address)
     assert chosen.seen_as == {"reallocarray": "realloc", "aligned_alloc": "memalign"}
     assert "reallocarray" not in chosen.sites and chosen.exit_offset is not None

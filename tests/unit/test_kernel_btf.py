@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 from mtrace_live.tracer.kernel_btf import VMLINUX, KernelBtf
-from mtrace_live.tracer.kmem_attach import _RAW_EVENTS, PAGE_EVENTS_WHY, _plan, kmem_attach
+from mtrace_live.tracer.kmem_attach import _RAW_EVENTS, PAGE_EVENTS_WHY, _raw_plan, kmem_attach
 
 pytestmark = pytest.mark.skipif(not VMLINUX.exists(), reason="this kernel has no BTF")
 
@@ -135,8 +135,8 @@ class _Lacking:
 
 def test_an_event_whose_facts_btf_lacks_stays_classic_and_says_why() -> None:
     with KernelBtf() as btf:
-        no_name = _plan(_Lacking(btf, member="name"), VARIANTS, EVENTS)  # type: ignore[arg-type]
-        no_kfree = _plan(_Lacking(btf, tracepoint="kfree"), VARIANTS, EVENTS)  # type: ignore[arg-type]
+        no_name = _raw_plan(_Lacking(btf, member="name"), VARIANTS, EVENTS)  # type: ignore[arg-type]
+        no_kfree = _raw_plan(_Lacking(btf, tracepoint="kfree"), VARIANTS, EVENTS)  # type: ignore[arg-type]
     assert "kmem_cache_alloc" not in no_name.raw and "RAW_CACHE_ALLOC" not in no_name.defines
     assert "no usable member name" in no_name.classic["kmem_cache_alloc"]
     assert "kmalloc" in no_name.raw
@@ -148,6 +148,6 @@ def test_without_the_tracepoints_btf_type_kmem_cache_alloc_stays_raw_untyped() -
     with KernelBtf() as btf:
         assert btf.tracepoint_type_id("kmem_cache_alloc") is not None
         assert btf.tracepoint_type_id("no_such_tracepoint") is None
-        untyped = _plan(_Lacking(btf, tracepoint_type="kmem_cache_alloc"), VARIANTS, EVENTS)  # type: ignore[arg-type]
+        untyped = _raw_plan(_Lacking(btf, tracepoint_type="kmem_cache_alloc"), VARIANTS, EVENTS)  # type: ignore[arg-type]
     assert "kmem_cache_alloc" in untyped.raw and untyped.typed == ()
     assert untyped.defines["RAW_CACHE_ALLOC"] == 1 and "BTF_CACHE_ALLOC" not in untyped.defines

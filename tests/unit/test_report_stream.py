@@ -13,8 +13,8 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mtrace_live.exporters.data.kmem import TYPE_NAMES
+from mtrace_live.exporters.kmemtrace.analysis import analyse, report_lines, stream_report
 from mtrace_live.exporters.kmemtrace.reader import open_record_set, read_record_set
-from mtrace_live.exporters.kmemtrace.report import analyse, render_text, stream
 
 SITES = (0xFFFFFFFF81000100, 0xFFFFFFFF81000200, 0x401000, 0)
 POINTERS = (0, 0x1000, 0x2000, 0x3000, 0xFFFF888000000040)
@@ -153,8 +153,10 @@ def kernel_truth(spec: dict[str, object]) -> dict[str, object]:
 
 def both(path: Path, big: bool | None = None, chunk: int | None = None) -> tuple[dict, dict]:
     sorting = analyse(read_record_set(path, big))
-    streaming = stream(open_record_set(path, big), chunk=chunk)
-    assert render_text(streaming, None, "bytes_alloc") == render_text(sorting, None, "bytes_alloc")
+    streaming = stream_report(open_record_set(path, big), chunk=chunk)
+    assert report_lines(streaming, None, "bytes_alloc") == report_lines(
+        sorting, None, "bytes_alloc"
+    )
     return streaming.as_json(), sorting.as_json()
 
 

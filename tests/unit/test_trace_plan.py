@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from mtrace_live.tracer import allocs
+from mtrace_live.tracer import alloc_probes
 from mtrace_live.tracer.plan import (
     KERNEL_RING_PAGES,
     Probes,
@@ -94,7 +94,7 @@ def exported_exit(libc: Path) -> bool:
 def test_the_allocation_functions_hold_at_exit_unless_root_is_given_up(dropped: bool) -> None:
     # GIVEN the system libc's allocation functions, for one process
     libc = default_libc()
-    probes = Probes(NO_PROBES.selection, False, allocs.plan(libc), ())
+    probes = Probes(NO_PROBES.selection, False, alloc_probes.plan_sites(libc), ())
     request = TraceRequest(pid=1234, privileges_dropped=dropped, sample_bytes=65536)
     plan = program_plan(request, probes, 1234, None)
     found = plan.config.defines()

@@ -37,7 +37,7 @@ def convert(**params: Any) -> None:
       mtrace-live convert out.d --to json > out.jsonl
       mtrace-live convert out.jsonl --to kmemtrace -o again.d
     """
-    from mtrace_live.exporters.convert import run_convert
+    from mtrace_live.exporters.conversions import run_convert
 
     from .. import package_version
 

@@ -51,7 +51,7 @@ def count(
     mtrace-live exits with the command's exit code.
     """
     options.check("count", {"pid": pid, "command": command, "sdt_glibc": sdt_glibc})
-    from ..count_command import CountRequest, run_count
+    from ..hit_counts import CountRequest, run_count
 
     request = CountRequest(
         pid=pid,

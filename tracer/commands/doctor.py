@@ -24,7 +24,7 @@ def doctor(pid: int | None, lib: Path | None) -> None:
     """
     from mtrace_live.probes.catalog import load_catalog
 
-    from ..doctor import exit_code, run_checks
+    from ..checks import exit_code, run_checks
 
     checks = []
     for check in run_checks(targets("doctor", pid, lib, with_ld_so=False)[0], load_catalog()):

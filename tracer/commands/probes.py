@@ -126,10 +126,10 @@ def _alloc_sites(libc: Path) -> list[dict[str, Any]]:
     """Each allocation function the libc exports, and where its probe sits."""
     from mtrace_live.probes.elf.errors import MtraceError
 
-    from ..allocs import plan
+    from ..alloc_probes import plan_sites
 
     try:
-        chosen = plan(libc)
+        chosen = plan_sites(libc)
     except (OSError, MtraceError):
         return []  # the SDT listing says what is wrong with the file
     out: list[dict[str, Any]] = []

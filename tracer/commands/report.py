@@ -45,8 +45,8 @@ def report(source: Path, fmt: str, sort: str, limit: int, kallsyms: Path | None)
     """
     from mtrace_live.exporters.allocinfo import render_allocinfo
     from mtrace_live.exporters.data.kallsyms import KernelSymbols
+    from mtrace_live.exporters.kmemtrace.analysis import report_lines, stream_report
     from mtrace_live.exporters.kmemtrace.reader import open_record_set
-    from mtrace_live.exporters.kmemtrace.report import render_text, stream
     from mtrace_live.probes.elf.errors import DamagedRecordsError
 
     header = open_record_set(source)
@@ -56,7 +56,7 @@ def report(source: Path, fmt: str, sort: str, limit: int, kallsyms: Path | None)
         symbols = KernelSymbols(header.kallsyms)
     else:
         symbols = KernelSymbols.load()
-    result = stream(header, symbols)
+    result = stream_report(header, symbols)
     if fmt == "json":
         click.echo(json.dumps(result.as_json(), indent=2))
     elif fmt == "allocinfo":
@@ -65,7 +65,7 @@ def report(source: Path, fmt: str, sort: str, limit: int, kallsyms: Path | None)
         user = [(s.live_bytes, s.live, s.location, s.symbol, s.name) for s in result.user]
         click.echo("\n".join([*render_allocinfo(result.kernel), *render_user_allocinfo(user)]))
     elif fmt in ("pprof", "folded"):
-        from mtrace_live.exporters.kmemtrace.report import user_snapshot
+        from mtrace_live.exporters.kmemtrace.analysis import user_snapshot
 
         snapshot, names = user_snapshot(result)
         if fmt == "folded":
@@ -85,7 +85,7 @@ def report(source: Path, fmt: str, sort: str, limit: int, kallsyms: Path | None)
     else:
         keys = {"bytes": "bytes_alloc", "calls": "allocs", "fragmentation": "fragmentation",
                 "live": "outstanding_bytes"}  # fmt: skip
-        click.echo("\n".join(render_text(result, limit or None, keys[sort])))
+        click.echo("\n".join(report_lines(result, limit or None, keys[sort])))
     damage = result.source.damage
     if damage:
         for line in damage[:-1]:

@@ -9,8 +9,8 @@ import click
 from . import options
 
 if TYPE_CHECKING:
+    from ..metrics_endpoint import ExportOptions
     from ..plan import TraceRequest
-    from ..serve import ExportOptions
 
 
 @click.command(context_settings={"allow_interspersed_args": False})
@@ -71,12 +71,13 @@ def serve(**params: Any) -> None:
     options.check("serve", {key: params[key] for key in checked})
     from mtrace_live.exporters.summary import StopLine
 
-    from ..serve import serve_trace
+    from ..metrics_endpoint import serve_trace
 
     serve_trace(_request(params), _export(params), StopLine())
 
 
 def _request(params: dict[str, Any]) -> TraceRequest:
+    from ..plan import TraceRequest
     from ..sdt_glibc import locate
     from ..usdt import DEFAULT_PATTERNS
 
@@ -106,7 +107,7 @@ def _request(params: dict[str, Any]) -> TraceRequest:
 
 
 def _export(params: dict[str, Any]) -> ExportOptions:
-    from ..serve import ExportOptions
+    from ..metrics_endpoint import ExportOptions
 
     return ExportOptions(
         address=params["address"],

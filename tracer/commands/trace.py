@@ -21,7 +21,7 @@ def start_trace(*, prometheus: str | None = None, web_config: Path | None = None
 
     request = trace_request(params)
     if prometheus is not None:
-        from ..serve import ExportOptions, serve_trace
+        from ..metrics_endpoint import ExportOptions, serve_trace
 
         result = serve_trace(request, ExportOptions(prometheus, web_config))
     else:

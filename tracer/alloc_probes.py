@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from mtrace_live.exporters.data.allocations import (
+from mtrace_live.exporters.data.alloc_snapshot import (
     AllocSnapshot,
     Outstanding,
     ProcessAllocs,
@@ -64,16 +64,16 @@ class AllocPlan:
         return [name for name, site in self.sites.items() if not site.emulated]
 
 
-def plan(libc: Path) -> AllocPlan:
+def plan_sites(libc: Path) -> AllocPlan:
     """The sites to attach in ``libc``; NotElfError (exit 9) for a file that
     is not a readable ELF file."""
     try:
-        return _plan(libc)
+        return _plan_sites(libc)
     except ELF_FAILURES as exc:
         raise not_elf(libc, exc) from None
 
 
-def _plan(libc: Path) -> AllocPlan:
+def _plan_sites(libc: Path) -> AllocPlan:
     found = alloc_sites(libc)
     sites: dict[str, AllocSite] = {}
     seen_as: dict[str, str] = {}
@@ -127,7 +127,7 @@ def _open_rows(entries: int) -> int:
     return 1 << (2 * entries - 1).bit_length()
 
 
-def attach(program: BpfProgram, chosen: AllocPlan, sample_bytes: int, hold: bool,
+def attach_allocs(program: BpfProgram, chosen: AllocPlan, sample_bytes: int, hold: bool,
            pid: int = -1) -> None:  # fmt: skip
     """Attach the handlers in every process that maps the libc, or, with
     ``pid``, in that process alone: then no other process on the machine

@@ -4,7 +4,7 @@ Allocations and frees per call site, frees matched to their allocation by
 pointer, cross-CPU frees, and the errors kmemtrace-report looked for.
 
 The walker (walker.c) analyses the records, in sequence order, two ways:
-- ``stream``: one compiled pass merges the cpuN files by sequence number in
+- ``stream_report``: one compiled pass merges the cpuN files by sequence number in
   fixed-size chunks and matches frees in a table of the allocations still
   live, so memory does not grow with the files. This is what the command
   uses.
@@ -23,7 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from mtrace_live.exporters.data.allocations import AllocSnapshot, FrameNames, StackRow, frame_text
+from mtrace_live.exporters.data.alloc_snapshot import (
+    AllocSnapshot,
+    FrameNames,
+    StackRow,
+    frame_text,
+)
 from mtrace_live.exporters.data.kallsyms import KernelSymbols
 from mtrace_live.exporters.data.kmem import CallSite, KmemTotals, name_sites
 from mtrace_live.exporters.data.symbolize import ProcessSymbols
@@ -175,7 +180,7 @@ def _probe_names(hits: Iterable[tuple[int, int]], names: list[str]) -> dict[str,
     return {(names[num] if num < len(names) else f"probe {num}"): int(c) for num, c in hits}
 
 
-def _function(fn: int) -> str:
+def _function_name(fn: int) -> str:
     return ALLOC_FN_NAMES[fn] if fn < len(ALLOC_FN_NAMES) else f"fn{fn}"
 
 
@@ -191,7 +196,7 @@ KERNEL_COLUMNS = (
 def analyse(rs: RecordSet, symbols: KernelSymbols | None = None) -> Report:
     """The report of a record set read whole (``read_record_set``): the
     walker's analysis of its records in sequence order. For a set whose
-    files no merge can order, where ``stream`` falls back to it."""
+    files no merge can order, where ``stream_report`` falls back to it."""
     from ._walker import report_records
 
     nodes = [rs.cpu_nodes.get(cpu, -1) for cpu in range(max(rs.cpu_nodes, default=-1) + 1)]
@@ -199,7 +204,7 @@ def analyse(rs: RecordSet, symbols: KernelSymbols | None = None) -> Report:
     return _report(found, Source.of(rs), symbols, rs.libc_probes, rs.user_maps)
 
 
-def stream(
+def stream_report(
     header: RecordSetHeader, symbols: KernelSymbols | None = None, chunk: int | None = None
 ) -> Report:
     """The report of a record set in one compiled pass over its files, in
@@ -259,7 +264,7 @@ def _report(found: dict[str, Any], source: Source, symbols: KernelSymbols | None
     # Sites by process, then by the pointer and sequence of their first
     # allocation (then, in _named, by live bytes).
     rows = sorted(found["user_sites"], key=lambda row: (row[0], row[7], row[8]))
-    user = [UserSite(pid, _function(fn), call_site, allocs, total, frees, freed)
+    user = [UserSite(pid, _function_name(fn), call_site, allocs, total, frees, freed)
             for pid, fn, call_site, allocs, total, frees, freed, _, _ in rows]  # fmt: skip
     return Report(
         source=source,
@@ -274,7 +279,7 @@ def _report(found: dict[str, Any], source: Source, symbols: KernelSymbols | None
     )
 
 
-def render_text(report: Report, limit: int | None, sort: str) -> list[str]:
+def report_lines(report: Report, limit: int | None, sort: str) -> list[str]:
     from mtrace_live.exporters.kmem_table import render_orders, render_table
 
     rs = report.source

@@ -58,7 +58,7 @@ def run_checks(libc: Path, catalog: Catalog) -> Iterator[Check]:
     yield _debug_file(libc)
     yield _derived_probes(libc)
     for tracepoint in catalog.tracepoints.values():
-        yield _tracepoint(tracepoint.category, tracepoint.name,
+        yield _tracepoint_check(tracepoint.category, tracepoint.name,
                           [f.name for f in tracepoint.fields if f.required])  # fmt: skip
     yield _raw_tracepoints()
 
@@ -136,11 +136,11 @@ def _libc_notes(libc: Path, catalog: Catalog) -> Check:
 
 def _alloc_functions(libc: Path) -> Check:
     """The allocation functions: exported, and where each probe sits."""
-    from .allocs import plan
+    from .alloc_probes import plan_sites
 
     name = "allocation functions"
     try:
-        chosen = plan(libc)
+        chosen = plan_sites(libc)
     except (OSError, ValueError, MtraceError) as exc:
         return Check(name, NOT_SUPPORTED, f"{libc}: cannot read its functions: {exc}")
     if not chosen.sites:
@@ -212,7 +212,7 @@ def debug_package(path: Path) -> str:
     return f"package {found.split(':')[0]}-dbg (apt-get install {found.split(':')[0]}-dbg)"
 
 
-def _tracepoint(category: str, event: str, required: list[str]) -> Check:
+def _tracepoint_check(category: str, event: str, required: list[str]) -> Check:
     name = f"tracepoint {category}:{event}"
     try:
         fmt = bpf_backend.tracepoint_format(category, event)
