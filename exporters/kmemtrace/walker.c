@@ -1,22 +1,25 @@
 /*
- * mtrace-live report: one pass over a kmemtrace record set, in bounded memory.
+ * The one walker of kmemtrace records (the format: abi.py,
+ * docs/kmemtrace-format.md), for every reader of them:
  *
- * The cpuN files are read in fixed-size chunks and merged by sequence number
- * (each file's 32-bit numbers unwrapped, then put on the first file's scale,
- * as exporters/kmemtrace.py does). Each record is handled once, in sequence
- * order: counted at its call site, and a free matched to the allocation of
- * the same pointer (kernel records) or of the same process and pointer
- * (the allocation functions' records) through an open-addressing table of
- * the allocations still live. Memory is the chunks, the call sites and the
- * live allocations, whatever the size of the files.
- *
- * The answers are those of tracer/report.py's in-memory analysis, which
- * sorts every record instead; tests compare the two. A file whose sequence
- * numbers go backwards cannot be merged: the pass says so ("unsorted") and
- * the caller falls back to sorting.
- *
- * The walk of one file follows exporters/kmemtrace_scan.py record for record:
- * the same skip reasons, the same damage statuses and offsets.
+ * - decode(): one record into a decoded record, rec_t, whose layout is
+ *   reader.py's DECODED (a unit test compares the two). Every walk below
+ *   goes through it: the same skip reasons, the same damage statuses.
+ * - scan(): one cpuN file decoded into memory, for the reader
+ *   (read_record_set: convert, the JSON lines, the fallback below).
+ * - report_pass(): report's one pass over a record set, in bounded memory.
+ *   The cpuN files are read in fixed-size chunks and merged by sequence
+ *   number (each file's 32-bit numbers unwrapped, then put on the first
+ *   file's scale, as the reader does). Each record is handled once, in
+ *   sequence order: counted at its call site, and a free matched to the
+ *   allocation of the same pointer (kernel records) or of the same process
+ *   and pointer (the allocation functions' records) through an
+ *   open-addressing table of the allocations still live. Memory is the
+ *   chunks, the call sites and the live allocations, whatever the size of
+ *   the files. A file whose sequence numbers go backwards cannot be merged:
+ *   the pass says so ("unsorted").
+ * - report_records(): the same analysis over records already decoded and
+ *   sorted in memory, for such a file (analysis.py's analyse).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -27,7 +27,7 @@
  * process's allocations, bytes and frees of known pointers are the sums of
  * its rows, and alloc_procs counts only what no row has: frees of unknown
  * pointers, failed calls, allocations alloc_stacks had no room for. With
- * sampling alloc_procs counts every call. (tracer/allocs.py adds them up.) */
+ * sampling alloc_procs counts every call. (tracer/alloc_probes.py adds them up.) */
 #define EXACT_STACKS (SAMPLE_BYTES == 0)
 #define SAMPLE_QUANTILES 1024 /* a power of two */
 #define MAX_CROSSINGS 32

@@ -12,7 +12,7 @@
  * tracer that knows which objects are live does: an allocation the filter
  * lets through puts its pointer in a table, and every free, whoever frees,
  * looks its pointer up there and takes it out. The table is the cheapest
- * kind this project knows, trace.bpf.c's own (set_table.h): one bucket of
+ * kind this project knows, the trace program's own (set_table.h): one bucket of
  * eight pointers in one cache line, claimed and released with a
  * compare-and-swap, here with no spill to a second bucket and nothing
  * stored beside the pointer. KMALLOC_ARG_PTR, KFREE_ARG_PTR, CACHE_ALLOC_ARG_PTR and
@@ -57,7 +57,7 @@ static __always_inline int handled(void)
 
 #if MATCH_FREES
 #include "set_table.h"
-#define BUCKETS 32768 /* 262,144 pointers, as trace.bpf.c's KMEM_OBJECTS */
+#define BUCKETS 32768 /* 262,144 pointers, as kmem.bpf.c's KMEM_OBJECTS */
 struct bucket {
     u64 ptr[TABLE_WAYS];
 };

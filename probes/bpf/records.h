@@ -1,4 +1,4 @@
-/* The records and table layouts that trace.bpf.c and user space share: the
+/* The records and table layouts that the trace program and user space share: the
  * one definition of each. probes/records.py holds the same layouts as numpy
  * dtypes and Python enums, and tests/unit/test_record_layout.py parses this
  * file and compares every field's offset and size, and every enumerator,
@@ -183,7 +183,7 @@ struct alloc_stack_row {
 };
 
 /* alloc_procs: per process, every call (sampled or not). */
-struct alloc_proc { /* without sampling, only what alloc_stacks rows do not count (trace.bpf.c) */
+struct alloc_proc { /* without sampling, only what alloc_stacks rows do not count (allocs.bpf.c) */
     u64 calls;         /* allocations that returned a pointer */
     u64 bytes;         /* the bytes they asked for */
     u64 frees;         /* free() of a non-NULL pointer, and realloc's releases */
@@ -219,7 +219,7 @@ struct outstanding {
 };
 
 struct outstanding_row {
-    u64 tag; /* 0: free; 1: freed since; else the allocation's (trace.bpf.c) */
+    u64 tag; /* 0: free; 1: freed since; else the allocation's (allocs.bpf.c) */
     u64 ptr;
     u32 tgid;
     u32 pad;

@@ -1,4 +1,4 @@
-/* The set-associative tables in BPF arrays that trace.bpf.c keeps its live
+/* The set-associative tables in BPF arrays that the trace program keeps its live
  * objects, call sites and caches in, and the kmem floor (kmem_empty.bpf.c)
  * its live pointers: a key's home is one bucket of TABLE_WAYS ways, whose
  * keys fill one cache line; a way is claimed with a compare-and-swap of
