@@ -60,13 +60,13 @@ class ProgramSource:
         """The parts joined, each under a line that names it."""
         return "".join(f"/* ==== {part.name} ==== */\n{part.read_text()}" for part in self.parts)
 
-    def main_file(self, scratch: Path) -> Path:
+    def main_file(self, scratch: Path, text: str) -> Path:
         """The file bcc compiles as its main file: the one part itself, or
-        the parts joined into a file in ``scratch``."""
+        ``text`` (the parts joined) written in ``scratch``."""
         if len(self.parts) == 1:
             return self.parts[0]
         joined = scratch / f"{self.name}.bpf.c"
-        joined.write_text(self.text())
+        joined.write_text(text)
         return joined
 
     def headers(self) -> list[Path]:

@@ -158,7 +158,8 @@ class BpfProgram:
         self._typed: dict[str, tuple[int, int]] = {}  # handler -> (program fd, attachment fd)
         # event -> why the kernel refused its BTF-typed handler (its raw one is attached)
         self.typed_refused: dict[str, str] = {}
-        sources = [source.text().encode(), *(h.read_bytes() for h in source.headers())]
+        text = source.text()
+        sources = [text.encode(), *(h.read_bytes() for h in source.headers())]
         key = bpf_cache.cache_key(sources, cflags, bcc_version())
         # What the start-up report says of the load: warnings, and the origin
         # (a debug line, MTRACE_LIVE_DEBUG=1).
@@ -169,7 +170,7 @@ class BpfProgram:
         if compiled is None:
             try:
                 with tempfile.TemporaryDirectory(prefix="mtrace-live-bpf-") as scratch:
-                    main = source.main_file(Path(scratch))
+                    main = source.main_file(Path(scratch), text)
                     self._bpf = bcc.BPF(src_file=str(main).encode(), cflags=cflags)
             except Exception as exc:
                 raise AttachError(f"cannot load BPF program {name}: {exc}") from None
