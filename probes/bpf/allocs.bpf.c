@@ -21,6 +21,38 @@
  * the countdown runs out inside it, and stands for SAMPLE_BYTES times the
  * number of times it did: an unbiased estimate of its bytes. Only kept
  * allocations get a stack walk, an outstanding entry and an event. */
+/* This part's settings (ProgramConfig, probes/program.py), and their defaults. */
+#ifndef WITH_ALLOCS
+#define WITH_ALLOCS 0 /* the allocation functions (malloc, free, ...) */
+#endif
+#ifndef ALLOC_EVENTS
+#define ALLOC_EVENTS 0 /* send each kept allocation and free through the ring */
+#endif
+#ifndef ALLOC_ONE_PROCESS
+#define ALLOC_ONE_PROCESS 0 /* the uprobes are attached for one process: the kernel filters */
+#endif
+#ifndef ALLOC_OUT_ROWS
+#define ALLOC_OUT_ROWS 524288 /* rows of `outstanding` (a power of two): twice --max-outstanding */
+#endif
+#ifndef ALLOC_FRAME_ROWS
+#define ALLOC_FRAME_ROWS 32768 /* rows of alloc_frames (a power of two): twice --alloc-stacks */
+#endif
+#ifndef ALLOC_STACK_ROWS
+#define ALLOC_STACK_ROWS 32768 /* rows of alloc_stacks (a power of two): twice --alloc-stacks */
+#endif
+#ifndef ALLOC_WALK
+#define ALLOC_WALK 1 /* walk the user stack of kept allocations (else: call site only) */
+#endif
+#ifndef ALLOC_DEPTH
+#define ALLOC_DEPTH 32 /* frames kept above an allocation's call site (a power of two) */
+#endif
+#ifndef SAMPLE_BYTES
+#define SAMPLE_BYTES 0
+#endif
+#ifndef HOLD_AT_EXIT
+#define HOLD_AT_EXIT 0 /* stop a followed process in _exit until user space has read its maps */
+#endif
+
 #if WITH_ALLOCS
 
 /* Without sampling every allocation has its alloc_stacks row, so a

@@ -48,37 +48,6 @@
 #ifndef RINGBUF_PAGES
 #define RINGBUF_PAGES 2048 /* 8 MiB with 4 KiB pages; a power of two */
 #endif
-#ifndef SITE_COUNT
-#define SITE_COUNT 0 /* how many site_<n> handlers to build, at most 128 */
-#endif
-#ifndef WITH_KMEM
-#define WITH_KMEM 0
-#endif
-#ifndef HAVE_CACHE_NAME
-#define HAVE_CACHE_NAME 0
-#endif
-#ifndef KMEM_EVENTS
-#define KMEM_EVENTS 0 /* send kmem events through the ring too (kmemtrace records) */
-#endif
-/* Tracepoint variants, set by user space from tracefs (tracer/tracefs.py). */
-#ifndef KMALLOC_HAS_NODE
-#define KMALLOC_HAS_NODE 0 /* Linux >= 6.1 merged kmalloc_node into kmalloc */
-#endif
-#ifndef CACHE_ALLOC_HAS_NODE
-#define CACHE_ALLOC_HAS_NODE 0
-#endif
-#ifndef HAVE_KMALLOC_NODE
-#define HAVE_KMALLOC_NODE 0 /* the separate *_node tracepoints of Linux < 6.1 */
-#endif
-#ifndef HAVE_CACHE_ALLOC_NODE
-#define HAVE_CACHE_ALLOC_NODE 0
-#endif
-#ifndef HAVE_PAGE_FREE_BATCHED
-#define HAVE_PAGE_FREE_BATCHED 0
-#endif
-#ifndef PAGE_SHIFT_
-#define PAGE_SHIFT_ 12
-#endif
 #ifndef FILTER_COMM
 #define FILTER_COMM 0
 #endif
@@ -93,42 +62,6 @@
 #endif
 #ifndef STACK_ENTRIES
 #define STACK_ENTRIES 16384 /* distinct stacks the map holds */
-#endif
-#ifndef WITH_ALLOCS
-#define WITH_ALLOCS 0 /* the allocation functions (malloc, free, ...) */
-#endif
-#ifndef ALLOC_EVENTS
-#define ALLOC_EVENTS 0 /* send each kept allocation and free through the ring */
-#endif
-#ifndef ALLOC_ONE_PROCESS
-#define ALLOC_ONE_PROCESS 0 /* the uprobes are attached for one process: the kernel filters */
-#endif
-#ifndef ALLOC_OUT_ROWS
-#define ALLOC_OUT_ROWS 524288 /* rows of `outstanding` (a power of two): twice --max-outstanding */
-#endif
-#ifndef ALLOC_FRAME_ROWS
-#define ALLOC_FRAME_ROWS 32768 /* rows of alloc_frames (a power of two): twice --alloc-stacks */
-#endif
-#ifndef ALLOC_STACK_ROWS
-#define ALLOC_STACK_ROWS 32768 /* rows of alloc_stacks (a power of two): twice --alloc-stacks */
-#endif
-#ifndef ALLOC_WALK
-#define ALLOC_WALK 1 /* walk the user stack of kept allocations (else: call site only) */
-#endif
-#ifndef ALLOC_DEPTH
-#define ALLOC_DEPTH 32 /* frames kept above an allocation's call site (a power of two) */
-#endif
-#ifndef SAMPLE_BYTES
-#define SAMPLE_BYTES 0
-#endif
-#ifndef HOLD_AT_EXIT
-#define HOLD_AT_EXIT 0 /* stop a followed process in _exit until user space has read its maps */
-#endif
-#ifndef KMEM_OBJECTS
-#define KMEM_OBJECTS 262144 /* live objects tracked by pointer */
-#endif
-#ifndef KMEM_SITES
-#define KMEM_SITES 16384 /* call sites aggregated */
 #endif
 
 #ifndef FIRST_TGID

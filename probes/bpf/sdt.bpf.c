@@ -5,6 +5,11 @@
  * distance from the site's instruction pointer: the rip-relative operands).
  * One handler body serves every site, inlined into each (bcc 0.26 cannot
  * load BPF-to-BPF calls). */
+/* This part's settings (ProgramConfig, probes/program.py), and their defaults. */
+#ifndef SITE_COUNT
+#define SITE_COUNT 0 /* how many site_<n> handlers to build, at most 128 */
+#endif
+
 /* ---- reading arguments ---------------------------------------------------*/
 #define PT_REGS_SLOTS (sizeof(struct pt_regs) / sizeof(u64))
 
