@@ -291,10 +291,12 @@ static int64_t usite(site_table *t, uint32_t pid, uint8_t fn, uint64_t call_site
 
 /* ---- one record -------------------------------------------------------------- */
 
-/* The feature blocks after a record's body: the task (pid, tid, time) and
- * the allocation function (function, aux, weight). */
-static void decode_features(const unsigned char *p, size_t size, size_t at, rec_t *r,
-                            int64_t *skipped) {
+/* The feature blocks after a record's body: the task (pid; with ``full``,
+ * tid and time too) and the allocation function (the function; with
+ * ``full``, aux and weight too). */
+static inline __attribute__((always_inline)) void
+decode_features(const unsigned char *p, size_t size, size_t at, rec_t *r, int64_t *skipped,
+                const int full) {
     while (at + 3 <= size) {
         size_t fsize = (size_t)rd(p + at, 2);
         if (fsize < 3 || at + fsize > size) {
@@ -302,14 +304,18 @@ static void decode_features(const unsigned char *p, size_t size, size_t at, rec_
             return;
         }
         if (p[at + 2] == 1 && fsize >= 24) {
-            r->has_task = 1;
             r->pid = (uint32_t)rd(p + at + 4, 4);
-            r->tid = (uint32_t)rd(p + at + 8, 4);
-            r->timestamp = rd(p + at + 16, 8);
+            if (full) {
+                r->has_task = 1;
+                r->tid = (uint32_t)rd(p + at + 8, 4);
+                r->timestamp = rd(p + at + 16, 8);
+            }
         } else if (p[at + 2] == 2 && fsize >= 24) {
             r->fn = p[at + 3];
-            r->aux = rd(p + at + 8, 8);
-            r->weight = rd(p + at + 16, 8);
+            if (full) {
+                r->aux = rd(p + at + 8, 8);
+                r->weight = rd(p + at + 16, 8);
+            }
         }
         at += fsize;
     }
@@ -319,9 +325,12 @@ static void decode_features(const unsigned char *p, size_t size, size_t at, rec_
  * and a probe record's arguments into args[0..5] when args is not NULL: 1.
  * 0 for a record skipped, its reason counted in skipped[] (SKIP_REASONS:
  * unknown event id, unknown type id, too short; a bad feature block ends
- * the record's features). r->seq is the 32-bit number, sign-extended. */
-static int decode(const unsigned char *p, size_t size, rec_t *r, uint64_t *args,
-                  int64_t *skipped) {
+ * the record's features). r->seq is the 32-bit number, sign-extended.
+ * ``full``: every field of rec_t (scan); else the ones the report's
+ * analysis reads (the pass, which decodes every record of a set). */
+static inline __attribute__((always_inline)) int
+decode(const unsigned char *p, size_t size, rec_t *r, uint64_t *args, int64_t *skipped,
+       const int full) {
     uint8_t eid = p[0], tid = p[1];
     if (eid > 2) {
         skipped[0]++;
@@ -335,19 +344,22 @@ static int decode(const unsigned char *p, size_t size, rec_t *r, uint64_t *args,
         skipped[2]++;
         return 0;
     }
-    memset(r, 0, sizeof *r);
+    if (full) memset(r, 0, sizeof *r);
     r->event_id = eid;
     r->type_id = tid;
     r->seq = (int32_t)(uint32_t)rd(p + 4, 4);
     r->call_site = rd(p + 8, 8);
     r->ptr = rd(p + 16, 8);
+    r->bytes_req = r->bytes_alloc = 0;
     r->target = -1;
+    r->probe = 0;
+    r->pid = 0;
     r->fn = NO_FUNCTION;
     size_t body = 24;
     if (eid == 0) {
         r->bytes_req = rd(p + 24, 8);
         r->bytes_alloc = rd(p + 32, 8);
-        r->gfp_flags = (uint32_t)rd(p + 40, 4);
+        if (full) r->gfp_flags = (uint32_t)rd(p + 40, 4);
         r->target = (int32_t)(uint32_t)rd(p + 44, 4);
         body = 48;
     } else if (eid == 2) {
@@ -356,7 +368,7 @@ static int decode(const unsigned char *p, size_t size, rec_t *r, uint64_t *args,
             for (int a = 0; a < MAX_ARGS; a++) args[a] = rd(p + 32 + 8 * a, 8);
         body = 80;
     }
-    decode_features(p, size, body, r, skipped);
+    decode_features(p, size, body, r, skipped, full);
     return 1;
 }
 
@@ -441,7 +453,7 @@ static int next_record(file_t *f) {
         }
         f->pos += size;
         rec_t *r = &f->head;
-        if (!decode(p, size, r, NULL, f->skipped))
+        if (!decode(p, size, r, NULL, f->skipped, 0))
             continue;
         uint32_t raw = (uint32_t)r->seq;
         int64_t seq;
@@ -980,7 +992,7 @@ static void walk(const unsigned char *buf, size_t n, uint16_t cpu, rec_t *out, u
             status = ST_TRUNCATED;
             break;
         }
-        if (decode(buf + o, size, &out[k], args + MAX_ARGS * probes, skipped)) {
+        if (decode(buf + o, size, &out[k], args + MAX_ARGS * probes, skipped, 1)) {
             out[k].cpu = cpu;
             probes += out[k].event_id == EV_PROBE;
             k++;
