@@ -18,7 +18,7 @@ setup:
 sdt-glibc: setup
 	bash scripts/sdt-glibc.sh
 
-WORKLOADS := probe_exerciser kmem_exerciser mallopt_loop jmp_loop arena_contention alloc_workload alloc_bench
+WORKLOADS := probe_exerciser kmem_exerciser mallopt_loop jmp_loop arena_contention arena_waits stdio_wait lock_wait_calls alloc_workload alloc_bench
 exercisers: $(addprefix $(BUILD)/,$(WORKLOADS))
 
 $(BUILD)/%: tests/workloads/%.c | $(BUILD)
@@ -78,9 +78,9 @@ demo: sdt-glibc exercisers
 	@$(BIN)/python scripts/compare-ground-truth $(BUILD)/demo-counts.json $(BUILD)/ground-truth.json
 
 # Every benchmark, side by side with bpftrace, bcc's trace and perf, in one
-# run; writes docs/bench.json and docs/performance.md (root; about 31 minutes
-# on 2 CPUs). QUICK=1: one repetition of each, smaller workloads, no probe hit
-# rates (section 7): 5 to 8 minutes.
+# run; writes docs/bench.json and docs/performance.md (root; about 38 minutes
+# on 2 CPUs: 30.7 measured before section 9, which took 7.1). QUICK=1: one
+# repetition of each, smaller workloads, no probe hit rates (section 7): 6 to 9 minutes.
 # BENCH="--only usdt,kmem" runs some sections; BENCH=--rewrite only rewrites
 # docs/performance.md from docs/bench.json.
 bench: sdt-glibc exercisers

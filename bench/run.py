@@ -8,7 +8,8 @@ docs/performance.md written from it.
 
 Run as root after `make sdt-glibc exercisers`. Sections: usdt (1), kmem (2
 and 4), events (3), scrape (5), cost (6), rates (7: probe hit rates),
-allocs (8: every malloc and free, against bpftrace, memleak and heaptrack). The
+allocs (8: every malloc and free, against bpftrace, memleak and heaptrack),
+contention (9: lock waits in time, and the tracer's observer effect). The
 peers (bpftrace, bcc's trace, perf) are looked for first; a missing one is
 named, its configurations left out, and the rest still runs.
 """
@@ -25,6 +26,7 @@ from typing import Any
 
 import alloc_bench
 import common
+import contention_bench
 import cost_bench
 import event_bench
 import kmem_bench
@@ -36,7 +38,7 @@ from common import PEERS, QUICK, REPO, REPS, machine, peer_versions, say
 # Kept with the page it renders, so that a later `--only` run on a fresh
 # machine merges its sections into the committed figures.
 RESULTS = REPO / "docs" / "bench.json"
-SECTIONS = ("usdt", "kmem", "events", "scrape", "cost", "rates", "allocs")
+SECTIONS = ("usdt", "kmem", "events", "scrape", "cost", "rates", "allocs", "contention")
 # The page's sections in order, each from its part of the results.
 PAGE: tuple[tuple[str, Callable[[Any], tuple[list[str], dict[str, bool | None]]]], ...] = (
     ("usdt", usdt_bench.render),
@@ -47,6 +49,7 @@ PAGE: tuple[tuple[str, Callable[[Any], tuple[list[str], dict[str, bool | None]]]
     ("cost", cost_bench.render),
     ("rates", rates_bench.render),
     ("allocs", alloc_bench.render),
+    ("contention", contention_bench.render),
 )
 
 
@@ -69,6 +72,7 @@ def measure(only: set[str]) -> dict[str, object]:
             "cost": lambda: cost_bench.run(tmp, peers),
             "rates": rates_bench.run,
             "allocs": lambda: alloc_bench.run(tmp, peers),
+            "contention": lambda: contention_bench.run(tmp, peers),
         }
         durations = {}
         failed: dict[str, dict[str, str]] = {}

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from typing import TextIO
 
 from .data.alloc_snapshot import AllocSnapshot, FrameNames
+from .data.allocator_state import Allocators
+from .data.lock_waits import LockWaits
 from .data.sink import EventBatch, Sink, TraceInfo, TraceResult
 from .summary import print_summary
 
@@ -61,12 +63,62 @@ class LineSink(Sink):
         self.written += len(events)
 
     def finish(self, result: TraceResult) -> None:
-        if self.as_json and result.allocations is not None:
+        if self.as_json:
+            tables = list(arena_table_json(result.model))
+            if result.lock_waits is not None:
+                tables += lock_table_json(result.lock_waits, result.frame_names)
+            if result.allocations is not None:
+                tables += stack_table_json(result.allocations, result.frame_names)
             with signals_held():
-                for line in stack_table_json(result.allocations, result.frame_names):
+                for line in tables:
                     self.stream.write(line + "\n")
                 self.stream.flush()
         print_summary(result, sys.stderr)
+
+
+def _json(doc: dict[str, object]) -> str:
+    return json.dumps(doc, separators=(",", ":"))
+
+
+def arena_table_json(model: Allocators) -> Iterator[str]:
+    """One object per arena seen ({"table": "arenas", ...}), with its
+    process's arena limit."""
+    with model.lock:
+        states = sorted(model.processes.values(), key=lambda state: state.pid)
+        for state in states:
+            for arena in sorted(state.arenas.values(), key=lambda a: (not a.main, a.address)):
+                yield _json({"table": "arenas", "pid": state.pid, "address": hex(arena.address),
+                             "main": arena.main, "found_at_attach": arena.found_at_attach,
+                             "attached_threads": arena.attached_threads,
+                             "system_mem": arena.system_mem,
+                             "heaps": [[hex(heap), size] for heap, size in arena.heaps],
+                             "created": arena.created_ns is not None,
+                             "lock_waits_counted": state.arena_lock_waits(arena),
+                             "arena_limit": state.arena_limit,
+                             "arena_limit_source": state.arena_limit_source or None})  # fmt: skip
+
+
+def lock_table_json(waits: LockWaits, names: FrameNames) -> Iterator[str]:
+    """The lock waits in time at the end of ``-o json``: one object per
+    process's threads' time ({"table": "thread_time", ...}), per (process,
+    lock) ({"table": "lock_waits", ...}, with the histogram's buckets by
+    their bound in ns) and per (process, lock, stack) ({"table": "lock_stacks", ...})."""
+    for time in waits.threads.values():
+        yield _json({"table": "thread_time", "pid": time.pid, "wall_ns": time.wall_ns,
+                     "thread_ns": time.thread_ns, "threads": time.threads, "live": time.live,
+                     "arena_wait_ns": waits.of(time.pid).total_ns,
+                     "arena_wait_share": waits.share(time.pid)})  # fmt: skip
+    for row in waits.rows:
+        hist = {str(1 << bucket): n for bucket, n in enumerate(row.times.hist) if n}
+        yield _json({"table": "lock_waits", "pid": row.pid, "futex": hex(row.futex),
+                     "lock": row.kind, "waits": row.times.count, "total_ns": row.times.total_ns,
+                     "max_ns": row.times.max_ns, "histogram_le_ns": hist})  # fmt: skip
+    for stack in waits.stacks:
+        yield _json({"table": "lock_stacks", "pid": stack.pid, "futex": hex(stack.futex),
+                     "lock": stack.kind, "waits": stack.times.count,
+                     "total_ns": stack.times.total_ns, "max_ns": stack.times.max_ns,
+                     "frames": [names.frame(stack.pid, a) for a in stack.frames]})  # fmt: skip
+    yield _json({"table": "lock_misc", "function": waits.function, **dict(waits.misc)})
 
 
 def stack_table_json(snapshot: AllocSnapshot, names: FrameNames) -> Iterator[str]:

@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .alloc_view import AllocPanel
+from .contention_view import ContentionPanel
 from .data.allocator_state import Allocators, ProcessState
 from .data.sink import EventBatch, Sink, TraceInfo, TraceResult
 from .summary import print_summary, setting_change
@@ -41,11 +42,13 @@ class LiveView(Sink):
         self._rates: dict[str, float] = {}
         self._wait_rates: dict[tuple[int, int], float] = {}
         self._allocs: AllocPanel | None = None
+        self._contention: ContentionPanel | None = None
 
     def start(self, info: TraceInfo) -> None:
         self._info = info
         if info.allocs:
             self._allocs = AllocPanel(info.frame_names, info.leaks_older_than)
+        self._contention = ContentionPanel(info.frame_names, inflated=info.allocs)
         self.interval = info.interval
         self._started = self._last = time.monotonic()
         console = self._console or Console(file=sys.stdout)
@@ -77,6 +80,9 @@ class LiveView(Sink):
             snapshot = self._info.counters.allocations(outstanding=True)
             if snapshot is not None:
                 self._allocs.update(snapshot, elapsed)
+        lock_waits = self._info.counters.lock_waits()
+        if lock_waits is not None and self._contention is not None:
+            self._contention.update(lock_waits, elapsed)
         self._last = now
         self._live.update(self._render(hits, lost), refresh=True)
 
@@ -106,6 +112,8 @@ class LiveView(Sink):
             with info.allocators.lock:
                 processes = sorted(info.allocators.processes.values(), key=lambda p: p.pid)
             parts.append(self._arena_table(processes))
+            if self._contention is not None:
+                parts += self._contention.render(processes)
             parts.append(self._memory_table(processes))
             parts.append(self._settings_table(processes))
         return Group(*parts)

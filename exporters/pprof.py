@@ -1,4 +1,5 @@
-"""Allocations by call stack as a pprof profile (``--pprof FILE``).
+"""Allocations by call stack as a pprof profile (``--pprof FILE``), and lock
+waits by call stack as a contention profile (``--pprof-mutex FILE``).
 
 The profile is the gzipped protocol buffer of google/pprof's profile.proto,
 which ``go tool pprof``, Pyroscope and Parca read. Its four sample types are
@@ -16,6 +17,12 @@ location is the call site (the function that called malloc), then its
 callers, as pprof wants the leaf first. Locations carry the function and
 file:line (from the symbols and DWARF line tables), and the mapping of the
 module holding them; each sample has ``pid`` and ``allocator`` labels.
+
+The contention profile is the one Go's ``/debug/pprof/mutex`` serves: two
+sample types, ``contentions`` (count) and ``delay`` (nanoseconds), a period
+of one contention; a sample per (process, lock, stack of the waiting
+thread), labelled ``pid`` and ``lock`` (main, arena, other, unknown), whose
+first location is the code that waited.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from mtrace_live.probes.elf.errors import OutputError
 
 from .data.alloc_snapshot import AllocSnapshot, FrameNames
-from .data.sink import Sink, TraceInfo, TraceResult
+from .data.lock_waits import LockWaits
+from .data.sink import Sink, TraceResult
 from .data.symbolize import Symbol
 
 # profile.proto (package perftools.profiles): message -> [(field, number, type, repeated, message)]
@@ -108,21 +116,30 @@ class _Strings:
         return found
 
 
-def build_profile(snapshot: AllocSnapshot, names: FrameNames, duration_ns: int = 0,
-                  comments: Sequence[str] = ()) -> Any:  # fmt: skip
-    """The Profile message of ``snapshot``."""
+def _new_profile(strings: _Strings, types: Sequence[tuple[str, str]], default: str,
+                 period: tuple[str, str, int], duration_ns: int,
+                 comments: Sequence[str]) -> Any:  # fmt: skip
     profile = message_class("Profile")()
-    strings = _Strings()
-    for kind, unit in SAMPLE_TYPES:
+    for kind, unit in types:
         profile.sample_type.add(type=strings(kind), unit=strings(unit))
-    profile.default_sample_type = strings("inuse_space")
-    profile.period_type.type = strings("space")
-    profile.period_type.unit = strings("bytes")
-    profile.period = snapshot.sample_bytes or 1
+    profile.default_sample_type = strings(default)
+    profile.period_type.type = strings(period[0])
+    profile.period_type.unit = strings(period[1])
+    profile.period = period[2]
     profile.time_nanos = time.time_ns() - duration_ns
     profile.duration_nanos = duration_ns
     for text in comments:
         profile.comment.append(strings(text))
+    return profile
+
+
+def build_profile(snapshot: AllocSnapshot, names: FrameNames, duration_ns: int = 0,
+                  comments: Sequence[str] = ()) -> Any:  # fmt: skip
+    """The Profile message of ``snapshot``."""
+    strings = _Strings()
+    profile = _new_profile(strings, SAMPLE_TYPES, "inuse_space",
+                           ("space", "bytes", snapshot.sample_bytes or 1), duration_ns,
+                           comments)  # fmt: skip
     tables = _Tables(profile, strings, names)
     pid_key, allocator_key = strings("pid"), strings("allocator")
     for row in snapshot.stacks:
@@ -133,6 +150,29 @@ def build_profile(snapshot: AllocSnapshot, names: FrameNames, duration_ns: int =
         sample.value.extend([row.objects, row.bytes, row.live_objects, row.live_bytes])
         sample.label.add(key=pid_key, num=row.tgid)
         sample.label.add(key=allocator_key, str=strings(row.function))
+    profile.string_table.extend(strings.table)
+    return profile
+
+
+CONTENTION_TYPES = (("contentions", "count"), ("delay", "nanoseconds"))
+
+
+def build_contention_profile(waits: LockWaits, names: FrameNames, duration_ns: int = 0,
+                             comments: Sequence[str] = ()) -> Any:  # fmt: skip
+    """The contention Profile message of ``waits``' stacks."""
+    strings = _Strings()
+    profile = _new_profile(strings, CONTENTION_TYPES, "delay", ("contentions", "count", 1),
+                           duration_ns, comments)  # fmt: skip
+    tables = _Tables(profile, strings, names)
+    pid_key, lock_key = strings("pid"), strings("lock")
+    for row in waits.stacks:
+        if not row.times.count:
+            continue
+        sample = profile.sample.add()
+        sample.location_id.extend(tables.location_id(row.pid, address) for address in row.frames)
+        sample.value.extend([row.times.count, row.times.total_ns])
+        sample.label.add(key=pid_key, num=row.pid)
+        sample.label.add(key=lock_key, str=strings(row.kind))
     profile.string_table.extend(strings.table)
     return profile
 
@@ -201,8 +241,8 @@ def write_profile(path: Path, profile: Any) -> None:
         raise OutputError(f"cannot write {path}: {exc.strerror}") from None
 
 
-class PprofSink(Sink):
-    """``--pprof FILE``: the profile, written when the trace ends."""
+class _ProfileSink(Sink):
+    """A profile written to a file when the trace ends."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -210,15 +250,35 @@ class PprofSink(Sink):
             path.touch()
         except OSError as exc:
             raise OutputError(f"cannot write {path}: {exc.strerror}") from None
-        self.started_ns = time.monotonic_ns()
 
-    def start(self, info: TraceInfo) -> None:
-        self.info = info
+    def profile(self, result: TraceResult) -> Any:
+        """The Profile message, or None when the trace has nothing for it."""
+        raise NotImplementedError
 
     def finish(self, result: TraceResult) -> None:
+        profile = self.profile(result)
+        if profile is not None:
+            write_profile(self.path, profile)
+
+
+class PprofSink(_ProfileSink):
+    """``--pprof FILE``: allocations by call stack."""
+
+    def profile(self, result: TraceResult) -> Any:
         if result.allocations is None:
-            return
-        profile = build_profile(result.allocations, result.frame_names,
-                                int(result.duration_s * 1e9),
-                                ["mtrace-live: allocations by call stack"])  # fmt: skip
-        write_profile(self.path, profile)
+            return None
+        return build_profile(result.allocations, result.frame_names,
+                             int(result.duration_s * 1e9),
+                             ["mtrace-live: allocations by call stack"])  # fmt: skip
+
+
+class ContentionSink(_ProfileSink):
+    """``--pprof-mutex FILE``: lock waits by the waiting thread's stack."""
+
+    def profile(self, result: TraceResult) -> Any:
+        if result.lock_waits is None:
+            return None
+        waits = result.lock_waits
+        comment = f"mtrace-live: waits in {waits.function}, by the waiting thread's stack"
+        return build_contention_profile(waits, result.frame_names, int(result.duration_s * 1e9),
+                                        [comment])  # fmt: skip

@@ -26,7 +26,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from .data.kmem import TYPE_NAMES, CallSite, KmemTotals
-from .prometheus_families import BUILD_INFO, PREFIX, family
+from .data.lock_waits import WaitTimes, bucket_bound_ns
+from .prometheus_families import BUILD_INFO, PREFIX, MetricFamily, family, histogram_family
 
 OTHER = "other"
 UNKNOWN = "unknown"
@@ -39,8 +40,9 @@ DOUBLE_FREE_PROBE = meanings().with_effect("double_free_check")[0]
 REUSE_WAIT_PROBE = meanings().with_effect("arena_reuse_wait")[0]
 MALLOPT_PROBE = meanings().with_effect("mallopt")[0]
 
-
-MetricFamily = CounterMetricFamily | GaugeMetricFamily
+# The lock-wait histogram's buckets: the kernel's log2 buckets (records.h)
+# whose bound is a power of 4 from 2^10 ns (1.024 us) to 2^30 ns (1.07 s).
+LOCK_WAIT_BUCKETS = tuple(range(10, 31, 2))
 
 
 @dataclass
@@ -61,6 +63,20 @@ class ProcessFigures:
         self.arenas += other.arenas
         self.heap_bytes += other.heap_bytes
         self.sbrk_bytes += other.sbrk_bytes
+
+
+@dataclass
+class LockFigures:
+    """The lock waits in time of the processes of one name (every one
+    traced, exited ones included: the kernel keeps their rows)."""
+
+    waits: dict[str, WaitTimes] = field(default_factory=dict)  # main, non_main, other, unknown
+    thread_ns: int = 0
+
+    def add(self, other: LockFigures) -> None:
+        for kind, times in other.waits.items():
+            self.waits[kind] = self.waits.get(kind, WaitTimes()) + times
+        self.thread_ns += other.thread_ns
 
 
 @dataclass
@@ -92,6 +108,7 @@ class Snapshot:
     started: float  # Unix time the trace began
     build: Mapping[str, str]
     allocs: AllocFigures | None = None
+    locks: Mapping[str, LockFigures] | None = None  # by process name, where waits are timed
 
 
 class StickyLabels:
@@ -123,10 +140,10 @@ class MtraceCollector(Collector):
         self._stacks = StickyLabels(top_stacks)
         self._lock = threading.Lock()  # the label caps are shared by concurrent scrapes
 
-    def describe(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+    def describe(self) -> Iterable[MetricFamily]:
         return []  # unchecked: the families depend on what is traced
 
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | InfoMetricFamily]:
+    def collect(self) -> Iterator[MetricFamily | InfoMetricFamily]:
         snap = self._snapshot()
         with self._lock:
             if snap.libc:
@@ -135,7 +152,17 @@ class MtraceCollector(Collector):
                 yield from self._kmem(snap.kmem)
             if snap.allocs is not None:
                 yield from self._allocs(snap.allocs)
+            if snap.locks is not None:
+                yield from self._locks(snap.locks)
         yield from _self_metrics(snap)
+
+    # ---- lock waits in time -------------------------------------------------
+    def _locks(self, figures: Mapping[str, LockFigures]) -> Iterator[MetricFamily]:
+        self._processes.admit(sorted(figures, key=lambda n: -figures[n].thread_ns))
+        merged: dict[str, LockFigures] = defaultdict(LockFigures)
+        for name, values in figures.items():
+            merged[self._processes(name)].add(values)
+        yield from _lock_families(merged)
 
     # ---- the allocation functions -------------------------------------------
     def _allocs(self, figures: AllocFigures) -> Iterator[MetricFamily]:
@@ -279,6 +306,38 @@ def _libc_processes(merged: Mapping[str, ProcessFigures],
     yield from f.values()
 
 
+def lock_wait_buckets(times: WaitTimes) -> list[tuple[str, float]]:
+    """The histogram's cumulative buckets, in seconds, from the kernel's log2 ones."""
+    buckets, seen, hist = [], 0, times.hist
+    for bucket in range(len(hist)):
+        seen += hist[bucket]
+        if bucket in LOCK_WAIT_BUCKETS:
+            buckets.append((repr(bucket_bound_ns(bucket) / 1e9), float(seen)))
+    buckets.append(("+Inf", float(times.count)))
+    return buckets
+
+
+def _lock_families(merged: Mapping[str, LockFigures]) -> Iterator[MetricFamily]:
+    histogram = histogram_family("libc_arena_lock_wait_seconds")
+    share, threads = family("libc_arena_lock_wait_share"), family("libc_thread_seconds")
+    other_time = family("libc_other_lock_wait_seconds")
+    other_count = family("libc_other_lock_waits")
+    for name in sorted(merged):
+        figures = merged[name]
+        waited = 0
+        for kind in ("main", "non_main"):
+            times = figures.waits.get(kind, WaitTimes())
+            waited += times.total_ns
+            histogram.add_metric([name, kind], lock_wait_buckets(times), times.total_ns / 1e9)
+        for kind in ("other", "unknown"):
+            times = figures.waits.get(kind, WaitTimes())
+            other_time.add_metric([name, kind], times.total_ns / 1e9)
+            other_count.add_metric([name, kind], times.count)
+        threads.add_metric([name], figures.thread_ns / 1e9)
+        share.add_metric([name], waited / figures.thread_ns if figures.thread_ns else 0.0)
+    yield from (histogram, share, threads, other_time, other_count)
+
+
 def _kmem_kinds(kinds: Mapping[str, CallSite]) -> Iterator[MetricFamily]:
     for name, attribute in KMEM_KIND_FAMILIES.items():
         metrics = family(name)
@@ -342,7 +401,9 @@ def _self_metrics(snap: Snapshot) -> Iterator[MetricFamily | InfoMetricFamily]:
     yield info
 
 
-def _by_label(metrics: MetricFamily, values: Mapping[str, float]) -> MetricFamily:
+def _by_label(
+    metrics: CounterMetricFamily | GaugeMetricFamily, values: Mapping[str, float]
+) -> MetricFamily:
     """A family with one label, a sample per value, in label order."""
     for label, value in sorted(values.items()):
         metrics.add_metric([label], value)

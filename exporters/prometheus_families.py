@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 PREFIX = "mtrace"
-COUNTER, GAUGE = "counter", "gauge"
+COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
 # Help texts with "{estimated}" say so when the allocation functions are sampled.
 ESTIMATED = " (estimated from samples)"
 
@@ -61,6 +61,19 @@ FAMILIES = {f.name: f for f in (
     Family("libc_arena_waits", COUNTER, "Waits for a busy arena: reuse_wait when choosing one "
            "at the arena limit, lock_wait when blocking on the mutex of an arena already in "
            "use.", _PK),
+    Family("libc_arena_lock_wait_seconds", HISTOGRAM, "Time threads waited for an arena's "
+           "lock in the libc's lock-wait slow path, by arena kind (main, non_main); one "
+           "bucket per power of 4 from 1.024 us to 1.07 s.", ("process", "arena")),
+    Family("libc_arena_lock_wait_share", GAUGE, "Share of the process's thread time since the "
+           "attach spent waiting for arena locks (rate(..._arena_lock_wait_seconds_sum) / "
+           "rate(..._libc_thread_seconds_total) gives it over a window).", _P),
+    Family("libc_thread_seconds", COUNTER, "Time of the traced processes' threads since the "
+           "attach: each thread from its start (or the attach) to its end (or now).", _P),
+    Family("libc_other_lock_wait_seconds", COUNTER, "Time threads waited in the libc's "
+           "lock-wait slow path for locks that are not arenas' (stdio's, the loader's, ...), "
+           "or whose kind could not be read (lock=\"unknown\").", ("process", "lock")),
+    Family("libc_other_lock_waits", COUNTER, "Waits counted in "
+           "mtrace_libc_other_lock_wait_seconds_total.", ("process", "lock")),
     Family("libc_mallopt_calls", COUNTER, "mallopt() calls.", _P),
     Family("libc_setting_changes", COUNTER, "Allocator parameters set, by mallopt() or by "
            "GLIBC_TUNABLES at start.", ("process", "setting")),
@@ -128,10 +141,21 @@ FAMILIES = {f.name: f for f in (
 BUILD_INFO = ("build", "mtrace-live's version and what it runs on.")
 
 
+MetricFamily = CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily
+
+
 def family(name: str, estimated: bool = False) -> CounterMetricFamily | GaugeMetricFamily:
-    """A new, empty family of the table's ``name``; ``estimated``: its help
-    says the values are estimated from samples."""
+    """A new, empty counter or gauge family of the table's ``name``;
+    ``estimated``: its help says the values are estimated from samples."""
     spec = FAMILIES[name]
+    assert spec.type != HISTOGRAM, name
     help_ = spec.help.format(estimated=ESTIMATED if estimated else "")
     kind = CounterMetricFamily if spec.type == COUNTER else GaugeMetricFamily
     return kind(f"{PREFIX}_{name}", help_, labels=list(spec.labels))
+
+
+def histogram_family(name: str) -> HistogramMetricFamily:
+    """A new, empty histogram family of the table's ``name``."""
+    spec = FAMILIES[name]
+    assert spec.type == HISTOGRAM, name
+    return HistogramMetricFamily(f"{PREFIX}_{name}", spec.help, labels=list(spec.labels))

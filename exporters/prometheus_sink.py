@@ -34,10 +34,11 @@ from prometheus_client import CollectorRegistry, PlatformCollector, ProcessColle
 from .alloc_table import stack_label
 from .data.allocator_state import arena_lock_waits
 from .data.kallsyms import KernelSymbols
+from .data.lock_waits import ARENA, MAIN, WaitTimes
 from .data.processes import process_name
 from .data.sink import RunStats, Sink, TraceInfo, TraceResult
 from .exposition import PublishedApp, Renderer, SharedPages
-from .prometheus import AllocFigures, MtraceCollector, ProcessFigures, Snapshot
+from .prometheus import AllocFigures, LockFigures, MtraceCollector, ProcessFigures, Snapshot
 from .web import MetricsEndpoint
 
 HOUSEKEEPING_S = 5.0
@@ -73,6 +74,7 @@ class MetricsSource:
         self.symbols = symbols
         self._functions: dict[int, str] = {}
         self._names: dict[int, str] = {}  # pid -> the name its counts are kept under
+        self._lock_names: dict[int, str] = {}  # pid -> the name its lock waits are kept under
         self._retired: dict[str, ProcessFigures] = defaultdict(ProcessFigures)
         self._gone_before: set[int] = set()
         self._last_housekeeping = time.monotonic()
@@ -176,6 +178,7 @@ class MetricsSource:
             )
         return Snapshot(
             allocs=self._allocs() if info.allocs else None,
+            locks=self._locks(),
             libc=libc,
             probe_hits=dict(counters.probe_hits) if libc else {},
             probe_lost=dict(counters.probe_lost) if libc else {},
@@ -243,6 +246,28 @@ class MetricsSource:
                    "stacks": snapshot.misc.get("stacks_full", 0),
                    "frames": snapshot.misc.get("frames_full", 0)}  # fmt: skip
         return AllocFigures(processes, stacks, dropped, sampled=bool(snapshot.sample_bytes))
+
+    def _locks(self) -> dict[str, LockFigures] | None:
+        """The lock waits in time by process name: the kernel keeps every
+        traced process's rows, so a name once given to a pid stays its."""
+        waits = self.counters.lock_waits(stacks=False)
+        if waits is None:
+            return None
+        figures: dict[str, LockFigures] = defaultdict(LockFigures)
+        kinds = {MAIN: "main", ARENA: "non_main"}
+        for row in waits.rows:
+            kind = kinds.get(row.kind, row.kind)
+            named = figures[self._lock_name(row.pid)]
+            named.waits[kind] = named.waits.get(kind, WaitTimes()) + row.times
+        for pid, time_ in waits.threads.items():
+            figures[self._lock_name(pid)].thread_ns += time_.thread_ns
+        return dict(figures)
+
+    def _lock_name(self, pid: int) -> str:
+        name = self._lock_names.get(pid)
+        if name is None:
+            name = self._lock_names[pid] = self._name(pid)
+        return name
 
     def _function(self, address: int) -> str:
         name = self._functions.get(address)

@@ -71,6 +71,11 @@ FILE_OUTPUTS = (
                "Write the allocations by call stack to this file as a gzipped pprof profile "
                "(alloc_objects, alloc_space, inuse_objects, inuse_space).",
                "mtrace_live.exporters.pprof:PprofSink"),
+    FileOutput("pprof-mutex", "FILE",
+               "Write the libc's lock waits by the waiting thread's call stack to this file "
+               "as a gzipped pprof contention profile (contentions, delay), as Go's "
+               "/debug/pprof/mutex gives.",
+               "mtrace_live.exporters.pprof:ContentionSink"),
 )  # fmt: skip
 
 

@@ -8,10 +8,12 @@ import sys
 from typing import TextIO
 
 from . import alloc_table
+from .contention import arena_waits, duration_text, process_contention_lines
 from .data.allocator_state import ProcessState, SettingChange
 from .data.events import format_value
 from .data.kallsyms import KernelSymbols
 from .data.kmem import name_sites
+from .data.lock_waits import LockWaits
 from .data.sink import KmemResult, Sink, TraceResult
 from .kmem_table import render_table
 
@@ -48,6 +50,9 @@ def summary_lines(result: TraceResult) -> list[str]:
     if result.probes:
         lines.append(f"events: {result.total_hits} in the kernel, {result.delivered} delivered, "
                      f"{result.total_lost} lost")  # fmt: skip
+    if result.lock_delivered is not None and result.lock_waits is not None:
+        lines.append(f"lock wait events: {result.lock_delivered} delivered, "
+                     f"{result.lock_waits.misc.get('lost_events', 0)} lost")  # fmt: skip
     if result.lost_lifecycle:
         lines.append(f"exec/exit records lost: {result.lost_lifecycle}")
     if any(result.stacks_lost):
@@ -71,8 +76,16 @@ def summary_lines(result: TraceResult) -> list[str]:
     silent = len(result.kernel_hits) - len(hit)
     if silent:
         lines.append(f"({silent} more probes attached, not hit)")
+    waits = result.lock_waits
+    inflated = result.allocations is not None
     for state in sorted(result.model.processes.values(), key=lambda p: p.pid):
-        lines += process_lines(state)
+        lines += process_lines(state, waits)
+        if waits is not None and (state.pid in waits.threads or waits.of(state.pid).count):
+            lines += process_contention_lines(waits, state, state.pid, result.frame_names, inflated)
+    for pid in waits.processes() if waits is not None else ():
+        if waits is not None and pid not in result.model.processes:
+            lines.append(f"pid {pid}:")
+            lines += process_contention_lines(waits, None, pid, result.frame_names, inflated)
     if result.kmem is not None:
         lines += kmem_lines(result.kmem)
     if result.allocations is not None:
@@ -102,30 +115,41 @@ def kmem_lines(kmem: KmemResult, limit: int = 10) -> list[str]:
     return lines
 
 
+def arena_lines(state: ProcessState, waits: LockWaits | None) -> list[str]:
+    """Each arena: how it was used, its lock waits (counted by the probe,
+    and in time where timed), its threads."""
+    timed = arena_waits(waits, state.pid)
+    found = sum(1 for a in state.arenas.values() if a.found_at_attach)
+    lines = [
+        f"  arenas: {len(state.arenas)} seen, "
+        f"{sum(1 for a in state.arenas.values() if a.created_ns)} created, "
+        f"{found} read from memory at attach; contention waits {state.contention_waits}",
+        f"    {'arena':<18} {'reused':>7} {'free-list':>9} {'reuse-waits':>11} "
+        f"{'lock-waits':>10} {'retries':>7} {'threads':>7} {'wait time':>10} {'timed':>8}",
+    ]
+    for arena in sorted(state.arenas.values(), key=lambda a: (not a.main, a.address)):
+        label = f"{arena.address:#x}" + (" main" if arena.main else "")
+        threads = "?" if arena.attached_threads is None else str(arena.attached_threads)
+        times = timed.get(arena.address)
+        wait = duration_text(times.total_ns) if times else "-"
+        lines.append(
+            f"    {label:<18} {arena.reused:>7} {arena.free_list:>9} {arena.reuse_waits:>11} "
+            f"{state.arena_lock_waits(arena):>10} {arena.retries:>7} {threads:>7} {wait:>10} "
+            f"{times.count if times else 0:>8}"
+        )
+    return lines
+
+
 def setting_change(change: SettingChange) -> str:
     """``old -> new`` for the probes that report both, ``= new`` for mallopt()."""
     new = "?" if change.new is None else str(change.new)
     return f"= {new}" if change.old is None else f"{change.old} -> {new}"
 
 
-def process_lines(state: ProcessState) -> list[str]:
+def process_lines(state: ProcessState, waits: LockWaits | None = None) -> list[str]:
     lines = [f"pid {state.pid}" + (f" ({state.comm})" if state.comm else "") + ":"]
     if state.arenas:
-        lines.append(
-            f"  arenas: {len(state.arenas)} seen, "
-            f"{sum(1 for a in state.arenas.values() if a.created_ns)} created; "
-            f"contention waits {state.contention_waits}"
-        )
-        lines.append(
-            f"    {'arena':<18} {'reused':>7} {'free-list':>9} {'reuse-waits':>11} "
-            f"{'lock-waits':>10} {'retries':>7}"
-        )
-        for arena in sorted(state.arenas.values(), key=lambda a: (not a.main, a.address)):
-            label = f"{arena.address:#x}" + (" main" if arena.main else "")
-            lines.append(
-                f"    {label:<18} {arena.reused:>7} {arena.free_list:>9} {arena.reuse_waits:>11} "
-                f"{state.arena_lock_waits(arena):>10} {arena.retries:>7}"
-            )
+        lines += arena_lines(state, waits)
     if state.heaps or state.heap_bytes_grown:
         lines.append(
             f"  mmapped heaps: {len(state.heaps)} live, {state.heap_bytes} bytes; "

@@ -25,7 +25,9 @@ PARTS = (
     "sdt.bpf.c",  # the libc's SDT sites
     "derived.bpf.c",  # memory_* probes derived from system calls
     "kmem.bpf.c",  # the kmem tracepoints
+    "frames.bpf.c",  # the stacks the handlers walk themselves
     "allocs.bpf.c",  # the allocation functions
+    "locks.bpf.c",  # the waits in the libc's lock-wait slow path, timed
     "vm.bpf.c",  # mmap, munmap, mremap, brk (and the handlers shared with derived)
 )
 PAGE_SHIFT = mmap.PAGESIZE.bit_length() - 1
@@ -84,7 +86,7 @@ class ProgramConfig:
     handlers (tracer/usdt.py), the derived probes' (probes/derived.py), the
     kmem tracepoints' variants and raw handlers (tracer/tracefs.py,
     tracer/kmem_attach.py), the allocation functions' tables
-    (tracer/alloc_probes.py)."""
+    (tracer/alloc_probes.py), the lock waits' (tracer/lock_waits.py)."""
 
     events: bool = True  # stream records through the ring (else: counts only)
     filter_pids: bool = True  # the followed table decides
@@ -102,6 +104,7 @@ class ProgramConfig:
     stack_depth: int = 0  # > 0: a stack id on each probe and kmem event
     stack_entries: int = 16384
     allocs: Mapping[str, int] | None = None  # None: no allocation functions
+    locks: Mapping[str, int] | None = None  # None: lock waits are not timed
 
     def defines(self) -> dict[str, int]:
         defines = {
@@ -128,6 +131,9 @@ class ProgramConfig:
         if self.first_tgid:
             defines["FIRST_TGID"] = 1
         defines.update(self.allocs or {})
+        defines.update(self.locks or {})
+        walks = (self.allocs or {}).get("ALLOC_WALK", 0) or (self.locks or {}).get("LOCK_STACKS", 0)
+        defines["WITH_FRAMES"] = int(bool(walks))
         return defines
 
     def source(self) -> ProgramSource:

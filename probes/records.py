@@ -45,6 +45,7 @@ class EventKind(IntEnum):
     ALLOC = 4  # an allocation function returned: probe = AllocFn, args = AllocArg
     FREE = 5  # free, or realloc's release of its old pointer
     HELD = 6  # a followed process called _exit and waits, stopped, to be continued
+    LOCK_WAIT = 7  # a wait in the libc's lock-wait slow path ended: args = futex, ns
 
 
 class KmemEvent(IntEnum):
@@ -176,6 +177,34 @@ OUTSTANDING_ROW_DTYPE = np.dtype(
 )
 OUTSTANDING_FREE_TAGS = (0, 1)  # a row never used, a row freed since
 
+# struct lock_key, struct lock_time (lock_times) and struct lock_stack_time
+# (lock_stack_times): the lock waits, timed (locks.bpf.c).
+LOCK_BUCKETS = 40
+LOCK_KEY_DTYPE = np.dtype([("futex", "<u8"), ("tgid", "<u4"), ("stack", "<i4")])
+LOCK_TIME_DTYPE = np.dtype(
+    [("count", "<u8"), ("total_ns", "<u8"), ("max_ns", "<u8"), ("hist", "<u8", (LOCK_BUCKETS,))]
+)
+LOCK_STACK_TIME_DTYPE = np.dtype([("count", "<u8"), ("total_ns", "<u8"), ("max_ns", "<u8")])
+
+
+class LockMisc(IntEnum):
+    """enum lock_misc: the slots of the lock_misc array."""
+
+    NO_ROW = 0
+    NO_STACK_ROW = 1
+    FRAMES_FULL = 2
+    PENDING_FULL = 3
+    ABANDONED = 4
+    LOST_EVENTS = 5
+    NO_THREAD_ROW = 6
+
+
+THREAD_START_DTYPE = np.dtype([("start", "<u8"), ("tgid", "<u4"), ("pad", "<u4")])
+THREAD_TIME_DTYPE = np.dtype(
+    [("done_ns", "<u8"), ("exited", "<u8"), ("first_ns", "<u8"), ("last_exit_ns", "<u8")]
+)
+
+
 # Each C struct of records.h and its dtype here.
 LAYOUTS = {
     "event": EVENT_DTYPE,
@@ -191,6 +220,11 @@ LAYOUTS = {
     "vm_proc": VM_PROC_DTYPE,
     "outstanding": OUTSTANDING_DTYPE,
     "outstanding_row": OUTSTANDING_ROW_DTYPE,
+    "lock_key": LOCK_KEY_DTYPE,
+    "lock_time": LOCK_TIME_DTYPE,
+    "lock_stack_time": LOCK_STACK_TIME_DTYPE,
+    "thread_start": THREAD_START_DTYPE,
+    "thread_time": THREAD_TIME_DTYPE,
 }
 
 

@@ -340,6 +340,15 @@ class BpfProgram:
         bcc_table = self._bpf[table]
         bcc_table[bcc_table.Key(key)] = bcc_table.Leaf(value)
 
+    def add_absent(self, table: str, rows: Iterable[tuple[int, tuple[int, ...]]]) -> None:
+        """Rows (u32 key, struct fields) of a hash map, each one only where
+        the key has none yet (the kernel's own rows stay)."""
+        bcc_table = self._bpf[table]
+        for key, fields in rows:
+            k = bcc_table.Key(key)
+            if k not in bcc_table:
+                bcc_table[k] = bcc_table.Leaf(*fields)
+
     def set_first_target(self, pid: int) -> None:
         """Name the process asked for to the trace program (FIRST_TGID)."""
         table = self._bpf["first_target"]

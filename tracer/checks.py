@@ -57,6 +57,7 @@ def run_checks(libc: Path, catalog: Catalog) -> Iterator[Check]:
     yield _libc_notes(libc, catalog)
     yield _debug_file(libc)
     yield _derived_probes(libc)
+    yield _lock_times(libc)
     for tracepoint in catalog.tracepoints.values():
         yield _tracepoint_check(tracepoint.category, tracepoint.name,
                           [f.name for f in tracepoint.fields if f.required])  # fmt: skip
@@ -187,6 +188,15 @@ def _derived_probes(libc: Path) -> Check:
                      f"provides it: {debug_package(libc)}")  # fmt: skip
     return Check(name, OK, f"{summary}; debug file {derived.debug_file}, from "
                            f"{debug_package(derived.debug_file)}")  # fmt: skip
+
+
+def _lock_times(libc: Path) -> Check:
+    """Whether lock waits can be timed, and told to be on arenas."""
+    from .lock_waits import timing_report
+
+    report = timing_report(libc)
+    return Check("lock wait times", OK if report.timed and report.arenas_told else UNAVAILABLE,
+                 report.text)  # fmt: skip
 
 
 def debug_package(path: Path) -> str:

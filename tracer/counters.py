@@ -15,11 +15,14 @@ from pathlib import Path
 import numpy as np
 from mtrace_live.exporters.data.alloc_snapshot import AllocSnapshot, FrameNames, trimmed
 from mtrace_live.exporters.data.kmem import CallSite, KmemTotals
+from mtrace_live.exporters.data.lock_waits import LockWaits
 from mtrace_live.exporters.data.sink import KernelCounters, ProcessHits, RunStats
 from mtrace_live.probes.records import KMEM_EVENTS, SITE_FIELDS, KmemMisc
 
 from . import alloc_probes, bpf_syscalls
+from .arena_walk import ArenaFinder
 from .bpf_backend import BpfProgram
+from .lock_waits import ThreadClock, read_lock_waits
 
 
 class BpfCounters:
@@ -38,8 +41,12 @@ class BpfCounters:
         stats_fd: int | None = None,
         sample_bytes: int | None = None,
         frame_names: FrameNames | None = None,
+        arenas: ArenaFinder | None = None,
+        lock_times: bool = False,
     ) -> None:
-        """``sample_bytes``: None when the allocation functions are not traced."""
+        """``sample_bytes``: None when the allocation functions are not
+        traced; ``lock_times``: lock waits are timed (locks.bpf.c), and
+        ``arenas`` tells the arenas' locks from the others."""
         self.program = program
         self.probes = tuple(probes)
         self.site_probes = tuple(site_probes)  # site index -> probe name
@@ -50,8 +57,12 @@ class BpfCounters:
         self.delivered = 0
         self.kmem_delivered = 0
         self.alloc_delivered = 0  # allocation and free events read from the ring
+        self.lock_delivered = 0  # lock wait events read from the ring
         self.sample_bytes = sample_bytes
         self.frame_names = frame_names or FrameNames()
+        self.arenas = arenas
+        self.lock_times = lock_times
+        self.thread_clock = ThreadClock()
         self.started_ns = time.monotonic_ns()
         # (tgid, probe slot) -> probe records read from the ring: the kernel
         # counts per process only what the ring had no room for
@@ -125,6 +136,11 @@ class BpfCounters:
             self.program, self.sample_bytes, self.started_ns, outstanding
         )
         return trimmed(snapshot, self.frame_names)
+
+    def lock_waits(self, stacks: bool = True) -> LockWaits | None:
+        if not self.lock_times:
+            return None
+        return read_lock_waits(self.program, self.arenas, stacks, self.thread_clock)
 
     def stacks_lost(self, with_stacks: bool) -> tuple[int, int]:
         if not with_stacks:

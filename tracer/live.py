@@ -44,7 +44,8 @@ from mtrace_live.probes.elf.errors import (
 )
 from mtrace_live.probes.records import EVENT_DTYPE, EventKind
 
-from . import alloc_probes, bpf_syscalls, package_version, target, usdt
+from . import alloc_probes, bpf_syscalls, lock_waits, package_version, target, usdt
+from .arena_walk import ArenaFinder, arena_symbols
 from .bpf_backend import BpfProgram, bcc_version, require_privileges
 from .counters import BpfCounters
 from .kmem_attach import kmem_switches
@@ -116,6 +117,7 @@ class LiveTrace:
         self.request = request
         probes = choose_probes(request, libc)  # before root
         self.selection, self.sdt, self.alloc_plan = probes.selection, probes.sdt, probes.alloc_plan
+        self.lock_plan = probes.lock_plan if probes.lock_plan and probes.lock_plan.timed else None
         self.notices: list[str] = list(probes.notices)
         require_privileges()
         self.frame_names = FrameNames()
@@ -123,6 +125,9 @@ class LiveTrace:
         self.sites = tuple(self.selection.site_infos(load_catalog()))
         self.decoder = EventDecoder(self.sites)
         self.model = AllocatorModel(self.decoder, self.selection.probes, self._main_arena_of())
+        self.arenas = (ArenaFinder(libc, arena_symbols(libc, request.debug_file),
+                                   named=self.model.named_arenas)
+                       if request.libc_probes else None)  # fmt: skip
         self.sinks: list[Sink] = [self.model, *make_sinks()]
         switches = kmem_switches(request.classic_tracepoints) if self.kmem else None
         plan = program_plan(request, probes, target_pid, switches)
@@ -146,6 +151,8 @@ class LiveTrace:
             stats_fd=stats_fd,
             sample_bytes=request.sample_bytes if self.alloc_plan is not None else None,
             frame_names=self.frame_names,
+            arenas=self.arenas,
+            lock_times=self.lock_plan is not None,
         )
 
     def _main_arena_of(self) -> Callable[[Event, int], int | None]:
@@ -176,6 +183,8 @@ class LiveTrace:
             if self.alloc_plan is not None:
                 alloc_probes.attach_allocs(self.program, self.alloc_plan, request.sample_bytes,
                                            self.hold, self.alloc_pid)  # fmt: skip
+            if self.lock_plan is not None:
+                lock_waits.attach_lock_waits(self.program, self.lock_plan, self.alloc_pid)
             self.program.set_gate(True)
             buffer_bytes = request.buffer_pages * mmap.PAGESIZE
             self.reader = RingReader(
@@ -218,11 +227,38 @@ class LiveTrace:
             leaks_older_than=request.leaks_older_than,
         )
 
-    def follow(self, pid: int) -> None:
+    def follow(self, pid: int, running: bool = True) -> None:
+        """Trace process ``pid``: ``running`` its program (not a command
+        that has yet to exec it), whose arenas can then be read now."""
         self.program.follow([pid])
         usdt.seed_break(self.program, self.selection, pid)
+        if self.arenas is not None and running:
+            self.model.seed_arenas(pid, self.arenas.scan(pid), at_attach=True)
+        if self.lock_plan is not None:
+            self.counters.thread_clock.seed(self.program, pid)
+            self.frame_names.refresh(pid)
 
     more_waiting = False  # the last read left events in the ring
+    _next_look = 0.0  # when tick looks at the target again
+    _looks = 0
+
+    def tick(self, pid: int | None) -> None:
+        """A while after the start, then once a second: read the target's
+        arenas again (a command's are made after it starts; a running
+        server's change), and keep its maps up to date while it lives, so
+        that its lock waits' stacks can be named after it is gone (the
+        allocation probes hold an exiting process for that instead)."""
+        now = time.monotonic()
+        if pid is None or now < self._next_look:
+            return
+        self._next_look = now + (0.1 if self._looks == 0 else 1.0)
+        self._looks += 1
+        if self._looks == 1:
+            return  # the first look is 0.1 s from now
+        if self.lock_plan is not None and not self.hold:
+            self.frame_names.refresh(pid)
+        if self.arenas is not None:
+            self.model.seed_arenas(pid, self.arenas.scan(pid))
 
     def drain(self, once: bool = False) -> Iterator[EventBatch]:
         """Batches of events, until the ring is empty, or with ``once`` one
@@ -244,6 +280,8 @@ class LiveTrace:
                 self.counters.alloc_delivered += int(
                     np.count_nonzero((kinds == EventKind.ALLOC) | (kinds == EventKind.FREE))
                 )
+            if self.lock_plan is not None:
+                self.counters.lock_delivered += int(np.count_nonzero(kinds == EventKind.LOCK_WAIT))
             libc = records
             if self.kmem:
                 kmem_rows = kinds == EventKind.KMEM
@@ -296,6 +334,8 @@ class LiveTrace:
             frame_names=self.frame_names,
             leaks_older_than=self.request.leaks_older_than,
             alloc_delivered=self.counters.alloc_delivered,
+            lock_waits=self.counters.lock_waits(),
+            lock_delivered=self.counters.lock_delivered if self.request.lock_events else None,
         )
 
     def close(self) -> None:
@@ -458,7 +498,7 @@ def _start(trace: LiveTrace, request: TraceRequest,
     """Follow the targets: the target's pid, and the sinks to hand batches to."""
     target_pid = child.pid if child is not None else request.pid
     if target_pid is not None:
-        trace.follow(target_pid)
+        trace.follow(target_pid, running=child is None)
     if request.comm is not None:  # later ones are followed from their exec, in the kernel
         for pid in target.processes_with_comm(request.comm):
             trace.follow(pid)
@@ -523,6 +563,7 @@ def _loop(
                 failure = failure or _exec_failure(request, batch.records)
             ended_by = watch.ended_by(ready, sinks, failure)
             sinks.tick()
+            trace.tick(target_pid)
     finally:
         settled, exit_code = _close_gate(trace, child, stop, ended_by)
         watch.close()

@@ -35,6 +35,8 @@ from mtrace_live.exporters.data.sink import EventBatch, Sink
 from mtrace_live.probes.meanings import Meanings, meanings
 from mtrace_live.probes.records import EventKind
 
+from .arena_walk import ArenaScan, arena_limit
+
 
 def _log(entries: list[Any], entry: object) -> None:
     if len(entries) < LOG_LIMIT:
@@ -134,6 +136,36 @@ class AllocatorModel(Sink):
         unique, counts = np.unique(pairs, axis=0, return_counts=True)
         for (pid, futex), count in zip(unique.tolist(), counts.tolist(), strict=True):
             self.process(pid).lock_waits[futex] += count
+
+    def named_arenas(self, pid: int) -> dict[int, bool]:
+        """The arenas of ``pid`` the model knows, address -> main."""
+        with self.state.lock:
+            state = self.state.processes.get(pid)
+            return {} if state is None else {a.address: a.main for a in state.arenas.values()}
+
+    def seed_arenas(self, pid: int, scan: ArenaScan, at_attach: bool = False) -> None:
+        """The arenas ``pid`` has, read from its memory (tracer/arena_walk.py)
+        when the trace attached and again while it runs, with their heaps
+        and its arena limit."""
+        with self.state.lock:
+            state = self.process(pid)
+            if scan.problem:  # what an earlier read found stays
+                if state.arena_limit is None:
+                    state.arena_problem = scan.problem
+                return
+            state.arena_problem = ""
+            state.arena_limit, state.arena_limit_source = arena_limit(pid, scan.arena_max)
+            for found in scan.arenas:
+                arena = state.arena(found.address)
+                arena.main = arena.main or found.main
+                arena.found_at_attach = arena.found_at_attach or at_attach
+                arena.attached_threads = found.attached_threads
+                arena.system_mem = found.system_mem
+                arena.heaps = found.heaps
+                for heap, size in found.heaps:
+                    state.heaps.setdefault(heap, size)
+                if found.main:
+                    state.main_arena_known = True
 
     def _apply(self, event: Event, site: int) -> None:
         state = self.process(event.pid)

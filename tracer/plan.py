@@ -16,7 +16,7 @@ from mtrace_live.exporters import registry
 from mtrace_live.probes.elf.errors import NoProbesError
 from mtrace_live.probes.program import ProgramConfig
 
-from . import alloc_probes, target, usdt
+from . import alloc_probes, lock_waits, target, usdt
 
 DEFAULT_BUFFER_PAGES = 2048  # 8 MiB: about 95,000 events of slack
 # The kernel's ring when the buffer asked for is larger: a ring that stays in
@@ -59,6 +59,7 @@ class TraceRequest:
     max_outstanding: int = 262144  # allocations tracked until freed
     alloc_stacks: int = 16384  # (process, stack) rows aggregated
     leaks_older_than: float | None = None  # list what has been outstanding this long (seconds)
+    lock_times: bool = True  # time the waits in the libc's lock-wait slow path
     # serve gives up root in before_start: then no process can be held in
     # _exit (it could not be continued), and the target's symbols are read
     # before, while /proc/PID/maps and its files can still be read.
@@ -85,6 +86,11 @@ class TraceRequest:
         """An output wants each allocation and free through the ring."""
         files = any(registry.file_output(name).alloc_records for name, _ in self.files)
         return files or registry.stream_wants_events(self.output)
+
+    @property
+    def lock_events(self) -> bool:
+        """The stream shows each lock wait (its duration) as an event."""
+        return registry.stream_wants_events(self.output)
 
     @property
     def exact_times(self) -> bool:
@@ -134,6 +140,7 @@ class Probes:
     sdt: bool  # libc probes are traced (False: the allocation functions only)
     alloc_plan: alloc_probes.AllocPlan | None
     notices: tuple[str, ...]
+    lock_plan: lock_waits.LockWaitPlan | None = None  # None: lock waits are not timed
 
 
 def choose_probes(request: TraceRequest, libc: Path) -> Probes:
@@ -158,7 +165,12 @@ def choose_probes(request: TraceRequest, libc: Path) -> Probes:
                 f"no libc probes: {sdt_problem}; the allocation functions are traced "
                 "('mtrace-live doctor' says what each source needs)"
             )
-    return Probes(selection, sdt, alloc_plan, tuple(notices))
+    lock_plan = None
+    if request.lock_times and request.libc_probes:
+        lock_plan = lock_waits.plan_lock_waits(libc)
+        if not lock_plan.timed:
+            notices.append(lock_plan.problem)
+    return Probes(selection, sdt, alloc_plan, tuple(notices), lock_plan)
 
 
 @dataclass(frozen=True)
@@ -205,5 +217,14 @@ def program_plan(request: TraceRequest, probes: Probes, target_pid: int | None,
         stack_depth=request.stack_depth,
         stack_entries=request.stack_entries,
         allocs=alloc_defines,
+        locks=_lock_defines(request, probes, alloc_pid),
     )
     return ProgramPlan(config, ring_pages, hold, alloc_pid)
+
+
+def _lock_defines(request: TraceRequest, probes: Probes, one_pid: int) -> dict[str, int] | None:
+    """The lock waits' switches, when they are timed (``one_pid``: the one
+    process the uprobes are attached for, or -1)."""
+    if probes.lock_plan is None or not probes.lock_plan.timed:
+        return None
+    return lock_waits.defines(stacks=True, events=request.lock_events, one_process=one_pid >= 0)

@@ -163,6 +163,18 @@ class FrameNames:
         if name:
             self.comms[tgid] = name
 
+    def refresh(self, tgid: int) -> None:
+        """Read the process's maps again, and keep them if they changed (a
+        library loaded, an exec): its frames can then be named after it is
+        gone, without reading its symbols anew while nothing changed."""
+        if not self.live:
+            return
+        fresh = ProcessSymbols(tgid)
+        known = self.symbols.get(tgid)
+        if fresh.mappings and (known is None or fresh.mappings != known.mappings):
+            self.symbols[tgid] = fresh
+            self._names = {key: name for key, name in self._names.items() if key[0] != tgid}
+
     def preload(self, tgid: int) -> None:
         """Read the process's maps and every module's symbols now (serve
         does, before giving up the root needed to read them)."""

@@ -23,6 +23,10 @@ class ArenaState:
     free_list: int = 0
     reuse_waits: int = 0
     retries: int = 0
+    found_at_attach: bool = False  # read from the process's memory when the trace attached
+    attached_threads: int | None = None  # threads using it, as its struct said when read
+    system_mem: int | None = None  # bytes it had from the system, when read
+    heaps: tuple[tuple[int, int], ...] = ()  # a non-main arena's heaps (address, size), when read
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,9 @@ class ProcessState:
     execs: int = 0
     exited: bool = False
     main_arena_known: bool = False
+    arena_limit: int | None = None  # the arena limit in force, when known
+    arena_limit_source: str = ""  # tunable, environment, mallopt or default (8 x cores)
+    arena_problem: str = ""  # why the arenas could not be read from memory
 
     def arena(self, address: int) -> ArenaState:
         state = self.arenas.get(address)

@@ -133,6 +133,23 @@ def _decode_allocs(batch: np.ndarray, rows: np.ndarray) -> list[tuple[int, Event
     return out
 
 
+LOCK_WAIT_ROLES = {"futex": "address", "caller": "code_address"}
+
+
+def _decode_lock_waits(batch: np.ndarray, rows: np.ndarray) -> list[tuple[int, Event]]:
+    """LOCK_WAIT records (locks.bpf.c): a wait in the libc's lock-wait slow
+    path, at its end: the futex, the wait in ns, the code that waited."""
+    chunk = batch[rows]
+    args = chunk["args"].tolist()
+    columns = (chunk[k].tolist() for k in ("ts", "tgid", "tid", "cpu", "ip"))
+    out = []
+    for i, (ts, tgid, tid, cpu, ip) in enumerate(zip(*columns, strict=True)):
+        named: dict[str, int | None] = {"futex": args[i][0], "wait_ns": args[i][1], "caller": ip}
+        out.append((rows[i].item(), Event(ts, tgid, tid, cpu, "lock_wait", named,
+                                          LOCK_WAIT_ROLES, ip)))  # fmt: skip
+    return out
+
+
 class EventDecoder:
     """Batches of records -> Events, vectorised per site."""
 
@@ -153,6 +170,9 @@ class EventDecoder:
         alloc_rows = np.flatnonzero((kinds == EventKind.ALLOC) | (kinds == EventKind.FREE))
         if len(alloc_rows):
             out.extend(_decode_allocs(batch, alloc_rows))
+        lock_rows = np.flatnonzero(kinds == EventKind.LOCK_WAIT)
+        if len(lock_rows):
+            out.extend(_decode_lock_waits(batch, lock_rows))
         lifecycle = (kinds == EventKind.EXEC) | (kinds == EventKind.EXIT)
         for row in np.flatnonzero(lifecycle).tolist():
             out.append((row, self._lifecycle(batch[row])))

@@ -32,6 +32,7 @@ from .alloc_snapshot import AllocSnapshot, FrameNames
 from .allocator_state import Allocators
 from .events import Event, EventDecoder, SiteInfo
 from .kmem import KmemTotals
+from .lock_waits import LockWaits
 
 
 class RunStats(NamedTuple):
@@ -90,6 +91,11 @@ class CounterSource(Protocol):
         """The allocations by stack and process now (None when the
         allocation functions are not traced); with ``outstanding``, each
         allocation not freed yet too (costlier)."""
+        ...
+
+    def lock_waits(self, stacks: bool = True) -> LockWaits | None:
+        """The lock waits in time now, per process and lock, and with
+        ``stacks`` per stack too (None when they are not timed)."""
         ...
 
 
@@ -188,6 +194,8 @@ class TraceResult:
     frame_names: FrameNames = field(default_factory=FrameNames)  # names the stacks' frames
     leaks_older_than: float | None = None
     alloc_delivered: int = 0  # allocation and free events read from the ring
+    lock_waits: LockWaits | None = None  # the lock waits in time at the end, when timed
+    lock_delivered: int | None = None  # lock wait events read from the ring, when streamed
 
     @property
     def total_hits(self) -> int:

@@ -34,17 +34,14 @@
 #ifndef ALLOC_OUT_ROWS
 #define ALLOC_OUT_ROWS 524288 /* rows of `outstanding` (a power of two): twice --max-outstanding */
 #endif
-#ifndef ALLOC_FRAME_ROWS
-#define ALLOC_FRAME_ROWS 32768 /* rows of alloc_frames (a power of two): twice --alloc-stacks */
-#endif
 #ifndef ALLOC_STACK_ROWS
 #define ALLOC_STACK_ROWS 32768 /* rows of alloc_stacks (a power of two): twice --alloc-stacks */
 #endif
 #ifndef ALLOC_WALK
-#define ALLOC_WALK 1 /* walk the user stack of kept allocations (else: call site only) */
+#define ALLOC_WALK 0 /* walk the user stack of kept allocations (else: call site only) */
 #endif
-#ifndef ALLOC_DEPTH
-#define ALLOC_DEPTH 32 /* frames kept above an allocation's call site (a power of two) */
+#if ALLOC_WALK && !WITH_FRAMES
+#error "ALLOC_WALK needs the frame store (WITH_FRAMES, frames.bpf.c)"
 #endif
 #ifndef SAMPLE_BYTES
 #define SAMPLE_BYTES 0
@@ -77,21 +74,6 @@ struct pending_call {
 };
 
 BPF_ARRAY(pending, struct pending_call, PENDING_SLOTS);
-#if ALLOC_WALK
-/* The allocations' own stacks (not `stacks`): the frames above each call
- * site, stored once, at the row of alloc_frames that their 64-bit hash
- * picks (the next free of FRAME_PROBES rows on a collision). The first CPU
- * to store a stack claims its row in alloc_frame_claims, writes the frames,
- * then the hash. Ids in keys and events are ALLOC_FRAMES_BASE + row. */
-#define FRAME_PROBES 8
-struct alloc_frames_row {
-    u64 hash; /* 0: free, or not written yet */
-    u64 ip[ALLOC_DEPTH];
-};
-BPF_ARRAY(alloc_frames, struct alloc_frames_row, ALLOC_FRAME_ROWS);
-BPF_HASH(alloc_frame_claims, u32, u64, ALLOC_FRAME_ROWS);
-BPF_PERCPU_ARRAY(alloc_walk, struct alloc_frames_row, 1);
-#endif
 /* The outstanding allocations: an open-addressed table in an array, so that
  * an allocation and its free cost an array access and a compare-and-swap
  * each, not a hash map's insert and delete with their bucket locks (about
@@ -117,16 +99,6 @@ BPF_ARRAY(sample_quantiles, u64, SAMPLE_QUANTILES); /* SAMPLE_BYTES * -ln(1 - (i
 BPF_PERCPU_ARRAY(sample_left, s64, 1);
 #endif
 
-/* Attached for one process alone (ALLOC_ONE_PROCESS), the uprobes fire in
- * no other: the kernel filters, and the followed table need not be asked. */
-static __always_inline int alloc_followed(u32 tgid)
-{
-#if ALLOC_ONE_PROCESS
-    return 1;
-#else
-    return tgid_is_followed(tgid);
-#endif
-}
 
 static __always_inline u64 alloc_now(void)
 {
@@ -171,7 +143,7 @@ static __always_inline int on_alloc_entry(struct pt_regs *ctx, u32 fn, u64 size,
     if (gate_closed())
         return 0;
     u64 id = bpf_get_current_pid_tgid();
-    if (!alloc_followed(id >> 32))
+    if (!uprobe_followed(ALLOC_ONE_PROCESS, id >> 32))
         return 0;
     alloc_calls.increment(fn);
     u32 tid = (u32)id;
@@ -371,65 +343,6 @@ static __always_inline u64 sample_weight(u64 size)
 #endif
 }
 
-#if ALLOC_WALK
-#define MAX_FRAME_BYTES (8 << 20) /* a frame larger than the default stack limit ends a walk */
-/* The call site (the return address, where the return probe stands), then
- * its callers, walked by frame pointers from %rbp (the caller's frame,
- * restored by the function that returned): each saved %rbp must lie above
- * the last, within MAX_FRAME_BYTES, and be 8-aligned, else the walk ends.
- * A chain into code without frame pointers mostly ends there, without
- * reading an unmapped address (a page fault). The kernel's walker
- * (bpf_get_stackid) cost about ten times more here (docs/allocations.md).
- * Returns the id of the stored frames, or -1. */
-static __always_inline s32 walk_frames(struct pt_regs *ctx)
-{
-    u32 zero = 0;
-    struct alloc_frames_row *row = alloc_walk.lookup(&zero);
-    if (!row)
-        return -1;
-    u64 fp = ctx->bp, below = PT_REGS_SP(ctx), ip = PT_REGS_IP(ctx);
-    u64 hash = (0x84222325cbf29ce4ull ^ ip) * 0x9e3779b97f4a7c15ull;
-    row->ip[0] = ip; /* the call site, then its callers */
-    int n = 1;
-    for (int i = 1; i < ALLOC_DEPTH; i++) {
-        u64 frame[2]; /* the saved %rbp, the return address */
-        if (fp <= below || fp - below > MAX_FRAME_BYTES || (fp & 7))
-            break;
-        if (bpf_probe_read_user(frame, sizeof(frame), (void *)fp) || !frame[1])
-            break;
-        row->ip[i] = frame[1];
-        hash = (hash ^ (hash >> 29) ^ frame[1]) * 0x9e3779b97f4a7c15ull;
-        below = fp;
-        fp = frame[0];
-        n = i + 1;
-    }
-    if (n < ALLOC_DEPTH)
-        row->ip[n & (ALLOC_DEPTH - 1)] = 0;
-    hash |= 1; /* never 0, which marks a free row */
-    for (u32 probe = 0; probe < FRAME_PROBES; probe++) {
-        u32 index = (u32)(hash + probe) & (ALLOC_FRAME_ROWS - 1);
-        struct alloc_frames_row *slot = alloc_frames.lookup(&index);
-        if (!slot)
-            break;
-        if (slot->hash == hash)
-            return ALLOC_FRAMES_BASE + index;
-        if (slot->hash)
-            continue; /* another stack's */
-        if (alloc_frame_claims.insert(&index, &hash)) { /* another CPU is storing a stack here */
-            u64 *claimed = alloc_frame_claims.lookup(&index);
-            if (claimed && *claimed == hash)
-                return ALLOC_FRAMES_BASE + index;
-            continue;
-        }
-        __builtin_memcpy(slot->ip, row->ip, sizeof(slot->ip));
-        asm volatile("" ::: "memory"); /* the frames before the hash that says they are there */
-        slot->hash = hash;
-        return ALLOC_FRAMES_BASE + index;
-    }
-    alloc_misc.increment(AX_FRAMES_FULL);
-    return -1;
-}
-#endif
 
 /* An allocation the outstanding table had no room for: never to be
  * matched, so counted as freed at once (live bytes stay right), and, without
@@ -499,7 +412,11 @@ static __always_inline void keep_allocation(struct pt_regs *ctx, const struct pe
 {
     struct alloc_key key = {.call_site = call_site, .tgid = tgid, .fn = call->fn};
 #if ALLOC_WALK
-    key.stack = walk_frames(ctx);
+    key.stack = walk_frames(PT_REGS_IP(ctx), ctx->bp, PT_REGS_SP(ctx));
+    if (key.stack == FRAMES_NO_ROOM) {
+        alloc_misc.increment(AX_FRAMES_FULL);
+        key.stack = -1;
+    }
 #else
     key.stack = -1;
 #endif
@@ -624,7 +541,7 @@ int alloc_free(struct pt_regs *ctx)
         return 0;
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
-    if (!alloc_followed(tgid))
+    if (!uprobe_followed(ALLOC_ONE_PROCESS, tgid))
         return 0;
     alloc_calls.increment(AF_FREE);
     u64 ptr = PT_REGS_PARM1(ctx);

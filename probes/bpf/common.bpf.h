@@ -3,8 +3,9 @@
  * (probes/program.py) joins this header and the parts after it into one
  * text, in the order of program.PARTS: sdt.bpf.c (the libc's SDT sites),
  * derived.bpf.c (memory_* probes derived from system calls), kmem.bpf.c (the
- * kmem tracepoints), allocs.bpf.c (the allocation functions) and vm.bpf.c
- * (mmap, munmap, mremap, brk). bcc rewrites map calls only in the main
+ * kmem tracepoints), frames.bpf.c (the stacks the handlers walk),
+ * allocs.bpf.c (the allocation functions), locks.bpf.c (lock waits, timed)
+ * and vm.bpf.c (mmap, munmap, mremap, brk). bcc rewrites map calls only in the main
  * source file, so the parts are one text, not #includes; the layouts user
  * space reads are in records.h.
  *
@@ -125,6 +126,14 @@ static __always_inline int tgid_is_followed(u32 tgid)
 #endif
 }
 
+/* A uprobe attached for one process alone (`alone`: a part's *_ONE_PROCESS)
+ * fires in no other: the kernel filters, and the followed table need not be
+ * asked. */
+static __always_inline int uprobe_followed(const int alone, u32 tgid)
+{
+    return alone || tgid_is_followed(tgid);
+}
+
 /* A stack on each probe and kmem event (WITH_STACKS). */
 static __always_inline s32 stack_id(void *ctx, u64 flags, u32 slot)
 {
@@ -151,17 +160,28 @@ static __always_inline void follow_child(u32 child)
 #endif
 }
 
-#if (FILTER_PIDS && FOLLOW_FORKS) || DERIVED_SYSCALLS
+/* The hook of locks.bpf.c: a thread of a followed process is made. */
+static __always_inline void locks_new_thread(u32 tgid, u32 tid);
+
+#if (FILTER_PIDS && FOLLOW_FORKS) || DERIVED_SYSCALLS || WITH_LOCK_TIMES
 TRACEPOINT_PROBE(task, task_newtask)
 {
-    /* Threads share their parent's tgid and need no entry of their own. */
-    if (args->clone_flags & MTRACE_CLONE_THREAD)
-        return 0;
     u32 parent = bpf_get_current_pid_tgid() >> 32;
+    /* Threads share their parent's tgid and need no entry of their own. */
+    if (args->clone_flags & MTRACE_CLONE_THREAD) {
+        if (tgid_is_followed(parent))
+            locks_new_thread(parent, args->pid);
+        return 0;
+    }
     if (!tgid_is_followed(parent))
         return 0;
+#if (FILTER_PIDS && FOLLOW_FORKS) || DERIVED_SYSCALLS
     follow_child(args->pid);
     derived_fork(parent, args->pid);
+#endif
+#if !FILTER_PIDS || FOLLOW_FORKS
+    locks_new_thread(args->pid, args->pid); /* a process traced from its fork */
+#endif
     return 0;
 }
 #endif
@@ -208,11 +228,18 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
     return 0;
 }
 #endif
+#endif /* FILTER_PIDS */
 
+/* The hook of locks.bpf.c: any thread's exit (a wait it was in is gone). */
+static __always_inline void locks_thread_exit(u32 tid);
+
+#if FILTER_PIDS || WITH_LOCK_TIMES
 TRACEPOINT_PROBE(sched, sched_process_exit)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
+    locks_thread_exit((u32)id);
+#if FILTER_PIDS
     if ((u32)id != tgid || !tgid_is_followed(tgid))
         return 0; /* only the group leader's exit ends a process */
 #if WITH_EVENTS
@@ -227,6 +254,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
     if (target && tgid == target->tgid)
         target->live = 0;
 #endif
+#endif /* FILTER_PIDS */
     return 0;
 }
 #endif

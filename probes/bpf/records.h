@@ -29,6 +29,8 @@ enum event_kind {
                    * ip = the call site (return address), args = enum alloc_arg */
     EV_FREE = 5,  /* free (or realloc's release of its old pointer); the same args */
     EV_HELD = 6,  /* a followed process called _exit and is stopped (HOLD_AT_EXIT) */
+    EV_LOCK_WAIT = 7, /* a wait in the libc's lock-wait slow path ended (LOCK_EVENTS): ts = its
+                       * end, ip = its caller, args[0] = the futex, args[1] = the wait in ns */
 };
 
 /* One record of the `events` ring buffer. */
@@ -224,6 +226,60 @@ struct outstanding_row {
     u32 tgid;
     u32 pad;
     struct outstanding value;
+};
+
+/* lock_times and lock_stack_times (locks.bpf.c): the waits in the libc's
+ * lock-wait slow path, per (process, futex) and per (process, futex, stack).
+ * Bucket 0 of a histogram counts waits of at most 1 ns, bucket k > 0 those
+ * of more than 2^(k-1) and at most 2^k ns, the last one every longer wait. */
+#define LOCK_BUCKETS 40
+
+struct lock_key {
+    u64 futex;
+    u32 tgid;
+    s32 stack; /* ALLOC_FRAMES_BASE + row of alloc_frames, or -1 (and always -1 in lock_times) */
+};
+
+struct lock_time {
+    u64 count;
+    u64 total_ns;
+    u64 max_ns;
+    u64 hist[LOCK_BUCKETS];
+};
+
+struct lock_stack_time {
+    u64 count;
+    u64 total_ns;
+    u64 max_ns;
+};
+
+/* thread_starts and thread_times (locks.bpf.c): each traced thread's start
+ * (when it was made, or when user space saw it at attach), and per process
+ * the time of its threads that have exited: the whole of its threads' time
+ * is done_ns plus, for each thread still there, now - start. */
+struct thread_start {
+    u64 start;
+    u32 tgid;
+    u32 pad;
+};
+
+struct thread_time {
+    u64 done_ns;      /* the time of the threads that exited */
+    u64 exited;       /* threads that exited */
+    u64 first_ns;     /* when the process was made (0: it was there at attach) */
+    u64 last_exit_ns; /* when its last thread to exit did */
+};
+
+/* The lock_misc array. */
+enum lock_misc {
+    LX_NO_ROW,        /* waits lock_times had no room for */
+    LX_NO_STACK_ROW,  /* waits lock_stack_times had no room for (counted in lock_times) */
+    LX_FRAMES_FULL,   /* waits whose stack alloc_frames had no room for (caller kept) */
+    LX_PENDING_FULL,  /* waits not timed: lock_pending had no room */
+    LX_ABANDONED,     /* waits that never returned: the thread exited or exec'd in them */
+    LX_LOST_EVENTS,   /* waits the ring had no room for (LOCK_EVENTS) */
+    LX_NO_THREAD_ROW, /* threads thread_starts or thread_times had no room for */
+    LX_COUNT,
 };
 
 #endif

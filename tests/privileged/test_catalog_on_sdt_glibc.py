@@ -83,8 +83,9 @@ def test_doctor_passes_for_the_sdt_glibc(sdt: SdtGlibc) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     # privileges, kernel, tracefs, headers, bcc, allocation functions, libc
-    # probes, libc debug info, derived probes, six tracepoints, which are raw
-    assert len(lines) == 16
+    # probes, libc debug info, derived probes, lock wait times, six
+    # tracepoints, which are raw
+    assert len(lines) == 17
     assert all(line.startswith("ok") for line in lines), lines
 
 

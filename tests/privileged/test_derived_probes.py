@@ -259,7 +259,12 @@ def test_arena_table_under_the_stock_libc() -> None:
     assert arenas is not None, out
     assert (int(arenas[1]), int(arenas[2])) == (2, 1), out
     rows = re.findall(
-        r"^\s+0x[0-9a-f]+ (main)?\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)$", out, re.M
+        # arena, reused, free-list, reuse-waits, lock-waits, retries; then
+        # threads, wait time and the waits timed
+        r"^\s+0x[0-9a-f]+ (main)?\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)"
+        r"\s+\S+\s+\S+( ms| us| s| ns)?\s+\d+$",
+        out,
+        re.M,
     )
     assert len(rows) == 2 and rows[0][0] == "main", out
     # AND waits per arena (lock waits, and reuse waits at the arena limit),

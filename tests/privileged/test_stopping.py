@@ -112,9 +112,11 @@ def test_a_live_trace_and_serve_stop_on_sigterm_and_detach(sdt: SdtGlibc, tmp_pa
     assert "Traceback" not in trace_err + serve_err
     delivered = re.search(r"events: \d+ in the kernel, (\d+) delivered", trace_err)
     allocations = re.search(r"allocation events: (\d+) delivered", trace_err)
-    assert delivered is not None and allocations is not None, trace_err
+    waits = re.search(r"lock wait events: (\d+) delivered", trace_err)
+    assert delivered is not None and allocations is not None and waits is not None, trace_err
     tables = sum(1 for line in lines.splitlines() if line.startswith('{"table":'))
-    assert len(lines.splitlines()) == int(delivered[1]) + int(allocations[1]) + tables
+    events = int(delivered[1]) + int(allocations[1]) + int(waits[1])
+    assert len(lines.splitlines()) == events + tables
     # AND their programs go away
     wait_for_detach()
     assert programs_unloaded(loaded)

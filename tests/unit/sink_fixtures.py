@@ -13,6 +13,7 @@ from mtrace_live.exporters.data.alloc_snapshot import AllocSnapshot, ProcessAllo
 from mtrace_live.exporters.data.allocator_state import Allocators
 from mtrace_live.exporters.data.events import EventDecoder, site_info
 from mtrace_live.exporters.data.kmem import KmemTotals
+from mtrace_live.exporters.data.lock_waits import LockWaits
 from mtrace_live.exporters.data.sink import (
     EventBatch,
     KernelCounters,
@@ -54,6 +55,7 @@ class PlainCounters:
     stacks: dict[int, list[int]] = field(default_factory=dict)
     taken: list[set[int]] = field(default_factory=list)
     snapshot: AllocSnapshot | None = None  # what allocations() reads, where allocations are traced
+    waits: LockWaits | None = None  # what lock_waits() reads, where lock waits are timed
 
     def read(self, kmem: bool = False, runs: bool = False) -> KernelCounters:
         return KernelCounters(
@@ -77,6 +79,9 @@ class PlainCounters:
 
     def allocations(self, outstanding: bool = False) -> AllocSnapshot | None:
         return self.snapshot
+
+    def lock_waits(self, stacks: bool = True) -> LockWaits | None:
+        return self.waits
 
 
 def sites() -> tuple[Any, ...]:

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from mtrace_live.exporters.data.kmem import CallSite, KmemTotals
+from mtrace_live.exporters.data.lock_waits import WaitTimes
 from mtrace_live.exporters.prometheus import MtraceCollector, ProcessFigures, Snapshot
 from mtrace_live.exporters.web import (
     MAX_CONNECTIONS,
@@ -364,13 +365,15 @@ def test_garbage_and_more_idle_clients_than_places_do_not_stop_scrapes(
 
 def test_the_collector_publishes_exactly_the_families_of_the_table() -> None:
     # GIVEN a scrape with libc probes, kmem, the allocation functions and BPF run times
-    from mtrace_live.exporters.prometheus import AllocFigures
+    from mtrace_live.exporters.prometheus import AllocFigures, LockFigures
     from mtrace_live.exporters.prometheus_families import FAMILIES
 
     allocs = AllocFigures(processes={"app": {"calls": 5, "bytes": 100}},
                           stacks=[("app", "malloc", "main;f", 40)], dropped={"stacks": 0},
                           sampled=True)  # fmt: skip
-    snap = dataclasses.replace(snapshot({"app": HITS}, {"alloc_skb": 100}), allocs=allocs)
+    locks = {"app": LockFigures({"main": WaitTimes(2, 3000, 2000, (0,) * 11 + (2,))}, 10**9)}
+    snap = dataclasses.replace(snapshot({"app": HITS}, {"alloc_skb": 100}), allocs=allocs,
+                               locks=locks)  # fmt: skip
     registry = CollectorRegistry()
     registry.register(MtraceCollector(lambda: snap))
     page = generate_latest(registry).decode()

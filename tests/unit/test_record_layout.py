@@ -30,6 +30,7 @@ ENUMS: dict[str, tuple[type[IntEnum], str, dict[str, str]]] = {
     "alloc_fn": (records.AllocFn, "AF_", {}),
     "alloc_arg": (records.AllocArg, "AA_", {}),
     "alloc_misc": (records.AllocMisc, "AX_", {}),
+    "lock_misc": (records.LockMisc, "LX_", {}),
     "arg_kind": (ArgKind, "ARG_", {"NONE": "UNREADABLE"}),
 }
 

@@ -266,6 +266,19 @@ TRACE_OPTIONS = [
     web_config_option,
     alloc_options,
     click.option(
+        "--contention",
+        is_flag=True,
+        help="Watch arena contention with the least disturbance: the allocation functions "
+        "are not traced (their probes lengthen every malloc, and so every hold of an "
+        "arena's lock); the lock waits are timed (docs/contention.md).",
+    ),
+    click.option(
+        "--no-lock-times",
+        is_flag=True,
+        help="Count the waits in the libc's lock-wait slow path without timing them "
+        "(docs/contention.md).",
+    ),
+    click.option(
         "--leaks-older-than",
         type=click.FloatRange(0),
         metavar="SECONDS",
@@ -325,6 +338,10 @@ RULES = (
          "--sdt-glibc starts a COMMAND; it cannot apply to --pid"),
     Rule(frozenset({"probes", "doctor"}), lambda p: _given(p, "pid", "lib") == 2,
          "give --pid or --lib, not both"),
+    Rule(TRACING, lambda p: _given(p, "contention") == 1
+         and _given(p, "sample_bytes", "kmem_only", "no_lock_times") > 0,
+         "--contention times the lock waits and leaves the allocation functions alone: "
+         "it goes with none of --sample-bytes, --kmem-only, --no-lock-times"),
 )  # fmt: skip
 
 

@@ -67,14 +67,16 @@ def probes(
             bare.append((path, str(exc)))
     plan = _derived_plan(libc, debug_file) if derived or libc in (p for p, _ in bare) else None
     if as_json:
-        _print_json(libc, listings, bare, plan, sites)
+        _print_json(libc, listings, bare, plan, sites, debug_file)
     else:
-        _print_text(libc, listings, bare, plan, sites)
+        _print_text(libc, listings, bare, plan, sites, debug_file)
 
 
 def _print_json(libc: Path, listings: list[Any], bare: list[tuple[Path, str]], plan: Any,
-                sites: list[dict[str, Any]]) -> None:  # fmt: skip
+                sites: list[dict[str, Any]], debug_file: Path | None) -> None:  # fmt: skip
     from mtrace_live.exporters.probe_list import render_derived_json, render_json
+
+    from ..lock_waits import timing_report
 
     documents = [render_json(item) for item in listings]
     documents += [{"path": str(path), "probes": [], "catalog": None} for path, _ in bare]
@@ -84,12 +86,15 @@ def _print_json(libc: Path, listings: list[Any], bare: list[tuple[Path, str]], p
             document["source"] = "derived" if plan is not None else "SDT notes"
             if plan is not None:
                 document["derived"] = render_derived_json(plan)
+            document["lock_wait_times"] = timing_report(libc, debug_file).as_json()
     click.echo(json.dumps(documents, indent=2))
 
 
 def _print_text(libc: Path, listings: list[Any], bare: list[tuple[Path, str]], plan: Any,
-                sites: list[dict[str, Any]]) -> None:  # fmt: skip
+                sites: list[dict[str, Any]], debug_file: Path | None) -> None:  # fmt: skip
     from mtrace_live.exporters.probe_list import render_derived_text, render_text
+
+    from ..lock_waits import timing_report
 
     for index, item in enumerate(listings):
         if index:
@@ -102,6 +107,7 @@ def _print_text(libc: Path, listings: list[Any], bare: list[tuple[Path, str]], p
         click.echo()
         for line in render_derived_text(plan):
             click.echo(line)
+    click.echo(f"\n{libc}: lock wait times: {timing_report(libc, debug_file).text}")
     if sites:
         click.echo(f"\n{libc}: allocation functions, each probe at the first instruction the "
                    "kernel emulates (docs/allocations.md):")  # fmt: skip

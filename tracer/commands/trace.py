@@ -39,7 +39,8 @@ def trace_request(params: dict[str, Any]) -> TraceRequest:
 
     rest = dict(params)
     kmem_only = rest.pop("kmem_only", False)
-    allocs = options.alloc_settings(rest.pop("no_allocs", False) or kmem_only,
+    contention = rest.pop("contention", False)  # the allocation functions left alone
+    allocs = options.alloc_settings(rest.pop("no_allocs", False) or kmem_only or contention,
                                     rest.pop("sample_bytes", None),
                                     rest.pop("max_outstanding", 262144),
                                     rest.pop("alloc_stacks", 16384))  # fmt: skip
@@ -50,6 +51,7 @@ def trace_request(params: dict[str, Any]) -> TraceRequest:
         kmem=rest.pop("kmem", False) or kmem_only,
         libc_probes=not kmem_only,
         stack_entries=rest.pop("stack_map_size", 16384),
+        lock_times=not rest.pop("no_lock_times", False),
         **allocs,
         **rest,
     )

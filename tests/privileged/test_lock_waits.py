@@ -1,0 +1,343 @@
+"""Lock waits in time, against the workloads' own knowledge, bpftrace and perf.
+
+``arena_waits`` makes its arenas before the tracer attaches and prints each
+thread's arena (read from its chunks' headers, as glibc lays them out); then
+its threads contend for them. In the same run, perf's probes on the same
+instruction of the same function, entry and return, time the same waits,
+and bpftrace counts the calls (bpftrace 0.17 cannot probe an offset in a
+function: its entry probe is on the first instruction, which the kernel
+single-steps, and which mtrace-live's site is after; docs/contention.md).
+``stdio_wait`` makes one wait on stdout's lock, which is no arena's, and can
+end its process (or exec) while that wait goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mtrace_live.probes.lock_sites import lock_wait_site
+from mtrace_live.tracer import sdt_glibc, target
+
+from .conftest import MTRACE, built
+from .tracing import Reaper, start_bpftrace, wait_for_line
+
+STOCK_LIBC = target.mapped_libc(os.getpid())  # Debian's, which this Python maps
+
+
+@dataclass
+class Workload:
+    proc: subprocess.Popen[str]
+    pid: int
+    lines: list[str] = field(default_factory=list)
+
+    def arenas(self) -> dict[int, str]:
+        """tid -> its arena, as the workload found it ("main" or an address)."""
+        found = {}
+        for line in self.lines:
+            if line.startswith("arena "):
+                _, tid, arena = line.split()
+                found[int(tid)] = arena
+        return found
+
+    def release(self, until: str) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("x")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            self.lines.append(line.strip())
+            if line.startswith(until):
+                return
+        raise AssertionError(f"the workload ended before {until!r}: {self.lines}")
+
+    def value(self, name: str) -> float:
+        return float(next(line.split()[1] for line in self.lines if line.startswith(name + " ")))
+
+    def end(self) -> int:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("y")
+        self.proc.stdin.close()
+        self.proc.stdout.read()
+        self.proc.stdout.close()
+        return self.proc.wait(timeout=60)
+
+
+def start_workload(argv: list[str], reaper: Reaper) -> Workload:
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    reaper.add(proc)  # type: ignore[arg-type]
+    workload = Workload(proc, 0)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        workload.lines.append(line.strip())
+        if line.startswith("pid "):
+            workload.pid = int(line.split()[1])
+        if line.strip() == "ready":
+            return workload
+    raise AssertionError(f"the workload never got ready: {workload.lines}")
+
+
+def start_mtrace(
+    args: list[str], tmp: Path, reaper: Reaper
+) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    out, err = tmp / "mtrace.out", tmp / "mtrace.err"
+    with open(out, "wb") as stdout, open(err, "wb") as stderr:
+        proc = reaper.add(subprocess.Popen([*MTRACE, *args], stdout=stdout, stderr=stderr))
+    wait_for_line(err, "Ctrl-C to stop", proc, timeout=120)
+    return proc, out, err
+
+
+def stop_mtrace(proc: subprocess.Popen[bytes], out: Path, err: Path) -> list[dict[str, Any]]:
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 0, err.read_text(errors="replace")
+    return [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
+
+
+def start_bpftrace_waits(libc: Path, pid: int, tmp: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    """bpftrace timing each call of the slow path in ``pid``, entry to return."""
+    function = f"{libc}:__lll_lock_wait_private"
+    body = (
+        f"uprobe:{function} /pid == $1/ {{ @start[tid] = nsecs; }}\n"
+        f"uretprobe:{function} /pid == $1 && @start[tid]/ {{ @waits = count(); "
+        "@total = sum(nsecs - @start[tid]); delete(@start[tid]); }\n"
+    )
+    proc, out = start_bpftrace(body, pid, tmp, "waits")
+    wait_for_line(out, "mtrace-live-test-ready", proc, timeout=120)
+    return proc, out
+
+
+def stop_bpftrace_waits(proc: subprocess.Popen[bytes], out: Path) -> tuple[int, int]:
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    found: dict[str, int] = {}
+    for line in out.read_text(errors="replace").splitlines():
+        if line.startswith('{"type": "map"'):
+            found.update({k: int(v) for k, v in json.loads(line)["data"].items()})
+    return found["@waits"], found["@total"]
+
+
+@contextlib.contextmanager
+def perf_probes(libc: Path, tmp: Path, pid: int) -> Iterator[Path]:
+    """perf recording, in ``pid``, the entry and the return of the slow
+    path, at the instruction mtrace-live probes (probes/lock_sites.py);
+    started disabled, and enabled through its control FIFO, whose
+    acknowledgement says the events are on."""
+    site = lock_wait_site(libc)
+    assert site is not None
+    for probe in (f"mtrace_test:lw_enter={site.address:#x}",
+                  "mtrace_test:lw_return=__lll_lock_wait_private%return"):  # fmt: skip
+        subprocess.run(["perf", "probe", "-q", "-x", str(libc), "-a", probe], check=True)
+    data, ctl, ack = tmp / "perf.data", tmp / "perf.ctl", tmp / "perf.ack"
+    os.mkfifo(ctl)
+    os.mkfifo(ack)
+    try:
+        record = subprocess.Popen(["perf", "record", "-q", "-D", "-1", "--control",
+                                   f"fifo:{ctl},{ack}", "-e", "mtrace_test:lw_enter",
+                                   "-e", "mtrace_test:lw_return__return", "-p", str(pid),
+                                   "-o", str(data)])  # fmt: skip
+        try:
+            with open(ctl, "w") as control, open(ack) as reply:
+                control.write("enable\n")
+                control.flush()
+                assert reply.readline() == "ack\n"
+            yield data
+        finally:
+            record.send_signal(signal.SIGINT)
+            record.wait(timeout=120)
+    finally:
+        subprocess.run(["perf", "probe", "-q", "-d", "mtrace_test:*"], check=False)
+
+
+def perf_waits(data: Path) -> tuple[int, int]:
+    """The calls perf saw, and their time (entry to return, per thread)."""
+    script = subprocess.run(["perf", "script", "-i", str(data), "--ns", "-F", "tid,time,event"],
+                            capture_output=True, text=True, check=True).stdout  # fmt: skip
+    started: dict[int, int] = {}
+    count = total = 0
+    for found in re.finditer(r"(?m)^\s*(\d+)\s+(\d+)\.(\d{9}):\s+mtrace_test:(\w+)", script):
+        tid, at = int(found.group(1)), int(found.group(2)) * 10**9 + int(found.group(3))
+        if found.group(4) == "lw_enter":
+            started[tid] = at
+        elif tid in started:
+            count, total = count + 1, total + at - started.pop(tid)
+    return count, total
+
+
+def tables(docs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [doc for doc in docs if doc.get("table") == name]
+
+
+def bucket_of(ns: int) -> int:
+    """The histogram bucket of a wait (records.h): at most 2^k ns, more than 2^(k-1)."""
+    return 0 if ns <= 1 else min((ns - 1).bit_length(), 39)
+
+
+def test_arenas_made_before_the_attach_are_found_with_their_threads(tmp_path: Path) -> None:
+    with Reaper() as reaper:
+        # GIVEN 6 threads over 2 arenas, every arena made before the trace
+        workload = start_workload([str(built("arena_waits")), "6", "2", "2000"], reaper)
+        # WHEN mtrace-live attaches to it, and the threads contend
+        proc, out, err = start_mtrace(["--pid", str(workload.pid), "--no-allocs", "-o", "json"],
+                                      tmp_path, reaper)  # fmt: skip
+        workload.release("lifetimes")
+        docs = stop_mtrace(proc, out, err)
+        assert workload.end() == 0
+    # THEN it found both arenas in memory, each with the threads on it
+    arenas = {doc["address"]: doc for doc in tables(docs, "arenas")}
+    mine = workload.arenas()
+    others = {arena for arena in mine.values() if arena != "main"}
+    assert len(others) == 1 and set(arenas) - others == {
+        next(a for a, doc in arenas.items() if doc["main"])
+    }
+    main = next(doc for doc in arenas.values() if doc["main"])
+    other = arenas[others.pop()]
+    assert main["found_at_attach"] and other["found_at_attach"]
+    # AND the other arena's heap is the 64 MiB-aligned one it lies in
+    heap = int(other["address"], 16) & ~((64 << 20) - 1)
+    assert [int(address, 16) for address, _ in other["heaps"]] == [heap] and not main["heaps"]
+    # main's threads: the workers on it and the main thread
+    assert main["attached_threads"] == sum(1 for a in mine.values() if a == "main") + 1
+    assert other["attached_threads"] == sum(1 for a in mine.values() if a != "main")
+    assert (main["arena_limit"], main["arena_limit_source"]) == (2, "mallopt M_ARENA_MAX")
+    # AND every wait on them is told to be an arena's: none is left unattributed
+    waits = tables(docs, "lock_waits")
+    assert waits and {doc["lock"] for doc in waits} <= {"main", "arena"}
+    assert {int(doc["futex"], 16) for doc in waits} <= {int(a, 16) for a in arenas}
+
+
+@pytest.mark.parametrize("libc", ["stock", "sdt"])
+def test_wait_times_equal_perf_s_and_the_calls_bpftrace_s(
+    tmp_path: Path, libc: str, sdt: sdt_glibc.SdtGlibc
+) -> None:
+    argv = [str(built("arena_waits")), "8", "2", "20000"]
+    path = STOCK_LIBC if libc == "stock" else sdt.libc
+    with Reaper() as reaper:
+        # GIVEN 8 threads over 2 arenas, timed by perf and mtrace-live, counted
+        # by bpftrace, all at once
+        workload = start_workload(sdt.wrap(argv) if libc == "sdt" else argv, reaper)
+        bpftrace, bpftrace_out = start_bpftrace_waits(path, workload.pid, tmp_path)
+        with perf_probes(path, tmp_path, workload.pid) as perf_data:
+            proc, out, err = start_mtrace(["--pid", str(workload.pid), "--no-allocs", "-o", "json"],
+                                          tmp_path, reaper)  # fmt: skip
+            workload.release("lifetimes")
+            calls, bpftrace_total = stop_bpftrace_waits(bpftrace, bpftrace_out)
+            docs = stop_mtrace(proc, out, err)
+        assert workload.end() == 0
+    perf_calls, perf_total = perf_waits(perf_data)
+    rows = tables(docs, "lock_waits")
+    events = [doc for doc in docs if doc.get("probe") == "lock_wait"]
+    # THEN the waits are bpftrace's calls and perf's, one for one
+    assert calls > 100
+    assert sum(row["waits"] for row in rows) == calls == perf_calls == len(events)
+    # AND their time is perf's within 1%; bpftrace's, which starts at the
+    # function's first instruction, holds it
+    measured = sum(row["total_ns"] for row in rows)
+    assert abs(measured - perf_total) <= 0.01 * perf_total, (measured, perf_total)
+    assert bpftrace_total >= measured
+    # AND each wait's event adds up to the tables: total, maximum, histogram
+    assert sum(event["args"]["wait_ns"] for event in events) == measured
+    assert max(row["max_ns"] for row in rows) == max(e["args"]["wait_ns"] for e in events)
+    buckets: dict[str, int] = {}
+    for event in events:
+        bound = str(1 << bucket_of(event["args"]["wait_ns"]))
+        buckets[bound] = buckets.get(bound, 0) + 1
+    summed: dict[str, int] = {}
+    for row in rows:
+        for bound, n in row["histogram_le_ns"].items():
+            summed[bound] = summed.get(bound, 0) + n
+    assert summed == buckets
+    # AND nothing was left unattributed, lost or abandoned
+    assert {row["lock"] for row in rows} <= {"main", "arena"}
+    misc = tables(docs, "lock_misc")[0]
+    assert misc["no_row"] == misc["pending_full"] == misc["lost_events"] == misc["abandoned"] == 0
+
+
+def test_the_share_of_thread_time_is_the_workloads_own(tmp_path: Path) -> None:
+    # GIVEN 8 threads over 2 arenas, run by mtrace-live from their start
+    argv = [*MTRACE, "run", "--no-allocs", "-o", "json", "--",
+            str(built("arena_waits")), "8", "2", "4000"]  # fmt: skip
+    run = subprocess.run(argv, input="xy", capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    lifetimes = float(next(line.split()[1] for line in lines if line.startswith("lifetimes ")))
+    docs = [json.loads(line) for line in lines if line.startswith("{")]
+    time = next(doc for doc in tables(docs, "thread_time"))
+    # THEN its threads' time is the sum of their lives as the workload timed them
+    assert time["threads"] == 9 and time["live"] == 0
+    assert abs(time["thread_ns"] / 1e9 - lifetimes) <= 0.02 * lifetimes, (time, lifetimes)
+    # AND the share of it spent waiting is the waits over those lives
+    share = time["arena_wait_ns"] / 1e9 / lifetimes
+    assert time["arena_wait_share"] > 0.01
+    assert abs(time["arena_wait_share"] - share) <= 0.02
+
+
+def test_a_wait_on_stdout_s_lock_is_another_libc_lock_timed_at_least_as_held(
+    tmp_path: Path,
+) -> None:
+    with Reaper() as reaper:
+        # GIVEN one thread waiting for stdout's lock, which main holds
+        workload = start_workload([str(built("stdio_wait")), "release"], reaper)
+        proc, out, err = start_mtrace(["--pid", str(workload.pid), "--no-allocs", "-o", "json"],
+                                      tmp_path, reaper)  # fmt: skip
+        workload.release("done")
+        docs = stop_mtrace(proc, out, err)
+        assert workload.end() == 0
+    # THEN it is one wait, on a lock that is no arena's, as long as main held it or longer
+    rows = tables(docs, "lock_waits")
+    assert [(row["lock"], row["waits"]) for row in rows] == [("other", 1)]
+    held = int(workload.value("held"))
+    assert held <= rows[0]["total_ns"] < held + 50_000_000
+    # AND the summary shows it apart from the arenas
+    assert "other libc locks: 1 waits" in err.read_text()
+
+
+@pytest.mark.parametrize("how", ["exit", "exec"])
+def test_a_wait_its_process_ends_in_is_counted_and_leaves_no_entry(
+    tmp_path: Path, how: str
+) -> None:
+    with Reaper() as reaper:
+        # GIVEN a thread waiting for stdout's lock when its process ends (or execs)
+        workload = start_workload([str(built("stdio_wait")), how], reaper)
+        proc, out, err = start_mtrace(["--pid", str(workload.pid), "--no-allocs", "-o", "json"],
+                                      tmp_path, reaper)  # fmt: skip
+        assert workload.proc.stdin is not None
+        workload.proc.stdin.write("x")
+        workload.proc.stdin.close()
+        assert workload.proc.stdout is not None
+        workload.proc.stdout.read()
+        workload.proc.stdout.close()
+        assert workload.proc.wait(timeout=60) == 0
+        code = proc.wait(timeout=120)
+    docs = [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
+    # THEN the trace ends as it does for that ending, and the abandoned wait is counted
+    assert code == (0 if how == "exit" else 11), err.read_text()
+    misc = tables(docs, "lock_misc")
+    assert misc and misc[0]["abandoned"] == 1
+    assert not tables(docs, "lock_waits")
+
+
+@pytest.mark.parametrize(("arenas", "advised"), [("2", True), ("16", False)])
+def test_advice_to_raise_the_arena_limit_only_where_threads_share_arenas(
+    arenas: str, advised: bool
+) -> None:
+    # GIVEN 8 threads over 2 arenas (they wait), or over 16 (each has its own)
+    argv = [*MTRACE, "run", "--no-allocs", "-o", "summary", "--",
+            str(built("arena_waits")), "8", arenas, "4000"]  # fmt: skip
+    run = subprocess.run(argv, input="xy", capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    # THEN the summary advises raising the limit where, and only where, they share
+    found = re.search(r"advice \(arena-limit\): (\d+) threads share 2 arenas \(arena_max 2, "
+                      r"set by mallopt M_ARENA_MAX\)", run.stdout)  # fmt: skip
+    assert (found is not None) is advised, run.stdout
+    if found is not None:
+        assert 2 < int(found.group(1)) <= 9  # the workers and main, as many as were seen at once
+    else:
+        assert "advice" not in run.stdout
