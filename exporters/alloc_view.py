@@ -24,10 +24,13 @@ STACKS_SHOWN = 8
 BARS = "▁▂▃▄▅▆▇█"
 
 
-def sparkline(values: list[float]) -> str:
-    """One bar per value, scaled from the lowest to the highest."""
+def sparkline(values: list[float], top: float | None = None) -> str:
+    """One bar per value, scaled from the lowest to the highest, or with
+    ``top`` from 0 to ``top`` (a share: 0 to 1)."""
     if not values:
         return ""
+    if top is not None:
+        return "".join(BARS[max(0, min(len(BARS) - 1, int(v / top * len(BARS))))] for v in values)
     low, high = min(values), max(values)
     span = high - low
     if span <= 0:

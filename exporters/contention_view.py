@@ -12,20 +12,15 @@ from rich.console import RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from .alloc_view import sparkline
 from .contention import INFLATED_NOTE, advice, duration_text
 from .data.alloc_snapshot import FrameNames
 from .data.allocator_state import ProcessState
 from .data.lock_waits import ARENA_KINDS, MAIN, LockWaits
 
-SPARK = "▁▂▃▄▅▆▇█"
 HISTORY = 20  # intervals a sparkline shows
 ARENAS_SHOWN = 12
 STACKS_SHOWN = 5
-
-
-def sparkline(values: list[float]) -> str:
-    """One character per value, from 0 (lowest) to 1 (highest)."""
-    return "".join(SPARK[min(len(SPARK) - 1, int(v * len(SPARK)))] for v in values)
 
 
 class ContentionPanel:
@@ -99,7 +94,7 @@ class ContentionPanel:
                 str(row.pid), f"{row.futex:#x}" + (" main" if row.kind == MAIN else ""),
                 "?" if threads is None else str(threads),
                 f"{duration_text(self.rates.get(key, 0.0))}/s",
-                f"{history[-1]:.1%}" if history else "-", sparkline(history),
+                f"{history[-1]:.1%}" if history else "-", sparkline(history, top=1.0),
                 duration_text(row.times.max_ns),
             )  # fmt: skip
         if not shown:

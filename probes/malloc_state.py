@@ -76,7 +76,7 @@ def is_arena(read: Read, address: int, layout: MallocLayout = X86_64) -> bool:
     return _word(read, heap + layout.heap_ar_ptr) == address
 
 
-def _heaps(read: Read, arena: int, layout: MallocLayout) -> tuple[tuple[int, int], ...]:
+def _arena_heaps(read: Read, arena: int, layout: MallocLayout) -> tuple[tuple[int, int], ...]:
     """A non-main arena's heaps, newest first: from its top chunk's, by prev."""
     heaps: list[tuple[int, int]] = []
     heap = heap_of(_word(read, arena + layout.top), layout)
@@ -96,7 +96,7 @@ def _arena(read: Read, address: int, main: bool, layout: MallocLayout) -> FoundA
         main,
         _word(read, address + layout.attached_threads),
         _word(read, address + layout.system_mem),
-        () if main else _heaps(read, address, layout),
+        () if main else _arena_heaps(read, address, layout),
     )
 
 

@@ -100,7 +100,7 @@ def timing_report(libc: Path, debug_file: Path | None = None) -> TimingReport:
                         f"from {symbols.source}")  # fmt: skip
 
 
-def defines(stacks: bool, events: bool, one_process: bool) -> dict[str, int]:
+def lock_defines(stacks: bool, events: bool, one_process: bool) -> dict[str, int]:
     return {
         "WITH_LOCK_TIMES": 1,
         "LOCK_STACKS": int(stacks),

@@ -227,4 +227,5 @@ def _lock_defines(request: TraceRequest, probes: Probes, one_pid: int) -> dict[s
     process the uprobes are attached for, or -1)."""
     if probes.lock_plan is None or not probes.lock_plan.timed:
         return None
-    return lock_waits.defines(stacks=True, events=request.lock_events, one_process=one_pid >= 0)
+    events = request.lock_events
+    return lock_waits.lock_defines(stacks=True, events=events, one_process=one_pid >= 0)
