@@ -18,8 +18,8 @@ ADVICE_MIN_WAITS = 100
 # Probes on every allocation lengthen every lock hold, and so the waits:
 # measured in docs/performance.md.
 INFLATED_NOTE = ("the allocation probes are on: they lengthen every malloc and so every "
-                 "lock hold; --no-allocs (or --sample-bytes) watches contention with less "
-                 "disturbance (docs/contention.md)")  # fmt: skip
+                 "lock hold, sampled or not; --contention watches contention without them "
+                 "(docs/contention.md)")  # fmt: skip
 
 
 def duration_text(ns: float) -> str:

@@ -231,13 +231,6 @@ class ArenaFinder:
                 self._others.add((pid, futex))
         return ARENA if found else OTHER
 
-    def forget(self, pid: int) -> None:
-        """A process exec'd or exited: what was read of it no longer holds."""
-        with self._lock:
-            self._scans.pop(pid, None)
-            self._walked.pop(pid, None)
-            self._others = {key for key in self._others if key[0] != pid}
-
 
 def _arena_in_memory(pid: int, futex: int) -> bool | None:
     """An arena not in the list when last walked (made since); None when

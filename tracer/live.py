@@ -117,7 +117,7 @@ class LiveTrace:
         self.request = request
         probes = choose_probes(request, libc)  # before root
         self.selection, self.sdt, self.alloc_plan = probes.selection, probes.sdt, probes.alloc_plan
-        self.lock_plan = probes.lock_plan if probes.lock_plan and probes.lock_plan.timed else None
+        self.lock_plan = probes.lock_plan
         self.notices: list[str] = list(probes.notices)
         require_privileges()
         self.frame_names = FrameNames()
@@ -280,7 +280,7 @@ class LiveTrace:
                 self.counters.alloc_delivered += int(
                     np.count_nonzero((kinds == EventKind.ALLOC) | (kinds == EventKind.FREE))
                 )
-            if self.lock_plan is not None:
+            if self.lock_plan is not None and self.request.lock_events:
                 self.counters.lock_delivered += int(np.count_nonzero(kinds == EventKind.LOCK_WAIT))
             libc = records
             if self.kmem:

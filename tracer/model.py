@@ -147,14 +147,16 @@ class AllocatorModel(Sink):
         """The arenas ``pid`` has, read from its memory (tracer/arena_walk.py)
         when the trace attached and again while it runs, with their heaps
         and its arena limit."""
+        # the limit's source is read from /proc before the lock is taken
+        limit = arena_limit(pid, scan.arena_max) if not scan.problem else None
         with self.state.lock:
             state = self.process(pid)
-            if scan.problem:  # what an earlier read found stays
+            if limit is None:  # what an earlier read found stays
                 if state.arena_limit is None:
                     state.arena_problem = scan.problem
                 return
             state.arena_problem = ""
-            state.arena_limit, state.arena_limit_source = arena_limit(pid, scan.arena_max)
+            state.arena_limit, state.arena_limit_source = limit
             for found in scan.arenas:
                 arena = state.arena(found.address)
                 arena.main = arena.main or found.main

@@ -140,7 +140,7 @@ class Probes:
     sdt: bool  # libc probes are traced (False: the allocation functions only)
     alloc_plan: alloc_probes.AllocPlan | None
     notices: tuple[str, ...]
-    lock_plan: lock_waits.LockWaitPlan | None = None  # None: lock waits are not timed
+    lock_plan: lock_waits.LockWaitPlan | None = None  # None: not timed (a notice says why)
 
 
 def choose_probes(request: TraceRequest, libc: Path) -> Probes:
@@ -170,6 +170,7 @@ def choose_probes(request: TraceRequest, libc: Path) -> Probes:
         lock_plan = lock_waits.plan_lock_waits(libc)
         if not lock_plan.timed:
             notices.append(lock_plan.problem)
+            lock_plan = None
     return Probes(selection, sdt, alloc_plan, tuple(notices), lock_plan)
 
 
@@ -225,7 +226,7 @@ def program_plan(request: TraceRequest, probes: Probes, target_pid: int | None,
 def _lock_defines(request: TraceRequest, probes: Probes, one_pid: int) -> dict[str, int] | None:
     """The lock waits' switches, when they are timed (``one_pid``: the one
     process the uprobes are attached for, or -1)."""
-    if probes.lock_plan is None or not probes.lock_plan.timed:
+    if probes.lock_plan is None:
         return None
     events = request.lock_events
     return lock_waits.lock_defines(stacks=True, events=events, one_process=one_pid >= 0)
