@@ -265,8 +265,12 @@ def _setting(state: ProcessState, event: Event, meaning: Meanings) -> None:
 def _apply_mallopt(state: ProcessState, event: Event, _: Meanings) -> None:
     param = _arg(event, "param_number")
     name = MALLOPT_PARAMS.get(param, str(param))
-    change = SettingChange(event.ts_ns, event.pid, f"mallopt({name})", None, _arg(event, "value"))
+    value = _arg(event, "value")
+    change = SettingChange(event.ts_ns, event.pid, f"mallopt({name})", None, value)
     _log(state.settings, change)
+    # glibc sets arena_max only for a positive value; a read of the memory, later, has the last word
+    if name == "M_ARENA_MAX" and value > 0:
+        state.arena_limit, state.arena_limit_source = value, "mallopt M_ARENA_MAX"
 
 
 def _dynamic_thresholds(state: ProcessState, event: Event, _: Meanings) -> None:

@@ -326,18 +326,24 @@ def test_a_wait_its_process_ends_in_is_counted_and_leaves_no_entry(
 
 @pytest.mark.parametrize(("arenas", "advised"), [("2", True), ("16", False)])
 def test_advice_to_raise_the_arena_limit_only_where_threads_share_arenas(
-    arenas: str, advised: bool
+    tmp_path: Path, arenas: str, advised: bool
 ) -> None:
-    # GIVEN 8 threads over 2 arenas (they wait), or over 16 (each has its own)
-    argv = [*MTRACE, "run", "--no-allocs", "-o", "summary", "--",
-            str(built("arena_waits")), "8", arenas, "4000"]  # fmt: skip
-    run = subprocess.run(argv, input="xy", capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
+    with Reaper() as reaper:
+        # GIVEN 8 threads over 2 arenas (they wait), or over 16 (each has its own)
+        workload = start_workload([str(built("arena_waits")), "8", arenas, "8000"], reaper)
+        # WHEN mtrace-live attaches to it, the threads contend, and the trace ends in a summary
+        proc, out, err = start_mtrace(["--pid", str(workload.pid), "--no-allocs", "-o", "summary"],
+                                      tmp_path, reaper)  # fmt: skip
+        workload.release("lifetimes")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0, err.read_text(errors="replace")
+        assert workload.end() == 0
+    summary = out.read_text()
     # THEN the summary advises raising the limit where, and only where, they share
     found = re.search(r"advice \(arena-limit\): (\d+) threads share 2 arenas \(arena_max 2, "
-                      r"set by mallopt M_ARENA_MAX\)", run.stdout)  # fmt: skip
-    assert (found is not None) is advised, run.stdout
+                      r"set by mallopt M_ARENA_MAX\)", summary)  # fmt: skip
+    assert (found is not None) is advised, summary
     if found is not None:
         assert 2 < int(found.group(1)) <= 9  # the workers and main, as many as were seen at once
     else:
-        assert "advice" not in run.stdout
+        assert "advice" not in summary

@@ -86,6 +86,8 @@ def test_the_model_applies_each_probes_effect_by_argument_name() -> None:
     assert dict(state.retries) == {"malloc": 1}
     assert [(c.setting, c.old, c.new) for c in state.settings] == [
         ("M_ARENA_MAX", 0, 2), ("mallopt(M_ARENA_MAX)", None, 2)]  # fmt: skip
+    # mallopt's M_ARENA_MAX is the limit in force until the memory is read
+    assert (state.arena_limit, state.arena_limit_source) == (2, "mallopt M_ARENA_MAX")
     assert [(c.pointer, c.tcache_bin) for c in state.double_frees] == [(0x5555AAAA, 3)]
     assert state.double_free_checks == 1
     # AND the kmem events were not counted as probe hits
