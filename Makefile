@@ -19,7 +19,20 @@ sdt-glibc: setup
 	bash scripts/sdt-glibc.sh
 
 WORKLOADS := probe_exerciser kmem_exerciser mallopt_loop jmp_loop arena_contention arena_waits stdio_wait lock_wait_calls alloc_workload alloc_bench
-exercisers: $(addprefix $(BUILD)/,$(WORKLOADS))
+# Built as distributions build their programs: -O2, no frame pointers, PIE,
+# shared libraries (the unwinding by CFI, tests/privileged/test_cfi_stacks.py).
+CFLAGS_DISTRO := -O2 -g -fomit-frame-pointer -Wall -Wextra
+CFI_WORKLOADS := libcfi_deep.so libcfi_plugin.so cfi_stacks cxx_stacks
+exercisers: $(addprefix $(BUILD)/,$(WORKLOADS) $(CFI_WORKLOADS))
+
+$(BUILD)/libcfi_%.so: tests/workloads/cfi/%.c | $(BUILD)
+	gcc $(CFLAGS_DISTRO) -fPIC -shared -o $@ $<
+
+$(BUILD)/cfi_stacks: tests/workloads/cfi/cfi_stacks.c $(BUILD)/libcfi_deep.so | $(BUILD)
+	gcc $(CFLAGS_DISTRO) -fPIE -pie -o $@ $< -L$(BUILD) -lcfi_deep -Wl,-rpath,'$$ORIGIN' -pthread -ldl
+
+$(BUILD)/cxx_stacks: tests/workloads/cfi/cxx_stacks.cc | $(BUILD)
+	g++ $(filter-out -g,$(CFLAGS_DISTRO)) -fPIE -pie -o $@ $<
 
 $(BUILD)/%: tests/workloads/%.c | $(BUILD)
 	gcc $(CFLAGS_WORKLOAD) -o $@ $<

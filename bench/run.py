@@ -32,13 +32,14 @@ import event_bench
 import kmem_bench
 import rates_bench
 import scrape_bench
+import stacks_bench
 import usdt_bench
 from common import PEERS, QUICK, REPO, REPS, machine, peer_versions, say
 
 # Kept with the page it renders, so that a later `--only` run on a fresh
 # machine merges its sections into the committed figures.
 RESULTS = REPO / "docs" / "bench.json"
-SECTIONS = ("usdt", "kmem", "events", "scrape", "cost", "rates", "allocs", "contention")
+SECTIONS = ("usdt", "kmem", "events", "scrape", "cost", "rates", "allocs", "stacks", "contention")
 # The page's sections in order, each from its part of the results.
 PAGE: tuple[tuple[str, Callable[[Any], tuple[list[str], dict[str, bool | None]]]], ...] = (
     ("usdt", usdt_bench.render),
@@ -49,6 +50,7 @@ PAGE: tuple[tuple[str, Callable[[Any], tuple[list[str], dict[str, bool | None]]]
     ("cost", cost_bench.render),
     ("rates", rates_bench.render),
     ("allocs", alloc_bench.render),
+    ("stacks", stacks_bench.render),
     ("contention", contention_bench.render),
 )
 
@@ -72,6 +74,7 @@ def measure(only: set[str]) -> dict[str, object]:
             "cost": lambda: cost_bench.run(tmp, peers),
             "rates": rates_bench.run,
             "allocs": lambda: alloc_bench.run(tmp, peers),
+            "stacks": lambda: stacks_bench.run(tmp, peers),
             "contention": lambda: contention_bench.run(tmp, peers),
         }
         durations = {}

@@ -141,6 +141,42 @@ def leak_lines(snapshot: AllocSnapshot, names: FrameNames, older_than_s: float =
     return lines
 
 
+# How a walk by CFI can end short of the outermost frame (unwind.bpf.c's unwind_misc).
+UNWIND_ENDS = (("depth", "at 127 frames"), ("no_cfi", "at code with no CFI and no frame pointer"),
+               ("unreadable", "at an unreadable stack"),
+               ("out_of_stack", "where the rules pointed outside the stack"),
+               ("bounds", "at the verifier's bounds"), ("lost", "lost"))  # fmt: skip
+
+
+def unwind_lines(unwind: Mapping[str, int]) -> list[str]:
+    """How the stacks were walked: by CFI, whole or cut and why, and the
+    frames found each way (nothing when walked by frame pointers only)."""
+    if not unwind:
+        return []
+    cut = ", ".join(f"{unwind.get(key, 0)} {why}" for key, why in UNWIND_ENDS)
+    return [
+        f"stacks unwound by CFI: {unwind.get('stacks', 0)}, {unwind.get('complete', 0)} whole; "
+        f"cut: {cut}",
+        f"  frames: {unwind.get('cfi_frames', 0)} by CFI, {unwind.get('fp_frames', 0)} by frame "
+        f"pointers (no CFI at the PC); {unwind.get('no_tables', 0)} stacks walked by frame "
+        "pointers alone (their process's tables were not written yet)",
+        *_table_lines(unwind),
+    ]
+
+
+def _table_lines(unwind: Mapping[str, int]) -> list[str]:
+    """What the tables hold, and what they could not (tables_* counts)."""
+    if "tables_files" not in unwind:
+        return []
+    line = (f"  tables: {unwind['tables_files']} files, {unwind.get('tables_rows', 0)} rows; "
+            f"{unwind.get('tables_files_without_cfi', 0)} files without CFI")  # fmt: skip
+    full = unwind.get("tables_files_not_fitting", 0), unwind.get("tables_processes_not_fitting", 0)
+    if any(full):
+        line += (f"; no room for {full[0]} files ({unwind.get('tables_rows_not_fitting', 0)} "
+                 f"rows) and {full[1]} processes' mappings: frame pointers there")  # fmt: skip
+    return [line]
+
+
 def alloc_summary_lines(snapshot: AllocSnapshot, names: FrameNames, command_ended: bool,
                   leaks_older_than: float | None = None,
                   delivered: int | None = None) -> list[str]:  # fmt: skip
@@ -159,6 +195,7 @@ def alloc_summary_lines(snapshot: AllocSnapshot, names: FrameNames, command_ende
             f"stack (--alloc-stacks), {misc.get('frames_full', 0)} kept by call site alone "
             f"(no room for their stack), {misc.get('lost_events', 0)} events lost"
         )
+    lines += unwind_lines(snapshot.unwind)
     if misc.get("slot_taken"):
         lines.append(
             f"allocation calls lost: {misc['slot_taken']} (two threads whose ids differ "

@@ -125,7 +125,9 @@ def stack_table_json(snapshot: AllocSnapshot, names: FrameNames) -> Iterator[str
     """The tables at the end of ``-o json``: one object per process
     ({"table": "alloc_processes", ...}), one of the calls of each function
     ({"table": "alloc_functions", ...}: every hit, nested ones included),
-    then one per stack ({"table": "alloc_stacks", ...}), each frame named."""
+    one of the stack walks' counts ({"table": "stack_walks", ...}) when they
+    are unwound by CFI, then one per stack ({"table": "alloc_stacks", ...}),
+    each frame named."""
     for proc in snapshot.processes:
         yield json.dumps({"table": "alloc_processes", "pid": proc.tgid, "calls": proc.calls,
                           "bytes": proc.bytes, "frees": proc.frees,
@@ -134,6 +136,9 @@ def stack_table_json(snapshot: AllocSnapshot, names: FrameNames) -> Iterator[str
                          separators=(",", ":"))  # fmt: skip
     yield json.dumps({"table": "alloc_functions", "calls": dict(snapshot.calls),
                       **dict(snapshot.misc)}, separators=(",", ":"))  # fmt: skip
+    if snapshot.unwind:  # how the stacks were walked: by CFI, whole or cut and why
+        yield json.dumps({"table": "stack_walks", "by": "cfi", **dict(snapshot.unwind)},
+                         separators=(",", ":"))  # fmt: skip
     for row in sorted(snapshot.stacks, key=lambda r: (-r.live_bytes, -r.bytes)):
         frames = []
         for address in row.frames:

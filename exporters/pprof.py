@@ -196,18 +196,20 @@ class _Tables:
             found = self.mappings[key] = len(self.mappings) + 1
             start, end = symbol.span
             self.profile.mapping.add(id=found, memory_start=start, memory_limit=end,
-                                     filename=self.strings(symbol.module), has_functions=True,
+                                     filename=self.strings(symbol.module),
+                                     build_id=self.strings(symbol.build_id or ""),
+                                     has_functions=True,
                                      has_filenames=symbol.location is not None,
                                      has_line_numbers=symbol.location is not None)  # fmt: skip
         return found
 
-    def function_id(self, name: str, filename: str) -> int:
+    def function_id(self, name: str, filename: str, system_name: str | None = None) -> int:
         key = (name, filename)
         found = self.functions.get(key)
         if found is None:
             found = self.functions[key] = len(self.functions) + 1
             self.profile.function.add(id=found, name=self.strings(name),
-                                      system_name=self.strings(name),
+                                      system_name=self.strings(system_name or name),
                                       filename=self.strings(filename))  # fmt: skip
         return found
 
@@ -221,8 +223,8 @@ class _Tables:
             location = self.profile.location.add(id=found, address=address, mapping_id=mapping)
             if symbol is not None and symbol.function is not None:
                 filename, line = _place(symbol.location)
-                location.line.add(function_id=self.function_id(symbol.function, filename),
-                                  line=line)  # fmt: skip
+                function = self.function_id(symbol.function, filename, symbol.system_name)
+                location.line.add(function_id=function, line=line)
         return found
 
 

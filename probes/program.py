@@ -26,6 +26,7 @@ PARTS = (
     "derived.bpf.c",  # memory_* probes derived from system calls
     "kmem.bpf.c",  # the kmem tracepoints
     "frames.bpf.c",  # the stacks the handlers walk themselves
+    "unwind.bpf.c",  # ... by the mapped files' CFI
     "allocs.bpf.c",  # the allocation functions
     "locks.bpf.c",  # the waits in the libc's lock-wait slow path, timed
     "vm.bpf.c",  # mmap, munmap, mremap, brk (and the handlers shared with derived)
@@ -105,6 +106,7 @@ class ProgramConfig:
     stack_entries: int = 16384
     allocs: Mapping[str, int] | None = None  # None: no allocation functions
     locks: Mapping[str, int] | None = None  # None: lock waits are not timed
+    unwind: Mapping[str, int] | None = None  # None: stacks are walked by frame pointers only
 
     def defines(self) -> dict[str, int]:
         defines = {
@@ -134,6 +136,8 @@ class ProgramConfig:
         defines.update(self.locks or {})
         walks = (self.allocs or {}).get("ALLOC_WALK", 0) or (self.locks or {}).get("LOCK_STACKS", 0)
         defines["WITH_FRAMES"] = int(bool(walks))
+        if walks and self.unwind is not None:
+            defines.update(self.unwind)
         return defines
 
     def source(self) -> ProgramSource:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .elf import cfi
+
 MAX_ARGS = 6  # struct event's args[]
 
 # struct event: one record of the ``events`` ring buffer.
@@ -46,6 +48,7 @@ class EventKind(IntEnum):
     FREE = 5  # free, or realloc's release of its old pointer
     HELD = 6  # a followed process called _exit and waits, stopped, to be continued
     LOCK_WAIT = 7  # a wait in the libc's lock-wait slow path ended: args = futex, ns
+    UNWIND = 8  # a process wants its unwind tables (stopped until written, UNWIND_HOLD)
 
 
 class KmemEvent(IntEnum):
@@ -199,6 +202,29 @@ class LockMisc(IntEnum):
     NO_THREAD_ROW = 6
 
 
+UNWIND_ROW_DTYPE = cfi.ROW  # struct unwind_row: probes/elf/cfi.py makes them
+UNWIND_MAP_DTYPE = np.dtype([("start", "<u8"), ("end", "<u8"), ("bias", "<u8"), ("first", "<u4"),
+                             ("count", "<u4"), ("pages", "<u4"), ("page_count", "<u4"),
+                             ("page_base", "<u4"), ("pad", "<u4")])  # fmt: skip
+UNWIND_PROC_DTYPE = np.dtype([("first", "<u4"), ("count", "<u4")])
+
+
+class UnwindMisc(IntEnum):
+    """enum unwind_misc: the slots of the unwind_misc array."""
+
+    STACKS = 0
+    COMPLETE = 1
+    DEPTH = 2
+    NO_CFI = 3
+    UNREADABLE = 4
+    OUT_OF_STACK = 5
+    BOUNDS = 6
+    NO_TABLES = 7
+    CFI_FRAMES = 8
+    FP_FRAMES = 9
+    LOST = 10
+
+
 THREAD_START_DTYPE = np.dtype([("start", "<u8"), ("tgid", "<u4"), ("pad", "<u4")])
 THREAD_TIME_DTYPE = np.dtype(
     [("done_ns", "<u8"), ("exited", "<u8"), ("first_ns", "<u8"), ("last_exit_ns", "<u8")]
@@ -225,6 +251,9 @@ LAYOUTS = {
     "lock_stack_time": LOCK_STACK_TIME_DTYPE,
     "thread_start": THREAD_START_DTYPE,
     "thread_time": THREAD_TIME_DTYPE,
+    "unwind_row": UNWIND_ROW_DTYPE,
+    "unwind_map": UNWIND_MAP_DTYPE,
+    "unwind_proc": UNWIND_PROC_DTYPE,
 }
 
 

@@ -34,10 +34,10 @@ ARCH=$(dpkg --print-architecture)
 # prometheus (server and promtool) and openssl are for the exporter's tests;
 # golang-go for go tool pprof, which reads the pprof output in the tests;
 # bpftool reads BTF for the tests, independently of the project's reader;
-# heaptrack is a peer in make bench; libc6-dbg names the frames inside the libc;
+# heaptrack is a peer in make bench and the stacks tests; g++ builds their C++ workload; sqlite3 is the bench's real program; libc6-dbg names the frames inside the libc;
 # python3-dev's headers build the compiled parts at install (report's pass, the ring copier).
-packages=(python3-bpfcc libbpfcc bpfcc-tools bpftool bpftrace gcc make libc6-dev libc6-dbg golang-go heaptrack
-          systemtap-sdt-dev python3-venv python3-dev binutils prometheus openssl)
+packages=(python3-bpfcc libbpfcc bpfcc-tools bpftool bpftrace gcc g++ make libc6-dev libc6-dbg golang-go heaptrack
+          systemtap-sdt-dev python3-venv python3-dev binutils prometheus openssl sqlite3)
 if [ "${ID}" = ubuntu ]; then
   packages+=(linux-tools-common "linux-tools-$KERNEL")
 else

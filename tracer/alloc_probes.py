@@ -39,6 +39,7 @@ from mtrace_live.probes.records import (
     VM_PROC_FIELDS,
     AllocFn,
     AllocMisc,
+    UnwindMisc,
 )
 
 from .bpf_backend import BpfProgram
@@ -89,11 +90,11 @@ def _plan_sites(libc: Path) -> AllocPlan:
             seen_as[name] = alias
             continue
         sites[name] = site
-    exit_offset = _file_offset(libc, EXIT_FUNCTION)
+    exit_offset = exported_offset(libc, EXIT_FUNCTION)
     return AllocPlan(libc, sites, seen_as, exit_offset)
 
 
-def _file_offset(libc: Path, name: str) -> int | None:
+def exported_offset(libc: Path, name: str) -> int | None:
     """Where the exported function ``name`` is in the libc's file."""
     with open_elf(libc) as elf:
         dynsym = symbol_table(elf, ".dynsym")
@@ -190,7 +191,17 @@ def read_snapshot(program: BpfProgram, sample_bytes: int, started_ns: int,
         outstanding=tuple(held),
         outstanding_read=outstanding,
         vm=vm,
+        unwind=unwind_counts(program),
     )
+
+
+def unwind_counts(program: BpfProgram) -> dict[str, int]:
+    """How the stacks were walked (unwind.bpf.c's unwind_misc); {} when they
+    are walked by frame pointers only."""
+    if not program.has_table("unwind_misc"):
+        return {}
+    counts = program.percpu_array_totals("unwind_misc")
+    return {m.name.lower(): counts[m] for m in UnwindMisc}
 
 
 def _processes(tgids: np.ndarray, rows: np.ndarray,

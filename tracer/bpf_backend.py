@@ -15,7 +15,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -301,6 +301,13 @@ class BpfProgram:
             out.append(int(address))
         return out
 
+    def has_table(self, name: str) -> bool:
+        try:
+            self._bpf[name]
+        except KeyError:
+            return False
+        return True
+
     def map_fd(self, name: str) -> int:
         return int(self._bpf[name].map_fd)
 
@@ -348,6 +355,28 @@ class BpfProgram:
             k = bcc_table.Key(key)
             if k not in bcc_table:
                 bcc_table[k] = bcc_table.Leaf(*fields)
+
+    def set_row(self, table: str, key: int, fields: tuple[int, ...] | None) -> None:
+        """One entry (u32 key, struct fields) of a hash map; None deletes it."""
+        bcc_table = self._bpf[table]
+        k = bcc_table.Key(key)
+        if fields is None:
+            with contextlib.suppress(KeyError):
+                del bcc_table[k]
+            return
+        bcc_table[k] = bcc_table.Leaf(*fields)
+
+    def write_array(self, table: str, first: int, values: np.ndarray) -> None:
+        """``values`` into an array map from index ``first`` on, in one call."""
+        bpf_syscalls.update_array(self.map_fd(table), first, values)
+
+    def set_tail_calls(self, table: str, slots: Mapping[int, str]) -> None:
+        """Each slot of a program array given the uprobe-type program named."""
+        bcc = import_bcc()
+        array = self._bpf[table]
+        for slot, name in slots.items():
+            function = self._bpf.load_func(name.encode(), bcc.BPF.KPROBE)
+            array[ctypes.c_int(slot)] = ctypes.c_int(function.fd)
 
     def set_first_target(self, pid: int) -> None:
         """Name the process asked for to the trace program (FIRST_TGID)."""

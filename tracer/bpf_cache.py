@@ -157,7 +157,7 @@ def load(key: str) -> Compiled | None:
     if not path.is_file():
         return None
     try:
-        if not (_private(directory) and _private(path)):
+        if not (private_file(directory) and private_file(path)):
             # code that someone else could have written is never loaded
             raise Unusable(f"{path} could be written by another user")
         document = json.loads(path.read_bytes())
@@ -176,7 +176,7 @@ def load(key: str) -> Compiled | None:
     return compiled
 
 
-def _private(path: Path) -> bool:
+def private_file(path: Path) -> bool:
     """Owned by this user and writable by no one else."""
     status = path.stat()
     return status.st_uid == os.geteuid() and not status.st_mode & 0o022

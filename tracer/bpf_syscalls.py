@@ -41,6 +41,7 @@ BPF_PROG_GET_NEXT_ID = 11
 BPF_PROG_GET_FD_BY_ID = 13
 BPF_OBJ_GET_INFO_BY_FD = 15
 BPF_MAP_LOOKUP_BATCH = 24
+BPF_MAP_UPDATE_BATCH = 26
 BPF_ENABLE_STATS = 32
 BPF_STATS_RUN_TIME = 0
 STATS_SYSCTL = Path("/proc/sys/kernel/bpf_stats_enabled")
@@ -119,6 +120,27 @@ class BatchReader:
                 return None
         (count,) = struct.unpack_from("=I", attr, 32)
         return self._keys[:count].copy(), self._values[:count].copy()
+
+
+def update_array(map_fd: int, first: int, values: np.ndarray) -> None:
+    """Write ``values`` (a contiguous array of the map's value type) into a
+    BPF array at indexes ``first``... in one BPF_MAP_UPDATE_BATCH; OSError
+    with the kernel's errno when it refuses."""
+    count = len(values)
+    if count == 0:
+        return
+    keys = np.arange(first, first + count, dtype=np.uint32)
+    values = np.ascontiguousarray(values)
+    attr = ctypes.create_string_buffer(56)
+    # in_batch, out_batch (unused), keys, values, count, map_fd, elem_flags, flags
+    struct.pack_into("=QQQQIIQQ", attr, 0, 0, 0, keys.ctypes.data, values.ctypes.data, count,
+                     map_fd, 0, 0)  # fmt: skip
+    if _bpf(BPF_MAP_UPDATE_BATCH, attr) < 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"BPF_MAP_UPDATE_BATCH: {os.strerror(error)}")
+    (done,) = struct.unpack_from("=I", attr, 32)
+    if done != count:
+        raise OSError(errno.EIO, f"BPF_MAP_UPDATE_BATCH wrote {done} of {count}")
 
 
 def sysctl_enabled() -> bool:

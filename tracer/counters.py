@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +56,8 @@ class BpfCounters:
         self.filtered_by_pid = filtered_by_pid
         self.stats_fd = stats_fd  # held while run time is counted (serve --bpf-stats)
         self.delivered = 0
+        # what the CFI unwinder's tables hold and could not (tracer/unwind_tables.py)
+        self.table_counts: Callable[[], Mapping[str, int]] | None = None
         self.kmem_delivered = 0
         self.alloc_delivered = 0  # allocation and free events read from the ring
         self.lock_delivered = 0  # lock wait events read from the ring
@@ -135,6 +138,9 @@ class BpfCounters:
         snapshot = alloc_probes.read_snapshot(
             self.program, self.sample_bytes, self.started_ns, outstanding
         )
+        if snapshot.unwind and self.table_counts is not None:  # the tables' own, user space's
+            tables = {f"tables_{key}": value for key, value in self.table_counts().items()}
+            snapshot = replace(snapshot, unwind={**snapshot.unwind, **tables})
         return trimmed(snapshot, self.frame_names)
 
     def lock_waits(self, stacks: bool = True) -> LockWaits | None:

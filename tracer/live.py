@@ -53,6 +53,7 @@ from .launch import GatedCommand
 from .model import AllocatorModel
 from .plan import ProgramPlan, TraceRequest, choose_probes, program_plan
 from .ringbuf import RingReader
+from .unwind_tables import RESUME_ALLOC, RESUME_LOCK, STEP, UnwindTables, attach_dlopen
 
 # Events handled between two looks at signals and deadlines: about 0.1 s of
 # event lines in the slowest output (text).
@@ -154,6 +155,8 @@ class LiveTrace:
             arenas=self.arenas,
             lock_times=self.lock_plan is not None,
         )
+        if self.unwind is not None:
+            self.counters.table_counts = self.unwind.table_counts
 
     def _main_arena_of(self) -> Callable[[Event, int], int | None]:
         """main_arena's address in the process of an event at a site: its
@@ -180,6 +183,7 @@ class LiveTrace:
             if plan.config.first_tgid and target_pid is not None:
                 self.program.set_first_target(target_pid)
             usdt.attach_sites(self.program, self.selection)
+            self.unwind = self._unwinder(plan)
             if self.alloc_plan is not None:
                 alloc_probes.attach_allocs(self.program, self.alloc_plan, request.sample_bytes,
                                            self.hold, self.alloc_pid)  # fmt: skip
@@ -197,6 +201,21 @@ class LiveTrace:
             self.program.close()
             bpf_syscalls.close(stats_fd)
             raise
+
+    def _unwinder(self, plan: ProgramPlan) -> UnwindTables | None:
+        """The CFI unwinder's tables, its programs in their slots; None when
+        stacks are walked by frame pointers only."""
+        if not plan.config.defines().get("WITH_UNWIND"):
+            return None
+        slots = {STEP: "unwind_step"}
+        if self.alloc_plan is not None:
+            slots[RESUME_ALLOC] = "alloc_resume"
+        if self.lock_plan is not None:
+            slots[RESUME_LOCK] = "lock_resume"
+        self.program.set_tail_calls("unwind_progs", slots)
+        libc = self.alloc_plan.libc if self.alloc_plan is not None else self.lock_plan.libc  # type: ignore[union-attr]
+        attach_dlopen(self.program, libc, self.alloc_pid)
+        return UnwindTables(self.program, hold=bool(plan.config.defines().get("UNWIND_HOLD")))
 
     def info(self, pid: int | None) -> TraceInfo:
         request = self.request
@@ -234,12 +253,16 @@ class LiveTrace:
         usdt.seed_break(self.program, self.selection, pid)
         if self.arenas is not None and running:
             self.model.seed_arenas(pid, self.arenas.scan(pid), at_attach=True)
+        if self.unwind is not None and running:
+            self.unwind.load(pid)
         if self.lock_plan is not None:
             self.counters.thread_clock.seed(self.program, pid)
             self.frame_names.refresh(pid)
 
     more_waiting = False  # the last read left events in the ring
     _next_look = 0.0  # when tick looks at the target again
+    _next_unwind_look = 0.0  # when tick looks at the traced processes' mappings again
+    unwind: UnwindTables | None = None
     _looks = 0
 
     def tick(self, pid: int | None) -> None:
@@ -249,6 +272,9 @@ class LiveTrace:
         that its lock waits' stacks can be named after it is gone (the
         allocation probes hold an exiting process for that instead)."""
         now = time.monotonic()
+        if self.unwind is not None and now >= self._next_unwind_look:
+            self._next_unwind_look = now + 1.0
+            self.unwind.refresh()
         if pid is None or now < self._next_look:
             return
         self._next_look = now + (0.1 if self._looks == 0 else 1.0)
@@ -271,6 +297,9 @@ class LiveTrace:
             if len(records) == 0:
                 return
             kinds = records["kind"]
+            if self.unwind is not None:
+                wanted = records["tgid"][kinds == EventKind.UNWIND]
+                self.unwind.tables_wanted(sorted(set(wanted.tolist())))
             if self.hold:
                 self._continue_held(records[kinds == EventKind.HELD])
             probes = kinds == EventKind.PROBE
@@ -571,11 +600,27 @@ def _loop(
         sinks.consume(batch)
     result = trace.result(started, ended_by, exit_code)
     sinks.finish(result)
+    _debug_costs(trace)
     if sinks.closed is not None:
         raise sinks.closed
     if failure is not None:
         raise failure
     return result
+
+
+def _debug_costs(trace: LiveTrace) -> None:
+    """With MTRACE_LIVE_DEBUG set, what the unwind tables and the naming of
+    the frames took (bench/stacks_bench.py reads these lines)."""
+    if os.environ.get("MTRACE_LIVE_DEBUG", "") in ("", "0"):
+        return
+    names = trace.frame_names
+    print(f"mtrace-live: debug: named {names.named} frames in {names.naming_s:.3f} s",
+          file=sys.stderr)  # fmt: skip
+    if trace.unwind is not None:
+        tables = trace.unwind
+        files, rows = tables.counts["files"], tables.next_row
+        print(f"mtrace-live: debug: unwind tables: {files} files, {rows} rows, written in "
+              f"{tables.load_s:.3f} s", file=sys.stderr)  # fmt: skip
 
 
 def _exec_failure(request: TraceRequest, batch: np.ndarray) -> MtraceError | None:

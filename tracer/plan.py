@@ -16,7 +16,7 @@ from mtrace_live.exporters import registry
 from mtrace_live.probes.elf.errors import NoProbesError
 from mtrace_live.probes.program import ProgramConfig
 
-from . import alloc_probes, lock_waits, target, usdt
+from . import alloc_probes, lock_waits, target, unwind_tables, usdt
 
 DEFAULT_BUFFER_PAGES = 2048  # 8 MiB: about 95,000 events of slack
 # The kernel's ring when the buffer asked for is larger: a ring that stays in
@@ -60,6 +60,7 @@ class TraceRequest:
     alloc_stacks: int = 16384  # (process, stack) rows aggregated
     leaks_older_than: float | None = None  # list what has been outstanding this long (seconds)
     lock_times: bool = True  # time the waits in the libc's lock-wait slow path
+    frame_pointers: bool = False  # walk stacks by frame pointers only, not by the CFI
     # serve gives up root in before_start: then no process can be held in
     # _exit (it could not be continued), and the target's symbols are read
     # before, while /proc/PID/maps and its files can still be read.
@@ -219,8 +220,17 @@ def program_plan(request: TraceRequest, probes: Probes, target_pid: int | None,
         stack_entries=request.stack_entries,
         allocs=alloc_defines,
         locks=_lock_defines(request, probes, alloc_pid),
+        unwind=unwind_tables.unwind_defines(hold=request.filtered_by_pid)
+        if unwinds(request)
+        else None,
     )
     return ProgramPlan(config, ring_pages, hold, alloc_pid)
+
+
+def unwinds(request: TraceRequest) -> bool:
+    """Whether stacks are unwound by CFI: not with --frame-pointers, and not
+    in a trace that gives up root (the mapped files could not be read)."""
+    return not request.frame_pointers and not request.privileges_dropped
 
 
 def _lock_defines(request: TraceRequest, probes: Probes, one_pid: int) -> dict[str, int] | None:

@@ -12,6 +12,7 @@ ratio bytes / sizes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -91,6 +92,8 @@ class AllocSnapshot:
     outstanding_read: bool = False
     # pid -> mmap/munmap/mremap/brk figures (probes/records.py VM_PROC_FIELDS)
     vm: Mapping[int, Mapping[str, int]] = field(default_factory=dict)
+    # how the stacks were walked: probes/records.py UnwindMisc, lower-case ({}: by frame pointers)
+    unwind: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def live_bytes(self) -> int:
@@ -151,6 +154,8 @@ class FrameNames:
     comms: dict[int, str] = field(default_factory=dict)  # process names, read with the maps
     live: bool = True  # False: the maps given are all there is (a record set's), read no others
     _names: dict[tuple[int, int], Symbol | None] = field(default_factory=dict)
+    named: int = 0  # frames named (each once)
+    naming_s: float = 0.0  # the time that took
 
     def remember(self, tgid: int) -> None:
         if not self.live:
@@ -190,6 +195,15 @@ class FrameNames:
         key = (tgid, address)
         if key in self._names:
             return self._names[key]
+        begun = time.monotonic()
+        try:
+            return self._resolve(tgid, address)
+        finally:
+            self.named += 1
+            self.naming_s += time.monotonic() - begun
+
+    def _resolve(self, tgid: int, address: int) -> Symbol | None:
+        key = (tgid, address)
         if tgid not in self.symbols:
             self.remember(tgid)
         found = self._lookup(tgid, address - 1)
@@ -216,16 +230,18 @@ class FrameNames:
 
 
 def frame_text(address: int, symbol: Symbol | None) -> str:
-    if symbol is None:
-        return f"{address:#x}"
-    if symbol.function is None:
-        return f"{address:#x} ({symbol.module})"
+    """function+offset (file:line); in no function a symbol names,
+    module+offset (never the nearest name, which would be another
+    function's); outside every file, the address."""
+    if symbol is None or symbol.function is None:
+        return function_name(symbol, address)
     place = f" ({symbol.location})" if symbol.location else ""
     return f"{symbol.function}+{symbol.offset:#x}{place}"
 
 
 def function_name(symbol: Symbol | None, address: int) -> str:
-    """The function, or the address and its module: a name for grouping."""
+    """The function, or the module and the offset from its load base: a
+    name for grouping."""
     if symbol is None:
         return f"{address:#x}"
     if symbol.function is None:

@@ -1,7 +1,12 @@
 """User-space addresses to module, function and source line, with pyelftools.
 
 ``ModuleSymbols`` reads one ELF file once: its function symbols (.symtab,
-else .dynsym) and, where DWARF line tables exist, the address-to-line rows.
+else .dynsym, read in bulk). Source lines come from DWARF, reading only
+what the addresses asked for need (``LineIndex``): the units' address
+ranges (.debug_aranges), then the line program of each unit that holds one
+of them, once. A libc's debug file has some 2,000 units: reading every line
+program took 5.8 s and 500 MB at the end of a trace; naming a stack's
+frames in it reads a handful.
 When the file itself is stripped, its separate debug file is looked for the
 way gdb does: by build-id under each debug directory
 (``.build-id/ab/cdef....debug``), then by ``.gnu_debuglink`` name beside the
@@ -18,12 +23,17 @@ Neither is an error.
 from __future__ import annotations
 
 import bisect
+import functools
 import os
+import re
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import cxxfilt
 from elftools.common.exceptions import DWARFError, ELFError
+from elftools.dwarf.dwarfinfo import DWARFInfo
 from elftools.elf.elffile import ELFFile
 from mtrace_live.probes.elf.debug import DEBUG_DIRECTORIES, debug_files
 from mtrace_live.probes.elf.file import LoadSegment, build_id, debuglink, load_segments, vaddr_at
@@ -43,6 +53,111 @@ class Symbol:
     # sp-rtrace's map lines hold (its resolver takes START as the base that
     # an address of a shared object is made relative to).
     span: tuple[int, int] | None = None
+    system_name: str | None = None  # the function's symbol as the file has it (mangled)
+    build_id: str | None = None  # the module's GNU build-id, in hex
+
+
+_RUST_HASH = re.compile(r"::h[0-9a-f]{16}$")
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def demangled(name: str) -> str:
+    """A C++ or Rust function's name as heaptrack and perf show it: the
+    C++ runtime's own demangler (abi::__cxa_demangle, through cxxfilt),
+    with a Rust symbol's hash dropped; any other name as it is."""
+    if not name.startswith("_Z"):
+        return name
+    try:
+        text = cxxfilt.demangle(name)
+    except cxxfilt.Error:
+        return name
+    return _RUST_HASH.sub("", text)
+
+
+def _has_lines(elf: ELFFile) -> bool:
+    return elf.get_section_by_name(".debug_line") is not None and elf.has_dwarf_info()
+
+
+class LineIndex:
+    """file:line of link-time addresses in one ELF file's DWARF. The file
+    stays open; each unit's line program is read the first time an address
+    in it is asked for. Without .debug_aranges every line program is read,
+    once, at the first question."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._dwarf: DWARFInfo | None = None
+        self._ranges: list[tuple[int, int, int]] = []  # (start, end, unit offset), by start
+        self._starts: list[int] = []
+        self._units: dict[int, tuple[list[int], list[str | None]]] = {}
+        self._failed = False
+
+    def _open(self) -> DWARFInfo | None:
+        if self._dwarf is None and not self._failed:
+            try:
+                stream = open(self.path, "rb")  # noqa: SIM115 (kept open for the units)
+                weakref.finalize(self, stream.close)
+                self._dwarf = ELFFile(stream).get_dwarf_info()
+                aranges = self._dwarf.get_aranges()
+                if aranges is not None:
+                    self._ranges = sorted((e.begin_addr, e.begin_addr + e.length, e.info_offset)
+                                          for e in aranges.entries if e.length)  # fmt: skip
+                else:
+                    self._ranges = self._every_unit(self._dwarf)
+                self._starts = [r[0] for r in self._ranges]
+            except (OSError, ELFError, DWARFError, ValueError, KeyError, IndexError):
+                self._failed = True
+                return None
+        return self._dwarf
+
+    def _every_unit(self, dwarf: DWARFInfo) -> list[tuple[int, int, int]]:
+        """No address ranges: every unit's line program read now, each unit
+        covering its rows' addresses."""
+        ranges = []
+        for unit in dwarf.iter_CUs():
+            addresses, _ = self._unit_rows(dwarf, unit.cu_offset)
+            if addresses:
+                ranges.append((addresses[0], addresses[-1] + 1, unit.cu_offset))
+        return sorted(ranges)
+
+    def _unit_rows(self, dwarf: DWARFInfo, offset: int) -> tuple[list[int], list[str | None]]:
+        found = self._units.get(offset)
+        if found is not None:
+            return found
+        rows: dict[int, str | None] = {}  # None: a sequence ended here, no line until the next
+        program = dwarf.line_program_for_CU(dwarf.get_CU_at(offset))
+        if program is not None:
+            files = program["file_entry"]
+            base = 1 if program["version"] < 5 else 0
+            for entry in program.get_entries():
+                state = entry.state
+                if state is None:
+                    continue
+                if state.end_sequence:
+                    rows.setdefault(state.address, None)
+                    continue
+                index = state.file - base
+                name = (
+                    files[index].name.decode(errors="replace") if 0 <= index < len(files) else "?"
+                )
+                rows[state.address] = f"{os.path.basename(name)}:{state.line}"  # the last row wins
+        addresses = sorted(rows)
+        found = self._units[offset] = (addresses, [rows[a] for a in addresses])
+        return found
+
+    def location(self, vaddr: int) -> str | None:
+        dwarf = self._open()
+        if dwarf is None:
+            return None
+        index = bisect.bisect_right(self._starts, vaddr) - 1
+        if index < 0 or vaddr >= self._ranges[index][1]:
+            return None
+        try:
+            addresses, places = self._unit_rows(dwarf, self._ranges[index][2])
+        except (ELFError, DWARFError, ValueError, KeyError, IndexError):
+            return None
+        row = bisect.bisect_right(addresses, vaddr) - 1
+        return places[row] if row >= 0 else None
 
 
 class ModuleSymbols:
@@ -53,8 +168,7 @@ class ModuleSymbols:
         self._starts: list[int] = []
         self._ends: list[int] = []
         self._names: list[str] = []
-        self._rows: list[int] = []  # line-table addresses, sorted
-        self._places: list[str | None] = []
+        self._lines: LineIndex | None = None  # of the file with DWARF, itself or its debug file
         self.loads: list[LoadSegment] = []
         self.build_id: str | None = None
         self.debug_file: Path | None = None  # where the names or lines came from, if not path
@@ -65,11 +179,12 @@ class ModuleSymbols:
                 self.loads = load_segments(elf)
                 self.build_id = build_id(elf)
                 self._read_symbols(elf)
-                self._read_lines(elf)
+                if _has_lines(elf):
+                    self._lines = LineIndex(path)
                 link = debuglink(elf)
         except (OSError, ELFError, DWARFError, ValueError):
             return
-        if not self._full_symbols or not self._rows:
+        if not self._full_symbols or self._lines is None:
             for candidate in debug_files(path, self.build_id, link, debug_directories):
                 if self._read_debug_file(candidate):
                     self.debug_file = candidate
@@ -77,7 +192,7 @@ class ModuleSymbols:
 
     @property
     def has_lines(self) -> bool:
-        return bool(self._rows)
+        return self._lines is not None
 
     @property
     def source(self) -> str:
@@ -96,11 +211,11 @@ class ModuleSymbols:
                     self._read_symbols(elf)
                     if not self._names:  # nothing better there: keep the exported ones
                         self._starts, self._ends, self._names = before
-                if not self._rows:
-                    self._read_lines(elf)
+                if self._lines is None and _has_lines(elf):
+                    self._lines = LineIndex(candidate)
         except (OSError, ELFError, DWARFError, ValueError):
             return False
-        return bool(self._names or self._rows)
+        return bool(self._names or self._lines)
 
     def _read_symbols(self, elf: ELFFile) -> None:
         found: dict[int, tuple[int, str]] = {}
@@ -110,7 +225,10 @@ class ModuleSymbols:
                 continue
             for sym in table:
                 if sym.type in _FUNCTION_TYPES and sym.value and sym.name:
-                    found.setdefault(sym.value, (sym.size, sym.name))
+                    held = found.get(sym.value)
+                    # a compiler's alias (f.localalias, f.isra.0) gives way to the name itself
+                    if held is None or ("." in held[1] and "." not in sym.name):
+                        found[sym.value] = (sym.size, sym.name)
             if found:
                 self._full_symbols = name == ".symtab"
                 break
@@ -122,34 +240,6 @@ class ModuleSymbols:
             self._ends.append(start + size if size else following)  # no size: up to the next
             self._names.append(name)
 
-    def _read_lines(self, elf: ELFFile) -> None:
-        if not elf.has_dwarf_info():
-            return
-        dwarf = elf.get_dwarf_info()
-        if not dwarf.has_debug_info:
-            return
-        rows: dict[int, str | None] = {}  # None: a sequence ended here, no line until the next
-        for unit in dwarf.iter_CUs():
-            program = dwarf.line_program_for_CU(unit)
-            if program is None:
-                continue
-            files = program["file_entry"]
-            base = 1 if program["version"] < 5 else 0
-            for entry in program.get_entries():
-                state = entry.state
-                if state is None:
-                    continue
-                if state.end_sequence:
-                    rows.setdefault(state.address, None)
-                    continue
-                index = state.file - base
-                name = (
-                    files[index].name.decode(errors="replace") if 0 <= index < len(files) else "?"
-                )
-                rows[state.address] = f"{os.path.basename(name)}:{state.line}"  # the last row wins
-        self._rows = sorted(rows)
-        self._places = [rows[address] for address in self._rows]
-
     def lookup(self, vaddr: int) -> tuple[str | None, int, str | None]:
         """(function, offset into it, file:line) for a link-time address."""
         function, offset = None, 0
@@ -157,9 +247,8 @@ class ModuleSymbols:
         if index >= 0 and vaddr < self._ends[index]:
             function, offset = self._names[index], vaddr - self._starts[index]
         location = None
-        row = bisect.bisect_right(self._rows, vaddr) - 1
-        if row >= 0 and function is not None:
-            location = self._places[row]
+        if function is not None and self._lines is not None:
+            location = self._lines.location(vaddr)
         return function, offset, location
 
     def span(self, bias: int) -> tuple[int, int] | None:
@@ -262,9 +351,10 @@ class ProcessSymbols:
         symbols = module_symbols(path, self.debug_directories)
         vaddr = symbols.vaddr(address - mapping.start + mapping.offset)
         if vaddr is None:
-            return Symbol(mapping.path, span=span)
+            return Symbol(mapping.path, span=span, build_id=symbols.build_id)
         function, offset, location = symbols.lookup(vaddr)
-        return Symbol(mapping.path, function, offset, location, span)
+        shown = demangled(function) if function is not None else None
+        return Symbol(mapping.path, shown, offset, location, span, function, symbols.build_id)
 
     def _span(self, path: str) -> tuple[int, int]:
         """All of a module's mappings, from its load base (its lowest

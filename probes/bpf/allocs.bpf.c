@@ -71,6 +71,14 @@ struct pending_call {
     u32 depth; /* 1 + nested calls not yet returned; 0: the slot is free */
     u32 tid;   /* whose call it is */
     u32 proc_tgid; /* the process whose alloc_procs row this slot's thread has made */
+#if WITH_UNWIND && LOCK_STACKS
+    u64 ret; /* the return address, before the kernel replaced it (a lock wait's walk reads it) */
+#endif
+#if WITH_UNWIND
+    u64 tables_gen;  /* unwind_gen() when this slot's thread last found its process's tables */
+    u32 tables_tgid; /* ... that process */
+    u32 pad;
+#endif
 };
 
 BPF_ARRAY(pending, struct pending_call, PENDING_SLOTS);
@@ -151,6 +159,16 @@ static __always_inline int on_alloc_entry(struct pt_regs *ctx, u32 fn, u64 size,
     struct pending_call *slot = slot_of(tid);
     if (!slot)
         return 0;
+#if WITH_UNWIND
+    /* the process's tables, asked for once per thread and generation, not
+     * looked up at every call (a hash lookup: most of the sampled cost) */
+    u64 gen = unwind_gen();
+    if (slot->tables_tgid != (u32)(id >> 32) || slot->tables_gen != gen) {
+        unwind_wanted(id >> 32);
+        slot->tables_tgid = id >> 32;
+        slot->tables_gen = gen;
+    }
+#endif
     struct pending_call *outer = enclosing(slot, tid, sp);
     if (outer) {
         outer->depth++;
@@ -165,6 +183,12 @@ static __always_inline int on_alloc_entry(struct pt_regs *ctx, u32 fn, u64 size,
     slot->fn = fn;
     slot->tid = tid;
     slot->depth = 1;
+#if WITH_UNWIND && LOCK_STACKS
+    /* Where the return probe stands at the site (malloc, calloc, realloc),
+     * the kernel replaces the return address after this handler. */
+    if (bpf_probe_read_user(&slot->ret, sizeof(slot->ret), (void *)sp))
+        slot->ret = 0;
+#endif
     return 0;
 }
 
@@ -406,20 +430,16 @@ static __always_inline void count_in_process(u32 tgid, u64 size)
     }
 }
 
-/* A kept allocation: counted in its stack's row and tracked until freed. */
-static __always_inline void keep_allocation(struct pt_regs *ctx, const struct pending_call *call,
-                                            u32 tgid, u32 tid, u64 call_site, u64 ptr, u64 weight)
+/* A kept allocation: counted in its stack's row and tracked until freed.
+ * `stack`: the id of its frames, or FRAMES_NO_ROOM, or -1. */
+static __always_inline void keep_allocation(const struct pending_call *call, u32 tgid, u32 tid,
+                                            u64 call_site, u64 ptr, u64 weight, s32 stack)
 {
-    struct alloc_key key = {.call_site = call_site, .tgid = tgid, .fn = call->fn};
-#if ALLOC_WALK
-    key.stack = walk_frames(PT_REGS_IP(ctx), ctx->bp, PT_REGS_SP(ctx));
+    struct alloc_key key = {.call_site = call_site, .tgid = tgid, .fn = call->fn, .stack = stack};
     if (key.stack == FRAMES_NO_ROOM) {
         alloc_misc.increment(AX_FRAMES_FULL);
         key.stack = -1;
     }
-#else
-    key.stack = -1;
-#endif
     u32 stack_row = 0;
     struct alloc_stack_row *row = stack_row_of(&key, &stack_row);
     struct alloc_stats *s = row ? &row->stats : NULL;
@@ -440,6 +460,56 @@ static __always_inline void keep_allocation(struct pt_regs *ctx, const struct pe
     }
     alloc_event(EV_ALLOC, call->fn, tgid, tid, call_site, ptr, call->size, call->aux, weight, 0, 0,
                 key.stack);
+}
+
+#if WITH_UNWIND
+/* What a kept allocation's accounting needs after its stack's walk. */
+struct alloc_resumption {
+    struct pending_call call;
+    u64 call_site, ptr, weight;
+    u32 tgid, tid;
+};
+_Static_assert(sizeof(struct alloc_resumption) <= sizeof(((struct unwind_state *)0)->payload),
+               "the walk's payload holds an allocation's");
+
+/* UNWIND_RESUME_ALLOC: the kept allocation whose stack was just walked. */
+int alloc_resume(struct pt_regs *ctx)
+{
+    struct unwind_state *st = unwind_state();
+    if (!st)
+        return 0;
+    struct alloc_resumption *a = (struct alloc_resumption *)st->payload;
+    keep_allocation(&a->call, a->tgid, a->tid, a->call_site, a->ptr, a->weight, st->stack);
+    return 0;
+}
+#endif
+
+/* The kept allocation's stack walked by CFI (the walk resumes at
+ * alloc_resume, and this returns only where it could not start), else by
+ * frame pointers, then the allocation kept. */
+static __always_inline void walk_and_keep(struct pt_regs *ctx, const struct pending_call *call,
+                                          u32 tgid, u32 tid, u64 call_site, u64 ptr, u64 weight)
+{
+#if WITH_UNWIND
+    struct unwind_state *st = unwind_begin(tgid, PT_REGS_IP(ctx), PT_REGS_SP(ctx), ctx->bp,
+                                           UNWIND_RESUME_ALLOC);
+    if (st) {
+        struct alloc_resumption *a = (struct alloc_resumption *)st->payload;
+        a->call = *call;
+        a->call_site = call_site;
+        a->ptr = ptr;
+        a->weight = weight;
+        a->tgid = tgid;
+        a->tid = tid;
+        unwind_progs.call(ctx, UNWIND_STEP);
+    }
+#endif
+#if ALLOC_WALK
+    s32 stack = walk_frames(PT_REGS_IP(ctx), ctx->bp, PT_REGS_SP(ctx));
+#else
+    s32 stack = -1;
+#endif
+    keep_allocation(call, tgid, tid, call_site, ptr, weight, stack);
 }
 
 /* Every allocating function's return probe. */
@@ -471,7 +541,7 @@ int alloc_return(struct pt_regs *ctx)
     u64 weight = sample_weight(call.size);
     if (SAMPLE_BYTES > 0 && !weight)
         return 0;
-    keep_allocation(ctx, &call, tgid, tid, call_site, ptr, weight);
+    walk_and_keep(ctx, &call, tgid, tid, call_site, ptr, weight);
     return 0;
 }
 

@@ -186,9 +186,10 @@ TRACEPOINT_PROBE(task, task_newtask)
 }
 #endif
 
-#if FILTER_PIDS
+/* The hooks of unwind.bpf.c: a process's mappings are gone (exec, exit). */
+static __always_inline void unwind_forget(u32 tgid);
 
-#if WITH_EVENTS
+#if FILTER_PIDS && WITH_EVENTS
 static __always_inline void lifecycle_event(u32 tgid, u8 kind, u64 arg)
 {
     struct event *e = events.ringbuf_reserve(sizeof(struct event));
@@ -208,10 +209,14 @@ static __always_inline void lifecycle_event(u32 tgid, u8 kind, u64 arg)
     e->ustack = e->kstack = -1;
     events.ringbuf_submit(e, 0);
 }
+#endif
 
+#if (FILTER_PIDS && WITH_EVENTS) || WITH_UNWIND
 TRACEPOINT_PROBE(sched, sched_process_exec)
 {
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    unwind_forget(tgid);
+#if FILTER_PIDS && WITH_EVENTS
     if (tgid_is_followed(tgid))
         lifecycle_event(tgid, EV_EXEC, args->old_pid);
 #if FILTER_COMM
@@ -225,20 +230,22 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
         followed.delete(&tgid);
     }
 #endif
+#endif
     return 0;
 }
 #endif
-#endif /* FILTER_PIDS */
 
 /* The hook of locks.bpf.c: any thread's exit (a wait it was in is gone). */
 static __always_inline void locks_thread_exit(u32 tid);
 
-#if FILTER_PIDS || WITH_LOCK_TIMES
+#if FILTER_PIDS || WITH_LOCK_TIMES || WITH_UNWIND
 TRACEPOINT_PROBE(sched, sched_process_exit)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
     locks_thread_exit((u32)id);
+    if ((u32)id == tgid)
+        unwind_forget(tgid);
 #if FILTER_PIDS
     if ((u32)id != tgid || !tgid_is_followed(tgid))
         return 0; /* only the group leader's exit ends a process */

@@ -84,6 +84,32 @@ static __always_inline void raise_max(u64 *max, u64 ns)
     }
 }
 
+/* A wait begins: timed from now (after its stack's walk). */
+static __always_inline void lock_wait_begins(struct lock_pending *p, u32 tid)
+{
+    if (p->stack == FRAMES_NO_ROOM) {
+        lock_misc.increment(LX_FRAMES_FULL);
+        p->stack = -1;
+    }
+    p->start = bpf_ktime_get_ns();
+    if (lock_pending.update(&tid, p))
+        lock_misc.increment(LX_PENDING_FULL);
+}
+
+#if LOCK_STACKS && WITH_UNWIND
+/* UNWIND_RESUME_LOCK: the wait whose stack was just walked. */
+int lock_resume(struct pt_regs *ctx)
+{
+    struct unwind_state *st = unwind_state();
+    if (!st)
+        return 0;
+    struct lock_pending *p = (struct lock_pending *)st->payload;
+    p->stack = st->stack;
+    lock_wait_begins(p, (u32)bpf_get_current_pid_tgid());
+    return 0;
+}
+#endif
+
 /* The entry of the slow path: the futex is its first argument. */
 int lock_wait_enter(struct pt_regs *ctx)
 {
@@ -95,16 +121,28 @@ int lock_wait_enter(struct pt_regs *ctx)
     u64 sp = PT_REGS_SP(ctx);
     bpf_probe_read_user(&p.caller, sizeof(p.caller), (void *)sp);
 #if LOCK_STACKS
-    /* At the entry nothing is pushed yet: the caller's frame is %rbp's. */
-    p.stack = walk_frames(p.caller, ctx->bp, sp + 8);
-    if (p.stack == FRAMES_NO_ROOM) {
-        lock_misc.increment(LX_FRAMES_FULL);
-        p.stack = -1;
+    /* At the entry nothing is pushed yet: the caller's frame is as after a
+     * return to it, with the stack pointer above the return address. */
+#if WITH_UNWIND
+    unwind_wanted(id >> 32);
+    struct unwind_state *st = unwind_begin(id >> 32, p.caller, sp + 8, ctx->bp, UNWIND_RESUME_LOCK);
+    if (st) {
+#if WITH_ALLOCS
+        /* A wait inside an allocation function: its return address is the
+         * kernel's trampoline by now, the one it replaced is in its slot. */
+        struct pending_call *call = pending_of(slot_of(tid), tid);
+        if (call) {
+            st->hijack_at[0] = call->sp;
+            st->hijack_ra[0] = call->ret;
+        }
+#endif
+        __builtin_memcpy(st->payload, &p, sizeof(p));
+        unwind_progs.call(ctx, UNWIND_STEP);
     }
 #endif
-    p.start = bpf_ktime_get_ns();
-    if (lock_pending.update(&tid, &p))
-        lock_misc.increment(LX_PENDING_FULL);
+    p.stack = walk_frames(p.caller, ctx->bp, sp + 8);
+#endif
+    lock_wait_begins(&p, tid);
     return 0;
 }
 

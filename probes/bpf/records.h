@@ -31,6 +31,7 @@ enum event_kind {
     EV_HELD = 6,  /* a followed process called _exit and is stopped (HOLD_AT_EXIT) */
     EV_LOCK_WAIT = 7, /* a wait in the libc's lock-wait slow path ended (LOCK_EVENTS): ts = its
                        * end, ip = its caller, args[0] = the futex, args[1] = the wait in ns */
+    EV_UNWIND = 8, /* a process wants its unwind tables (stopped until written: UNWIND_HOLD) */
 };
 
 /* One record of the `events` ring buffer. */
@@ -280,6 +281,61 @@ enum lock_misc {
     LX_LOST_EVENTS,   /* waits the ring had no room for (LOCK_EVENTS) */
     LX_NO_THREAD_ROW, /* threads thread_starts or thread_times had no room for */
     LX_COUNT,
+};
+
+
+/* The CFI unwinder's tables (unwind.bpf.c), written by user space
+ * (tracer/unwind_tables.py). unwind_rows: each mapped file's rows, by
+ * link-time address (probes/elf/cfi.py says what the kinds mean). */
+enum unwind_cfa { UC_NONE, UC_RSP, UC_RBP, UC_END, UC_OTHER };
+enum unwind_rbp { UR_SAME, UR_AT, UR_LOST };
+
+struct unwind_row {
+    u32 pc;      /* link-time address from which the row holds */
+    s32 cfa_off; /* the CFA: %rsp or %rbp (cfa) plus this */
+    s16 rbp_off; /* UR_AT: the caller's %rbp is at CFA plus this */
+    u8 cfa;      /* enum unwind_cfa */
+    u8 rbp;      /* enum unwind_rbp */
+};
+
+/* One executable mapping of a process: [start, end), its link-time
+ * address is pc - bias, its file's rows are unwind_rows[first, first + count)
+ * (count 0: no rows, the frame pointers are followed there). Its file's
+ * page index: unwind_pages[pages + k] is the row (from first) in force at
+ * link-time address page_base + k * 4096, for k < page_count, so that a
+ * search starts within one page's rows. */
+struct unwind_map {
+    u64 start;
+    u64 end;
+    u64 bias;
+    u32 first;
+    u32 count;
+    u32 pages;
+    u32 page_count;
+    u32 page_base;
+    u32 pad;
+};
+
+/* A process's mappings: unwind_maps[first, first + count), by start. */
+struct unwind_proc {
+    u32 first;
+    u32 count;
+};
+
+/* The unwind_misc array. */
+enum unwind_misc {
+    UX_STACKS,      /* stacks unwound */
+    UX_COMPLETE,    /* ... to their outermost frame (the CFI's end, or a return address of 0) */
+    UX_DEPTH,       /* ... cut at FRAME_DEPTH frames */
+    UX_NO_CFI,      /* ... ended at a PC no CFI covers, with no frame pointer to follow */
+    UX_UNREADABLE,  /* ... ended at a read of the stack that failed */
+    UX_OUT_OF_STACK,/* ... ended where the rules pointed outside the stack (refused, not read) */
+    UX_BOUNDS,      /* ... ended at the verifier's bounds (searches, tail calls) */
+    UX_NO_TABLES,   /* stacks of processes with no tables yet: walked by frame pointers */
+    UX_CFI_FRAMES,  /* frames found by the CFI */
+    UX_FP_FRAMES,   /* frames found by frame pointers (no CFI at the PC) */
+    UX_LOST,        /* kept calls whose resumption after the walk failed (not counted) */
+    UX_COUNT,
 };
 
 #endif

@@ -132,6 +132,9 @@ def perf_probes(libc: Path, tmp: Path, pid: int) -> Iterator[Path]:
     acknowledgement says the events are on."""
     site = lock_wait_site(libc)
     assert site is not None
+    # probes a killed run left behind would make the definitions below fail
+    subprocess.run(["perf", "probe", "-q", "-d", "mtrace_test:*"], check=False,
+                   capture_output=True)  # fmt: skip
     for probe in (f"mtrace_test:lw_enter={site.address:#x}",
                   "mtrace_test:lw_return=__lll_lock_wait_private%return"):  # fmt: skip
         subprocess.run(["perf", "probe", "-q", "-x", str(libc), "-a", probe], check=True)

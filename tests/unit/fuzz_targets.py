@@ -253,6 +253,29 @@ def listen_address(data: bytes) -> None:
     assert parse_address(shown) == (host, port)
 
 
+CFI_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "elf" / "no_notes.so"
+
+
+def cfi_rows(data: bytes) -> None:
+    """A library's bytes (its .eh_frame, or anything) as unwind rows: rows
+    sorted by address, one per address, kinds within their enums; or none,
+    with why. Never an exception."""
+    from mtrace_live.probes.elf.cfi import Cfa, Rbp, read_cfi
+
+    directory = _scratch()
+    try:
+        path = directory / "cfi.so"
+        path.write_bytes(data)
+        table = read_cfi(path)
+    finally:
+        shutil.rmtree(directory)
+    rows = table.rows
+    assert bool(table.problem) or len(rows) > 0 or table.skipped >= 0
+    assert (rows["pc"][1:] > rows["pc"][:-1]).all()
+    assert set(rows["cfa"].tolist()) <= {int(k) for k in Cfa}
+    assert set(rows["rbp"].tolist()) <= {int(k) for k in Rbp}
+
+
 # ---- the table of targets ---------------------------------------------------------
 
 TARGETS: dict[str, tuple[Callable[[bytes], None], Callable[[], list[bytes]]]] = {
@@ -261,4 +284,5 @@ TARGETS: dict[str, tuple[Callable[[bytes], None], Callable[[], list[bytes]]]] = 
     "recordset": (record_set, lambda: [record_set_seed()]),
     "webconfig": (web_config, lambda: WEB_CONFIG_SEEDS),
     "listen": (listen_address, lambda: [b"127.0.0.1:9477", b"[::1]:9477", b":9477"]),
+    "cfi": (cfi_rows, lambda: [CFI_FIXTURE.read_bytes()]),
 }

@@ -13,12 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mtrace_live.probes import records
+from mtrace_live.probes.elf import cfi
 from mtrace_live.probes.locations import ArgKind
 from pycparser import c_ast, parse_file
 
 # The kernel's fixed-width types, as bcc's headers define them.
 TYPES = {"u8": ("unsigned char", 1), "u16": ("unsigned short", 2), "u32": ("unsigned int", 4),
-         "u64": ("unsigned long long", 8), "s32": ("int", 4), "char": ("char", 1)}  # fmt: skip
+         "u64": ("unsigned long long", 8), "s16": ("short", 2), "s32": ("int", 4),
+         "char": ("char", 1)}  # fmt: skip
 CPP_ARGS = ["-E", *(f"-D{name}={c}" for name, (c, _) in TYPES.items() if name != "char")]
 
 # enum in records.h -> (Python enum, prefix of its enumerators, renamed members)
@@ -31,6 +33,9 @@ ENUMS: dict[str, tuple[type[IntEnum], str, dict[str, str]]] = {
     "alloc_arg": (records.AllocArg, "AA_", {}),
     "alloc_misc": (records.AllocMisc, "AX_", {}),
     "lock_misc": (records.LockMisc, "LX_", {}),
+    "unwind_misc": (records.UnwindMisc, "UX_", {}),
+    "unwind_cfa": (cfi.Cfa, "UC_", {}),
+    "unwind_rbp": (cfi.Rbp, "UR_", {}),
     "arg_kind": (ArgKind, "ARG_", {"NONE": "UNREADABLE"}),
 }
 

@@ -117,3 +117,67 @@ def test_a_running_process_addresses_resolve_through_its_maps() -> None:
         work.stdin.close()
         work.stdout.close()
         work.wait(timeout=30)
+
+
+LIBC = Path("/lib/x86_64-linux-gnu/libc.so.6")
+
+
+@pytest.mark.skipif(shutil.which("addr2line") is None, reason="binutils is not installed")
+def test_libc_lines_come_from_the_units_that_hold_the_addresses_alone() -> None:
+    # GIVEN the stock libc, whose lines are in its debug file (libc6-dbg), of ~2,000 units
+    module = ModuleSymbols(LIBC)
+    if module.debug_file is None:
+        pytest.skip("libc6-dbg is not installed")
+    wanted = [address for name, address in functions(module.debug_file).items()
+              if name in ("__libc_malloc", "_IO_file_doallocate", "__libc_calloc")]  # fmt: skip
+    assert len(wanted) == 3
+    # WHEN three addresses inside them are named
+    found = [module.lookup(address + 8) for address in wanted]
+    # THEN each line is addr2line's, and no more units were read than those holding them
+    for (function, _, location), address in zip(found, wanted, strict=True):
+        assert function is not None and location is not None
+        assert location == addr2line(module.debug_file, address + 8)
+    assert module._lines is not None and 1 <= len(module._lines._units) <= 3
+
+
+ABBREVIATED = {
+    "std::basic_istream<char, std::char_traits<char> >": "std::istream",
+    "std::basic_ostream<char, std::char_traits<char> >": "std::ostream",
+    "std::basic_iostream<char, std::char_traits<char> >": "std::iostream",
+    "std::basic_string<char, std::char_traits<char>, std::allocator<char> >": "std::string",
+}
+
+
+def short(name: str) -> str:
+    for full, abbreviation in ABBREVIATED.items():
+        name = name.replace(full, abbreviation)
+    return name.replace(" >", ">")
+
+
+def cxxfilt_binary(names: list[str]) -> list[str]:
+    out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True,
+                         check=True).stdout  # fmt: skip
+    return out.splitlines()
+
+
+@pytest.mark.skipif(shutil.which("c++filt") is None, reason="binutils is not installed")
+def test_names_are_demangled_as_cxxfilt_demangles_them() -> None:
+    from mtrace_live.exporters.data.symbolize import demangled
+    from mtrace_live.probes.elf.file import open_elf
+    from mtrace_live.probes.elf.symbols import symbol_table
+
+    # GIVEN the C++ names libstdc++ exports, and a few that are not C++
+    with open_elf(Path("/usr/lib/x86_64-linux-gnu/libstdc++.so.6")) as elf:
+        table = symbol_table(elf, ".dynsym")
+        assert table is not None
+        names = sorted({s.name for s in table if s.name.startswith("_Z")})
+    assert len(names) > 3000
+    # THEN each is demangled as binutils' c++filt does (which spells out the
+    # standard abbreviations, Ss, Si, So, Sd, that the C++ runtime shows as
+    # std::string, ...), and a plain name stays as it is
+    assert [short(demangled(n)) for n in names] == [short(n) for n in cxxfilt_binary(names)]
+    assert demangled("main") == "main" and demangled("_Zbogus") == "_Zbogus"
+    # a Rust symbol (legacy mangling) loses its hash, as perf shows it
+    rust = "_ZN4core3fmt5write17h5f9c8b5e6d7a8b9cE"
+    assert cxxfilt_binary([rust]) == ["core::fmt::write::h5f9c8b5e6d7a8b9c"]
+    assert demangled(rust) == "core::fmt::write"

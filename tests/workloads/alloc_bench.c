@@ -7,6 +7,11 @@
  * to 4 KiB (small ones most often), one step in 16 a calloc, one in 8 a
  * realloc of a live block, each block freed 256 steps after it was made.
  *
+ * With DEPTH=N in the environment each thread runs its loop N calls deeper
+ * (descend), so that an allocation's stack is N + 4 frames: the loop's
+ * function, N of descend, the thread's start function, start_thread and
+ * clone3 (the cost of a stack walk by its depth, bench/alloc_bench.py).
+ *
  * With GATE set it waits for a byte on stdin before the loop (so that a
  * tracer can attach to its pid) and another before exiting. It prints
  * "wall SECONDS" (the loop, all threads) and "calls N" (allocation
@@ -80,6 +85,21 @@ static void *server_mix(void *arg)
     return (void *)calls;
 }
 
+static long depth;
+
+/* level calls of itself, then the loop: a call, not a jump (work after it). */
+__attribute__((noinline, noclone)) static void *descend(long level, void *arg)
+{
+    void *done = level > 1 ? descend(level - 1, arg) : (mix ? server_mix : pairs)(arg);
+    __asm__ volatile("" : : "r"(done) : "memory");
+    return done;
+}
+
+static void *thread_start(void *arg)
+{
+    return depth > 0 ? descend(depth, arg) : (mix ? server_mix : pairs)(arg);
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 4) {
@@ -93,13 +113,14 @@ int main(int argc, char **argv)
         fprintf(stderr, "usage: %s ITERATIONS THREADS MIX\n", argv[0]);
         return 2;
     }
+    depth = getenv("DEPTH") ? atol(getenv("DEPTH")) : 0;
     char byte;
     if (getenv("GATE") && read(0, &byte, 1) != 1)
         return 1;
     pthread_t tid[64];
     double start = now();
     for (int t = 0; t < threads; t++)
-        pthread_create(&tid[t], NULL, mix ? server_mix : pairs, (void *)(unsigned long)(t + 1));
+        pthread_create(&tid[t], NULL, thread_start, (void *)(unsigned long)(t + 1));
     long calls = 0;
     for (int t = 0; t < threads; t++) {
         void *done;

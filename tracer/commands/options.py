@@ -279,6 +279,13 @@ TRACE_OPTIONS = [
         "(docs/contention.md).",
     ),
     click.option(
+        "--frame-pointers",
+        is_flag=True,
+        help="Walk the stacks of allocations and lock waits by frame pointers only, not by "
+        "the binaries' CFI: cheaper, but one frame deep in code built without frame "
+        "pointers, as distributions build it (docs/allocations.md).",
+    ),
+    click.option(
         "--leaks-older-than",
         type=click.FloatRange(0),
         metavar="SECONDS",

@@ -1,0 +1,442 @@
+/* ---- the CFI unwinder -------------------------------------------------------
+ * Whole user stacks on code built without frame pointers, from the mapped
+ * files' own call-frame information (.eh_frame, .debug_frame), in the kernel.
+ * User space turns each file's CFI into rows (probes/elf/cfi.py) and writes
+ * them, with each traced process's executable mappings, into the tables of
+ * records.h (tracer/unwind_tables.py).
+ *
+ * A handler that wants a stack (an allocation's return, a lock wait's
+ * entry) starts a walk (unwind_begin) with the registers as they are just
+ * after a return to the first frame, puts what it will need afterwards in
+ * the walk's state, and tail-calls unwind_step. unwind_step unwinds
+ * UNWIND_STEP_FRAMES frames, and tail-calls itself until the walk ends; then
+ * it stores the frames (the frame store, frames.bpf.c) and tail-calls the
+ * handler's resumption, which finishes the handler's work with the stack's
+ * id. The walk is split so because the verifier follows every branch of
+ * every frame's two searches: one program of 64 frames passes, one of 127
+ * does not ("the sequence of jumps is too complex").
+ *
+ * Each frame: the process's mapping holding pc - 1 (a binary search of its
+ * mappings), the row in force there (a binary search of its file's rows),
+ * then the CFA from %rsp or %rbp, the return address at CFA - 8, and the
+ * caller's %rbp where the row says it was saved. Where no row covers the PC
+ * (code without CFI: JIT code, a file with none) and %rbp is known, one
+ * step by frame pointers. Every read is of the stack: at or above the
+ * stack pointer and below it plus MAX_STACK_BYTES, else the walk ends
+ * (counted as out of the stack). How each walk ended is counted
+ * (unwind_misc), and how many frames each way was used.
+ *
+ * The state and the frames are per CPU: a uprobe's programs run with
+ * migration disabled, and the kernel runs no other kprobe or uprobe program
+ * on the CPU meanwhile (bpf_prog_active), so one walk at a time per CPU. */
+/* This part's settings (ProgramConfig, probes/program.py), and their defaults. */
+#ifndef WITH_UNWIND
+#define WITH_UNWIND 0 /* unwind by CFI (needs the frame store) */
+#endif
+#ifndef UNWIND_ROWS
+#define UNWIND_ROWS 1048576 /* rows of unwind_rows, all files together */
+#endif
+#ifndef UNWIND_MAPS
+#define UNWIND_MAPS 65536 /* rows of unwind_maps, all processes together */
+#endif
+#ifndef UNWIND_HOLD
+#define UNWIND_HOLD 0 /* stop a process until its tables are written (followed processes only) */
+#endif
+#ifndef UNWIND_PAGES
+#define UNWIND_PAGES 1048576 /* entries of unwind_pages, all files together */
+#endif
+#define UNWIND_PAGE_SHIFT 12
+#if WITH_UNWIND && !WITH_FRAMES
+#error "WITH_UNWIND needs the frame store (WITH_FRAMES, frames.bpf.c)"
+#endif
+
+#if WITH_UNWIND
+#define UNWIND_STEP_FRAMES 32
+#define MAP_STEPS 12  /* a process's mappings: at most 4096 searched */
+#define ROW_STEPS 22  /* a file's rows: at most 4 M searched */
+#define MAX_STACK_BYTES (8 << 20)
+/* Bytes of the stack copied at once: most frames' reads then come from
+ * the copy (one bpf_probe_read_user for many frames, not two a frame). */
+#define STACK_WINDOW 1024
+
+/* unwind_progs' slots */
+#define UNWIND_STEP 0
+#define UNWIND_RESUME_ALLOC 1
+#define UNWIND_RESUME_LOCK 2
+#define UNWIND_PROGS 4
+
+struct unwind_state {
+    u64 pc, sp, bp; /* the frame being left: its PC and registers */
+    u64 top;        /* reads stay below this (the first stack pointer + MAX_STACK_BYTES) */
+    u64 hash;       /* of the frames so far */
+    u32 n;          /* frames so far, in alloc_walk's row */
+    u32 maps_first, maps_count; /* the process's mappings */
+    u32 last_map;   /* the mapping of the last frame: the next one is most often in it too */
+    s32 stack;      /* the stored frames' id, once the walk ends */
+    u32 cfi_frames, fp_frames; /* frames found each way (added to unwind_misc at the end) */
+    u64 window_at;  /* the stack's bytes [window_at, window_at + STACK_WINDOW) are in window */
+    u8 bp_known;    /* %rbp holds the frame's value (no rule lost it) */
+    u8 resume;      /* the slot of unwind_progs to resume */
+    u8 ended;       /* enum unwind_misc: how the walk ended, 0 while it goes on */
+    u8 pad;
+    /* Return addresses the kernel replaced with its uretprobe trampoline:
+     * where each was on the stack, and what it was. */
+    u64 hijack_at[2], hijack_ra[2];
+    u64 payload[12]; /* what the resumption needs (allocs.bpf.c, locks.bpf.c) */
+    u64 window[STACK_WINDOW / 8]; /* a copy of the stack, read once for many frames */
+};
+
+/* A thread inside dlopen or dlmopen, whose return address the kernel
+ * replaced (unwind_dlopen_return is a return probe): where it was, and
+ * what it was, read at the entry before the kernel replaced it. */
+#define HIJACK_SLOTS 65536 /* a power of two: threads whose ids differ by a multiple share one */
+struct unwind_hijack {
+    u64 at, ra;
+    u32 tid, pad;
+};
+BPF_ARRAY(unwind_hijacks, struct unwind_hijack, HIJACK_SLOTS);
+
+BPF_ARRAY(unwind_rows, struct unwind_row, UNWIND_ROWS);
+BPF_ARRAY(unwind_maps, struct unwind_map, UNWIND_MAPS);
+BPF_ARRAY(unwind_pages, u32, UNWIND_PAGES);
+BPF_HASH(unwind_procs, u32, struct unwind_proc, MAX_FOLLOWED);
+BPF_PERCPU_ARRAY(unwind_states, struct unwind_state, 1);
+BPF_PERCPU_ARRAY(unwind_misc, u64, UX_COUNT);
+BPF_PROG_ARRAY(unwind_progs, UNWIND_PROGS);
+
+static __always_inline void unwind_misc_add(u32 slot, u64 n)
+{
+    u64 *count = unwind_misc.lookup(&slot);
+    if (count)
+        *count += n; /* per CPU: no other writer */
+}
+
+static __always_inline struct unwind_state *unwind_state(void)
+{
+    u32 zero = 0;
+    return unwind_states.lookup(&zero);
+}
+
+/* A walk of the current process's stack from `pc` (a return address: the
+ * frame's registers as they are after the return), to be resumed at
+ * `resume`: its state, for the caller to add the payload to, or NULL when
+ * the process has no tables (the caller walks by frame pointers, counted). */
+static __always_inline struct unwind_state *unwind_begin(u32 tgid, u64 pc, u64 sp, u64 bp,
+                                                         u8 resume)
+{
+    struct unwind_proc *proc = unwind_procs.lookup(&tgid);
+    if (!proc || !proc->count) {
+        unwind_misc.increment(UX_NO_TABLES);
+        return NULL;
+    }
+    struct unwind_state *st = unwind_state();
+    u32 zero = 0;
+    struct alloc_frames_row *row = alloc_walk.lookup(&zero);
+    if (!st || !row)
+        return NULL;
+    st->pc = pc;
+    st->sp = sp;
+    st->bp = bp;
+    st->top = sp + MAX_STACK_BYTES;
+    st->hash = (0x84222325cbf29ce4ull ^ pc) * 0x9e3779b97f4a7c15ull;
+    st->n = 1;
+    st->maps_first = proc->first;
+    st->last_map = proc->first;
+    st->maps_count = proc->count;
+    st->stack = -1;
+    st->cfi_frames = st->fp_frames = 0;
+    st->window_at = 0;
+    st->bp_known = 1;
+    st->resume = resume;
+    st->ended = 0;
+    st->hijack_at[0] = st->hijack_at[1] = 0;
+    u32 tid = (u32)bpf_get_current_pid_tgid(), slot = tid & (HIJACK_SLOTS - 1);
+    struct unwind_hijack *h = unwind_hijacks.lookup(&slot);
+    if (h && h->tid == tid && h->at) {
+        st->hijack_at[1] = h->at;
+        st->hijack_ra[1] = h->ra;
+    }
+    row->ip[0] = pc;
+    return st;
+}
+
+/* Bumped whenever a process's tables go: each thread's allocation slot
+ * (allocs.bpf.c) remembers the generation at which it last found its
+ * process's tables, and asks again only when it changed. */
+BPF_ARRAY(unwind_generation, u64, 1);
+
+static __always_inline u64 unwind_gen(void)
+{
+    u32 zero = 0;
+    u64 *gen = unwind_generation.lookup(&zero);
+    return gen ? *gen : 0;
+}
+
+/* A process's mappings are gone (exec, exit): its tables with them. */
+static __always_inline void unwind_forget(u32 tgid)
+{
+    if (unwind_procs.delete(&tgid))
+        return; /* it had none */
+    u32 zero = 0;
+    u64 *gen = unwind_generation.lookup(&zero);
+    if (gen)
+        __sync_fetch_and_add(gen, 1);
+}
+
+/* A process's first call that wants a stack says so, once; user space
+ * writes its tables. With UNWIND_HOLD (the processes the trace was asked
+ * for, its command, their children: not --all or --cgroup, whose every
+ * process would stop) it also stops (SIGSTOP, delivered as the handler
+ * returns to user space, before the call runs) until they are written,
+ * and is continued then. Until then its stacks are walked by frame
+ * pointers, counted as UX_NO_TABLES. */
+static __always_inline void unwind_wanted(u32 tgid)
+{
+#if WITH_EVENTS
+    if (unwind_procs.lookup(&tgid))
+        return;
+    struct unwind_proc asked = {};
+    if (unwind_procs.insert(&tgid, &asked))
+        return; /* another thread asked first */
+    struct event *e = events.ringbuf_reserve(sizeof(struct event));
+    if (!e)
+        return; /* no room to say so: not stopped */
+    __builtin_memset(e, 0, sizeof(*e));
+    e->ts = bpf_ktime_get_ns();
+    e->tgid = tgid;
+    e->tid = (u32)bpf_get_current_pid_tgid();
+    e->kind = EV_UNWIND;
+    e->ustack = e->kstack = -1;
+#if UNWIND_HOLD
+    bpf_send_signal(19); /* SIGSTOP */
+#endif
+    events.ringbuf_submit(e, 0);
+#endif
+}
+
+/* The entry of dlopen or dlmopen (where its return probe stands: the
+ * kernel replaces the return address after the handlers ran). */
+int unwind_dlopen_entry(struct pt_regs *ctx)
+{
+    u32 tid = (u32)bpf_get_current_pid_tgid(), slot = tid & (HIJACK_SLOTS - 1);
+    struct unwind_hijack *h = unwind_hijacks.lookup(&slot);
+    if (!h)
+        return 0;
+    u64 sp = PT_REGS_SP(ctx), ra = 0;
+    if (bpf_probe_read_user(&ra, sizeof(ra), (void *)sp))
+        return 0;
+    h->tid = tid;
+    h->ra = ra;
+    h->at = sp;
+    return 0;
+}
+
+/* The return of dlopen or dlmopen: the process may map more files, whose
+ * code may soon call. A process whose tables were written stops and asks
+ * again (unwind_wanted). */
+int unwind_dlopen_return(struct pt_regs *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32, tid = (u32)id, slot = tid & (HIJACK_SLOTS - 1);
+    struct unwind_hijack *h = unwind_hijacks.lookup(&slot);
+    if (h && h->tid == tid)
+        h->at = 0;
+    if (gate_closed() || !tgid_is_followed(tgid))
+        return 0;
+    struct unwind_proc *proc = unwind_procs.lookup(&tgid);
+    if (!proc || !proc->count)
+        return 0; /* never asked: its first call will */
+    unwind_forget(tgid);
+    unwind_wanted(tgid);
+    return 0;
+}
+
+/* The mapping of the state's process that holds `pc`, or NULL. */
+static __always_inline struct unwind_map *unwind_map_of(struct unwind_state *st, u64 pc)
+{
+    u32 last = st->last_map;
+    struct unwind_map *m = unwind_maps.lookup(&last);
+    if (m && m->start <= pc && pc < m->end)
+        return m;
+    u32 lo = st->maps_first, hi = st->maps_first + st->maps_count;
+    for (int i = 0; i < MAP_STEPS; i++) {
+        if (lo >= hi)
+            break;
+        u32 mid = lo + (hi - lo) / 2;
+        struct unwind_map *m = unwind_maps.lookup(&mid);
+        if (!m)
+            return NULL;
+        if (m->start <= pc)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo == st->maps_first)
+        return NULL; /* below the first mapping */
+    lo--;
+    m = unwind_maps.lookup(&lo);
+    if (!m || pc >= m->end)
+        return NULL;
+    st->last_map = lo;
+    return m;
+}
+
+/* The row in force at `pc`, or NULL where the mapping has no rows or pc is
+ * below its first. */
+static __always_inline struct unwind_row *unwind_row_of(struct unwind_map *m, u64 pc)
+{
+    if (!m->count)
+        return NULL;
+    u32 at = (u32)(pc - m->bias);
+    u32 lo = m->first, hi = m->first + m->count; /* the row is in [lo, hi) */
+    if (at >= m->page_base && m->page_count) {
+        u32 page = (at - m->page_base) >> UNWIND_PAGE_SHIFT, k = m->pages + page;
+        u32 *from = page < m->page_count ? unwind_pages.lookup(&k) : NULL;
+        if (from) {
+            lo = m->first + *from;
+            k++;
+            u32 *to = page + 1 < m->page_count ? unwind_pages.lookup(&k) : NULL;
+            if (to && m->first + *to + 1 < hi)
+                hi = m->first + *to + 1;
+        }
+    }
+    for (int i = 0; i < ROW_STEPS; i++) {
+        if (lo + 1 >= hi)
+            break;
+        u32 mid = lo + (hi - lo) / 2;
+        struct unwind_row *r = unwind_rows.lookup(&mid);
+        if (!r)
+            return NULL;
+        if (r->pc <= at)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    struct unwind_row *r = unwind_rows.lookup(&lo);
+    return r && r->pc <= at ? r : NULL;
+}
+
+/* A read of 8 bytes of the stack at `at`: 0, or the cause that ends the walk. */
+static __always_inline u8 stack_read(struct unwind_state *st, u64 at, u64 *out)
+{
+    if (at < st->sp || at + 8 > st->top)
+        return UX_OUT_OF_STACK;
+    if (at & 7) /* rare: no copy's words line up with it */
+        return bpf_probe_read_user(out, sizeof(*out), (void *)at) ? UX_UNREADABLE : 0;
+    if (!st->window_at || at < st->window_at || at + 8 > st->window_at + STACK_WINDOW) {
+        /* a new copy from here on; near the stack's end (where the copy
+         * would run past the mapping) the 8 bytes alone */
+        if (at + STACK_WINDOW > st->top ||
+            bpf_probe_read_user(st->window, sizeof(st->window), (void *)at)) {
+            st->window_at = 0;
+            return bpf_probe_read_user(out, sizeof(*out), (void *)at) ? UX_UNREADABLE : 0;
+        }
+        st->window_at = at;
+    }
+    u64 word = ((at - st->window_at) / 8) & (STACK_WINDOW / 8 - 1);
+    *out = st->window[word];
+    return 0;
+}
+
+/* The CFA and the caller's %rbp by the row `r`: 0, or why the walk ends. */
+static __always_inline u8 cfi_step(struct unwind_state *st, struct unwind_row *r, u64 *cfa)
+{
+    if (r->cfa == UC_RBP && !st->bp_known)
+        return UX_NO_CFI;
+    *cfa = (r->cfa == UC_RSP ? st->sp : st->bp) + (s64)r->cfa_off;
+    if (*cfa <= st->sp)
+        return UX_OUT_OF_STACK;
+    if (r->rbp == UR_AT) {
+        u8 failed = stack_read(st, *cfa + (s64)r->rbp_off, &st->bp);
+        if (failed)
+            return failed;
+    } else if (r->rbp == UR_LOST) {
+        st->bp_known = 0;
+    }
+    st->cfi_frames++;
+    return 0;
+}
+
+/* The CFA and the caller's %rbp by frame pointers: 0, or why the walk ends. */
+static __always_inline u8 fp_step(struct unwind_state *st, u64 *cfa)
+{
+    if (!st->bp_known || st->bp < st->sp || (st->bp & 7))
+        return UX_NO_CFI;
+    u64 saved = st->bp;
+    u8 failed = stack_read(st, saved, &st->bp);
+    if (failed)
+        return failed;
+    *cfa = saved + 16;
+    st->fp_frames++;
+    return 0;
+}
+
+/* One frame: 1 while the walk goes on, 0 when it ended (st->ended says why). */
+static __always_inline int unwind_frame(struct unwind_state *st, struct alloc_frames_row *row)
+{
+    struct unwind_map *m = unwind_map_of(st, st->pc - 1);
+    struct unwind_row *r = m ? unwind_row_of(m, st->pc - 1) : NULL;
+    u64 cfa = 0, ra = 0;
+    u8 ended;
+    if (r && r->cfa == UC_END)
+        ended = UX_COMPLETE;
+    else if (r && (r->cfa == UC_RSP || r->cfa == UC_RBP))
+        ended = cfi_step(st, r, &cfa);
+    else
+        ended = fp_step(st, &cfa);
+    if (!ended) {
+        if (cfa - 8 == st->hijack_at[0] && st->hijack_at[0])
+            ra = st->hijack_ra[0];
+        else if (cfa - 8 == st->hijack_at[1] && st->hijack_at[1])
+            ra = st->hijack_ra[1];
+        else
+            ended = stack_read(st, cfa - 8, &ra);
+    }
+    if (!ended && !ra)
+        ended = UX_COMPLETE;
+    if (!ended && st->n >= FRAME_DEPTH)
+        ended = UX_DEPTH;
+    if (ended) {
+        st->ended = ended;
+        return 0;
+    }
+    st->sp = cfa;
+    st->pc = ra;
+    row->ip[st->n & (FRAME_DEPTH - 1)] = ra;
+    st->hash = (st->hash ^ (st->hash >> 29) ^ ra) * 0x9e3779b97f4a7c15ull;
+    st->n++;
+    return 1;
+}
+
+/* UNWIND_STEP: a part of a walk, then the next part or the resumption. */
+int unwind_step(struct pt_regs *ctx)
+{
+    u32 zero = 0;
+    struct unwind_state *st = unwind_state();
+    struct alloc_frames_row *row = alloc_walk.lookup(&zero);
+    if (!st || !row)
+        return 0;
+    for (int i = 0; i < UNWIND_STEP_FRAMES; i++) {
+        if (!unwind_frame(st, row))
+            break;
+    }
+    if (!st->ended) {
+        unwind_progs.call(ctx, UNWIND_STEP);
+        st->ended = UX_BOUNDS; /* no more tail calls */
+    }
+    unwind_misc.increment(UX_STACKS);
+    unwind_misc_add(UX_CFI_FRAMES, st->cfi_frames);
+    unwind_misc_add(UX_FP_FRAMES, st->fp_frames);
+    unwind_misc.increment(st->ended);
+    if (st->n < FRAME_DEPTH)
+        row->ip[st->n & (FRAME_DEPTH - 1)] = 0;
+    st->stack = store_frames(row, st->hash);
+    unwind_progs.call(ctx, st->resume);
+    unwind_misc.increment(UX_LOST);
+    return 0;
+}
+#else
+static __always_inline void unwind_forget(u32 tgid) {}
+static __always_inline void unwind_wanted(u32 tgid) {}
+static __always_inline u64 unwind_gen(void) { return 0; }
+#endif

@@ -1,0 +1,255 @@
+"""Whole call stacks on code built as distributions build it (-O2, no frame
+pointers, PIE, shared libraries, libstdc++), unwound by the binaries' own
+CFI: checked frame by frame against the chains the workloads know they
+made, and against heaptrack (libunwind, in the process) on the same
+program. The profiles are read by the real ``go tool pprof``.
+
+``cfi_stacks`` allocates at the end of five chains: in the program, through
+a shared library, deeper than a walk keeps (127 frames), through a library
+it loads with dlopen while traced, and in a thread; it prints each chain
+with its count. ``cxx_stacks`` allocates through std::map, std::string and
+std::vector, whose code is libstdc++'s.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from .conftest import MTRACE, built
+from .tracing import Reaper, wait_for_line
+
+CALLS = 150
+DEEP = 200  # deeper than the 127 frames a walk keeps
+THREAD_ROOT = "__clone3"  # glibc's thread entry, where the CFI says the stack ends
+PROGRAM_ROOT = "_start"
+
+
+def go_traces(profile: Path, index: str = "alloc_objects") -> list[tuple[int, list[str]]]:
+    """(value, frames innermost first) of each sample, as ``go tool pprof
+    -traces`` prints them."""
+    text = subprocess.run(["go", "tool", "pprof", f"-sample_index={index}", "-traces",
+                           str(profile)], capture_output=True, text=True, check=True,
+                          timeout=120).stdout  # fmt: skip
+    traces = []
+    for block in text.split("-----------+")[1:]:
+        frames, value = [], None
+        for line in block.splitlines()[1:]:
+            if not line.strip() or re.match(r"^\s+\w+:\s", line):
+                continue  # the separator's tail, a label
+            if value is None:
+                first = line.split(maxsplit=1)
+                value, line = int(float(first[0])), first[1]
+            frames.append(line.strip())
+        if value is not None:
+            traces.append((value, frames))
+    return traces
+
+
+def heaptrack_stacks(argv: list[str], tmp: Path, stdin: str) -> Counter[tuple[str, ...]]:
+    """Allocation calls by stack (outermost caller first, file names
+    dropped), as heaptrack records ``argv`` and ``heaptrack_print -F`` folds them."""
+    data = tmp / "heaptrack"
+    run = subprocess.run(["heaptrack", "-o", str(data), *argv], input=stdin, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    folded = tmp / "heaptrack.fold"
+    found = sorted(tmp.glob("heaptrack.*zst")) or sorted(tmp.glob("heaptrack.*gz"))
+    subprocess.run(["heaptrack_print", "-F", str(folded), str(found[0])], capture_output=True,
+                   check=True, timeout=300)  # fmt: skip
+    stacks: Counter[tuple[str, ...]] = Counter()
+    for line in folded.read_text().splitlines():
+        path, _, count = line.rpartition(" ")
+        frames = [re.sub(r" \([^()]*\)$", "", f) for f in path.rstrip(";").split(";")]
+        stacks[tuple(frames)] += int(count)
+    return stacks
+
+
+def known_chains(out: str) -> list[tuple[int, int, tuple[str, ...]]]:
+    """(calls, size, frames outermost first) of each chain the workload made."""
+    chains = []
+    for line in out.splitlines():
+        if line.startswith("stack "):
+            _, calls, size, frames = line.split()
+            chains.append((int(calls), int(size), tuple(frames.split(";"))))
+    return chains
+
+
+def traces_with(traces: list[tuple[int, list[str]]],
+                frames: tuple[str, ...]) -> list[tuple[int, list[str]]]:  # fmt: skip
+    """The traces whose innermost frames are ``frames`` (outermost first), in order."""
+    inner = list(reversed(frames))
+    return [t for t in traces if t[1][: len(inner)] == inner]
+
+
+PROFILE: dict[str, Path] = {}
+
+
+@pytest.fixture(scope="module")
+def cfi_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[tuple[int, list[str]]]]:
+    """cfi_stacks traced from its start (``run``): its output, with the
+    summary, and its profile's traces."""
+    tmp = tmp_path_factory.mktemp("cfi")
+    profile = PROFILE["cfi"] = tmp / "allocs.pb.gz"
+    workload = [str(built("cfi_stacks")), str(built("libcfi_plugin.so")), str(CALLS), str(DEEP)]
+    argv = [*MTRACE, "run", "--pprof", str(profile), "-o", "summary", "--", *workload]
+    run = subprocess.run(argv, input="xy", capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    return run.stdout, go_traces(profile)
+
+
+def test_every_chain_is_whole_down_to_the_program_s_or_the_thread_s_start(
+    cfi_run: tuple[str, list[tuple[int, list[str]]]],
+) -> None:
+    out, traces = cfi_run
+    chains = known_chains(out)
+    assert len(chains) == 5
+    # THEN each chain the workload made is one stack, frame by frame from the
+    # function that called malloc to main (or the thread's function), then
+    # the libc's start to the outermost frame, with as many calls
+    for calls, _, frames in chains:
+        if len(frames) > 127:
+            continue
+        found = traces_with(traces, frames)
+        assert len(found) == 1, (frames, [t for t in traces if t[1][0] == frames[-1]])
+        value, got = found[0]
+        assert value == calls == CALLS
+        root = THREAD_ROOT if frames[0] == "thread_main" else PROGRAM_ROOT
+        assert got[-1] == root, got
+
+
+def test_a_chain_deeper_than_the_walk_is_cut_at_127_frames_and_counted(
+    cfi_run: tuple[str, list[tuple[int, list[str]]]],
+) -> None:
+    out, traces = cfi_run
+    # THEN the chain of 200 calls keeps its first 127 callers of the call site
+    deep = [t for t in traces if t[1][0] == "deep_leaf" and len(t[1]) > 100]
+    assert len(deep) == 1 and deep[0][0] == CALLS
+    got = deep[0][1]
+    assert got == ["deep_leaf"] + ["deep_chain"] * 127
+    # AND the summary counts each of those walks as cut by the depth, and no other
+    match = re.search(r"stacks unwound by CFI: (\d+), (\d+) whole; cut: (\d+) at 127 frames, "
+                      r"(\d+) at code with no CFI", out)  # fmt: skip
+    assert match is not None, out
+    walks, whole, depth, no_cfi = (int(g) for g in match.groups())
+    assert depth == CALLS and no_cfi == 0 and whole == walks - depth
+    # every call of the five chains, and the few the libc and the loader make
+    assert walks >= 5 * CALLS
+    # AND no stack of the process was walked before its tables were written
+    assert " 0 stacks walked by frame pointers alone" in out
+
+
+def test_the_profile_s_mappings_carry_each_module_s_build_id(
+    cfi_run: tuple[str, list[tuple[int, list[str]]]],
+) -> None:
+    # GIVEN the profile's mappings, as go tool pprof -raw lists them
+    raw = subprocess.run(["go", "tool", "pprof", "-raw", str(PROFILE["cfi"])], capture_output=True,
+                         text=True, check=True, timeout=120).stdout  # fmt: skip
+    listed = {}
+    for line in raw.partition("Mappings")[2].splitlines():
+        fields = line.split()
+        if len(fields) >= 4 and fields[0].endswith(":"):
+            listed[fields[2]] = fields[3]
+    # THEN each of the workload's modules is there with the build-id readelf reads in it
+    for name in ("cfi_stacks", "libcfi_deep.so", "libcfi_plugin.so"):
+        path = str(built(name))
+        notes = subprocess.run(["readelf", "-n", path], capture_output=True, text=True,
+                               check=True).stdout  # fmt: skip
+        build_id = re.search(r"Build ID: ([0-9a-f]+)", notes)
+        assert build_id is not None and listed.get(path) == build_id.group(1), (path, listed)
+
+
+def test_heaptrack_sees_the_same_chains_with_the_same_counts(tmp_path: Path) -> None:
+    # GIVEN the same program under heaptrack, which unwinds in the process with libunwind
+    argv = [str(built("cfi_stacks")), str(built("libcfi_plugin.so")), str(CALLS), "8"]
+    stacks = heaptrack_stacks(argv, tmp_path, "xy")
+    plain = subprocess.run(argv, input="xy", capture_output=True, text=True, timeout=120)
+    # THEN each chain the workload made is heaptrack's stack, from main (or
+    # the thread's function) in, with its count
+    for calls, _, frames in known_chains(plain.stdout):
+        matching = {stack: n for stack, n in stacks.items()
+                    if stack[-len(frames):] == frames}  # fmt: skip
+        assert sum(matching.values()) == calls, (frames, matching)
+
+
+def test_frame_pointers_alone_lose_the_callers_in_this_code(tmp_path: Path) -> None:
+    # GIVEN the workload traced with the frame-pointer walk only
+    profile = tmp_path / "allocs.pb.gz"
+    argv = [*MTRACE, "run", "--frame-pointers", "--pprof", str(profile), "-o", "summary", "--",
+            str(built("cfi_stacks")), str(built("libcfi_plugin.so")), str(CALLS), "8"]  # fmt: skip
+    run = subprocess.run(argv, input="xy", capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    # THEN no chain is whole: the code keeps no frame pointers (which is why
+    # the CFI is read), and the summary says nothing of a CFI walk
+    traces = go_traces(profile)
+    chains = known_chains(run.stdout)
+    assert len(chains) == 5 and all(traces_with(traces, frames[-1:]) for _, _, frames in chains)
+    assert not any(traces_with(traces, frames) for _, _, frames in chains)
+    assert "stacks unwound by CFI" not in run.stdout
+
+
+def simple_name(name: str) -> str:
+    """A C++ function's name without its parameters, template arguments,
+    return type or clone suffix, as go tool pprof shows it."""
+    name = re.sub(r" \[clone [^\]]*\]", "", name)
+    while re.search(r"<[^<>]*>", name):
+        name = re.sub(r"<[^<>]*>", "", name)
+    while name.endswith(")"):
+        depth, i = 0, len(name) - 1
+        for i in range(len(name) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(name[i], 0)
+            if depth == 0:
+                break
+        name = name[:i]
+    at = name.find("operator")
+    return name[at:] if at >= 0 else name.rsplit(" ", 1)[-1]
+
+
+def test_cxx_stacks_through_libstdcxx_are_heaptrack_s_frame_for_frame(tmp_path: Path) -> None:
+    # GIVEN C++ code and libstdc++, neither with frame pointers, traced by
+    # pid, and the same program under heaptrack
+    argv = [str(built("cxx_stacks")), "20"]
+    profile = tmp_path / "allocs.pb.gz"
+    with Reaper() as reaper:
+        work = reaper.add(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+        assert work.stdout is not None and work.stdin is not None
+        assert work.stdout.readline() == b"ready\n"
+        err = tmp_path / "mtrace.err"
+        with open(err, "wb") as stderr:
+            tracer = reaper.add(subprocess.Popen(
+                [*MTRACE, "--pid", str(work.pid), "--pprof", str(profile), "-o", "summary"],
+                stdout=subprocess.DEVNULL, stderr=stderr))  # fmt: skip
+        wait_for_line(err, "Ctrl-C to stop", tracer, timeout=120)
+        work.stdin.write(b"x")
+        work.stdin.flush()
+        assert b"done" in work.stdout.readline() + work.stdout.readline()
+        tracer.send_signal(signal.SIGINT)
+        assert tracer.wait(timeout=120) == 0, err.read_text()
+        work.stdin.close()
+        work.stdout.close()
+        assert work.wait(timeout=60) == 0
+    ours: Counter[tuple[str, ...]] = Counter()
+    traces = go_traces(profile)
+    # THEN the names are demangled as heaptrack and c++filt show them
+    names = {name for _, frames in traces for name in frames}
+    assert {"operator new(unsigned long)", "fill_map(int)", "grow_vector(int)"} <= names
+    assert not any(name.startswith("_Z") for name in names)
+    for value, frames in traces:
+        while frames and frames[0].startswith("operator new"):
+            frames = frames[1:]  # heaptrack shows operator new's caller first
+        frames = [simple_name(f) for f in frames]  # demangled in full: the same simplification
+        if "main" in frames:
+            ours[tuple(reversed(frames[: frames.index("main") + 1]))] += value
+    theirs: Counter[tuple[str, ...]] = Counter()
+    for stack, count in heaptrack_stacks(argv, tmp_path, "xy").items():
+        if "main" in stack:
+            theirs[tuple(simple_name(f) for f in stack[stack.index("main") :])] += count
+    # AND the ten stacks heaptrack counts most allocations on are ours, with the same counts
+    top = [stack for stack, _ in theirs.most_common(10)]
+    assert len(top) == 10 and max(len(s) for s in top) > 3
+    assert {s: ours[s] for s in top} == {s: theirs[s] for s in top}

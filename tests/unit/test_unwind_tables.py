@@ -1,0 +1,119 @@
+"""The unwinder's tables as user space makes them (tracer/unwind_tables.py),
+without the kernel: the executable mappings of a live process, the rows
+kept on disk by build-id, and each mapping's bias to link-time addresses,
+checked against the addresses of the functions of this very process."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mtrace_live.probes.elf.cfi import CFA_RSP, ROW, read_cfi, rule_at
+from mtrace_live.probes.elf.file import load_segments, open_elf
+from mtrace_live.probes.elf.symbols import symbol_table
+from mtrace_live.tracer.unwind_tables import RowCache, UnwindTables, exec_mappings
+
+
+class Recorder:
+    """What the tables write into the program's maps."""
+
+    def __init__(self) -> None:
+        self.arrays: dict[str, dict[int, np.void]] = {}
+        self.rows: dict[str, dict[int, tuple[int, ...] | None]] = {}
+
+    def write_array(self, table: str, first: int, values: np.ndarray) -> None:
+        target = self.arrays.setdefault(table, {})
+        for i, value in enumerate(values):
+            target[first + i] = value
+
+    def set_row(self, table: str, key: int, fields: tuple[int, ...] | None) -> None:
+        self.rows.setdefault(table, {})[key] = fields
+
+
+@pytest.fixture(scope="module")
+def rows_cache(tmp_path_factory: pytest.TempPathFactory) -> RowCache:
+    """One cache for the module: each library of this process is read once."""
+    return RowCache(tmp_path_factory.mktemp("cfi-rows"))
+
+
+def libc_mapping() -> Path:
+    return next(Path(m.path) for m in exec_mappings(os.getpid()) if "/libc.so" in m.path)
+
+
+def test_the_executable_mappings_of_a_process_are_its_code() -> None:
+    mappings = exec_mappings(os.getpid())
+    # THEN this Python's libc is among them, once per executable mapping, as /proc says
+    assert any("/libc.so" in m.path for m in mappings)
+    assert all(m.end > m.start and m.inode[1] > 0 for m in mappings)
+    assert exec_mappings(2**22 + 1) == []  # no such process (above the largest pid_max)
+
+
+def test_rows_are_kept_by_build_id_and_read_back_only_from_a_private_file(tmp_path: Path) -> None:
+    cache = RowCache(tmp_path / "cfi")
+    rows = np.zeros(3, dtype=ROW)
+    rows["pc"] = [16, 32, 48]
+    cache.store("ab12", rows)
+    assert np.array_equal(cache.load("ab12"), rows)
+    assert cache.load("cd34") is None and cache.load(None) is None
+    # a file others could have written is not trusted
+    os.chmod(tmp_path / "cfi" / "ab12.v1.npy", 0o666)
+    assert cache.load("ab12") is None
+    # a name that is no build-id makes no path
+    cache.store("../x", rows)
+    assert not (tmp_path / "x.v1.npy").exists()
+
+
+def test_a_mapping_s_bias_turns_a_pc_into_the_address_the_cfi_rows_use(
+    rows_cache: RowCache,
+) -> None:
+    # GIVEN this process's libc, and the address of its malloc in this process
+    recorder = Recorder()
+    # room for every library this test process maps (numpy, capstone, ...), libc among them
+    tables = UnwindTables(recorder, rows=1 << 24, pages=1 << 24, cache=rows_cache)  # type: ignore[arg-type]
+    assert tables.load(os.getpid())
+    libc = ctypes.CDLL(str(libc_mapping()))  # its own malloc, not a PLT entry of the executable
+    runtime = ctypes.cast(libc.malloc, ctypes.c_void_p).value
+    assert runtime is not None
+    with open_elf(libc_mapping()) as elf:
+        dynsym = symbol_table(elf, ".dynsym")
+        assert dynsym is not None
+        linked = next(s.value for s in dynsym if s.name == "malloc" and s.value)
+        assert load_segments(elf)
+    # WHEN the mapping holding it is found as the BPF search finds it
+    maps = recorder.arrays["unwind_maps"]
+    first, count = recorder.rows["unwind_procs"][os.getpid()]  # type: ignore[misc]
+    entries = [maps[first + i] for i in range(count)]
+    assert [int(e["start"]) for e in entries] == sorted(int(e["start"]) for e in entries)
+    entry = next(e for e in entries if int(e["start"]) <= runtime < int(e["end"]))
+    # THEN its bias gives malloc's link-time address, and its rows are libc's
+    assert (runtime - int(entry["bias"])) % (1 << 64) == linked
+    rows = np.array([recorder.arrays["unwind_rows"][int(entry["first"]) + i]
+                     for i in range(int(entry["count"]))], dtype=ROW)  # fmt: skip
+    assert np.array_equal(rows, read_cfi(libc_mapping()).rows)
+    assert rule_at(rows, linked)["cfa"] == CFA_RSP  # at a function's entry: %rsp + 8
+    # AND writing again with nothing changed writes nothing new
+    before = len(recorder.arrays["unwind_rows"])
+    assert tables.load(os.getpid()) and len(recorder.arrays["unwind_rows"]) == before
+
+
+def test_files_that_do_not_fit_are_counted_and_left_to_frame_pointers(
+    rows_cache: RowCache,
+) -> None:
+    # GIVEN tables with room for 1,000 rows only (libc alone has some 28,000)
+    recorder = Recorder()
+    tables = UnwindTables(recorder, rows=1000, cache=rows_cache)  # type: ignore[arg-type]
+    assert tables.load(os.getpid())
+    counts = tables.table_counts()
+    # THEN what did not fit is counted, and those mappings have no rows (frame pointers there)
+    assert counts["files_not_fitting"] >= 1 and counts["rows_not_fitting"] > 1000
+    assert counts["rows"] <= 1000
+    first, count = recorder.rows["unwind_procs"][os.getpid()]  # type: ignore[misc]
+    maps = recorder.arrays["unwind_maps"]
+    malloc = ctypes.cast(ctypes.CDLL(str(libc_mapping())).malloc, ctypes.c_void_p).value
+    assert malloc is not None
+    entries = [maps[first + i] for i in range(count)]
+    libc = next(e for e in entries if int(e["start"]) <= malloc < int(e["end"]))
+    assert int(libc["count"]) == 0
