@@ -356,15 +356,10 @@ class BpfProgram:
             if k not in bcc_table:
                 bcc_table[k] = bcc_table.Leaf(*fields)
 
-    def set_row(self, table: str, key: int, fields: tuple[int, ...] | None) -> None:
-        """One entry (u32 key, struct fields) of a hash map; None deletes it."""
+    def set_row(self, table: str, key: int, fields: tuple[int, ...]) -> None:
+        """One entry (u32 key, struct fields) of a hash map."""
         bcc_table = self._bpf[table]
-        k = bcc_table.Key(key)
-        if fields is None:
-            with contextlib.suppress(KeyError):
-                del bcc_table[k]
-            return
-        bcc_table[k] = bcc_table.Leaf(*fields)
+        bcc_table[bcc_table.Key(key)] = bcc_table.Leaf(*fields)
 
     def write_array(self, table: str, first: int, values: np.ndarray) -> None:
         """``values`` into an array map from index ``first`` on, in one call."""

@@ -205,7 +205,8 @@ class LiveTrace:
     def _unwinder(self, plan: ProgramPlan) -> UnwindTables | None:
         """The CFI unwinder's tables, its programs in their slots; None when
         stacks are walked by frame pointers only."""
-        if not plan.config.defines().get("WITH_UNWIND"):
+        defines = plan.config.defines()
+        if not defines.get("WITH_UNWIND"):
             return None
         slots = {STEP: "unwind_step"}
         if self.alloc_plan is not None:
@@ -215,7 +216,7 @@ class LiveTrace:
         self.program.set_tail_calls("unwind_progs", slots)
         libc = self.alloc_plan.libc if self.alloc_plan is not None else self.lock_plan.libc  # type: ignore[union-attr]
         attach_dlopen(self.program, libc, self.alloc_pid)
-        return UnwindTables(self.program, hold=bool(plan.config.defines().get("UNWIND_HOLD")))
+        return UnwindTables(self.program, hold=bool(defines.get("UNWIND_HOLD")))
 
     def info(self, pid: int | None) -> TraceInfo:
         request = self.request

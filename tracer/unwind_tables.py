@@ -157,7 +157,7 @@ class Mapping:
 def exec_mappings(pid: int) -> list[Mapping]:
     """``pid``'s executable mappings of files; [] when it is gone."""
     try:
-        text = Path(f"/proc/{pid}/maps").read_text()
+        text = Path(f"/proc/{pid}/maps").read_text(encoding="utf-8", errors="replace")
     except OSError:
         return []
     found = []

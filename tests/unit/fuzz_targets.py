@@ -270,7 +270,6 @@ def cfi_rows(data: bytes) -> None:
     finally:
         shutil.rmtree(directory)
     rows = table.rows
-    assert bool(table.problem) or len(rows) > 0 or table.skipped >= 0
     assert (rows["pc"][1:] > rows["pc"][:-1]).all()
     assert set(rows["cfa"].tolist()) <= {int(k) for k in Cfa}
     assert set(rows["rbp"].tolist()) <= {int(k) for k in Rbp}

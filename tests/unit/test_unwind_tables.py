@@ -22,14 +22,14 @@ class Recorder:
 
     def __init__(self) -> None:
         self.arrays: dict[str, dict[int, np.void]] = {}
-        self.rows: dict[str, dict[int, tuple[int, ...] | None]] = {}
+        self.rows: dict[str, dict[int, tuple[int, ...]]] = {}
 
     def write_array(self, table: str, first: int, values: np.ndarray) -> None:
         target = self.arrays.setdefault(table, {})
         for i, value in enumerate(values):
             target[first + i] = value
 
-    def set_row(self, table: str, key: int, fields: tuple[int, ...] | None) -> None:
+    def set_row(self, table: str, key: int, fields: tuple[int, ...]) -> None:
         self.rows.setdefault(table, {})[key] = fields
 
 
@@ -84,7 +84,7 @@ def test_a_mapping_s_bias_turns_a_pc_into_the_address_the_cfi_rows_use(
         assert load_segments(elf)
     # WHEN the mapping holding it is found as the BPF search finds it
     maps = recorder.arrays["unwind_maps"]
-    first, count = recorder.rows["unwind_procs"][os.getpid()]  # type: ignore[misc]
+    first, count = recorder.rows["unwind_procs"][os.getpid()]
     entries = [maps[first + i] for i in range(count)]
     assert [int(e["start"]) for e in entries] == sorted(int(e["start"]) for e in entries)
     entry = next(e for e in entries if int(e["start"]) <= runtime < int(e["end"]))
@@ -110,7 +110,7 @@ def test_files_that_do_not_fit_are_counted_and_left_to_frame_pointers(
     # THEN what did not fit is counted, and those mappings have no rows (frame pointers there)
     assert counts["files_not_fitting"] >= 1 and counts["rows_not_fitting"] > 1000
     assert counts["rows"] <= 1000
-    first, count = recorder.rows["unwind_procs"][os.getpid()]  # type: ignore[misc]
+    first, count = recorder.rows["unwind_procs"][os.getpid()]
     maps = recorder.arrays["unwind_maps"]
     malloc = ctypes.cast(ctypes.CDLL(str(libc_mapping())).malloc, ctypes.c_void_p).value
     assert malloc is not None
