@@ -1,4 +1,5 @@
-"""Allocations as folded stacks (``report --format folded``): one line per
+"""Allocations as folded stacks (``--folded FILE``, ``report --format
+folded``): one line per
 stack, its frames from the outermost caller to the call site separated by
 ``;``, then a space and a value, the input of flamegraph.pl, inferno and
 speedscope. The value is the live bytes (``inuse_space``) or the bytes
@@ -9,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 
 from .data.alloc_snapshot import AllocSnapshot, FrameNames, function_name
+from .data.sink import FileAtEndSink, TraceResult
 
 
 def folded_lines(
@@ -23,3 +25,13 @@ def folded_lines(
         key = ";".join(f.replace(";", ":").replace(" ", "_") for f in frames)
         totals[key] += amount
     return [f"{stack} {amount}" for stack, amount in sorted(totals.items())]
+
+
+class FoldedSink(FileAtEndSink):
+    """``--folded FILE``: the live bytes by whole call stack when the trace ends."""
+
+    def content(self, result: TraceResult) -> bytes | None:
+        if result.allocations is None:
+            return None
+        lines = folded_lines(result.allocations, result.frame_names)
+        return "".join(f"{line}\n" for line in lines).encode()

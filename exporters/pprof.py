@@ -34,11 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-from mtrace_live.probes.elf.errors import OutputError
 
 from .data.alloc_snapshot import AllocSnapshot, FrameNames
 from .data.lock_waits import LockWaits
-from .data.sink import Sink, TraceResult
+from .data.sink import FileAtEndSink, TraceResult, write_file
 from .data.symbolize import Symbol
 
 # profile.proto (package perftools.profiles): message -> [(field, number, type, repeated, message)]
@@ -236,31 +235,19 @@ def _place(location: str | None) -> tuple[str, int]:
 
 
 def write_profile(path: Path, profile: Any) -> None:
-    data = gzip.compress(profile.SerializeToString(), mtime=0)
-    try:
-        path.write_bytes(data)
-    except OSError as exc:
-        raise OutputError(f"cannot write {path}: {exc.strerror}") from None
+    write_file(path, gzip.compress(profile.SerializeToString(), mtime=0))
 
 
-class _ProfileSink(Sink):
+class _ProfileSink(FileAtEndSink):
     """A profile written to a file when the trace ends."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        try:  # refuse an unwritable path before tracing starts
-            path.touch()
-        except OSError as exc:
-            raise OutputError(f"cannot write {path}: {exc.strerror}") from None
 
     def profile(self, result: TraceResult) -> Any:
         """The Profile message, or None when the trace has nothing for it."""
         raise NotImplementedError
 
-    def finish(self, result: TraceResult) -> None:
+    def content(self, result: TraceResult) -> bytes | None:
         profile = self.profile(result)
-        if profile is not None:
-            write_profile(self.path, profile)
+        return None if profile is None else gzip.compress(profile.SerializeToString(), mtime=0)
 
 
 class PprofSink(_ProfileSink):

@@ -76,6 +76,15 @@ FILE_OUTPUTS = (
                "as a gzipped pprof contention profile (contentions, delay), as Go's "
                "/debug/pprof/mutex gives.",
                "mtrace_live.exporters.pprof:ContentionSink"),
+    FileOutput("folded", "FILE",
+               "Write the live bytes by whole call stack to this file as folded stacks "
+               "(flamegraph.pl, inferno, speedscope) when the trace ends.",
+               "mtrace_live.exporters.folded:FoldedSink"),
+    FileOutput("allocinfo", "FILE",
+               "Write what is still allocated to this file as /proc/allocinfo lines when the "
+               "trace ends: per line that asked for it, the first frame outside the allocation "
+               "wrappers (operator new, strdup, g_malloc, ...; --wrappers adds more).",
+               "mtrace_live.exporters.allocinfo:AllocinfoSink"),
 )  # fmt: skip
 
 

@@ -17,6 +17,7 @@ import numpy as np
 from .elf import cfi
 
 MAX_ARGS = 6  # struct event's args[]
+FRAME_DEPTH = 128  # frames kept of a stack walked by CFI (the call site and 127 callers)
 
 # struct event: one record of the ``events`` ring buffer.
 EVENT_DTYPE = np.dtype(

@@ -34,6 +34,7 @@ from mtrace_live.exporters.data.sink import (
     TraceInfo,
     TraceResult,
 )
+from mtrace_live.exporters.data.wrappers import Wrappers
 from mtrace_live.probes.catalog import load_catalog
 from mtrace_live.probes.elf.errors import (
     MtraceError,
@@ -245,6 +246,7 @@ class LiveTrace:
             sample_bytes=request.sample_bytes,
             frame_names=self.frame_names,
             leaks_older_than=request.leaks_older_than,
+            wrappers=Wrappers().adding(request.wrappers),
         )
 
     def follow(self, pid: int, running: bool = True) -> None:

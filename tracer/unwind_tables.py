@@ -32,13 +32,12 @@ import numpy as np
 from mtrace_live.probes.elf.cfi import ROW, CfiTable, read_cfi
 from mtrace_live.probes.elf.errors import NotElfError, TargetError
 from mtrace_live.probes.elf.file import ELF_FAILURES, LoadSegment, build_id, load_segments, open_elf
-from mtrace_live.probes.records import UNWIND_MAP_DTYPE
+from mtrace_live.probes.records import FRAME_DEPTH, UNWIND_MAP_DTYPE
 
 from .alloc_probes import exported_offset
 from .bpf_backend import BpfProgram
 from .bpf_cache import private_file
 
-FRAME_DEPTH = 128  # frames kept of a stack walked by CFI (127 and the first)
 DEFAULT_ROWS = 1 << 20  # unwind_rows: 12 MiB, libc takes 28,000
 DEFAULT_MAPS = 1 << 16  # unwind_maps: 3 MiB
 DEFAULT_PAGES = 1 << 20  # unwind_pages: 4 MiB, a page index entry per 4 KiB of code

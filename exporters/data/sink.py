@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import NamedTuple, Protocol
 
 import numpy as np
+from mtrace_live.probes.elf.errors import OutputError
 from mtrace_live.probes.records import EventKind
 
 from .alloc_snapshot import AllocSnapshot, FrameNames
@@ -33,6 +34,7 @@ from .allocator_state import Allocators
 from .events import Event, EventDecoder, SiteInfo
 from .kmem import KmemTotals
 from .lock_waits import LockWaits
+from .wrappers import Wrappers
 
 
 class RunStats(NamedTuple):
@@ -125,6 +127,7 @@ class TraceInfo:
     sample_bytes: int = 0
     frame_names: FrameNames = field(default_factory=FrameNames)
     leaks_older_than: float | None = None  # show what has been outstanding this long (seconds)
+    wrappers: Wrappers = field(default_factory=Wrappers)  # for the allocinfo table
 
     @property
     def libc_probes(self) -> bool:
@@ -224,3 +227,31 @@ class Sink:
 
     def finish(self, result: TraceResult) -> None:
         pass
+
+
+class FileAtEndSink(Sink):
+    """An output written whole to a file when the trace ends: the file is
+    created first, so that an unwritable path is refused before tracing."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            path.touch()
+        except OSError as exc:
+            raise OutputError(f"cannot write {path}: {exc.strerror}") from None
+
+    def content(self, result: TraceResult) -> bytes | None:
+        """What the file holds, or None when the trace has nothing for it."""
+        raise NotImplementedError
+
+    def finish(self, result: TraceResult) -> None:
+        data = self.content(result)
+        if data is not None:
+            write_file(self.path, data)
+
+
+def write_file(path: Path, data: bytes) -> None:
+    try:
+        path.write_bytes(data)
+    except OSError as exc:
+        raise OutputError(f"cannot write {path}: {exc.strerror}") from None

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import cxxfilt
+import pyderust
 from elftools.common.exceptions import DWARFError, ELFError
 from elftools.dwarf.dwarfinfo import DWARFInfo
 from elftools.elf.elffile import ELFFile
@@ -57,21 +58,29 @@ class Symbol:
     build_id: str | None = None  # the module's GNU build-id, in hex
 
 
-_RUST_HASH = re.compile(r"::h[0-9a-f]{16}$")
+# Rust's legacy mangling is Itanium's with a last element "h" and 16 hex
+# digits (its hash), before any ".llvm.N"-style suffix the compiler adds.
+_RUST_LEGACY = re.compile(r"^_ZN.*17h[0-9a-f]{16}E(\.[\w.$]+)?$")
 
 
 @functools.lru_cache(maxsize=1 << 16)
 def demangled(name: str) -> str:
-    """A C++ or Rust function's name as heaptrack and perf show it: the
-    C++ runtime's own demangler (abi::__cxa_demangle, through cxxfilt),
-    with a Rust symbol's hash dropped; any other name as it is."""
+    """A C++ or Rust function's name as heaptrack and perf show it: a Rust
+    symbol (v0 ``_R...`` or legacy) by rustc's own demangler (the
+    rustc-demangle crate, through pyderust), without its hash and crate
+    disambiguators; a C++ one by the C++ runtime's (abi::__cxa_demangle,
+    through cxxfilt); any other name, or one that does not demangle, as it is."""
+    if name.startswith("_R") or _RUST_LEGACY.match(name):
+        try:
+            return str(pyderust.demangle(name))
+        except pyderust.DemangleError:
+            return name
     if not name.startswith("_Z"):
         return name
     try:
-        text = cxxfilt.demangle(name)
+        return str(cxxfilt.demangle(name))
     except cxxfilt.Error:
         return name
-    return _RUST_HASH.sub("", text)
 
 
 def _has_lines(elf: ELFFile) -> bool:

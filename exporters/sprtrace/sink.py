@@ -25,10 +25,9 @@ from mtrace_live.exporters.kmemtrace.reader import decode_batch
 from mtrace_live.exporters.sprtrace.convert import RecordCalls, header, resources
 from mtrace_live.exporters.sprtrace.text import Trace, lines, map_line
 from mtrace_live.probes.elf.errors import TargetError
-from mtrace_live.probes.records import EventKind
+from mtrace_live.probes.records import FRAME_DEPTH, EventKind
 
 LIBC_TYPES = (TypeId.SBRK, TypeId.HEAP, TypeId.ARENA)
-ALLOC_STACK_DEPTH = 16  # frames of an allocation's backtrace when --stack-depth is not given
 
 
 class SpRtraceSink(Sink):
@@ -74,7 +73,7 @@ class SpRtraceSink(Sink):
         self._names = info.frame_names
         if info.stack_depth or info.allocs:  # allocations come with their stack walked
             self._read_stack = info.counters.stack
-            self._depth = info.stack_depth or ALLOC_STACK_DEPTH
+            self._depth = info.stack_depth or FRAME_DEPTH  # the whole walk
 
     def consume(self, batch: EventBatch) -> None:
         self.write(

@@ -17,9 +17,11 @@ import re
 import signal
 import subprocess
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from mtrace_live.exporters.sprtrace import text as sprtrace
 
 from .conftest import MTRACE, built
 from .tracing import Reaper, wait_for_line
@@ -210,31 +212,58 @@ def simple_name(name: str) -> str:
     return name[at:] if at >= 0 else name.rsplit(" ", 1)[-1]
 
 
-def test_cxx_stacks_through_libstdcxx_are_heaptrack_s_frame_for_frame(tmp_path: Path) -> None:
-    # GIVEN C++ code and libstdc++, neither with frame pointers, traced by
-    # pid, and the same program under heaptrack
-    argv = [str(built("cxx_stacks")), "20"]
-    profile = tmp_path / "allocs.pb.gz"
+@dataclass(frozen=True)
+class CxxRun:
+    """cxx_stacks traced by pid, with every output of whole stacks."""
+
+    traces: list[tuple[int, list[str]]]  # the profile's, as go tool pprof -traces reads them
+    allocinfo: list[str]
+    folded: list[str]
+    sp_rtrace: sprtrace.Trace
+    known: dict[str, int]  # what the workload says it did: leaked_objects, vector_allocs
+
+
+@pytest.fixture(scope="module")
+def cxx_run(tmp_path_factory: pytest.TempPathFactory) -> CxxRun:
+    tmp = tmp_path_factory.mktemp("cxx")
+    out = {name: tmp / name for name in ("allocs.pb.gz", "allocinfo", "folded", "sp-rtrace")}
+    outputs = ["--pprof", str(out["allocs.pb.gz"]), "--allocinfo", str(out["allocinfo"]),
+               "--folded", str(out["folded"]), "--sp-rtrace", str(out["sp-rtrace"])]  # fmt: skip
+    known: dict[str, int] = {}
     with Reaper() as reaper:
+        argv = [str(built("cxx_stacks")), "20"]
         work = reaper.add(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
         assert work.stdout is not None and work.stdin is not None
         assert work.stdout.readline() == b"ready\n"
-        err = tmp_path / "mtrace.err"
+        err = tmp / "mtrace.err"
         with open(err, "wb") as stderr:
             tracer = reaper.add(subprocess.Popen(
-                [*MTRACE, "--pid", str(work.pid), "--pprof", str(profile), "-o", "summary"],
+                [*MTRACE, "--pid", str(work.pid), *outputs, "-o", "summary"],
                 stdout=subprocess.DEVNULL, stderr=stderr))  # fmt: skip
         wait_for_line(err, "Ctrl-C to stop", tracer, timeout=120)
         work.stdin.write(b"x")
         work.stdin.flush()
-        assert b"done" in work.stdout.readline() + work.stdout.readline()
+        for line in iter(work.stdout.readline, b"done\n"):
+            name, _, value = line.decode().partition(" ")
+            known[name] = int(value.split()[0])
         tracer.send_signal(signal.SIGINT)
         assert tracer.wait(timeout=120) == 0, err.read_text()
         work.stdin.close()
         work.stdout.close()
         assert work.wait(timeout=60) == 0
+    text = out["sp-rtrace"].read_text().splitlines()
+    return CxxRun(go_traces(out["allocs.pb.gz"]), out["allocinfo"].read_text().splitlines(),
+                  out["folded"].read_text().splitlines(), sprtrace.parse(text, "sp-rtrace"),
+                  known)  # fmt: skip
+
+
+def test_cxx_stacks_through_libstdcxx_are_heaptrack_s_frame_for_frame(
+    cxx_run: CxxRun, tmp_path: Path
+) -> None:
+    # GIVEN C++ code and libstdc++, neither with frame pointers, traced by
+    # pid, and the same program under heaptrack
     ours: Counter[tuple[str, ...]] = Counter()
-    traces = go_traces(profile)
+    traces = cxx_run.traces
     # THEN the names are demangled as heaptrack and c++filt show them
     names = {name for _, frames in traces for name in frames}
     assert {"operator new(unsigned long)", "fill_map(int)", "grow_vector(int)"} <= names
@@ -246,6 +275,7 @@ def test_cxx_stacks_through_libstdcxx_are_heaptrack_s_frame_for_frame(tmp_path: 
         if "main" in frames:
             ours[tuple(reversed(frames[: frames.index("main") + 1]))] += value
     theirs: Counter[tuple[str, ...]] = Counter()
+    argv = [str(built("cxx_stacks")), "20"]
     for stack, count in heaptrack_stacks(argv, tmp_path, "xy").items():
         if "main" in stack:
             theirs[tuple(simple_name(f) for f in stack[stack.index("main") :])] += count
@@ -253,3 +283,61 @@ def test_cxx_stacks_through_libstdcxx_are_heaptrack_s_frame_for_frame(tmp_path: 
     top = [stack for stack, _ in theirs.most_common(10)]
     assert len(top) == 10 and max(len(s) for s in top) > 3
     assert {s: ours[s] for s in top} == {s: theirs[s] for s in top}
+
+
+def test_allocinfo_charges_the_leak_to_the_code_that_called_operator_new(
+    cxx_run: CxxRun,
+) -> None:
+    # GIVEN the allocinfo table written when the trace ended
+    header, lines = cxx_run.allocinfo[:2], cxx_run.allocinfo[2:]
+    assert header == ["allocinfo - version: 1.0", "#     <size>  <calls> <tag info>"]
+    rows = [re.match(r"^\s*(\d+)\s+(\d+) (.+) func:(.+)$", line) for line in lines]
+    assert rows and all(rows), lines
+    # THEN its lines hold every block the workload leaked, and no other
+    assert sum(int(m.group(2)) for m in rows if m) == cxx_run.known["leaked_objects"]
+    # AND no line is operator new's: each is the first frame past it, one of
+    # the functions the stacks name, the leaked map's own in fill_map
+    functions = {m.group(4) for m in rows if m}
+    assert not any(f.startswith("operator new") for f in functions), functions
+    names = {name for _, frames in cxx_run.traces for name in frames}
+    assert functions <= names and "fill_map(int)" in functions
+    # AND the lines are ordered by bytes, most first, as allocinfo users sort them
+    sizes = [int(m.group(1)) for m in rows if m]
+    assert sizes == sorted(sizes, reverse=True)
+
+
+def test_folded_stacks_and_sp_rtrace_backtraces_are_whole(cxx_run: CxxRun) -> None:
+    # THEN every live stack, folded, runs from the program's start through
+    # main and fill_map (where all that was leaked was allocated) to operator new
+    assert cxx_run.folded
+    for line in cxx_run.folded:
+        stack = line.rpartition(" ")[0].split(";")
+        assert stack[0] == PROGRAM_ROOT and stack[-1].startswith("operator_new"), line
+        assert stack.index("main") < stack.index("fill_map(int)"), line
+    # AND every allocation's sp-rtrace backtrace reaches main, and those in
+    # grow_vector are as many as the buffers the workload's vectors allocated
+    allocations = [c for c in cxx_run.sp_rtrace.calls if c.resource == "memory" and c.is_alloc]
+    assert allocations
+    frames = [[f.function or "" for f in call.frames] for call in allocations]
+    assert all("main" in names for names in frames), [f for f in frames if "main" not in f][:3]
+    in_vector = sum("grow_vector(int)" in names for names in frames)
+    assert in_vector == cxx_run.known["vector_allocs"]
+
+
+def test_wrappers_given_move_allocinfo_lines_to_their_callers(tmp_path: Path) -> None:
+    # GIVEN cxx_stacks traced with fill_map named as an allocation wrapper
+    allocinfo = tmp_path / "allocinfo"
+    argv = [*MTRACE, "run", "--wrappers", "grow_vector*, fill_map*", "--allocinfo",
+            str(allocinfo), "-o", "summary", "--", str(built("cxx_stacks")), "20"]  # fmt: skip
+    run = subprocess.run(argv, input="xy", capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    leaked = int(re.search(r"^leaked_objects (\d+)$", run.stdout, re.M).group(1))  # type: ignore[union-attr]
+    # THEN the map fill_map leaked itself (operator new's caller was
+    # fill_map) is main's, which called fill_map: one block
+    lines = allocinfo.read_text().splitlines()[2:]
+    assert not any(line.endswith("func:fill_map(int)") for line in lines), lines
+    mains = [line.split() for line in lines if line.endswith("func:main")]
+    assert [int(fields[1]) for fields in mains] == [1]
+    # AND the rest of the leak is where it was, in the map's and strings' code
+    assert sum(int(line.split()[1]) for line in lines if "func:std::" in line
+               or "basic_string" in line) == leaked - 1  # fmt: skip

@@ -27,7 +27,9 @@ from mtrace_live.probes.locations import ArgKind, ArgLocation, SiteLayout
 from mtrace_live.probes.records import EVENT_DTYPE, EventKind, KmemEvent, KmemType
 from mtrace_live.probes.sdt_notes import SdtSite
 
-PID = 4242
+# Above any pid_max (PID_MAX_LIMIT, 2^22): no process on the machine has it, so
+# its name is never read from a real one that /proc happens to hold.
+PID = 4_194_304
 REG = ArgLocation(ArgKind.REG, 8, False, reg=14)
 SIGNED = ArgLocation(ArgKind.REG, 4, True, reg=13)
 # The probes of these tests, one site each, with their catalog arguments.

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -181,3 +182,35 @@ def test_names_are_demangled_as_cxxfilt_demangles_them() -> None:
     rust = "_ZN4core3fmt5write17h5f9c8b5e6d7a8b9cE"
     assert cxxfilt_binary([rust]) == ["core::fmt::write::h5f9c8b5e6d7a8b9c"]
     assert demangled(rust) == "core::fmt::write"
+
+
+# Functions of a Rust program built with -C symbol-mangling-version=v0: its
+# own (m::make, m::main), generic ones instantiated in it, closures, shims.
+RUST_V0 = [
+    "_RNvCskK7mfDs1mzF_1m4main",
+    "_RNvCskK7mfDs1mzF_1m4make",
+    "_RNCINvNtCsjrHSEGnQ3l9_3std2rt10lang_startuE0CskK7mfDs1mzF_1m",
+    "_RINvNtCsgEmfK2I1SDS_4core3ptr13drop_in_placeINtNtCslNYArtu3iFV_5alloc3vec3VecNtNtBL_6string"
+    "6StringEECskK7mfDs1mzF_1m",
+    "_RINvYNtNtNtCsjrHSEGnQ3l9_3std4hash6random11RandomStateNtNtCsgEmfK2I1SDS_4core4hash11Build"
+    "Hasher8hash_oneRNtNtCslNYArtu3iFV_5alloc6string6StringECskK7mfDs1mzF_1m",
+    "_RNSNvYNCINvNtCsjrHSEGnQ3l9_3std2rt10lang_startuE0INtNtNtCsgEmfK2I1SDS_4core3ops8function6Fn"
+    "OnceuE9call_once6vtableCskK7mfDs1mzF_1m",
+    "_RNvMs3_NtCslNYArtu3iFV_5alloc7raw_vecINtB5_6RawVecINtNtB7_3vec3VechEE8grow_oneCsjrHSEGnQ3l9_3std",
+    "_RNvXs1g_NtCsgEmfK2I1SDS_4core3fmtReNtB6_5Debug3fmtCsjrHSEGnQ3l9_3std",
+    "_RNvCsfLfy6EI15iL_7___rustc19___rust_alloc_zeroed",
+]
+
+
+@pytest.mark.skipif(shutil.which("c++filt") is None, reason="binutils is not installed")
+def test_rust_v0_names_are_demangled_as_binutils_demangles_them() -> None:
+    from mtrace_live.exporters.data.symbolize import demangled
+
+    # GIVEN Rust functions' symbols in the v0 mangling, and c++filt's names
+    # for them without the crates' disambiguators ("std[5e1a]::..."), which
+    # perf and heaptrack do not show
+    expected = [re.sub(r"\[[0-9a-f]+\]", "", n) for n in cxxfilt_binary(RUST_V0)]
+    assert all(not n.startswith("_R") for n in expected)
+    # THEN mtrace-live names each as binutils does, and a malformed one is left as it is
+    assert [demangled(n) for n in RUST_V0] == expected
+    assert demangled("_RNvC") == "_RNvC"

@@ -116,6 +116,15 @@ buffer_pages_option = click.option(
     "kernel's ring is this size.",
 )
 
+wrappers_option = click.option(
+    "--wrappers",
+    multiple=True,
+    metavar="PATTERNS",
+    help="More allocation wrappers for allocinfo lines, which name the first frame outside "
+    "them: function names or globs (demangled, e.g. 'my_xmalloc' or 'Arena::alloc*'), "
+    "comma-separated; repeatable. The known ones are in docs/allocations.md.",
+)
+
 web_config_option = click.option(
     "--web.config.file",
     "web_config",
@@ -285,6 +294,7 @@ TRACE_OPTIONS = [
         "the binaries' CFI: cheaper, but one frame deep in code built without frame "
         "pointers, as distributions build it (docs/allocations.md).",
     ),
+    wrappers_option,
     click.option(
         "--leaks-older-than",
         type=click.FloatRange(0),

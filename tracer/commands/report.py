@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
+
+from .options import wrappers_option
+
+if TYPE_CHECKING:
+    from mtrace_live.exporters.kmemtrace.analysis import Report
 
 
 @click.command()
@@ -34,7 +40,10 @@ import click
     type=click.Path(dir_okay=False, path_type=Path),
     help="Symbols to use instead of the ones saved with the records.",
 )
-def report(source: Path, fmt: str, sort: str, limit: int, kallsyms: Path | None) -> None:
+@wrappers_option
+def report(
+    source: Path, fmt: str, sort: str, limit: int, kallsyms: Path | None, wrappers: tuple[str, ...]
+) -> None:
     """Analyse a kmemtrace record set (a directory, or one cpuN file).
 
     Per call site: allocations, frees, bytes requested and allocated,
@@ -43,7 +52,6 @@ def report(source: Path, fmt: str, sort: str, limit: int, kallsyms: Path | None)
     not a readable record set, 15 when a file is damaged (after reporting
     what was read).
     """
-    from mtrace_live.exporters.allocinfo import render_allocinfo
     from mtrace_live.exporters.data.kallsyms import KernelSymbols
     from mtrace_live.exporters.kmemtrace.analysis import report_lines, stream_report
     from mtrace_live.exporters.kmemtrace.reader import open_record_set
@@ -59,29 +67,8 @@ def report(source: Path, fmt: str, sort: str, limit: int, kallsyms: Path | None)
     result = stream_report(header, symbols)
     if fmt == "json":
         click.echo(json.dumps(result.as_json(), indent=2))
-    elif fmt == "allocinfo":
-        from mtrace_live.exporters.allocinfo import render_user_allocinfo
-
-        user = [(s.live_bytes, s.live, s.location, s.symbol, s.name) for s in result.user]
-        click.echo("\n".join([*render_allocinfo(result.kernel), *render_user_allocinfo(user)]))
-    elif fmt in ("pprof", "folded"):
-        from mtrace_live.exporters.kmemtrace.analysis import user_snapshot
-
-        snapshot, names = user_snapshot(result)
-        if fmt == "folded":
-            from mtrace_live.exporters.folded import folded_lines
-
-            lines = folded_lines(snapshot, names)
-            click.echo("\n".join(lines), nl=bool(lines))
-        else:
-            import gzip
-            import sys
-
-            from mtrace_live.exporters.pprof import build_profile
-
-            profile = build_profile(snapshot, names, comments=[f"mtrace-live report {source}"])
-            sys.stdout.buffer.write(gzip.compress(profile.SerializeToString(), mtime=0))
-            sys.stdout.buffer.flush()
+    elif fmt in ("allocinfo", "pprof", "folded"):
+        _user_output(fmt, result, source, wrappers)
     else:
         keys = {"bytes": "bytes_alloc", "calls": "allocs", "fragmentation": "fragmentation",
                 "live": "outstanding_bytes"}  # fmt: skip
@@ -91,3 +78,30 @@ def report(source: Path, fmt: str, sort: str, limit: int, kallsyms: Path | None)
         for line in damage[:-1]:
             click.echo(f"mtrace-live: error: {line}", err=True)
         raise DamagedRecordsError(damage[-1])
+
+
+def _user_output(fmt: str, result: Report, source: Path, wrappers: tuple[str, ...]) -> None:
+    """The user-space allocations of ``report``'s result, in ``fmt``."""
+    from mtrace_live.exporters.kmemtrace.analysis import user_snapshot
+
+    snapshot, names = user_snapshot(result)
+    if fmt == "allocinfo":
+        from mtrace_live.exporters.allocinfo import render_allocinfo, user_allocinfo
+        from mtrace_live.exporters.data.wrappers import Wrappers
+
+        user = user_allocinfo(snapshot, names, Wrappers().adding(wrappers))
+        click.echo("\n".join([*render_allocinfo(result.kernel), *user]))
+    elif fmt == "folded":
+        from mtrace_live.exporters.folded import folded_lines
+
+        lines = folded_lines(snapshot, names)
+        click.echo("\n".join(lines), nl=bool(lines))
+    else:
+        import gzip
+        import sys
+
+        from mtrace_live.exporters.pprof import build_profile
+
+        profile = build_profile(snapshot, names, comments=[f"mtrace-live report {source}"])
+        sys.stdout.buffer.write(gzip.compress(profile.SerializeToString(), mtime=0))
+        sys.stdout.buffer.flush()
