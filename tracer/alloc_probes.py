@@ -136,8 +136,12 @@ def attach_allocs(program: BpfProgram, chosen: AllocPlan, sample_bytes: int, hol
     for name, site in chosen.sites.items():
         program.attach_uprobe(chosen.libc, site.file_offset, f"alloc_{name}", pid)
         if name in RETURNS_POINTER:
-            entry = site.file_offset - site.offset
-            program.attach_uretprobe(chosen.libc, entry, "alloc_return", pid)
+            # At the site itself, not the entry: nothing before the site
+            # moves rsp (probes/alloc_sites.py), so the return address is
+            # still at the top of the stack for the kernel to replace, and
+            # the two handlers share one breakpoint instead of taking two
+            # (the entry's, single-stepped where it is an endbr64, and the site's).
+            program.attach_uretprobe(chosen.libc, site.file_offset, "alloc_return", pid)
     if hold and chosen.exit_offset is not None:
         program.attach_uprobe(chosen.libc, chosen.exit_offset, "alloc_exit", pid)
     if sample_bytes > 0:

@@ -184,8 +184,8 @@ static __always_inline int on_alloc_entry(struct pt_regs *ctx, u32 fn, u64 size,
     slot->tid = tid;
     slot->depth = 1;
 #if WITH_UNWIND && LOCK_STACKS
-    /* Where the return probe stands at the site (malloc, calloc, realloc),
-     * the kernel replaces the return address after this handler. */
+    /* The return probe stands at the site: the kernel replaces the return
+     * address after this handler. */
     if (bpf_probe_read_user(&slot->ret, sizeof(slot->ret), (void *)sp))
         slot->ret = 0;
 #endif
