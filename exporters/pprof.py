@@ -234,8 +234,13 @@ def _place(location: str | None) -> tuple[str, int]:
     return (filename, int(line)) if line.isdigit() else (location, 0)
 
 
+def profile_bytes(profile: Any) -> bytes:
+    """The profile as its file holds it: gzipped, without a time in the header."""
+    return gzip.compress(profile.SerializeToString(), mtime=0)
+
+
 def write_profile(path: Path, profile: Any) -> None:
-    write_file(path, gzip.compress(profile.SerializeToString(), mtime=0))
+    write_file(path, profile_bytes(profile))
 
 
 class _ProfileSink(FileAtEndSink):
@@ -247,7 +252,7 @@ class _ProfileSink(FileAtEndSink):
 
     def content(self, result: TraceResult) -> bytes | None:
         profile = self.profile(result)
-        return None if profile is None else gzip.compress(profile.SerializeToString(), mtime=0)
+        return None if profile is None else profile_bytes(profile)
 
 
 class PprofSink(_ProfileSink):

@@ -6,7 +6,8 @@ allocation to the code that asked for it rather than to kmalloc's wrapper.
 
 Each entry is a shell-style pattern (fnmatch, case-sensitive) matched
 against the frame's demangled function name; a frame in no named function
-is matched as ``module+0xoffset``. ``--wrappers`` adds more.
+is matched as its module's path and offset (``/usr/lib/libfoo.so.1+0x1a2b``,
+which ``*libfoo.so*+0x1a2b`` matches). ``--wrappers`` adds more.
 """
 
 from __future__ import annotations

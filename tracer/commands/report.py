@@ -97,11 +97,10 @@ def _user_output(fmt: str, result: Report, source: Path, wrappers: tuple[str, ..
         lines = folded_lines(snapshot, names)
         click.echo("\n".join(lines), nl=bool(lines))
     else:
-        import gzip
         import sys
 
-        from mtrace_live.exporters.pprof import build_profile
+        from mtrace_live.exporters.pprof import build_profile, profile_bytes
 
         profile = build_profile(snapshot, names, comments=[f"mtrace-live report {source}"])
-        sys.stdout.buffer.write(gzip.compress(profile.SerializeToString(), mtime=0))
+        sys.stdout.buffer.write(profile_bytes(profile))
         sys.stdout.buffer.flush()
