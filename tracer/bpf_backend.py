@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import errno
 import json
 import os
 import sys
@@ -25,12 +26,13 @@ from mtrace_live.probes.elf.errors import (
     AttachError,
     BccUnavailableError,
     NotPrivilegedError,
+    TargetError,
     TracepointMissingError,
 )
 from mtrace_live.probes.program import ProgramSource
 from mtrace_live.probes.records import ALLOC_FRAMES_BASE
 
-from . import bpf_cache, bpf_syscalls
+from . import bpf_cache, bpf_syscalls, uprobe_attach
 from .bpf_syscalls import BatchReader
 from .kernel_btf import BtfUnavailable, KernelBtf
 
@@ -156,6 +158,7 @@ class BpfProgram:
         cflags += ["-Wno-duplicate-decl-specifier", "-Wno-ignored-attributes"]
         self._readers: dict[str, BatchReader] = {}
         self._typed: dict[str, tuple[int, int]] = {}  # handler -> (program fd, attachment fd)
+        self._uprobe_events: list[int] = []  # perf event fds of the uprobes (uprobe_attach)
         # event -> why the kernel refused its BTF-typed handler (its raw one is attached)
         self.typed_refused: dict[str, str] = {}
         text = source.text()
@@ -245,20 +248,30 @@ class BpfProgram:
         """Attach ``handler`` at a file offset of ``path``: in every process
         (pid -1), or only in the threads of process ``pid`` (the kernel then
         places no breakpoint in any other process)."""
-        try:
-            self._bpf.attach_uprobe(name=str(path), addr=file_offset, fn_name=handler, pid=pid)
-        except Exception as exc:
-            raise AttachError(f"cannot attach to {path} at {file_offset:#x}: {exc}") from None
+        self._attach_uprobe(path, file_offset, handler, pid, False)
 
     def attach_uretprobe(self, path: Path, file_offset: int, handler: str, pid: int = -1) -> None:
         """Attach ``handler`` to the returns of the function at a file offset
         of ``path``, in every process or in process ``pid`` only."""
+        self._attach_uprobe(path, file_offset, handler, pid, True)
+
+    def _attach_uprobe(self, path: Path, file_offset: int, handler: str, pid: int,
+                       retprobe: bool) -> None:  # fmt: skip
+        """Through perf_event_open (tracer/uprobe_attach.py): the path as
+        given, from this process's root, and the kernel's errno in the error."""
+        bcc = import_bcc()
+        prog_fd = self._bpf.load_func(handler.encode(), bcc.BPF.KPROBE).fd
         try:
-            self._bpf.attach_uretprobe(name=str(path), addr=file_offset, fn_name=handler, pid=pid)
-        except Exception as exc:
-            raise AttachError(
-                f"cannot attach a return probe to {path} at {file_offset:#x}: {exc}"
-            ) from None
+            self._uprobe_events.append(uprobe_attach.attach(path, file_offset, prog_fd, pid,
+                                                            retprobe))  # fmt: skip
+        except uprobe_attach.AttachFailure as failure:
+            what = "a return probe to" if retprobe else "to"
+            message = f"cannot attach {what} {path} at {file_offset:#x}: {failure}"
+            if failure.errno == errno.ESRCH:
+                raise TargetError(f"process {pid} exited") from None
+            if failure.errno in (errno.EPERM, errno.EACCES):
+                raise NotPrivilegedError(message) from None
+            raise AttachError(message) from None
 
     def fill_array(self, table: str, values: Sequence[int]) -> None:
         array = self._bpf[table]
@@ -513,7 +526,8 @@ class BpfProgram:
         lib = import_bcc().libbcc.lib
         uprobes = dict(self._bpf.uprobe_fds)
         tracepoints = dict(self._bpf.tracepoint_fds)
-        fds = [*tracepoints.values(), *uprobes.values()]
+        fds = [*tracepoints.values(), *uprobes.values(), *self._uprobe_events]
+        self._uprobe_events = []
         if fds and not _detach_in_child(fds):
             for fd in fds:
                 lib.bpf_close_perf_event_fd(fd)

@@ -1,0 +1,125 @@
+"""Targets in other namespaces, and the kernel's errno when an attach fails.
+
+A chrooted process maps its own copy of libc: /proc/PID/maps names it as
+this process sees it (the chroot's directory first), and the uprobes go on
+that file as it is named, not looked for again inside the chroot. The
+workload, ``cxx_stacks``, says how many blocks it leaked and how many
+buffers its vectors allocated; the trace must see exactly those.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mtrace_live.tracer import uprobe_attach
+
+from .conftest import MTRACE, built
+from .tracing import Reaper, wait_for_line
+
+LIBC = Path("/lib/x86_64-linux-gnu/libc.so.6")
+
+
+def chroot_with_copies(root: Path, program: Path) -> Path:
+    """A directory holding ``program`` and copies of every library it loads,
+    at their paths (new files: other inodes than the host's)."""
+    inside = root / "bin" / program.name
+    inside.parent.mkdir(parents=True)
+    shutil.copy2(program, inside)
+    listed = subprocess.run(["ldd", str(program)], capture_output=True, text=True,
+                            check=True).stdout  # fmt: skip
+    for library in re.findall(r"(/\S+) \(0x", listed):
+        copy = root / library.lstrip("/")
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(os.path.realpath(library), copy)
+    return inside
+
+
+@pytest.mark.parametrize(
+    "enter",
+    [["chroot"], ["unshare", "--pid", "--mount", "--fork", "chroot"]],
+    ids=["chroot", "chroot-in-pid-and-mount-namespaces"],
+)
+def test_a_chrooted_process_with_its_own_libc_is_traced_exactly(
+    enter: list[str], tmp_path: Path
+) -> None:
+    # GIVEN cxx_stacks in a chroot with its own copy of libc (and, second,
+    # in pid and mount namespaces of its own too: its pid there is 1)
+    root = tmp_path / "root"
+    chroot_with_copies(root, built("cxx_stacks"))
+    allocinfo = tmp_path / "allocinfo"
+    known: dict[str, int] = {}
+    with Reaper() as reaper:
+        argv = [*enter, str(root), "/bin/cxx_stacks", "20"]
+        work = reaper.add(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+        assert work.stdout is not None and work.stdin is not None
+        assert work.stdout.readline() == b"ready\n"
+        target = int(subprocess.run(["pgrep", "-xf", "/bin/cxx_stacks 20"], capture_output=True,
+                                    text=True, check=True).stdout.split()[0])  # fmt: skip
+        maps = Path(f"/proc/{target}/maps").read_text()
+        assert f"{root}/lib/x86_64-linux-gnu/libc.so.6" in maps
+        # WHEN it is traced by its pid as this machine sees it
+        err = tmp_path / "mtrace.err"
+        with open(err, "wb") as stderr:
+            tracer = reaper.add(subprocess.Popen(
+                [*MTRACE, "--pid", str(target), "--allocinfo", str(allocinfo), "-o", "summary"],
+                stdout=subprocess.DEVNULL, stderr=stderr))  # fmt: skip
+        wait_for_line(err, "Ctrl-C to stop", tracer, timeout=120)
+        work.stdin.write(b"x")
+        work.stdin.flush()
+        for line in iter(work.stdout.readline, b"done\n"):
+            name, _, value = line.decode().partition(" ")
+            known[name] = int(value.split()[0])
+        tracer.send_signal(signal.SIGINT)
+        assert tracer.wait(timeout=120) == 0, err.read_text()
+        work.stdin.close()
+        work.stdout.close()
+        assert work.wait(timeout=60) == 0
+    # THEN what it leaked is every live block the trace saw, no more, no less
+    lines = allocinfo.read_text().splitlines()[2:]
+    assert sum(int(line.split()[1]) for line in lines) == known["leaked_objects"]
+    assert any(line.endswith("func:fill_map(int)") for line in lines)
+
+
+def test_an_attach_error_names_the_kernel_s_errno_and_its_cause(tmp_path: Path) -> None:
+    # GIVEN attaches the kernel refuses (no program is needed to be refused)
+    def refused(path: Path, offset: int, pid: int = -1) -> uprobe_attach.AttachFailure:
+        with pytest.raises(uprobe_attach.AttachFailure) as caught:
+            uprobe_attach.attach(path, offset, -1, pid)
+        return caught.value
+
+    # THEN a file that is gone is ENOENT, named as such
+    gone = refused(tmp_path / "deleted.so", 0x1000)
+    assert gone.errno == errno.ENOENT and "file is gone" in str(gone)
+    # AND an offset past the end of the file is EINVAL
+    past = refused(LIBC, LIBC.stat().st_size + 0x1000)
+    assert past.errno == errno.EINVAL and "EINVAL" in str(past)
+    # AND a pid no process can have (above any pid_max) is ESRCH
+    nobody = refused(LIBC, 0x1000, pid=4_194_304)
+    assert nobody.errno == errno.ESRCH and "exited" in str(nobody)
+
+
+def test_an_unprivileged_attach_is_refused_with_the_fix_named() -> None:
+    # GIVEN the attach made by a user without privileges (nobody)
+    script = (
+        "import os; from pathlib import Path; from mtrace_live.tracer import uprobe_attach\n"
+        "os.setgid(65534); os.setuid(65534)\n"
+        "try:\n"
+        f"    uprobe_attach.attach(Path('{LIBC}'), 0x1000, -1, os.getppid())\n"
+        "except uprobe_attach.AttachFailure as failure:\n"
+        "    print(failure.errno, failure)\n"
+    )  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    # THEN the kernel says EACCES or EPERM, and the message names what is needed
+    number, _, message = done.stdout.strip().partition(" ")
+    assert int(number) in (errno.EACCES, errno.EPERM)
+    assert "CAP_PERFMON" in message
