@@ -14,7 +14,6 @@ std::vector, whose code is libstdc++'s.
 from __future__ import annotations
 
 import re
-import signal
 import subprocess
 from collections import Counter
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ import pytest
 from mtrace_live.exporters.sprtrace import text as sprtrace
 
 from .conftest import MTRACE, built
-from .tracing import Reaper, wait_for_line
+from .tracing import trace_cxx_stacks
 
 CALLS = 150
 DEEP = 200  # deeper than the 127 frames a walk keeps
@@ -229,28 +228,7 @@ def cxx_run(tmp_path_factory: pytest.TempPathFactory) -> CxxRun:
     out = {name: tmp / name for name in ("allocs.pb.gz", "allocinfo", "folded", "sp-rtrace")}
     outputs = ["--pprof", str(out["allocs.pb.gz"]), "--allocinfo", str(out["allocinfo"]),
                "--folded", str(out["folded"]), "--sp-rtrace", str(out["sp-rtrace"])]  # fmt: skip
-    known: dict[str, int] = {}
-    with Reaper() as reaper:
-        argv = [str(built("cxx_stacks")), "20"]
-        work = reaper.add(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
-        assert work.stdout is not None and work.stdin is not None
-        assert work.stdout.readline() == b"ready\n"
-        err = tmp / "mtrace.err"
-        with open(err, "wb") as stderr:
-            tracer = reaper.add(subprocess.Popen(
-                [*MTRACE, "--pid", str(work.pid), *outputs, "-o", "summary"],
-                stdout=subprocess.DEVNULL, stderr=stderr))  # fmt: skip
-        wait_for_line(err, "Ctrl-C to stop", tracer, timeout=120)
-        work.stdin.write(b"x")
-        work.stdin.flush()
-        for line in iter(work.stdout.readline, b"done\n"):
-            name, _, value = line.decode().partition(" ")
-            known[name] = int(value.split()[0])
-        tracer.send_signal(signal.SIGINT)
-        assert tracer.wait(timeout=120) == 0, err.read_text()
-        work.stdin.close()
-        work.stdout.close()
-        assert work.wait(timeout=60) == 0
+    known = trace_cxx_stacks([str(built("cxx_stacks")), "20"], lambda pid: pid, outputs, tmp)
     text = out["sp-rtrace"].read_text().splitlines()
     return CxxRun(go_traces(out["allocs.pb.gz"]), out["allocinfo"].read_text().splitlines(),
                   out["folded"].read_text().splitlines(), sprtrace.parse(text, "sp-rtrace"),

@@ -13,7 +13,6 @@ import errno
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,8 +20,8 @@ from pathlib import Path
 import pytest
 from mtrace_live.tracer import uprobe_attach
 
-from .conftest import MTRACE, built
-from .tracing import Reaper, wait_for_line
+from .conftest import built
+from .tracing import trace_cxx_stacks
 
 LIBC = Path("/lib/x86_64-linux-gnu/libc.so.6")
 
@@ -55,33 +54,19 @@ def test_a_chrooted_process_with_its_own_libc_is_traced_exactly(
     root = tmp_path / "root"
     chroot_with_copies(root, built("cxx_stacks"))
     allocinfo = tmp_path / "allocinfo"
-    known: dict[str, int] = {}
-    with Reaper() as reaper:
-        argv = [*enter, str(root), "/bin/cxx_stacks", "20"]
-        work = reaper.add(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
-        assert work.stdout is not None and work.stdin is not None
-        assert work.stdout.readline() == b"ready\n"
-        target = int(subprocess.run(["pgrep", "-xf", "/bin/cxx_stacks 20"], capture_output=True,
-                                    text=True, check=True).stdout.split()[0])  # fmt: skip
-        maps = Path(f"/proc/{target}/maps").read_text()
+
+    def inner(started: int) -> int:
+        """The workload's pid (a child of unshare's child, or chroot itself)."""
+        found = subprocess.run(["pgrep", "-xf", "/bin/cxx_stacks 20"], capture_output=True,
+                               text=True, check=True).stdout.split()  # fmt: skip
+        (pid,) = [int(p) for p in found]
+        maps = Path(f"/proc/{pid}/maps").read_text()
         assert f"{root}/lib/x86_64-linux-gnu/libc.so.6" in maps
-        # WHEN it is traced by its pid as this machine sees it
-        err = tmp_path / "mtrace.err"
-        with open(err, "wb") as stderr:
-            tracer = reaper.add(subprocess.Popen(
-                [*MTRACE, "--pid", str(target), "--allocinfo", str(allocinfo), "-o", "summary"],
-                stdout=subprocess.DEVNULL, stderr=stderr))  # fmt: skip
-        wait_for_line(err, "Ctrl-C to stop", tracer, timeout=120)
-        work.stdin.write(b"x")
-        work.stdin.flush()
-        for line in iter(work.stdout.readline, b"done\n"):
-            name, _, value = line.decode().partition(" ")
-            known[name] = int(value.split()[0])
-        tracer.send_signal(signal.SIGINT)
-        assert tracer.wait(timeout=120) == 0, err.read_text()
-        work.stdin.close()
-        work.stdout.close()
-        assert work.wait(timeout=60) == 0
+        return pid
+
+    # WHEN it is traced by its pid as this machine sees it
+    argv = [*enter, str(root), "/bin/cxx_stacks", "20"]
+    known = trace_cxx_stacks(argv, inner, ["--allocinfo", str(allocinfo)], tmp_path)
     # THEN what it leaked is every live block the trace saw, no more, no less
     lines = allocinfo.read_text().splitlines()[2:]
     assert sum(int(line.split()[1]) for line in lines) == known["leaked_objects"]

@@ -237,3 +237,35 @@ def wait_for_detach() -> None:
             return
         time.sleep(0.1)
     raise AssertionError("the perf events were never closed")
+
+
+def trace_cxx_stacks(argv: list[str], find_pid: Callable[[int], int], outputs: list[str],
+                     tmp: Path) -> dict[str, int]:  # fmt: skip
+    """Run ``argv`` (cxx_stacks, perhaps in a chroot), trace the process
+    ``find_pid`` gives for the one started (by its pid) with ``outputs``
+    from its first allocation to its "done", and return what the workload
+    says it did ("leaked_objects", "vector_allocs", ...)."""
+    from .conftest import MTRACE  # conftest imports this module
+
+    known: dict[str, int] = {}
+    with Reaper() as reaper:
+        work = reaper.add(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+        assert work.stdout is not None and work.stdin is not None
+        assert work.stdout.readline() == b"ready\n"
+        err = tmp / "mtrace.err"
+        with open(err, "wb") as stderr:
+            tracer = reaper.add(subprocess.Popen(
+                [*MTRACE, "--pid", str(find_pid(work.pid)), *outputs, "-o", "summary"],
+                stdout=subprocess.DEVNULL, stderr=stderr))  # fmt: skip
+        wait_for_line(err, "Ctrl-C to stop", tracer, timeout=120)
+        work.stdin.write(b"x")
+        work.stdin.flush()
+        for line in iter(work.stdout.readline, b"done\n"):
+            name, _, value = line.decode().partition(" ")
+            known[name] = int(value.split()[0])
+        tracer.send_signal(signal.SIGINT)
+        assert tracer.wait(timeout=120) == 0, err.read_text()
+        work.stdin.close()
+        work.stdout.close()
+        assert work.wait(timeout=60) == 0
+    return known
