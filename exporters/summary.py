@@ -14,6 +14,7 @@ from .data.events import format_value
 from .data.kallsyms import KernelSymbols
 from .data.kmem import name_sites
 from .data.lock_waits import LockWaits
+from .data.processes import described
 from .data.sink import KmemResult, Sink, TraceResult
 from .kmem_table import render_table
 
@@ -147,7 +148,7 @@ def setting_change(change: SettingChange) -> str:
 
 
 def process_lines(state: ProcessState, waits: LockWaits | None = None) -> list[str]:
-    lines = [f"pid {state.pid}" + (f" ({state.comm})" if state.comm else "") + ":"]
+    lines = [described(state.pid, state.comm, state.ns_pid) + ":"]
     if state.arenas:
         lines += arena_lines(state, waits)
     if state.heaps or state.heap_bytes_grown:

@@ -752,7 +752,8 @@ def _detach_in_child(perf_fds: list[int]) -> bool:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
-    prctl = ctypes.CDLL(None).prctl  # looked up here: dlopen in the child could find its lock held
+    libc = ctypes.CDLL(None)  # looked up here: dlopen in the child could find its lock held
+    prctl, fork = libc.prctl, libc.fork
     try:
         released, holding = os.pipe()
     except OSError:
@@ -768,8 +769,17 @@ def _detach_in_child(perf_fds: list[int]) -> bool:
             os.close(fd)
         os.close(released)
         os.close(holding)  # the child reads the end of file: its copies are the last
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)  # the first child exits at once: no zombie is left
         return True
     try:  # the child: only system calls from here on (other threads' locks are not ours)
+        # A grandchild does the work: the first child exits at once and is
+        # reaped above, and the grandchild, whose parent is gone, is reaped
+        # by init (or the nearest subreaper). A long-lived tracer (serve, a
+        # test runner) keeps no zombie per trace. Where it cannot fork, the
+        # child does the work itself and the tracer waits for it.
+        if fork() > 0:  # -1: no grandchild, the work is this child's
+            os._exit(0)
         os.setsid()
         prctl(_PR_SET_NAME, ctypes.c_char_p(DETACHER_NAME), 0, 0, 0)
         keep = {*perf_fds, released}

@@ -27,6 +27,7 @@ import numpy as np
 from mtrace_live.exporters import registry
 from mtrace_live.exporters.data.alloc_snapshot import FrameNames
 from mtrace_live.exporters.data.events import Event, EventDecoder
+from mtrace_live.exporters.data.processes import described, namespace_pid
 from mtrace_live.exporters.data.sink import (
     EventBatch,
     KmemResult,
@@ -429,7 +430,8 @@ def announce(trace: LiveTrace, pid: int | None) -> None:
     elif request.command:
         whom = f"command pid {pid}" + (" and its children" if request.follow_forks else "")
     else:
-        whom = f"pid {pid}" + (" and its children" if request.follow_forks else "")
+        whom = described(pid, ns_pid=namespace_pid(pid)) if pid is not None else "pid ?"
+        whom += " and its children" if request.follow_forks else ""
     what = []
     for notice in trace.notices:
         print(f"mtrace-live: {notice}", file=sys.stderr, flush=True)

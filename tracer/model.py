@@ -30,7 +30,7 @@ from mtrace_live.exporters.data.allocator_state import (
     SettingChange,
 )
 from mtrace_live.exporters.data.events import MALLOPT_PARAMS, Event, EventDecoder
-from mtrace_live.exporters.data.processes import process_name
+from mtrace_live.exporters.data.processes import namespace_pid, process_name
 from mtrace_live.exporters.data.sink import EventBatch, Sink
 from mtrace_live.probes.meanings import Meanings, meanings
 from mtrace_live.probes.records import EventKind
@@ -80,7 +80,8 @@ class AllocatorModel(Sink):
     def process(self, pid: int) -> ProcessState:
         state = self.state.processes.get(pid)
         if state is None:
-            state = self.state.processes[pid] = ProcessState(pid, comm=process_name(pid))
+            state = ProcessState(pid, comm=process_name(pid), ns_pid=namespace_pid(pid))
+            self.state.processes[pid] = state
         return state
 
     def consume(self, batch: EventBatch | np.ndarray) -> None:

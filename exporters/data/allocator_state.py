@@ -50,6 +50,7 @@ class DoubleFreeCheck:
 class ProcessState:
     pid: int
     comm: str = ""
+    ns_pid: int | None = None  # its pid in its own pid namespace, where that differs
     first_ns: int = 0
     last_ns: int = 0
     counts: Counter[str] = field(default_factory=Counter)

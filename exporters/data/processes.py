@@ -25,6 +25,22 @@ def kernel_comm(pid: int) -> str:
     return _read_proc(pid, "comm").rstrip(b"\n").decode(errors="replace")
 
 
+def namespace_pid(pid: int) -> int | None:
+    """The process's pid in its own pid namespace (the last of /proc's
+    NSpid), when it differs from ``pid``; None otherwise or once it is gone."""
+    for line in _read_proc(pid, "status").splitlines():
+        if line.startswith(b"NSpid:"):
+            inner = line.split()[-1]
+            return int(inner) if inner.isdigit() and int(inner) != pid else None
+    return None
+
+
+def described(pid: int, comm: str = "", ns_pid: int | None = None) -> str:
+    """``pid 1234 (name; pid 1 in its pid namespace)``: how a process is shown."""
+    notes = [note for note in (comm, ns_pid and f"pid {ns_pid} in its pid namespace") if note]
+    return f"pid {pid}" + (f" ({'; '.join(notes)})" if notes else "")
+
+
 def process_name(pid: int) -> str:
     """The name a process is shown and labelled by: its comm, except that a
     program run through the dynamic loader (``ld-linux-x86-64.so.2 PROG``,

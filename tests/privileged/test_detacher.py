@@ -69,3 +69,28 @@ def test_the_child_closes_each_perf_event_after_this_process_closed_its_copy(
     last_mine = max(mine.values())
     early = [(fd, ns - last_mine) for ns, fd in theirs if ns <= last_mine]
     assert not early, early
+
+
+def children(state: bytes) -> list[int]:
+    """This process's children in ``state`` (b"Z": zombies), by /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            _, _, rest = stat.read_bytes().partition(b") ")
+        except OSError:
+            continue
+        fields = rest.split()
+        if fields[0] == state and int(fields[1]) == os.getpid():
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_a_long_lived_tracer_keeps_no_zombie_per_trace() -> None:
+    # GIVEN this process (a long-lived one, as serve or a test runner is)
+    # handing the events of three traces, one after the other, to detachers
+    assert not children(b"Z")
+    for _ in range(3):
+        assert _detach_in_child([perf_event() for _ in range(4)])
+    wait_for_detach()
+    # THEN the detachers did their work and none of them is left a zombie here
+    assert not children(b"Z"), children(b"Z")

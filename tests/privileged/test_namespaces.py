@@ -71,6 +71,15 @@ def test_a_chrooted_process_with_its_own_libc_is_traced_exactly(
     lines = allocinfo.read_text().splitlines()[2:]
     assert sum(int(line.split()[1]) for line in lines) == known["leaked_objects"]
     assert any(line.endswith("func:fill_map(int)") for line in lines)
+    # AND both its pids are shown where its own differs: here and in its namespace
+    said = (tmp_path / "mtrace.err").read_text() + (tmp_path / "summary").read_text()
+    host = re.search(r"for pid (\d+)", said)
+    assert host is not None, said
+    if "unshare" in enter:  # in the start line and the summary's process
+        assert f"for pid {host[1]} (pid 1 in its pid namespace)" in said
+        assert f"pid {host[1]} (cxx_stacks; pid 1 in its pid namespace):" in said
+    else:
+        assert "pid namespace" not in said
 
 
 def test_an_attach_error_names_the_kernel_s_errno_and_its_cause(tmp_path: Path) -> None:

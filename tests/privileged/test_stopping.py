@@ -120,3 +120,39 @@ def test_a_live_trace_and_serve_stop_on_sigterm_and_detach(sdt: SdtGlibc, tmp_pa
     # AND their programs go away
     wait_for_detach()
     assert programs_unloaded(loaded)
+
+
+def uprobe_events() -> list[str]:
+    """The uprobe events tracefs holds (legacy ones, made through tracefs)."""
+    for root in (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing")):
+        events = root / "uprobe_events"
+        if events.exists():
+            return events.read_text().splitlines()
+    return []
+
+
+def test_a_tracer_killed_with_sigkill_leaves_no_probe_and_the_next_one_starts(
+    tmp_path: Path,
+) -> None:
+    before = set(uprobe_events())
+    with Reaper() as reaper:
+        load = reaper.add(subprocess.Popen([str(built("arena_contention")), "60"],
+                                           stdout=subprocess.DEVNULL))  # fmt: skip
+        # GIVEN a live trace of a process, attached
+        trace = start_when_ready([*MTRACE, "--pid", str(load.pid), "-o", "summary"], reaper,
+                                 "Ctrl-C to stop", stdout=subprocess.DEVNULL)  # fmt: skip
+        loaded = programs_of(trace.pid)
+        # WHEN it is killed outright: no handler of its own runs
+        trace.kill()
+        trace.communicate(timeout=120)
+        # THEN the kernel drops its programs and probes with its descriptors,
+        # and tracefs holds no uprobe event it made
+        assert programs_unloaded(loaded)
+        assert set(uprobe_events()) <= before
+        # AND the next trace of the same process attaches and ends cleanly
+        again = start_when_ready([*MTRACE, "--pid", str(load.pid), "-o", "summary"], reaper,
+                                 "Ctrl-C to stop", stdout=subprocess.DEVNULL)  # fmt: skip
+        again.send_signal(signal.SIGINT)
+        _, err = again.communicate(timeout=120)
+        assert again.returncode == 0, err
+    wait_for_detach()

@@ -244,7 +244,8 @@ def trace_cxx_stacks(argv: list[str], find_pid: Callable[[int], int], outputs: l
     """Run ``argv`` (cxx_stacks, perhaps in a chroot), trace the process
     ``find_pid`` gives for the one started (by its pid) with ``outputs``
     from its first allocation to its "done", and return what the workload
-    says it did ("leaked_objects", "vector_allocs", ...)."""
+    says it did ("leaked_objects", "vector_allocs", ...). The tracer's
+    summary is left in ``tmp / "summary"``, what it said in ``tmp / "mtrace.err"``."""
     from .conftest import MTRACE  # conftest imports this module
 
     known: dict[str, int] = {}
@@ -253,10 +254,10 @@ def trace_cxx_stacks(argv: list[str], find_pid: Callable[[int], int], outputs: l
         assert work.stdout is not None and work.stdin is not None
         assert work.stdout.readline() == b"ready\n"
         err = tmp / "mtrace.err"
-        with open(err, "wb") as stderr:
+        with open(err, "wb") as stderr, open(tmp / "summary", "wb") as stdout:
             tracer = reaper.add(subprocess.Popen(
                 [*MTRACE, "--pid", str(find_pid(work.pid)), *outputs, "-o", "summary"],
-                stdout=subprocess.DEVNULL, stderr=stderr))  # fmt: skip
+                stdout=stdout, stderr=stderr))  # fmt: skip
         wait_for_line(err, "Ctrl-C to stop", tracer, timeout=120)
         work.stdin.write(b"x")
         work.stdin.flush()

@@ -3,6 +3,7 @@ switches, each request makes (tracer/plan.py)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -125,3 +126,14 @@ def test_a_libc_without_sdt_notes_gets_derived_probes_and_says_so() -> None:
     assert probes.alloc_plan is not None and "malloc" in probes.alloc_plan.sites
     # AND the program gets the derived syscall handlers
     assert defines(TraceRequest(pid=1234), 1234, probes)["DERIVED_SYSCALLS"] == 1
+
+
+def test_a_process_is_shown_with_its_own_pid_where_its_namespace_gives_it_another() -> None:
+    from mtrace_live.exporters.data.processes import described, namespace_pid
+
+    assert described(4321) == "pid 4321"
+    assert described(4321, "nginx") == "pid 4321 (nginx)"
+    assert described(4321, "nginx", 7) == "pid 4321 (nginx; pid 7 in its pid namespace)"
+    assert described(4321, ns_pid=7) == "pid 4321 (pid 7 in its pid namespace)"
+    # this process is in the pid namespace of the one reading /proc: one pid
+    assert namespace_pid(os.getpid()) is None
