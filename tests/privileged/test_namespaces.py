@@ -117,3 +117,26 @@ def test_an_unprivileged_attach_is_refused_with_the_fix_named() -> None:
     number, _, message = done.stdout.strip().partition(" ")
     assert int(number) in (errno.EACCES, errno.EPERM)
     assert "CAP_PERFMON" in message
+
+
+def test_a_mount_namespace_where_the_libc_path_names_another_file(tmp_path: Path) -> None:
+    # GIVEN cxx_stacks in a mount namespace of its own where the libc's
+    # path, the same as here, names a copy (bound over it there only)
+    copy = tmp_path / "libc.so.6"
+    shutil.copy2(LIBC.resolve(), copy)
+    allocinfo = tmp_path / "allocinfo"
+    script = (f'mount --bind "{copy}" "{LIBC.resolve()}" && '
+              f'exec "{built("cxx_stacks")}" 20')  # fmt: skip
+    argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
+
+    def inner(started: int) -> int:
+        maps = Path(f"/proc/{started}/maps").read_text()
+        line = next(x for x in maps.splitlines() if x.endswith(str(LIBC.resolve())))
+        assert int(line.split()[4]) == copy.stat().st_ino  # the copy, under the host's path
+        return started
+
+    # WHEN it is traced by its pid
+    known = trace_cxx_stacks(argv, inner, ["--allocinfo", str(allocinfo)], tmp_path)
+    # THEN the probes are on the file it maps: what it leaked is what the trace saw
+    lines = allocinfo.read_text().splitlines()[2:]
+    assert sum(int(line.split()[1]) for line in lines) == known["leaked_objects"]
