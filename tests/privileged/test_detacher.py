@@ -13,7 +13,14 @@ from pathlib import Path
 
 from mtrace_live.tracer.bpf_backend import DETACHER_NAME, _detach_in_child
 
-from .tracing import BPFTRACE_READY, Reaper, start_bpftrace, wait_for_detach, wait_for_line
+from .tracing import (
+    BPFTRACE_READY,
+    Reaper,
+    processes,
+    start_bpftrace,
+    wait_for_detach,
+    wait_for_line,
+)
 
 EVENTS = 512  # enough that the closes of both sides would overlap, were they not ordered
 _PERF_EVENT_OPEN = 298  # x86_64
@@ -72,17 +79,8 @@ def test_the_child_closes_each_perf_event_after_this_process_closed_its_copy(
 
 
 def children(state: bytes) -> list[int]:
-    """This process's children in ``state`` (b"Z": zombies), by /proc."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            _, _, rest = stat.read_bytes().partition(b") ")
-        except OSError:
-            continue
-        fields = rest.split()
-        if fields[0] == state and int(fields[1]) == os.getpid():
-            found.append(int(stat.parent.name))
-    return found
+    """This process's children in ``state`` (b"Z": zombies)."""
+    return [pid for pid, _, seen, parent in processes() if seen == state and parent == os.getpid()]
 
 
 def test_a_long_lived_tracer_keeps_no_zombie_per_trace() -> None:

@@ -217,17 +217,22 @@ def finish(proc: subprocess.Popen[bytes]) -> int:
     return proc.wait(timeout=60)
 
 
-def detachers() -> list[int]:
-    """Detachers still at work (a zombie, not yet reaped, has closed everything)."""
+def processes() -> list[tuple[int, bytes, bytes, int]]:
+    """(pid, name, state, parent pid) of every process, from /proc/PID/stat."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            name, _, rest = stat.read_bytes().partition(b") ")
+            head, _, rest = stat.read_bytes().partition(b") ")
         except OSError:
             continue
-        if name.endswith(b"(" + DETACHER_NAME) and not rest.startswith(b"Z"):
-            found.append(int(stat.parent.name))
+        fields = rest.split()
+        found.append((int(stat.parent.name), head.partition(b" (")[2], fields[0], int(fields[1])))
     return found
+
+
+def detachers() -> list[int]:
+    """Detachers still at work (a zombie, not yet reaped, has closed everything)."""
+    return [pid for pid, name, state, _ in processes() if name == DETACHER_NAME and state != b"Z"]
 
 
 def wait_for_detach() -> None:
