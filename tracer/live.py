@@ -41,6 +41,7 @@ from mtrace_live.probes.elf.errors import (
     MtraceError,
     NotPrivilegedError,
     OutputClosedError,
+    OutputError,
     TargetError,
     TargetExecError,
 )
@@ -386,6 +387,7 @@ class Fanout:
         self.sinks = sinks
         self.open = list(sinks)
         self.closed: OutputClosedError | None = None
+        self.failed: OutputError | None = None  # an output that could not be written (a full disk)
 
     def start(self, info: TraceInfo) -> None:
         for sink in self.sinks:
@@ -402,14 +404,21 @@ class Fanout:
                         f"the output was closed after {sink.written} events"
                     )
                     _silence_stdout()
+            except OutputError as error:
+                self.open.remove(sink)
+                self.failed = self.failed or error
 
     def tick(self) -> None:
         for sink in self.open:
             sink.tick()
 
     def finish(self, result: TraceResult) -> None:
+        """Every sink finishes, even after one could not write its file."""
         for sink in self.sinks:
-            sink.finish(result)
+            try:
+                sink.finish(result)
+            except OutputError as error:
+                self.failed = self.failed or error
 
 
 def default_sinks(request: TraceRequest) -> list[Sink]:
@@ -508,6 +517,8 @@ class _Watch:
         """Why the trace ends now, or "" to go on."""
         if sinks.closed is not None:
             return "output closed"
+        if sinks.failed is not None:
+            return "output failed"
         if failure is not None:
             return "exec"
         if self.pidfd is not None and self.pidfd in ready:
@@ -608,6 +619,8 @@ def _loop(
     _debug_costs(trace)
     if sinks.closed is not None:
         raise sinks.closed
+    if sinks.failed is not None:
+        raise sinks.failed
     if failure is not None:
         raise failure
     return result

@@ -19,6 +19,8 @@ exporters/registry.py.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -255,3 +257,35 @@ def write_file(path: Path, data: bytes) -> None:
         path.write_bytes(data)
     except OSError as exc:
         raise OutputError(f"cannot write {path}: {exc.strerror}") from None
+
+
+class WholeAppends:
+    """A file written by appending whole pieces (a batch's records or
+    lines): a piece whose write fails (a full disk) is cut off again, so
+    that the file ends after the last whole piece, readable. Unbuffered:
+    each piece goes to the file as it is appended."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.size = 0
+        self._handle = open(path, "wb", buffering=0)  # noqa: SIM115
+
+    def append(self, data: bytes) -> None:
+        """All of ``data``, or none of it (OSError)."""
+        done = 0
+        try:
+            while done < len(data):
+                done += self._handle.write(memoryview(data)[done:]) or 0
+        except OSError:
+            self.truncate(self.size)
+            raise
+        self.size += done
+
+    def truncate(self, size: int) -> None:
+        """Cut the file back to ``size`` bytes (a size it had), if it can be."""
+        with contextlib.suppress(OSError):
+            os.ftruncate(self._handle.fileno(), size)
+        self.size = size
+
+    def close(self) -> None:
+        self._handle.close()

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from mtrace_live.probes.elf.errors import RecordSetError
+from mtrace_live.exporters.data.sink import WholeAppends
+from mtrace_live.probes.elf.errors import OutputError, RecordSetError
 from mtrace_live.probes.records import KMEM_FREE_EVENTS
 
 from .abi import (
@@ -238,7 +239,7 @@ class KmemtraceWriter:
         new_record_set(directory)
         try:
             self.cpus = sorted(set(cpus)) if cpus else possible_cpus()
-            self._files = {cpu: open(directory / f"cpu{cpu}", "wb") for cpu in self.cpus}  # noqa: SIM115
+            self._files = {cpu: WholeAppends(directory / f"cpu{cpu}") for cpu in self.cpus}
             (directory / ABI_FILE).write_text(f"{ABI_VERSION}\n")
             (directory / CPUS_FILE).write_text(cpu_list_text(self.cpus) + "\n")
             (directory / PROBES_FILE).write_text("".join(f"{p}\n" for p in self.libc_probes))
@@ -249,18 +250,36 @@ class KmemtraceWriter:
 
     def write(self, batch: np.ndarray, kmem_kind: int, probe_kind: int,
               user_kinds: tuple[int, int] | None = None) -> None:  # fmt: skip
+        """A batch's records, whole or not at all: where a write fails (a
+        full disk), every file is cut back to the batches before, which
+        stay readable, and OutputError says so."""
         encoded = encode(batch, self._seq, self.libc_probes, kmem_kind, probe_kind,
                          user_kinds=user_kinds)  # fmt: skip
+        before = {cpu: file.size for cpu, file in self._files.items()}
+        try:
+            for cpu, data in encoded.per_cpu.items():
+                self._files[cpu].append(data)
+        except OSError as exc:
+            for cpu, size in before.items():
+                self._files[cpu].truncate(size)
+            raise OutputError(
+                f"cannot write the record set {self.directory}: {exc.strerror}; the "
+                f"{self.records} records before are kept"
+            ) from None
         self._seq = encoded.next_seq
         self.records += encoded.records
-        for cpu, data in encoded.per_cpu.items():
-            self._files[cpu].write(data)
-            self.bytes += len(data)
+        self.bytes += sum(len(data) for data in encoded.per_cpu.values())
 
     def close(self, overrun_bytes: int, user_maps: str = "") -> None:
         """``user_maps``: the traced processes' executable mappings, as
         ``pid start end offset path`` lines, for naming user call sites."""
         for handle in self._files.values():
             handle.close()
-        (self.directory / OVERRUNS_FILE).write_text(f"{overrun_bytes}\n")
-        (self.directory / USER_MAPS_FILE).write_text(user_maps)
+        try:
+            (self.directory / OVERRUNS_FILE).write_text(f"{overrun_bytes}\n")
+            (self.directory / USER_MAPS_FILE).write_text(user_maps)
+        except OSError as exc:
+            raise OutputError(
+                f"cannot write the record set {self.directory}: {exc.strerror}; its "
+                f"{self.records} records are kept, without the overruns or the processes' maps"
+            ) from None

@@ -13,18 +13,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO
 
 import numpy as np
 from mtrace_live.exporters.data.kallsyms import KernelSymbols
 from mtrace_live.exporters.data.processes import process_name
-from mtrace_live.exporters.data.sink import EventBatch, Sink, TraceInfo, TraceResult
+from mtrace_live.exporters.data.sink import (
+    EventBatch,
+    Sink,
+    TraceInfo,
+    TraceResult,
+    WholeAppends,
+)
 from mtrace_live.exporters.data.symbolize import Symbol, module_symbols
 from mtrace_live.exporters.kmemtrace.abi import KERNEL_TYPES, TypeId
 from mtrace_live.exporters.kmemtrace.reader import decode_batch
 from mtrace_live.exporters.sprtrace.convert import RecordCalls, header, resources
 from mtrace_live.exporters.sprtrace.text import Trace, lines, map_line
-from mtrace_live.probes.elf.errors import TargetError
+from mtrace_live.probes.elf.errors import OutputError, TargetError
 from mtrace_live.probes.records import FRAME_DEPTH, EventKind
 
 LIBC_TYPES = (TypeId.SBRK, TypeId.HEAP, TypeId.ARENA)
@@ -51,11 +56,12 @@ class SpRtraceSink(Sink):
         self._stacks: dict[int, list[int]] = {}  # stack id -> addresses (ids are never reused)
         self._stack_ids: dict[int, tuple[int, int]] = {}  # this batch: seq -> (user, kernel) ids
         self._seq = 0
-        self._stream: TextIO | None = None
+        self._file: WholeAppends | None = None
         try:
-            self._stream = open(path, "w", encoding="utf-8")  # noqa: SIM115
+            self._file = WholeAppends(path)
         except OSError as exc:
             raise TargetError(f"cannot write {path}: {exc.strerror}") from None
+        self._out: list[str] = []  # the lines of the batch being written
         self._started = False
 
     def start(self, info: TraceInfo) -> None:
@@ -84,8 +90,8 @@ class SpRtraceSink(Sink):
         lost = result.total_lost + (result.kmem.lost if result.kmem is not None else 0)
         self.close(lost, sum(result.stacks_lost))
 
-    def _begin(self) -> TextIO:
-        assert self._stream is not None
+    def _begin(self) -> list[str]:
+        """Where this batch's lines go (the header first, once)."""
         if not self._started:
             self._started = True
             trace = Trace(header=header(self.pid, self.version, self._depth),
@@ -93,9 +99,19 @@ class SpRtraceSink(Sink):
             name = self.process or (process_name(self.pid) if self.pid else "")
             trace.header["process"] = name or trace.header["process"]
             trace.add_filter("resolve")  # names are looked up as events come
-            for line in lines(trace):
-                self._stream.write(line + "\n")
-        return self._stream
+            self._out += [line + "\n" for line in lines(trace)]
+        return self._out
+
+    def _flush(self) -> None:
+        """This batch's lines to the file, whole or not at all: a full disk
+        leaves the report as it was after the last whole batch (OutputError)."""
+        assert self._file is not None
+        text, self._out = "".join(self._out), []
+        try:
+            self._file.append(text.encode())
+        except OSError as exc:
+            raise OutputError(f"cannot write {self._file.path}: {exc.strerror}; the report "
+                              "up to then is kept") from None  # fmt: skip
 
     def _stack(self, record: np.void) -> list[tuple[int, bool]]:
         ids = self._stack_ids.get(int(record["seq"]))
@@ -120,7 +136,7 @@ class SpRtraceSink(Sink):
 
     def write(self, batch: np.ndarray, kmem_kind: int, probe_kind: int,
               user_kinds: tuple[int, int] | None = None) -> None:  # fmt: skip
-        stream = self._begin()
+        out = self._begin()
         assert self._calls is not None
         probes = batch[batch["kind"] == probe_kind]
         for ip, site in zip(probes["ip"].tolist(), probes["site"].tolist(), strict=True):
@@ -136,23 +152,22 @@ class SpRtraceSink(Sink):
         records, args, self._seq = decode_batch(
             batch, self._seq, self.probes, kmem_kind, probe_kind, user_kinds
         )
-        if not len(records):
-            return
-        items = self._calls.items(records, args)
-        for bit, name in self._calls.new_contexts:
-            stream.write(f"@ {bit:x} : {name}\n")
-        for module, start, end in self._calls.new_modules:
-            stream.write(map_line(module, start, end) + "\n")
-        out = Trace(items=items)
-        for line in list(lines(out))[1:]:  # without the (empty) header
-            stream.write(line + "\n")
+        if len(records):
+            items = self._calls.items(records, args)
+            out += [f"@ {bit:x} : {name}\n" for bit, name in self._calls.new_contexts]
+            out += [map_line(m, start, end) + "\n" for m, start, end in self._calls.new_modules]
+            out += [line + "\n" for line in list(lines(Trace(items=items)))[1:]]  # no header
+        self._flush()
 
     def close(self, lost_events: int = 0, lost_stacks: int = 0) -> None:
-        if self._stream is not None:
-            stream = self._begin()
+        if self._file is not None:
+            out = self._begin()
             if lost_events:
-                stream.write(f"## {lost_events} events lost: the ring buffer was full\n")
+                out.append(f"## {lost_events} events lost: the ring buffer was full\n")
             if lost_stacks:
-                stream.write(f"## {lost_stacks} stacks not stored: the stack map was full\n")
-            stream.close()
-            self._stream = None
+                out.append(f"## {lost_stacks} stacks not stored: the stack map was full\n")
+            try:
+                self._flush()
+            finally:
+                self._file.close()
+                self._file = None

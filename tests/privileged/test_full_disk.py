@@ -1,0 +1,86 @@
+"""A full disk while writing: record's record set, --sp-rtrace's report and
+--pprof's profile on a small tmpfs. Each gives one error line and exit 20,
+no traceback, and what was written before stays readable by report and
+convert: a batch that does not fit is cut off whole."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .conftest import MTRACE, built
+
+
+@pytest.fixture
+def disk(tmp_path: Path) -> Iterator[Path]:
+    """A tmpfs of 12 MiB: the kernel's symbols (5 MiB or so) fit, the records fill the rest."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill(disk: Path, leave: int) -> None:
+    """Fill the disk but ``leave`` bytes (about: a page's rounding)."""
+    free = subprocess.run(["df", "--output=avail", "-B1", str(disk)], capture_output=True,
+                          text=True, check=True).stdout.split()[-1]  # fmt: skip
+    with open(disk / "filler", "wb") as filler:
+        filler.write(b"\0" * max(0, int(free) - leave))
+
+
+def one_error(done: subprocess.CompletedProcess[str], starts: str) -> str:
+    assert done.returncode == 20, done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith(f"mtrace-live: error: {starts}"), errors
+    assert "Traceback" not in done.stderr
+    return errors[0]
+
+
+def test_a_full_disk_during_record_keeps_every_whole_batch_readable(disk: Path) -> None:
+    # GIVEN a recording of more allocations than the disk holds
+    records = disk / "rec.d"
+    done = subprocess.run([*MTRACE, "record", "-o", str(records), "--libc", "--",
+                           str(built("alloc_bench")), "300000", "1", "1"],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    # THEN it stops with one error line, which says how many records are kept
+    error = one_error(done, f"cannot write the record set {records}: No space left on device")
+    kept = re.search(r"the (\d+) records before are kept", error)
+    assert kept is not None and int(kept[1]) > 0, error
+    # AND report reads exactly those, with no damage
+    report = subprocess.run([*MTRACE, "report", str(records)], capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    assert report.returncode == 0, report.stderr
+    assert f"ABI 3, {kept[1]} records" in report.stdout
+
+
+def test_a_full_disk_during_an_sp_rtrace_report_keeps_it_readable(disk: Path) -> None:
+    # GIVEN an sp-rtrace report with less room than the trace writes
+    fill(disk, 512 * 1024)
+    report = disk / "trace.txt"
+    done = subprocess.run([*MTRACE, "run", "-o", "summary", "--sp-rtrace", str(report), "--",
+                           str(built("alloc_bench")), "30000", "1", "1"],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    # THEN one error line, and the report so far reads back whole
+    one_error(done, f"cannot write {report}: No space left on device")
+    assert report.stat().st_size > 0
+    again = subprocess.run([*MTRACE, "convert", str(report)], capture_output=True, text=True,
+                           timeout=300)  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.splitlines()[0] == report.read_text().splitlines()[0]
+
+
+def test_a_full_disk_for_the_profile_is_one_error_line(disk: Path) -> None:
+    profile = disk / "heap.pb.gz"
+    profile.touch()
+    fill(disk, 0)
+    done = subprocess.run([*MTRACE, "run", "-o", "summary", "--pprof", str(profile), "--",
+                           str(built("alloc_bench")), "30000", "1", "1"],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    one_error(done, f"cannot write {profile}: No space left on device")
