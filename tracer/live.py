@@ -193,12 +193,12 @@ class LiveTrace:
             if self.lock_plan is not None:
                 lock_waits.attach_lock_waits(self.program, self.lock_plan, self.alloc_pid)
             self.program.set_gate(True)
-            buffer_bytes = request.buffer_pages * mmap.PAGESIZE
+            room = request.ring_buffer_pages
             self.reader = RingReader(
                 self.program.map_fd("events"),
                 plan.ring_pages * mmap.PAGESIZE,
                 EVENT_DTYPE,
-                buffer_bytes if request.buffer_pages > plan.ring_pages else None,
+                room * mmap.PAGESIZE if room > plan.ring_pages else None,
             )
         except BaseException:
             self.program.close()

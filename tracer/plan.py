@@ -18,7 +18,12 @@ from mtrace_live.probes.program import ProgramConfig
 
 from . import alloc_probes, lock_waits, target, unwind_tables, usdt
 
-DEFAULT_BUFFER_PAGES = 2048  # 8 MiB: about 95,000 events of slack
+DEFAULT_BUFFER_PAGES = 2048  # 8 MiB: about 87,000 events of slack
+# With kmem records in the ring (record, --kmemtrace, --sp-rtrace): 128 MiB,
+# 1.4 million events. A burst of kmem events outruns the reader (1.9 million
+# in 0.4 s from the kmem exerciser): 8 MiB lost 40% of such a burst, this
+# none (docs/reliability.md).
+RECORD_BUFFER_PAGES = 32768
 # The kernel's ring when the buffer asked for is larger: a ring that stays in
 # the CPU's cache costs the probed program less per record, and a thread of
 # its own (tracer/ring_copy.c) empties it, every millisecond while records
@@ -40,7 +45,7 @@ class TraceRequest:
     patterns: tuple[str, ...] = usdt.DEFAULT_PATTERNS
     output: str = "text"  # live, text or json
     follow_forks: bool = False
-    buffer_pages: int = DEFAULT_BUFFER_PAGES
+    buffer_pages: int | None = None  # None: ring_buffer_pages decides
     duration: float | None = None
     interval: float = 1.0
     kmem: bool = False  # the kmem tracepoints too, aggregated per call site
@@ -100,6 +105,14 @@ class TraceRequest:
         others get it to the clock tick: the trace program, PROBE_EXACT_TIME)."""
         files = any(registry.file_output(name).event_times for name, _ in self.files)
         return files or registry.stream_shows_times(self.output)
+
+    @property
+    def ring_buffer_pages(self) -> int:
+        """The room for events not yet read: as asked, else by what goes
+        through the ring (kmem records come in bursts)."""
+        if self.buffer_pages is not None:
+            return self.buffer_pages
+        return RECORD_BUFFER_PAGES if self.kernel_records else DEFAULT_BUFFER_PAGES
 
     @property
     def kernel_records(self) -> bool:
@@ -194,8 +207,8 @@ def program_plan(request: TraceRequest, probes: Probes, target_pid: int | None,
     # kmem records come in bursts faster than any copier wakes (a softirq
     # freeing an RCU batch writes thousands within a millisecond): with
     # them in the ring, the kernel's ring is all the room asked for.
-    ring_pages = (request.buffer_pages if request.kernel_records
-                  else min(request.buffer_pages, KERNEL_RING_PAGES))  # fmt: skip
+    room = request.ring_buffer_pages
+    ring_pages = room if request.kernel_records else min(room, KERNEL_RING_PAGES)
     # One process alone: its uprobes are attached for it alone.
     alloc_pid = target_pid if request.one_process and target_pid is not None else -1
     hold, alloc_defines = False, None

@@ -137,3 +137,16 @@ def test_a_process_is_shown_with_its_own_pid_where_its_namespace_gives_it_anothe
     assert described(4321, ns_pid=7) == "pid 4321 (pid 7 in its pid namespace)"
     # this process is in the pid namespace of the one reading /proc: one pid
     assert namespace_pid(os.getpid()) is None
+
+
+def test_kmem_records_get_room_for_a_burst_unless_told(tmp_path: Path) -> None:
+    from mtrace_live.tracer.plan import DEFAULT_BUFFER_PAGES, RECORD_BUFFER_PAGES
+
+    records = (("kmemtrace", tmp_path / "set"),)
+    # THEN kmem records through the ring get 128 MiB, other traces 8 MiB, by default
+    assert TraceRequest(pid=1, files=records).ring_buffer_pages == RECORD_BUFFER_PAGES == 32768
+    assert TraceRequest(pid=1).ring_buffer_pages == DEFAULT_BUFFER_PAGES == 2048
+    # AND --buffer-pages, when given, is what is used
+    assert TraceRequest(pid=1, files=records, buffer_pages=1024).ring_buffer_pages == 1024
+    plan = program_plan(TraceRequest(pid=1, files=records), NO_PROBES, 1, {"HAVE_CACHE_NAME": 1})
+    assert plan.ring_pages == 32768 == plan.config.defines()["RINGBUF_PAGES"]

@@ -108,12 +108,12 @@ def duration_option(help: str = "Stop after this many seconds.") -> Decorator:
 buffer_pages_option = click.option(
     "--buffer-pages",
     type=PowerOfTwo(),
-    default=2048,
-    show_default=True,
-    help="Room for events not yet read, in pages (a power of two). Above 512 pages, the "
+    default=None,
+    help="Room for events not yet read, in pages (a power of two); default 2048 (8 MiB), "
+    "and 32768 (128 MiB, 1.4 million events) when kmem records go through it (record, "
+    "--kmemtrace, --sp-rtrace), whose bursts outrun any reader. Above 512 pages, the "
     "kernel's ring is 512 pages and a copier thread empties it into a buffer of this size "
-    "in user memory, unless kmem records go through it (record, --kmemtrace): then the "
-    "kernel's ring is this size.",
+    "in user memory, unless kmem records go through it: then the kernel's ring is this size.",
 )
 
 wrappers_option = click.option(

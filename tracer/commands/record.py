@@ -41,7 +41,7 @@ def record(
     sdt_glibc: bool,
     patterns: tuple[str, ...],
     follow_forks: bool | None,
-    buffer_pages: int,
+    buffer_pages: int | None,
     duration: float | None,
     command: tuple[str, ...],
 ) -> None:
