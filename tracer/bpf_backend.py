@@ -99,13 +99,11 @@ def tracepoint_format(category: str, event: str) -> str:
 def import_bcc() -> Any:
     try:
         import bcc
-        from bcc import libbcc
     except ImportError:
         raise BccUnavailableError(
             "the bcc Python bindings are not importable; install Debian's python3-bpfcc "
             "(scripts/setup.sh does) and run from a Python that sees the distro's packages"
         ) from None
-    _pass_ref_ctr_offset(libbcc.lib)
     return bcc
 
 
@@ -116,30 +114,6 @@ def bcc_version() -> str:
     except ImportError:
         return "unknown"
     return str(getattr(bcc, "__version__", "unknown"))
-
-
-def _pass_ref_ctr_offset(lib: Any) -> None:
-    """Make bcc's Python bindings pass bpf_attach_uprobe's 7th argument.
-
-    Since bcc 0.17 the C function takes (..., pid, uint32 ref_ctr_offset), but
-    the Python declaration (bcc 0.26 included; iovisor/bcc#5236) stops at pid,
-    so the kernel receives whatever the register held. A uprobe registered
-    with a stray ref_ctr_offset makes every later uprobe on the same site
-    with another offset fail ("ref_ctr_offset mismatch" in dmesg, EINVAL),
-    e.g. bpftrace's. mtrace-live's sites have no semaphore: pass 0.
-    """
-    declared = getattr(lib.bpf_attach_uprobe, "argtypes", None)
-    if declared is None or len(declared) != 6:
-        return  # already fixed upstream, or already wrapped
-    full = lib["bpf_attach_uprobe"]  # a fresh function pointer
-    full.restype = ctypes.c_int
-    full.argtypes = [*declared, ctypes.c_uint32]
-
-    def attach_uprobe(*args: Any) -> int:
-        return int(full(*args, 0))
-
-    attach_uprobe.argtypes = full.argtypes  # type: ignore[attr-defined]
-    lib.bpf_attach_uprobe = attach_uprobe
 
 
 class BpfProgram:
@@ -524,21 +498,14 @@ class BpfProgram:
         about 80 ms per probe site. Where it cannot be started, the events
         are closed here."""
         lib = import_bcc().libbcc.lib
-        uprobes = dict(self._bpf.uprobe_fds)
+        # bcc attaches the tracepoints; the uprobes are this program's own
+        # perf events (uprobe_attach), made through the perf PMU: none is in tracefs.
         tracepoints = dict(self._bpf.tracepoint_fds)
-        fds = [*tracepoints.values(), *uprobes.values(), *self._uprobe_events]
+        fds = [*tracepoints.values(), *self._uprobe_events]
         self._uprobe_events = []
         if fds and not _detach_in_child(fds):
             for fd in fds:
                 lib.bpf_close_perf_event_fd(fd)
-        for name in uprobes:
-            # A legacy tracefs uprobe event of this name, if bcc made one,
-            # goes too; after a privilege drop (serve) tracefs may not be
-            # readable, but then the uprobes were made through the perf PMU
-            # and go with their perf events.
-            if os.geteuid() == 0:
-                lib.bpf_detach_uprobe(name)
-            self._bpf._del_uprobe_fd(name)
         for name in tracepoints:
             self._bpf.tracepoint_fds.pop(name)
         for program, attachment in self._typed.values():
