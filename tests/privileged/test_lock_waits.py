@@ -266,16 +266,19 @@ def test_wait_times_equal_perf_s_and_the_calls_bpftrace_s(
 def test_the_share_of_thread_time_is_the_workloads_own(tmp_path: Path) -> None:
     # GIVEN 8 threads over 2 arenas, run by mtrace-live from their start
     argv = [*MTRACE, "run", "--no-allocs", "-o", "json", "--",
-            str(built("arena_waits")), "8", "2", "4000"]  # fmt: skip
+            str(built("arena_waits")), "8", "2", "20000"]  # fmt: skip
     run = subprocess.run(argv, input="xy", capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     lifetimes = float(next(line.split()[1] for line in lines if line.startswith("lifetimes ")))
     docs = [json.loads(line) for line in lines if line.startswith("{")]
     time = next(doc for doc in tables(docs, "thread_time"))
-    # THEN its threads' time is the sum of their lives as the workload timed them
+    # THEN its threads' time is the sum of their lives as the workload timed them: at least
+    # that (the kernel's lives, on the same clock, enclose the workload's timings), and more
+    # only by main's exec and each thread's start and exit, a fixed cost of some milliseconds
+    # that the threads' seconds of work make small
     assert time["threads"] == 9 and time["live"] == 0
-    assert abs(time["thread_ns"] / 1e9 - lifetimes) <= 0.02 * lifetimes, (time, lifetimes)
+    assert lifetimes <= time["thread_ns"] / 1e9 <= 1.02 * lifetimes, (time, lifetimes)
     # AND the share of it spent waiting is the waits over those lives
     share = time["arena_wait_ns"] / 1e9 / lifetimes
     assert time["arena_wait_share"] > 0.01
