@@ -8,7 +8,7 @@ SETUP_STAMP := $(VENV)/.mtrace-live-setup
 
 # fixtures is not part of test: the ELF fixtures are committed, and rebuilt
 # only when their sources change.
-.PHONY: fixtures all setup sdt-glibc exercisers bench fuzz test test-unit test-privileged lint typecheck vagrant-validate demo clean
+.PHONY: fixtures all setup sdt-glibc exercisers bench fuzz soak test test-unit test-privileged lint typecheck vagrant-validate demo clean
 
 all: setup exercisers
 
@@ -18,7 +18,7 @@ setup:
 sdt-glibc: setup
 	bash scripts/sdt-glibc.sh
 
-WORKLOADS := probe_exerciser kmem_exerciser mallopt_loop jmp_loop arena_contention arena_waits stdio_wait lock_wait_calls alloc_workload alloc_bench
+WORKLOADS := probe_exerciser kmem_exerciser mallopt_loop jmp_loop arena_contention arena_waits stdio_wait lock_wait_calls alloc_workload alloc_bench churn
 # Built as distributions build their programs: -O2, no frame pointers, PIE,
 # shared libraries (the unwinding by CFI, tests/privileged/test_cfi_stacks.py).
 CFLAGS_DISTRO := -O2 -g -fomit-frame-pointer -Wall -Wextra
@@ -98,6 +98,15 @@ demo: sdt-glibc exercisers
 # docs/performance.md from docs/bench.json.
 bench: sdt-glibc exercisers
 	QUICK=$(QUICK) $(BIN)/python bench/run.py $(BENCH)
+
+# Hours of churn (tests/soak/soak.py, as root): serve system-wide and serve
+# --pid beside bpftrace for SOAK_MINUTES (default 30) while the churn workload
+# starts and ends processes by the thousand; checks counts, RSS, label caps,
+# map use and leftovers, and (10 minutes or more) writes the soak section of
+# docs/reliability.md and docs/soak.svg. A 60-second run is part of make test.
+SOAK_MINUTES ?= 30
+soak: exercisers $(SETUP_STAMP)
+	SOAK_MINUTES=$(SOAK_MINUTES) $(BIN)/python -m tests.soak.soak
 
 # Every reader of untrusted input under atheris (coverage-guided), RUNS
 # inputs each (default 250000: 1.25 M in all); writes docs/fuzzing.md and

@@ -32,9 +32,10 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 
 from .alloc_table import stack_label
+from .data.alloc_snapshot import AllocSnapshot, ProcessAllocs
 from .data.allocator_state import arena_lock_waits
 from .data.kallsyms import KernelSymbols
-from .data.lock_waits import ARENA, MAIN, WaitTimes
+from .data.lock_waits import ARENA, MAIN, LockWaits, WaitTimes
 from .data.processes import process_name
 from .data.sink import RunStats, Sink, TraceInfo, TraceResult
 from .exposition import PublishedApp, Renderer, SharedPages
@@ -76,6 +77,9 @@ class MetricsSource:
         self._names: dict[int, str] = {}  # pid -> the name its counts are kept under
         self._lock_names: dict[int, str] = {}  # pid -> the name its lock waits are kept under
         self._retired: dict[str, ProcessFigures] = defaultdict(ProcessFigures)
+        # what the kernel counted of the processes gone, whose rows are taken out
+        self._retired_allocs: dict[str, Counter[str]] = defaultdict(Counter)
+        self._retired_thread_ns: Counter[str] = Counter()
         self._gone_before: set[int] = set()
         self._last_housekeeping = time.monotonic()
         self.started = time.time()
@@ -93,14 +97,26 @@ class MetricsSource:
             self.housekeep()
 
     def housekeep(self) -> None:
+        # the kernel's rows after the model's lock is let go: a scrape takes
+        # the read lock first, then the model's
+        self._retire_kernel_rows(self._retire())
+
+    def _retire(self) -> dict[int, str]:
+        """Retire the processes gone (or exec'd): their libc hits and model
+        state. Returns the gone ones, whose kernel rows are to go too."""
         model = self.allocators
         libc = self.info.libc_probes
+        allocs, waits = self._kernel_rows()  # before the model's lock, which lock_waits takes
+        kernel = {p.tgid for p in allocs.processes} if allocs is not None else set()
+        kernel |= set(waits.threads) if waits is not None else set()
         with model.lock:
             rows = self.counters.process_hits() if libc else []
             hints = {row.tgid: row.comm for row in rows}
+            if allocs is not None:
+                hints.update({p.tgid: p.comm for p in allocs.processes if p.comm})
             retire: dict[int, str] = {}
             gone = set()
-            for pid in set(model.processes) | set(hints):
+            for pid in set(model.processes) | set(hints) | kernel:
                 name = self._name(pid, hints.get(pid, ""))
                 if not os.path.exists(f"/proc/{pid}"):
                     gone.add(pid)
@@ -113,7 +129,7 @@ class MetricsSource:
                     retire[pid] = name
             self._gone_before = gone - set(retire)
             if not retire:
-                return
+                return {}
             for row in self.counters.take_process_hits(set(retire)) if libc else []:
                 if row.probe < len(self.probes):
                     self._retired[retire[row.tgid]].hits[self.probes[row.probe]] += row.hits
@@ -122,11 +138,40 @@ class MetricsSource:
                 if state is not None:
                     self._retired[name].arena_lock_waits += arena_lock_waits(state)
                 self._names.pop(pid, None)
+        return {pid: name for pid, name in retire.items() if pid in gone}
+
+    def _kernel_rows(self) -> tuple[AllocSnapshot | None, LockWaits | None]:
+        allocs = self.counters.allocations() if self.info.allocs else None
+        return allocs, self.counters.lock_waits(stacks=False)
+
+    def _retire_kernel_rows(self, names: dict[int, str]) -> None:
+        """The kernel's rows of processes that are gone, taken out of its
+        tables (so that they hold the live processes only) with what they
+        counted kept under each one's name; a scrape sees them either here
+        or there, never both or neither."""
+        if not names:
+            return
+        with self._read_lock:
+            allocs, waits = self._kernel_rows()
+            for proc in allocs.processes if allocs is not None else ():
+                if proc.tgid in names:
+                    figures = self._retired_allocs[names[proc.tgid]]
+                    figures.update(_alloc_counts(proc, allocs.vm.get(proc.tgid, {})))
+            for pid, time_ in waits.threads.items() if waits is not None else ():
+                if pid in names:
+                    name = self._lock_names.get(pid, names[pid])
+                    self._retired_thread_ns[name] += time_.thread_ns
+            self.counters.forget(set(names))
+            for pid in names:
+                self._lock_names.pop(pid, None)
+            self._last = None  # the next scrape reads the tables as they are now
 
     def _name(self, pid: int, hint: str = "") -> str:
         """The name a process's counts are kept under, fixed at first sight:
         its name when the model saw it, else now, else the name of the
-        thread that hit a probe first (the process may be gone already)."""
+        thread that hit a probe first, or the kernel's row (the process may
+        be gone already). A process not named yet is "unknown" until a name
+        comes."""
         name = self._names.get(pid)
         if name is None:
             state = self.allocators.processes.get(pid)
@@ -134,8 +179,10 @@ class MetricsSource:
                 (state.comm if state is not None else "")
                 or process_name(pid)
                 or hint
-                or self.info.frame_names.comms.get(pid, "unknown")
+                or self.info.frame_names.comms.get(pid, "")
             )
+            if not name:
+                return "unknown"
             self._names[pid] = name
         return name
 
@@ -227,20 +274,21 @@ class MetricsSource:
         for row in snapshot.stacks:
             objects, nbytes = live[row.tgid]
             live[row.tgid] = (objects + row.live_objects, nbytes + row.live_bytes)
+        for name, retired in self._retired_allocs.items():
+            processes[name].update(retired)
         for proc in snapshot.processes:
-            figures = processes[self._name(proc.tgid)]
-            figures.update({"calls": proc.calls, "bytes": proc.bytes, "frees": proc.frees,
-                            "unknown_frees": proc.unknown_frees,
-                            "failed": proc.failed})  # fmt: skip
+            figures = processes[self._name(proc.tgid, proc.comm)]
+            figures.update(_alloc_counts(proc, snapshot.vm.get(proc.tgid, {})))
             objects, nbytes = live[proc.tgid]
             figures["live_objects"] += objects
             figures["live_bytes"] += nbytes
-            figures.update({f"vm_{k}": v for k, v in snapshot.vm.get(proc.tgid, {}).items()})
         names = self.info.frame_names
+        present = {proc.tgid for proc in snapshot.processes}  # not the retired
         stacks = [
             (self._name(row.tgid), row.function, stack_label(names, row.tgid, row.frames),
              row.live_bytes)
             for row in snapshot.top("live", STACKS_READ)
+            if row.tgid in present
         ]  # fmt: skip
         dropped = {"outstanding": snapshot.misc.get("outstanding_full", 0),
                    "stacks": snapshot.misc.get("stacks_full", 0),
@@ -259,6 +307,8 @@ class MetricsSource:
             kind = kinds.get(row.kind, row.kind)
             named = figures[self._lock_name(row.pid)]
             named.waits[kind] = named.waits.get(kind, WaitTimes()) + row.times
+        for name, thread_ns in self._retired_thread_ns.items():
+            figures[name].thread_ns += thread_ns
         for pid, time_ in waits.threads.items():
             figures[self._lock_name(pid)].thread_ns += time_.thread_ns
         return dict(figures)
@@ -369,6 +419,15 @@ def new_registry() -> CollectorRegistry:
 
 def _runs(stats: dict[str, RunStats] | Mapping[str, RunStats]) -> dict[str, tuple[int, int]]:
     return {label: (s.run_time_ns, s.run_cnt) for label, s in stats.items()}
+
+
+def _alloc_counts(proc: ProcessAllocs, vm: Mapping[str, int]) -> Counter[str]:
+    """A process's counts as the allocation families take them (its live
+    blocks apart)."""
+    counts = Counter({"calls": proc.calls, "bytes": proc.bytes, "frees": proc.frees,
+                      "unknown_frees": proc.unknown_frees, "failed": proc.failed})  # fmt: skip
+    counts.update({f"vm_{key}": value for key, value in vm.items()})
+    return counts
 
 
 def _copy(figures: ProcessFigures) -> ProcessFigures:

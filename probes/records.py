@@ -158,7 +158,7 @@ ALLOC_KEY_DTYPE = np.dtype(
 ALLOC_STATS_FIELDS = ("calls", "bytes", "sizes", "frees", "bytes_freed", "sizes_freed", "last_ts")
 ALLOC_STATS_DTYPE = np.dtype([(name, "<u8") for name in ALLOC_STATS_FIELDS])
 ALLOC_PROC_FIELDS = ("calls", "bytes", "frees", "unknown_frees", "failed", "untracked")
-ALLOC_PROC_DTYPE = np.dtype([(name, "<u8") for name in ALLOC_PROC_FIELDS])
+ALLOC_PROC_DTYPE = np.dtype([*((name, "<u8") for name in ALLOC_PROC_FIELDS), ("comm", "S16")])
 VM_PROC_FIELDS = ("mmap_calls", "mmap_bytes", "mmap_file_bytes", "munmap_calls", "munmap_bytes",
                   "mremap_calls", "mremap_grown", "mremap_shrunk", "brk_calls", "brk_grown",
                   "brk_shrunk")  # fmt: skip

@@ -221,12 +221,13 @@ def _processes(tgids: np.ndarray, rows: np.ndarray,
         summed[1] += row.sizes
         summed[2] += row.frees
     out = []
-    for tgid, (calls, nbytes, frees, unknown, failed, untracked) in zip(
+    for tgid, (calls, nbytes, frees, unknown, failed, untracked, comm) in zip(
         tgids.tolist(), rows.tolist(), strict=True
     ):
         add_calls, add_bytes, add_frees = sums.get(tgid, (0, 0, 0))
         out.append(ProcessAllocs(int(tgid), calls + add_calls, nbytes + add_bytes,
-                                 frees + add_frees - untracked, unknown, failed))  # fmt: skip
+                                 frees + add_frees - untracked, unknown, failed,
+                                 comm.decode(errors="replace")))  # fmt: skip
     return out
 
 

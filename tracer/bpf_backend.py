@@ -343,6 +343,16 @@ class BpfProgram:
             if k not in bcc_table:
                 bcc_table[k] = bcc_table.Leaf(*fields)
 
+    def delete_keys(self, table: str, keys: Iterable[int]) -> None:
+        """Entries of a hash map of u32 keys, where they are (a table the
+        program does not have is left alone)."""
+        if not self.has_table(table):
+            return
+        bcc_table = self._bpf[table]
+        for key in keys:
+            with contextlib.suppress(KeyError):  # none, or taken meanwhile
+                del bcc_table[bcc_table.Key(key)]
+
     def set_row(self, table: str, key: int, fields: tuple[int, ...]) -> None:
         """One entry (u32 key, struct fields) of a hash map."""
         bcc_table = self._bpf[table]

@@ -39,6 +39,7 @@ BPF_PROG_LOAD = 5
 BPF_RAW_TRACEPOINT_OPEN = 17
 BPF_PROG_GET_NEXT_ID = 11
 BPF_PROG_GET_FD_BY_ID = 13
+BPF_MAP_GET_FD_BY_ID = 14
 BPF_OBJ_GET_INFO_BY_FD = 15
 BPF_MAP_LOOKUP_BATCH = 24
 BPF_MAP_UPDATE_BATCH = 26
@@ -233,8 +234,17 @@ def program_ids() -> list[int]:
 
 def program_fd(prog_id: int) -> int | None:
     """An fd for a loaded program, by id; None once it is gone."""
-    attr = ctypes.create_string_buffer(prog_id.to_bytes(4, sys.byteorder), 12)
-    fd = _bpf(BPF_PROG_GET_FD_BY_ID, attr)
+    return _fd_by_id(BPF_PROG_GET_FD_BY_ID, prog_id)
+
+
+def map_fd(map_id: int) -> int | None:
+    """An fd for a map, by id (root only); None once it is gone."""
+    return _fd_by_id(BPF_MAP_GET_FD_BY_ID, map_id)
+
+
+def _fd_by_id(cmd: int, object_id: int) -> int | None:
+    attr = ctypes.create_string_buffer(object_id.to_bytes(4, sys.byteorder), 12)
+    fd = _bpf(cmd, attr)
     return fd if fd >= 0 else None
 
 

@@ -25,6 +25,12 @@ from .arena_walk import ArenaFinder
 from .bpf_backend import BpfProgram
 from .lock_waits import ThreadClock, read_lock_waits
 
+# The hash maps keyed by a process's tgid that only the kernel adds to: its
+# calls (alloc_procs), its memory system calls (vm_procs), its threads' time
+# (thread_times), and its break as last seen (vm_brk, brk_last). (The
+# unwinder's unwind_procs row goes at the process's exit, in the kernel.)
+PER_PROCESS_TABLES = ("alloc_procs", "vm_procs", "thread_times", "vm_brk", "brk_last")
+
 
 class BpfCounters:
     """A live trace's counters (``CounterSource``), read from its program's
@@ -147,6 +153,17 @@ class BpfCounters:
         if not self.lock_times:
             return None
         return read_lock_waits(self.program, self.arenas, stacks, self.thread_clock)
+
+    def forget(self, tgids: set[int]) -> None:
+        """Drop the per-process rows of processes that are gone, once their
+        counts are kept elsewhere (serve's retirement): their calls, their
+        memory system calls, their threads' time, and the state the
+        handlers kept for them. The tables are bounded by the live
+        processes, not by every process that ever ran."""
+        for table in PER_PROCESS_TABLES:
+            self.program.delete_keys(table, tgids)
+        for tgid in tgids:
+            self.thread_clock.seen.pop(tgid, None)
 
     def stacks_lost(self, with_stacks: bool) -> tuple[int, int]:
         if not with_stacks:

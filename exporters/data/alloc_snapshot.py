@@ -62,6 +62,7 @@ class ProcessAllocs:
     frees: int
     unknown_frees: int  # of pointers not seen allocated
     failed: int
+    comm: str = ""  # its name when the kernel first saw it call (it may be gone now)
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,11 @@ class CounterSource(Protocol):
         ``stacks`` per stack too (None when they are not timed)."""
         ...
 
+    def forget(self, tgids: set[int]) -> None:
+        """Drop the kernel's per-process rows of ``tgids``, processes that are
+        gone and whose counts the caller keeps."""
+        ...
+
 
 @dataclass(frozen=True)
 class TraceInfo:

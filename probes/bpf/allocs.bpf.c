@@ -119,10 +119,16 @@ static __always_inline u64 alloc_now(void)
 #endif
 }
 
+/* The process's row, made with its name at its first call. */
 static __always_inline struct alloc_proc *alloc_proc_of(u32 tgid)
 {
-    struct alloc_proc zero = {};
-    return alloc_procs.lookup_or_try_init(&tgid, &zero);
+    struct alloc_proc *proc = alloc_procs.lookup(&tgid);
+    if (proc)
+        return proc;
+    struct alloc_proc fresh = {};
+    bpf_get_current_comm(fresh.comm, sizeof(fresh.comm));
+    alloc_procs.insert(&tgid, &fresh); /* another thread may have made it meanwhile */
+    return alloc_procs.lookup(&tgid);
 }
 
 static __always_inline struct pending_call *slot_of(u32 tid)

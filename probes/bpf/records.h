@@ -193,6 +193,7 @@ struct alloc_proc { /* without sampling, only what alloc_stacks rows do not coun
     u64 unknown_frees; /* of pointers not seen allocated (before attaching, or not kept) */
     u64 failed;        /* allocations that returned NULL */
     u64 untracked;     /* without sampling: allocations booked as freed (outstanding full) */
+    char comm[16];     /* the process's name when its row was made: it may be gone when read */
 };
 
 /* vm_procs: per process, the memory system calls that bypass malloc

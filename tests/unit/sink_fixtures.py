@@ -56,6 +56,7 @@ class PlainCounters:
     kmem: KmemTotals | None = None
     stacks: dict[int, list[int]] = field(default_factory=dict)
     taken: list[set[int]] = field(default_factory=list)
+    forgotten: list[set[int]] = field(default_factory=list)
     snapshot: AllocSnapshot | None = None  # what allocations() reads, where allocations are traced
     waits: LockWaits | None = None  # what lock_waits() reads, where lock waits are timed
 
@@ -84,6 +85,15 @@ class PlainCounters:
 
     def lock_waits(self, stacks: bool = True) -> LockWaits | None:
         return self.waits
+
+    def forget(self, tgids: set[int]) -> None:
+        self.forgotten.append(set(tgids))
+        if self.snapshot is not None:
+            kept = tuple(p for p in self.snapshot.processes if p.tgid not in tgids)
+            self.snapshot = replace(self.snapshot, processes=kept)
+        if self.waits is not None:
+            threads = {pid: t for pid, t in self.waits.threads.items() if pid not in tgids}
+            self.waits = replace(self.waits, threads=threads)
 
 
 def sites() -> tuple[Any, ...]:
