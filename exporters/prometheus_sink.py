@@ -162,6 +162,7 @@ class MetricsSource:
                     name = self._lock_names.get(pid, names[pid])
                     self._retired_thread_ns[name] += time_.thread_ns
             self.counters.forget(set(names))
+            self.info.frame_names.forget(set(names))
             for pid in names:
                 self._lock_names.pop(pid, None)
             self._last = None  # the next scrape reads the tables as they are now
@@ -283,12 +284,10 @@ class MetricsSource:
             figures["live_objects"] += objects
             figures["live_bytes"] += nbytes
         names = self.info.frame_names
-        present = {proc.tgid for proc in snapshot.processes}  # not the retired
         stacks = [
             (self._name(row.tgid), row.function, stack_label(names, row.tgid, row.frames),
              row.live_bytes)
             for row in snapshot.top("live", STACKS_READ)
-            if row.tgid in present
         ]  # fmt: skip
         dropped = {"outstanding": snapshot.misc.get("outstanding_full", 0),
                    "stacks": snapshot.misc.get("stacks_full", 0),

@@ -28,6 +28,7 @@ PARTS = (
     "frames.bpf.c",  # the stacks the handlers walk themselves
     "unwind.bpf.c",  # ... by the mapped files' CFI
     "allocs.bpf.c",  # the allocation functions
+    "holds.bpf.c",  # processes stopped until user space has done its part
     "locks.bpf.c",  # the waits in the libc's lock-wait slow path, timed
     "vm.bpf.c",  # mmap, munmap, mremap, brk (and the handlers shared with derived)
 )

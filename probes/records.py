@@ -50,6 +50,7 @@ class EventKind(IntEnum):
     HELD = 6  # a followed process called _exit and waits, stopped, to be continued
     LOCK_WAIT = 7  # a wait in the libc's lock-wait slow path ended: args = futex, ns
     UNWIND = 8  # a process wants its unwind tables (stopped until written, UNWIND_HOLD)
+    RETARGET = 9  # the thread the uprobes are attached for calls pthread_exit (stopped)
 
 
 class KmemEvent(IntEnum):

@@ -58,6 +58,7 @@ class AllocPlan:
     sites: Mapping[str, AllocSite]  # function -> its site, for those probed
     seen_as: Mapping[str, str]  # function -> the probed one it is seen as
     exit_offset: int | None  # file offset of _exit, where processes are held
+    thread_exit_offset: int | None = None  # of pthread_exit (one process's uprobes move on)
 
     @property
     def stepped(self) -> list[str]:
@@ -91,7 +92,7 @@ def _plan_sites(libc: Path) -> AllocPlan:
             continue
         sites[name] = site
     exit_offset = exported_offset(libc, EXIT_FUNCTION)
-    return AllocPlan(libc, sites, seen_as, exit_offset)
+    return AllocPlan(libc, sites, seen_as, exit_offset, exported_offset(libc, "pthread_exit"))
 
 
 def exported_offset(libc: Path, name: str) -> int | None:
@@ -144,6 +145,9 @@ def attach_allocs(program: BpfProgram, chosen: AllocPlan, sample_bytes: int, hol
             program.attach_uretprobe(chosen.libc, site.file_offset, "alloc_return", pid)
     if hold and chosen.exit_offset is not None:
         program.attach_uprobe(chosen.libc, chosen.exit_offset, "alloc_exit", pid)
+    if pid >= 0 and chosen.thread_exit_offset is not None and program.has_table("alloc_target"):
+        program.fill_array("alloc_target", [pid])
+        program.attach_uprobe(chosen.libc, chosen.thread_exit_offset, "alloc_thread_exit", pid)
     if sample_bytes > 0:
         program.fill_array("sample_quantiles", sample_intervals(sample_bytes))
 
@@ -160,16 +164,19 @@ def read_snapshot(program: BpfProgram, sample_bytes: int, started_ns: int,
                   outstanding: bool = False) -> AllocSnapshot:  # fmt: skip
     """The kernel's tables now; the outstanding allocations only when asked
     (there may be hundreds of thousands)."""
+    pkeys, pvalues = program.read_table("alloc_procs", "<u4", ALLOC_PROC_DTYPE)
     _, table = program.read_table("alloc_stacks", "<u4", ALLOC_STACK_ROW_DTYPE)
-    # claimed rows whose key is written (a CPU writes it just after its claim)
-    table = table[(table["tag"] != 0) & (table["key"]["call_site"] != 0)]
+    # claimed rows whose key is written (a CPU writes it just after its claim),
+    # of processes that have their alloc_procs row (every one, from its first
+    # call, until serve retires it when it is gone: its rows stay, not counted)
+    table = table[(table["tag"] != 0) & (table["key"]["call_site"] != 0)
+                  & np.isin(table["key"]["tgid"], pkeys)]  # fmt: skip
     stacks = []
     frames_of: dict[int, tuple[int, ...]] = {}
     for _, key, value in table.tolist():
         call_site, tgid, stack, fn, _ = key
         stacks.append(StackRow(tgid, _fn_name(fn), call_site,
                                _frames(program, stack, call_site, frames_of), *value))  # fmt: skip
-    pkeys, pvalues = program.read_table("alloc_procs", "<u4", ALLOC_PROC_DTYPE)
     processes = _processes(pkeys, pvalues, () if sample_bytes else stacks)
     vkeys, vvalues = program.read_table("vm_procs", "<u4", VM_PROC_DTYPE)
     vm = {int(tgid): dict(zip(VM_PROC_FIELDS, row, strict=True))
@@ -179,7 +186,7 @@ def read_snapshot(program: BpfProgram, sample_bytes: int, started_ns: int,
     held: list[Outstanding] = []
     if outstanding:
         _, rows = program.read_table("outstanding", "<u4", OUTSTANDING_ROW_DTYPE)
-        rows = rows[~np.isin(rows["tag"], OUTSTANDING_FREE_TAGS)]
+        rows = rows[~np.isin(rows["tag"], OUTSTANDING_FREE_TAGS) & np.isin(rows["tgid"], pkeys)]
         for _, ptr, tgid, _, (key, size, weight, ts, tid, _) in rows.tolist():
             call_site, _, stack, fn, _ = key
             held.append(Outstanding(tgid, ptr, size, weight, ts, tid, _fn_name(fn), call_site,

@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,18 @@ def bcc_version() -> str:
     return str(getattr(bcc, "__version__", "unknown"))
 
 
+@dataclass(frozen=True)
+class UprobeEvent:
+    """A uprobe's perf event, and what it was opened with."""
+
+    fd: int
+    path: Path
+    offset: int
+    prog_fd: int
+    pid: int  # the thread (a process's id: its first) it is attached for; -1: every process
+    retprobe: bool
+
+
 class BpfProgram:
     """A compiled and attached bcc program, built from its bundled parts."""
 
@@ -132,7 +145,8 @@ class BpfProgram:
         cflags += ["-Wno-duplicate-decl-specifier", "-Wno-ignored-attributes"]
         self._readers: dict[str, BatchReader] = {}
         self._typed: dict[str, tuple[int, int]] = {}  # handler -> (program fd, attachment fd)
-        self._uprobe_events: list[int] = []  # perf event fds of the uprobes (uprobe_attach)
+        # the uprobes' perf events (uprobe_attach), each as it was attached
+        self._uprobe_events: list[UprobeEvent] = []
         # event -> why the kernel refused its BTF-typed handler (its raw one is attached)
         self.typed_refused: dict[str, str] = {}
         text = source.text()
@@ -236,8 +250,8 @@ class BpfProgram:
         bcc = import_bcc()
         prog_fd = self._bpf.load_func(handler.encode(), bcc.BPF.KPROBE).fd
         try:
-            self._uprobe_events.append(uprobe_attach.attach(path, file_offset, prog_fd, pid,
-                                                            retprobe))  # fmt: skip
+            fd = uprobe_attach.attach(path, file_offset, prog_fd, pid, retprobe)
+            self._uprobe_events.append(UprobeEvent(fd, path, file_offset, prog_fd, pid, retprobe))
         except uprobe_attach.AttachFailure as failure:
             what = "a return probe to" if retprobe else "to"
             message = f"cannot attach {what} {path} at {file_offset:#x}: {failure}"
@@ -246,6 +260,42 @@ class BpfProgram:
             if failure.errno in (errno.EPERM, errno.EACCES):
                 raise NotPrivilegedError(message) from None
             raise AttachError(message) from None
+
+    def retarget(self, old: int, new: int) -> int:
+        """The uprobes attached for thread ``old`` attached for thread ``new``
+        instead (of the same process): each new event is opened before the
+        old one is closed. Returns how many moved; AttachFailure when one
+        could not be opened (those opened stay, beside the old ones)."""
+        moved = 0
+        for index, event in enumerate(self._uprobe_events):
+            if event.pid != old:
+                continue
+            fd = uprobe_attach.attach(event.path, event.offset, event.prog_fd, new, event.retprobe)
+            self._uprobe_events[index] = replace(event, fd=fd, pid=new)
+            os.close(event.fd)
+            moved += 1
+        return moved
+
+    def clear_pending(self, tids: Iterable[int]) -> int:
+        """Forget the calls threads ``tids`` were in (their returns will not
+        be seen, their uprobes moved): the allocation functions' pending
+        slots and the lock waits'. Returns how many there were."""
+        cleared = 0
+        if self.has_table("pending"):
+            pending = self._bpf["pending"]
+            slots = len(pending)
+            for tid in tids:
+                key = pending.Key(tid & (slots - 1))
+                if pending[key].depth and pending[key].tid == tid:
+                    pending[key] = pending.Leaf()
+                    cleared += 1
+        if self.has_table("lock_pending"):
+            waits = self._bpf["lock_pending"]
+            for tid in tids:
+                with contextlib.suppress(KeyError):
+                    del waits[waits.Key(tid)]
+                    cleared += 1
+        return cleared
 
     def fill_array(self, table: str, values: Sequence[int]) -> None:
         array = self._bpf[table]
@@ -511,7 +561,7 @@ class BpfProgram:
         # bcc attaches the tracepoints; the uprobes are this program's own
         # perf events (uprobe_attach), made through the perf PMU: none is in tracefs.
         tracepoints = dict(self._bpf.tracepoint_fds)
-        fds = [*tracepoints.values(), *self._uprobe_events]
+        fds = [*tracepoints.values(), *(event.fd for event in self._uprobe_events)]
         self._uprobe_events = []
         if fds and not _detach_in_child(fds):
             for fd in fds:

@@ -72,6 +72,7 @@ class BpfCounters:
         self.arenas = arenas
         self.lock_times = lock_times
         self.thread_clock = ThreadClock()
+        self._forgotten = 0  # times per-process rows were taken out (allocs.bpf.c alloc_procs_gen)
         self.started_ns = time.monotonic_ns()
         # (tgid, probe slot) -> probe records read from the ring: the kernel
         # counts per process only what the ring had no room for
@@ -162,6 +163,9 @@ class BpfCounters:
         processes, not by every process that ever ran."""
         for table in PER_PROCESS_TABLES:
             self.program.delete_keys(table, tgids)
+        if self.program.has_table("alloc_procs_gen"):  # each thread makes its row anew
+            self._forgotten += 1
+            self.program.fill_array("alloc_procs_gen", [self._forgotten])
         for tgid in tgids:
             self.thread_clock.seen.pop(tgid, None)
 

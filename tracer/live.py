@@ -55,6 +55,7 @@ from .kmem_attach import kmem_switches
 from .launch import GatedCommand
 from .model import AllocatorModel
 from .plan import ProgramPlan, TraceRequest, choose_probes, program_plan
+from .retarget import move_uprobes
 from .ringbuf import RingReader
 from .unwind_tables import RESUME_ALLOC, RESUME_LOCK, STEP, UnwindTables, attach_dlopen
 
@@ -307,6 +308,8 @@ class LiveTrace:
                 self.unwind.tables_wanted(sorted(set(wanted.tolist())))
             if self.hold:
                 self._continue_held(records[kinds == EventKind.HELD])
+            if self.alloc_pid >= 0:
+                self._move_uprobes(records[kinds == EventKind.RETARGET])
             probes = kinds == EventKind.PROBE
             self.counters.delivered += int(np.count_nonzero(probes))
             self.counters.count_read(records["tgid"][probes], records["probe"][probes])
@@ -326,6 +329,14 @@ class LiveTrace:
             yield EventBatch(records, self.decoder, libc)
             if once:
                 return
+
+    def _move_uprobes(self, ending: np.ndarray) -> None:
+        """The thread the uprobes are attached for is ending (tracer/retarget.py)."""
+        pairs = zip(ending["tgid"].tolist(), ending["tid"].tolist(), strict=True)
+        for tgid, tid in sorted(set(pairs)):
+            moved = move_uprobes(self.program, tgid, tid)
+            if moved is not None:
+                print(f"mtrace-live: {moved}", file=sys.stderr, flush=True)
 
     def _continue_held(self, held: np.ndarray) -> None:
         """Processes stopped in _exit: read their maps, then let them go."""

@@ -169,6 +169,14 @@ class FrameNames:
         if name:
             self.comms[tgid] = name
 
+    def forget(self, tgids: set[int]) -> None:
+        """Processes gone whose frames will not be named again (serve's
+        retired ones): their maps and names go."""
+        for tgid in tgids:
+            self.symbols.pop(tgid, None)
+            self.comms.pop(tgid, None)
+        self._names = {key: name for key, name in self._names.items() if key[0] not in tgids}
+
     def refresh(self, tgid: int) -> None:
         """Read the process's maps again, and keep them if they changed (a
         library loaded, an exec): its frames can then be named after it is

@@ -276,16 +276,17 @@ class ModuleSymbols:
         return vaddr_at(self.loads, file_offset)
 
 
-_CACHE: dict[tuple[str, int, int], ModuleSymbols] = {}
+_CACHE: dict[tuple[str | int, int, int], ModuleSymbols] = {}
 
 
 def module_symbols(
     path: Path, debug_directories: Sequence[Path] = DEBUG_DIRECTORIES
 ) -> ModuleSymbols:
-    """One ModuleSymbols per file (by inode and mtime), read once."""
+    """One ModuleSymbols per file (by device, inode and mtime, whatever path
+    reaches it: each process's /proc/PID/root/... is the same file), read once."""
     try:
         stat = os.stat(path)
-        key = (str(path), stat.st_ino, stat.st_mtime_ns)
+        key: tuple[str | int, int, int] = (stat.st_dev, stat.st_ino, stat.st_mtime_ns)
     except OSError:
         key = (str(path), 0, 0)
     found = _CACHE.get(key)

@@ -71,6 +71,7 @@ struct pending_call {
     u32 depth; /* 1 + nested calls not yet returned; 0: the slot is free */
     u32 tid;   /* whose call it is */
     u32 proc_tgid; /* the process whose alloc_procs row this slot's thread has made */
+    u64 proc_gen;  /* ... while alloc_procs_gen was this (user space takes rows out) */
 #if WITH_UNWIND && LOCK_STACKS
     u64 ret; /* the return address, before the kernel replaced it (a lock wait's walk reads it) */
 #endif
@@ -100,6 +101,10 @@ BPF_ARRAY(outstanding, struct outstanding_row, ALLOC_OUT_ROWS);
 #define STACK_PROBES 8
 BPF_ARRAY(alloc_stacks, struct alloc_stack_row, ALLOC_STACK_ROWS);
 BPF_HASH(alloc_procs, u32, struct alloc_proc, MAX_FOLLOWED);
+/* Bumped by user space each time it takes the rows of processes gone out of
+ * alloc_procs: a thread then looks its process's row up again (its pid may
+ * be a new process's). */
+BPF_ARRAY(alloc_procs_gen, u64, 1);
 BPF_PERCPU_ARRAY(alloc_calls, u64, AF_COUNT); /* every hit, nested ones included */
 BPF_PERCPU_ARRAY(alloc_misc, u64, AX_COUNT);
 #if SAMPLE_BYTES > 0
@@ -404,9 +409,13 @@ static __always_inline int returning_call(u32 tgid, u32 tid, struct pending_call
     }
     *call = *p;
     p->depth = 0;
-    if (p->proc_tgid != tgid) { /* the process's row, made once per thread */
+    u32 zero = 0;
+    u64 *gen = alloc_procs_gen.lookup(&zero);
+    u64 now_gen = gen ? *gen : 0;
+    if (p->proc_tgid != tgid || p->proc_gen != now_gen) { /* the row, once per thread */
         alloc_proc_of(tgid);
         p->proc_tgid = tgid;
+        p->proc_gen = now_gen;
     }
     return !gate_closed();
 }
@@ -637,34 +646,5 @@ int alloc_free(struct pt_regs *ctx)
     release(AF_FREE, tgid, (u32)id, call_site, ptr);
     return 0;
 }
-
-#if HOLD_AT_EXIT && WITH_EVENTS
-/* _exit: the process's mappings are still there. It stops itself (SIGSTOP,
- * delivered as the handler returns to user space) and says so; user space
- * reads /proc/PID/maps, to name the frames of its stacks after it is gone,
- * and continues it. Only processes with allocations seen, and only while
- * the gate is open: a trace that ends stops no one. */
-int alloc_exit(struct pt_regs *ctx)
-{
-    if (gate_closed())
-        return 0;
-    u64 id = bpf_get_current_pid_tgid();
-    u32 tgid = id >> 32;
-    if (!tgid_is_followed(tgid) || !alloc_procs.lookup(&tgid))
-        return 0; /* only processes whose allocations were seen */
-    struct event *e = events.ringbuf_reserve(sizeof(struct event));
-    if (!e)
-        return 0; /* no room to say so: not held */
-    __builtin_memset(e, 0, sizeof(*e));
-    e->ts = bpf_ktime_get_ns();
-    e->tgid = tgid;
-    e->tid = (u32)id;
-    e->kind = EV_HELD;
-    e->ustack = e->kstack = -1;
-    bpf_send_signal(19); /* SIGSTOP */
-    events.ringbuf_submit(e, 0);
-    return 0;
-}
-#endif
 
 #endif /* WITH_ALLOCS */

@@ -32,6 +32,8 @@ enum event_kind {
     EV_LOCK_WAIT = 7, /* a wait in the libc's lock-wait slow path ended (LOCK_EVENTS): ts = its
                        * end, ip = its caller, args[0] = the futex, args[1] = the wait in ns */
     EV_UNWIND = 8, /* a process wants its unwind tables (stopped until written: UNWIND_HOLD) */
+    EV_RETARGET = 9, /* the thread the uprobes are attached for calls pthread_exit (the
+                      * process is stopped until they are attached for another) */
 };
 
 /* One record of the `events` ring buffer. */

@@ -82,7 +82,7 @@ struct unwind_state {
     /* Return addresses the kernel replaced with its uretprobe trampoline:
      * where each was on the stack, and what it was. */
     u64 hijack_at[2], hijack_ra[2];
-    u64 payload[12]; /* what the resumption needs (allocs.bpf.c, locks.bpf.c) */
+    u64 payload[13]; /* what the resumption needs (allocs.bpf.c, locks.bpf.c) */
     u64 window[STACK_WINDOW / 8]; /* a copy of the stack, read once for many frames */
 };
 

@@ -159,7 +159,9 @@ def start_serve(name: str, args: list[str], tmp: Path) -> Tracer:
         proc = subprocess.Popen([*MTRACE, "serve", "--listen", f"127.0.0.1:{port}", *args],
                                 stdout=sink, stderr=sink)  # fmt: skip
     wait_for(err, SERVE_READY, proc, name)
-    tracer = Tracer(name, proc, port, err, log=tmp / f"{name.replace(' ', '')}.samples")
+    log = tmp / f"{name.replace(' ', '')}.samples"
+    log.unlink(missing_ok=True)
+    tracer = Tracer(name, proc, port, err, log=log)
     tracer.programs = programs_of(proc.pid)
     return tracer
 
@@ -320,6 +322,7 @@ def soak(seconds: float, tmp: Path, every: float = 10.0, maps_every: float = 60.
         churn.stdin.close()
         follow(churn, tracers, every, maps_every)
         totals = json.loads(churn.stdout.read())
+        churn.stdout.close()
         settle(tracers)
         counted = stop_bpftrace(bpftrace, out)
         bpftrace = None

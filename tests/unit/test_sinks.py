@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -14,14 +16,21 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from mtrace_live.exporters import registry
+from mtrace_live.exporters.data.alloc_snapshot import ProcessAllocs
 from mtrace_live.exporters.data.kallsyms import KernelSymbols
 from mtrace_live.exporters.data.kmem import KmemTotals
+from mtrace_live.exporters.data.lock_waits import LockWaits, ThreadTime
 from mtrace_live.exporters.data.sink import KmemResult, ProcessHits, Sink
 from mtrace_live.exporters.kmemtrace.reader import read_record_set
 from mtrace_live.exporters.kmemtrace.sink import KmemtraceSink
 from mtrace_live.exporters.lines import JsonLines, TextLines
 from mtrace_live.exporters.live_view import LiveView
-from mtrace_live.exporters.prometheus_sink import ExportOptions, PrometheusSink, new_registry
+from mtrace_live.exporters.prometheus_sink import (
+    ExportOptions,
+    MetricsSource,
+    PrometheusSink,
+    new_registry,
+)
 from mtrace_live.exporters.sprtrace.sink import SpRtraceSink
 from mtrace_live.exporters.sprtrace.text import parse
 from mtrace_live.exporters.summary import SummarySink
@@ -347,3 +356,34 @@ def test_event_times_are_exact_exactly_when_an_output_writes_them(tmp_path: Path
     for output in ("live", "summary"):
         assert not TraceRequest(output=output).exact_times
     assert not TraceRequest(output="summary", files=(("pprof", tmp_path / "p"),)).exact_times
+
+
+def test_serve_retires_the_kernel_rows_of_processes_gone_and_keeps_their_counts() -> None:
+    # GIVEN the kernel's rows of a process still here and of one gone (PID,
+    # beyond any pid_max), which only the kernel named ("child")
+    here = os.getpid()
+    gone = ProcessAllocs(PID, 100, 6_400, 90, 2, 1, comm="child")
+    alive = ProcessAllocs(here, 10, 640, 5, 0, 0, comm="pytest")
+    snapshot = replace(alloc_snapshot(0x401234), processes=(gone, alive),
+                       vm={PID: {"mmap_calls": 3}})  # fmt: skip
+    waits = LockWaits(threads={PID: ThreadTime(PID, 5_000, 7_000, 2, 0),
+                               here: ThreadTime(here, 5_000, 9_000, 1, 1)})  # fmt: skip
+    counters = PlainCounters(snapshot=snapshot, waits=waits)
+    source = MetricsSource(trace_info(counters, allocs=True), KernelSymbols(""), read_interval=0)
+    before = source.snapshot()
+    assert before.allocs is not None and before.allocs.processes["child"]["calls"] == 100
+    # WHEN housekeeping sees it gone twice (its last events drained between)
+    source.housekeep()
+    assert counters.forgotten == []
+    source.housekeep()
+    # THEN its rows are taken out of the kernel's tables, the live one's kept
+    assert counters.forgotten == [{PID}]
+    assert [p.tgid for p in counters.snapshot.processes] == [here]
+    # AND every count stays under its name: none goes down, none is counted twice
+    after = source.snapshot()
+    assert after.allocs is not None and after.locks is not None
+    for key in ("calls", "bytes", "frees", "unknown_frees", "failed", "vm_mmap_calls"):
+        assert after.allocs.processes["child"][key] == before.allocs.processes["child"][key], key
+    assert after.allocs.processes["child"]["calls"] == 100
+    assert after.locks["child"].thread_ns == 7_000
+    assert "unknown" not in after.allocs.processes

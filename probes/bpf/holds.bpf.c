@@ -1,0 +1,64 @@
+/* ---- processes stopped until user space has done its part ---------------
+ * A handler stops its process (SIGSTOP, delivered as the handler returns to
+ * user space, so every thread stops before it runs on) and says why in the
+ * ring; user space does what it must while the process cannot change, then
+ * continues it (SIGCONT):
+ *   - at _exit (HOLD_AT_EXIT), user space reads the process's maps, to name
+ *     the frames of its stacks after it is gone (tracer/live.py);
+ *   - at pthread_exit of the thread one process's uprobes are attached for
+ *     (ALLOC_ONE_PROCESS), user space attaches them for a thread that stays
+ *     (tracer/retarget.py). */
+#if WITH_ALLOCS && WITH_EVENTS
+
+/* Stop the calling process and say so with an event of `kind`. */
+static __always_inline void stop_and_say(u32 kind)
+{
+    struct event *e = events.ringbuf_reserve(sizeof(struct event));
+    if (!e)
+        return; /* no room to say so: not stopped */
+    u64 id = bpf_get_current_pid_tgid();
+    __builtin_memset(e, 0, sizeof(*e));
+    e->ts = bpf_ktime_get_ns();
+    e->tgid = id >> 32;
+    e->tid = (u32)id;
+    e->kind = kind;
+    e->ustack = e->kstack = -1;
+    bpf_send_signal(19); /* SIGSTOP */
+    events.ringbuf_submit(e, 0);
+}
+
+#if ALLOC_ONE_PROCESS
+BPF_ARRAY(alloc_target, u32, 1); /* the thread the uprobes are attached for (user space sets it) */
+
+/* pthread_exit. The uprobes of one process are attached for one of its
+ * threads, and the kernel takes a call to be the process's while that
+ * thread's memory is the caller's: once that thread has ended (main calling
+ * pthread_exit, its other threads going on), no call of the process would
+ * be seen. So that thread's pthread_exit stops the process until the
+ * uprobes are attached for a thread that stays. */
+int alloc_thread_exit(struct pt_regs *ctx)
+{
+    u32 zero = 0;
+    u32 *target = alloc_target.lookup(&zero);
+    if (target && *target == (u32)bpf_get_current_pid_tgid())
+        stop_and_say(EV_RETARGET); /* another thread's: the uprobes stay */
+    return 0;
+}
+#endif
+
+#if HOLD_AT_EXIT
+/* _exit: the process's mappings are still there. Only processes with
+ * allocations seen, and only while the gate is open: a trace that ends
+ * stops no one. */
+int alloc_exit(struct pt_regs *ctx)
+{
+    if (gate_closed())
+        return 0;
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    if (tgid_is_followed(tgid) && alloc_procs.lookup(&tgid))
+        stop_and_say(EV_HELD);
+    return 0;
+}
+#endif
+
+#endif /* WITH_ALLOCS && WITH_EVENTS */

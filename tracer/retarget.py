@@ -1,0 +1,91 @@
+"""One process's uprobes, moved to another of its threads when the thread
+they are attached for ends first.
+
+``--pid`` without ``--follow-forks`` attaches the uprobes for the process
+alone: the kernel places its breakpoints in that process only, and takes a
+call to be the process's while the memory of the thread the perf events
+target is the caller's. That thread is the process's first (main). When main
+calls ``pthread_exit`` and the other threads go on, its memory is gone at its
+exit, and no call of the process would be seen again.
+
+So allocs.bpf.c's ``alloc_thread_exit`` stops the process (SIGSTOP) when that
+thread calls ``pthread_exit``, and here the uprobes are attached for a thread
+that stays (the oldest), the old events closed, and the process continued.
+A call another thread was inside when it stopped returns unseen (its entry
+probe was the old event's): those calls are counted and said.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .bpf_backend import BpfProgram
+from .uprobe_attach import AttachFailure
+
+STOPPED_STATES = frozenset(b"tTZX")  # stopped, traced, or exiting: none will call again
+STOP_WAIT_S = 1.0  # a thread in an uninterruptible sleep may take this long to stop
+
+
+@dataclass(frozen=True)
+class Moved:
+    """The uprobes of process ``tgid`` moved from thread ``old`` to ``new``."""
+
+    tgid: int
+    old: int
+    new: int
+    probes: int  # perf events moved
+    in_flight: int  # calls the other threads were inside: their returns not seen
+
+    def __str__(self) -> str:
+        return (f"thread {self.old} of process {self.tgid}, which its probes were attached for, "
+                f"called pthread_exit: they follow thread {self.new} now ({self.probes} moved; "
+                f"{self.in_flight} calls in flight were not seen to return)")  # fmt: skip
+
+
+def move_uprobes(program: BpfProgram, tgid: int, old: int) -> Moved | str | None:
+    """Move process ``tgid``'s uprobes off thread ``old``, which is ending,
+    and continue the process: what was moved, a line saying why nothing could
+    be, or None when the process has no other thread (it ends with it)."""
+    try:
+        threads = sorted(int(name) for name in os.listdir(f"/proc/{tgid}/task"))
+    except OSError:
+        return None  # gone already
+    threads = [tid for tid in threads if tid != old]
+    try:
+        if not threads:
+            return None
+        _wait_stopped(tgid, threads)
+        try:
+            probes = program.retarget(old, threads[0])
+        except AttachFailure as failure:
+            return (f"thread {old} of process {tgid} called pthread_exit, and its probes could "
+                    f"not be attached for thread {threads[0]}: {failure}; the process's "
+                    "other threads are no longer traced")  # fmt: skip
+        program.fill_array("alloc_target", [threads[0]])
+        return Moved(tgid, old, threads[0], probes, program.clear_pending(threads))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(tgid, signal.SIGCONT)
+
+
+def _wait_stopped(tgid: int, threads: list[int]) -> None:
+    """Until every one of ``threads`` is stopped (SIGSTOP reaches each as it
+    next runs), or STOP_WAIT_S passed."""
+    deadline = time.monotonic() + STOP_WAIT_S
+    while time.monotonic() < deadline:
+        if all(_state(tgid, tid) in STOPPED_STATES for tid in threads):
+            return
+        time.sleep(0.001)
+
+
+def _state(tgid: int, tid: int) -> int:
+    try:
+        stat = Path(f"/proc/{tgid}/task/{tid}/stat").read_bytes()
+    except OSError:
+        return ord("X")  # gone
+    return stat.rpartition(b") ")[2][0]
