@@ -51,6 +51,7 @@ from . import alloc_probes, bpf_syscalls, lock_waits, package_version, target, u
 from .arena_walk import ArenaFinder, arena_symbols
 from .bpf_backend import BpfProgram, bcc_version, require_privileges
 from .counters import BpfCounters
+from .exec_watch import ExecWatch
 from .kmem_attach import kmem_switches
 from .launch import GatedCommand
 from .model import AllocatorModel
@@ -124,6 +125,10 @@ class LiveTrace:
         self.selection, self.sdt, self.alloc_plan = probes.selection, probes.sdt, probes.alloc_plan
         self.lock_plan = probes.lock_plan
         self.notices: list[str] = list(probes.notices)
+        traced = self.alloc_plan.libc if self.alloc_plan is not None else self.selection.libc
+        followed = request.filtered_by_pid and not request.one_process
+        uprobes = self.alloc_plan is not None or bool(self.sdt)
+        self.exec_watch = ExecWatch(traced) if followed and uprobes and traced else None
         require_privileges()
         self.frame_names = FrameNames()
         self.kmem = request.with_kmem
@@ -278,6 +283,8 @@ class LiveTrace:
         that its lock waits' stacks can be named after it is gone (the
         allocation probes hold an exiting process for that instead)."""
         now = time.monotonic()
+        for line in self.exec_watch.look() if self.exec_watch is not None else ():
+            print(f"mtrace-live: warning: {line}", file=sys.stderr, flush=True)
         if self.unwind is not None and now >= self._next_unwind_look:
             self._next_unwind_look = now + 1.0
             self.unwind.refresh()
@@ -310,6 +317,8 @@ class LiveTrace:
                 self._continue_held(records[kinds == EventKind.HELD])
             if self.alloc_pid >= 0:
                 self._move_uprobes(records[kinds == EventKind.RETARGET])
+            if self.exec_watch is not None:
+                self.exec_watch.exec_seen(records["tgid"][kinds == EventKind.EXEC].tolist())
             probes = kinds == EventKind.PROBE
             self.counters.delivered += int(np.count_nonzero(probes))
             self.counters.count_read(records["tgid"][probes], records["probe"][probes])
@@ -474,6 +483,11 @@ def announce(trace: LiveTrace, pid: int | None) -> None:
     )
     for line in trace.selection.unreadable():
         print(f"mtrace-live: warning: argument not recorded: {line}", file=sys.stderr)
+    state = target.process_state(pid) if pid is not None and not request.command else None
+    if state is not None and state[0] in "Tt":
+        how = "SIGSTOP" if state[0] == "T" else "by a debugger"
+        print(f"mtrace-live: process {pid} is stopped ({how}): its calls are traced once it is "
+              "continued", file=sys.stderr)  # fmt: skip
 
 
 def run_trace(

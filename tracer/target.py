@@ -32,6 +32,25 @@ class MappedGlibc:
 def require_process(pid: int) -> None:
     if not Path(f"/proc/{pid}").is_dir():
         raise TargetError(f"no process with pid {pid}")
+    refuse_zombie(pid)
+
+
+def process_state(pid: int) -> tuple[str, int] | None:
+    """Process ``pid``'s state letter (R, S, D, T, t, Z, ...) and its parent's
+    pid, from /proc/PID/stat; None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_bytes().rpartition(b") ")[2].split()
+        return fields[0].decode(), int(fields[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def refuse_zombie(pid: int) -> None:
+    """A zombie has exited; only its exit status waits for its parent."""
+    state = process_state(pid)
+    if state is not None and state[0] == "Z":
+        raise TargetError(f"process {pid} has exited: it is a zombie that its parent (pid "
+                          f"{state[1]}) has not reaped, with nothing left to trace")  # fmt: skip
 
 
 def current_break(pid: int) -> int | None:
@@ -60,6 +79,7 @@ def mapped_glibc(pid: int) -> MappedGlibc:
         elif "ld" not in found and _LDSO_NAME.match(name):
             found["ld"] = _reachable(pid, Path(path), inode)
     if "libc" not in found:
+        refuse_zombie(pid)
         raise TargetError(f"process {pid} maps no glibc libc (statically linked, or not glibc)")
     return MappedGlibc(libc=found["libc"], ld_so=found.get("ld"))
 

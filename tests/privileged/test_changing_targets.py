@@ -1,13 +1,20 @@
-"""Targets that change under a trace: main ending first (pthread_exit), each
-traced exactly against the workload's own count and bpftrace's in the same
-run (bpftrace filters by pid in its program, so it follows every thread)."""
+"""Targets that change under a trace: main ending first (pthread_exit), a
+target stopped with SIGSTOP, a zombie. Each is traced exactly, against the
+workload's own count and bpftrace's in the same run (bpftrace filters by
+pid in its program, so it follows every thread), or refused in one line."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+from mtrace_live.tracer import sdt_glibc
 from mtrace_live.tracer.target import default_libc
 
 from .conftest import MTRACE, built
@@ -22,27 +29,41 @@ from .tracing import (
 READY = "Ctrl-C to stop"
 
 
-def test_main_calling_pthread_exit_leaves_its_other_threads_traced(tmp_path: Path) -> None:
+@dataclass
+class Traced:
+    pid: int
+    mallocs: int  # the kernel's count of malloc hits, as mtrace-live read it
+    bpftrace: int  # bpftrace's, in the same run
+    workload: int  # the mallocs the workload made after the attach, by its own count
+    stderr: str
+
+
+def nothing(pid: int) -> None:
+    pass
+
+
+def trace_leader_exit(tmp: Path, before_attach: Callable[[int], None] = nothing,
+                      after_attach: Callable[[int], None] = nothing) -> Traced:  # fmt: skip
+    """leader_exit (main's 5,000 malloc/free pairs, then pthread_exit, then
+    another thread's 5,000) traced by pid beside bpftrace."""
     with Reaper() as reaper:
-        # GIVEN a process whose main thread ends first (pthread_exit) while
-        # another thread goes on allocating, traced by pid beside bpftrace
-        argv = [str(built("leader_exit")), "5000"]
         pipe = subprocess.PIPE
-        workload = reaper.add(subprocess.Popen(argv, stdin=pipe, stdout=pipe))
+        workload = reaper.add(subprocess.Popen([str(built("leader_exit")), "5000"], stdin=pipe,
+                                               stdout=pipe))  # fmt: skip
         assert workload.stdout is not None and workload.stdin is not None
         assert workload.stdout.readline() == b"ready\n"
         pid = workload.pid
         body = f"uprobe:{default_libc()}:malloc /pid == $1/ {{ @hits[probe] = count(); }}"
-        bpftrace, bpftrace_out = start_bpftrace(body, pid, tmp_path)
+        bpftrace, bpftrace_out = start_bpftrace(body, pid, tmp)
         reaper.add(bpftrace)
         wait_for_line(bpftrace_out, BPFTRACE_READY, bpftrace, timeout=120)
-        err, out = tmp_path / "trace.err", tmp_path / "trace.out"
+        before_attach(pid)
+        err, out = tmp / "trace.err", tmp / "trace.out"
         with open(err, "wb") as errors, open(out, "wb") as lines:
             tracer = reaper.add(subprocess.Popen([*MTRACE, "--pid", str(pid), "-o", "json"],
                                                  stdout=lines, stderr=errors))  # fmt: skip
         wait_for_line(err, READY, tracer, timeout=120)
-        # WHEN main makes its 5,000 pairs and calls pthread_exit, and the
-        # other thread then makes its 5,000
+        after_attach(pid)
         workload.stdin.write(b"go")
         workload.stdin.close()
         done = workload.stdout.readline().split()
@@ -50,13 +71,80 @@ def test_main_calling_pthread_exit_leaves_its_other_threads_traced(tmp_path: Pat
         assert workload.wait(timeout=120) == 0
         assert tracer.wait(timeout=120) == 0, err.read_text()
         counts = stop_bpftrace(bpftrace, bpftrace_out)
-    # THEN every malloc of both threads is counted: as bpftrace counted, and
-    # at least the workload's own (libc's come on top)
     tables = [json.loads(line) for line in out.read_text().splitlines() if '"table"' in line]
     (functions,) = [t for t in tables if t["table"] == "alloc_functions"]
-    assert functions["calls"]["malloc"] == counts["malloc"] >= int(done[1])
+    return Traced(pid, functions["calls"]["malloc"], counts["malloc"], int(done[1]),
+                  err.read_text())  # fmt: skip
+
+
+def test_main_calling_pthread_exit_leaves_its_other_threads_traced(tmp_path: Path) -> None:
+    # GIVEN a process whose main thread makes 5,000 pairs and calls
+    # pthread_exit, after which another thread makes its 5,000
+    traced = trace_leader_exit(tmp_path)
+    # THEN every malloc of both threads is counted: as bpftrace counted, and
+    # at least the workload's own (libc's come on top)
+    assert traced.mallocs == traced.bpftrace >= traced.workload
     # AND the move of the probes to the thread that stayed is said, with no
     # call lost in it (the other thread was waiting in pthread_join)
-    said = [line for line in err.read_text().splitlines() if "pthread_exit" in line]
+    said = [line for line in traced.stderr.splitlines() if "pthread_exit" in line]
+    pid = traced.pid
     assert len(said) == 1 and f"thread {pid} of process {pid}" in said[0], said
     assert "0 calls in flight" in said[0]
+
+
+def test_a_target_stopped_with_sigstop_is_traced_once_continued(tmp_path: Path) -> None:
+    # GIVEN the same workload stopped (SIGSTOP) when the tracer attaches,
+    # and continued after
+    def stop(pid: int) -> None:
+        os.kill(pid, signal.SIGSTOP)
+        os.waitid(os.P_PID, pid, os.WSTOPPED | os.WNOWAIT)  # stopped, seen by its parent
+
+    traced = trace_leader_exit(tmp_path, stop, lambda pid: os.kill(pid, signal.SIGCONT))
+    # THEN the tracer said it is stopped, and traced every call once it ran
+    assert f"process {traced.pid} is stopped (SIGSTOP)" in traced.stderr
+    assert traced.mallocs == traced.bpftrace >= traced.workload
+
+
+@pytest.mark.parametrize("command", [[], ["count"], ["serve"], ["record", "-o", "{tmp}/rec"]])
+def test_a_zombie_target_is_refused_in_one_line_with_exit_6(
+    tmp_path: Path, command: list[str]
+) -> None:
+    # GIVEN a child that has exited and that its parent (this test) has not reaped
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    try:
+        os.waitid(os.P_PID, child, os.WEXITED | os.WNOWAIT)  # a zombie now
+        argv = [*MTRACE, *(part.format(tmp=tmp_path) for part in command), "--pid", str(child)]
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    finally:
+        os.waitpid(child, 0)
+    # THEN one line says what it is, with the target error's exit code
+    assert run.returncode == 6, run.stderr
+    assert run.stderr.splitlines() == [
+        f"mtrace-live: error: process {child} has exited: it is a zombie that its parent "
+        f"(pid {os.getpid()}) has not reaped, with nothing left to trace"
+    ]
+
+
+def test_a_child_that_execs_a_program_with_another_libc_is_said_once(
+    sdt: sdt_glibc.SdtGlibc, tmp_path: Path
+) -> None:
+    # GIVEN a command whose process execs a program that maps another libc
+    # (the SDT glibc's), which waits for a byte before it allocates
+    argv = [*MTRACE, "run", "-o", "summary", "--", *sdt.wrap([str(built("leader_exit")), "10"])]
+    err = tmp_path / "trace.err"
+    with Reaper() as reaper, open(err, "wb") as errors:
+        tracer = reaper.add(subprocess.Popen(argv, stdin=subprocess.PIPE,
+                                             stdout=subprocess.DEVNULL, stderr=errors))  # fmt: skip
+        assert tracer.stdin is not None
+        # THEN one line says that its calls are not seen, naming that libc
+        wait_for_line(err, "exec'd", tracer, timeout=120)
+        tracer.stdin.write(b"go")
+        tracer.stdin.close()
+        assert tracer.wait(timeout=120) == 0, err.read_text()
+    said = [line for line in err.read_text().splitlines() if "exec'd" in line]
+    assert len(said) == 1, said
+    assert "its calls are not seen" in said[0] and "testrun.sh" not in said[0]
+    named = said[0].split("which maps ", 1)[1].split(", not the traced", 1)[0]
+    assert os.path.samefile(named, sdt.libc), said
