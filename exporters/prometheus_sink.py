@@ -153,10 +153,11 @@ class MetricsSource:
             return
         with self._read_lock:
             allocs, waits = self._kernel_rows()
+            vm = allocs.vm if allocs is not None else {}
             for proc in allocs.processes if allocs is not None else ():
                 if proc.tgid in names:
                     figures = self._retired_allocs[names[proc.tgid]]
-                    figures.update(_alloc_counts(proc, allocs.vm.get(proc.tgid, {})))
+                    figures.update(_alloc_counts(proc, vm.get(proc.tgid, {})))
             for pid, time_ in waits.threads.items() if waits is not None else ():
                 if pid in names:
                     name = self._lock_names.get(pid, names[pid])
