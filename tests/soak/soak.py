@@ -9,8 +9,10 @@ with bpftrace beside them counting the churn's allocations as the kernel
 sees them (uprobes by process name, nested calls left out as mtrace-live
 leaves them out). Every SAMPLE seconds each tracer is scraped, its RSS read
 and its BPF maps' entries counted. At the end:
-  - each tracer's ``mtrace_alloc_calls{process="churn"}`` equals bpftrace's
-    count, and is at least what the churn says it called itself;
+  - each tracer's ``mtrace_alloc_calls`` of the churn's process name equals
+    bpftrace's count, and is at least what the churn says it called itself
+    (the churn runs as a copy named churnPID, this run's own: no other
+    process on the machine shares its name);
   - the label caps held (``--max-processes``, ``--top-stacks``,
     ``--top-functions``, each plus ``other``) and no BPF map was full;
   - the tracers stopped with exit 0 and printed no traceback, left no zombie
@@ -29,6 +31,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -47,6 +50,7 @@ BUILD = ROOT / "build"
 MTRACE = [sys.executable, "-m", "mtrace_live.tracer.cli"]
 SERVE_READY = "serving metrics at"
 BPFTRACE_READY = "bpftrace-ready"
+NAME = f"churn{os.getpid()}"[:15]  # the churn's process name (comm), this run's own
 CAPS = {"process": 50, "stack": 20, "function": 20}  # serve's defaults, each plus "other"
 RSS_MINUTE = 5  # RSS growth is measured from here to the end
 RSS_GROWTH = 0.05
@@ -105,7 +109,7 @@ class Result:
 def tracer_failures(tracer: Tracer, result: Result, own: int) -> Iterator[str]:
     calls = tracer.final.get("alloc_calls")
     if calls != result.bpftrace:
-        yield f'alloc_calls{{process="churn"}} {calls}, bpftrace {result.bpftrace}'
+        yield f'alloc_calls{{process="{NAME}"}} {calls}, bpftrace {result.bpftrace}'
     if calls is None or calls < own:
         yield f"alloc_calls {calls} below the churn's own {own}"
     if tracer.exit_code != 0:
@@ -172,14 +176,14 @@ def start_bpftrace(libc: Path, tmp: Path) -> tuple[subprocess.Popen[bytes], Path
     script = tmp / "churn.bt"
     script.write_text(
         f'BEGIN {{ printf("{BPFTRACE_READY}\\n"); }}\n'
-        f'{entries} /comm == "churn"/ {{ @depth[tid]++; }}\n'
-        f'{returns} /comm == "churn" && @depth[tid] > 0/ {{\n'
+        f'{entries} /comm == "{NAME}"/ {{ @depth[tid]++; }}\n'
+        f'{returns} /comm == "{NAME}" && @depth[tid] > 0/ {{\n'
         "  if (@depth[tid] == 1 && retval != 0) { @allocs = count(); }\n"
         "  @depth[tid]--;\n"
         "  if (@depth[tid] == 0) { delete(@depth[tid]); }\n"
         "}\n"
-        f'uprobe:{libc}:posix_memalign /comm == "churn"/ {{ @depth[tid]++; }}\n'
-        f'uretprobe:{libc}:posix_memalign /comm == "churn" && @depth[tid] > 0/ {{\n'
+        f'uprobe:{libc}:posix_memalign /comm == "{NAME}"/ {{ @depth[tid]++; }}\n'
+        f'uretprobe:{libc}:posix_memalign /comm == "{NAME}" && @depth[tid] > 0/ {{\n'
         "  if (@depth[tid] == 1 && retval == 0) { @allocs = count(); }\n"
         "  @depth[tid]--;\n"
         "  if (@depth[tid] == 0) { delete(@depth[tid]); }\n"
@@ -270,7 +274,7 @@ def scrape(port: int) -> tuple[int, dict[str, int], dict[str, float]]:
             for label, value in sample.labels.items():
                 if label in values:
                     values[label].add(value)
-            if sample.labels.get("process") == "churn" and len(sample.labels) == 1:
+            if sample.labels.get("process") == NAME and len(sample.labels) == 1:
                 churn[sample.name.removeprefix("mtrace_").removesuffix("_total")] = sample.value
     return series, {label: len(v) for label, v in values.items()}, churn
 
@@ -307,7 +311,9 @@ def libc_of(pid: int) -> Path:
 
 def soak(seconds: float, tmp: Path, every: float = 10.0, maps_every: float = 60.0) -> Result:
     """Run the churn for ``seconds`` under both tracers and bpftrace."""
-    argv = [str(BUILD / "churn"), str(BUILD / "libcfi_plugin.so"), str(seconds)]
+    program = tmp / NAME
+    shutil.copy2(BUILD / "churn", program)
+    argv = [str(program), str(BUILD / "libcfi_plugin.so"), str(seconds)]
     churn = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     tracers: list[Tracer] = []
     bpftrace = None
@@ -432,7 +438,7 @@ def _map_fill(tracer: Tracer, _: Result) -> str:
 
 
 ROWS = (
-    ("`mtrace_alloc_calls{process=\"churn\"}` (bpftrace)",
+    ("`mtrace_alloc_calls` of the churn (bpftrace)",
      lambda t, r: f"{t.final.get('alloc_calls', 0):,.0f} ({r.bpftrace:,})"),
     ("RSS from minute 5 to the end", _rss_growth),
     ("samples per scrape (first, last)",

@@ -27,6 +27,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "ready.h"
+
 #define FORKS 16
 #define EXECS 2
 #define THREADS 4
@@ -170,11 +172,7 @@ int main(int argc, char **argv)
     shared = mmap(NULL, sizeof *shared, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     if (shared == MAP_FAILED)
         return 1;
-    printf("ready\n");
-    fflush(stdout);
-    char byte;
-    if (read(0, &byte, 1) != 1)
-        return 1;
+    ready_then_wait();
     double end = now() + atof(argv[2]);
     struct timespec pause = {0, PAUSE_MS * 1000000L};
     while (now() < end) {

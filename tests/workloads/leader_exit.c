@@ -12,6 +12,8 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include "ready.h"
+
 static long calls;
 static pthread_t main_thread;
 
@@ -43,11 +45,7 @@ int main(int argc, char **argv)
     pthread_t thread;
     if (pthread_create(&thread, NULL, worker, NULL))
         return 1;
-    printf("ready\n");
-    fflush(stdout);
-    char byte;
-    if (read(0, &byte, 1) != 1)
-        return 1;
+    ready_then_wait();
     pairs();
     pthread_exit(NULL);
 }
