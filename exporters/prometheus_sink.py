@@ -141,7 +141,7 @@ class MetricsSource:
         return {pid: name for pid, name in retire.items() if pid in gone}
 
     def _kernel_rows(self) -> tuple[AllocSnapshot | None, LockWaits | None]:
-        allocs = self.counters.allocations() if self.info.allocs else None
+        allocs = self.counters.allocations(named=False) if self.info.allocs else None
         return allocs, self.counters.lock_waits(stacks=False)
 
     def _retire_kernel_rows(self, names: dict[int, str]) -> None:

@@ -139,7 +139,7 @@ class BpfCounters:
     def stack(self, stack_id: int) -> list[int]:
         return self.program.stack(stack_id)
 
-    def allocations(self, outstanding: bool = False) -> AllocSnapshot | None:
+    def allocations(self, outstanding: bool = False, named: bool = True) -> AllocSnapshot | None:
         if self.sample_bytes is None:
             return None
         snapshot = alloc_probes.read_snapshot(
@@ -148,7 +148,7 @@ class BpfCounters:
         if snapshot.unwind and self.table_counts is not None:  # the tables' own, user space's
             tables = {f"tables_{key}": value for key, value in self.table_counts().items()}
             snapshot = replace(snapshot, unwind={**snapshot.unwind, **tables})
-        return trimmed(snapshot, self.frame_names)
+        return trimmed(snapshot, self.frame_names) if named else snapshot
 
     def lock_waits(self, stacks: bool = True) -> LockWaits | None:
         if not self.lock_times:

@@ -91,10 +91,12 @@ class CounterSource(Protocol):
         """The addresses of a stack the events refer to (``ustack``/``kstack``)."""
         ...
 
-    def allocations(self, outstanding: bool = False) -> AllocSnapshot | None:
+    def allocations(self, outstanding: bool = False, named: bool = True) -> AllocSnapshot | None:
         """The allocations by stack and process now (None when the
         allocation functions are not traced); with ``outstanding``, each
-        allocation not freed yet too (costlier)."""
+        allocation not freed yet too (costlier). ``named``: each stack cut
+        where its frames leave the process's code (which reads its maps);
+        without, the stacks as walked (enough for the per-process sums)."""
         ...
 
     def lock_waits(self, stacks: bool = True) -> LockWaits | None:

@@ -80,7 +80,7 @@ class PlainCounters:
     def stack(self, stack_id: int) -> list[int]:
         return self.stacks.get(stack_id, [])
 
-    def allocations(self, outstanding: bool = False) -> AllocSnapshot | None:
+    def allocations(self, outstanding: bool = False, named: bool = True) -> AllocSnapshot | None:
         return self.snapshot
 
     def lock_waits(self, stacks: bool = True) -> LockWaits | None:
