@@ -276,6 +276,8 @@ def scrape(port: int) -> tuple[int, dict[str, int], dict[str, float]]:
                     values[label].add(value)
             if sample.labels.get("process") == NAME and len(sample.labels) == 1:
                 churn[sample.name.removeprefix("mtrace_").removesuffix("_total")] = sample.value
+            elif sample.name == "mtrace_alloc_table_dropped_total":  # counted, for the report
+                churn[f"dropped_{sample.labels['table']}"] = sample.value
     return series, {label: len(v) for label, v in values.items()}, churn
 
 
@@ -447,6 +449,9 @@ ROWS = (
      lambda t, _: ", ".join(str(max((s.labels[k] for s in t.samples), default=0))
                             for k in ("process", "stack", "function"))),
     ("fullest hash maps (most entries seen)", _map_fill),
+    ("allocations a table had no room for (outstanding, stacks, frames)",
+     lambda t, _: ", ".join(f"{t.final.get(f'dropped_{k}', 0):,.0f}"
+                            for k in ("outstanding", "stacks", "frames"))),
     ("exit on SIGTERM; zombie children; programs left", lambda t, _: (
         f"{t.exit_code}; {t.zombies}; "
         f"{len(t.programs & set(bpf_syscalls.program_ids()))}")),
