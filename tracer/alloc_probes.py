@@ -165,12 +165,15 @@ def read_snapshot(program: BpfProgram, sample_bytes: int, started_ns: int,
     """The kernel's tables now; the outstanding allocations only when asked
     (there may be hundreds of thousands)."""
     pkeys, pvalues = program.read_table("alloc_procs", "<u4", ALLOC_PROC_DTYPE)
+    present = _incarnations(pkeys, pvalues["incarnation"])
     _, table = program.read_table("alloc_stacks", "<u4", ALLOC_STACK_ROW_DTYPE)
     # claimed rows whose key is written (a CPU writes it just after its claim),
-    # of processes that have their alloc_procs row (every one, from its first
-    # call, until serve retires it when it is gone: its rows stay, not counted)
+    # of the processes whose alloc_procs row they were made under: every one
+    # has its row from its first call until serve retires it when it is gone,
+    # and a process that reuses its pid has a row of another incarnation
     table = table[(table["tag"] != 0) & (table["key"]["call_site"] != 0)
-                  & np.isin(table["key"]["tgid"], pkeys)]  # fmt: skip
+                  & np.isin(_incarnations(table["key"]["tgid"], table["key"]["incarnation"]),
+                            present)]  # fmt: skip
     stacks = []
     frames_of: dict[int, tuple[int, ...]] = {}
     for _, key, value in table.tolist():
@@ -186,7 +189,9 @@ def read_snapshot(program: BpfProgram, sample_bytes: int, started_ns: int,
     held: list[Outstanding] = []
     if outstanding:
         _, rows = program.read_table("outstanding", "<u4", OUTSTANDING_ROW_DTYPE)
-        rows = rows[~np.isin(rows["tag"], OUTSTANDING_FREE_TAGS) & np.isin(rows["tgid"], pkeys)]
+        keys = rows["value"]["key"]
+        theirs = np.isin(_incarnations(keys["tgid"], keys["incarnation"]), present)
+        rows = rows[~np.isin(rows["tag"], OUTSTANDING_FREE_TAGS) & theirs]
         for _, ptr, tgid, _, (key, size, weight, ts, tid, _) in rows.tolist():
             call_site, _, stack, fn, _ = key
             held.append(Outstanding(tgid, ptr, size, weight, ts, tid, _fn_name(fn), call_site,
@@ -228,7 +233,7 @@ def _processes(tgids: np.ndarray, rows: np.ndarray,
         summed[1] += row.sizes
         summed[2] += row.frees
     out = []
-    for tgid, (calls, nbytes, frees, unknown, failed, untracked, comm) in zip(
+    for tgid, (calls, nbytes, frees, unknown, failed, untracked, _, _, comm) in zip(
         tgids.tolist(), rows.tolist(), strict=True
     ):
         add_calls, add_bytes, add_frees = sums.get(tgid, (0, 0, 0))
@@ -236,6 +241,11 @@ def _processes(tgids: np.ndarray, rows: np.ndarray,
                                  frees + add_frees - untracked, unknown, failed,
                                  comm.decode(errors="replace")))  # fmt: skip
     return out
+
+
+def _incarnations(tgids: np.ndarray, incarnations: np.ndarray) -> np.ndarray:
+    """Each (process, incarnation of its alloc_procs row) as one number."""
+    return (tgids.astype(np.uint64) << np.uint64(32)) | incarnations.astype(np.uint64)
 
 
 def _fn_name(fn: int) -> str:

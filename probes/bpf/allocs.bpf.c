@@ -71,7 +71,8 @@ struct pending_call {
     u32 depth; /* 1 + nested calls not yet returned; 0: the slot is free */
     u32 tid;   /* whose call it is */
     u32 proc_tgid; /* the process whose alloc_procs row this slot's thread has made */
-    u64 proc_gen;  /* ... while alloc_procs_gen was this (user space takes rows out) */
+    u32 proc_gen;  /* ... while alloc_procs_gen was this (user space takes rows out) */
+    u32 proc_incarnation; /* ... and that row's incarnation */
 #if WITH_UNWIND && LOCK_STACKS
     u64 ret; /* the return address, before the kernel replaced it (a lock wait's walk reads it) */
 #endif
@@ -105,6 +106,7 @@ BPF_HASH(alloc_procs, u32, struct alloc_proc, MAX_FOLLOWED);
  * alloc_procs: a thread then looks its process's row up again (its pid may
  * be a new process's). */
 BPF_ARRAY(alloc_procs_gen, u64, 1);
+BPF_ARRAY(alloc_incarnations, u64, 1); /* alloc_procs rows made so far */
 BPF_PERCPU_ARRAY(alloc_calls, u64, AF_COUNT); /* every hit, nested ones included */
 BPF_PERCPU_ARRAY(alloc_misc, u64, AX_COUNT);
 #if SAMPLE_BYTES > 0
@@ -131,6 +133,9 @@ static __always_inline struct alloc_proc *alloc_proc_of(u32 tgid)
     if (proc)
         return proc;
     struct alloc_proc fresh = {};
+    u32 zero = 0;
+    u64 *made = alloc_incarnations.lookup(&zero);
+    fresh.incarnation = made ? (u32)__sync_fetch_and_add(made, 1) + 1 : 1;
     bpf_get_current_comm(fresh.comm, sizeof(fresh.comm));
     alloc_procs.insert(&tgid, &fresh); /* another thread may have made it meanwhile */
     return alloc_procs.lookup(&tgid);
@@ -407,16 +412,17 @@ static __always_inline int returning_call(u32 tgid, u32 tid, struct pending_call
         p->depth--;
         return 0;
     }
-    *call = *p;
-    p->depth = 0;
     u32 zero = 0;
     u64 *gen = alloc_procs_gen.lookup(&zero);
-    u64 now_gen = gen ? *gen : 0;
+    u32 now_gen = gen ? (u32)*gen : 0;
     if (p->proc_tgid != tgid || p->proc_gen != now_gen) { /* the row, once per thread */
-        alloc_proc_of(tgid);
+        struct alloc_proc *proc = alloc_proc_of(tgid);
         p->proc_tgid = tgid;
         p->proc_gen = now_gen;
+        p->proc_incarnation = proc ? proc->incarnation : 0;
     }
+    *call = *p;
+    p->depth = 0;
     return !gate_closed();
 }
 
@@ -450,7 +456,8 @@ static __always_inline void count_in_process(u32 tgid, u64 size)
 static __always_inline void keep_allocation(const struct pending_call *call, u32 tgid, u32 tid,
                                             u64 call_site, u64 ptr, u64 weight, s32 stack)
 {
-    struct alloc_key key = {.call_site = call_site, .tgid = tgid, .fn = call->fn, .stack = stack};
+    struct alloc_key key = {.call_site = call_site, .tgid = tgid, .fn = call->fn, .stack = stack,
+                            .incarnation = call->proc_incarnation};
     if (key.stack == FRAMES_NO_ROOM) {
         alloc_misc.increment(AX_FRAMES_FULL);
         key.stack = -1;

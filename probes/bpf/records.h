@@ -166,7 +166,7 @@ struct alloc_key {
     u32 tgid;
     s32 stack;     /* ALLOC_FRAMES_BASE + row of alloc_frames, or -1: not walked or no room */
     u32 fn;        /* enum alloc_fn */
-    u32 pad;
+    u32 incarnation; /* the process's alloc_procs row's: a pid reused is another process */
 };
 
 struct alloc_stats {
@@ -195,6 +195,8 @@ struct alloc_proc { /* without sampling, only what alloc_stacks rows do not coun
     u64 unknown_frees; /* of pointers not seen allocated (before attaching, or not kept) */
     u64 failed;        /* allocations that returned NULL */
     u64 untracked;     /* without sampling: allocations booked as freed (outstanding full) */
+    u32 incarnation;   /* this row's number, never 0: its process's stack rows carry it */
+    u32 pad;
     char comm[16];     /* the process's name when its row was made: it may be gone when read */
 };
 

@@ -29,8 +29,16 @@ from mtrace_live.exporters.lines import stack_table_json
 from mtrace_live.exporters.pprof import build_profile, message_class, write_profile
 from mtrace_live.exporters.prometheus import AllocFigures, MtraceCollector
 from mtrace_live.probes.alloc_sites import alloc_sites, tail_call
-from mtrace_live.probes.records import EVENT_DTYPE, AllocArg, AllocFn, EventKind
-from mtrace_live.tracer.alloc_probes import plan_sites, sample_intervals
+from mtrace_live.probes.records import (
+    ALLOC_PROC_DTYPE,
+    ALLOC_STACK_ROW_DTYPE,
+    EVENT_DTYPE,
+    VM_PROC_DTYPE,
+    AllocArg,
+    AllocFn,
+    EventKind,
+)
+from mtrace_live.tracer.alloc_probes import plan_sites, read_snapshot, sample_intervals
 from prometheus_client import CollectorRegistry
 from rich.console import Console
 
@@ -252,3 +260,43 @@ def test_a_process_root_that_cannot_be_read_leaves_the_frame_to_the_host_path(
     # WHEN an address in it is named, THEN the host's file is read instead
     found = symbols.resolve(0x7F0000000000 + 0x1000)
     assert found is not None and found.module == str(libc)
+
+
+class TablesOnly:
+    """The allocation tables as a trace program would hand them over."""
+
+    def __init__(self, tables: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        self.tables = tables
+
+    def read_table(self, table: str, key_dtype: object, value_dtype: object) -> object:
+        return self.tables[table]
+
+    def percpu_array_totals(self, table: str) -> list[int]:
+        return [0] * 16
+
+    def has_table(self, table: str) -> bool:
+        return False
+
+
+def test_a_reused_pid_s_old_stack_rows_are_not_its_new_process_s() -> None:
+    # GIVEN pid 100's stack rows of two incarnations: the first process,
+    # retired by serve (its alloc_procs row taken out), and the process that
+    # reused its pid (whose row is incarnation 2)
+    procs = np.zeros(1, ALLOC_PROC_DTYPE)
+    procs[0]["incarnation"], procs[0]["comm"] = 2, b"new"
+    stacks = np.zeros(3, ALLOC_STACK_ROW_DTYPE)
+    for row, (incarnation, calls) in enumerate(((1, 500), (2, 7), (2, 3))):
+        stacks[row]["tag"] = row + 1
+        stacks[row]["key"] = (0x401000 + row, 100, -1, 0, incarnation)
+        stacks[row]["stats"]["calls"] = calls
+    program = TablesOnly({
+        "alloc_procs": (np.array([100], "<u4"), procs),
+        "alloc_stacks": (np.arange(3, dtype="<u4"), stacks),
+        "vm_procs": (np.zeros(0, "<u4"), np.zeros(0, VM_PROC_DTYPE)),
+    })  # fmt: skip
+    # WHEN the tables are read
+    snapshot = read_snapshot(program, 0, 0)  # type: ignore[arg-type]
+    # THEN the new process has its own calls only, and the old rows are not read
+    (proc,) = snapshot.processes
+    assert (proc.tgid, proc.calls, proc.comm) == (100, 10, "new")
+    assert sorted(row.calls for row in snapshot.stacks) == [3, 7]
