@@ -154,14 +154,19 @@ ALLOC_FRAMES_BASE = 0x40000000
 # (alloc_stacks), struct alloc_proc (alloc_procs), struct outstanding and
 # struct outstanding_row (outstanding).
 ALLOC_KEY_DTYPE = np.dtype(
-    [("call_site", "<u8"), ("tgid", "<u4"), ("stack", "<i4"), ("fn", "<u4"),
-     ("incarnation", "<u4")]
+    [("call_site", "<u8"), ("tgid", "<u4"), ("stack", "<i4"), ("fn", "<u4"), ("incarnation", "<u4")]
 )
 ALLOC_STATS_FIELDS = ("calls", "bytes", "sizes", "frees", "bytes_freed", "sizes_freed", "last_ts")
 ALLOC_STATS_DTYPE = np.dtype([(name, "<u8") for name in ALLOC_STATS_FIELDS])
 ALLOC_PROC_FIELDS = ("calls", "bytes", "frees", "unknown_frees", "failed", "untracked")
-ALLOC_PROC_DTYPE = np.dtype([*((name, "<u8") for name in ALLOC_PROC_FIELDS),
-                             ("incarnation", "<u4"), ("pad", "<u4"), ("comm", "S16")])
+ALLOC_PROC_DTYPE = np.dtype(
+    [
+        *((name, "<u8") for name in ALLOC_PROC_FIELDS),
+        ("incarnation", "<u4"),
+        ("pad", "<u4"),
+        ("comm", "S16"),
+    ]
+)
 VM_PROC_FIELDS = ("mmap_calls", "mmap_bytes", "mmap_file_bytes", "munmap_calls", "munmap_bytes",
                   "mremap_calls", "mremap_grown", "mremap_shrunk", "brk_calls", "brk_grown",
                   "brk_shrunk")  # fmt: skip
