@@ -292,8 +292,8 @@ static __always_inline u64 alloc_key_hash(const struct alloc_key *key)
 {
     u64 h = (key->call_site ^ 0x84222325cbf29ce4ull) * 0x9e3779b97f4a7c15ull;
     h = (h ^ (h >> 29) ^ ((u64)key->tgid << 32 | (u32)key->stack)) * 0x9e3779b97f4a7c15ull;
-    h = (h ^ (h >> 29) ^ key->fn) * 0x9e3779b97f4a7c15ull;
-    return h | 1; /* never 0, which marks a free row */
+    h = (h ^ (h >> 29) ^ ((u64)key->incarnation << 32 | key->fn)) * 0x9e3779b97f4a7c15ull;
+    return h | 1; /* never 0, which marks a free row; the tag names the whole key */
 }
 
 /* The row of `key`, claimed if it has none; NULL when none of its
