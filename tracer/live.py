@@ -603,10 +603,15 @@ def _close_gate(trace: LiveTrace, child: GatedCommand | None, stop: _Stop,
     if child is not None:
         by_signal = stop.signal is not None and ended_by == signal.Signals(stop.signal).name
         exit_code = child.finish(
-            grace=0.0 if ended_by == "exit" else 1.0,
+            grace=0.0 if ended_by == "exit" else FORWARDED_GRACE_S if by_signal else 1.0,
             first=signal.Signals(stop.signal) if by_signal and stop.signal else None,
         )
     return settled, exit_code
+
+
+# A command given the signal that stopped the trace has this long to act on it
+# (a shell runs its trap once its foreground child returns) before SIGTERM.
+FORWARDED_GRACE_S = 5.0
 
 
 def _loop(
