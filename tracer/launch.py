@@ -16,6 +16,13 @@ from collections.abc import Sequence
 
 from mtrace_live.probes.elf.errors import TargetError
 
+# Dispositions the command gets as a shell gives a foreground job: the signals
+# run passes on (a command that inherited SIGINT ignored, as a script's
+# background job does, could not act on a Ctrl-C passed on), and those Python
+# ignores for itself (a pipe's reader gone kills the command, as it would
+# untraced).
+COMMAND_DEFAULTS = (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGXFSZ)
+
 
 def resolve_command(argv: Sequence[str]) -> list[str]:
     """The argv with its program found on PATH; TargetError if there is no
@@ -42,6 +49,8 @@ class GatedCommand:
                 go = os.read(gate_r, 1)
                 os.close(gate_r)
                 if go == b"1":
+                    for sig in COMMAND_DEFAULTS:
+                        signal.signal(sig, signal.SIG_DFL)
                     os.execv(self.argv[0], self.argv)
             except OSError as exc:
                 os.write(err_w, f"{exc.strerror}".encode())

@@ -98,6 +98,33 @@ def test_leaks_older_than_lists_what_a_live_process_still_holds(
         assert blocks.get(function, 0) == count, (function, listed)
 
 
+def ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def ignored_signals(status: str) -> set[int]:
+    """The signal numbers a /proc/PID/status text's SigIgn line holds."""
+    line = next(line for line in status.splitlines() if line.startswith("SigIgn:"))
+    mask = int(line.split()[1], 16)
+    return {sig for sig in range(1, 65) if mask >> (sig - 1) & 1}
+
+
+def test_run_starts_its_command_with_the_signals_a_shell_would_leave_it(tmp_path: Path) -> None:
+    # GIVEN mtrace-live started with SIGINT and SIGQUIT ignored (a script's
+    # background job), and a command that saves its own signal dispositions
+    status = tmp_path / "status"
+    argv = [*MTRACE, "run", "-o", "summary", "--", "sh", "-c", f"cat /proc/$$/status > {status}"]
+    ignore = lambda: [signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGQUIT)]  # noqa: E731
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, preexec_fn=ignore)
+    assert done.returncode == 0, done.stderr
+    ignored = ignored_signals(status.read_text())
+    # THEN the signals run passes on, and those Python ignores for itself
+    # (a closed pipe, a file too large), reach the command as they would untraced
+    assert not ignored & {signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGXFSZ}, ignored
+    # AND what run does not pass on stays as the command's caller left it
+    assert signal.SIGQUIT in ignored, ignored
+
+
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 42), (signal.SIGTERM, 43)])
 def test_run_passes_ctrl_c_and_sigterm_on_to_its_command(
     tmp_path: Path, sig: signal.Signals, code: int
@@ -107,9 +134,11 @@ def test_run_passes_ctrl_c_and_sigterm_on_to_its_command(
     script = (f"trap 'echo INT > {said}; exit 42' INT; trap 'echo TERM > {said}; exit 43' TERM; "
               f"touch {ready}; while :; do sleep 0.05; done")  # fmt: skip
     with Reaper() as reaper:
+        # (started with SIGINT ignored, as a script's background job is: the
+        # command must still be able to act on a Ctrl-C passed on)
         tracer = reaper.add(subprocess.Popen(
             [*MTRACE, "run", "-o", "summary", "--", "sh", "-c", script],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ignore_sigint,
         ))  # fmt: skip
         # WHEN mtrace-live gets the signal once the command runs (traced: run
         # starts it only once everything is attached)
