@@ -9,7 +9,9 @@ docs/performance.md written from it.
 Run as root after `make sdt-glibc exercisers`. Sections: usdt (1), kmem (2
 and 4), events (3), scrape (5), cost (6), rates (7: probe hit rates),
 allocs (8: every malloc and free, against bpftrace, memleak and heaptrack),
-contention (9: lock waits in time, and the tracer's observer effect). The
+contention (9: lock waits in time, and the tracer's observer effect),
+profiles (10: serve's heap profiles: building them, /metrics beside them,
+serve's default sampling). The
 peers (bpftrace, bcc's trace, perf) are looked for first; a missing one is
 named, its configurations left out, and the rest still runs.
 """
@@ -30,6 +32,7 @@ import contention_bench
 import cost_bench
 import event_bench
 import kmem_bench
+import profile_bench
 import rates_bench
 import scrape_bench
 import stacks_bench
@@ -39,7 +42,18 @@ from common import PEERS, QUICK, REPO, REPS, machine, peer_versions, say
 # Kept with the page it renders, so that a later `--only` run on a fresh
 # machine merges its sections into the committed figures.
 RESULTS = REPO / "docs" / "bench.json"
-SECTIONS = ("usdt", "kmem", "events", "scrape", "cost", "rates", "allocs", "stacks", "contention")
+SECTIONS = (
+    "usdt",
+    "kmem",
+    "events",
+    "scrape",
+    "cost",
+    "rates",
+    "allocs",
+    "stacks",
+    "contention",
+    "profiles",
+)
 # The page's sections in order, each from its part of the results.
 PAGE: tuple[tuple[str, Callable[[Any], tuple[list[str], dict[str, bool | None]]]], ...] = (
     ("usdt", usdt_bench.render),
@@ -52,6 +66,7 @@ PAGE: tuple[tuple[str, Callable[[Any], tuple[list[str], dict[str, bool | None]]]
     ("allocs", alloc_bench.render),
     ("stacks", stacks_bench.render),
     ("contention", contention_bench.render),
+    ("profiles", profile_bench.render),
 )
 
 
@@ -76,6 +91,7 @@ def measure(only: set[str]) -> dict[str, object]:
             "allocs": lambda: alloc_bench.run(tmp, peers),
             "stacks": lambda: stacks_bench.run(tmp, peers),
             "contention": lambda: contention_bench.run(tmp, peers),
+            "profiles": lambda: profile_bench.run(tmp),
         }
         durations = {}
         failed: dict[str, dict[str, str]] = {}

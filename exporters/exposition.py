@@ -48,6 +48,8 @@ from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.openmetrics import exposition as openmetrics_exposition
 from prometheus_client.registry import Collector
 
+from .profile_serving import ProfileChannel, ProfilesApp
+
 TEXT, OPENMETRICS = 0, 1
 FORMATS = (TEXT, OPENMETRICS)
 CONTENT_TYPES = {
@@ -311,8 +313,10 @@ class ServingProcess:
     the child after its last page.
     """
 
-    def __init__(self, endpoint: Any, pages: SharedPages, interval: float) -> None:
+    def __init__(self, endpoint: Any, pages: SharedPages, interval: float,
+                 channel: ProfileChannel | None = None) -> None:  # fmt: skip
         self.endpoint = endpoint
+        self.channel = channel
         self.pages = pages
         self.interval = interval
         self.pid = 0
@@ -331,6 +335,8 @@ class ServingProcess:
             finally:
                 os._exit(code)
         os.close(lifeline_read)
+        if self.channel is not None:
+            self.channel.tracing_side()
         self.pid, self._lifeline = pid, lifeline_write
         self.endpoint.release()
 
@@ -360,6 +366,9 @@ class ServingProcess:
             os.setpriority(os.PRIO_PROCESS, 0, SERVER_NICE)
         prepare()
         self.endpoint.serve_pages(PublishedApp(self.pages, self.interval))
+        if self.channel is not None:
+            self.channel.serving_side()
+            self.endpoint.serve_profiles(ProfilesApp(self.channel.ask))
 
         def watch() -> None:
             with contextlib.suppress(OSError):

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import gzip
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -132,23 +132,35 @@ def _new_profile(strings: _Strings, types: Sequence[tuple[str, str]], default: s
     return profile
 
 
+Labels = Callable[[int], Sequence[tuple[str, str]]]
+
+
 def build_profile(snapshot: AllocSnapshot, names: FrameNames, duration_ns: int = 0,
-                  comments: Sequence[str] = ()) -> Any:  # fmt: skip
-    """The Profile message of ``snapshot``."""
+                  comments: Sequence[str] = (), default: str = "inuse_space",
+                  labels: Labels | None = None) -> Any:  # fmt: skip
+    """The Profile message of ``snapshot``; ``labels`` gives a process's
+    string labels beside ``pid`` and ``allocator`` (serve's profiles)."""
     strings = _Strings()
-    profile = _new_profile(strings, SAMPLE_TYPES, "inuse_space",
+    profile = _new_profile(strings, SAMPLE_TYPES, default,
                            ("space", "bytes", snapshot.sample_bytes or 1), duration_ns,
                            comments)  # fmt: skip
     tables = _Tables(profile, strings, names)
     pid_key, allocator_key = strings("pid"), strings("allocator")
+    extra: dict[int, list[tuple[int, int]]] = {}
     for row in snapshot.stacks:
-        if not row.calls:
+        values = [row.objects, row.bytes, row.live_objects, row.live_bytes]
+        if not any(values):
             continue
         sample = profile.sample.add()
         sample.location_id.extend(tables.location_id(row.tgid, address) for address in row.frames)
-        sample.value.extend([row.objects, row.bytes, row.live_objects, row.live_bytes])
+        sample.value.extend(values)
         sample.label.add(key=pid_key, num=row.tgid)
         sample.label.add(key=allocator_key, str=strings(row.function))
+        if labels is not None:
+            if row.tgid not in extra:
+                extra[row.tgid] = [(strings(k), strings(v)) for k, v in labels(row.tgid) if v]
+            for key, value in extra[row.tgid]:
+                sample.label.add(key=key, str=value)
     profile.string_table.extend(strings.table)
     return profile
 

@@ -88,6 +88,7 @@ class AllocFigures:
     stacks: list[tuple[str, str, str, int]]  # (process, allocator, stack, live bytes)
     dropped: Mapping[str, int]  # table -> allocations it had no room for
     sampled: bool
+    profiles: Mapping[str, int] = field(default_factory=dict)  # kind -> heap profiles served
 
 
 @dataclass
@@ -176,6 +177,7 @@ class MtraceCollector(Collector):
         yield from _vm(totals)
         yield self._alloc_stacks(figures)
         yield _by_label(family("alloc_table_dropped"), figures.dropped)
+        yield _by_label(family("alloc_profiles"), figures.profiles)
 
     def _alloc_stacks(self, figures: AllocFigures) -> MetricFamily:
         stacks = family("alloc_stack_live_bytes", estimated=figures.sampled)

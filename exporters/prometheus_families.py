@@ -47,6 +47,8 @@ FAMILIES = {f.name: f for f in (
     Family("alloc_table_dropped", COUNTER, "Allocations a kernel table had no room for: "
            "outstanding (not matched to their free), stacks (not aggregated), frames "
            "(aggregated by call site alone).", ("table",)),
+    Family("alloc_profiles", COUNTER, "Heap profiles served at /debug/pprof/ (kind=whole, "
+           "delta), and delta profiles begun (kind=delta_started).", ("kind",)),
     # ---- libc
     Family("libc_probe_hits", COUNTER, "libc SDT probe hits counted in the kernel.", ("probe",)),
     Family("libc_probe_events_lost", COUNTER, "libc probe hits whose event the ring buffer had "

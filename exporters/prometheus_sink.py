@@ -28,6 +28,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 
@@ -39,9 +40,12 @@ from .data.lock_waits import ARENA, MAIN, LockWaits, WaitTimes
 from .data.processes import process_name
 from .data.sink import RunStats, Sink, TraceInfo, TraceResult
 from .exposition import PublishedApp, Renderer, SharedPages
+from .heap_profiles import HeapProfiles
+from .profile_serving import ProfileChannel, ProfilesApp
 from .prometheus import AllocFigures, LockFigures, MtraceCollector, ProcessFigures, Snapshot
 from .web import MetricsEndpoint
 
+T = TypeVar("T")
 HOUSEKEEPING_S = 5.0
 STACKS_READ = 200  # the top stacks by live bytes offered to the label cap each scrape
 
@@ -81,6 +85,7 @@ class MetricsSource:
         self._retired_allocs: dict[str, Counter[str]] = defaultdict(Counter)
         self._retired_thread_ns: Counter[str] = Counter()
         self._gone_before: set[int] = set()
+        self.profiles_served: Mapping[str, int] = {}  # the heap profiles' own count, once served
         self._last_housekeeping = time.monotonic()
         self.started = time.time()
         self._build = {
@@ -189,6 +194,17 @@ class MetricsSource:
         return name
 
     # ---- the scrape's side -----------------------------------------------
+    def read_allocations(self, build: Callable[[AllocSnapshot, Callable[[int, str], str]], T]
+                         ) -> T | None:  # fmt: skip
+        """``build`` run on the allocation tables as they are now, with the
+        name each process is kept under (heap profiles); under the read
+        lock, so that no retirement runs in the middle. None without them."""
+        if not self.info.allocs:
+            return None
+        with self._read_lock:
+            snapshot = self.counters.allocations()
+            return None if snapshot is None else build(snapshot, self._name)
+
     def snapshot(self) -> Snapshot:
         """The numbers now, or the last reading if it is younger than the
         read interval: every map read holds off the kernel's BPF programs on
@@ -293,7 +309,8 @@ class MetricsSource:
         dropped = {"outstanding": snapshot.misc.get("outstanding_full", 0),
                    "stacks": snapshot.misc.get("stacks_full", 0),
                    "frames": snapshot.misc.get("frames_full", 0)}  # fmt: skip
-        return AllocFigures(processes, stacks, dropped, sampled=bool(snapshot.sample_bytes))
+        return AllocFigures(processes, stacks, dropped, sampled=bool(snapshot.sample_bytes),
+                            profiles=dict(self.profiles_served))  # fmt: skip
 
     def _locks(self) -> dict[str, LockFigures] | None:
         """The lock waits in time by process name: the kernel keeps every
@@ -350,9 +367,11 @@ class PrometheusSink(Sink):
         symbols: KernelSymbols,
         pages: SharedPages | None = None,
         server_alive: Callable[[], bool] | None = None,
+        channel: ProfileChannel | None = None,
     ) -> None:
         """``symbols``: read while still root (serve gives root up before ``start``);
-        ``server_alive``: whether the process answering from ``pages`` still runs."""
+        ``server_alive``: whether the process answering from ``pages`` still runs;
+        ``channel``: where that process asks for heap profiles."""
         self.endpoint = endpoint
         self.options = options
         self.symbols = symbols
@@ -361,6 +380,8 @@ class PrometheusSink(Sink):
         self.source: MetricsSource | None = None
         self.renderer: Renderer | None = None
         self._server_alive = server_alive
+        self.channel = channel
+        self.profiles: HeapProfiles | None = None
         self._next_server_check = time.monotonic() + HOUSEKEEPING_S
 
     def start(self, info: TraceInfo) -> None:
@@ -383,8 +404,15 @@ class PrometheusSink(Sink):
         self.renderer = Renderer(registry, self.pages, self.options.read_interval,
                                  self.endpoint.report)  # fmt: skip
         self.renderer.start()
+        self.profiles = HeapProfiles(self.source.read_allocations, info.frame_names)
+        self.source.profiles_served = self.profiles.served
+        if self.channel is not None:
+            threading.Thread(target=self.channel.answer_forever, name="heap-profiles",
+                             args=(self.profiles.answer, self.endpoint.report),
+                             daemon=True).start()  # fmt: skip
         if self.served_here:
             self.endpoint.serve_pages(PublishedApp(self.pages, self.options.read_interval))
+            self.endpoint.serve_profiles(ProfilesApp(self.profiles.answer))
             self.endpoint.start()
         print(f"mtrace-live: serving metrics at {self.endpoint.url}", file=sys.stderr, flush=True)
 
@@ -409,6 +437,8 @@ class PrometheusSink(Sink):
     def finish(self, result: TraceResult) -> None:
         if self.renderer is not None:
             self.renderer.close()
+        if self.channel is not None:
+            self.channel.close()
         if self.served_here:
             self.endpoint.close()
 

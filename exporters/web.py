@@ -377,6 +377,15 @@ class _Server(socketserver.ThreadingMixIn, HTTPServer):
                         connection.deadline = time.monotonic() + REQUEST_DEADLINE_S
                     break
 
+    def hold(self, request: Any, seconds: float) -> None:
+        """The request being answered on ``request`` may take ``seconds``
+        more (a delta profile): its deadline moves on by that much."""
+        with self.lock:
+            for connection in self.connections.values():
+                if connection.sock is request:
+                    connection.deadline = time.monotonic() + seconds + REQUEST_DEADLINE_S
+                    break
+
     def server_close(self) -> None:
         self.closing.set()
         super().server_close()
@@ -410,16 +419,38 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             self.server.answering(self.connection, False)
 
-    def _get(self) -> None:
+    def do_POST(self) -> None:
+        """POST is taken at SYMBOL_PATH only, where go tool pprof sends the
+        addresses it found unnamed (its body, at most MAX_POST_BYTES, is read
+        and answered there); anywhere else it is a 405."""
+        if self.path.partition("?")[0] != SYMBOL_PATH:
+            self._reply(405, b"")
+            return
+        length = self.headers.get("Content-Length") or ""
+        if not length.isdigit() or int(length) > MAX_POST_BYTES:
+            self.close_connection = True
+            self._reply(411 if not length.isdigit() else 413, b"")
+            return
+        self.server.answering(self.connection, True)
+        try:
+            self.rfile.read(int(length))
+            self._get("POST")
+        finally:
+            self.server.answering(self.connection, False)
+
+    def _get(self, method: str = "GET") -> None:
         app = self.server.app
-        # The query is not passed on: client_python filters by name[] through
-        # the collectors' descriptions, and mtrace-live's collector has none
-        # (it reads the maps only when collected), so a filter would give
-        # nothing where the whole page is wanted.
+        # The query goes to the profiles only: client_python filters
+        # /metrics by name[] through the collectors' descriptions, and
+        # mtrace-live's collector has none (it reads the maps only when
+        # collected), so a filter would give nothing where the whole page is
+        # wanted.
+        path, _, query = self.path.partition("?")
         environ = {
-            "REQUEST_METHOD": "GET",
-            "PATH_INFO": self.path.partition("?")[0],
-            "QUERY_STRING": "",
+            "REQUEST_METHOD": method,
+            "PATH_INFO": path,
+            "QUERY_STRING": query if path.startswith(PROFILES_PATH) else "",
+            "mtrace.hold": lambda seconds: self.server.hold(self.connection, seconds),
             **{
                 f"HTTP_{name.upper().replace('-', '_')}": value
                 for name in ("Accept", "Accept-Encoding", "Authorization")
@@ -435,15 +466,15 @@ class _Handler(BaseHTTPRequestHandler):
             body = b"".join(app.wsgi(environ, start_response))
         except Exception as exc:  # a failed scrape is reported, and tracing goes on
             app.errors += 1
-            app.report(f"scrape failed: {exc.__class__.__name__}: {exc}")
-            self._reply(500, f"collecting the metrics failed: {exc}\n".encode())
+            app.report(f"scrape of {path[:200]!r} failed: {exc.__class__.__name__}: {exc}")
+            self._reply(500, f"answering {path[:200]!r} failed: {exc}\n".encode())
             return
         self._reply(answer[0], body, answer[1])
 
     def do_HEAD(self) -> None:
         self._reply(405, b"")
 
-    do_POST = do_PUT = do_DELETE = do_HEAD
+    do_PUT = do_DELETE = do_HEAD
 
     def _reply(self, code: int, body: bytes, headers: Mapping[str, str] | None = None) -> None:
         self.send_response(code)
@@ -463,8 +494,12 @@ class _Handler(BaseHTTPRequestHandler):
 _BUSY = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 _LANDING = (
     b"<html><head><title>mtrace-live</title></head><body><h1>mtrace-live</h1>"
-    b'<p><a href="/metrics">Metrics</a></p></body></html>\n'
+    b'<p><a href="/metrics">Metrics</a></p>'
+    b'<p><a href="/debug/pprof/">Heap profiles</a></p></body></html>\n'
 )
+PROFILES_PATH = "/debug/pprof"
+SYMBOL_PATH = PROFILES_PATH + "/symbol"
+MAX_POST_BYTES = 1 << 20
 
 
 class MetricsEndpoint:
@@ -477,6 +512,7 @@ class MetricsEndpoint:
         # Format negotiation (text or OpenMetrics) and gzip: client_python's
         # application, as its start_http_server serves it.
         self._metrics = make_wsgi_app(registry)
+        self._profiles: Callable[[dict[str, Any], StartResponse], Iterable[bytes]] | None = None
         self.errors = 0
         self._render_lock = threading.Lock()
         self._verified: set[bytes] = set()
@@ -504,6 +540,12 @@ class MetricsEndpoint:
         exporters/exposition.py) instead of collecting the registry here."""
         self._metrics = app
         self._render_lock = contextlib.nullcontext()  # type: ignore[assignment]
+
+    def serve_profiles(
+        self, app: Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
+    ) -> None:
+        """Serve /debug/pprof/... from ``app`` (exporters/profile_serving.py)."""
+        self._profiles = app
 
     def start(self) -> None:
         self._server.reaper.start()
@@ -543,6 +585,14 @@ class MetricsEndpoint:
         if path == "/":
             start_response("200 OK", [("Content-Type", "text/html; charset=utf-8")])
             return [_LANDING]
+        if path == PROFILES_PATH or path.startswith(PROFILES_PATH + "/"):
+            if self._profiles is not None:
+                return list(self._profiles(environ, start_response))
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [
+                b"no heap profiles: the allocation functions are not traced "
+                b"(--no-allocs or --no-libc)\n"
+            ]
         start_response("404 Not Found", [])
         return [b"Not Found\n"]
 

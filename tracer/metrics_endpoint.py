@@ -28,12 +28,13 @@ from dataclasses import replace
 from mtrace_live.exporters.data.kallsyms import KernelSymbols
 from mtrace_live.exporters.data.sink import Sink, TraceResult
 from mtrace_live.exporters.exposition import ServingProcess, SharedPages
+from mtrace_live.exporters.profile_serving import ProfileChannel
 from mtrace_live.exporters.prometheus_sink import ExportOptions, PrometheusSink, new_registry
 from mtrace_live.exporters.web import MetricsEndpoint, load_web_config
 
 from .live import default_sinks, run_trace
 from .plan import TraceRequest
-from .privileges import drop_privileges, resolve_user
+from .privileges import CAP_SYS_PTRACE, drop_privileges, resolve_user
 
 __all__ = ["ExportOptions", "serve_trace"]
 
@@ -47,7 +48,8 @@ def serve_trace(
     user: pwd.struct_passwd | None = resolve_user(options.run_as) if options.run_as else None
     endpoint = MetricsEndpoint(options.address, new_registry(), config)
     pages = SharedPages()
-    server = ServingProcess(endpoint, pages, options.read_interval)
+    channel = ProfileChannel()  # heap profiles, asked for by the serving process
+    server = ServingProcess(endpoint, pages, options.read_interval, channel)
     request = replace(
         request,
         bpf_stats=options.bpf_stats,
@@ -58,7 +60,8 @@ def serve_trace(
         sinks = default_sinks(request)
         if output is not None:
             sinks[-1] = output
-        metrics = PrometheusSink(endpoint, options, KernelSymbols.load(), pages, server.alive)
+        metrics = PrometheusSink(endpoint, options, KernelSymbols.load(), pages, server.alive,
+                                 channel)  # fmt: skip
         return [metrics, *sinks]
 
     def give_up_root() -> None:
@@ -67,11 +70,13 @@ def serve_trace(
 
     def before_start() -> None:
         if user is not None:  # before the first request is answered
-            print(f"mtrace-live: {drop_privileges(user)}", file=sys.stderr, flush=True)
+            said = drop_privileges(user, keep=(CAP_SYS_PTRACE,))
+            print(f"mtrace-live: {said}", file=sys.stderr, flush=True)
 
     try:
         server.start(give_up_root)
         return run_trace(request, make_sinks, before_start)
     finally:
         server.close()
+        channel.close()
         endpoint.close()

@@ -1,12 +1,19 @@
 """Giving up root once the BPF programs are attached.
 
-What the exporter does afterwards needs no privilege: it reads BPF maps and
-the ring buffer through file descriptors it already holds (since Linux 6.5
-the kernel checks CAP_BPF only when maps and programs are created, not on
+What the exporter does afterwards needs no root: it reads BPF maps and the
+ring buffer through file descriptors it already holds (since Linux 6.5 the
+kernel checks CAP_BPF only when maps and programs are created, not on
 operations through an fd), reads /proc/PID/comm and cmdline, which anyone
 may, and answers HTTP on a socket already bound. So after attaching, root
-switches to an unprivileged user (``nobody`` by default): the process keeps
-no capability, and a bug in the HTTP path is not a root bug.
+switches to an unprivileged user (``nobody`` by default).
+
+- The serving process, which answers the network, keeps no capability: a
+  bug in the HTTP path is not a root bug.
+- The tracing process keeps CAP_SYS_PTRACE alone (``keep``): the traced
+  processes' maps, the files they map (through /proc/PID/root) and their
+  memory (the arenas) are readable only with it once they are not the
+  user's, and serve meets processes that start after the switch. It never
+  attaches to a process with ptrace(2).
 
 On older kernels with unprivileged BPF disabled, map reads through an fd
 still need CAP_BPF; there the switch is skipped and said so.
@@ -14,12 +21,19 @@ still need CAP_BPF; there the switch is skipped and said so.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pwd
 from pathlib import Path
 
 from mtrace_live.probes.elf.errors import PrivilegeDropError
 
+CAP_SYS_PTRACE = 19
+CAPABILITY_NAMES = {
+    CAP_SYS_PTRACE: "CAP_SYS_PTRACE alone (to read the traced processes' maps and files)"
+}
+_PR_SET_KEEPCAPS = 8
+_CAPABILITY_VERSION_3 = 0x20080522
 UNPRIVILEGED_BPF = Path("/proc/sys/kernel/unprivileged_bpf_disabled")
 _FD_OPS_UNCHECKED_SINCE = (6, 5)
 
@@ -48,8 +62,9 @@ def map_reads_need_capability() -> bool:
     return disabled and _kernel_version() < _FD_OPS_UNCHECKED_SINCE
 
 
-def drop_privileges(user: pwd.struct_passwd) -> str:
-    """Switch to ``user`` for good (groups, gid, uid); say what was done."""
+def drop_privileges(user: pwd.struct_passwd, keep: tuple[int, ...] = ()) -> str:
+    """Switch to ``user`` for good (groups, gid, uid), keeping the
+    capabilities ``keep`` only; say what was done."""
     if os.geteuid() != 0:
         return "not root: nothing to drop"
     if map_reads_need_capability():
@@ -57,10 +72,30 @@ def drop_privileges(user: pwd.struct_passwd) -> str:
             "kept root: this kernel checks CAP_BPF on every map read while "
             "kernel.unprivileged_bpf_disabled is set"
         )
+    libc = ctypes.CDLL(None, use_errno=True)
     try:
+        if keep and libc.prctl(_PR_SET_KEEPCAPS, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
         os.setgroups([])
         os.setresgid(user.pw_gid, user.pw_gid, user.pw_gid)
         os.setresuid(user.pw_uid, user.pw_uid, user.pw_uid)
+        if keep:
+            _keep_only(libc, keep)
+            libc.prctl(_PR_SET_KEEPCAPS, 0, 0, 0, 0)
     except OSError as exc:
         raise PrivilegeDropError(f"cannot switch to user {user.pw_name}: {exc.strerror}") from None
-    return f"running as {user.pw_name} (uid {user.pw_uid}) from now on, with no capabilities"
+    held = "no capabilities" if not keep else " and ".join(CAPABILITY_NAMES[c] for c in keep)
+    return f"running as {user.pw_name} (uid {user.pw_uid}) from now on, with {held}"
+
+
+def _keep_only(libc: ctypes.CDLL, caps: tuple[int, ...]) -> None:
+    """capset(2): ``caps`` effective and permitted, nothing inheritable (the
+    permitted set survived the uid switch through PR_SET_KEEPCAPS)."""
+    header = (ctypes.c_uint32 * 2)(_CAPABILITY_VERSION_3, 0)
+    data = (ctypes.c_uint32 * 6)()  # {effective, permitted, inheritable} for caps 0-31, 32-63
+    for cap in caps:
+        word, bit = divmod(cap, 32)
+        data[3 * word] |= 1 << bit
+        data[3 * word + 1] |= 1 << bit
+    if libc.capset(header, data) != 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))

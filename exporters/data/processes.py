@@ -61,3 +61,12 @@ def process_name(pid: int) -> str:
         else:
             break
     return comm
+
+
+def process_cgroup(pid: int) -> str:
+    """The process's cgroup v2 path (``0::/system.slice/x.scope``'s path), or
+    "" once it is gone or on a machine with cgroup v1 only."""
+    for line in _read_proc(pid, "cgroup").splitlines():
+        if line.startswith(b"0::"):
+            return line[3:].decode(errors="replace")
+    return ""

@@ -319,7 +319,8 @@ def test_prometheus_stores_the_live_bytes_of_the_leaking_stacks(
         proc = start_workload([str(built("alloc_workload")), "--wait", "--out", str(truth_file)],
                               reaper)  # fmt: skip
         serve, _ = start_serve(
-            ["--pid", str(proc.pid), "--no-kmem", "--web.listen-address", f"127.0.0.1:{port}",
+            ["--pid", str(proc.pid), "--no-kmem", "--exact",
+             "--web.listen-address", f"127.0.0.1:{port}",
              "--web.config.file", str(web_tls.config)],
             tmp_path, reaper,
         )  # fmt: skip

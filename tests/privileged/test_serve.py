@@ -152,6 +152,7 @@ class Served:
     url: str
     serve_pid: int
     status: str  # /proc/PID/status of serve while it ran
+    server_status: str  # ... of its serving process (its one child)
     scrape: str
     tls: Any
 
@@ -188,9 +189,11 @@ def served(sdt: sdt_glibc.SdtGlibc, probe_exerciser: Path, web_tls: Any,
             time.sleep(0.5)
         url = f"https://127.0.0.1:{port}/metrics"
         status = Path(f"/proc/{serve.pid}/status").read_text()
+        (child,) = Path(f"/proc/{serve.pid}/task/{serve.pid}/children").read_text().split()
+        server_status = Path(f"/proc/{child}/status").read_text()
         code, scrape = fetch(url, web_tls, web_tls.password)
         assert code == 200
-        yield Served(prometheus, truth, url, serve.pid, status, scrape, web_tls)
+        yield Served(prometheus, truth, url, serve.pid, status, server_status, scrape, web_tls)
         assert stop(serve) == 0
 
 
@@ -270,10 +273,20 @@ def test_a_scrape_passes_promtool_and_names_every_metric_the_dashboard_and_rules
     assert not empty, empty
 
 
+def status_field(status: str, name: str) -> list[str]:
+    return next(line.split()[1:] for line in status.splitlines() if line.startswith(f"{name}:"))
+
+
 def test_serve_runs_as_nobody_and_refuses_a_wrong_password(served: Served) -> None:
-    uid = next(line.split()[1:] for line in served.status.splitlines() if line.startswith("Uid:"))
-    cap = next(line.split()[1] for line in served.status.splitlines() if line.startswith("CapEff:"))
-    assert uid == ["65534"] * 4 and int(cap, 16) == 0
+    # the process answering the network: nobody, with no capability
+    assert status_field(served.server_status, "Uid") == ["65534"] * 4
+    assert int(status_field(served.server_status, "CapEff")[0], 16) == 0
+    assert int(status_field(served.server_status, "CapPrm")[0], 16) == 0
+    # the tracing process: nobody, with CAP_SYS_PTRACE alone (to read maps)
+    assert status_field(served.status, "Uid") == ["65534"] * 4
+    for kind in ("CapEff", "CapPrm"):
+        assert int(status_field(served.status, kind)[0], 16) == 1 << 19, kind
+    assert int(status_field(served.status, "CapInh")[0], 16) == 0
     assert fetch(served.url, served.tls, "not-the-password")[0] == 401
     assert fetch(served.url, served.tls, None)[0] == 401
     assert fetch(served.url, served.tls, served.tls.password)[0] == 200

@@ -1,12 +1,14 @@
 """The metrics endpoint against slow clients: while 50 of them hold
 connections open, sending a header line a second or stalling the TLS
-handshake, 1,000 scrapes in a row all succeed, on plain HTTP and on TLS;
-and a client that never finishes its request is cut off at the request's
-deadline, not kept alive by trickling bytes."""
+handshake, 1,000 scrapes in a row all succeed, on plain HTTP and on TLS,
+and so do heap profiles; a client that never finishes its request is cut
+off at the request's deadline, not kept alive by trickling bytes, while a
+delta profile is held past it for its seconds."""
 
 from __future__ import annotations
 
 import contextlib
+import gzip
 import http.client
 import socket
 import ssl
@@ -16,10 +18,13 @@ from typing import Any
 
 import pytest
 from mtrace_live.exporters import web
+from mtrace_live.exporters.pprof import message_class
+from mtrace_live.exporters.profile_serving import ProfilesApp
 from mtrace_live.exporters.prometheus import MtraceCollector
 from mtrace_live.exporters.web import MetricsEndpoint, WebConfig, load_web_config
 from prometheus_client import CollectorRegistry
 
+from .test_heap_profiles import APP, profiles, stack, tables
 from .test_prometheus_export import HITS, snapshot
 
 SLOW_CLIENTS = 50
@@ -75,7 +80,8 @@ class SlowClients:
             sock.close()
 
 
-def scrape(endpoint: MetricsEndpoint, tls: ssl.SSLContext | None) -> int:
+def scrape(endpoint: MetricsEndpoint, tls: ssl.SSLContext | None, path: str = "/metrics") -> int:
+    """The status of one GET of ``path``; -1 if its body is not what the path serves."""
     if tls is None:
         connection = http.client.HTTPConnection("127.0.0.1", endpoint.port, timeout=30)
     else:
@@ -83,9 +89,12 @@ def scrape(endpoint: MetricsEndpoint, tls: ssl.SSLContext | None) -> int:
             "127.0.0.1", endpoint.port, timeout=30, context=tls
         )
     try:
-        connection.request("GET", "/metrics")
+        connection.request("GET", path)
         response = connection.getresponse()
         body = response.read()
+        if path.startswith("/debug/pprof/"):
+            profile = message_class("Profile").FromString(gzip.decompress(body))
+            return response.status if len(profile.sample) == 1 else -1
         return response.status if b"mtrace_libc_probe_hits_total" in body else -1
     finally:
         connection.close()
@@ -141,3 +150,45 @@ def test_a_request_that_trickles_in_is_cut_at_its_deadline(
         assert scrape(endpoint, None) == 200
     finally:
         endpoint.close()
+
+
+def test_heap_profiles_all_succeed_while_fifty_slow_clients_hold_connections(
+    endpoint: MetricsEndpoint, web_tls: Any
+) -> None:
+    tls = None
+    if endpoint.scheme == "https":
+        tls = ssl.create_default_context(cafile=str(web_tls.cert))
+    heap, _ = profiles(tables(stack(APP, 0x401100, 10, 64, 4)))
+    endpoint.serve_profiles(ProfilesApp(heap.answer))
+    # GIVEN 50 slow clients connected
+    slow = SlowClients(endpoint.port, SLOW_CLIENTS, tls)
+    try:
+        # WHEN 200 profiles are asked for one after the other
+        statuses = [scrape(endpoint, tls, "/debug/pprof/heap") for _ in range(200)]
+    finally:
+        slow.close()
+    # THEN every one was answered with the profile
+    assert statuses == [200] * 200
+
+
+def test_a_delta_profile_is_held_past_the_request_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # GIVEN a request deadline of half a second, and the heap profiles served
+    monkeypatch.setattr(web, "REQUEST_DEADLINE_S", 0.5)
+    endpoint = serve(WebConfig())
+    heap, _ = profiles(tables(stack(APP, 0x401100, 10, 64, 4)))
+    endpoint.serve_profiles(ProfilesApp(heap.answer))
+    try:
+        # WHEN a delta profile of 2 s is asked for
+        connection = http.client.HTTPConnection("127.0.0.1", endpoint.port, timeout=30)
+        connection.request("GET", "/debug/pprof/allocs?seconds=2")
+        response = connection.getresponse()
+        body = response.read()
+        connection.close()
+    finally:
+        endpoint.close()
+    # THEN it is answered, 2 s long, not cut at the deadline
+    assert response.status == 200
+    profile = message_class("Profile").FromString(gzip.decompress(body))
+    assert profile.duration_nanos >= 2_000_000_000

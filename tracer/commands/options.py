@@ -347,6 +347,8 @@ RULES = (
          "--sdt-glibc starts a COMMAND"),
     Rule(frozenset({"serve"}), lambda p: _given(p, "pid", "comm", "cgroup") > 1,
          "give at most one of --pid, --comm and --cgroup"),
+    Rule(frozenset({"serve"}), lambda p: _given(p, "exact", "sample_bytes") == 2,
+         "give --exact or --sample-bytes N, not both"),
     Rule(frozenset({"serve"}), lambda p: _given(p, "no_libc", "no_kmem") == 2,
          "--no-libc and --no-kmem leave nothing to serve"),
     Rule(frozenset({"count"}), lambda p: _given(p, "pid", "command") != 1,

@@ -8,6 +8,11 @@ import click
 
 from . import options
 
+# serve samples by bytes unless told --exact: one allocation kept per 512 KiB
+# on average, as Go's heap profiles (runtime.MemProfileRate) do; the cost
+# per call is then that of an empty probe, within 10% (docs/allocations.md).
+SERVE_SAMPLE_BYTES = 512 * 1024
+
 if TYPE_CHECKING:
     from ..metrics_endpoint import ExportOptions
     from ..plan import TraceRequest
@@ -52,11 +57,15 @@ if TYPE_CHECKING:
     'mtrace_alloc_stack_live_bytes; the rest are summed under stack="other".',
 )
 @options.alloc_options
+@click.option("--exact", is_flag=True,
+              help="Keep every allocation: exact counts per stack, at a higher cost per call "
+              f"(serve samples one per {SERVE_SAMPLE_BYTES} bytes by default).")  # fmt: skip
 @options.buffer_pages_option
 def serve(**params: Any) -> None:
     """Serve Prometheus metrics of the allocation functions (malloc, free,
     ...), the libc allocator probes and the kernel kmem tracepoints until
-    stopped (SIGTERM or Ctrl-C).
+    stopped (SIGTERM or Ctrl-C), and heap profiles at /debug/pprof/heap and
+    /debug/pprof/allocs (docs/prometheus.md).
 
     System-wide by default; --pid, --comm or --cgroup narrow it. Binds
     127.0.0.1 unless told otherwise; --web.config.file adds TLS and basic
@@ -67,7 +76,17 @@ def serve(**params: Any) -> None:
       mtrace-live serve --no-libc --web.listen-address :9477
       mtrace-live serve --comm nginx --lib /opt/glibc-sdt/lib/libc.so.6
     """
-    checked = ("pid", "comm", "cgroup", "no_libc", "no_kmem", "sdt_glibc", "lib")
+    checked = (
+        "pid",
+        "comm",
+        "cgroup",
+        "no_libc",
+        "no_kmem",
+        "sdt_glibc",
+        "lib",
+        "exact",
+        "sample_bytes",
+    )
     options.check("serve", {key: params[key] for key in checked})
     from mtrace_live.exporters.summary import StopLine
 
@@ -85,7 +104,7 @@ def _request(params: dict[str, Any]) -> TraceRequest:
     no_libc = params["no_libc"]
     allocs = options.alloc_settings(
         params["no_allocs"] or no_libc,
-        params["sample_bytes"],
+        0 if params["exact"] else params["sample_bytes"] or SERVE_SAMPLE_BYTES,
         params["max_outstanding"],
         params["alloc_stacks"],
     )

@@ -1,0 +1,248 @@
+"""serve's heap profiles for real: the allocation workload traced by
+``serve``, its profiles fetched by the real ``go tool pprof`` over HTTPS with
+basic auth (a delta profile, the workload in a cgroup shaped as Docker
+names a container's) and over plain HTTP (serve's default sampling), and
+checked against what the workload says it did."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import threading
+import urllib.parse
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mtrace_live.tracer.target import cgroup2_root
+
+from .conftest import built
+from .test_serve import fetch, free_port, start_serve, stop
+from .tracing import Reaper, wait_until
+
+CONTAINER = "5ca1ab1e" * 8  # a 64-digit id
+SAMPLE_BYTES = 524288  # serve's default
+
+
+@dataclass
+class Sample:
+    values: list[int]  # alloc_objects, alloc_space, inuse_objects, inuse_space
+    leaf: str  # the function of the first location: the allocation's caller
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class RawProfile:
+    samples: list[Sample]
+    period: int
+
+
+def go_raw(source: str, tmp: Path, *flags: str, ca: Path | None = None) -> RawProfile:
+    """The profile at ``source`` (a file or a URL) as ``go tool pprof -raw``
+    prints it; ``ca``: the certificate to trust (go tool pprof fetches with
+    Go's HTTP client, which reads SSL_CERT_FILE; its -tls_ca is for symbols)."""
+    env = dict(os.environ, PPROF_TMPDIR=str(tmp))  # where it keeps what it fetched
+    if ca is not None:
+        env["SSL_CERT_FILE"] = str(ca)
+    done = subprocess.run(["go", "tool", "pprof", "-raw", *flags, source], capture_output=True,
+                          text=True, timeout=300, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    head, _, rest = done.stdout.partition("\nSamples:\n")
+    samples_text, _, rest = rest.partition("\nLocations\n")
+    locations_text = rest.partition("\nMappings\n")[0]
+    leaves = {}
+    for line in locations_text.splitlines():
+        found = re.match(r"\s*(\d+): 0x[0-9a-f]+ M=\d+ (\S+)", line)
+        if found:
+            leaves[found[1]] = found[2]
+    samples: list[Sample] = []
+    for line in samples_text.splitlines()[1:]:
+        values, colon, ids = line.partition(":")
+        if colon and re.fullmatch(r"[\s\d-]+", values):
+            samples.append(Sample([int(v) for v in values.split()], leaves.get(ids.split()[0], "")))
+        else:
+            for key, value in re.findall(r"(\w+):\[([^\]]*)\]", line):
+                samples[-1].labels[key] = value
+    period = re.search(r"^Period: (\d+)", head, re.MULTILINE)
+    return RawProfile(samples, int(period[1]) if period else 0)
+
+
+def by_function(samples: list[Sample]) -> dict[str, list[int]]:
+    """The four values summed per leaf function."""
+    sums: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+    for sample in samples:
+        sums[sample.leaf] = [a + b for a, b in zip(sums[sample.leaf], sample.values, strict=True)]
+    return dict(sums)
+
+
+def truth_by_function(truth: dict[str, Any]) -> dict[str, list[int]]:
+    """The workload's own (calls, bytes, leaked calls, leaked bytes) per function."""
+    sums: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+    for site in truth["sites"]:
+        values = [site["calls"], site["bytes"], site["leaked_calls"], site["leaked_bytes"]]
+        sums[site["function"]] = [
+            a + b for a, b in zip(sums[site["function"]], values, strict=True)
+        ]
+    return dict(sums)
+
+
+class Workload:
+    """alloc_workload --wait --hold: ready, then its work on "go", then done."""
+
+    def __init__(self, reaper: Reaper, truth: Path, scale: int = 1) -> None:
+        argv = [str(built("alloc_workload")), "--wait", "--hold", "--out", str(truth),
+                "--scale", str(scale)]  # fmt: skip
+        self.proc = reaper.add(subprocess.Popen(argv, stdin=subprocess.PIPE,
+                                                stdout=subprocess.PIPE))  # fmt: skip
+        self.truth_file = truth
+        assert self.line() == b"ready\n"
+
+    def line(self) -> bytes:
+        assert self.proc.stdout is not None
+        return self.proc.stdout.readline()
+
+    def work(self) -> dict[str, Any]:
+        """Let it work; its truth once it says it is done (it holds its leaks)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(b"go\n")
+        self.proc.stdin.flush()
+        assert self.line() == b"done\n"
+        return dict(json.loads(self.truth_file.read_text()))
+
+    def end(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(b"end\n")
+        self.proc.stdin.close()
+        assert self.proc.wait(timeout=120) == 0
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+
+
+@pytest.fixture
+def container_cgroup() -> Iterator[Path]:
+    """A cgroup shaped as Docker's systemd driver names a container's."""
+    parent = cgroup2_root() / f"mtrace-live-test-{id(object())}"
+    path = parent / f"docker-{CONTAINER}.scope"
+    path.mkdir(parents=True)
+    yield path
+    for directory in (path, parent):
+        wait_until(lambda d=directory: _removed(d), f"{directory} removed")
+
+
+def _removed(directory: Path) -> bool:
+    try:
+        directory.rmdir()
+    except OSError:
+        return False
+    return True
+
+
+def delta_started(url: str, tls: Any) -> bool:
+    status, text = fetch(url, tls, tls.password)
+    return status == 200 and 'mtrace_alloc_profiles_total{kind="delta_started"} 1.0' in text
+
+
+def test_go_tool_pprof_reads_a_container_s_delta_profile_over_https_with_basic_auth(
+    web_tls: Any, tmp_path: Path, container_cgroup: Path
+) -> None:
+    # GIVEN two workloads in a container's cgroup and a decoy outside it,
+    # serve tracing the cgroup exactly, over HTTPS with basic auth
+    port = free_port()
+    cgroup = "/" + str(container_cgroup.relative_to(cgroup2_root()))
+    user = urllib.parse.quote(web_tls.user) + ":" + urllib.parse.quote(web_tls.password)
+    base = f"https://{user}@127.0.0.1:{port}/debug/pprof"
+    with Reaper() as reaper:
+        before, during = (Workload(reaper, tmp_path / f"{n}.json") for n in ("before", "during"))
+        decoy = Workload(reaper, tmp_path / "decoy.json")
+        for work in (before, during):
+            (container_cgroup / "cgroup.procs").write_text(f"{work.proc.pid}\n")
+        serve, err = start_serve(
+            ["--cgroup", cgroup, "--exact", "--no-kmem", "--web.listen-address",
+             f"127.0.0.1:{port}", "--web.config.file", str(web_tls.config)], tmp_path, reaper,
+        )  # fmt: skip
+        truth_before = before.work()
+        # WHEN go tool pprof asks for a 10-second delta, and the second
+        # workload and the decoy work once it has begun
+        delta: list[RawProfile] = []
+        fetcher = threading.Thread(target=lambda: delta.append(
+            go_raw(f"{base}/allocs", tmp_path, "-seconds", "10", ca=web_tls.cert)))  # fmt: skip
+        fetcher.start()
+        metrics = f"https://127.0.0.1:{port}/metrics"
+        wait_until(lambda: delta_started(metrics, web_tls), "the delta profile begun")
+        truth = during.work()
+        decoy.work()
+        fetcher.join(timeout=300)
+        # AND the whole profile of the first workload, and of another cgroup
+        whole = go_raw(f"{base}/heap?pid={before.proc.pid}", tmp_path, ca=web_tls.cert)
+        other = go_raw(f"{base}/heap?cgroup=/system.slice", tmp_path, ca=web_tls.cert)
+        refused = fetch(f"https://127.0.0.1:{port}/debug/pprof/heap?pid=0", web_tls,
+                        web_tls.password)  # fmt: skip
+        unauthorised = fetch(f"https://127.0.0.1:{port}/debug/pprof/heap", web_tls, "wrong")
+        for work in (before, during, decoy):
+            work.end()
+        assert stop(serve) == 0, err.read_text()
+    # THEN the delta holds exactly what the second workload did, function by
+    # function, and nothing of the first (done before it) or of the decoy
+    (window,) = delta
+    assert {s.labels["pid"] for s in window.samples} == {str(during.proc.pid)}
+    found = by_function(window.samples)
+    for function, values in truth_by_function(truth).items():
+        assert found.get(function) == values, (function, found.get(function), values)
+    # AND every sample is labelled with its process, cgroup and container
+    for sample in window.samples + whole.samples:
+        assert sample.labels["container"] == CONTAINER[:12], sample.labels
+        assert sample.labels["cgroup"] == cgroup and sample.labels["comm"] == "alloc_workload"
+    # AND the whole profile of the first holds all it did; another cgroup's, nothing
+    assert {s.labels["pid"] for s in whole.samples} == {str(before.proc.pid)}
+    found = by_function(whole.samples)
+    for function, values in truth_by_function(truth_before).items():
+        assert found.get(function) == values, (function, found.get(function), values)
+    assert other.samples == []
+    # AND a bad query and a wrong password are refused in one line
+    assert refused == (400, "pid must be a whole number from 1 to 4194304\n")
+    assert unauthorised[0] == 401
+    assert "Traceback" not in err.read_text()
+
+
+def test_serve_samples_by_default_and_go_tool_pprof_reads_it_over_http(tmp_path: Path) -> None:
+    # GIVEN the workload at 100 times its size, traced by serve at its defaults
+    port = free_port()
+    base = f"http://127.0.0.1:{port}/debug/pprof"
+    with Reaper() as reaper:
+        work = Workload(reaper, tmp_path / "truth.json", scale=100)
+        serve, err = start_serve(["--pid", str(work.proc.pid), "--no-kmem",
+                                  "--web.listen-address", f"127.0.0.1:{port}"],
+                                 tmp_path, reaper)  # fmt: skip
+        truth = work.work()
+        # WHEN go tool pprof reads the allocs profile over HTTP
+        profile = go_raw(f"{base}/allocs", tmp_path)
+        top = subprocess.run(["go", "tool", "pprof", "-top", f"{base}/heap"], capture_output=True,
+                             text=True, timeout=300,
+                             env=dict(os.environ, PPROF_TMPDIR=str(tmp_path)))  # fmt: skip
+        work.end()
+        assert stop(serve) == 0, err.read_text()
+    # THEN it is sampled once per 512 KiB on average
+    assert profile.period == SAMPLE_BYTES
+    kept = len(profile.samples)
+    calls = sum(site["calls"] for site in truth["sites"])
+    assert 0 < kept < calls / 100
+    # AND its bytes are an unbiased estimate: the sample points in B bytes
+    # are Poisson(B / period), so within 5 standard deviations of the truth
+    functions = truth_by_function(truth)
+    found = by_function(profile.samples)
+    allocated = sum(values[1] for values in functions.values())
+    estimated = sum(found.get(function, [0, 0])[1] for function in functions)
+    sigma = math.sqrt(SAMPLE_BYTES * allocated)
+    assert abs(estimated - allocated) <= 5 * sigma, (estimated, allocated)
+    live = sum(values[3] for values in functions.values())
+    live_estimated = sum(found.get(function, [0, 0, 0, 0])[3] for function in functions)
+    assert abs(live_estimated - live) <= 5 * math.sqrt(SAMPLE_BYTES * live) + SAMPLE_BYTES
+    # AND the heap profile reads over plain HTTP too
+    assert top.returncode == 0 and "Showing nodes" in top.stdout, top.stderr
+    assert "Traceback" not in err.read_text()

@@ -1,0 +1,413 @@
+"""serve's heap profiles (exporters/heap_profiles.py, exporters/profile_serving.py):
+the queries refused, the container shapes, selection, labels and deltas of
+the profile built, and the way a request travels from the serving process
+to the tracing one."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import subprocess
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mtrace_live.exporters import profile_serving
+from mtrace_live.exporters.data.alloc_snapshot import (
+    AllocSnapshot,
+    FrameNames,
+    ProcessAllocs,
+    StackRow,
+)
+from mtrace_live.exporters.data.symbolize import Symbol
+from mtrace_live.exporters.exposition import ServingProcess, SharedPages
+from mtrace_live.exporters.heap_profiles import (
+    MAX_SECONDS,
+    HeapProfiles,
+    ProfileQuery,
+    QueryError,
+    container_of,
+    parse_query,
+)
+from mtrace_live.exporters.pprof import message_class
+from mtrace_live.exporters.profile_serving import ProfileChannel, ProfilesApp
+from mtrace_live.exporters.web import MetricsEndpoint, WebConfig
+from prometheus_client import CollectorRegistry
+
+APP, DB = 4101, 4102  # two processes of the tables below
+HEX = "0123456789abcdef" * 4  # a 64-digit container id
+
+
+class Names(FrameNames):
+    """Addresses below 0x500000 name f<address>, in /usr/bin/app."""
+
+    def resolve(self, tgid: int, address: int) -> Symbol | None:
+        if address >= 0x500000:
+            return None
+        return Symbol("/usr/bin/app", f"f{address:x}", 0, None, (0x400000, 0x500000))
+
+
+def stack(tgid: int, site: int, calls: int, size: int, frees: int) -> StackRow:
+    return StackRow(tgid, "malloc", site, (site, 0x401000), calls, calls * size, calls * size,
+                    frees, frees * size, frees * size, 0)  # fmt: skip
+
+
+def tables(*rows: StackRow, sample_bytes: int = 0, misc: Mapping[str, int] | None = None
+           ) -> AllocSnapshot:  # fmt: skip
+    tgids = sorted({row.tgid for row in rows} | {APP, DB})
+    return AllocSnapshot(
+        stacks=rows,
+        processes=tuple(ProcessAllocs(tgid, 1, 1, 0, 0, 0, comm="") for tgid in tgids),
+        calls={}, misc=misc or {}, sample_bytes=sample_bytes, now_ns=0, started_ns=0,
+    )  # fmt: skip
+
+
+class Tables:
+    """The kernel's tables as a reader hands them over, changed by the test."""
+
+    def __init__(self, snapshot: AllocSnapshot | None) -> None:
+        self.snapshot = snapshot
+        self.names = {APP: "app", DB: "db"}
+
+    def __call__(self, build: Callable[[AllocSnapshot, Callable[[int, str], str]], Any]) -> Any:
+        if self.snapshot is None:
+            return None
+        return build(self.snapshot, lambda tgid, hint: self.names.get(tgid, hint or "unknown"))
+
+
+CGROUPS = {APP: f"/system.slice/docker-{HEX}.scope", DB: "/system.slice/db.service"}
+
+
+def profiles(snapshot: AllocSnapshot | None) -> tuple[HeapProfiles, Tables]:
+    source = Tables(snapshot)
+    return HeapProfiles(source, Names(), cgroup_of=lambda tgid: CGROUPS.get(tgid, "")), source
+
+
+def decoded(body: bytes) -> Any:
+    return message_class("Profile").FromString(gzip.decompress(body))
+
+
+def samples(profile: Any) -> dict[tuple[int, str], tuple[list[int], dict[str, str]]]:
+    """(pid, the leaf's function) -> (values, the string labels)."""
+    strings = profile.string_table
+    functions = {f.id: strings[f.name] for f in profile.function}
+    leaves = {loc.id: functions[loc.line[0].function_id] for loc in profile.location}
+    found = {}
+    for sample in profile.sample:
+        labels = {strings[label.key]: strings[label.str] for label in sample.label if label.str}
+        pid = next(label.num for label in sample.label if strings[label.key] == "pid")
+        found[(pid, leaves[sample.location_id[0]])] = (list(sample.value), labels)
+    return found
+
+
+def answer(heap: HeapProfiles, **request: Any) -> tuple[int, bytes]:
+    return heap.answer({"op": "profile", "profile": "heap", **request})
+
+
+# ---- queries -------------------------------------------------------------------
+
+
+def test_a_query_is_read_as_go_s_pprof_handlers_read_theirs() -> None:
+    assert parse_query("heap", "") == ProfileQuery("heap")
+    assert parse_query("allocs", "seconds=30&gc=1&debug=0") == ProfileQuery("allocs", 30)
+    assert parse_query("heap", "pid=42&comm=my%20app&cgroup=/a/b.scope") == ProfileQuery(
+        "heap", 0, 42, "my app", "/a/b.scope"
+    )
+    assert parse_query("heap", f"seconds={MAX_SECONDS}").seconds == MAX_SECONDS
+
+
+@pytest.mark.parametrize(("query", "words"), [
+    ("seconds=-1", "seconds must be a whole number from 1 to 300"),
+    ("seconds=0", "seconds must be"), ("seconds=301", "seconds must be"),
+    ("seconds=99999999999999999999", "seconds must be"), ("seconds=1.5", "seconds must be"),
+    ("seconds=", "seconds must be"), ("pid=0", "pid must be"), ("pid=-3", "pid must be"),
+    ("pid=4194305", "pid must be"), ("pid=1&pid=2", "'pid' is given more than once"),
+    ("seconds=1&seconds=1", "given more than once"), ("comm=%ff%fe", "not UTF-8"),
+    ("comm=\xff", "not UTF-8"), ("comm=", "comm must be"), ("comm=" + "x" * 256, "comm must be"),
+    ("comm=a%00b", "comm must be"), ("cgroup=/../../etc", "cgroup must be"),
+    ("cgroup=/a/./b", "cgroup must be"), ("cgroup=a/b", "cgroup must be"),
+    ("cgroup=/a//b", "cgroup must be"), ("cgroup=/a%00", "cgroup must be"),
+    ("debug=1", "go tool pprof"),
+])  # fmt: skip
+def test_a_hostile_query_is_refused_in_one_line(query: str, words: str) -> None:
+    with pytest.raises(QueryError) as refused:
+        parse_query("heap", query)
+    assert words in str(refused.value) and "\n" not in str(refused.value)
+
+
+@settings(deadline=None, max_examples=300)
+@given(st.text(alphabet=st.characters(max_codepoint=0xFF), max_size=80))
+def test_any_query_is_read_or_refused_never_raised(query: str) -> None:
+    with contextlib.suppress(QueryError):
+        parse_query("allocs", query)
+
+
+@pytest.mark.parametrize(("cgroup", "container"), [
+    (f"/system.slice/docker-{HEX}.scope", HEX[:12]),  # Docker, systemd driver
+    (f"/docker/{HEX}", HEX[:12]),  # Docker, cgroupfs driver
+    (f"/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1234.slice/"
+     f"cri-containerd-{HEX}.scope", HEX[:12]),  # containerd under Kubernetes
+    (f"/kubepods/besteffort/pod1234/{HEX}", HEX[:12]),  # Kubernetes, cgroupfs driver
+    (f"/kubepods.slice/kubepods-pod1.slice/crio-{HEX}.scope", HEX[:12]),  # CRI-O
+    (f"/machine.slice/libpod-{HEX}.scope", HEX[:12]),  # Podman, rootful
+    (f"/user.slice/user-1000.slice/user@1000.service/user.slice/libpod-{HEX}.scope",
+     HEX[:12]),  # Podman, rootless
+    (f"/libpod_parent/libpod-{HEX}", HEX[:12]),  # Podman, cgroupfs
+    (f"/system.slice/docker-{HEX}.scope/init.scope", HEX[:12]),  # systemd inside it
+    (f"/machine.slice/libpod-conmon-{HEX}.scope", ""),  # the monitor, not the container
+    ("/system.slice/nginx.service", ""), ("/", ""), ("", ""),
+    (f"/docker/{HEX[:63]}", ""),  # not an id
+])  # fmt: skip
+def test_containers_are_named_by_the_cgroup_shapes_of_their_runtimes(
+    cgroup: str, container: str
+) -> None:
+    assert container_of(cgroup) == container
+
+
+# ---- the profile ---------------------------------------------------------------
+
+
+def test_every_sample_is_labelled_with_its_process_cgroup_and_container() -> None:
+    heap, _ = profiles(tables(stack(APP, 0x401100, 10, 64, 4), stack(DB, 0x401200, 3, 100, 0)))
+    status, body = answer(heap)
+    assert status == 200
+    profile = decoded(body)
+    strings = profile.string_table
+    assert [strings[t.type] for t in profile.sample_type] == [
+        "alloc_objects", "alloc_space", "inuse_objects", "inuse_space"]  # fmt: skip
+    assert strings[profile.default_sample_type] == "inuse_space"
+    assert (strings[profile.period_type.type], strings[profile.period_type.unit]) == (
+        "space", "bytes")  # fmt: skip
+    assert samples(profile) == {
+        (APP, "f401100"): ([10, 640, 6, 384], {"allocator": "malloc", "comm": "app",
+                                               "cgroup": CGROUPS[APP],
+                                               "container": HEX[:12]}),
+        (DB, "f401200"): ([3, 300, 3, 300], {"allocator": "malloc", "comm": "db",
+                                             "cgroup": CGROUPS[DB]}),
+    }  # fmt: skip
+
+
+def test_allocs_defaults_to_alloc_space_and_sampling_gives_the_period() -> None:
+    heap, _ = profiles(tables(stack(APP, 0x401100, 10, 64, 4), sample_bytes=524288,
+                              misc={"stacks_full": 7}))  # fmt: skip
+    profile = decoded(heap.answer({"op": "profile", "profile": "allocs"})[1])
+    strings = profile.string_table
+    assert strings[profile.default_sample_type] == "alloc_space"
+    assert profile.period == 524288
+    comments = [strings[c] for c in profile.comment]
+    assert any("one allocation kept per 524288 bytes" in c for c in comments), comments
+    assert any(c.startswith("7 allocations kept by their call site alone") for c in comments)
+
+
+@pytest.mark.parametrize(("request_", "kept"), [
+    ({"pid": APP}, {APP}), ({"comm": "db"}, {DB}), ({"comm": "nothing"}, set()),
+    ({"cgroup": "/system.slice"}, {APP, DB}), ({"cgroup": "/system.slice/db.service"}, {DB}),
+    ({"cgroup": "/system.slice/db"}, set()), ({"cgroup": "/"}, {APP, DB}),
+])  # fmt: skip
+def test_processes_are_selected_by_pid_comm_and_cgroup(
+    request_: dict[str, Any], kept: set[int]
+) -> None:
+    heap, _ = profiles(tables(stack(APP, 0x401100, 10, 64, 4), stack(DB, 0x401200, 3, 100, 0)))
+    status, body = answer(heap, **request_)
+    assert status == 200
+    assert {pid for pid, _ in samples(decoded(body))} == kept
+
+
+def test_an_unknown_pid_is_a_400_and_no_allocations_a_404() -> None:
+    heap, _ = profiles(tables(stack(APP, 0x401100, 10, 64, 4)))
+    assert answer(heap, pid=999) == (400, b"no traced process has pid 999\n")
+    untraced, _ = profiles(None)
+    assert answer(untraced)[0] == 404
+    assert untraced.answer({"op": "mark"})[0] == 404
+
+
+def test_a_delta_is_what_each_stack_did_since_its_start() -> None:
+    # GIVEN tables, and a delta begun on them
+    heap, source = profiles(tables(stack(APP, 0x401100, 10, 64, 4), stack(DB, 0x401200, 3, 8, 3)))
+    status, token = heap.answer({"op": "mark"})
+    assert status == 200
+    # WHEN APP's stack allocates 5 more and frees 6, DB's pid is a new process
+    # (fewer calls than before), and a new stack appears
+    source.snapshot = tables(stack(APP, 0x401100, 15, 64, 10), stack(DB, 0x401200, 2, 8, 0),
+                             stack(APP, 0x401300, 1, 16, 0))  # fmt: skip
+    status, body = answer(heap, since=token.decode())
+    # THEN each value is the change, every value (inuse too, as Go's deltas)
+    assert status == 200
+    found = samples(decoded(body))
+    assert {key: values for key, (values, _) in found.items()} == {
+        (APP, "f401100"): [5, 320, -1, -64],
+        (DB, "f401200"): [2, 16, 2, 16],
+        (APP, "f401300"): [1, 16, 1, 16],
+    }
+    assert decoded(body).duration_nanos > 0
+    # AND the start is used once
+    assert answer(heap, since=token.decode())[0] == 503
+    assert dict(heap.served) == {"whole": 0, "delta": 1, "delta_started": 1}
+
+
+def test_a_delta_of_a_stack_that_did_nothing_has_no_sample() -> None:
+    heap, _ = profiles(tables(stack(APP, 0x401100, 10, 64, 4)))
+    token = heap.answer({"op": "mark"})[1].decode()
+    assert len(decoded(answer(heap, since=token)[1]).sample) == 0
+
+
+def test_a_profile_of_a_process_gone_is_still_valid() -> None:
+    # GIVEN the rows of a process that has exited, named by real frame names
+    gone = subprocess.Popen(["true"])
+    assert gone.wait() == 0
+    rows = (stack(gone.pid, 0x7F0000001000, 4, 32, 0),)
+    source = Tables(tables(*rows))
+    heap = HeapProfiles(source, FrameNames())
+    # WHEN its profile is built
+    status, body = answer(heap)
+    # THEN it is a profile, with its sample at an unnamed address
+    assert status == 200
+    profile = decoded(body)
+    assert [list(s.value) for s in profile.sample] == [[4, 128, 4, 128]]
+    assert profile.location[0].address == 0x7F0000001000
+
+
+# ---- the way a request travels -------------------------------------------------
+
+
+@pytest.fixture
+def channel() -> Iterator[ProfileChannel]:
+    made = ProfileChannel()
+    yield made
+    made.close()
+
+
+def answering(channel: ProfileChannel, handle: Callable[[Mapping[str, Any]], Any]) -> None:
+    threading.Thread(target=channel.answer_forever, args=(handle, lambda line: None),
+                     daemon=True).start()  # fmt: skip
+
+
+def test_a_late_answer_is_not_taken_for_the_next_one(
+    channel: ProfileChannel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # GIVEN a tracing side whose first answer comes after the asker gave up
+    monkeypatch.setattr(profile_serving, "ASK_TIMEOUT_S", 0.2)
+    release = threading.Event()
+
+    def handle(request: Mapping[str, Any]) -> tuple[int, bytes]:
+        if request["n"] == 1:
+            release.wait(30)
+        return 200, str(request["n"]).encode()
+
+    answering(channel, handle)
+    assert channel.ask({"n": 1})[0] == 503
+    release.set()
+    # THEN the next request gets its own answer, not the late one
+    assert channel.ask({"n": 2}) == (200, b"2")
+    assert channel.ask({"n": 3}) == (200, b"3")
+
+
+def test_a_failed_profile_is_its_request_s_500_and_the_channel_goes_on(
+    channel: ProfileChannel,
+) -> None:
+    said: list[str] = []
+
+    def handle(request: Mapping[str, Any]) -> tuple[int, bytes]:
+        if request["n"] == 1:
+            raise RuntimeError("boom")
+        return 200, b"x" * 3_000_000
+
+    threading.Thread(target=channel.answer_forever, args=(handle, said.append),
+                     daemon=True).start()  # fmt: skip
+    status, body = channel.ask({"n": 1})
+    assert status == 500 and b"RuntimeError: boom" in body
+    assert said and "\n" not in said[0]
+    assert channel.ask({"n": 2}) == (200, b"x" * 3_000_000)
+
+
+def test_a_closed_tracing_side_is_a_503() -> None:
+    lone = ProfileChannel()  # its tracing end closed: nobody answers
+    lone.serving_side()
+    assert lone.ask({"op": "mark"})[0] == 503
+    lone.close()
+
+
+def wsgi(app: ProfilesApp, path: str, query: str = "",
+         hold: Callable[[float], None] | None = None) -> tuple[str, bytes]:  # fmt: skip
+    got: list[str] = []
+    environ = {"PATH_INFO": path, "QUERY_STRING": query}
+    if hold is not None:
+        environ["mtrace.hold"] = hold  # type: ignore[assignment]
+    body = b"".join(app(environ, lambda status, headers: got.append(status)))
+    return got[0], body
+
+
+def test_the_app_refuses_before_asking_and_asks_twice_for_a_delta() -> None:
+    asked: list[dict[str, Any]] = []
+
+    def ask(request: Mapping[str, Any]) -> tuple[int, bytes]:
+        asked.append(dict(request))
+        return (200, b"token") if request["op"] == "mark" else (200, b"profile")
+
+    app = ProfilesApp(ask)
+    assert wsgi(app, "/debug/pprof/")[0] == "200 OK"
+    assert wsgi(app, "/debug/pprof/goroutine")[0] == "404 Not Found"
+    assert wsgi(app, "/debug/pprof/heap", "pid=x")[0] == "400 Bad Request"
+    assert asked == []
+    held: list[float] = []
+    assert wsgi(app, "/debug/pprof/allocs", "seconds=1&comm=app", held.append) == (
+        "200 OK", b"profile")  # fmt: skip
+    assert [r["op"] for r in asked] == ["mark", "profile"]
+    assert asked[1] == {"op": "profile", "profile": "allocs", "pid": None, "comm": "app",
+                        "cgroup": None, "since": "token"}  # fmt: skip
+    assert held == [1 + profile_serving.ASK_TIMEOUT_S]
+
+
+def fetch(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_a_forked_server_serves_the_tracing_process_s_profiles() -> None:
+    # GIVEN an endpoint served by a process of its own, asking this one
+    heap, _ = profiles(tables(stack(APP, 0x401100, 10, 64, 4)))
+    channel = ProfileChannel()
+    endpoint = MetricsEndpoint("127.0.0.1:0", CollectorRegistry(), WebConfig())
+    server = ServingProcess(endpoint, SharedPages(slot_bytes=1 << 16), 0.1, channel)
+    server.start(lambda: None)
+    answering(channel, heap.answer)
+    base = endpoint.url.removesuffix("/metrics")
+    try:
+        # WHEN the profile, a delta of it and a bad query are asked for
+        status, body = fetch(f"{base}/debug/pprof/heap?comm=app")
+        delta_status, delta = fetch(f"{base}/debug/pprof/allocs?seconds=1")
+        bad = fetch(f"{base}/debug/pprof/heap?seconds=-5")
+    finally:
+        server.close()
+        channel.close()
+    # THEN each is answered from this process's tables
+    assert status == 200 and samples(decoded(body))[(APP, "f401100")][0] == [10, 640, 6, 384]
+    assert delta_status == 200 and len(decoded(delta).sample) == 0
+    assert bad == (400, b"seconds must be a whole number from 1 to 300\n")
+
+
+def test_profiles_are_not_served_where_allocations_are_not_traced() -> None:
+    endpoint = MetricsEndpoint("127.0.0.1:0", CollectorRegistry(), WebConfig())
+    endpoint.start()
+    try:
+        status, body = fetch(endpoint.url.removesuffix("/metrics") + "/debug/pprof/heap")
+    finally:
+        endpoint.close()
+    assert status == 404 and b"not traced" in body
+
+
+def test_a_profile_s_pid_label_is_a_number_and_the_rest_strings() -> None:
+    heap, _ = profiles(tables(replace(stack(APP, 0x401100, 1, 8, 0), function="calloc")))
+    profile = decoded(answer(heap)[1])
+    labels = {profile.string_table[label.key]: label for label in profile.sample[0].label}
+    assert labels["pid"].num == APP and not labels["pid"].str
+    assert profile.string_table[labels["allocator"].str] == "calloc"

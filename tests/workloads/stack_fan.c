@@ -1,0 +1,66 @@
+/* Allocations under many distinct call stacks, for building heap profiles
+ * of a known size (bench section 10).
+ *
+ * stack_fan N: allocation i (0 <= i < N) is made through a chain of
+ * BITS noinline calls, each to left() or right() by one bit of i, so that
+ * the N allocations have N distinct stacks of BITS + 3 frames. Every block
+ * stays allocated. The program prints "ready" and waits for a line on
+ * standard input before the work, then prints "done" and waits for another
+ * before it exits (its blocks still held). */
+#include <stdio.h>
+#include <stdlib.h>
+
+#define BITS 15 /* up to 32,768 distinct stacks */
+#define NOINLINE __attribute__((noinline))
+
+static volatile unsigned long calls; /* work after each call: no tail call folds a frame */
+
+NOINLINE void *step(int level, unsigned long i);
+
+NOINLINE void *left(int level, unsigned long i)
+{
+    void *p = step(level + 1, i);
+    calls++;
+    return p;
+}
+
+NOINLINE void *right(int level, unsigned long i)
+{
+    void *p = step(level + 1, i);
+    calls++;
+    return p;
+}
+
+NOINLINE void *step(int level, unsigned long i)
+{
+    if (level == BITS)
+        return malloc(32 + (i & 7) * 8);
+    void *p = (i >> level & 1) ? right(level, i) : left(level, i);
+    calls++;
+    return p;
+}
+
+static int wait_line(void)
+{
+    char line[16];
+    return fgets(line, sizeof(line), stdin) != NULL;
+}
+
+int main(int argc, char **argv)
+{
+    unsigned long n = argc > 1 ? strtoul(argv[1], NULL, 10) : 1000;
+    if (n > 1UL << BITS)
+        n = 1UL << BITS;
+    void **blocks = calloc(n, sizeof(void *));
+    printf("ready\n");
+    fflush(stdout);
+    if (!wait_line())
+        return 3;
+    for (unsigned long i = 0; i < n; i++)
+        blocks[i] = step(0, i);
+    printf("done\n");
+    fflush(stdout);
+    if (!wait_line())
+        return 3;
+    return blocks[0] == NULL;
+}
