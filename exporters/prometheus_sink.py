@@ -169,7 +169,8 @@ class MetricsSource:
                     self._retired_thread_ns[name] += time_.thread_ns
             self.counters.forget(set(names))
             self.info.frame_names.forget(set(names))
-            for pid in names:
+            for pid in names:  # a scrape since _retire may have named it again
+                self._names.pop(pid, None)
                 self._lock_names.pop(pid, None)
             self._last = None  # the next scrape reads the tables as they are now
 

@@ -387,3 +387,26 @@ def test_serve_retires_the_kernel_rows_of_processes_gone_and_keeps_their_counts(
     assert after.allocs.processes["child"]["calls"] == 100
     assert after.locks["child"].thread_ns == 7_000
     assert "unknown" not in after.allocs.processes
+
+
+def test_a_pid_retired_while_scraped_is_not_named_after_its_old_process() -> None:
+    # GIVEN the kernel's row of a process gone, seen gone once already
+    gone = ProcessAllocs(PID, 100, 6_400, 90, 2, 1, comm="child")
+    counters = PlainCounters(snapshot=replace(alloc_snapshot(0x401234), processes=(gone,)))
+    source = MetricsSource(trace_info(counters, allocs=True), KernelSymbols(""), read_interval=0)
+    source.housekeep()
+    # WHEN a scrape reads the tables between housekeeping's two steps (the
+    # process retired, its kernel rows not yet taken out)
+    retiring = source._retire()
+    assert retiring == {PID: "child"}
+    scraped = source.snapshot()
+    assert scraped.allocs is not None and scraped.allocs.processes["child"]["calls"] == 100
+    source._retire_kernel_rows(retiring)
+    # AND another program is given the pid later
+    newcomer = ProcessAllocs(PID, 7, 70, 0, 0, 0, comm="other")
+    counters.snapshot = replace(counters.snapshot, processes=(newcomer,))
+    after = source.snapshot()
+    # THEN its calls are its own, and the old process's stay as they were
+    assert after.allocs is not None
+    assert after.allocs.processes["other"]["calls"] == 7
+    assert after.allocs.processes["child"]["calls"] == 100
