@@ -49,8 +49,10 @@ def test_a_minute_of_churn_is_counted_exactly_and_leaves_nothing_behind(
     tmp_path: Path, pids_that_wrap: None
 ) -> None:
     # GIVEN a minute of churn under both tracers and bpftrace, its pids reused
-    # every ~20 s
-    result = soak(60, tmp_path, every=5.0, maps_every=15.0)
+    # every ~20 s (alone: at this pid_max, other programs beside it would be
+    # given pids the churn freed within serve's retirement window, a limit
+    # docs/reliability.md states; make soak runs them at the machine's pid_max)
+    result = soak(60, tmp_path, every=5.0, maps_every=15.0, neighbours=False)
     # THEN the churn ran: processes by the thousand, and allocations by the million
     assert result.churn["failures"] == 0
     assert result.churn["processes"] + result.churn["execs"] >= 2 * WRAPPED_PID_MAX

@@ -2,7 +2,9 @@
 
 Two tracers run side by side for SOAK_MINUTES (default 30) while the churn
 workload (tests/workloads/churn.c) starts and ends processes by the thousand,
-threads, dlopen/dlclose, fork/exec and allocation bursts:
+threads, dlopen/dlclose, fork/exec and allocation bursts, and other programs
+(``ls``, in a shell loop: NEIGHBOURS) start beside it, so that pids the churn
+used go to programs of other names:
   - ``serve`` system-wide (the default), and
   - ``serve --pid`` of the churn (which follows its forks),
 with bpftrace beside them counting the churn's allocations as the kernel
@@ -51,6 +53,7 @@ MTRACE = [sys.executable, "-m", "mtrace_live.tracer.cli"]
 SERVE_READY = "serving metrics at"
 BPFTRACE_READY = "bpftrace-ready"
 NAME = f"churn{os.getpid()}"[:15]  # the churn's process name (comm), this run's own
+NEIGHBOURS = ["sh", "-c", "while :; do ls / > /dev/null; done"]  # programs of other names
 CAPS = {"process": 50, "stack": 20, "function": 20}  # serve's defaults, each plus "other"
 RSS_MINUTE = 5  # RSS growth is measured from here to the end
 RSS_GROWTH = 0.05
@@ -311,14 +314,17 @@ def libc_of(pid: int) -> Path:
     raise RuntimeError(f"process {pid} maps no libc")
 
 
-def soak(seconds: float, tmp: Path, every: float = 10.0, maps_every: float = 60.0) -> Result:
-    """Run the churn for ``seconds`` under both tracers and bpftrace."""
+def soak(seconds: float, tmp: Path, every: float = 10.0, maps_every: float = 60.0,
+         neighbours: bool = True) -> Result:  # fmt: skip
+    """Run the churn for ``seconds`` under both tracers and bpftrace, and
+    (``neighbours``) the programs of other names beside it."""
     program = tmp / NAME
     shutil.copy2(BUILD / "churn", program)
     argv = [str(program), str(BUILD / "libcfi_plugin.so"), str(seconds)]
     churn = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     tracers: list[Tracer] = []
     bpftrace = None
+    others = None
     try:
         assert churn.stdout is not None and churn.stdin is not None
         if churn.stdout.readline() != b"ready\n":
@@ -328,7 +334,11 @@ def soak(seconds: float, tmp: Path, every: float = 10.0, maps_every: float = 60.
         bpftrace, out = start_bpftrace(libc_of(churn.pid), tmp)
         churn.stdin.write(b"go")
         churn.stdin.close()
+        others = subprocess.Popen(NEIGHBOURS, stdout=subprocess.DEVNULL) if neighbours else None
         follow(churn, tracers, every, maps_every)
+        if others is not None:
+            others.kill()
+            others.wait()
         totals = json.loads(churn.stdout.read())
         churn.stdout.close()
         settle(tracers)
@@ -340,7 +350,8 @@ def soak(seconds: float, tmp: Path, every: float = 10.0, maps_every: float = 60.
         wait_unloaded(tracers)
         return Result(seconds, totals, counted, tracers)
     finally:
-        for proc in [churn, *(t.proc for t in tracers), *([bpftrace] if bpftrace else [])]:
+        rest = [p for p in (bpftrace, others) if p is not None]
+        for proc in [churn, *(t.proc for t in tracers), *rest]:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
