@@ -1,10 +1,12 @@
 """Section 10: heap profiles on serve (/debug/pprof/heap and /allocs).
 
-1. Building a profile: ``stack_fan N`` (tests/workloads/stack_fan.c) holds
-   N blocks under N distinct stacks of 34 frames; ``serve --pid --exact``
-   traces it. The profile is fetched over HTTP: the first fetch (every
-   frame named for the first time) and then ``FETCHES`` more (the median and
-   the slowest), for 1,000 and 30,000 stacks. Memory: the tracing process's
+1. Building a profile: ``stack_fan N --churn`` (tests/workloads/stack_fan.c)
+   holds N blocks under N distinct stacks of 35 frames and makes each again,
+   round after round, so that every stack's counts change between two
+   profiles; ``serve --pid --exact`` traces it. The profile is fetched over
+   HTTP: the first fetch (every frame named for the first time) and then
+   ``FETCHES`` more (the median and the slowest), for 1,000 and 30,000
+   stacks. Memory: the tracing process's
    resident set before the first fetch and after the last. The metrics
    page's own render time (the same tables read) is taken from the page.
 2. ``/metrics`` while profiles are scraped: 100 scrapes a second for
@@ -65,7 +67,7 @@ class Fan:
     """stack_fan N, waiting; its blocks made once told."""
 
     def __init__(self, stacks: int) -> None:
-        self.process = subprocess.Popen([str(BUILD / "stack_fan"), str(stacks)],
+        self.process = subprocess.Popen([str(BUILD / "stack_fan"), str(stacks), "--churn"],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         text=True)  # fmt: skip
         assert self.process.stdout is not None and self.process.stdout.readline() == "ready\n"
@@ -223,8 +225,10 @@ def run(tmp: Path) -> dict[str, object]:
 
 def render(data: dict) -> tuple[list[str], dict[str, bool | None]]:
     lines = ["## 10. Heap profiles on serve", "",
-             "**Building a profile.** `stack_fan N` holds N blocks under N distinct stacks of 34 "
-             "frames, traced by `serve --pid --exact`; `/debug/pprof/heap` fetched over HTTP: "
+             "**Building a profile.** `stack_fan N --churn` holds N blocks under N distinct "
+             "stacks of 35 frames and makes each again, round after round (every stack's counts "
+             "change between two profiles), traced by `serve --pid --exact`; "
+             "`/debug/pprof/heap` fetched over HTTP: "
              f"the first fetch (every frame named for the first time), then {FETCHES} more. "
              "The tracing process's resident memory before the first fetch and after the "
              "last; the metrics page's render time over the same tables.", "",

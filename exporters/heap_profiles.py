@@ -38,7 +38,7 @@ from urllib.parse import parse_qsl
 
 from .data.alloc_snapshot import AllocSnapshot, FrameNames, StackRow
 from .data.processes import process_cgroup
-from .pprof import build_profile, profile_bytes
+from .pprof import HeapEncoder
 
 PROFILES = {"heap": "inuse_space", "allocs": "alloc_space"}  # name -> default sample type
 PREFIX = "/debug/pprof/"
@@ -187,6 +187,7 @@ class HeapProfiles:
         self.read = read
         self.names = names
         self.cgroup_of = cgroup_of
+        self.encoder = HeapEncoder(names)
         self.cgroups: dict[int, str] = {}  # the last cgroup seen per process
         self._marks: dict[str, tuple[float, dict[Any, StackRow]]] = {}
         self._lock = threading.Lock()
@@ -249,16 +250,14 @@ class HeapProfiles:
             duration_ns = int((time.monotonic() - started) * 1e9)
             seconds = round(duration_ns / 1e9)
             rows = [_delta(row, base.get(_key(row))) for row in rows]
-        chosen = replace(snapshot, stacks=tuple(rows))
-
-        def labels(tgid: int) -> list[tuple[str, str]]:
-            cgroup = cgroups.get(tgid, "")
-            return [("comm", comms.get(tgid, "")), ("cgroup", cgroup),
-                    ("container", container_of(cgroup))]  # fmt: skip
-
-        profile = build_profile(chosen, self.names, duration_ns, comments(snapshot, seconds),
-                                PROFILES.get(query.profile, "inuse_space"), labels)  # fmt: skip
-        body = profile_bytes(profile)
+        labels = {tgid: (("comm", comms[tgid]), ("cgroup", cgroups.get(tgid, "")),
+                         ("container", container_of(cgroups.get(tgid, ""))))
+                  for tgid in keep}  # fmt: skip
+        with self._lock:
+            self.encoder.retain(set(comms))
+            body = self.encoder.encode(rows, labels.__getitem__, snapshot.sample_bytes,
+                                       PROFILES.get(query.profile, "inuse_space"), duration_ns,
+                                       comments(snapshot, seconds))  # fmt: skip
         with self._lock:
             self.served["delta" if since is not None else "whole"] += 1
         return 200, body

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import gzip
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from .data.alloc_snapshot import AllocSnapshot, FrameNames
+from .data.alloc_snapshot import AllocSnapshot, FrameNames, StackRow
 from .data.lock_waits import LockWaits
 from .data.sink import FileAtEndSink, TraceResult, write_file
 from .data.symbolize import Symbol
@@ -132,7 +132,7 @@ def _new_profile(strings: _Strings, types: Sequence[tuple[str, str]], default: s
     return profile
 
 
-Labels = Callable[[int], Sequence[tuple[str, str]]]
+Labels = Callable[[int], Sequence[tuple[str, str]]]  # a process's string labels
 
 
 def build_profile(snapshot: AllocSnapshot, names: FrameNames, duration_ns: int = 0,
@@ -148,7 +148,7 @@ def build_profile(snapshot: AllocSnapshot, names: FrameNames, duration_ns: int =
     pid_key, allocator_key = strings("pid"), strings("allocator")
     extra: dict[int, list[tuple[int, int]]] = {}
     for row in snapshot.stacks:
-        values = [row.objects, row.bytes, row.live_objects, row.live_bytes]
+        values = row.heap_values
         if not any(values):
             continue
         sample = profile.sample.add()
@@ -163,6 +163,127 @@ def build_profile(snapshot: AllocSnapshot, names: FrameNames, duration_ns: int =
                 sample.label.add(key=key, str=value)
     profile.string_table.extend(strings.table)
     return profile
+
+
+_SMALL = [bytes([n]) for n in range(0x80)]
+_SAMPLE_TAG, _VALUE_TAG, _STRING_TAG = (
+    b"\x12",
+    b"\x12",
+    b"\x32",
+)  # Profile.sample, Sample.value, Profile.string_table
+
+
+def _varint(number: int) -> bytes:
+    """A protobuf varint (an int64 below 0 as its 64-bit two's complement)."""
+    if number < 0:
+        number += 1 << 64
+    if number < 0x80:
+        return _SMALL[number]
+    out = bytearray()
+    while number >= 0x80:
+        out.append(number & 0x7F | 0x80)
+        number >>= 7
+    out.append(number)
+    return bytes(out)
+
+
+def _framed(tag: bytes, payload: bytes) -> bytes:
+    return tag + _varint(len(payload)) + payload
+
+
+class HeapEncoder:
+    """Heap profiles (``build_profile``'s, for serve) encoded against tables
+    kept from one profile to the next: each string, function, mapping and
+    location is added once, and each (process, allocator, stack, labels)
+    row's location ids and labels are encoded once; a profile then encodes
+    its rows' four values, and a row whose values did not change since the
+    last profile is reused whole. The tables start again once they hold
+    many more locations than the rows kept refer to (processes gone)."""
+
+    def __init__(self, names: FrameNames) -> None:
+        self.names = names
+        self._start()
+
+    def _start(self) -> None:
+        self.strings = _Strings()
+        self._dictionary = message_class("Profile")()  # locations, functions, mappings
+        self.tables = _Tables(self._dictionary, self.strings, self.names)
+        self._dictionary_bytes = (0, 0, 0, b"")
+        self._encoded_strings: list[bytes] = []
+        # (process, allocator, stack) -> (its location ids and labels, encoded;
+        # those labels; its last values; that sample, encoded)
+        self._rows: dict[tuple[Any, ...], tuple[bytes, Any, tuple[int, ...], bytes]] = {}
+
+    def retain(self, tgids: set[int]) -> None:
+        """Keep the rows of these processes only (the others are gone); the
+        locations of those gone go when the tables start again."""
+        if not {key[0] for key in self._rows} <= tgids:
+            self._rows = {key: row for key, row in self._rows.items() if key[0] in tgids}
+            if len(self._dictionary.location) > 4 * len(self._rows) + 100_000:
+                self._start()
+
+    def encode(self, rows: Iterable[StackRow], labels: Labels, sample_bytes: int,
+               default: str, duration_ns: int, comments: Sequence[str]) -> bytes:  # fmt: skip
+        """The gzipped profile of ``rows``, as ``build_profile`` makes it."""
+        samples = [self._sample(row, labels) for row in rows]
+        header = message_class("Profile")()
+        for kind, unit in SAMPLE_TYPES:
+            header.sample_type.add(type=self.strings(kind), unit=self.strings(unit))
+        header.default_sample_type = self.strings(default)
+        header.period_type.type = self.strings("space")
+        header.period_type.unit = self.strings("bytes")
+        header.period = sample_bytes or 1
+        header.time_nanos = time.time_ns() - duration_ns
+        header.duration_nanos = duration_ns
+        self._encode_strings()
+        extra = [_framed(_STRING_TAG, text.encode()) for text in comments]
+        header.comment.extend(range(len(self.strings.table), len(self.strings.table) + len(extra)))
+        raw = b"".join([header.SerializeToString(), self._dictionary_encoded(),
+                        *(sample for sample in samples if sample),
+                        *self._encoded_strings, *extra])  # fmt: skip
+        return gzip.compress(raw, compresslevel=1, mtime=0)
+
+    def _sample(self, row: StackRow, labels: Labels) -> bytes:
+        """One row's Sample, framed as a field of Profile; b"" if all its values are 0."""
+        extra = labels(row.tgid)
+        key = (row.tgid, row.function, row.frames)
+        values = row.heap_values
+        known = self._rows.get(key)
+        if known is not None and known[1] == extra:
+            if known[2] == values:
+                return known[3]
+            prefix = known[0]
+        else:
+            prefix = self._prefix(row, extra)
+        sample = b""
+        if any(values):
+            packed = _framed(_VALUE_TAG, b"".join([_varint(value) for value in values]))
+            sample = _framed(_SAMPLE_TAG, prefix + packed)
+        self._rows[key] = (prefix, extra, values, sample)
+        return sample
+
+    def _prefix(self, row: StackRow, extra: Sequence[tuple[str, str]]) -> bytes:
+        """A Sample holding the row's location ids and labels, encoded."""
+        sample = message_class("Sample")()
+        sample.location_id.extend(self.tables.location_id(row.tgid, a) for a in row.frames)
+        sample.label.add(key=self.strings("pid"), num=row.tgid)
+        sample.label.add(key=self.strings("allocator"), str=self.strings(row.function))
+        for key, value in extra:
+            if value:
+                sample.label.add(key=self.strings(key), str=self.strings(value))
+        return bytes(sample.SerializeToString())
+
+    def _dictionary_encoded(self) -> bytes:
+        """The locations, functions and mappings, encoded again only when added to."""
+        sizes = (len(self._dictionary.location), len(self._dictionary.function),
+                 len(self._dictionary.mapping))  # fmt: skip
+        if sizes != self._dictionary_bytes[:3]:
+            self._dictionary_bytes = (*sizes, self._dictionary.SerializeToString())
+        return self._dictionary_bytes[3]
+
+    def _encode_strings(self) -> None:
+        for text in self.strings.table[len(self._encoded_strings) :]:
+            self._encoded_strings.append(_framed(_STRING_TAG, text.encode()))
 
 
 CONTENTION_TYPES = (("contentions", "count"), ("delay", "nanoseconds"))

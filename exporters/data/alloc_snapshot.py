@@ -51,6 +51,14 @@ class StackRow:
     def live_objects(self) -> int:
         return round((self.calls - self.frees) * self.scale)
 
+    @property
+    def heap_values(self) -> tuple[int, int, int, int]:
+        """A heap profile's four values: alloc_objects, alloc_space,
+        inuse_objects, inuse_space."""
+        scale = self.scale
+        return (round(self.calls * scale), self.bytes, round((self.calls - self.frees) * scale),
+                self.bytes - self.bytes_freed)  # fmt: skip
+
 
 @dataclass(frozen=True)
 class ProcessAllocs:

@@ -411,3 +411,44 @@ def test_a_profile_s_pid_label_is_a_number_and_the_rest_strings() -> None:
     labels = {profile.string_table[label.key]: label for label in profile.sample[0].label}
     assert labels["pid"].num == APP and not labels["pid"].str
     assert profile.string_table[labels["allocator"].str] == "calloc"
+
+
+# ---- the encoder kept between profiles -------------------------------------------
+
+
+def contents(profile: Any) -> set[tuple[tuple[int, ...], tuple[str, ...], tuple[Any, ...]]]:
+    """Each sample as (values, its frames' function names, its labels), by meaning."""
+    strings = profile.string_table
+    functions = {f.id: strings[f.name] for f in profile.function}
+    named = {loc.id: functions[loc.line[0].function_id] if loc.line else hex(loc.address)
+             for loc in profile.location}  # fmt: skip
+    found = set()
+    for sample in profile.sample:
+        labels = tuple(sorted((strings[lb.key], strings[lb.str] if lb.str else lb.num)
+                              for lb in sample.label))  # fmt: skip
+        found.add((tuple(sample.value), tuple(named[i] for i in sample.location_id), labels))
+    return found
+
+
+def test_the_encoder_holds_what_build_profile_holds_and_keeps_up_with_the_tables() -> None:
+    from mtrace_live.exporters.pprof import HeapEncoder, build_profile
+
+    rows = [stack(APP, 0x401100, 10, 64, 4), stack(DB, 0x401200, 3, 100, 0),
+            replace(stack(APP, 0x401300, 2, 8, 2), function="calloc"),
+            stack(DB, 0x700000, 5, 16, 1)]  # fmt: skip
+    extra = {APP: (("comm", "app"),), DB: (("comm", "db"), ("cgroup", "/x"))}
+    encoder = HeapEncoder(Names())
+    # WHEN the same rows are encoded, then encoded again with new values and a process gone
+    first = decoded(encoder.encode(rows, extra.__getitem__, 0, "inuse_space", 0, ["c"]))
+    expected = build_profile(tables(*rows), Names(), labels=extra.__getitem__)
+    assert contents(first) == contents(expected)
+    assert [first.string_table[c] for c in first.comment] == ["c"]
+    grown = [replace(rows[0], calls=20, bytes=1280, sizes=1280), rows[1]]
+    encoder.retain({APP})
+    second = decoded(encoder.encode(grown[:1], extra.__getitem__, 0, "alloc_space", 0, []))
+    # THEN each holds its rows' values now, and nothing of the rows left out
+    assert contents(second) == contents(
+        build_profile(tables(*grown[:1]), Names(), labels=extra.__getitem__)
+    )
+    assert second.string_table[second.default_sample_type] == "alloc_space"
+    assert all(key[0] == APP for key in encoder._rows)

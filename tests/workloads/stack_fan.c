@@ -1,14 +1,18 @@
 /* Allocations under many distinct call stacks, for building heap profiles
  * of a known size (bench section 10).
  *
- * stack_fan N: allocation i (0 <= i < N) is made through a chain of
- * BITS noinline calls, each to left() or right() by one bit of i, so that
- * the N allocations have N distinct stacks of BITS + 3 frames. Every block
- * stays allocated. The program prints "ready" and waits for a line on
- * standard input before the work, then prints "done" and waits for another
- * before it exits (its blocks still held). */
+ * stack_fan N [--churn]: allocation i (0 <= i < N) is made through a chain
+ * of BITS noinline calls, each to left() or right() by one bit of i, so that
+ * the N allocations have N distinct stacks of 35 frames. Every block stays
+ * allocated. The program prints "ready" and waits for a line on standard
+ * input before the work, then prints "done" and waits for another before it
+ * exits (its blocks still held). --churn: while it waits, it frees and makes
+ * every block again, round after round, so that every stack's counts keep
+ * changing. */
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define BITS 15 /* up to 32,768 distinct stacks */
 #define NOINLINE __attribute__((noinline))
@@ -60,6 +64,12 @@ int main(int argc, char **argv)
         blocks[i] = step(0, i);
     printf("done\n");
     fflush(stdout);
+    struct pollfd input = {.fd = 0, .events = POLLIN};
+    while (argc > 2 && !strcmp(argv[2], "--churn") && poll(&input, 1, 0) == 0)
+        for (unsigned long i = 0; i < n; i++) {
+            free(blocks[i]);
+            blocks[i] = step(0, i);
+        }
     if (!wait_line())
         return 3;
     return blocks[0] == NULL;
