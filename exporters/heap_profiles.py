@@ -231,6 +231,7 @@ class HeapProfiles:
 
     def _build(self, snapshot: AllocSnapshot, name_of: Names, query: ProfileQuery,
                since: Any) -> tuple[int, bytes]:  # fmt: skip
+        mark = self._take_mark(since) if since is not None else None
         comms = {proc.tgid: name_of(proc.tgid, proc.comm) for proc in snapshot.processes}
         if query.pid is not None and query.pid not in comms:
             return 400, f"no traced process has pid {query.pid}\n".encode()
@@ -243,7 +244,6 @@ class HeapProfiles:
         rows = [row for row in snapshot.stacks if row.tgid in keep]
         seconds, duration_ns = 0, 0
         if since is not None:
-            mark = self._take_mark(since)
             if mark is None:
                 return 503, b"the delta profile's start was forgotten (too many at once)\n"
             started, base = mark
