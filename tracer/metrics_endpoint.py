@@ -34,7 +34,7 @@ from mtrace_live.exporters.web import MetricsEndpoint, load_web_config
 
 from .live import default_sinks, run_trace
 from .plan import TraceRequest
-from .privileges import CAP_SYS_PTRACE, drop_privileges, resolve_user
+from .privileges import TRACING_CAPABILITIES, drop_privileges, resolve_user
 
 __all__ = ["ExportOptions", "serve_trace"]
 
@@ -70,7 +70,7 @@ def serve_trace(
 
     def before_start() -> None:
         if user is not None:  # before the first request is answered
-            said = drop_privileges(user, keep=(CAP_SYS_PTRACE,))
+            said = drop_privileges(user, keep=TRACING_CAPABILITIES)
             print(f"mtrace-live: {said}", file=sys.stderr, flush=True)
 
     try:

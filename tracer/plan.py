@@ -213,7 +213,7 @@ def program_plan(request: TraceRequest, probes: Probes, target_pid: int | None,
     alloc_pid = target_pid if request.one_process and target_pid is not None else -1
     hold, alloc_defines = False, None
     if probes.alloc_plan is not None:
-        hold = not request.privileges_dropped and probes.alloc_plan.exit_offset is not None
+        hold = probes.alloc_plan.exit_offset is not None
         alloc_defines = alloc_probes.defines(request.sample_bytes, request.alloc_events, walk=True,
                                        outstanding=request.max_outstanding,
                                        stacks=request.alloc_stacks, hold=hold,
@@ -242,9 +242,10 @@ def program_plan(request: TraceRequest, probes: Probes, target_pid: int | None,
 
 
 def unwinds(request: TraceRequest) -> bool:
-    """Whether stacks are unwound by CFI: not with --frame-pointers, and not
-    in a trace that gives up root (the mapped files could not be read)."""
-    return not request.frame_pointers and not request.privileges_dropped
+    """Whether stacks are unwound by CFI: not with --frame-pointers. A trace
+    that gives up root (serve) keeps what reading the mapped files and
+    continuing a stopped process need (tracer/privileges.py)."""
+    return not request.frame_pointers
 
 
 def _lock_defines(request: TraceRequest, probes: Probes, one_pid: int) -> dict[str, int] | None:

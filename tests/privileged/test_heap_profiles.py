@@ -33,8 +33,12 @@ SAMPLE_BYTES = 524288  # serve's default
 @dataclass
 class Sample:
     values: list[int]  # alloc_objects, alloc_space, inuse_objects, inuse_space
-    leaf: str  # the function of the first location: the allocation's caller
+    frames: list[str]  # the locations' functions, the allocation's caller first
     labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def leaf(self) -> str:
+        return self.frames[0] if self.frames else ""
 
 
 @dataclass
@@ -65,7 +69,8 @@ def go_raw(source: str, tmp: Path, *flags: str, ca: Path | None = None) -> RawPr
     for line in samples_text.splitlines()[1:]:
         values, colon, ids = line.partition(":")
         if colon and re.fullmatch(r"[\s\d-]+", values):
-            samples.append(Sample([int(v) for v in values.split()], leaves.get(ids.split()[0], "")))
+            frames = [leaves.get(i, "") for i in ids.split()]
+            samples.append(Sample([int(v) for v in values.split()], frames))
         else:
             for key, value in re.findall(r"(\w+):\[([^\]]*)\]", line):
                 samples[-1].labels[key] = value
@@ -194,6 +199,11 @@ def test_go_tool_pprof_reads_a_container_s_delta_profile_over_https_with_basic_a
     found = by_function(window.samples)
     for function, values in truth_by_function(truth).items():
         assert found.get(function) == values, (function, found.get(function), values)
+    # AND each stack is whole, down to main or the thread's start (serve
+    # unwinds by CFI after giving up root)
+    for sample in window.samples:
+        if sample.leaf in truth_by_function(truth):
+            assert {"main", "start_thread"} & set(sample.frames), sample.frames
     # AND every sample is labelled with its process, cgroup and container
     for sample in window.samples + whole.samples:
         assert sample.labels["container"] == CONTAINER[:12], sample.labels
