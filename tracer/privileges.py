@@ -32,7 +32,7 @@ from mtrace_live.probes.elf.errors import PrivilegeDropError
 
 CAP_KILL, CAP_SYS_PTRACE = 5, 19
 TRACING_CAPABILITIES = (CAP_KILL, CAP_SYS_PTRACE)  # kept by serve's tracing process
-CAPABILITY_NAMES = {
+CAPABILITY_NAMES: dict[tuple[int, ...], str] = {
     TRACING_CAPABILITIES: "CAP_SYS_PTRACE and CAP_KILL alone (to read the traced processes' "
     "maps and files, and to continue them once their unwind tables are written)"
 }
