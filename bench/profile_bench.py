@@ -85,15 +85,26 @@ def _serve(argv: list[str], log: Path) -> Background:
                        f"127.0.0.1:{PORT}", *argv], "serving metrics at", log)  # fmt: skip
 
 
-def _render_s() -> float:
-    """The metrics page's own figure: how long its last render took."""
+def _page() -> dict[str, float]:
     connection = http.client.HTTPConnection("127.0.0.1", PORT, timeout=60)
     connection.request("GET", "/metrics")
     body = connection.getresponse().read().decode()
     connection.close()
-    line = next(x for x in body.splitlines()
-                if x.startswith("mtrace_metrics_render_duration_seconds "))  # fmt: skip
-    return float(line.split()[1])
+    return {line.split()[0]: float(line.split()[1]) for line in body.splitlines()
+            if line.startswith("mtrace_metrics_render")}  # fmt: skip
+
+
+def _render_s() -> float:
+    """How long a render of the metrics page took (the page gives the render
+    before its own): the page after the one served now."""
+    served = _page()["mtrace_metrics_rendered_time_seconds"]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        page = _page()
+        if page["mtrace_metrics_rendered_time_seconds"] > served:
+            return page["mtrace_metrics_render_duration_seconds"]
+    raise RuntimeError("the metrics page was not rendered again")
 
 
 def building(stacks: int, tmp: Path) -> tuple[dict[str, float], dict[str, float] | None]:
@@ -111,8 +122,7 @@ def building(stacks: int, tmp: Path) -> tuple[dict[str, float], dict[str, float]
         row = {"stacks": stacks, "first_s": first, "median_s": statistics.median(times),
                "max_s": times[-1], "bytes": size, "rss_before_mib": rss_before,
                "rss_after_mib": _rss_mib(serve.process.pid)}  # fmt: skip
-        _render_s()  # a render of the tables as they are now ...
-        row["metrics_render_s"] = _render_s()  # ... and its time, given by the next page
+        row["metrics_render_s"] = _render_s()
         scrapes = _scrapes_with_profiles() if stacks == max(STACKS) else None
     finally:
         fan.tell(None)
