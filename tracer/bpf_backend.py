@@ -144,6 +144,10 @@ class BpfProgram:
         # they say nothing about mtrace-live's own C.
         cflags += ["-Wno-duplicate-decl-specifier", "-Wno-ignored-attributes"]
         self._readers: dict[str, BatchReader] = {}
+        # alloc_frames rows read: (frames, read the same twice). The frame store
+        # never gives a row to another stack, so a row read whole is kept;
+        # twice the same, it is whole (a row is written once, when claimed).
+        self._frame_rows: dict[int, tuple[tuple[int, ...], bool]] = {}
         self._typed: dict[str, tuple[int, int]] = {}  # handler -> (program fd, attachment fd)
         # the uprobes' perf events (uprobe_attach), each as it was attached
         self._uprobe_events: list[UprobeEvent] = []
@@ -322,11 +326,19 @@ class BpfProgram:
 
     def stack(self, stack_id: int) -> list[int]:
         """The addresses of one stored stack, innermost first: from
-        ``alloc_frames`` for an allocation's stack, else from ``stacks``."""
-        if stack_id >= ALLOC_FRAMES_BASE:
-            table, key = self._bpf["alloc_frames"], stack_id - ALLOC_FRAMES_BASE
-        else:
-            table, key = self._bpf["stacks"], stack_id
+        ``alloc_frames`` for an allocation's stack (kept once read whole),
+        else from ``stacks``."""
+        if stack_id < ALLOC_FRAMES_BASE:
+            return self._stack_row(self._bpf["stacks"], stack_id)
+        known = self._frame_rows.get(stack_id)
+        if known is not None and known[1]:
+            return list(known[0])
+        frames = tuple(self._stack_row(self._bpf["alloc_frames"], stack_id - ALLOC_FRAMES_BASE))
+        self._frame_rows[stack_id] = (frames, known is not None and known[0] == frames)
+        return list(frames)
+
+    @staticmethod
+    def _stack_row(table: Any, key: int) -> list[int]:
         try:
             frames = table[table.Key(key)].ip
         except (KeyError, IndexError):

@@ -127,15 +127,9 @@ def trimmed(snapshot: AllocSnapshot, names: FrameNames) -> AllocSnapshot:
     exact: read at the return) a stack may go on with garbage that differs
     from call to call; cut there, the calls of one site come together."""
 
-    def cut(tgid: int, frames: tuple[int, ...]) -> tuple[int, ...]:
-        for index in range(1, len(frames)):
-            if names.resolve(tgid, frames[index]) is None:
-                return frames[:index]
-        return frames
-
     rows: dict[tuple[int, str, int, tuple[int, ...]], list[int]] = {}
     for row in snapshot.stacks:
-        key = (row.tgid, row.function, row.call_site, cut(row.tgid, row.frames))
+        key = (row.tgid, row.function, row.call_site, names.cut(row.tgid, row.frames))
         values = [row.calls, row.bytes, row.sizes, row.frees, row.bytes_freed, row.sizes_freed,
                   row.last_ts]  # fmt: skip
         known = rows.get(key)
@@ -146,7 +140,8 @@ def trimmed(snapshot: AllocSnapshot, names: FrameNames) -> AllocSnapshot:
                          max(known[-1], values[-1])]  # fmt: skip
     stacks = tuple(StackRow(tgid, function, call_site, frames, *values)
                    for (tgid, function, call_site, frames), values in rows.items())  # fmt: skip
-    held = tuple(replace(item, frames=cut(item.tgid, item.frames)) for item in snapshot.outstanding)
+    held = tuple(replace(item, frames=names.cut(item.tgid, item.frames))
+                 for item in snapshot.outstanding)  # fmt: skip
     return replace(snapshot, stacks=stacks, outstanding=held)
 
 
@@ -163,6 +158,8 @@ class FrameNames:
     comms: dict[int, str] = field(default_factory=dict)  # process names, read with the maps
     live: bool = True  # False: the maps given are all there is (a record set's), read no others
     _names: dict[tuple[int, int], Symbol | None] = field(default_factory=dict)
+    # (process, stack) -> the stack cut as ``cut`` cuts it, while its names hold
+    _cuts: dict[tuple[int, tuple[int, ...]], tuple[int, ...]] = field(default_factory=dict)
     named: int = 0  # frames named (each once)
     naming_s: float = 0.0  # the time that took
 
@@ -184,6 +181,7 @@ class FrameNames:
             self.symbols.pop(tgid, None)
             self.comms.pop(tgid, None)
         self._names = {key: name for key, name in self._names.items() if key[0] not in tgids}
+        self._cuts = {key: cut for key, cut in self._cuts.items() if key[0] not in tgids}
 
     def refresh(self, tgid: int) -> None:
         """Read the process's maps again, and keep them if they changed (a
@@ -196,6 +194,7 @@ class FrameNames:
         if fresh.mappings and (known is None or fresh.mappings != known.mappings):
             self.symbols[tgid] = fresh
             self._names = {key: name for key, name in self._names.items() if key[0] != tgid}
+            self._cuts = {key: cut for key, cut in self._cuts.items() if key[0] != tgid}
 
     def preload(self, tgid: int) -> None:
         """Read the process's maps and every module's symbols now (serve
@@ -203,6 +202,21 @@ class FrameNames:
         self.remember(tgid)
         for mapping in self.symbols[tgid].mappings:
             self.symbols[tgid].resolve(mapping.start)
+
+    def cut(self, tgid: int, frames: tuple[int, ...]) -> tuple[int, ...]:
+        """``frames`` up to its first frame past the call site that lies in
+        no executable mapping of the process (``trimmed``), each stack's
+        cut kept while its names are."""
+        key = (tgid, frames)
+        found = self._cuts.get(key)
+        if found is None:
+            found = frames
+            for index in range(1, len(frames)):
+                if self.resolve(tgid, frames[index]) is None:
+                    found = frames[:index]
+                    break
+            self._cuts[key] = found
+        return found
 
     def resolve(self, tgid: int, address: int) -> Symbol | None:
         """The frame at return address ``address``: named by the call
