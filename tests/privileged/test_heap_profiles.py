@@ -153,6 +153,19 @@ def delta_started(url: str, tls: Any) -> bool:
     return status == 200 and 'mtrace_alloc_profiles_total{kind="delta_started"} 1.0' in text
 
 
+def assert_holds(profile: RawProfile, work: Workload, truth: dict[str, Any]) -> None:
+    """The profile holds ``work``'s samples alone, with exactly what each of
+    its functions did, each stack whole (down to main or a thread's start)."""
+    assert {s.labels["pid"] for s in profile.samples} == {str(work.proc.pid)}
+    found = by_function(profile.samples)
+    functions = truth_by_function(truth)
+    for function, values in functions.items():
+        assert found.get(function) == values, (function, found.get(function), values)
+    for sample in profile.samples:
+        if sample.leaf in functions:
+            assert {"main", "start_thread"} & set(sample.frames), sample.frames
+
+
 def test_go_tool_pprof_reads_a_container_s_delta_profile_over_https_with_basic_auth(
     web_tls: Any, tmp_path: Path, container_cgroup: Path
 ) -> None:
@@ -193,26 +206,17 @@ def test_go_tool_pprof_reads_a_container_s_delta_profile_over_https_with_basic_a
             work.end()
         assert stop(serve) == 0, err.read_text()
     # THEN the delta holds exactly what the second workload did, function by
-    # function, and nothing of the first (done before it) or of the decoy
+    # function, and nothing of the first (done before it) or of the decoy;
+    # each stack is whole, down to main or the thread's start (serve unwinds
+    # by CFI after giving up root)
     (window,) = delta
-    assert {s.labels["pid"] for s in window.samples} == {str(during.proc.pid)}
-    found = by_function(window.samples)
-    for function, values in truth_by_function(truth).items():
-        assert found.get(function) == values, (function, found.get(function), values)
-    # AND each stack is whole, down to main or the thread's start (serve
-    # unwinds by CFI after giving up root)
-    for sample in window.samples:
-        if sample.leaf in truth_by_function(truth):
-            assert {"main", "start_thread"} & set(sample.frames), sample.frames
+    assert_holds(window, during, truth)
     # AND every sample is labelled with its process, cgroup and container
     for sample in window.samples + whole.samples:
         assert sample.labels["container"] == CONTAINER[:12], sample.labels
         assert sample.labels["cgroup"] == cgroup and sample.labels["comm"] == "alloc_workload"
     # AND the whole profile of the first holds all it did; another cgroup's, nothing
-    assert {s.labels["pid"] for s in whole.samples} == {str(before.proc.pid)}
-    found = by_function(whole.samples)
-    for function, values in truth_by_function(truth_before).items():
-        assert found.get(function) == values, (function, found.get(function), values)
+    assert_holds(whole, before, truth_before)
     assert other.samples == []
     # AND a bad query and a wrong password are refused in one line
     assert refused == (400, "pid must be a whole number from 1 to 4194304\n")
