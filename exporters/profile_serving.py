@@ -25,6 +25,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Mapping
+from http import HTTPStatus
 from typing import Any
 
 from .heap_profiles import PREFIX, PROFILES, QueryError, parse_query
@@ -33,8 +34,6 @@ ASK_TIMEOUT_S = 30.0  # the tracing process's answer to one request, at most
 Answer = tuple[int, bytes]
 _FRAME = struct.Struct("=QIQ")  # request id, status (0 in a request), body length
 _MAX_BODY = 1 << 30
-REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 500: "Internal Server Error",
-           503: "Service Unavailable"}  # fmt: skip
 INDEX = b"""<html><head><title>/debug/pprof/</title></head><body>
 <h1>/debug/pprof/</h1>
 <p>Profiles of the processes mtrace-live traces (read them with go tool pprof):</p>
@@ -195,6 +194,6 @@ class ProfilesApp:
 
 
 def _text(start_response: Any, status: int, line: str) -> list[bytes]:
-    start_response(f"{status} {REASONS.get(status, 'Error')}",
+    start_response(f"{status} {HTTPStatus(status).phrase}",
                    [("Content-Type", "text/plain; charset=utf-8")])  # fmt: skip
     return [f"{line}\n".encode()]
