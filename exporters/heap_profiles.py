@@ -32,11 +32,13 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl
 
-from .data.alloc_snapshot import AllocSnapshot, FrameNames, StackRow
+import numpy as np
+
+from .data.alloc_snapshot import VALUE_FIELDS, AllocSnapshot, FrameNames, StackColumns
 from .data.processes import process_cgroup
 from .pprof import HeapEncoder
 
@@ -140,19 +142,27 @@ def in_cgroup(path: str, cgroup: str) -> bool:
     return cgroup == "/" or path == cgroup or path.startswith(cgroup + "/")
 
 
-def _delta(row: StackRow, base: StackRow | None) -> StackRow:
-    """What ``row`` counted since ``base``; a row that counted less than its
-    base is a new process under a reused pid, counted from nothing."""
-    if base is None or base.calls > row.calls or base.frees > row.frees:
-        return row
-    return replace(row, calls=row.calls - base.calls, bytes=row.bytes - base.bytes,
-                   sizes=row.sizes - base.sizes, frees=row.frees - base.frees,
-                   bytes_freed=row.bytes_freed - base.bytes_freed,
-                   sizes_freed=row.sizes_freed - base.sizes_freed)  # fmt: skip
+def delta(rows: StackColumns, base: StackColumns) -> StackColumns:
+    """What ``rows`` counted since ``base``, key by key; a row that counted
+    less than its base is a new process under a reused pid, counted from
+    nothing, and so is a row its base has not."""
+    if base.catalog is rows.catalog:
+        where = np.full(len(rows.catalog), -1, np.int64)
+        where[base.ids] = np.arange(len(base))
+        found = where[rows.ids]
+    else:  # numbered apart (the catalog started again): matched by key
+        index = {base.catalog.keys[number]: i for i, number in enumerate(base.ids.tolist())}
+        found = np.array([index.get(rows.catalog.keys[number], -1)
+                          for number in rows.ids.tolist()], np.int64).reshape(-1)  # fmt: skip
+    before = np.zeros_like(rows.values)
+    before[found >= 0] = base.values[found[found >= 0]]
+    fresh = (found < 0) | (before[:, 0] > rows.values[:, 0]) | (before[:, 3] > rows.values[:, 3])
+    before[fresh] = 0
+    before[:, _LAST_TS] = 0
+    return StackColumns(rows.catalog, rows.ids, rows.values - before)
 
 
-def _key(row: StackRow) -> tuple[int, str, tuple[int, ...]]:
-    return (row.tgid, row.function, row.frames)
+_LAST_TS = VALUE_FIELDS.index("last_ts")
 
 
 DROPPED = (
@@ -189,7 +199,7 @@ class HeapProfiles:
         self.cgroup_of = cgroup_of
         self.encoder = HeapEncoder(names)
         self.cgroups: dict[int, str] = {}  # the last cgroup seen per process
-        self._marks: dict[str, tuple[float, dict[Any, StackRow]]] = {}
+        self._marks: dict[str, tuple[float, StackColumns]] = {}
         self._lock = threading.Lock()
         # served so far (mtrace_alloc_profiles_total): whole, delta, delta_started
         self.served: Counter[str] = Counter({"whole": 0, "delta": 0, "delta_started": 0})
@@ -214,7 +224,7 @@ class HeapProfiles:
         return found
 
     def _mark(self) -> tuple[int, bytes]:
-        rows = self.read(lambda snapshot, _: {_key(row): row for row in snapshot.stacks})
+        rows = self.read(lambda snapshot, _: StackColumns.of(snapshot.stacks))
         if rows is None:
             return 404, b"allocations are not traced (--no-allocs or --no-libc)\n"
         token = secrets.token_hex(8)
@@ -225,7 +235,7 @@ class HeapProfiles:
             self.served["delta_started"] += 1
         return 200, token.encode()
 
-    def _take_mark(self, token: Any) -> tuple[float, dict[Any, StackRow]] | None:
+    def _take_mark(self, token: Any) -> tuple[float, StackColumns] | None:
         with self._lock:
             return self._marks.pop(str(token), None)
 
@@ -241,7 +251,8 @@ class HeapProfiles:
                 and (query.comm is None or comms[tgid] == query.comm)
                 and (query.cgroup is None
                      or in_cgroup(cgroups.get(tgid, ""), query.cgroup))}  # fmt: skip
-        rows = [row for row in snapshot.stacks if row.tgid in keep]
+        rows = StackColumns.of(snapshot.stacks)
+        rows = rows.select(np.isin(rows.tgids(), list(keep)))
         seconds, duration_ns = 0, 0
         if since is not None:
             if mark is None:
@@ -249,7 +260,7 @@ class HeapProfiles:
             started, base = mark
             duration_ns = int((time.monotonic() - started) * 1e9)
             seconds = round(duration_ns / 1e9)
-            rows = [_delta(row, base.get(_key(row))) for row in rows]
+            rows = delta(rows, base)
         labels = {tgid: (("comm", comms[tgid]), ("cgroup", cgroups.get(tgid, "")),
                          ("container", container_of(cgroups.get(tgid, ""))))
                   for tgid in keep}  # fmt: skip

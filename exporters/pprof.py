@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import gzip
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from .data.alloc_snapshot import AllocSnapshot, FrameNames, StackRow
+from .data.alloc_snapshot import AllocSnapshot, FrameNames, StackCatalog, StackColumns, StackRow
 from .data.lock_waits import LockWaits
 from .data.sink import FileAtEndSink, TraceResult, write_file
 from .data.symbolize import Symbol
@@ -194,11 +195,12 @@ def _framed(tag: bytes, payload: bytes) -> bytes:
 class HeapEncoder:
     """Heap profiles (``build_profile``'s, for serve) encoded against tables
     kept from one profile to the next: each string, function, mapping and
-    location is added once, and each (process, allocator, stack, labels)
-    row's location ids and labels are encoded once; a profile then encodes
-    its rows' four values, and a row whose values did not change since the
-    last profile is reused whole. The tables start again once they hold
-    many more locations than the rows kept refer to (processes gone)."""
+    location is added once, and each stack key's location ids and labels
+    (its prefix) are encoded once, by the key's number in the rows'
+    catalog. A profile then encodes its rows' values as arrays and joins
+    them to the prefixes. A process's prefixes go when it is gone or its
+    labels change; the tables start again once they hold many more
+    locations than the prefixes kept refer to."""
 
     def __init__(self, names: FrameNames) -> None:
         self.names = names
@@ -210,22 +212,30 @@ class HeapEncoder:
         self.tables = _Tables(self._dictionary, self.strings, self.names)
         self._dictionary_bytes = (0, 0, 0, b"")
         self._encoded_strings: list[bytes] = []
-        # (process, allocator, stack) -> (its location ids and labels, encoded;
-        # those labels; its last values; that sample, encoded)
-        self._rows: dict[tuple[Any, ...], tuple[bytes, Any, tuple[int, ...], bytes]] = {}
+        self._catalog: StackCatalog | None = None
+        self._prefixes: list[bytes | None] = []  # by key number: location ids and labels, encoded
+        self._labels: dict[int, bytes] = {}  # by (process, function) pair: its labels, encoded
 
     def retain(self, tgids: set[int]) -> None:
-        """Keep the rows of these processes only (the others are gone); the
-        locations of those gone go when the tables start again."""
-        if not {key[0] for key in self._rows} <= tgids:
-            self._rows = {key: row for key, row in self._rows.items() if key[0] in tgids}
-            if len(self._dictionary.location) > 4 * len(self._rows) + 100_000:
-                self._start()
+        """Keep the prefixes of these processes only (the others are gone);
+        the locations of those gone go when the tables start again."""
+        gone = {pair >> _PAIR_BITS for pair in self._labels} - tgids
+        if not gone or self._catalog is None:
+            return
+        self._labels = {pair: text for pair, text in self._labels.items()
+                        if pair >> _PAIR_BITS not in gone}  # fmt: skip
+        for number in np.flatnonzero(np.isin(self._catalog.tgids(), list(gone))).tolist():
+            if number < len(self._prefixes):
+                self._prefixes[number] = None
+        self.tables.forget(gone)
+        kept = sum(prefix is not None for prefix in self._prefixes)
+        if len(self._dictionary.location) > 4 * kept + 100_000:
+            self._start()
 
-    def encode(self, rows: Iterable[StackRow], labels: Labels, sample_bytes: int,
+    def encode(self, rows: Sequence[StackRow], labels: Labels, sample_bytes: int,
                default: str, duration_ns: int, comments: Sequence[str]) -> bytes:  # fmt: skip
         """The gzipped profile of ``rows``, as ``build_profile`` makes it."""
-        samples = [self._sample(row, labels) for row in rows]
+        samples = self._samples(StackColumns.of(rows), labels)
         header = message_class("Profile")()
         for kind, unit in SAMPLE_TYPES:
             header.sample_type.add(type=self.strings(kind), unit=self.strings(unit))
@@ -238,37 +248,63 @@ class HeapEncoder:
         self._encode_strings()
         extra = [_framed(_STRING_TAG, text.encode()) for text in comments]
         header.comment.extend(range(len(self.strings.table), len(self.strings.table) + len(extra)))
-        raw = b"".join([header.SerializeToString(), self._dictionary_encoded(),
-                        *(sample for sample in samples if sample),
+        raw = b"".join([header.SerializeToString(), self._dictionary_encoded(), *samples,
                         *self._encoded_strings, *extra])  # fmt: skip
         return gzip.compress(raw, compresslevel=1, mtime=0)
 
-    def _sample(self, row: StackRow, labels: Labels) -> bytes:
-        """One row's Sample, framed as a field of Profile; b"" if all its values are 0."""
-        extra = labels(row.tgid)
-        key = (row.tgid, row.function, row.frames)
-        values = row.heap_values
-        known = self._rows.get(key)
-        if known is not None and known[1] == extra:
-            if known[2] == values:
-                return known[3]
-            prefix = known[0]
-        else:
-            prefix = self._prefix(row, extra)
-        sample = b""
-        if any(values):
-            packed = _framed(_VALUE_TAG, b"".join([_varint(value) for value in values]))
-            sample = _framed(_SAMPLE_TAG, prefix + packed)
-        self._rows[key] = (prefix, extra, values, sample)
-        return sample
+    def _samples(self, rows: StackColumns, labels: Labels) -> list[bytes]:
+        """The rows' Samples (but those whose values are all 0), each framed
+        as a field of Profile, in pieces to be joined."""
+        values = rows.heap_values()
+        nonzero = np.flatnonzero(values.any(axis=1))
+        rows, values = rows.select(nonzero), values[nonzero]
+        if not len(rows):
+            return []
+        prefixes = self._prefixes_of(rows, labels)
+        glue, cuts = _sample_frames(np.array([len(p) for p in prefixes], np.int64), values)
+        ends = cuts.tolist()
+        pieces: list[bytes] = [b""] * (2 * len(prefixes) + 1)
+        pieces[0::2] = [glue[a:b] for a, b in zip([0, *ends], [*ends, len(glue)], strict=True)]
+        pieces[1::2] = prefixes
+        return pieces
 
-    def _prefix(self, row: StackRow, extra: Sequence[tuple[str, str]]) -> bytes:
-        """A Sample holding the row's location ids and labels, encoded."""
+    def _prefixes_of(self, rows: StackColumns, labels: Labels) -> list[bytes]:
+        """Each row's prefix, those of keys not seen before (or whose labels
+        changed) encoded now."""
+        catalog = rows.catalog
+        if catalog is not self._catalog:
+            self._catalog, self._prefixes = catalog, []
+        self._prefixes.extend([None] * (len(catalog) - len(self._prefixes)))
+        pairs = rows.tgids() << _PAIR_BITS | catalog.codes()[rows.ids]
+        names = {code: name for name, code in catalog.functions.items()}
+        changed = []
+        for pair in np.unique(pairs).tolist():
+            text = self._labels_encoded(pair >> _PAIR_BITS, names[pair & _PAIR_MASK], labels)
+            if self._labels.get(pair) != text:
+                self._labels[pair] = text
+                changed.append(pair)
+        for number in np.unique(rows.ids[np.isin(pairs, changed)]).tolist():
+            self._prefixes[number] = None
+        prefixes = self._prefixes
+        numbers = rows.ids.tolist()
+        for number in {n for n in numbers if prefixes[n] is None}:
+            tgid, function, _, frames = catalog.keys[number]
+            pair = tgid << _PAIR_BITS | catalog.functions[function]
+            prefixes[number] = self._locations(tgid, frames) + self._labels[pair]
+        return [prefixes[number] for number in numbers]
+
+    def _locations(self, tgid: int, frames: Sequence[int]) -> bytes:
+        """A Sample holding the location ids of ``frames``, encoded."""
         sample = message_class("Sample")()
-        sample.location_id.extend(self.tables.location_id(row.tgid, a) for a in row.frames)
-        sample.label.add(key=self.strings("pid"), num=row.tgid)
-        sample.label.add(key=self.strings("allocator"), str=self.strings(row.function))
-        for key, value in extra:
+        sample.location_id.extend(self.tables.location_id(tgid, a) for a in frames)
+        return bytes(sample.SerializeToString())
+
+    def _labels_encoded(self, tgid: int, function: str, labels: Labels) -> bytes:
+        """A Sample holding a process's labels, encoded."""
+        sample = message_class("Sample")()
+        sample.label.add(key=self.strings("pid"), num=tgid)
+        sample.label.add(key=self.strings("allocator"), str=self.strings(function))
+        for key, value in labels(tgid):
             if value:
                 sample.label.add(key=self.strings(key), str=self.strings(value))
         return bytes(sample.SerializeToString())
@@ -284,6 +320,56 @@ class HeapEncoder:
     def _encode_strings(self) -> None:
         for text in self.strings.table[len(self._encoded_strings) :]:
             self._encoded_strings.append(_framed(_STRING_TAG, text.encode()))
+
+
+_PAIR_BITS = 8  # a (process, allocating function) pair: tgid << 8 | the function's code
+_PAIR_MASK = (1 << _PAIR_BITS) - 1
+_SHIFTS = np.arange(10, dtype=np.uint64) * np.uint64(7)
+_LIMITS = np.uint64(1) << _SHIFTS[1:]
+
+
+def _varints(numbers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``numbers`` (int64) as protobuf varints, one after the other (a
+    number below 0 as its 64-bit two's complement), and each one's width."""
+    unsigned = numbers.astype(np.int64).view(np.uint64)
+    widths = 1 + (unsigned[:, None] >= _LIMITS[None, :]).sum(axis=1)
+    columns = int(widths.max()) if len(widths) else 1
+    places = np.arange(columns)
+    digits = ((unsigned[:, None] >> _SHIFTS[None, :columns]) & np.uint64(0x7F)).astype(np.uint8)
+    digits[places[None, :] < widths[:, None] - 1] |= 0x80
+    return digits[places[None, :] < widths[:, None]], widths
+
+
+def _joined_rows(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Row by row, the row's piece of each part one after the other: a part
+    is its pieces' bytes (in row order) and each piece's length. Returns
+    the bytes and where each row begins."""
+    lengths = np.column_stack([length for _, length in parts])
+    totals = lengths.sum(axis=1)
+    begins = np.cumsum(totals) - totals
+    starts = begins[:, None] + np.cumsum(lengths, axis=1) - lengths
+    out = np.empty(int(totals.sum()), np.uint8)
+    for index, (flat, length) in enumerate(parts):
+        source = np.cumsum(length) - length
+        out[np.repeat(starts[:, index] - source, length) + np.arange(len(flat))] = flat
+    return out, begins
+
+
+def _sample_frames(prefix_lengths: np.ndarray, values: np.ndarray) -> tuple[bytes, np.ndarray]:
+    """Each sample but its prefix, row after row: Profile.sample's tag and
+    the sample's length, then Sample.value's tag, length and packed values;
+    and where in those bytes each row's prefix goes (after its length)."""
+    rows = len(prefix_lengths)
+    packed, widths = _varints(values.reshape(-1))
+    packed_lengths = widths.reshape(rows, -1).sum(axis=1)
+    length, length_widths = _varints(prefix_lengths + 2 + packed_lengths)
+    ones = np.ones(rows, np.int64)
+    value_heads = np.column_stack([np.full(rows, _VALUE_TAG[0]), packed_lengths]).astype(np.uint8)
+    flat, begins = _joined_rows([
+        (np.full(rows, _SAMPLE_TAG[0], np.uint8), ones), (length, length_widths),
+        (value_heads.reshape(-1), 2 * ones), (packed, packed_lengths),
+    ])  # fmt: skip
+    return flat.tobytes(), begins + 1 + length_widths
 
 
 CONTENTION_TYPES = (("contentions", "count"), ("delay", "nanoseconds"))
@@ -325,7 +411,7 @@ class _Tables:
         key = (tgid, symbol.module)
         found = self.mappings.get(key)
         if found is None:
-            found = self.mappings[key] = len(self.mappings) + 1
+            found = self.mappings[key] = len(self.profile.mapping) + 1
             start, end = symbol.span
             self.profile.mapping.add(id=found, memory_start=start, memory_limit=end,
                                      filename=self.strings(symbol.module),
@@ -339,17 +425,23 @@ class _Tables:
         key = (name, filename)
         found = self.functions.get(key)
         if found is None:
-            found = self.functions[key] = len(self.functions) + 1
+            found = self.functions[key] = len(self.profile.function) + 1
             self.profile.function.add(id=found, name=self.strings(name),
                                       system_name=self.strings(system_name or name),
                                       filename=self.strings(filename))  # fmt: skip
         return found
 
+    def forget(self, tgids: set[int]) -> None:
+        """The processes' locations and mappings are not referred to again
+        (a process that reuses a pid has its own)."""
+        self.locations = {key: id_ for key, id_ in self.locations.items() if key[0] not in tgids}
+        self.mappings = {key: id_ for key, id_ in self.mappings.items() if key[0] not in tgids}
+
     def location_id(self, tgid: int, address: int) -> int:
         key = (tgid, address)
         found = self.locations.get(key)
         if found is None:
-            found = self.locations[key] = len(self.locations) + 1
+            found = self.locations[key] = len(self.profile.location) + 1
             symbol = self.names.resolve(tgid, address)
             mapping = self.mapping_id(tgid, symbol)
             location = self.profile.location.add(id=found, address=address, mapping_id=mapping)

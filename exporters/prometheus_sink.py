@@ -33,7 +33,7 @@ from typing import TypeVar
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 
 from .alloc_table import stack_label
-from .data.alloc_snapshot import AllocSnapshot, ProcessAllocs
+from .data.alloc_snapshot import AllocSnapshot, ProcessAllocs, StackColumns
 from .data.allocator_state import arena_lock_waits
 from .data.kallsyms import KernelSymbols
 from .data.lock_waits import ARENA, MAIN, LockWaits, WaitTimes
@@ -289,16 +289,13 @@ class MetricsSource:
         if snapshot is None:
             return None
         processes: dict[str, Counter[str]] = defaultdict(Counter)
-        live: dict[int, tuple[int, int]] = defaultdict(lambda: (0, 0))
-        for row in snapshot.stacks:
-            objects, nbytes = live[row.tgid]
-            live[row.tgid] = (objects + row.live_objects, nbytes + row.live_bytes)
+        live = StackColumns.of(snapshot.stacks).live_by_process()
         for name, retired in self._retired_allocs.items():
             processes[name].update(retired)
         for proc in snapshot.processes:
             figures = processes[self._name(proc.tgid, proc.comm)]
             figures.update(_alloc_counts(proc, snapshot.vm.get(proc.tgid, {})))
-            objects, nbytes = live[proc.tgid]
+            objects, nbytes = live.get(proc.tgid, (0, 0))
             figures["live_objects"] += objects
             figures["live_bytes"] += nbytes
         names = self.info.frame_names

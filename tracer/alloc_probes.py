@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +22,8 @@ from mtrace_live.exporters.data.alloc_snapshot import (
     AllocSnapshot,
     Outstanding,
     ProcessAllocs,
-    StackRow,
+    StackCatalog,
+    StackColumns,
 )
 from mtrace_live.probes.alloc_sites import AllocSite, alloc_sites
 from mtrace_live.probes.elf.errors import NoProbesError
@@ -33,6 +33,7 @@ from mtrace_live.probes.records import (
     ALLOC_FN_NAMES,
     ALLOC_PROC_DTYPE,
     ALLOC_STACK_ROW_DTYPE,
+    ALLOC_STATS_FIELDS,
     OUTSTANDING_FREE_TAGS,
     OUTSTANDING_ROW_DTYPE,
     VM_PROC_DTYPE,
@@ -41,6 +42,7 @@ from mtrace_live.probes.records import (
     AllocMisc,
     UnwindMisc,
 )
+from numpy.lib.recfunctions import structured_to_unstructured
 
 from .bpf_backend import BpfProgram
 
@@ -160,33 +162,80 @@ def sample_intervals(sample_bytes: int) -> list[int]:
     return [max(1, round(-sample_bytes * math.log1p(-(i + 0.5) / n))) for i in range(n)]
 
 
+class StackReader:
+    """alloc_stacks read into columns (StackColumns). A slot's key is worked
+    out (its stack's frames read, the key numbered in the catalog) when the
+    slot is new or its key changed, and again until its frames read the
+    same twice (the kernel may be writing them); after that a read takes
+    the slot's values only. The catalog starts again once it holds many
+    more keys than the table has rows (processes gone)."""
+
+    def __init__(self) -> None:
+        self._start()
+
+    def _start(self) -> None:
+        self.catalog = StackCatalog()
+        self._keys = np.zeros(0, ALLOC_STACK_ROW_DTYPE[["tag", "key"]])  # by slot
+        self._numbers = np.zeros(0, np.int64)  # by slot: its key's number; -1 none
+        self._settled = np.zeros(0, bool)  # by slot: its frames read the same twice
+
+    def read(self, program: BpfProgram, slots: np.ndarray, table: np.ndarray) -> StackColumns:
+        """The rows ``table`` (alloc_stacks rows at ``slots``) as columns."""
+        if len(self.catalog) > 4 * len(table) + 100_000:
+            self._start()
+        self._grow(int(slots.max()) + 1 if len(slots) else 0)
+        keys = table[["tag", "key"]]
+        same = self._keys[slots] == keys
+        fresh = np.flatnonzero(~self._settled[slots] | ~same)
+        frames_of: dict[int, tuple[int, ...]] = {}
+        numbers = []
+        for call_site, tgid, stack, fn, _ in table["key"][fresh].tolist():
+            frames = _frames(program, stack, call_site, frames_of)
+            numbers.append(self.catalog.number((tgid, _fn_name(fn), call_site, frames)))
+        changed = slots[fresh]
+        found = np.array(numbers, np.int64)
+        # settled: walked by no frames, or numbered alike twice running
+        self._settled[changed] = (table["key"]["stack"][fresh] < 0) | (
+            same[fresh] & (self._numbers[changed] == found)
+        )
+        self._keys[changed] = keys[fresh]
+        self._numbers[changed] = found
+        values = structured_to_unstructured(table["stats"][list(ALLOC_STATS_FIELDS)])
+        return StackColumns(self.catalog, self._numbers[slots], values.astype(np.int64))
+
+    def _grow(self, slots: int) -> None:
+        more = slots - len(self._numbers)
+        if more > 0:
+            self._keys = np.concatenate([self._keys, np.zeros(more, self._keys.dtype)])
+            self._numbers = np.concatenate([self._numbers, np.full(more, -1, np.int64)])
+            self._settled = np.concatenate([self._settled, np.zeros(more, bool)])
+
+
 def read_snapshot(program: BpfProgram, sample_bytes: int, started_ns: int,
-                  outstanding: bool = False) -> AllocSnapshot:  # fmt: skip
+                  outstanding: bool = False,
+                  reader: StackReader | None = None) -> AllocSnapshot:  # fmt: skip
     """The kernel's tables now; the outstanding allocations only when asked
-    (there may be hundreds of thousands)."""
+    (there may be hundreds of thousands). ``reader`` keeps what it worked
+    out of the stack rows from one read to the next."""
     pkeys, pvalues = program.read_table("alloc_procs", "<u4", ALLOC_PROC_DTYPE)
     present = _incarnations(pkeys, pvalues["incarnation"])
-    _, table = program.read_table("alloc_stacks", "<u4", ALLOC_STACK_ROW_DTYPE)
+    slots, table = program.read_table("alloc_stacks", "<u4", ALLOC_STACK_ROW_DTYPE)
     # claimed rows whose key is written (a CPU writes it just after its claim),
     # of the processes whose alloc_procs row they were made under: every one
     # has its row from its first call until serve retires it when it is gone,
     # and a process that reuses its pid has a row of another incarnation
-    table = table[(table["tag"] != 0) & (table["key"]["call_site"] != 0)
-                  & np.isin(_incarnations(table["key"]["tgid"], table["key"]["incarnation"]),
-                            present)]  # fmt: skip
-    stacks = []
-    frames_of: dict[int, tuple[int, ...]] = {}
-    for _, key, value in table.tolist():
-        call_site, tgid, stack, fn, _ = key
-        stacks.append(StackRow(tgid, _fn_name(fn), call_site,
-                               _frames(program, stack, call_site, frames_of), *value))  # fmt: skip
-    processes = _processes(pkeys, pvalues, () if sample_bytes else stacks)
+    kept = ((table["tag"] != 0) & (table["key"]["call_site"] != 0)
+            & np.isin(_incarnations(table["key"]["tgid"], table["key"]["incarnation"]),
+                      present))  # fmt: skip
+    stacks = (reader or StackReader()).read(program, slots[kept], table[kept])
+    processes = _processes(pkeys, pvalues, None if sample_bytes else stacks)
     vkeys, vvalues = program.read_table("vm_procs", "<u4", VM_PROC_DTYPE)
     vm = {int(tgid): dict(zip(VM_PROC_FIELDS, row, strict=True))
           for tgid, row in zip(vkeys.tolist(), vvalues.tolist(), strict=True)}  # fmt: skip
     calls = program.percpu_array_totals("alloc_calls")
     misc = program.percpu_array_totals("alloc_misc")
     held: list[Outstanding] = []
+    frames_of: dict[int, tuple[int, ...]] = {}
     if outstanding:
         _, rows = program.read_table("outstanding", "<u4", OUTSTANDING_ROW_DTYPE)
         keys = rows["value"]["key"]
@@ -197,7 +246,7 @@ def read_snapshot(program: BpfProgram, sample_bytes: int, started_ns: int,
             held.append(Outstanding(tgid, ptr, size, weight, ts, tid, _fn_name(fn), call_site,
                                     _frames(program, stack, call_site, frames_of)))  # fmt: skip
     return AllocSnapshot(
-        stacks=tuple(stacks),
+        stacks=stacks,
         processes=tuple(processes),
         calls={name: calls[fn] for fn, name in enumerate(ALLOC_FN_NAMES)},
         misc={m.name.lower(): misc[m] for m in AllocMisc},
@@ -221,22 +270,22 @@ def unwind_counts(program: BpfProgram) -> dict[str, int]:
 
 
 def _processes(tgids: np.ndarray, rows: np.ndarray,
-               stacks: Sequence[StackRow]) -> list[ProcessAllocs]:  # fmt: skip
+               stacks: StackColumns | None) -> list[ProcessAllocs]:  # fmt: skip
     """Each process's calls. Without sampling (``stacks`` given) the kernel
     counts in alloc_procs only what no alloc_stacks row has, and the rest is
     the sums of the process's rows; an allocation booked as freed because
     ``outstanding`` was full (``untracked``) is not one of its frees."""
-    sums: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
-    for row in stacks:
-        summed = sums[row.tgid]
-        summed[0] += row.calls
-        summed[1] += row.sizes
-        summed[2] += row.frees
+    sums: dict[int, list[int]] = {}
+    if stacks is not None and len(stacks):
+        owners, inverse = np.unique(stacks.tgids(), return_inverse=True)
+        summed = np.zeros((len(owners), 3), np.int64)
+        np.add.at(summed, inverse, stacks.values[:, [0, 2, 3]])  # calls, sizes, frees
+        sums = dict(zip(owners.tolist(), summed.tolist(), strict=True))
     out = []
     for tgid, (calls, nbytes, frees, unknown, failed, untracked, _, _, comm) in zip(
         tgids.tolist(), rows.tolist(), strict=True
     ):
-        add_calls, add_bytes, add_frees = sums.get(tgid, (0, 0, 0))
+        add_calls, add_bytes, add_frees = sums.get(tgid, [0, 0, 0])
         out.append(ProcessAllocs(int(tgid), calls + add_calls, nbytes + add_bytes,
                                  frees + add_frees - untracked, unknown, failed,
                                  comm.decode(errors="replace")))  # fmt: skip

@@ -340,15 +340,10 @@ class BpfProgram:
     @staticmethod
     def _stack_row(table: Any, key: int) -> list[int]:
         try:
-            frames = table[table.Key(key)].ip
+            frames = list(table[table.Key(key)].ip)
         except (KeyError, IndexError):
             return []
-        out = []
-        for address in frames:
-            if not address:
-                break
-            out.append(int(address))
-        return out
+        return frames[: frames.index(0)] if 0 in frames else frames
 
     def has_table(self, name: str) -> bool:
         try:

@@ -69,6 +69,7 @@ class BpfCounters:
         self.lock_delivered = 0  # lock wait events read from the ring
         self.sample_bytes = sample_bytes
         self.frame_names = frame_names or FrameNames()
+        self.stack_reader = alloc_probes.StackReader()  # the stack rows' keys, kept between reads
         self.arenas = arenas
         self.lock_times = lock_times
         self.thread_clock = ThreadClock()
@@ -143,7 +144,7 @@ class BpfCounters:
         if self.sample_bytes is None:
             return None
         snapshot = alloc_probes.read_snapshot(
-            self.program, self.sample_bytes, self.started_ns, outstanding
+            self.program, self.sample_bytes, self.started_ns, outstanding, self.stack_reader
         )
         if snapshot.unwind and self.table_counts is not None:  # the tables' own, user space's
             tables = {f"tables_{key}": value for key, value in self.table_counts().items()}

@@ -13,8 +13,11 @@ ratio bytes / sizes.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import overload
+
+import numpy as np
 
 from .processes import process_name
 from .symbolize import ProcessSymbols, Symbol
@@ -60,6 +63,158 @@ class StackRow:
                 self.bytes - self.bytes_freed)  # fmt: skip
 
 
+StackKey = tuple[int, str, int, tuple[int, ...]]  # tgid, function, call_site, frames
+VALUE_FIELDS = ("calls", "bytes", "sizes", "frees", "bytes_freed", "sizes_freed", "last_ts")
+_LAST_TS = VALUE_FIELDS.index("last_ts")
+
+
+class StackCatalog:
+    """The keys of stack rows (process, function, call site, stack), each
+    numbered once: a number names one key for as long as the catalog
+    lives, so that what is worked out for a key (its frames, its cut, its
+    encoded locations) is kept by number from one read of the tables to
+    the next, and a read itself is arrays of numbers and values."""
+
+    def __init__(self) -> None:
+        self.keys: list[StackKey] = []
+        self.index: dict[StackKey, int] = {}
+        self.functions: dict[str, int] = {}  # allocating function -> its code
+        self._tgids: list[int] = []
+        self._codes: list[int] = []
+        self._arrays = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def number(self, key: StackKey) -> int:
+        found = self.index.get(key)
+        if found is None:
+            found = self.index[key] = len(self.keys)
+            self.keys.append(key)
+            self._tgids.append(key[0])
+            self._codes.append(self.functions.setdefault(key[1], len(self.functions)))
+        return found
+
+    def tgids(self) -> np.ndarray:
+        """Each key's process, by number."""
+        return self._columns()[0]
+
+    def codes(self) -> np.ndarray:
+        """Each key's allocating function (its code in ``functions``), by number."""
+        return self._columns()[1]
+
+    def _columns(self) -> tuple[np.ndarray, np.ndarray]:
+        if len(self._arrays[0]) != len(self.keys):
+            self._arrays = (np.array(self._tgids, np.int64), np.array(self._codes, np.int64))
+        return self._arrays
+
+
+class StackColumns(Sequence[StackRow]):
+    """Stack rows as columns: row i is the key ``ids[i]`` of ``catalog``
+    with the values ``values[i]`` (VALUE_FIELDS, as int64). Read as a
+    sequence it gives StackRows, made once when first asked for; serve's
+    profiles and metrics work on the columns and never make them."""
+
+    def __init__(self, catalog: StackCatalog, ids: np.ndarray, values: np.ndarray) -> None:
+        self.catalog = catalog
+        self.ids = ids
+        self.values = values
+        self._rows: tuple[StackRow, ...] | None = None
+
+    @classmethod
+    def of(cls, rows: Sequence[StackRow]) -> StackColumns:
+        """``rows`` as columns (numbered in a catalog of their own)."""
+        if isinstance(rows, StackColumns):
+            return rows
+        catalog = StackCatalog()
+        ids = np.array([catalog.number((r.tgid, r.function, r.call_site, r.frames)) for r in rows],
+                       np.int64)  # fmt: skip
+        values = np.array([[getattr(r, name) for name in VALUE_FIELDS] for r in rows], np.int64)
+        return cls(catalog, ids, values.reshape(len(rows), len(VALUE_FIELDS)))
+
+    def rows(self) -> tuple[StackRow, ...]:
+        if self._rows is None:
+            keys, numbers, values = self.catalog.keys, self.ids.tolist(), self.values.tolist()
+            self._rows = tuple(StackRow(*keys[k], *row)
+                               for k, row in zip(numbers, values, strict=True))  # fmt: skip
+        return self._rows
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @overload
+    def __getitem__(self, index: int) -> StackRow: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[StackRow]: ...
+
+    def __getitem__(self, index: int | slice) -> StackRow | Sequence[StackRow]:
+        return self.rows()[index]
+
+    def __iter__(self) -> Iterator[StackRow]:
+        return iter(self.rows())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def select(self, keep: np.ndarray) -> StackColumns:
+        """The rows where ``keep`` (a mask or indices)."""
+        return StackColumns(self.catalog, self.ids[keep], self.values[keep])
+
+    def tgids(self) -> np.ndarray:
+        found: np.ndarray = self.catalog.tgids()[self.ids]
+        return found
+
+    def heap_values(self) -> np.ndarray:
+        """Each row's StackRow.heap_values, as a (rows, 4) int64 array."""
+        calls, nbytes, sizes, frees, freed = (self.values[:, i] for i in range(5))
+        scaled = (sizes != 0) & (nbytes != sizes)
+        scale = np.ones(len(calls))
+        np.divide(nbytes, sizes, out=scale, where=scaled)
+        out = np.empty((len(calls), 4), np.int64)
+        out[:, 0] = np.rint(calls * scale)
+        out[:, 1] = nbytes
+        out[:, 2] = np.rint((calls - frees) * scale)
+        out[:, 3] = nbytes - freed
+        return out
+
+    def live_by_process(self) -> dict[int, tuple[int, int]]:
+        """Each process's live objects and bytes (StackRow.live_objects, .live_bytes summed)."""
+        heap = self.heap_values()
+        tgids, inverse = np.unique(self.tgids(), return_inverse=True)
+        sums = np.zeros((len(tgids), 2), np.int64)
+        np.add.at(sums, inverse, heap[:, 2:])
+        return {tgid: (objects, nbytes) for tgid, (objects, nbytes)
+                in zip(tgids.tolist(), sums.tolist(), strict=True)}  # fmt: skip
+
+    def top(self, key: str, limit: int) -> list[StackRow]:
+        """AllocSnapshot.top's rows, ordered by arrays: the rows made are those returned."""
+        calls = self.values[:, 0]
+        if key == "live":
+            live = self.values[:, 1] - self.values[:, 4]
+            chosen = np.flatnonzero(live > 0)
+            order = chosen[np.lexsort((-calls[chosen], -live[chosen]))]
+        else:
+            order = np.lexsort((-calls, -self.values[:, 1]))
+        keys = self.catalog.keys
+        return [StackRow(*keys[self.ids[i]], *self.values[i].tolist()) for i in order[:limit]]
+
+
+def summed(catalog: StackCatalog, ids: np.ndarray, values: np.ndarray) -> StackColumns:
+    """One row per number in ``ids``: its rows' values summed, their last
+    time the latest."""
+    order = np.argsort(ids, kind="stable")
+    ordered = ids[order]
+    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]]) if len(ids) else ordered
+    if len(starts) == len(ids):
+        return StackColumns(catalog, ordered, values[order])
+    out = np.add.reduceat(values[order], starts, axis=0)
+    out[:, _LAST_TS] = np.maximum.reduceat(values[order, _LAST_TS], starts)
+    return StackColumns(catalog, ordered[starts], out)
+
+
 @dataclass(frozen=True)
 class ProcessAllocs:
     """Every call of one process, sampled or not."""
@@ -90,7 +245,7 @@ class Outstanding:
 
 @dataclass(frozen=True)
 class AllocSnapshot:
-    stacks: tuple[StackRow, ...]
+    stacks: Sequence[StackRow]  # read from the kernel's tables: a StackColumns
     processes: tuple[ProcessAllocs, ...]
     calls: Mapping[str, int]  # every hit of each function's probe, nested calls included
     misc: Mapping[str, int]  # probes/records.py AllocMisc, lower-case
@@ -109,11 +264,9 @@ class AllocSnapshot:
         return sum(row.live_bytes for row in self.stacks)
 
     def top(self, key: str = "live", limit: int = 10) -> list[StackRow]:
-        """The rows with most live bytes, or (``key="bytes"``) most bytes allocated."""
-        if key == "live":
-            rows = [row for row in self.stacks if row.live_bytes > 0]
-            return sorted(rows, key=lambda r: (-r.live_bytes, -r.calls))[:limit]
-        return sorted(self.stacks, key=lambda r: (-r.bytes, -r.calls))[:limit]
+        """The rows with most live bytes, or (``key="bytes"``) most bytes
+        allocated; the first of equals first."""
+        return StackColumns.of(self.stacks).top(key, limit)
 
     def process(self, tgid: int) -> ProcessAllocs | None:
         return next((p for p in self.processes if p.tgid == tgid), None)
@@ -127,19 +280,7 @@ def trimmed(snapshot: AllocSnapshot, names: FrameNames) -> AllocSnapshot:
     exact: read at the return) a stack may go on with garbage that differs
     from call to call; cut there, the calls of one site come together."""
 
-    rows: dict[tuple[int, str, int, tuple[int, ...]], list[int]] = {}
-    for row in snapshot.stacks:
-        key = (row.tgid, row.function, row.call_site, names.cut(row.tgid, row.frames))
-        values = [row.calls, row.bytes, row.sizes, row.frees, row.bytes_freed, row.sizes_freed,
-                  row.last_ts]  # fmt: skip
-        known = rows.get(key)
-        if known is None:
-            rows[key] = values
-        else:
-            rows[key] = [*(a + b for a, b in zip(known[:-1], values[:-1], strict=True)),
-                         max(known[-1], values[-1])]  # fmt: skip
-    stacks = tuple(StackRow(tgid, function, call_site, frames, *values)
-                   for (tgid, function, call_site, frames), values in rows.items())  # fmt: skip
+    stacks = names.trim(StackColumns.of(snapshot.stacks))
     held = tuple(replace(item, frames=names.cut(item.tgid, item.frames))
                  for item in snapshot.outstanding)  # fmt: skip
     return replace(snapshot, stacks=stacks, outstanding=held)
@@ -162,6 +303,7 @@ class FrameNames:
     _cuts: dict[tuple[int, tuple[int, ...]], tuple[int, ...]] = field(default_factory=dict)
     named: int = 0  # frames named (each once)
     naming_s: float = 0.0  # the time that took
+    _trimming: _Trimming | None = field(default=None, repr=False)
 
     def remember(self, tgid: int) -> None:
         if not self.live:
@@ -182,6 +324,8 @@ class FrameNames:
             self.comms.pop(tgid, None)
         self._names = {key: name for key, name in self._names.items() if key[0] not in tgids}
         self._cuts = {key: cut for key, cut in self._cuts.items() if key[0] not in tgids}
+        if self._trimming is not None:
+            self._trimming.drop(tgids)
 
     def refresh(self, tgid: int) -> None:
         """Read the process's maps again, and keep them if they changed (a
@@ -195,6 +339,8 @@ class FrameNames:
             self.symbols[tgid] = fresh
             self._names = {key: name for key, name in self._names.items() if key[0] != tgid}
             self._cuts = {key: cut for key, cut in self._cuts.items() if key[0] != tgid}
+            if self._trimming is not None:
+                self._trimming.drop({tgid})
 
     def preload(self, tgid: int) -> None:
         """Read the process's maps and every module's symbols now (serve
@@ -202,6 +348,15 @@ class FrameNames:
         self.remember(tgid)
         for mapping in self.symbols[tgid].mappings:
             self.symbols[tgid].resolve(mapping.start)
+
+    def trim(self, columns: StackColumns) -> StackColumns:
+        """``columns`` with each stack cut (``cut``) and the rows that then
+        share a key summed; each key's cut kept by its number while the
+        names of its process hold."""
+        trimming = self._trimming
+        if trimming is None or trimming.source is not columns.catalog or trimming.oversized():
+            trimming = self._trimming = _Trimming(columns.catalog)
+        return trimming.apply(columns, self.cut)
 
     def cut(self, tgid: int, frames: tuple[int, ...]) -> tuple[int, ...]:
         """``frames`` up to its first frame past the call site that lies in
@@ -258,6 +413,39 @@ class FrameNames:
 
     def stack(self, tgid: int, frames: Iterable[int]) -> list[str]:
         return [self.frame(tgid, address) for address in frames]
+
+
+class _Trimming:
+    """The keys of one catalog, each with its stack cut (FrameNames.cut)
+    and numbered in a catalog of the cut keys."""
+
+    def __init__(self, source: StackCatalog) -> None:
+        self.source = source
+        self.catalog = StackCatalog()
+        self.cut_to = np.zeros(0, np.int64)  # a source number -> its cut key's; -1: not yet
+
+    def oversized(self) -> bool:
+        """Holding many more cut keys than there are keys (cuts made again)."""
+        return len(self.catalog) > 2 * len(self.source) + 100_000
+
+    def drop(self, tgids: set[int]) -> None:
+        """The cuts of these processes made again when next asked for."""
+        known = len(self.cut_to)
+        self.cut_to[np.isin(self.source.tgids()[:known], list(tgids))] = -1
+
+    def apply(self, columns: StackColumns,
+              cut: Callable[[int, tuple[int, ...]], tuple[int, ...]]) -> StackColumns:  # fmt: skip
+        grown = len(self.source) - len(self.cut_to)
+        if grown > 0:
+            self.cut_to = np.concatenate([self.cut_to, np.full(grown, -1, np.int64)])
+        to = self.cut_to[columns.ids]
+        if (to < 0).any():
+            for number in np.unique(columns.ids[to < 0]).tolist():
+                tgid, function, call_site, frames = self.source.keys[number]
+                self.cut_to[number] = self.catalog.number((tgid, function, call_site,
+                                                           cut(tgid, frames)))  # fmt: skip
+            to = self.cut_to[columns.ids]
+        return summed(self.catalog, to, columns.values)
 
 
 def frame_text(address: int, symbol: Symbol | None) -> str:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -23,6 +24,8 @@ from mtrace_live.exporters.data.alloc_snapshot import (
     AllocSnapshot,
     FrameNames,
     ProcessAllocs,
+    StackCatalog,
+    StackColumns,
     StackRow,
 )
 from mtrace_live.exporters.data.symbolize import Symbol
@@ -58,11 +61,21 @@ def stack(tgid: int, site: int, calls: int, size: int, frees: int) -> StackRow:
                     frees, frees * size, frees * size, 0)  # fmt: skip
 
 
-def tables(*rows: StackRow, sample_bytes: int = 0, misc: Mapping[str, int] | None = None
-           ) -> AllocSnapshot:  # fmt: skip
+def numbered(catalog: StackCatalog, *rows: StackRow) -> StackColumns:
+    """``rows`` as the kernel's reader gives them: numbered in its catalog,
+    kept from one read to the next."""
+    ids = [catalog.number((row.tgid, row.function, row.call_site, row.frames)) for row in rows]
+    values = [[row.calls, row.bytes, row.sizes, row.frees, row.bytes_freed, row.sizes_freed,
+               row.last_ts] for row in rows]  # fmt: skip
+    return StackColumns(catalog, np.array(ids, np.int64), np.array(values, np.int64).reshape(-1, 7))
+
+
+def tables(*rows: StackRow, sample_bytes: int = 0, misc: Mapping[str, int] | None = None,
+           catalog: StackCatalog | None = None) -> AllocSnapshot:  # fmt: skip
+    """The rows (numbered in ``catalog`` if given, else in one of their own)."""
     tgids = sorted({row.tgid for row in rows} | {APP, DB})
     return AllocSnapshot(
-        stacks=rows,
+        stacks=rows if catalog is None else numbered(catalog, *rows),
         processes=tuple(ProcessAllocs(tgid, 1, 1, 0, 0, 0, comm="") for tgid in tgids),
         calls={}, misc=misc or {}, sample_bytes=sample_bytes, now_ns=0, started_ns=0,
     )  # fmt: skip
@@ -227,15 +240,19 @@ def test_an_unknown_pid_is_a_400_and_no_allocations_a_404() -> None:
     assert untraced.answer({"op": "mark"})[0] == 404
 
 
-def test_a_delta_is_what_each_stack_did_since_its_start() -> None:
-    # GIVEN tables, and a delta begun on them
-    heap, source = profiles(tables(stack(APP, 0x401100, 10, 64, 4), stack(DB, 0x401200, 3, 8, 3)))
+@pytest.mark.parametrize("kept", [True, False], ids=["numbered-alike", "numbered-apart"])
+def test_a_delta_is_what_each_stack_did_since_its_start(kept: bool) -> None:
+    # GIVEN tables, and a delta begun on them; the reads numbered in one
+    # catalog (as the kernel's reader does), or each in its own
+    catalog = StackCatalog() if kept else None
+    heap, source = profiles(tables(stack(APP, 0x401100, 10, 64, 4), stack(DB, 0x401200, 3, 8, 3),
+                                   catalog=catalog))  # fmt: skip
     status, token = heap.answer({"op": "mark"})
     assert status == 200
     # WHEN APP's stack allocates 5 more and frees 6, DB's pid is a new process
     # (fewer calls than before), and a new stack appears
     source.snapshot = tables(stack(APP, 0x401100, 15, 64, 10), stack(DB, 0x401200, 2, 8, 0),
-                             stack(APP, 0x401300, 1, 16, 0))  # fmt: skip
+                             stack(APP, 0x401300, 1, 16, 0), catalog=catalog)  # fmt: skip
     status, body = answer(heap, since=token.decode())
     # THEN each value is the change, every value (inuse too, as Go's deltas)
     assert status == 200
@@ -437,18 +454,48 @@ def test_the_encoder_holds_what_build_profile_holds_and_keeps_up_with_the_tables
             replace(stack(APP, 0x401300, 2, 8, 2), function="calloc"),
             stack(DB, 0x700000, 5, 16, 1)]  # fmt: skip
     extra = {APP: (("comm", "app"),), DB: (("comm", "db"), ("cgroup", "/x"))}
-    encoder = HeapEncoder(Names())
-    # WHEN the same rows are encoded, then encoded again with new values and a process gone
-    first = decoded(encoder.encode(rows, extra.__getitem__, 0, "inuse_space", 0, ["c"]))
-    expected = build_profile(tables(*rows), Names(), labels=extra.__getitem__)
-    assert contents(first) == contents(expected)
+    catalog, encoder = StackCatalog(), HeapEncoder(Names())
+
+    def encoded(rows: list[StackRow], default: str = "inuse_space") -> Any:
+        body = encoder.encode(numbered(catalog, *rows), extra.__getitem__, 0, default, 0, ["c"])
+        return decoded(body)
+
+    def expected(rows: list[StackRow]) -> Any:
+        return contents(build_profile(tables(*rows), Names(), labels=extra.__getitem__))
+
+    # WHEN the rows are encoded, then again with new values and DB's labels
+    # changed, then with DB gone
+    first = encoded(rows)
+    assert contents(first) == expected(rows)
     assert [first.string_table[c] for c in first.comment] == ["c"]
-    grown = [replace(rows[0], calls=20, bytes=1280, sizes=1280), rows[1]]
+    grown = [replace(rows[0], calls=20, bytes=1280, sizes=1280), *rows[1:]]
+    extra[DB] = (("comm", "db2"),)
+    # THEN each holds its rows' values now, and the labels now
+    assert contents(encoded(grown)) == expected(grown)
     encoder.retain({APP})
-    second = decoded(encoder.encode(grown[:1], extra.__getitem__, 0, "alloc_space", 0, []))
-    # THEN each holds its rows' values now, and nothing of the rows left out
-    assert contents(second) == contents(
-        build_profile(tables(*grown[:1]), Names(), labels=extra.__getitem__)
-    )
-    assert second.string_table[second.default_sample_type] == "alloc_space"
-    assert all(key[0] == APP for key in encoder._rows)
+    third = encoded(grown[:1], "alloc_space")
+    assert contents(third) == expected(grown[:1])
+    assert third.string_table[third.default_sample_type] == "alloc_space"
+    # AND nothing of DB's rows is kept
+    kept = {catalog.keys[n][0] for n, prefix in enumerate(encoder._prefixes) if prefix}
+    assert kept == {APP}
+
+
+@settings(deadline=None, max_examples=200)
+@given(st.lists(st.integers(-(1 << 63), (1 << 63) - 1), min_size=1, max_size=40))
+def test_values_are_encoded_as_protobuf_encodes_them(values: list[int]) -> None:
+    from mtrace_live.exporters.pprof import _sample_frames
+
+    # GIVEN rows of four values each, and a prefix of one location id per row
+    rows = np.array(values + [0] * (-len(values) % 4), np.int64).reshape(-1, 4)
+    sample = message_class("Sample")
+    prefixes = [sample(location_id=[row + 1]).SerializeToString() for row in range(len(rows))]
+    # WHEN the samples are framed around their prefixes and read as a Profile
+    glue, cuts = _sample_frames(np.array([len(p) for p in prefixes], np.int64), rows)
+    ends = cuts.tolist()
+    pieces = [glue[a:b] for a, b in zip([0, *ends], [*ends, len(glue)], strict=True)]
+    body = b"".join(piece + prefix for piece, prefix in zip(pieces, [*prefixes, b""], strict=True))
+    profile = message_class("Profile").FromString(body)
+    # THEN each sample holds its location and its values, as protobuf reads them
+    assert [list(s.location_id) for s in profile.sample] == [[i + 1] for i in range(len(rows))]
+    assert [list(s.value) for s in profile.sample] == rows.tolist()

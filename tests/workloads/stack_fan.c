@@ -60,16 +60,23 @@ int main(int argc, char **argv)
     fflush(stdout);
     if (!wait_line())
         return 3;
-    for (unsigned long i = 0; i < n; i++)
-        blocks[i] = step(0, i);
-    printf("done\n");
-    fflush(stdout);
+    /* one loop for the first round and the churn's, so that a block is
+     * made under the same stack each round (main's one call site) */
+    int churn = argc > 2 && !strcmp(argv[2], "--churn");
     struct pollfd input = {.fd = 0, .events = POLLIN};
-    while (argc > 2 && !strcmp(argv[2], "--churn") && poll(&input, 1, 0) == 0)
+    for (unsigned long round = 0;; round++) {
         for (unsigned long i = 0; i < n; i++) {
-            free(blocks[i]);
+            if (round > 0)
+                free(blocks[i]);
             blocks[i] = step(0, i);
         }
+        if (round == 0) {
+            printf("done\n");
+            fflush(stdout);
+        }
+        if (!churn || poll(&input, 1, 0) != 0)
+            break;
+    }
     if (!wait_line())
         return 3;
     return blocks[0] == NULL;
