@@ -811,11 +811,13 @@ def _detach_in_child(perf_fds: list[int]) -> bool:
         # reaped above, and the grandchild, whose parent is gone, is reaped
         # by init (or the nearest subreaper). A long-lived tracer (serve, a
         # test runner) keeps no zombie per trace. Where it cannot fork, the
-        # child does the work itself and the tracer waits for it.
+        # child does the work itself and the tracer waits for it. The name
+        # comes first: the grandchild has it from its start, so that once
+        # the tracer is back, a detacher still at work is seen by its name.
+        prctl(_PR_SET_NAME, ctypes.c_char_p(DETACHER_NAME), 0, 0, 0)
         if fork() > 0:  # -1: no grandchild, the work is this child's
             os._exit(0)
         os.setsid()
-        prctl(_PR_SET_NAME, ctypes.c_char_p(DETACHER_NAME), 0, 0, 0)
         keep = {*perf_fds, released}
         for entry in os.listdir("/proc/self/fd"):
             fd = int(entry)

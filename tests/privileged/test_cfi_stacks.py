@@ -2,7 +2,8 @@
 pointers, PIE, shared libraries, libstdc++), unwound by the binaries' own
 CFI: checked frame by frame against the chains the workloads know they
 made, and against heaptrack (libunwind, in the process) on the same
-program. The profiles are read by the real ``go tool pprof``.
+program. The profiles are read by the real ``go tool pprof``: the files of
+traced runs, and serve's ``/debug/pprof/allocs`` over HTTP.
 
 ``cfi_stacks`` allocates at the end of five chains: in the program, through
 a shared library, deeper than a walk keeps (127 frames), through a library
@@ -13,8 +14,10 @@ std::vector, whose code is libstdc++'s.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
+import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +26,8 @@ import pytest
 from mtrace_live.exporters.sprtrace import text as sprtrace
 
 from .conftest import MTRACE, built
-from .tracing import trace_cxx_stacks
+from .test_serve import free_port, start_serve, stop
+from .tracing import Reaper, trace_cxx_stacks
 
 CALLS = 150
 DEEP = 200  # deeper than the 127 frames a walk keeps
@@ -31,12 +35,13 @@ THREAD_ROOT = "__clone3"  # glibc's thread entry, where the CFI says the stack e
 PROGRAM_ROOT = "_start"
 
 
-def go_traces(profile: Path, index: str = "alloc_objects") -> list[tuple[int, list[str]]]:
+def go_traces(profile: Path | str, index: str = "alloc_objects") -> list[tuple[int, list[str]]]:
     """(value, frames innermost first) of each sample, as ``go tool pprof
-    -traces`` prints them."""
+    -traces`` prints them; ``profile``: a file, or a URL to fetch it from."""
+    env = dict(os.environ, PPROF_TMPDIR=tempfile.gettempdir())  # where a fetched profile is kept
     text = subprocess.run(["go", "tool", "pprof", f"-sample_index={index}", "-traces",
                            str(profile)], capture_output=True, text=True, check=True,
-                          timeout=120).stdout  # fmt: skip
+                          timeout=120, env=env).stdout  # fmt: skip
     traces = []
     for block in text.split("-----------+")[1:]:
         frames, value = [], None
@@ -104,15 +109,13 @@ def cfi_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[tuple[i
     return run.stdout, go_traces(profile)
 
 
-def test_every_chain_is_whole_down_to_the_program_s_or_the_thread_s_start(
-    cfi_run: tuple[str, list[tuple[int, list[str]]]],
-) -> None:
-    out, traces = cfi_run
+def assert_chains_whole(out: str, traces: list[tuple[int, list[str]]]) -> None:
+    """Each chain the workload made (but those deeper than a walk keeps) is
+    one stack, frame by frame from the function that called malloc to main
+    (or the thread's function), then the libc's start to the outermost
+    frame, with as many calls."""
     chains = known_chains(out)
     assert len(chains) == 5
-    # THEN each chain the workload made is one stack, frame by frame from the
-    # function that called malloc to main (or the thread's function), then
-    # the libc's start to the outermost frame, with as many calls
     for calls, _, frames in chains:
         if len(frames) > 127:
             continue
@@ -122,6 +125,46 @@ def test_every_chain_is_whole_down_to_the_program_s_or_the_thread_s_start(
         assert value == calls == CALLS
         root = THREAD_ROOT if frames[0] == "thread_main" else PROGRAM_ROOT
         assert got[-1] == root, got
+
+
+def test_every_chain_is_whole_down_to_the_program_s_or_the_thread_s_start(
+    cfi_run: tuple[str, list[tuple[int, list[str]]]],
+) -> None:
+    out, traces = cfi_run
+    assert_chains_whole(out, traces)
+
+
+def test_serve_unwinds_by_cfi_after_giving_up_root(tmp_path: Path) -> None:
+    # GIVEN cfi_stacks waiting, traced by serve --exact (which gives up root,
+    # keeping what it needs to read the process's mappings)
+    port = free_port()
+    argv = [str(built("cfi_stacks")), str(built("libcfi_plugin.so")), str(CALLS), "8"]
+    with Reaper() as reaper:
+        work = reaper.add(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                           text=True))  # fmt: skip
+        assert work.stdin is not None and work.stdout is not None
+        assert work.stdout.readline() == "ready\n"
+        serve, err = start_serve(["--pid", str(work.pid), "--exact", "--no-kmem",
+                                  "--web.listen-address", f"127.0.0.1:{port}"],
+                                 tmp_path, reaper)  # fmt: skip
+        # WHEN it makes its five chains (one through a library it loads
+        # now), and go tool pprof reads serve's allocs profile
+        work.stdin.write("x")
+        work.stdin.flush()
+        said = []
+        for line in work.stdout:  # its chains, until "done" (or its end)
+            if line == "done\n":
+                break
+            said.append(line)
+        out = "".join(said)
+        traces = go_traces(f"http://127.0.0.1:{port}/debug/pprof/allocs?pid={work.pid}")
+        work.stdin.write("y")
+        work.stdin.close()
+        work.stdout.close()
+        assert work.wait(timeout=60) == 0
+        assert stop(serve) == 0, err.read_text()
+    # THEN each chain is one whole stack with its count, as a traced run's
+    assert_chains_whole(out, traces)
 
 
 def test_a_chain_deeper_than_the_walk_is_cut_at_127_frames_and_counted(
