@@ -272,8 +272,8 @@ class HeapEncoder:
         """Each row's prefix, those of keys not seen before (or whose labels
         changed) encoded now."""
         catalog = rows.catalog
-        if catalog is not self._catalog:
-            self._catalog, self._prefixes = catalog, []
+        if catalog is not self._catalog:  # numbered anew: the functions' codes too
+            self._catalog, self._prefixes, self._labels = catalog, [], {}
         self._prefixes.extend([None] * (len(catalog) - len(self._prefixes)))
         pairs = rows.tgids() << _PAIR_BITS | catalog.codes()[rows.ids]
         names = {code: name for name, code in catalog.functions.items()}
