@@ -66,6 +66,7 @@ class StackRow:
 StackKey = tuple[int, str, int, tuple[int, ...]]  # tgid, function, call_site, frames
 VALUE_FIELDS = ("calls", "bytes", "sizes", "frees", "bytes_freed", "sizes_freed", "last_ts")
 _LAST_TS = VALUE_FIELDS.index("last_ts")
+_INT64_FLOAT = (-(2.0**63), 2.0**63 - 1024)  # the int64 range's ends that a float64 holds
 
 
 class StackCatalog:
@@ -168,15 +169,16 @@ class StackColumns(Sequence[StackRow]):
         return found
 
     def heap_values(self) -> np.ndarray:
-        """Each row's StackRow.heap_values, as a (rows, 4) int64 array."""
+        """Each row's StackRow.heap_values, as a (rows, 4) int64 array (an
+        object count past int64, which no profile can hold, at its bound)."""
         calls, nbytes, sizes, frees, freed = (self.values[:, i] for i in range(5))
         scaled = (sizes != 0) & (nbytes != sizes)
         scale = np.ones(len(calls))
         np.divide(nbytes, sizes, out=scale, where=scaled)
         out = np.empty((len(calls), 4), np.int64)
-        out[:, 0] = np.rint(calls * scale)
+        for column, objects in ((0, calls), (2, calls - frees)):
+            out[:, column] = np.clip(np.rint(objects * scale), _INT64_FLOAT[0], _INT64_FLOAT[1])
         out[:, 1] = nbytes
-        out[:, 2] = np.rint((calls - frees) * scale)
         out[:, 3] = nbytes - freed
         return out
 

@@ -109,11 +109,14 @@ def test_cut_stacks_are_kept_by_number_until_the_process_s_names_change() -> Non
     ]
 
 
-VALUES = st.lists(st.integers(0, 1 << 40), min_size=6, max_size=6)
+# calls, then bytes, sizes, frees, bytes freed and the last time: an object
+# estimate (calls x bytes / sizes) stays within int64
+COUNT, BYTES = st.integers(0, 1 << 20), st.integers(0, 1 << 40)
+VALUES = st.tuples(COUNT, BYTES, BYTES, COUNT, BYTES, BYTES)
 ROWS = st.lists(st.tuples(st.integers(1, 3), st.integers(0, 3), VALUES), max_size=30)
 
 
-def rows_of(drawn: list[tuple[int, int, list[int]]]) -> list[StackRow]:
+def rows_of(drawn: list[tuple[int, int, tuple[int, ...]]]) -> list[StackRow]:
     """StackRows of processes 1-3 and stacks 0-3, their counts as drawn (a
     row frees no more than it allocated)."""
     rows = []
@@ -126,7 +129,9 @@ def rows_of(drawn: list[tuple[int, int, list[int]]]) -> list[StackRow]:
 
 @settings(deadline=None, max_examples=200)
 @given(ROWS)
-def test_the_columns_figures_are_the_rows_own(drawn: list[tuple[int, int, list[int]]]) -> None:
+def test_the_columns_figures_are_the_rows_own(
+    drawn: list[tuple[int, int, tuple[int, ...]]],
+) -> None:
     rows = rows_of(drawn)
     columns = StackColumns.of(rows)
     # each row's heap values, each process's live objects and bytes
@@ -145,7 +150,7 @@ def test_the_columns_figures_are_the_rows_own(drawn: list[tuple[int, int, list[i
 
 @settings(deadline=None, max_examples=200)
 @given(ROWS)
-def test_rows_of_one_key_are_summed(drawn: list[tuple[int, int, list[int]]]) -> None:
+def test_rows_of_one_key_are_summed(drawn: list[tuple[int, int, tuple[int, ...]]]) -> None:
     rows = rows_of(drawn)
     columns = StackColumns.of(rows)
     expected: dict[tuple[int, tuple[int, ...]], list[int]] = {}
@@ -158,3 +163,13 @@ def test_rows_of_one_key_are_summed(drawn: list[tuple[int, int, list[int]]]) -> 
     assert {(r.tgid, r.frames): [r.calls, r.bytes, r.sizes, r.frees, r.bytes_freed,
                                  r.sizes_freed, r.last_ts] for r in found} == expected  # fmt: skip
     assert len(found) == len(expected)
+
+
+def test_an_object_estimate_past_int64_is_held_at_its_bound() -> None:
+    # GIVEN a row whose sampled bytes, over the sizes kept, make more objects
+    # than an int64 holds (a profile's values are int64)
+    catalog = StackCatalog()
+    key = catalog.number((APP, "malloc", SITE, (SITE,)))
+    columns = StackColumns(catalog, np.array([key]), np.array([[1 << 32, 1 << 40, 1, 0, 0, 0, 0]]))
+    # THEN its counts are the largest an int64 holds from a float, its bytes as they are
+    assert columns.heap_values().tolist() == [[2**63 - 1024, 1 << 40, 2**63 - 1024, 1 << 40]]
