@@ -38,7 +38,7 @@ from urllib.parse import parse_qsl
 
 import numpy as np
 
-from .data.alloc_snapshot import VALUE_FIELDS, AllocSnapshot, FrameNames, StackColumns
+from .data.alloc_snapshot import LAST_TS, AllocSnapshot, FrameNames, StackColumns
 from .data.processes import process_cgroup
 from .pprof import HeapEncoder
 
@@ -158,11 +158,8 @@ def delta(rows: StackColumns, base: StackColumns) -> StackColumns:
     before[found >= 0] = base.values[found[found >= 0]]
     fresh = (found < 0) | (before[:, 0] > rows.values[:, 0]) | (before[:, 3] > rows.values[:, 3])
     before[fresh] = 0
-    before[:, _LAST_TS] = 0
+    before[:, LAST_TS] = 0
     return StackColumns(rows.catalog, rows.ids, rows.values - before)
-
-
-_LAST_TS = VALUE_FIELDS.index("last_ts")
 
 
 DROPPED = (

@@ -275,12 +275,9 @@ def _processes(tgids: np.ndarray, rows: np.ndarray,
     counts in alloc_procs only what no alloc_stacks row has, and the rest is
     the sums of the process's rows; an allocation booked as freed because
     ``outstanding`` was full (``untracked``) is not one of its frees."""
-    sums: dict[int, list[int]] = {}
-    if stacks is not None and len(stacks):
-        owners, inverse = np.unique(stacks.tgids(), return_inverse=True)
-        summed = np.zeros((len(owners), 3), np.int64)
-        np.add.at(summed, inverse, stacks.values[:, [0, 2, 3]])  # calls, sizes, frees
-        sums = dict(zip(owners.tolist(), summed.tolist(), strict=True))
+    sums = (
+        {} if stacks is None else stacks.by_process(stacks.values[:, [0, 2, 3]])
+    )  # calls, sizes, frees
     out = []
     for tgid, (calls, nbytes, frees, unknown, failed, untracked, _, _, comm) in zip(
         tgids.tolist(), rows.tolist(), strict=True

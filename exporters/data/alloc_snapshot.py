@@ -65,7 +65,7 @@ class StackRow:
 
 StackKey = tuple[int, str, int, tuple[int, ...]]  # tgid, function, call_site, frames
 VALUE_FIELDS = ("calls", "bytes", "sizes", "frees", "bytes_freed", "sizes_freed", "last_ts")
-_LAST_TS = VALUE_FIELDS.index("last_ts")
+LAST_TS = VALUE_FIELDS.index("last_ts")
 _INT64_FLOAT = (-(2.0**63), 2.0**63 - 1024)  # the int64 range's ends that a float64 holds
 
 
@@ -155,11 +155,6 @@ class StackColumns(Sequence[StackRow]):
     def __iter__(self) -> Iterator[StackRow]:
         return iter(self.rows())
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and tuple(self) == tuple(other)
-
-    __hash__ = None  # type: ignore[assignment]
-
     def select(self, keep: np.ndarray) -> StackColumns:
         """The rows where ``keep`` (a mask or indices)."""
         return StackColumns(self.catalog, self.ids[keep], self.values[keep])
@@ -182,14 +177,17 @@ class StackColumns(Sequence[StackRow]):
         out[:, 3] = nbytes - freed
         return out
 
+    def by_process(self, columns: np.ndarray) -> dict[int, list[int]]:
+        """``columns`` (one row of numbers per row) summed per process."""
+        tgids, inverse = np.unique(self.tgids(), return_inverse=True)
+        sums = np.zeros((len(tgids), columns.shape[1]), np.int64)
+        np.add.at(sums, inverse, columns)
+        return dict(zip(tgids.tolist(), sums.tolist(), strict=True))
+
     def live_by_process(self) -> dict[int, tuple[int, int]]:
         """Each process's live objects and bytes (StackRow.live_objects, .live_bytes summed)."""
-        heap = self.heap_values()
-        tgids, inverse = np.unique(self.tgids(), return_inverse=True)
-        sums = np.zeros((len(tgids), 2), np.int64)
-        np.add.at(sums, inverse, heap[:, 2:])
-        return {tgid: (objects, nbytes) for tgid, (objects, nbytes)
-                in zip(tgids.tolist(), sums.tolist(), strict=True)}  # fmt: skip
+        sums = self.by_process(self.heap_values()[:, 2:])
+        return {tgid: (objects, nbytes) for tgid, (objects, nbytes) in sums.items()}
 
     def top(self, key: str, limit: int) -> list[StackRow]:
         """AllocSnapshot.top's rows, ordered by arrays: the rows made are those returned."""
@@ -213,7 +211,7 @@ def summed(catalog: StackCatalog, ids: np.ndarray, values: np.ndarray) -> StackC
     if len(starts) == len(ids):
         return StackColumns(catalog, ordered, values[order])
     out = np.add.reduceat(values[order], starts, axis=0)
-    out[:, _LAST_TS] = np.maximum.reduceat(values[order, _LAST_TS], starts)
+    out[:, LAST_TS] = np.maximum.reduceat(values[order, LAST_TS], starts)
     return StackColumns(catalog, ordered[starts], out)
 
 
