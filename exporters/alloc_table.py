@@ -170,6 +170,9 @@ def _table_lines(unwind: Mapping[str, int]) -> list[str]:
         return []
     line = (f"  tables: {unwind['tables_files']} files, {unwind.get('tables_rows', 0)} rows; "
             f"{unwind.get('tables_files_without_cfi', 0)} files without CFI")  # fmt: skip
+    if unwind.get("tables_files_failed", 0):
+        line += (f"; {unwind['tables_files_failed']} files whose tables could not be built "
+                 "(named on standard error): frame pointers there")  # fmt: skip
     full = unwind.get("tables_files_not_fitting", 0), unwind.get("tables_processes_not_fitting", 0)
     if any(full):
         line += (f"; no room for {full[0]} files ({unwind.get('tables_rows_not_fitting', 0)} "

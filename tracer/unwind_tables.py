@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ DEFAULT_ROWS = 1 << 20  # unwind_rows: 12 MiB, libc takes 28,000
 DEFAULT_MAPS = 1 << 16  # unwind_maps: 3 MiB
 DEFAULT_PAGES = 1 << 20  # unwind_pages: 4 MiB, a page index entry per 4 KiB of code
 DEFAULT_CACHE = Path("/var/cache/mtrace-live/cfi")
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: rows read by probes/elf/cfi_rows.c (malformed entries as CFA_OTHER)
 # unwind_progs' slots (unwind.bpf.c)
 STEP, RESUME_ALLOC, RESUME_LOCK = 0, 1, 2
 
@@ -216,6 +217,7 @@ class UnwindTables:
         self.blocks: dict[int, tuple[int, int]] = {}  # pid -> its block
         self.written: dict[int, tuple[Mapping, ...]] = {}  # pid -> the mappings written
         self.counts: Counter[str] = Counter()
+        self.failed: dict[str, str] = {}  # file -> why its tables could not be built
         self.load_s = 0.0  # time spent writing tables
 
     def _file(self, pid: int, mapping: Mapping) -> MappedFile:
@@ -233,7 +235,16 @@ class UnwindTables:
         key: object = ident or mapping.inode
         known = self.files.get(key)
         if known is None:
-            known = self.files[key] = self._load(path, ident, segments)
+            try:
+                known = self._load(path, ident, segments)
+            except Exception as exc:  # one file's failure is that file's alone
+                self.counts["files_failed"] += 1
+                self.failed[mapping.path] = f"{type(exc).__name__}: {exc}"
+                print(f"mtrace-live: warning: {mapping.path}: its unwind tables could not be "
+                      f"built ({type(exc).__name__}: {exc}); its frames are walked by frame "
+                      "pointers", file=sys.stderr, flush=True)  # fmt: skip
+                known = MappedFile(0, 0, segments, f"its tables could not be built ({exc})")
+            self.files[key] = known
         self.by_inode[mapping.inode] = known
         return known
 
@@ -323,8 +334,8 @@ class UnwindTables:
     def table_counts(self) -> dict[str, int]:
         """The files whose rows are written, the rows, and what had none or
         no room: files without CFI, files and processes that did not fit."""
-        keys = ("files", "files_without_cfi", "files_not_fitting", "rows_not_fitting",
-                "processes_not_fitting")  # fmt: skip
+        keys = ("files", "files_without_cfi", "files_failed", "files_not_fitting",
+                "rows_not_fitting", "processes_not_fitting")  # fmt: skip
         return {"rows": self.next_row, **{key: self.counts[key] for key in keys}}
 
     def refresh(self) -> None:

@@ -1,16 +1,26 @@
-"""The unwind rows (probes/elf/cfi.py) against binutils' readelf, which
-interprets the same call-frame information on its own: every row readelf
-prints, at its address, in libc and libstdc++ as the distribution ships them."""
+"""The unwind rows (probes/elf/cfi.py, probes/elf/cfi_rows.c) against
+binutils' readelf, which interprets the same call-frame information on its
+own: every row readelf prints, at its address, in libc, libstdc++ and
+libgcrypt (whose assembly defines its CFA by expressions) as the
+distribution ships them; every ELF file of the system read without an
+exception; and damaged call-frame information, byte by byte, read without
+a crash."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mtrace_live.probes.elf import _cfi
 from mtrace_live.probes.elf.cfi import (
     CFA_END,
     CFA_NONE,
@@ -20,12 +30,14 @@ from mtrace_live.probes.elf.cfi import (
     RBP_AT,
     RBP_LOST,
     RBP_SAME,
+    ROW,
     read_cfi,
     rule_at,
 )
 
+LIBGCRYPT = Path("/usr/lib/x86_64-linux-gnu/libgcrypt.so.20")
 LIBRARIES = [Path("/lib/x86_64-linux-gnu/libc.so.6"),
-             Path("/usr/lib/x86_64-linux-gnu/libstdc++.so.6")]  # fmt: skip
+             Path("/usr/lib/x86_64-linux-gnu/libstdc++.so.6"), LIBGCRYPT]  # fmt: skip
 FDE = re.compile(r"^\S+ \S+ \S+ FDE cie=\S+ pc=([0-9a-f]+)\.\.([0-9a-f]+)$")
 
 
@@ -116,9 +128,9 @@ def test_damaged_call_frame_information_gives_no_rows_and_says_so(tmp_path: Path
     damaged = tmp_path / "damaged.so"
     damaged.write_bytes(bytes(data))
     # WHEN it is read, THEN no wrong row comes out: none at all, with why, or
-    # only whole entries, the damaged ones counted as skipped
+    # only whole entries, the damaged ones counted as skipped or malformed
     table = read_cfi(damaged)
-    assert table.problem or table.skipped or len(table.rows) == 0
+    assert table.problem or table.skipped or table.malformed or len(table.rows) == 0
 
 
 def test_a_file_that_is_not_elf_gives_no_rows_and_says_why(tmp_path: Path) -> None:
@@ -127,3 +139,76 @@ def test_a_file_that_is_not_elf_gives_no_rows_and_says_why(tmp_path: Path) -> No
     table = read_cfi(junk)
     assert len(table.rows) == 0 and table.problem
     assert read_cfi(tmp_path / "missing.so").problem
+
+
+def test_a_cfa_by_expression_is_a_row_not_followed() -> None:
+    # GIVEN libgcrypt, whose hand-written assembly defines its CFA by
+    # DW_CFA_def_cfa_expression (and then moves it with def_cfa_register)
+    want, _ = readelf_rows(LIBGCRYPT)
+    by_expression = {pc for pc, rule in want if rule[0] == CFA_OTHER}
+    assert by_expression
+    # WHEN its rows are read, THEN they are there, those addresses marked not
+    # followed, and nothing was skipped
+    table = read_cfi(LIBGCRYPT)
+    assert table.problem == "" and table.skipped == table.malformed == 0
+    assert all(got(table.rows, pc)[0] == CFA_OTHER for pc in by_expression)  # type: ignore[index]
+
+
+SYSTEM_DIRECTORIES = ("/usr/lib/x86_64-linux-gnu", "/usr/bin", "/usr/sbin")
+
+
+def system_elf_files() -> list[Path]:
+    found = []
+    for directory in SYSTEM_DIRECTORIES:
+        for root, _, names in os.walk(directory):
+            for name in names:
+                path = Path(root) / name
+                if path.is_symlink() or not path.is_file():
+                    continue
+                with contextlib.suppress(OSError), open(path, "rb") as file:
+                    if file.read(4) == b"\x7fELF":
+                        found.append(path)
+    return found
+
+
+def test_every_elf_file_of_the_system_reads_without_an_exception() -> None:
+    # GIVEN every ELF file under the system's library and program directories
+    files = system_elf_files()
+    assert len(files) > 500
+    # WHEN each one's call-frame information is read, THEN none raises, and
+    # every row table is sorted, one row per address
+    for path in files:
+        table = read_cfi(path)
+        pcs = table.rows["pc"]
+        assert (pcs[1:] > pcs[:-1]).all(), path
+
+
+def eh_frame_of(path: Path) -> tuple[bytes, int]:
+    from mtrace_live.probes.elf.file import open_elf
+
+    with open_elf(path) as elf:
+        section = elf.get_section_by_name(".eh_frame")
+        assert section is not None
+        return bytes(section.data()), int(section["sh_addr"])
+
+
+EH_FRAME, EH_ADDRESS = eh_frame_of(Path("/lib/x86_64-linux-gnu/libm.so.6"))
+
+
+@settings(deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, len(EH_FRAME) - 1), st.integers(0, 255)),
+                min_size=1, max_size=40),
+       st.integers(0, len(EH_FRAME)))  # fmt: skip
+def test_damaged_entries_are_read_without_a_crash(flips: list[tuple[int, int]], cut: int) -> None:
+    # GIVEN a real .eh_frame with bytes changed and its end cut off
+    data = bytearray(EH_FRAME)
+    for at, value in flips:
+        data[at] = value
+    data = data[:cut]
+    # WHEN it is read (as .eh_frame and as .debug_frame), THEN it returns,
+    # and what it returns is a sorted table of whole rows
+    for eh, debug in ((bytes(data), b""), (b"", bytes(data))):
+        packed, functions, skipped, malformed = _cfi.rows(eh, EH_ADDRESS, debug)
+        assert len(packed) % 12 == 0 and skipped <= functions + 1 and malformed <= functions
+        pcs = np.frombuffer(packed, dtype=ROW)["pc"]
+        assert (pcs[1:] > pcs[:-1]).all()

@@ -14,7 +14,7 @@ import pytest
 from mtrace_live.probes.elf.cfi import CFA_RSP, ROW, read_cfi, rule_at
 from mtrace_live.probes.elf.file import load_segments, open_elf
 from mtrace_live.probes.elf.symbols import symbol_table
-from mtrace_live.tracer.unwind_tables import RowCache, UnwindTables, exec_mappings
+from mtrace_live.tracer.unwind_tables import CACHE_FORMAT, RowCache, UnwindTables, exec_mappings
 
 
 class Recorder:
@@ -59,11 +59,11 @@ def test_rows_are_kept_by_build_id_and_read_back_only_from_a_private_file(tmp_pa
     assert np.array_equal(cache.load("ab12"), rows)
     assert cache.load("cd34") is None and cache.load(None) is None
     # a file others could have written is not trusted
-    os.chmod(tmp_path / "cfi" / "ab12.v1.npy", 0o666)
+    os.chmod(tmp_path / "cfi" / f"ab12.v{CACHE_FORMAT}.npy", 0o666)
     assert cache.load("ab12") is None
     # a name that is no build-id makes no path
     cache.store("../x", rows)
-    assert not (tmp_path / "x.v1.npy").exists()
+    assert not (tmp_path / f"x.v{CACHE_FORMAT}.npy").exists()
 
 
 def test_a_mapping_s_bias_turns_a_pc_into_the_address_the_cfi_rows_use(
