@@ -108,6 +108,8 @@ class ProgramConfig:
     allocs: Mapping[str, int] | None = None  # None: no allocation functions
     locks: Mapping[str, int] | None = None  # None: lock waits are not timed
     unwind: Mapping[str, int] | None = None  # None: stacks are walked by frame pointers only
+    holds: bool = False  # processes mtrace-live started may be stopped (HOLDS, common.bpf.h)
+    exit_group_dead: bool = False  # sched_process_exit has group_dead (Linux 6.14 and later)
 
     def defines(self) -> dict[str, int]:
         defines = {
@@ -124,6 +126,8 @@ class ProgramConfig:
             "WITH_STACKS": int(self.stack_depth > 0),
             "STACK_DEPTH": max(self.stack_depth, 1),
             "STACK_ENTRIES": self.stack_entries,
+            "HOLDS": int(self.holds and self.filter_pids and self.events),
+            "EXIT_GROUP_DEAD": int(self.exit_group_dead),
         }
         if self.comm is not None:
             defines.update({"FILTER_COMM": 1, "COMM_LO": self.comm[0], "COMM_HI": self.comm[1]})

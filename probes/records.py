@@ -47,10 +47,17 @@ class EventKind(IntEnum):
     KMEM = 3  # a kmem tracepoint: probe = KmemEvent, site = KmemType
     ALLOC = 4  # an allocation function returned: probe = AllocFn, args = AllocArg
     FREE = 5  # free, or realloc's release of its old pointer
-    HELD = 6  # a followed process called _exit and waits, stopped, to be continued
+    HELD = 6  # a process mtrace-live started called _exit and waits, stopped, to be continued
     LOCK_WAIT = 7  # a wait in the libc's lock-wait slow path ended: args = futex, ns
-    UNWIND = 8  # a process wants its unwind tables (stopped until written, UNWIND_HOLD)
-    RETARGET = 9  # the thread the uprobes are attached for calls pthread_exit (stopped)
+    UNWIND = 8  # a process wants its unwind tables (one mtrace-live started: stopped till then)
+    RETARGET = 9  # the thread the uprobes are attached for calls pthread_exit
+
+
+class HoldCount(IntEnum):
+    """enum hold_count: the slots of hold_counts, the guardian's."""
+
+    PAST_BOUND = 0
+    TRACER_GONE = 1
 
 
 class KmemEvent(IntEnum):

@@ -35,6 +35,9 @@ from mtrace_live.exporters.data.sink import RunStats
 
 SYS_BPF = {"x86_64": 321, "aarch64": 280, "riscv64": 280, "ppc64le": 361, "s390x": 351}
 BPF_MAP_CREATE = 0
+BPF_MAP_LOOKUP_ELEM = 1
+BPF_MAP_UPDATE_ELEM = 2
+BPF_MAP_GET_NEXT_KEY = 4
 BPF_PROG_LOAD = 5
 BPF_RAW_TRACEPOINT_OPEN = 17
 BPF_PROG_GET_NEXT_ID = 11
@@ -81,6 +84,44 @@ def _bpf(cmd: int, attr: ctypes.Array[ctypes.c_char]) -> int:
         ctypes.set_errno(errno.ENOSYS)
         return -1
     return int(_LIBC.syscall(number, cmd, ctypes.byref(attr), len(attr)))
+
+
+def _elem(cmd: int, map_fd: int, key: ctypes.Array[ctypes.c_char] | None,
+          value: ctypes.Array[ctypes.c_char]) -> bool:  # fmt: skip
+    """One BPF_MAP_*_ELEM or GET_NEXT_KEY call: map_fd, key, value (or the
+    next key), flags 0."""
+    attr = ctypes.create_string_buffer(32)
+    key_at = ctypes.addressof(key) if key is not None else 0
+    struct.pack_into("=IIQQQ", attr, 0, map_fd, 0, key_at, ctypes.addressof(value), 0)
+    return _bpf(cmd, attr) == 0
+
+
+def u32_keys(map_fd: int) -> list[int]:
+    """Every key of a hash map keyed by u32, one system call a key (a map
+    read by a process that holds no bcc object: the guardian)."""
+    keys: list[int] = []
+    key, following = None, ctypes.create_string_buffer(4)
+    while _elem(BPF_MAP_GET_NEXT_KEY, map_fd, key, following) and len(keys) < 1 << 20:
+        keys.append(struct.unpack("=I", following.raw)[0])
+        key, following = following, ctypes.create_string_buffer(4)
+    return keys
+
+
+def lookup_u32(map_fd: int, key: int, value_size: int) -> bytes | None:
+    """The value at u32 ``key``, or None when there is none."""
+    value = ctypes.create_string_buffer(value_size)
+    found = _elem(BPF_MAP_LOOKUP_ELEM, map_fd, _u32(key), value)
+    return value.raw if found else None
+
+
+def update_u32(map_fd: int, key: int, value: bytes) -> bool:
+    """Write ``value`` at u32 ``key``; False when the kernel refuses."""
+    return _elem(BPF_MAP_UPDATE_ELEM, map_fd, _u32(key),
+                 ctypes.create_string_buffer(value, len(value)))  # fmt: skip
+
+
+def _u32(key: int) -> ctypes.Array[ctypes.c_char]:
+    return ctypes.create_string_buffer(struct.pack("=I", key), 4)
 
 
 class BatchReader:

@@ -52,6 +52,7 @@ from .arena_walk import ArenaFinder, arena_symbols
 from .bpf_backend import BpfProgram, bcc_version, require_privileges
 from .counters import BpfCounters
 from .exec_watch import ExecWatch
+from .holds import Guardian, Holds
 from .kmem_attach import kmem_switches
 from .launch import GatedCommand
 from .model import AllocatorModel
@@ -145,11 +146,7 @@ class LiveTrace:
         stats_fd = bpf_syscalls.enable_run_time_stats() if request.bpf_stats else None
         if request.bpf_stats and stats_fd is None and not bpf_syscalls.sysctl_enabled():
             raise NotPrivilegedError("--bpf-stats: this kernel refused to count BPF run time")
-        try:
-            self.program = BpfProgram(plan.config.source())
-        except BaseException:
-            bpf_syscalls.close(stats_fd)
-            raise
+        self._load(plan, stats_fd)
         self._attach(plan, target_pid, stats_fd)
         self.counters = BpfCounters(
             self.program,
@@ -166,6 +163,18 @@ class LiveTrace:
         )
         if self.unwind is not None:
             self.counters.table_counts = self.unwind.table_counts
+
+    def _load(self, plan: ProgramPlan, stats_fd: int | None) -> None:
+        """Load the program; where it may hold processes, start the
+        guardian, forked now, before any thread or probe: whatever becomes
+        of this process, no process it held stays stopped (tracer/holds.py)."""
+        try:
+            self.program = BpfProgram(plan.config.source())
+        except BaseException:
+            bpf_syscalls.close(stats_fd)
+            raise
+        self.holds = Holds(self.program) if plan.holds else None
+        self.guardian = Guardian(self.program) if plan.holds else None
 
     def _main_arena_of(self) -> Callable[[Event, int], int | None]:
         """main_arena's address in the process of an event at a site: its
@@ -191,8 +200,10 @@ class LiveTrace:
         try:
             if plan.config.first_tgid and target_pid is not None:
                 self.program.set_first_target(target_pid)
-            usdt.attach_sites(self.program, self.selection)
             self.unwind = self._unwinder(plan)
+            if self.unwind is not None and request.pid is not None:
+                self.unwind.load(request.pid)  # its tables before its first traced call
+            usdt.attach_sites(self.program, self.selection)
             if self.alloc_plan is not None:
                 alloc_probes.attach_allocs(self.program, self.alloc_plan, request.sample_bytes,
                                            self.hold, self.alloc_pid)  # fmt: skip
@@ -207,6 +218,7 @@ class LiveTrace:
                 room * mmap.PAGESIZE if room > plan.ring_pages else None,
             )
         except BaseException:
+            self._let_go()
             self.program.close()
             bpf_syscalls.close(stats_fd)
             raise
@@ -225,7 +237,11 @@ class LiveTrace:
         self.program.set_tail_calls("unwind_progs", slots)
         libc = self.alloc_plan.libc if self.alloc_plan is not None else self.lock_plan.libc  # type: ignore[union-attr]
         attach_dlopen(self.program, libc, self.alloc_pid)
-        return UnwindTables(self.program, hold=bool(defines.get("UNWIND_HOLD")))
+        # A process's maps are read for its names whenever its tables are
+        # written (its first call, a dlopen, a change seen each second): a
+        # process that was never held is named after it is gone from those.
+        return UnwindTables(self.program, release=self.holds.release if self.holds else None,
+                            written=self.frame_names.refresh)  # fmt: skip
 
     def info(self, pid: int | None) -> TraceInfo:
         request = self.request
@@ -259,7 +275,10 @@ class LiveTrace:
 
     def follow(self, pid: int, running: bool = True) -> None:
         """Trace process ``pid``: ``running`` its program (not a command
-        that has yet to exec it), whose arenas can then be read now."""
+        that has yet to exec it, the one process mtrace-live starts, which
+        alone may be held), whose arenas can then be read now."""
+        if self.holds is not None and not running:
+            self.holds.allow(pid)
         self.program.follow([pid])
         usdt.seed_break(self.program, self.selection, pid)
         if self.arenas is not None and running:
@@ -268,6 +287,7 @@ class LiveTrace:
             self.unwind.load(pid)
         if self.lock_plan is not None:
             self.counters.thread_clock.seed(self.program, pid)
+        if running:
             self.frame_names.refresh(pid)
 
     more_waiting = False  # the last read left events in the ring
@@ -294,7 +314,7 @@ class LiveTrace:
         self._looks += 1
         if self._looks == 1:
             return  # the first look is 0.1 s from now
-        if self.lock_plan is not None and not self.hold:
+        if not self.hold:
             self.frame_names.refresh(pid)
         if self.arenas is not None:
             self.model.seed_arenas(pid, self.arenas.scan(pid))
@@ -343,7 +363,9 @@ class LiveTrace:
         """The thread the uprobes are attached for is ending (tracer/retarget.py)."""
         pairs = zip(ending["tgid"].tolist(), ending["tid"].tolist(), strict=True)
         for tgid, tid in sorted(set(pairs)):
-            moved = move_uprobes(self.program, tgid, tid)
+            held = self.holds is not None and self.holds.is_held(tgid)
+            release = self.holds.release if self.holds is not None and held else None
+            moved = move_uprobes(self.program, tgid, tid, release)
             if moved is not None:
                 print(f"mtrace-live: {moved}", file=sys.stderr, flush=True)
 
@@ -351,8 +373,8 @@ class LiveTrace:
         """Processes stopped in _exit: read their maps, then let them go."""
         for tgid in sorted(set(held["tgid"].tolist())):
             self.frame_names.remember(tgid)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(tgid, signal.SIGCONT)
+            if self.holds is not None:
+                self.holds.release(tgid)
 
     def result(self, started: float, ended_by: str, exit_code: int | None) -> TraceResult:
         counters = self.counters.read(kmem=self.kmem, runs=True)
@@ -392,7 +414,15 @@ class LiveTrace:
             lock_delivered=self.counters.lock_delivered if self.request.lock_events else None,
         )
 
+    def _let_go(self) -> None:
+        """Continue every process still held, and end the guardian."""
+        if self.holds is not None:
+            self.holds.release_all()
+        if self.guardian is not None:
+            self.guardian.close()
+
     def close(self) -> None:
+        self._let_go()
         self.reader.close()
         self.counters.close()
         self.program.close()

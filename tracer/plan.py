@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mtrace_live.exporters import registry
-from mtrace_live.probes.elf.errors import NoProbesError
+from mtrace_live.probes.elf.errors import NoProbesError, NotPrivilegedError, TracepointMissingError
 from mtrace_live.probes.program import ProgramConfig
 
-from . import alloc_probes, lock_waits, target, unwind_tables, usdt
+from . import alloc_probes, bpf_backend, lock_waits, target, tracefs, unwind_tables, usdt
 
 DEFAULT_BUFFER_PAGES = 2048  # 8 MiB: about 87,000 events of slack
 # With kmem records in the ring (record, --kmemtrace, --sp-rtrace): 128 MiB,
@@ -76,6 +76,13 @@ class TraceRequest:
     def filtered_by_pid(self) -> bool:
         """The ``followed`` table decides (--pid, COMMAND, --comm)."""
         return not self.all_processes and self.cgroup is None
+
+    @property
+    def holds(self) -> bool:
+        """A process may be stopped while user space does its part: only
+        when mtrace-live starts it (COMMAND, and the children it forks).
+        Nothing else is ever stopped (tracer/holds.py)."""
+        return bool(self.command) and self.filtered_by_pid and not self.privileges_dropped
 
     @property
     def one_process(self) -> bool:
@@ -195,8 +202,9 @@ class ProgramPlan:
 
     config: ProgramConfig
     ring_pages: int  # the kernel's ring
-    hold: bool  # a process calling _exit is held until its maps are read
+    hold: bool  # a process mtrace-live started calling _exit is held until its maps are read
     alloc_pid: int  # the one process the uprobes are attached for, or -1
+    holds: bool  # processes mtrace-live started may be held (HOLDS): a guardian watches
 
 
 def program_plan(request: TraceRequest, probes: Probes, target_pid: int | None,
@@ -213,7 +221,7 @@ def program_plan(request: TraceRequest, probes: Probes, target_pid: int | None,
     alloc_pid = target_pid if request.one_process and target_pid is not None else -1
     hold, alloc_defines = False, None
     if probes.alloc_plan is not None:
-        hold = probes.alloc_plan.exit_offset is not None
+        hold = request.holds and probes.alloc_plan.exit_offset is not None
         alloc_defines = alloc_probes.defines(request.sample_bytes, request.alloc_events, walk=True,
                                        outstanding=request.max_outstanding,
                                        stacks=request.alloc_stacks, hold=hold,
@@ -234,11 +242,22 @@ def program_plan(request: TraceRequest, probes: Probes, target_pid: int | None,
         stack_entries=request.stack_entries,
         allocs=alloc_defines,
         locks=_lock_defines(request, probes, alloc_pid),
-        unwind=unwind_tables.unwind_defines(hold=request.filtered_by_pid)
-        if unwinds(request)
-        else None,
+        unwind=unwind_tables.unwind_defines() if unwinds(request) else None,
+        holds=request.holds,
+        exit_group_dead=exit_says_group_dead(),
     )
-    return ProgramPlan(config, ring_pages, hold, alloc_pid)
+    return ProgramPlan(config, ring_pages, hold, alloc_pid, request.holds)
+
+
+def exit_says_group_dead() -> bool:
+    """sched_process_exit has ``group_dead`` (Linux 6.14 and later): a
+    process ends with its last thread, not with main's (which may call
+    pthread_exit while the others go on). Older kernels end it with main's."""
+    try:
+        text = bpf_backend.tracepoint_format("sched", "sched_process_exit")
+    except (TracepointMissingError, NotPrivilegedError):
+        return False
+    return tracefs.parse_format("sched", "sched_process_exit", text).has("group_dead")
 
 
 def unwinds(request: TraceRequest) -> bool:

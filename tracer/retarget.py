@@ -8,19 +8,22 @@ target is the caller's. That thread is the process's first (main). When main
 calls ``pthread_exit`` and the other threads go on, its memory is gone at its
 exit, and no call of the process would be seen again.
 
-So allocs.bpf.c's ``alloc_thread_exit`` stops the process (SIGSTOP) when that
-thread calls ``pthread_exit``, and here the uprobes are attached for a thread
-that stays (the oldest), the old events closed, and the process continued.
-A call another thread was inside when it stopped returns unseen (its entry
-probe was the old event's): those calls are counted and said.
+So allocs.bpf.c's ``alloc_thread_exit`` says so when that thread calls
+``pthread_exit``, and here the uprobes are attached for a thread that stays
+(the oldest), and the old events closed. A process mtrace-live started is
+stopped (SIGSTOP) meanwhile and continued after (tracer/holds.py): a call
+another thread was inside when it stopped returns unseen (its entry probe
+was the old event's), and those calls are counted and said. Any other
+process is never stopped: it goes on while the probes move, and what it
+calls after the old thread is gone and before the new events are attached
+is not seen.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,19 +50,25 @@ class Moved:
                 f"{self.in_flight} calls in flight were not seen to return)")  # fmt: skip
 
 
-def move_uprobes(program: BpfProgram, tgid: int, old: int) -> Moved | str | None:
-    """Move process ``tgid``'s uprobes off thread ``old``, which is ending,
-    and continue the process: what was moved, a line saying why nothing could
-    be, or None when the process has no other thread (it ends with it)."""
+def move_uprobes(program: BpfProgram, tgid: int, old: int,
+                 release: Callable[[int], None] | None = None) -> Moved | str | None:  # fmt: skip
+    """Move process ``tgid``'s uprobes off thread ``old``, which is ending:
+    what was moved, a line saying why nothing could be, or None when the
+    process has no other thread (it ends with it). ``release``: the process
+    is held (one mtrace-live started): it is moved once every thread has
+    stopped, and continued by ``release`` after. Any other process goes on
+    meanwhile: what it calls after ``old`` is gone and before the move is
+    done is not seen."""
     try:
         threads = sorted(int(name) for name in os.listdir(f"/proc/{tgid}/task"))
     except OSError:
-        return None  # gone already
+        threads = []  # gone already
     threads = [tid for tid in threads if tid != old]
     try:
         if not threads:
             return None
-        _wait_stopped(tgid, threads)
+        if release is not None:
+            _wait_stopped(tgid, threads)
         try:
             probes = program.retarget(old, threads[0])
         except AttachFailure as failure:
@@ -67,10 +76,11 @@ def move_uprobes(program: BpfProgram, tgid: int, old: int) -> Moved | str | None
                     f"not be attached for thread {threads[0]}: {failure}; the process's "
                     "other threads are no longer traced")  # fmt: skip
         program.fill_array("alloc_target", [threads[0]])
-        return Moved(tgid, old, threads[0], probes, program.clear_pending(threads))
+        in_flight = program.clear_pending(threads) if release is not None else 0
+        return Moved(tgid, old, threads[0], probes, in_flight)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(tgid, signal.SIGCONT)
+        if release is not None:
+            release(tgid)
 
 
 def _wait_stopped(tgid: int, threads: list[int]) -> None:

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,12 +48,11 @@ CACHE_FORMAT = 2  # 2: rows read by probes/elf/cfi_rows.c (malformed entries as 
 STEP, RESUME_ALLOC, RESUME_LOCK = 0, 1, 2
 
 
-def unwind_defines(hold: bool, rows: int = DEFAULT_ROWS, maps: int = DEFAULT_MAPS,
+def unwind_defines(rows: int = DEFAULT_ROWS, maps: int = DEFAULT_MAPS,
                    pages: int = DEFAULT_PAGES) -> dict[str, int]:  # fmt: skip
-    """The program's switches for unwinding by CFI; ``hold``: a process is
-    stopped until its tables are written (processes followed by pid)."""
-    return {"WITH_UNWIND": 1, "UNWIND_HOLD": int(hold), "UNWIND_ROWS": rows, "UNWIND_MAPS": maps,
-            "UNWIND_PAGES": pages, "FRAME_DEPTH": FRAME_DEPTH}  # fmt: skip
+    """The program's switches for unwinding by CFI."""
+    return {"WITH_UNWIND": 1, "UNWIND_ROWS": rows, "UNWIND_MAPS": maps, "UNWIND_PAGES": pages,
+            "FRAME_DEPTH": FRAME_DEPTH}  # fmt: skip
 
 
 DLOPEN_FUNCTIONS = ("dlopen", "dlmopen")  # in the libc since glibc 2.34
@@ -202,11 +201,14 @@ class UnwindTables:
 
     def __init__(self, program: BpfProgram, rows: int = DEFAULT_ROWS, maps: int = DEFAULT_MAPS,
                  pages: int = DEFAULT_PAGES, cache: RowCache | None = None,
-                 hold: bool = False) -> None:  # fmt: skip
-        """``hold``: the kernel stops a process until its tables are written
-        (UNWIND_HOLD), which ``tables_wanted`` then continues."""
+                 release: Callable[[int], None] | None = None,
+                 written: Callable[[int], None] | None = None) -> None:  # fmt: skip
+        """``release``: continues a process the kernel stopped until its
+        tables were written (one mtrace-live started: tracer/holds.py);
+        ``written``: told each process whose mappings were written."""
         self.program = program
-        self.hold = hold
+        self.release = release
+        self.written_hook = written
         self.capacity = rows
         self.cache = cache if cache is not None else RowCache(rows_cache_dir())
         self.files: dict[object, MappedFile] = {}  # by build-id, else (device, inode)
@@ -319,6 +321,8 @@ class UnwindTables:
         if old is not None:
             self.free.append(old)
         self.blocks[pid], self.written[pid] = block, tuple(mappings)
+        if self.written_hook is not None:
+            self.written_hook(pid)
         return True
 
     def _take(self, size: int) -> tuple[int, int] | None:
@@ -358,7 +362,8 @@ class UnwindTables:
         kernel stopped it."""
         for pid in pids:
             self.forget(pid)  # a new image, or more files: written anew
-            self.load(pid)
-            if self.hold:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGCONT)
+            try:
+                self.load(pid)
+            finally:
+                if self.release is not None:
+                    self.release(pid)

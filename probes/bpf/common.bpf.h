@@ -65,6 +65,13 @@
 #define STACK_ENTRIES 16384 /* distinct stacks the map holds */
 #endif
 
+#ifndef HOLDS
+#define HOLDS 0 /* processes mtrace-live started (run's command, its children) may be stopped */
+#endif
+#ifndef EXIT_GROUP_DEAD
+#define EXIT_GROUP_DEAD 0 /* sched_process_exit says when a process's last thread exits */
+#endif
+
 #ifndef FIRST_TGID
 #define FIRST_TGID 0 /* 1: user space names the process asked for in first_target (followed without a hash lookup) */
 #endif
@@ -105,6 +112,66 @@ BPF_ARRAY(control, u32, 1);
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
 BPF_PERCPU_ARRAY(lost, u64, MAX_PROBES);          /* hits the ring buffer had no room for */
 BPF_PERCPU_ARRAY(lost_lifecycle, u64, 1);         /* exec/exit events without room */
+#endif
+
+#if HOLDS
+/* ---- holds: processes stopped until user space has done its part ---------
+ * Only a process mtrace-live started is ever stopped: `holdable` holds the
+ * command user space launched (it adds it before the exec) and the
+ * children the command forks. Every stop is in `holds` (how many, the last
+ * one's time); user space writes in `hold_continued` how many of them it
+ * has continued, so a process is held while its stops outnumber those.
+ * The guardian (tracer/holds.py), a process of its own, reads both: it
+ * continues a process held longer than its bound, and every held one when
+ * the tracer dies, however it dies. */
+struct hold {
+    u64 stops;
+    u64 since; /* the last stop's time (bpf_ktime_get_ns) */
+};
+BPF_HASH(holdable, u32, u8, MAX_FOLLOWED);
+BPF_HASH(holds, u32, struct hold, MAX_FOLLOWED);
+BPF_HASH(hold_continued, u32, u64, MAX_FOLLOWED);
+BPF_ARRAY(hold_counts, u64, 4); /* written by the guardian: enum hold_count (records.h) */
+
+/* Stop the calling process (SIGSTOP, delivered as the handler returns to
+ * user space, so every thread stops before it runs on), if it may be: 1 if
+ * it was. The stop is written down before the signal is sent. */
+static __always_inline int hold_process(u32 tgid)
+{
+    if (!holdable.lookup(&tgid))
+        return 0;
+    u64 now = bpf_ktime_get_ns();
+    struct hold *h = holds.lookup(&tgid);
+    if (h) {
+        h->since = now;
+        __sync_fetch_and_add(&h->stops, 1);
+    } else {
+        struct hold first = {1, now};
+        if (holds.update(&tgid, &first))
+            return 0; /* no room to write it down: not stopped */
+    }
+    bpf_send_signal(19); /* SIGSTOP */
+    return 1;
+}
+
+static __always_inline void holds_fork(u32 parent, u32 child)
+{
+    if (holdable.lookup(&parent)) {
+        u8 one = 1;
+        holdable.update(&child, &one);
+    }
+}
+
+static __always_inline void holds_end(u32 tgid)
+{
+    holdable.delete(&tgid);
+    holds.delete(&tgid);
+    hold_continued.delete(&tgid);
+}
+#else
+static __always_inline int hold_process(u32 tgid) { return 0; }
+static __always_inline void holds_fork(u32 parent, u32 child) {}
+static __always_inline void holds_end(u32 tgid) {}
 #endif
 
 static __always_inline int tgid_is_followed(u32 tgid)
@@ -179,6 +246,9 @@ TRACEPOINT_PROBE(task, task_newtask)
     follow_child(args->pid);
     derived_fork(parent, args->pid);
 #endif
+#if FILTER_PIDS && FOLLOW_FORKS
+    holds_fork(parent, args->pid);
+#endif
 #if !FILTER_PIDS || FOLLOW_FORKS
     locks_new_thread(args->pid, args->pid); /* a process traced from its fork */
 #endif
@@ -244,11 +314,18 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
     locks_thread_exit((u32)id);
-    if ((u32)id == tgid)
+#if EXIT_GROUP_DEAD
+    int ends = args->group_dead; /* its last thread: main may have called pthread_exit */
+#else
+    int ends = (u32)id == tgid; /* a kernel before group_dead: the leader's exit */
+#endif
+    if (ends) {
         unwind_forget(tgid);
+        holds_end(tgid);
+    }
 #if FILTER_PIDS
-    if ((u32)id != tgid || !tgid_is_followed(tgid))
-        return 0; /* only the group leader's exit ends a process */
+    if (!ends || !tgid_is_followed(tgid))
+        return 0; /* only the last thread's exit ends a process */
 #if WITH_EVENTS
     /* No exit code: task_struct's layout in the build headers need not be
      * the running kernel's. */

@@ -1,8 +1,9 @@
 /* ---- processes stopped until user space has done its part ---------------
- * A handler stops its process (SIGSTOP, delivered as the handler returns to
- * user space, so every thread stops before it runs on) and says why in the
- * ring; user space does what it must while the process cannot change, then
- * continues it (SIGCONT):
+ * A handler stops its process, if mtrace-live started it (hold_process,
+ * common.bpf.h: SIGSTOP, delivered as the handler returns to user space, so
+ * every thread stops before it runs on), and says why in the ring; user
+ * space does what it must while the process cannot change, then continues
+ * it (SIGCONT; the guardian does if the tracer cannot):
  *   - at _exit (HOLD_AT_EXIT), user space reads the process's maps, to name
  *     the frames of its stacks after it is gone (tracer/live.py);
  *   - at pthread_exit of the thread one process's uprobes are attached for
@@ -10,12 +11,13 @@
  *     (tracer/retarget.py). */
 #if WITH_ALLOCS && WITH_EVENTS
 
-/* Stop the calling process and say so with an event of `kind`. */
+/* Say `kind` in the ring, stopping the calling process first if
+ * mtrace-live started it. Nothing is stopped without room to say so. */
 static __always_inline void stop_and_say(u32 kind)
 {
     struct event *e = events.ringbuf_reserve(sizeof(struct event));
     if (!e)
-        return; /* no room to say so: not stopped */
+        return;
     u64 id = bpf_get_current_pid_tgid();
     __builtin_memset(e, 0, sizeof(*e));
     e->ts = bpf_ktime_get_ns();
@@ -23,7 +25,7 @@ static __always_inline void stop_and_say(u32 kind)
     e->tid = (u32)id;
     e->kind = kind;
     e->ustack = e->kstack = -1;
-    bpf_send_signal(19); /* SIGSTOP */
+    hold_process(id >> 32);
     events.ringbuf_submit(e, 0);
 }
 
@@ -34,8 +36,10 @@ BPF_ARRAY(alloc_target, u32, 1); /* the thread the uprobes are attached for (use
  * threads, and the kernel takes a call to be the process's while that
  * thread's memory is the caller's: once that thread has ended (main calling
  * pthread_exit, its other threads going on), no call of the process would
- * be seen. So that thread's pthread_exit stops the process until the
- * uprobes are attached for a thread that stays. */
+ * be seen. So that thread's pthread_exit says so, and user space attaches
+ * the uprobes for a thread that stays. A process mtrace-live started is
+ * stopped meanwhile; any other goes on, and what it calls after that
+ * thread is gone and before the move is done is not seen. */
 int alloc_thread_exit(struct pt_regs *ctx)
 {
     u32 zero = 0;
@@ -46,16 +50,17 @@ int alloc_thread_exit(struct pt_regs *ctx)
 }
 #endif
 
-#if HOLD_AT_EXIT
-/* _exit: the process's mappings are still there. Only processes with
- * allocations seen, and only while the gate is open: a trace that ends
- * stops no one. */
+#if HOLD_AT_EXIT && HOLDS
+/* _exit: the process's mappings are still there. Only processes mtrace-live
+ * started, with allocations seen, and only while the gate is open: a trace
+ * that ends stops no one. Any other process is named from the maps read
+ * while it ran (tracer/live.py). */
 int alloc_exit(struct pt_regs *ctx)
 {
     if (gate_closed())
         return 0;
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
-    if (tgid_is_followed(tgid) && alloc_procs.lookup(&tgid))
+    if (holdable.lookup(&tgid) && alloc_procs.lookup(&tgid))
         stop_and_say(EV_HELD);
     return 0;
 }

@@ -28,12 +28,20 @@ enum event_kind {
     EV_ALLOC = 4, /* an allocation function returned a pointer; probe = enum alloc_fn,
                    * ip = the call site (return address), args = enum alloc_arg */
     EV_FREE = 5,  /* free (or realloc's release of its old pointer); the same args */
-    EV_HELD = 6,  /* a followed process called _exit and is stopped (HOLD_AT_EXIT) */
+    EV_HELD = 6,  /* a process mtrace-live started called _exit and is stopped (HOLD_AT_EXIT) */
     EV_LOCK_WAIT = 7, /* a wait in the libc's lock-wait slow path ended (LOCK_EVENTS): ts = its
                        * end, ip = its caller, args[0] = the futex, args[1] = the wait in ns */
-    EV_UNWIND = 8, /* a process wants its unwind tables (stopped until written: UNWIND_HOLD) */
-    EV_RETARGET = 9, /* the thread the uprobes are attached for calls pthread_exit (the
-                      * process is stopped until they are attached for another) */
+    EV_UNWIND = 8, /* a process wants its unwind tables (one mtrace-live started is
+                    * stopped until they are written: HOLDS) */
+    EV_RETARGET = 9, /* the thread the uprobes are attached for calls pthread_exit (one
+                      * mtrace-live started is stopped until they are attached for another) */
+};
+
+/* The slots of hold_counts (common.bpf.h), written by the guardian
+ * (tracer/holds.py): the processes it continued. */
+enum hold_count {
+    HC_PAST_BOUND = 0, /* held longer than the bound: let go, the tracer still there */
+    HC_TRACER_GONE = 1, /* held when the tracer ended without continuing them */
 };
 
 /* One record of the `events` ring buffer. */

@@ -39,9 +39,6 @@
 #ifndef UNWIND_MAPS
 #define UNWIND_MAPS 65536 /* rows of unwind_maps, all processes together */
 #endif
-#ifndef UNWIND_HOLD
-#define UNWIND_HOLD 0 /* stop a process until its tables are written (followed processes only) */
-#endif
 #ifndef UNWIND_PAGES
 #define UNWIND_PAGES 1048576 /* entries of unwind_pages, all files together */
 #endif
@@ -184,12 +181,12 @@ static __always_inline void unwind_forget(u32 tgid)
 }
 
 /* A process's first call that wants a stack says so, once; user space
- * writes its tables. With UNWIND_HOLD (the processes the trace was asked
- * for, its command, their children: not --all or --cgroup, whose every
- * process would stop) it also stops (SIGSTOP, delivered as the handler
- * returns to user space, before the call runs) until they are written,
- * and is continued then. Until then its stacks are walked by frame
- * pointers, counted as UX_NO_TABLES. */
+ * writes its tables. A process mtrace-live started (HOLDS: run's command,
+ * its children) also stops (SIGSTOP, delivered as the handler returns to
+ * user space, before the call runs) until they are written, and is
+ * continued then; no other process is ever stopped. Until its tables are
+ * written its stacks are walked by frame pointers, counted as
+ * UX_NO_TABLES. */
 static __always_inline void unwind_wanted(u32 tgid)
 {
 #if WITH_EVENTS
@@ -207,9 +204,7 @@ static __always_inline void unwind_wanted(u32 tgid)
     e->tid = (u32)bpf_get_current_pid_tgid();
     e->kind = EV_UNWIND;
     e->ustack = e->kstack = -1;
-#if UNWIND_HOLD
-    bpf_send_signal(19); /* SIGSTOP */
-#endif
+    hold_process(tgid); /* a process mtrace-live started (HOLDS) */
     events.ringbuf_submit(e, 0);
 #endif
 }

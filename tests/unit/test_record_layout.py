@@ -34,6 +34,7 @@ ENUMS: dict[str, tuple[type[IntEnum], str, dict[str, str]]] = {
     "alloc_misc": (records.AllocMisc, "AX_", {}),
     "lock_misc": (records.LockMisc, "LX_", {}),
     "unwind_misc": (records.UnwindMisc, "UX_", {}),
+    "hold_count": (records.HoldCount, "HC_", {}),
     "unwind_cfa": (cfi.Cfa, "UC_", {}),
     "unwind_rbp": (cfi.Rbp, "UR_", {}),
     "arg_kind": (ArgKind, "ARG_", {"NONE": "UNREADABLE"}),

@@ -92,10 +92,10 @@ def exported_exit(libc: Path) -> bool:
 
 
 @pytest.mark.parametrize("dropped", [False, True])
-def test_the_allocation_functions_hold_at_exit_and_unwind_though_root_is_given_up(
+def test_a_process_the_trace_did_not_start_is_never_held_and_is_unwound_by_cfi(
     dropped: bool,
 ) -> None:
-    # GIVEN the system libc's allocation functions, for one process
+    # GIVEN the system libc's allocation functions, for one running process
     libc = default_libc()
     probes = Probes(NO_PROBES.selection, False, alloc_probes.plan_sites(libc), ())
     request = TraceRequest(pid=1234, privileges_dropped=dropped, sample_bytes=65536)
@@ -107,13 +107,27 @@ def test_the_allocation_functions_hold_at_exit_and_unwind_though_root_is_given_u
         1,
         65536,
     )
-    # AND a process calling _exit is held, and stacks unwound by CFI, also
-    # in a trace that gives up root: serve's tracing process keeps CAP_KILL
-    # and CAP_SYS_PTRACE to continue it and to read its files
+    # AND nothing can stop it: not at _exit, not for its tables; its stacks
+    # are unwound by CFI all the same, also in a trace that gives up root
     assert exported_exit(libc)
-    assert plan.hold is True
-    assert found["HOLD_AT_EXIT"] == 1
+    assert (plan.hold, plan.holds, found["HOLD_AT_EXIT"], found["HOLDS"]) == (False, False, 0, 0)
     assert found.get("WITH_UNWIND") == 1
+
+
+@pytest.mark.parametrize(("request_", "holds"), [
+    (TraceRequest(command=("true",)), True),
+    (TraceRequest(command=("true",), follow_forks=True), True),
+    (TraceRequest(pid=1234, follow_forks=True), False),
+    (TraceRequest(comm="sqlite3", end_with_target=False), False),
+    (TraceRequest(all_processes=True), False),
+    (TraceRequest(cgroup="/"), False),
+])  # fmt: skip
+def test_only_a_command_the_trace_starts_may_be_held(request_: TraceRequest, holds: bool) -> None:
+    libc = default_libc()
+    probes = Probes(NO_PROBES.selection, False, alloc_probes.plan_sites(libc), ())
+    plan = program_plan(request_, probes, 1234 if request_.pid or request_.command else None, None)
+    found = plan.config.defines()
+    assert (plan.holds, found["HOLDS"], found["HOLD_AT_EXIT"]) == (holds, int(holds), int(holds))
 
 
 def test_a_libc_without_sdt_notes_gets_derived_probes_and_says_so() -> None:
