@@ -24,10 +24,13 @@ three maps and a pidfd of the tracer, and every ``POLL_S``:
 - continues a process held longer than ``BOUND_S`` (the tracer is slow or
   stuck: the process is let go, counted as ``past_bound``, and its stacks
   are walked by frame pointers until its tables exist);
-- when the tracer has died (SIGKILL, the OOM killer, a crash) or closed
-  the trace, continues every process still held (counted as
-  ``tracer_gone``) and exits: within ``POLL_S`` of its death, as the pidfd
-  wakes it at once.
+- when the tracer is dying (SIGKILL, the OOM killer, a crash: its main
+  thread in do_exit, seen in /proc/PID/stat within ``POLL_S``) or has
+  closed the trace, closes the handlers' gate (no one is held from then
+  on) and continues every process still held (counted as ``tracer_gone``),
+  again every 10 ms until the tracer has exited (its pidfd), which takes a
+  killed tracer seconds (the kernel closes its perf events one by one);
+  then it exits.
 """
 
 from __future__ import annotations
@@ -111,7 +114,8 @@ class Guardian:
     still held as it goes)."""
 
     def __init__(self, program: BpfProgram) -> None:
-        fds = tuple(program.map_fd(name) for name in ("holds", "hold_continued", "hold_counts"))
+        names = ("holds", "hold_continued", "hold_counts", "control")
+        fds = tuple(program.map_fd(name) for name in names)
         self.pid = -1
         self._write = -1
         try:
@@ -148,10 +152,25 @@ class Guardian:
             self.pid = -1
 
 
+PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit
+
+
+def exiting(pid: int) -> bool:
+    """Process ``pid`` is dying (its main thread is in do_exit, where a
+    killed tracer spends seconds closing its perf events before its pidfd
+    says it has exited), or gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_bytes().rpartition(b") ")[2].split()
+        return bool(int(fields[6]) & PF_EXITING)  # field 9, flags
+    except (OSError, IndexError, ValueError):
+        return True
+
+
 def _guard(libc: ctypes.CDLL, tracer: int, closed: int, fds: tuple[int, ...]) -> None:
     """The guardian's life, in the forked child: only system calls and
     Python of its own from here on (no lock another thread held)."""
     try:
+        tracer_pid = os.getppid()
         libc.prctl(_PR_SET_NAME, ctypes.c_char_p(GUARDIAN_NAME), 0, 0, 0)
         os.setsid()
         for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGPIPE", "SIGTSTP", "SIGTTOU",
@@ -167,10 +186,16 @@ def _guard(libc: ctypes.CDLL, tracer: int, closed: int, fds: tuple[int, ...]) ->
         watch = select.poll()
         watch.register(tracer, select.POLLIN)
         watch.register(closed, select.POLLIN)
-        gone = False
+        ending = gone = False
         while not gone:
-            gone = bool(watch.poll(int(POLL_S * 1000)))
-            _let_go(fds, gone)
+            gone = bool(watch.poll(int(POLL_S * 1000) if not ending else 10))
+            if not ending and (gone or exiting(tracer_pid)):
+                # The tracer is ending: its handlers hold no one from now
+                # on (the gate closed), and every process held is let go
+                # until its probes are gone with it.
+                ending = True
+                bpf_syscalls.update_u32(fds[3], 0, struct.pack("=I", 0))
+            _let_go(fds[:3], ending)
     finally:
         os._exit(0)
 

@@ -52,7 +52,7 @@ from .arena_walk import ArenaFinder, arena_symbols
 from .bpf_backend import BpfProgram, bcc_version, require_privileges
 from .counters import BpfCounters
 from .exec_watch import ExecWatch
-from .holds import Guardian, Holds
+from .holds import BOUND_S, Guardian, Holds
 from .kmem_attach import kmem_switches
 from .launch import GatedCommand
 from .model import AllocatorModel
@@ -675,6 +675,7 @@ def _loop(
     for batch in [*settled, *trace.drain()]:  # everything committed before the detach
         sinks.consume(batch)
     result = trace.result(started, ended_by, exit_code)
+    _say_holds(trace)
     sinks.finish(result)
     _debug_costs(trace)
     if sinks.closed is not None:
@@ -684,6 +685,17 @@ def _loop(
     if failure is not None:
         raise failure
     return result
+
+
+def _say_holds(trace: LiveTrace) -> None:
+    """A process the guardian let go before the tracer was done with it."""
+    if trace.holds is None:
+        return
+    let_go = trace.holds.counts()["past_bound"]
+    if let_go:
+        print(f"mtrace-live: warning: {let_go} stops of processes were let go after "
+              f"{BOUND_S:g} s before their tables or maps were written (their stacks were "
+              "walked by frame pointers meanwhile)", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _debug_costs(trace: LiveTrace) -> None:
