@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mtrace_live.exporters.data.lock_waits import ARENA, MAIN, OTHER, UNKNOWN
+from mtrace_live.exporters.data.processes import proc_dir
 from mtrace_live.probes.derived import NO_DEBUG_FILE
 from mtrace_live.probes.elf.debug import find_debug_file
 from mtrace_live.probes.elf.errors import MtraceError
@@ -75,7 +76,7 @@ class ProcessMemory:
     """Reads process ``pid``'s memory through /proc/PID/mem."""
 
     def __init__(self, pid: int) -> None:
-        self.fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+        self.fd = os.open(proc_dir(pid) / "mem", os.O_RDONLY | os.O_CLOEXEC)
 
     def read(self, address: int, size: int) -> bytes:
         data = os.pread(self.fd, size, address)
@@ -92,7 +93,7 @@ def libc_base(pid: int, libc: Path) -> int | None:
     the start of its mapping at file offset 0."""
     try:
         st = os.stat(libc)
-        lines = Path(f"/proc/{pid}/maps").read_text(encoding="utf-8", errors="replace")
+        lines = (proc_dir(pid) / "maps").read_text(encoding="utf-8", errors="replace")
     except OSError:
         return None
     for line in lines.splitlines():

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mtrace_live.exporters import registry
+from mtrace_live.exporters.data.processes import live_thread
 from mtrace_live.probes.elf.errors import NoProbesError, NotPrivilegedError, TracepointMissingError
 from mtrace_live.probes.program import ProgramConfig
 
@@ -218,7 +219,10 @@ def program_plan(request: TraceRequest, probes: Probes, target_pid: int | None,
     room = request.ring_buffer_pages
     ring_pages = room if request.kernel_records else min(room, KERNEL_RING_PAGES)
     # One process alone: its uprobes are attached for it alone.
-    alloc_pid = target_pid if request.one_process and target_pid is not None else -1
+    alloc_pid = -1
+    if request.one_process and target_pid is not None:
+        # a thread that lives: main's, unless it has exited (pthread_exit)
+        alloc_pid = live_thread(target_pid) or target_pid
     hold, alloc_defines = False, None
     if probes.alloc_plan is not None:
         hold = request.holds and probes.alloc_plan.exit_offset is not None

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from mtrace_live.exporters.data.processes import kernel_comm
+from mtrace_live.exporters.data.processes import kernel_comm, live_thread, proc_dir
 from mtrace_live.probes.elf.errors import (
     NotPrivilegedError,
     TargetError,
@@ -46,9 +46,11 @@ def process_state(pid: int) -> tuple[str, int] | None:
 
 
 def refuse_zombie(pid: int) -> None:
-    """A zombie has exited; only its exit status waits for its parent."""
+    """A zombie has exited; only its exit status waits for its parent. A
+    process whose main thread alone has exited (pthread_exit) while others
+    run shows as one too (Z), and is no zombie: it is traced."""
     state = process_state(pid)
-    if state is not None and state[0] == "Z":
+    if state is not None and state[0] == "Z" and live_thread(pid) is None:
         raise TargetError(f"process {pid} has exited: it is a zombie that its parent (pid "
                           f"{state[1]}) has not reaped, with nothing left to trace")  # fmt: skip
 
@@ -58,7 +60,7 @@ def current_break(pid: int) -> int | None:
     break rounded up to a page; glibc keeps it page-aligned), or, before the
     heap has grown, its start_brk (field 47 of /proc/PID/stat); None if gone."""
     try:
-        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
+        with open(proc_dir(pid) / "maps", encoding="utf-8", errors="replace") as maps:
             for line in maps:
                 if line.rstrip().endswith("[heap]"):
                     return int(line.split("-", 1)[1].split()[0], 16)
@@ -86,7 +88,7 @@ def mapped_glibc(pid: int) -> MappedGlibc:
 
 def _mapped_paths(pid: int) -> list[tuple[str, int]]:
     """(path, inode) of each file mapping, as /proc/PID/maps shows them."""
-    maps = Path(f"/proc/{pid}/maps")
+    maps = proc_dir(pid) / "maps"
     try:
         lines = maps.read_text(encoding="utf-8", errors="replace").splitlines()
     except FileNotFoundError:
@@ -120,7 +122,7 @@ def _reachable(pid: int, path: Path, inode: int) -> Path:
     that namespace's root and must be reached through /proc/PID/root. The
     candidate whose inode is the one the maps line names is the file.
     """
-    root = Path(f"/proc/{pid}/root")
+    root = proc_dir(pid) / "root"
     candidates = (path, root / path.relative_to("/"))
     for candidate in candidates:
         try:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from mtrace_live.exporters.data.processes import proc_dir
 from mtrace_live.probes.elf.cfi import ROW, CfiTable, read_cfi
 from mtrace_live.probes.elf.errors import NotElfError, TargetError
 from mtrace_live.probes.elf.file import ELF_FAILURES, LoadSegment, build_id, load_segments, open_elf
@@ -156,7 +157,7 @@ class Mapping:
 def exec_mappings(pid: int) -> list[Mapping]:
     """``pid``'s executable mappings of files; [] when it is gone."""
     try:
-        text = Path(f"/proc/{pid}/maps").read_text(encoding="utf-8", errors="replace")
+        text = (proc_dir(pid) / "maps").read_text(encoding="utf-8", errors="replace")
     except OSError:
         return []
     found = []
@@ -176,7 +177,7 @@ def mapped_file(pid: int, mapping: Mapping) -> Path | None:
     mount namespace; it needs CAP_SYS_ADMIN), else the path in the process's
     root, if the file there is the mapped one (its device and inode)."""
     for path in (Path(f"/proc/{pid}/map_files/{mapping.start:x}-{mapping.end:x}"),
-                 Path(f"/proc/{pid}/root{mapping.path}")):  # fmt: skip
+                 Path(f"{proc_dir(pid)}/root{mapping.path}")):  # fmt: skip
         try:
             with open(path, "rb"):
                 pass

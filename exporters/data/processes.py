@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 # ld.so's options that take a value (elf/rtld.c), for naming programs run
 # through the loader explicitly (as the SDT glibc's testrun.sh does).
@@ -10,6 +11,35 @@ _LDSO_VALUE_OPTIONS = frozenset(
     {"--library-path", "--inhibit-rpath", "--audit", "--preload", "--argv0",
      "--glibc-hwcaps-prefix", "--glibc-hwcaps-mask"}
 )  # fmt: skip
+
+
+def _task_state(directory: Path) -> bytes:
+    try:
+        return (directory / "stat").read_bytes().rpartition(b") ")[2][:1]
+    except OSError:
+        return b"X"
+
+
+def live_thread(pid: int) -> int | None:
+    """A thread of process ``pid`` that has not exited (main first), or None."""
+    base = Path(f"/proc/{pid}")
+    if _task_state(base) not in (b"Z", b"X"):
+        return pid
+    try:
+        tids = sorted(int(name) for name in os.listdir(base / "task"))
+    except OSError:
+        return None
+    return next((tid for tid in tids if _task_state(base / "task" / str(tid)) not in (b"Z", b"X")), None)
+
+
+def proc_dir(pid: int) -> Path:
+    """Where /proc shows process ``pid``'s maps, memory, files and root:
+    /proc/PID, or /proc/PID/task/TID of a thread that lives when main has
+    exited (pthread_exit) while others run, as /proc/PID then shows a
+    zombie's: no maps, no memory, no root."""
+    tid = live_thread(pid)
+    base = Path(f"/proc/{pid}")
+    return base if tid is None or tid == pid else base / "task" / str(tid)
 
 
 def _read_proc(pid: int, name: str) -> bytes:

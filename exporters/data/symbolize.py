@@ -36,6 +36,7 @@ import pyderust
 from elftools.common.exceptions import DWARFError, ELFError
 from elftools.dwarf.dwarfinfo import DWARFInfo
 from elftools.elf.elffile import ELFFile
+from mtrace_live.exporters.data.processes import proc_dir
 from mtrace_live.probes.elf.debug import DEBUG_DIRECTORIES, debug_files
 from mtrace_live.probes.elf.file import LoadSegment, build_id, debuglink, load_segments, vaddr_at
 from mtrace_live.probes.elf.symbols import STT_FUNC, STT_GNU_IFUNC, symbol_table
@@ -313,7 +314,8 @@ class ProcessSymbols:
         user_maps), instead of reading /proc/PID/maps."""
         self.pid = pid
         self.debug_directories = debug_directories
-        self.root = Path(f"/proc/{pid}/root")
+        where = proc_dir(pid)
+        self.root = where / "root"
         self.mappings: list[Mapping] = []
         self._file_maps: list[Mapping] = []  # every mapping of a file, executable or not
         if saved is not None:
@@ -322,7 +324,7 @@ class ProcessSymbols:
             self._starts = [m.start for m in self.mappings]
             return
         try:
-            text = Path(f"/proc/{pid}/maps").read_text(encoding="utf-8", errors="replace")
+            text = (where / "maps").read_text(encoding="utf-8", errors="replace")
         except OSError:
             text = ""
         for line in text.splitlines():

@@ -106,6 +106,48 @@ def test_main_calling_pthread_exit_leaves_its_other_threads_traced(tmp_path: Pat
     assert len(said) == 1 and f"thread {pid} of process {pid}" in said[0], said
 
 
+def test_a_process_whose_main_thread_exited_before_the_attach_is_traced(tmp_path: Path) -> None:
+    # GIVEN leader_exit whose main thread has made its pairs and called
+    # pthread_exit before the tracer attaches (its leader shows as a zombie)
+    with Reaper() as reaper:
+        pipe = subprocess.PIPE
+        workload = reaper.add(subprocess.Popen([str(built("leader_exit")), "5000", "wait"],
+                                               stdin=pipe, stdout=pipe))  # fmt: skip
+        assert workload.stdout is not None and workload.stdin is not None
+        assert workload.stdout.readline() == b"ready\n"
+        workload.stdin.write(b"g")
+        workload.stdin.flush()
+        assert workload.stdout.readline() == b"main gone\n"
+        pid = workload.pid
+        assert Path(f"/proc/{pid}/stat").read_text().rpartition(") ")[2][0] == "Z"
+        bpftrace, bpftrace_out = start_bpftrace(LEADER_EXIT_BODY.format(libc=default_libc()),
+                                                pid, tmp_path)  # fmt: skip
+        reaper.add(bpftrace)
+        wait_for_line(bpftrace_out, BPFTRACE_READY, bpftrace, timeout=120)
+        # WHEN it is traced by pid, and its other thread then makes its pairs
+        err, out = tmp_path / "trace.err", tmp_path / "trace.out"
+        with open(err, "wb") as errors, open(out, "wb") as lines:
+            tracer = reaper.add(subprocess.Popen([*MTRACE, "--pid", str(pid), "-o", "json"],
+                                                 stdout=lines, stderr=errors))  # fmt: skip
+        wait_for_line(err, READY, tracer, timeout=120)
+        workload.stdin.write(b"o")
+        workload.stdin.close()
+        done = workload.stdout.readline().split()
+        workload.stdout.close()
+        assert workload.wait(timeout=120) == 0
+        assert tracer.wait(timeout=120) == 0, err.read_text()
+        counts = stop_bpftrace(bpftrace, bpftrace_out)
+    # THEN every malloc of the thread that stayed is counted, as bpftrace
+    # counted, and it was never stopped
+    tables = [json.loads(line) for line in out.read_text().splitlines() if '"table"' in line]
+    (functions,) = [t for t in tables if t["table"] == "alloc_functions"]
+    assert functions["calls"]["malloc"] == counts["malloc"] >= int(done[1]) // 2
+    assert counts.get("signal_generate", 0) == 0
+    # AND its frames are named (its maps read through the thread that lives)
+    (stacks,) = [t for t in tables if t["table"] == "alloc_stacks"][:1] or [None]
+    assert stacks is not None and "pairs" in json.dumps(stacks), stacks
+
+
 def test_a_target_stopped_with_sigstop_is_traced_once_continued(tmp_path: Path) -> None:
     # GIVEN the same workload stopped (SIGSTOP) when the tracer attaches,
     # and continued after
