@@ -29,7 +29,8 @@ def live_thread(pid: int) -> int | None:
         tids = sorted(int(name) for name in os.listdir(base / "task"))
     except OSError:
         return None
-    return next((tid for tid in tids if _task_state(base / "task" / str(tid)) not in (b"Z", b"X")), None)
+    alive = (tid for tid in tids if _task_state(base / "task" / str(tid)) not in (b"Z", b"X"))
+    return next(alive, None)
 
 
 def proc_dir(pid: int) -> Path:
