@@ -173,6 +173,9 @@ def _table_lines(unwind: Mapping[str, int]) -> list[str]:
     if unwind.get("tables_files_failed", 0):
         line += (f"; {unwind['tables_files_failed']} files whose tables could not be built "
                  "(named on standard error): frame pointers there")  # fmt: skip
+    if unwind.get("tables_processes_failed", 0):
+        line += (f"; {unwind['tables_processes_failed']} processes whose tables could not be "
+                 "written: frame pointers there")  # fmt: skip
     full = unwind.get("tables_files_not_fitting", 0), unwind.get("tables_processes_not_fitting", 0)
     if any(full):
         line += (f"; no room for {full[0]} files ({unwind.get('tables_rows_not_fitting', 0)} "

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 import click
-from mtrace_live.probes.elf.errors import MtraceError
+from mtrace_live.probes.elf.errors import InternalError, MtraceError
 
 from . import package_version
 from .commands import options
@@ -91,6 +91,10 @@ def main() -> None:
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
+    except Exception as exc:  # a fault of mtrace-live's own: one line, never a traceback
+        error = InternalError.during("running", exc)
+        click.echo(f"{PROG}: error: {error}", err=True)
+        sys.exit(error.exit_code)
 
 
 if __name__ == "__main__":

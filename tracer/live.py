@@ -38,6 +38,7 @@ from mtrace_live.exporters.data.sink import (
 from mtrace_live.exporters.data.wrappers import Wrappers
 from mtrace_live.probes.catalog import load_catalog
 from mtrace_live.probes.elf.errors import (
+    InternalError,
     MtraceError,
     NotPrivilegedError,
     OutputClosedError,
@@ -437,7 +438,10 @@ class Fanout:
         self.sinks = sinks
         self.open = list(sinks)
         self.closed: OutputClosedError | None = None
-        self.failed: OutputError | None = None  # an output that could not be written (a full disk)
+        # an output that could not be written (a full disk), or that failed
+        # (a fault of its own: it gets nothing more, the others go on)
+        self.failed: OutputError | InternalError | None = None
+        self.broken: list[Sink] = []
 
     def start(self, info: TraceInfo) -> None:
         for sink in self.sinks:
@@ -457,18 +461,35 @@ class Fanout:
             except OutputError as error:
                 self.open.remove(sink)
                 self.failed = self.failed or error
+            except Exception as exc:  # a fault of the sink's own: the others go on
+                self._broke(sink, exc)
+
+    def _broke(self, sink: Sink, exc: Exception) -> None:
+        self.open.remove(sink)
+        self.broken.append(sink)
+        name = type(sink).__name__
+        self.failed = self.failed or InternalError.during(f"writing an output ({name})", exc)
 
     def tick(self) -> None:
-        for sink in self.open:
-            sink.tick()
+        for sink in list(self.open):
+            try:
+                sink.tick()
+            except Exception as exc:
+                self._broke(sink, exc)
 
     def finish(self, result: TraceResult) -> None:
-        """Every sink finishes, even after one could not write its file."""
+        """Every sink finishes, even after one could not write its file;
+        a sink that failed gets no finish."""
         for sink in self.sinks:
+            if sink in self.broken:
+                continue
             try:
                 sink.finish(result)
             except OutputError as error:
                 self.failed = self.failed or error
+            except Exception as exc:
+                self.broken.append(sink)
+                self.failed = self.failed or InternalError.during("ending an output", exc)
 
 
 def default_sinks(request: TraceRequest) -> list[Sink]:
@@ -575,7 +596,7 @@ class _Watch:
         if sinks.failed is not None:
             return "output failed"
         if failure is not None:
-            return "exec"
+            return "error" if isinstance(failure, InternalError) else "exec"
         if self.pidfd is not None and self.pidfd in ready:
             if self.request.end_with_target:
                 return "exit"
@@ -628,7 +649,9 @@ def _close_gate(trace: LiveTrace, child: GatedCommand | None, stop: _Stop,
     # the gate closed (the command's own child, say) is continued as its
     # record is read, so the command is not left waiting for it while it
     # is asked to end.
-    settled = list(trace.drain())
+    settled = _drained(trace)
+    if trace.holds is not None:
+        trace.holds.release_all()  # none stays stopped while the command is asked to end
     exit_code = None
     if child is not None:
         by_signal = stop.signal is not None and ended_by == signal.Signals(stop.signal).name
@@ -663,16 +686,19 @@ def _loop(
         while not ended_by:
             # A full batch leaves events in the ring, which wakes no one: look again at once.
             ready = watch.wait(trace.more_waiting, wait_ms)
-            for batch in trace.drain(once=True):
-                sinks.consume(batch)
-                failure = failure or _exec_failure(request, batch.records)
+            try:
+                for batch in trace.drain(once=True):
+                    sinks.consume(batch)
+                    failure = failure or _exec_failure(request, batch.records)
+                trace.tick(target_pid)
+            except Exception as exc:  # a fault of the tracer's own: the trace ends cleanly
+                failure = InternalError.during("reading the trace", exc)
             ended_by = watch.ended_by(ready, sinks, failure)
             sinks.tick()
-            trace.tick(target_pid)
     finally:
         settled, exit_code = _close_gate(trace, child, stop, ended_by)
         watch.close()
-    for batch in [*settled, *trace.drain()]:  # everything committed before the detach
+    for batch in [*settled, *_drained(trace)]:  # everything committed before the detach
         sinks.consume(batch)
     result = trace.result(started, ended_by, exit_code)
     _say_holds(trace)
@@ -685,6 +711,14 @@ def _loop(
     if failure is not None:
         raise failure
     return result
+
+
+def _drained(trace: LiveTrace) -> list[EventBatch]:
+    """What the ring still holds; nothing after a fault reading it."""
+    try:
+        return list(trace.drain())
+    except Exception:  # the fault that ended the trace: it was said
+        return []
 
 
 def _say_holds(trace: LiveTrace) -> None:

@@ -340,7 +340,7 @@ class UnwindTables:
         """The files whose rows are written, the rows, and what had none or
         no room: files without CFI, files and processes that did not fit."""
         keys = ("files", "files_without_cfi", "files_failed", "files_not_fitting",
-                "rows_not_fitting", "processes_not_fitting")  # fmt: skip
+                "rows_not_fitting", "processes_not_fitting", "processes_failed")  # fmt: skip
         return {"rows": self.next_row, **{key: self.counts[key] for key in keys}}
 
     def refresh(self) -> None:
@@ -365,6 +365,18 @@ class UnwindTables:
             self.forget(pid)  # a new image, or more files: written anew
             try:
                 self.load(pid)
+            except Exception as exc:  # one process's failure is that process's alone
+                self._failed_process(pid, exc)
             finally:
                 if self.release is not None:
                     self.release(pid)
+
+    def _failed_process(self, pid: int, exc: Exception) -> None:
+        """Tables that could not be written for ``pid``: counted, said once
+        a trace, and its stacks walked by frame pointers."""
+        self.counts["processes_failed"] += 1
+        if self.counts["processes_failed"] == 1:
+            print(f"mtrace-live: warning: the unwind tables of pid {pid} could not be written "
+                  f"({type(exc).__name__}: {exc}); its stacks, and those of any other process "
+                  "this befalls (counted in the summary), are walked by frame pointers",
+                  file=sys.stderr, flush=True)  # fmt: skip

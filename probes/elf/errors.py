@@ -6,6 +6,8 @@ Library code raises these; only ``cli.main`` turns them into a single
 documented in docs/exit-codes.md.
 """
 
+from __future__ import annotations
+
 
 class MtraceError(Exception):
     """Base class; ``exit_code`` is what the command-line tool exits with."""
@@ -134,3 +136,21 @@ class OutputError(MtraceError):
     """An output file (--pprof) cannot be written."""
 
     exit_code = 20
+
+
+class InternalError(MtraceError):
+    """A fault of mtrace-live's own while tracing (a bug): the trace ends as
+    any other does (every held process continued, the probes detached, the
+    outputs written as far as they got), then says where, in one line."""
+
+    exit_code = 21
+
+    @classmethod
+    def during(cls, what: str, exc: BaseException) -> InternalError:
+        frame = exc.__traceback__
+        while frame is not None and frame.tb_next is not None:
+            frame = frame.tb_next
+        where = (f" at {frame.tb_frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.tb_lineno}"
+                 if frame is not None else "")  # fmt: skip
+        return cls(f"internal error while {what}: {type(exc).__name__}: {exc}{where}; "
+                   "please report it")  # fmt: skip
