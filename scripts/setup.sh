@@ -35,9 +35,12 @@ ARCH=$(dpkg --print-architecture)
 # golang-go for go tool pprof, which reads the pprof output in the tests;
 # bpftool reads BTF for the tests, independently of the project's reader;
 # heaptrack is a peer in make bench and the stacks tests; g++ builds their C++ workload; sqlite3 is the bench's real program; libc6-dbg names the frames inside the libc;
-# python3-dev's headers build the compiled parts at install (report's pass, the ring copier).
+# python3-dev's headers build the compiled parts at install (report's pass, the ring copier, the CFI reader);
+# mariadb-server and redis-server (with their clients and load generators) are the real servers the
+# tests trace under load (tests/privileged/test_servers.py): both link libsystemd, hence libgcrypt.
+SERVERS=(mariadb-server mariadb-client redis-server redis-tools)
 packages=(python3-bpfcc libbpfcc bpfcc-tools bpftool bpftrace gcc g++ make libc6-dev libc6-dbg golang-go heaptrack
-          systemtap-sdt-dev python3-venv python3-dev binutils prometheus openssl sqlite3)
+          systemtap-sdt-dev python3-venv python3-dev binutils prometheus openssl sqlite3 "${SERVERS[@]}")
 if [ "${ID}" = ubuntu ]; then
   packages+=(linux-tools-common "linux-tools-$KERNEL")
 else
@@ -65,9 +68,18 @@ apt_update() {
 apt_install() {
   apt_update
   say "installing: $*"
+  # The servers' packages start their daemons where they can; the tests start
+  # their own. A policy-rc.d (Debian's invoke-rc.d policy) that denies every
+  # start is put in place for the install, unless one is there already.
+  local policy=/usr/sbin/policy-rc.d placed=0
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod 755 "$policy" && placed=1
+  fi
+  local status=0
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" \
-    >/tmp/mtrace-live-apt-install.log 2>&1 \
-    || fail 22 "apt-get install failed for: $* (see /tmp/mtrace-live-apt-install.log)"
+    >/tmp/mtrace-live-apt-install.log 2>&1 || status=$?
+  [ "$placed" = 0 ] || rm -f "$policy"
+  [ "$status" = 0 ] || fail 22 "apt-get install failed for: $* (see /tmp/mtrace-live-apt-install.log)"
 }
 
 # ---- kernel headers -------------------------------------------------------
@@ -100,14 +112,18 @@ fi
 todo=($(missing "${packages[@]}"))
 if [ ${#todo[@]} -gt 0 ]; then
   apt_install "${todo[@]}"
-  # Debian's prometheus package enables and starts a server of its own where
-  # systemd runs; the tests start theirs on loopback, so a server we caused
-  # to be installed is stopped and disabled again.
-  if printf '%s\n' "${todo[@]}" | grep -qx prometheus && command -v systemctl >/dev/null \
-     && systemctl is-enabled --quiet prometheus 2>/dev/null; then
-    systemctl disable --now prometheus >/dev/null 2>&1 || true
-    say "disabled the prometheus.service the package enabled (the tests run their own)"
-  fi
+  # Debian's prometheus, mariadb-server and redis-server packages enable and
+  # start a server of their own where systemd runs; the tests start theirs on
+  # loopback or a socket, so a server we caused to be installed is stopped
+  # and disabled again.
+  for pair in prometheus:prometheus mariadb-server:mariadb redis-server:redis-server; do
+    package=${pair%%:*} service=${pair#*:}
+    printf '%s\n' "${todo[@]}" | grep -qx "$package" || continue  # installed before: left as it is
+    if command -v systemctl >/dev/null && systemctl is-enabled --quiet "$service" 2>/dev/null; then
+      systemctl disable --now "$service" >/dev/null 2>&1 || true
+      say "disabled the $service service its package enabled (the tests run their own)"
+    fi
+  done
 else
   say "distro packages already installed"
 fi
