@@ -11,7 +11,8 @@ and 4), events (3), scrape (5), cost (6), rates (7: probe hit rates),
 allocs (8: every malloc and free, against bpftrace, memleak and heaptrack),
 contention (9: lock waits in time, and the tracer's observer effect),
 profiles (10: serve's heap profiles: building them, /metrics beside them,
-serve's default sampling). The
+serve's default sampling), servers (11: a real server's throughput traced,
+the CFI tables cold, the guardian after a killed tracer). The
 peers (bpftrace, bcc's trace, perf) are looked for first; a missing one is
 named, its configurations left out, and the rest still runs.
 """
@@ -35,6 +36,7 @@ import kmem_bench
 import profile_bench
 import rates_bench
 import scrape_bench
+import servers_bench
 import stacks_bench
 import usdt_bench
 from common import PEERS, QUICK, REPO, REPS, machine, peer_versions, say
@@ -53,6 +55,7 @@ SECTIONS = (
     "stacks",
     "contention",
     "profiles",
+    "servers",
 )
 # The page's sections in order, each from its part of the results.
 PAGE: tuple[tuple[str, Callable[[Any], tuple[list[str], dict[str, bool | None]]]], ...] = (
@@ -67,6 +70,7 @@ PAGE: tuple[tuple[str, Callable[[Any], tuple[list[str], dict[str, bool | None]]]
     ("stacks", stacks_bench.render),
     ("contention", contention_bench.render),
     ("profiles", profile_bench.render),
+    ("servers", servers_bench.render),
 )
 
 
@@ -92,6 +96,7 @@ def measure(only: set[str]) -> dict[str, object]:
             "stacks": lambda: stacks_bench.run(tmp, peers),
             "contention": lambda: contention_bench.run(tmp, peers),
             "profiles": lambda: profile_bench.run(tmp),
+            "servers": lambda: servers_bench.run(tmp, peers),
         }
         durations = {}
         failed: dict[str, dict[str, str]] = {}

@@ -62,7 +62,7 @@ class Holds:
 
     def __init__(self, program: BpfProgram) -> None:
         self.program = program
-        self.fds = tuple(program.map_fd(name) for name in ("holds", "hold_continued"))
+        self.fds = (program.map_fd("holds"), program.map_fd("hold_continued"))
         self.released = 0  # processes this side continued
 
     def allow(self, pid: int) -> None:
