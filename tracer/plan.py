@@ -266,8 +266,8 @@ def exit_says_group_dead() -> bool:
 
 def unwinds(request: TraceRequest) -> bool:
     """Whether stacks are unwound by CFI: not with --frame-pointers. A trace
-    that gives up root (serve) keeps what reading the mapped files and
-    continuing a stopped process need (tracer/privileges.py)."""
+    that gives up root (serve) keeps what reading the mapped files needs
+    (tracer/privileges.py)."""
     return not request.frame_pointers
 
 

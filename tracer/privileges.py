@@ -9,13 +9,12 @@ switches to an unprivileged user (``nobody`` by default).
 
 - The serving process, which answers the network, keeps no capability: a
   bug in the HTTP path is not a root bug.
-- The tracing process keeps CAP_SYS_PTRACE and CAP_KILL alone (``keep``):
-  the traced processes' maps, the files they map (through /proc/PID/root)
-  and their memory (the arenas) are readable only with the first once they
-  are not the user's, and serve meets processes that start after the
-  switch; the second continues a process that stopped itself while its
-  unwind tables are written, or in _exit while its maps are read. It never
-  attaches to a process with ptrace(2), and signals only those it traces.
+- The tracing process keeps CAP_SYS_PTRACE alone (``keep``): the traced
+  processes' maps, the files they map (through /proc/PID/root) and their
+  memory (the arenas) are readable only with it once they are not the
+  user's, and serve meets processes that start after the switch. It never
+  attaches to a process with ptrace(2), and signals none: serve stops no
+  process (tracer/holds.py), so it needs no CAP_KILL.
 
 On older kernels with unprivileged BPF disabled, map reads through an fd
 still need CAP_BPF; there the switch is skipped and said so.
@@ -30,11 +29,10 @@ from pathlib import Path
 
 from mtrace_live.probes.elf.errors import PrivilegeDropError
 
-CAP_KILL, CAP_SYS_PTRACE = 5, 19
-TRACING_CAPABILITIES = (CAP_KILL, CAP_SYS_PTRACE)  # kept by serve's tracing process
+CAP_SYS_PTRACE = 19
+TRACING_CAPABILITIES = (CAP_SYS_PTRACE,)  # kept by serve's tracing process
 CAPABILITY_NAMES: dict[tuple[int, ...], str] = {
-    TRACING_CAPABILITIES: "CAP_SYS_PTRACE and CAP_KILL alone (to read the traced processes' "
-    "maps and files, and to continue them once their unwind tables are written)"
+    TRACING_CAPABILITIES: "CAP_SYS_PTRACE alone (to read the traced processes' maps and files)"
 }
 _PR_SET_KEEPCAPS = 8
 _CAPABILITY_VERSION_3 = 0x20080522

@@ -37,6 +37,7 @@ class Traced:
     workload: int  # the mallocs the workload made after the attach, by its own count
     stderr: str
     stops: int  # SIGSTOPs sent to the workload while it was traced, as bpftrace saw them
+    stacks: str  # the alloc_stacks tables, as JSON
 
 
 def nothing(pid: int) -> None:
@@ -52,10 +53,12 @@ LEADER_EXIT_BODY = (
 
 
 def trace_leader_exit(tmp: Path, before_attach: Callable[[int], None] = nothing,
-                      after_attach: Callable[[int], None] = nothing) -> Traced:  # fmt: skip
+                      after_attach: Callable[[int], None] = nothing,
+                      main_first: bool = False) -> Traced:  # fmt: skip
     """leader_exit (main's 5,000 malloc/free pairs, then pthread_exit, then
     another thread's 5,000 once the tracer has said it moved its probes)
-    traced by pid beside bpftrace."""
+    traced by pid beside bpftrace; ``main_first``: main has made its pairs
+    and exited before bpftrace and the tracer attach."""
     with Reaper() as reaper:
         pipe = subprocess.PIPE
         workload = reaper.add(subprocess.Popen([str(built("leader_exit")), "5000", "wait"],
@@ -63,6 +66,15 @@ def trace_leader_exit(tmp: Path, before_attach: Callable[[int], None] = nothing,
         assert workload.stdout is not None and workload.stdin is not None
         assert workload.stdout.readline() == b"ready\n"
         pid = workload.pid
+
+        def main_exits() -> None:
+            workload.stdin.write(b"g")  # type: ignore[union-attr]
+            workload.stdin.flush()  # type: ignore[union-attr]
+            assert workload.stdout.readline() == b"main gone\n"  # type: ignore[union-attr]
+
+        if main_first:
+            main_exits()
+            assert Path(f"/proc/{pid}/stat").read_text().rpartition(") ")[2][0] == "Z"
         body = LEADER_EXIT_BODY.format(libc=default_libc())
         bpftrace, bpftrace_out = start_bpftrace(body, pid, tmp)
         reaper.add(bpftrace)
@@ -74,10 +86,9 @@ def trace_leader_exit(tmp: Path, before_attach: Callable[[int], None] = nothing,
                                                  stdout=lines, stderr=errors))  # fmt: skip
         wait_for_line(err, READY, tracer, timeout=120)
         after_attach(pid)
-        workload.stdin.write(b"g")
-        workload.stdin.flush()
-        assert workload.stdout.readline() == b"main gone\n"
-        wait_for_line(err, "pthread_exit", tracer, timeout=120)  # the probes moved
+        if not main_first:
+            main_exits()
+            wait_for_line(err, "pthread_exit", tracer, timeout=120)  # the probes moved
         workload.stdin.write(b"o")
         workload.stdin.close()
         done = workload.stdout.readline().split()
@@ -87,8 +98,9 @@ def trace_leader_exit(tmp: Path, before_attach: Callable[[int], None] = nothing,
         counts = stop_bpftrace(bpftrace, bpftrace_out)
     tables = [json.loads(line) for line in out.read_text().splitlines() if '"table"' in line]
     (functions,) = [t for t in tables if t["table"] == "alloc_functions"]
+    stacks = json.dumps([t for t in tables if t["table"] == "alloc_stacks"])
     return Traced(pid, functions["calls"]["malloc"], counts["malloc"], int(done[1]),
-                  err.read_text(), counts.get("signal_generate", 0))  # fmt: skip
+                  err.read_text(), counts.get("signal_generate", 0), stacks)  # fmt: skip
 
 
 def test_main_calling_pthread_exit_leaves_its_other_threads_traced(tmp_path: Path) -> None:
@@ -109,43 +121,13 @@ def test_main_calling_pthread_exit_leaves_its_other_threads_traced(tmp_path: Pat
 def test_a_process_whose_main_thread_exited_before_the_attach_is_traced(tmp_path: Path) -> None:
     # GIVEN leader_exit whose main thread has made its pairs and called
     # pthread_exit before the tracer attaches (its leader shows as a zombie)
-    with Reaper() as reaper:
-        pipe = subprocess.PIPE
-        workload = reaper.add(subprocess.Popen([str(built("leader_exit")), "5000", "wait"],
-                                               stdin=pipe, stdout=pipe))  # fmt: skip
-        assert workload.stdout is not None and workload.stdin is not None
-        assert workload.stdout.readline() == b"ready\n"
-        workload.stdin.write(b"g")
-        workload.stdin.flush()
-        assert workload.stdout.readline() == b"main gone\n"
-        pid = workload.pid
-        assert Path(f"/proc/{pid}/stat").read_text().rpartition(") ")[2][0] == "Z"
-        bpftrace, bpftrace_out = start_bpftrace(LEADER_EXIT_BODY.format(libc=default_libc()),
-                                                pid, tmp_path)  # fmt: skip
-        reaper.add(bpftrace)
-        wait_for_line(bpftrace_out, BPFTRACE_READY, bpftrace, timeout=120)
-        # WHEN it is traced by pid, and its other thread then makes its pairs
-        err, out = tmp_path / "trace.err", tmp_path / "trace.out"
-        with open(err, "wb") as errors, open(out, "wb") as lines:
-            tracer = reaper.add(subprocess.Popen([*MTRACE, "--pid", str(pid), "-o", "json"],
-                                                 stdout=lines, stderr=errors))  # fmt: skip
-        wait_for_line(err, READY, tracer, timeout=120)
-        workload.stdin.write(b"o")
-        workload.stdin.close()
-        done = workload.stdout.readline().split()
-        workload.stdout.close()
-        assert workload.wait(timeout=120) == 0
-        assert tracer.wait(timeout=120) == 0, err.read_text()
-        counts = stop_bpftrace(bpftrace, bpftrace_out)
+    traced = trace_leader_exit(tmp_path, main_first=True)
     # THEN every malloc of the thread that stayed is counted, as bpftrace
     # counted, and it was never stopped
-    tables = [json.loads(line) for line in out.read_text().splitlines() if '"table"' in line]
-    (functions,) = [t for t in tables if t["table"] == "alloc_functions"]
-    assert functions["calls"]["malloc"] == counts["malloc"] >= int(done[1]) // 2
-    assert counts.get("signal_generate", 0) == 0
+    assert traced.mallocs == traced.bpftrace >= traced.workload // 2
+    assert traced.stops == 0
     # AND its frames are named (its maps read through the thread that lives)
-    (stacks,) = [t for t in tables if t["table"] == "alloc_stacks"][:1] or [None]
-    assert stacks is not None and "pairs" in json.dumps(stacks), stacks
+    assert "pairs" in traced.stacks, traced.stacks[:2000]
 
 
 def test_a_target_stopped_with_sigstop_is_traced_once_continued(tmp_path: Path) -> None:

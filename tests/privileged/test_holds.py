@@ -21,7 +21,7 @@ from pathlib import Path
 from mtrace_live.tracer.holds import GUARDIAN_NAME
 
 from .conftest import MTRACE, built
-from .tracing import Reaper, wait_for_line
+from .tracing import Reaper, wait_for_line, wait_until
 
 KILLS = 100
 READY = "Ctrl-C to stop"
@@ -57,16 +57,6 @@ def guardians() -> list[int]:
             except OSError:
                 continue
     return found
-
-
-def until(condition: object, what: str, timeout: float = 60.0) -> None:
-    """Poll ``condition`` (a callable) until it holds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():  # type: ignore[operator]
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"not within {timeout} s: {what}")
 
 
 def command_pid(err: Path) -> int:
@@ -108,7 +98,7 @@ def test_a_tracer_killed_at_any_point_leaves_no_process_stopped(tmp_path: Path) 
             tracer.kill()
             tracer.wait()
             # THEN once its guardian is gone, nothing it held stays stopped
-            until(lambda: not guardians(), "the guardian ends")
+            wait_until(lambda: not guardians(), "the guardian ends")
             stopped_after.append(stopped_processes() - before)
             os.kill(churn, signal.SIGKILL)
     assert not any(stopped_after), [sorted(s) for s in stopped_after if s]
@@ -121,9 +111,9 @@ def test_a_hold_the_tracer_cannot_end_is_let_go_past_the_bound(tmp_path: Path) -
         churn = command_pid(err)
         tracer.send_signal(signal.SIGSTOP)
         # WHEN the churn is held meanwhile (its next new process's first call)
-        until(lambda: stopped_processes() & churn_tree(churn), "a churn process is held")
+        wait_until(lambda: bool(stopped_processes() & churn_tree(churn)), "a churn process is held")
         # THEN the guardian lets it go
-        until(lambda: not (stopped_processes() & churn_tree(churn)), "the guardian lets it go")
+        wait_until(lambda: not stopped_processes() & churn_tree(churn), "the guardian lets it go")
         tracer.send_signal(signal.SIGCONT)
         # AND the trace ends with the churn, saying so
         assert tracer.wait(timeout=120) == 0, err.read_text()

@@ -17,7 +17,6 @@ import shutil
 import signal
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import MTRACE
 from .test_serve import SERVE_READY, free_port, settled
-from .tracing import BPFTRACE_READY, Reaper, start_bpftrace, wait_for_line
+from .tracing import BPFTRACE_READY, Reaper, start_bpftrace, wait_for_line, wait_until
 
 READY = "Ctrl-C to stop"
 
@@ -38,15 +37,6 @@ class Server:
     name: str
     pid: int
     load: list[str]  # the load generator's command line
-
-
-def wait_until(check: object, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():  # type: ignore[operator]
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"not within {timeout} s: {what}")
 
 
 def mariadb(tmp: Path, reaper: Reaper) -> Server:
@@ -59,7 +49,9 @@ def mariadb(tmp: Path, reaper: Reaper) -> Server:
          "--skip-networking", f"--log-error={tmp / 'mariadb.err'}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
     ping = ["mariadb-admin", "--no-defaults", f"--socket={sock}", "-uroot", "ping"]
-    wait_until(lambda: subprocess.run(ping, capture_output=True).returncode == 0, "mariadbd up")
+    wait_until(
+        lambda: bool(subprocess.run(ping, capture_output=True).returncode == 0), "mariadbd up"
+    )
     load = ["mariadb-slap", "--no-defaults", f"--socket={sock}", "-uroot", "--concurrency=16",
             "--iterations=3", "--number-of-queries=4000", "--auto-generate-sql"]  # fmt: skip
     return Server("mariadbd", server.pid, load)
@@ -72,7 +64,9 @@ def redis(tmp: Path, reaper: Reaper) -> Server:
          "--appendonly", "no", "--dir", str(tmp)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
     ping = ["redis-cli", "-s", str(sock), "ping"]
-    wait_until(lambda: subprocess.run(ping, capture_output=True).stdout == b"PONG\n", "redis up")
+    wait_until(
+        lambda: bool(subprocess.run(ping, capture_output=True).stdout == b"PONG\n"), "redis up"
+    )
     load = ["redis-benchmark", "-s", str(sock), "-n", "50000", "-c", "16", "-q",
             "-t", "set,get,lpush,lpop,hset"]  # fmt: skip
     return Server("redis-server", server.pid, load)
@@ -136,7 +130,7 @@ def wait_quiet(out: Path) -> None:
         values = [value for name, value in printed(out) if name in ("@mallocs", "@frees")]
         return len(values) >= 10 and len(set(values[-10::2])) == len(set(values[-9::2])) == 1
 
-    wait_until(quiet, "the server is idle", timeout=120)
+    wait_until(quiet, "the server is idle")
 
 
 def bpftrace_maps(proc: subprocess.Popen[bytes], out: Path) -> dict[str, int]:
@@ -145,6 +139,27 @@ def bpftrace_maps(proc: subprocess.Popen[bytes], out: Path) -> dict[str, int]:
     found = {"mallocs": 0, "frees": 0, "sigstops": 0}
     found.update((name.lstrip("@"), value) for name, value in printed(out))  # the last of each
     return found
+
+
+def watched(target: Server, reaper: Reaper,
+            tmp: Path) -> tuple[subprocess.Popen[bytes], Path, StatePoll]:  # fmt: skip
+    """bpftrace counting the server's calls and SIGSTOPs, once it is idle,
+    and its state polled."""
+    bpftrace, out = start_bpftrace(BODY.format(libc=default_libc()), target.pid, tmp)
+    reaper.add(bpftrace)
+    wait_for_line(out, BPFTRACE_READY, bpftrace, timeout=120)
+    wait_quiet(out)
+    return bpftrace, out, StatePoll(target.pid)
+
+
+def unharmed(load: subprocess.CompletedProcess[str], states: set[str], counts: dict[str, int],
+             code: int, err: Path) -> None:  # fmt: skip
+    """The clients saw no error, the server was never stopped, and the
+    trace exited 0 without a traceback or an error."""
+    assert load.returncode == 0 and "error" not in (load.stdout + load.stderr).lower(), load
+    assert "T" not in states and counts["sigstops"] == 0, (states, counts)
+    stderr = err.read_text()
+    assert code == 0 and "Traceback" not in stderr and "error:" not in stderr, stderr
 
 
 @pytest.fixture(params=sorted(SERVERS))
@@ -160,11 +175,7 @@ def test_a_server_traced_by_pid_is_never_stopped_and_counted_as_bpftrace_counts(
 ) -> None:
     target, reaper = server
     # GIVEN the server idle: bpftrace attached to it first, then the tracer
-    bpftrace, out = start_bpftrace(BODY.format(libc=default_libc()), target.pid, tmp_path)
-    reaper.add(bpftrace)
-    wait_for_line(out, BPFTRACE_READY, bpftrace, timeout=120)
-    wait_quiet(out)
-    poll = StatePoll(target.pid)
+    bpftrace, out, poll = watched(target, reaper, tmp_path)
     err, summary_out = tmp_path / "trace.err", tmp_path / "summary"
     with open(err, "wb") as errors, open(summary_out, "wb") as lines:
         tracer = reaper.add(subprocess.Popen(
@@ -180,10 +191,7 @@ def test_a_server_traced_by_pid_is_never_stopped_and_counted_as_bpftrace_counts(
     states = poll.stop()
     # THEN its clients saw no error, it was never stopped, and the trace
     # exited 0 without a traceback
-    assert load.returncode == 0 and "error" not in (load.stdout + load.stderr).lower(), load
-    assert "T" not in states and counts["sigstops"] == 0, (states, counts)
-    stderr = err.read_text()
-    assert code == 0 and "Traceback" not in stderr and "error:" not in stderr, stderr
+    unharmed(load, states, counts, code, err)
     # AND its malloc calls and frees are those bpftrace counted
     summary = summary_out.read_text()
     lines = [line for line in summary.splitlines() if line.startswith("allocations: pid")]
@@ -206,11 +214,7 @@ def test_a_server_traced_by_serve_is_never_stopped_and_counted_as_bpftrace_count
     server: tuple[Server, Reaper], tmp_path: Path
 ) -> None:
     target, reaper = server
-    bpftrace, out = start_bpftrace(BODY.format(libc=default_libc()), target.pid, tmp_path)
-    reaper.add(bpftrace)
-    wait_for_line(out, BPFTRACE_READY, bpftrace, timeout=120)
-    wait_quiet(out)
-    poll = StatePoll(target.pid)
+    bpftrace, out, poll = watched(target, reaper, tmp_path)
     port = free_port()
     err = tmp_path / "serve.err"
     with open(err, "wb") as errors:
@@ -227,10 +231,7 @@ def test_a_server_traced_by_serve_is_never_stopped_and_counted_as_bpftrace_count
     code = serve.wait(timeout=120)
     states = poll.stop()
     # THEN as by pid: no error, never stopped, exit 0, no traceback
-    assert load.returncode == 0 and "error" not in (load.stdout + load.stderr).lower(), load
-    assert "T" not in states and counts["sigstops"] == 0, (states, counts)
-    stderr = err.read_text()
-    assert code == 0 and "Traceback" not in stderr and "error:" not in stderr, stderr
+    unharmed(load, states, counts, code, err)
     # AND its frees (exact, whatever serve samples) are those bpftrace counted
     frees = metric(page, "mtrace_free_calls_total", target.name)
     assert frees == counts["frees"], (frees, counts)
