@@ -410,6 +410,15 @@ class BpfProgram:
             with contextlib.suppress(KeyError):  # none, or taken meanwhile
                 del bcc_table[bcc_table.Key(key)]
 
+    def row(self, table: str, key: int) -> tuple[int, ...] | None:
+        """The fields of the entry of u32 ``key`` in a hash map, or None."""
+        bcc_table = self._bpf[table]
+        try:
+            leaf = bcc_table[bcc_table.Key(key)]
+        except KeyError:
+            return None
+        return tuple(int(getattr(leaf, name)) for name, _ in leaf._fields_)
+
     def set_row(self, table: str, key: int, fields: tuple[int, ...]) -> None:
         """One entry (u32 key, struct fields) of a hash map."""
         bcc_table = self._bpf[table]

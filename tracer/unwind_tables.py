@@ -362,7 +362,8 @@ class UnwindTables:
         wanting a stack, or a dlopen): written, and each continued if the
         kernel stopped it."""
         for pid in pids:
-            self.forget(pid)  # a new image, or more files: written anew
+            if not self._in_force(pid):
+                self.forget(pid)  # a new image: written anew
             try:
                 self.load(pid)
             except Exception as exc:  # one process's failure is that process's alone
@@ -370,6 +371,15 @@ class UnwindTables:
             finally:
                 if self.release is not None:
                     self.release(pid)
+
+    def _in_force(self, pid: int) -> bool:
+        """The kernel holds ``pid``'s tables as written (it asks again after a
+        dlopen, and they stay in force until the new ones replace them); not
+        after an exec, or at its first call, when it has none or an empty
+        entry."""
+        block = self.blocks.get(pid)
+        row = self.program.row("unwind_procs", pid)
+        return block is not None and row is not None and tuple(row) == block
 
     def _failed_process(self, pid: int, exc: Exception) -> None:
         """Tables that could not be written for ``pid``: counted, said once

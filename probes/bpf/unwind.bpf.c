@@ -187,6 +187,8 @@ static __always_inline void unwind_forget(u32 tgid)
  * continued then; no other process is ever stopped. Until its tables are
  * written its stacks are walked by frame pointers, counted as
  * UX_NO_TABLES. */
+static __always_inline void unwind_ask(u32 tgid);
+
 static __always_inline void unwind_wanted(u32 tgid)
 {
 #if WITH_EVENTS
@@ -195,6 +197,15 @@ static __always_inline void unwind_wanted(u32 tgid)
     struct unwind_proc asked = {};
     if (unwind_procs.insert(&tgid, &asked))
         return; /* another thread asked first */
+    unwind_ask(tgid);
+#endif
+}
+
+/* Say that process `tgid` wants its tables (written anew), holding it
+ * meanwhile if mtrace-live started it. */
+static __always_inline void unwind_ask(u32 tgid)
+{
+#if WITH_EVENTS
     struct event *e = events.ringbuf_reserve(sizeof(struct event));
     if (!e)
         return; /* no room to say so: not stopped */
@@ -227,8 +238,10 @@ int unwind_dlopen_entry(struct pt_regs *ctx)
 }
 
 /* The return of dlopen or dlmopen: the process may map more files, whose
- * code may soon call. A process whose tables were written stops and asks
- * again (unwind_wanted). */
+ * code may soon call. A process whose tables were written asks for them
+ * again (a process mtrace-live started stops until they are): its tables
+ * stay in force meanwhile, the new library's frames stepped by frame
+ * pointers until they are written. */
 int unwind_dlopen_return(struct pt_regs *ctx)
 {
     u64 id = bpf_get_current_pid_tgid();
@@ -240,9 +253,8 @@ int unwind_dlopen_return(struct pt_regs *ctx)
         return 0;
     struct unwind_proc *proc = unwind_procs.lookup(&tgid);
     if (!proc || !proc->count)
-        return 0; /* never asked: its first call will */
-    unwind_forget(tgid);
-    unwind_wanted(tgid);
+        return 0; /* never asked, or asked and not written yet: its tables will have the library */
+    unwind_ask(tgid);
     return 0;
 }
 
