@@ -114,6 +114,7 @@ def defines(sample_bytes: int, events: bool, walk: bool, outstanding: int, stack
     return {
         "WITH_ALLOCS": 1,
         "ALLOC_ONE_PROCESS": int(one_process),
+        "UPROBE_MOVES": int(one_process),
         "ALLOC_EVENTS": int(events),
         "ALLOC_WALK": int(walk),
         "FRAME_DEPTH": STACK_DEPTH,

@@ -127,6 +127,7 @@ class UprobeEvent:
     prog_fd: int
     pid: int  # the thread (a process's id: its first) it is attached for; -1: every process
     retprobe: bool
+    link: int = -1  # the BPF link carrying its generation, once moved (-1: none)
 
 
 class BpfProgram:
@@ -151,6 +152,7 @@ class BpfProgram:
         self._typed: dict[str, tuple[int, int]] = {}  # handler -> (program fd, attachment fd)
         # the uprobes' perf events (uprobe_attach), each as it was attached
         self._uprobe_events: list[UprobeEvent] = []
+        self._generation = 0  # of the uprobes attached for one thread (retarget)
         # event -> why the kernel refused its BTF-typed handler (its raw one is attached)
         self.typed_refused: dict[str, str] = {}
         text = source.text()
@@ -267,18 +269,39 @@ class BpfProgram:
 
     def retarget(self, old: int, new: int) -> int:
         """The uprobes attached for thread ``old`` attached for thread ``new``
-        instead (of the same process): each new event is opened before the
-        old one is closed. Returns how many moved; AttachFailure when one
-        could not be opened (those opened stay, beside the old ones)."""
-        moved = 0
-        for index, event in enumerate(self._uprobe_events):
-            if event.pid != old:
-                continue
-            fd = uprobe_attach.attach(event.path, event.offset, event.prog_fd, new, event.retprobe)
-            self._uprobe_events[index] = replace(event, fd=fd, pid=new)
-            os.close(event.fd)
-            moved += 1
-        return moved
+        instead (of the same process). The new events carry the next
+        generation as their cookie and are all opened before the program's
+        generation turns to it (``uprobe_generation``): till then the old
+        events count each call, from then on the new ones, never both. The
+        old ones are then closed by a detacher child. Returns how many
+        moved; AttachFailure when one could not be opened (the old ones
+        stay in force, the new ones opened so far are closed)."""
+        generation = self._generation + 1
+        moved: list[tuple[int, UprobeEvent]] = []
+        try:
+            for index, event in enumerate(self._uprobe_events):
+                if event.pid == old:
+                    fd, link = uprobe_attach.attach_with_cookie(
+                        event.path, event.offset, event.prog_fd, new, event.retprobe, generation
+                    )
+                    moved.append((index, replace(event, fd=fd, pid=new, link=link)))
+        except uprobe_attach.AttachFailure:
+            for _, event in moved:
+                os.close(event.link)
+                os.close(event.fd)
+            raise
+        if self.has_table("uprobe_generation"):
+            self.fill_array("uprobe_generation", [generation])
+        self._generation = generation
+        gone = []
+        for index, event in moved:
+            gone.append(self._uprobe_events[index])
+            self._uprobe_events[index] = event
+        fds = [fd for event in gone for fd in (event.link, event.fd) if fd >= 0]
+        if fds and not _detach_in_child(fds):
+            for fd in fds:
+                os.close(fd)
+        return len(moved)
 
     def clear_pending(self, tids: Iterable[int]) -> int:
         """Forget the calls threads ``tids`` were in (their returns will not
@@ -577,7 +600,10 @@ class BpfProgram:
         # bcc attaches the tracepoints; the uprobes are this program's own
         # perf events (uprobe_attach), made through the perf PMU: none is in tracefs.
         tracepoints = dict(self._bpf.tracepoint_fds)
-        fds = [*tracepoints.values(), *(event.fd for event in self._uprobe_events)]
+        fds = [
+            *tracepoints.values(),
+            *(fd for event in self._uprobe_events for fd in (event.link, event.fd) if fd >= 0),
+        ]
         self._uprobe_events = []
         if fds and not _detach_in_child(fds):
             for fd in fds:

@@ -40,6 +40,8 @@ BPF_MAP_UPDATE_ELEM = 2
 BPF_MAP_GET_NEXT_KEY = 4
 BPF_PROG_LOAD = 5
 BPF_RAW_TRACEPOINT_OPEN = 17
+BPF_LINK_CREATE = 28
+BPF_PERF_EVENT = 41  # enum bpf_attach_type
 BPF_PROG_GET_NEXT_ID = 11
 BPF_PROG_GET_FD_BY_ID = 13
 BPF_MAP_GET_FD_BY_ID = 14
@@ -331,3 +333,14 @@ def attach_raw_tracepoint(prog_fd: int) -> int:
 def close(fd: int | None) -> None:
     if fd is not None:
         os.close(fd)
+
+
+def perf_event_link(prog_fd: int, perf_fd: int, cookie: int) -> int:
+    """Attach program ``prog_fd`` to perf event ``perf_fd`` through a BPF
+    link carrying ``cookie`` (bpf_get_attach_cookie reads it; Linux 5.15):
+    the link's fd, or -1 with errno set."""
+    # union bpf_attr for BPF_LINK_CREATE: prog_fd, target_fd, attach_type,
+    # flags (u32 each), then perf_event.bpf_cookie (u64).
+    attr = ctypes.create_string_buffer(64)
+    struct.pack_into("=IIIIQ", attr, 0, prog_fd, perf_fd, BPF_PERF_EVENT, 0, cookie)
+    return _bpf(BPF_LINK_CREATE, attr)

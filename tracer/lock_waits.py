@@ -106,6 +106,7 @@ def lock_defines(stacks: bool, events: bool, one_process: bool) -> dict[str, int
         "LOCK_STACKS": int(stacks),
         "LOCK_EVENTS": int(events),
         "LOCK_ONE_PROCESS": int(one_process),
+        "UPROBE_MOVES": int(one_process),
         "LOCK_ROWS": LOCK_ROWS,
         "LOCK_STACK_ROWS": LOCK_STACK_ROWS,
     }

@@ -10,7 +10,10 @@ exit, and no call of the process would be seen again.
 
 So allocs.bpf.c's ``alloc_thread_exit`` says so when that thread calls
 ``pthread_exit``, and here the uprobes are attached for a thread that stays
-(the oldest), and the old events closed. A process mtrace-live started is
+(the oldest), and the old events closed; the new events carry the next
+generation as their BPF cookie, and the program's generation turns to it
+once they are all attached, so each call is counted once while both fire.
+A process mtrace-live started is
 stopped (SIGSTOP) meanwhile and continued after (tracer/holds.py): a call
 another thread was inside when it stopped returns unseen (its entry probe
 was the old event's), and those calls are counted and said. Any other
@@ -42,12 +45,15 @@ class Moved:
     old: int
     new: int
     probes: int  # perf events moved
-    in_flight: int  # calls the other threads were inside: their returns not seen
+    in_flight: int | None  # held: calls the stopped threads were inside, their returns unseen
 
     def __str__(self) -> str:
+        flight = "; the calls made after it was gone and before the move were not seen"
+        if self.in_flight is not None:
+            flight = f"; {self.in_flight} calls in flight were not seen to return"
         return (f"thread {self.old} of process {self.tgid}, which its probes were attached for, "
-                f"called pthread_exit: they follow thread {self.new} now ({self.probes} moved; "
-                f"{self.in_flight} calls in flight were not seen to return)")  # fmt: skip
+                f"called pthread_exit: they follow thread {self.new} now ({self.probes} "
+                f"moved{flight})")  # fmt: skip
 
 
 def move_uprobes(program: BpfProgram, tgid: int, old: int,
@@ -76,7 +82,7 @@ def move_uprobes(program: BpfProgram, tgid: int, old: int,
                     f"not be attached for thread {threads[0]}: {failure}; the process's "
                     "other threads are no longer traced")  # fmt: skip
         program.fill_array("alloc_target", [threads[0]])
-        in_flight = program.clear_pending(threads) if release is not None else 0
+        in_flight = program.clear_pending(threads) if release is not None else None
         return Moved(tgid, old, threads[0], probes, in_flight)
     finally:
         if release is not None:

@@ -20,6 +20,8 @@ import platform
 import struct
 from pathlib import Path
 
+from . import bpf_syscalls
+
 PMU = Path("/sys/bus/event_source/devices/uprobe")
 SYS_PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241, "riscv64": 241, "ppc64le": 319,
                        "s390x": 331}  # fmt: skip
@@ -111,15 +113,38 @@ def attach(path: Path, offset: int, prog_fd: int, pid: int = -1, retprobe: bool 
     or with ``retprobe`` the function's returns), in process ``pid`` or
     (-1) every process: the perf event's fd, which detaches it when closed.
     Raises AttachFailure."""
+    fd = _opened(path, offset, retprobe, pid)
+    _ioctl(fd, PERF_EVENT_IOC_SET_BPF, prog_fd)
+    _ioctl(fd, PERF_EVENT_IOC_ENABLE, 0)
+    return fd
+
+
+def attach_with_cookie(path: Path, offset: int, prog_fd: int, pid: int, retprobe: bool,
+                       cookie: int) -> tuple[int, int]:  # fmt: skip
+    """``attach``, the program attached through a BPF link carrying
+    ``cookie``: (the perf event's fd, the link's fd); both are closed to
+    detach it."""
+    fd = _opened(path, offset, retprobe, pid)
+    link = bpf_syscalls.perf_event_link(prog_fd, fd, cookie)
+    if link < 0:
+        error = ctypes.get_errno()
+        os.close(fd)
+        raise AttachFailure(error)
+    try:
+        _ioctl(fd, PERF_EVENT_IOC_ENABLE, 0)
+    except AttachFailure:
+        os.close(link)
+        raise
+    return fd, link
+
+
+def _opened(path: Path, offset: int, retprobe: bool, pid: int) -> int:
     encoded = os.fsencode(path)
     for attempt in range(1, TRIES + 1):
         try:
-            fd = _open(encoded, offset, retprobe, pid)
+            return _open(encoded, offset, retprobe, pid)
         except AttachFailure as failure:
             if failure.errno in TRANSIENT and attempt < TRIES:
                 continue
             raise AttachFailure(failure.errno, attempt) from None
-        _ioctl(fd, PERF_EVENT_IOC_SET_BPF, prog_fd)
-        _ioctl(fd, PERF_EVENT_IOC_ENABLE, 0)
-        return fd
     raise AssertionError("unreachable")

@@ -167,7 +167,7 @@ static __always_inline int on_alloc_entry(struct pt_regs *ctx, u32 fn, u64 size,
     if (gate_closed())
         return 0;
     u64 id = bpf_get_current_pid_tgid();
-    if (!uprobe_followed(ALLOC_ONE_PROCESS, id >> 32))
+    if (!uprobe_followed(ctx, ALLOC_ONE_PROCESS, id >> 32))
         return 0;
     alloc_calls.increment(fn);
     u32 tid = (u32)id;
@@ -633,7 +633,7 @@ int alloc_free(struct pt_regs *ctx)
         return 0;
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
-    if (!uprobe_followed(ALLOC_ONE_PROCESS, tgid))
+    if (!uprobe_followed(ctx, ALLOC_ONE_PROCESS, tgid))
         return 0;
     alloc_calls.increment(AF_FREE);
     u64 ptr = PT_REGS_PARM1(ctx);

@@ -193,11 +193,31 @@ static __always_inline int tgid_is_followed(u32 tgid)
 #endif
 }
 
+#ifndef UPROBE_MOVES
+#define UPROBE_MOVES 0 /* uprobes attached for one thread, which may move to another */
+#endif
+#if UPROBE_MOVES
+/* The generation of the uprobes attached for one thread. When that thread
+ * ends first (main's pthread_exit), user space attaches them for another
+ * with the next generation as their BPF cookie, then turns this to it, then
+ * closes the old ones: while both fire, a handler whose cookie is not the
+ * current generation returns at once, so each call counts once
+ * (tracer/retarget.py). */
+BPF_ARRAY(uprobe_generation, u64, 1);
+#endif
+
 /* A uprobe attached for one process alone (`alone`: a part's *_ONE_PROCESS)
  * fires in no other: the kernel filters, and the followed table need not be
- * asked. */
-static __always_inline int uprobe_followed(const int alone, u32 tgid)
+ * asked; only its generation, while it moves to another thread. */
+static __always_inline int uprobe_followed(void *ctx, const int alone, u32 tgid)
 {
+#if UPROBE_MOVES
+    if (alone) {
+        u32 zero = 0;
+        u64 *generation = uprobe_generation.lookup(&zero);
+        return !generation || bpf_get_attach_cookie(ctx) == *generation;
+    }
+#endif
     return alone || tgid_is_followed(tgid);
 }
 

@@ -42,6 +42,8 @@ BPF_ARRAY(alloc_target, u32, 1); /* the thread the uprobes are attached for (use
  * thread is gone and before the move is done is not seen. */
 int alloc_thread_exit(struct pt_regs *ctx)
 {
+    if (!uprobe_followed(ctx, ALLOC_ONE_PROCESS, 0))
+        return 0; /* an old generation's, while the uprobes move */
     u32 zero = 0;
     u32 *target = alloc_target.lookup(&zero);
     if (target && *target == (u32)bpf_get_current_pid_tgid())
@@ -60,6 +62,8 @@ int alloc_exit(struct pt_regs *ctx)
     if (gate_closed())
         return 0;
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    if (!uprobe_followed(ctx, ALLOC_ONE_PROCESS, tgid))
+        return 0;
     if (holdable.lookup(&tgid) && alloc_procs.lookup(&tgid))
         stop_and_say(EV_HELD);
     return 0;

@@ -115,7 +115,7 @@ int lock_wait_enter(struct pt_regs *ctx)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 tid = (u32)id;
-    if (gate_closed() || !uprobe_followed(LOCK_ONE_PROCESS, id >> 32))
+    if (gate_closed() || !uprobe_followed(ctx, LOCK_ONE_PROCESS, id >> 32))
         return 0;
     struct lock_pending p = {.futex = PT_REGS_PARM1(ctx), .stack = -1};
     u64 sp = PT_REGS_SP(ctx);

@@ -118,6 +118,45 @@ def test_main_calling_pthread_exit_leaves_its_other_threads_traced(tmp_path: Pat
     assert len(said) == 1 and f"thread {pid} of process {pid}" in said[0], said
 
 
+def test_no_call_is_counted_twice_while_the_probes_move(tmp_path: Path) -> None:
+    # GIVEN leader_exit whose other thread makes pairs without a pause while
+    # main, in pthread_exit, lingers until the probes have moved (both the
+    # old and the new events fire meanwhile), traced by pid
+    with Reaper() as reaper:
+        pipe = subprocess.PIPE
+        workload = reaper.add(subprocess.Popen([str(built("leader_exit")), "5000", "busy"],
+                                               stdin=pipe, stdout=pipe))  # fmt: skip
+        assert workload.stdout is not None and workload.stdin is not None
+        assert workload.stdout.readline() == b"ready\n"
+        pid = workload.pid
+        bpftrace, bpftrace_out = start_bpftrace(LEADER_EXIT_BODY.format(libc=default_libc()),
+                                                pid, tmp_path)  # fmt: skip
+        reaper.add(bpftrace)
+        wait_for_line(bpftrace_out, BPFTRACE_READY, bpftrace, timeout=120)
+        err, out = tmp_path / "trace.err", tmp_path / "trace.out"
+        with open(err, "wb") as errors, open(out, "wb") as lines:
+            tracer = reaper.add(subprocess.Popen([*MTRACE, "--pid", str(pid), "-o", "json"],
+                                                 stdout=lines, stderr=errors))  # fmt: skip
+        wait_for_line(err, READY, tracer, timeout=120)
+        for byte, then in ((b"g", "pthread_exit"), (b"o", None), (b"p", None)):
+            workload.stdin.write(byte)
+            workload.stdin.flush()
+            if then is not None:  # WHEN the probes have moved, main still there
+                wait_for_line(err, then, tracer, timeout=120)
+        workload.stdin.close()
+        done = int(workload.stdout.readline().split()[1])
+        workload.stdout.close()
+        assert workload.wait(timeout=120) == 0
+        assert tracer.wait(timeout=120) == 0, err.read_text()
+        counts = stop_bpftrace(bpftrace, bpftrace_out)
+    # THEN every malloc is counted once: as bpftrace counted (none twice
+    # while both generations of the probes fired, none lost in the move)
+    tables = [json.loads(line) for line in out.read_text().splitlines() if '"table"' in line]
+    (functions,) = [t for t in tables if t["table"] == "alloc_functions"]
+    assert functions["calls"]["malloc"] == counts["malloc"] >= done // 2, (functions, counts)
+    assert counts.get("signal_generate", 0) == 0
+
+
 def test_a_process_whose_main_thread_exited_before_the_attach_is_traced(tmp_path: Path) -> None:
     # GIVEN leader_exit whose main thread has made its pairs and called
     # pthread_exit before the tracer attaches (its leader shows as a zombie)
