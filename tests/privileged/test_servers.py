@@ -7,8 +7,10 @@ its own load generator, each traced by ``--pid`` in the default mode and by
 For each: the server is never stopped (its state polled every 10 ms, and
 bpftrace counts every SIGSTOP sent to it: none), the trace exits 0 without
 a traceback, its clients see no error, and the counts equal bpftrace's over
-the same window (bpftrace attached first and stopped last; neither server
-calls the libc's malloc or free while idle, which the test checks)."""
+the same window (bpftrace attached first and stopped last, each end on a
+server idle for a second; the tracer's count lies between bpftrace's when
+the load had ended and the server was idle, and bpftrace's at its end,
+which MariaDB's own background work, now and then, can make higher)."""
 
 from __future__ import annotations
 
@@ -121,6 +123,11 @@ def printed(out: Path) -> list[tuple[str, int]]:
     return found
 
 
+def frees_printed(out: Path) -> int:
+    """The last count of frees bpftrace printed."""
+    return next((value for name, value in reversed(printed(out)) if name == "@frees"), 0)
+
+
 def wait_quiet(out: Path) -> None:
     """Until the server has made no malloc or free for a second (five of
     bpftrace's prints in a row): a connection's resources are freed after
@@ -185,6 +192,7 @@ def test_a_server_traced_by_pid_is_never_stopped_and_counted_as_bpftrace_counts(
     # WHEN its clients load it, and the trace then ends
     load = subprocess.run(target.load, capture_output=True, text=True, timeout=600)
     wait_quiet(out)
+    quiet = frees_printed(out)  # the server may free more of its own accord later
     tracer.send_signal(signal.SIGINT)
     code = tracer.wait(timeout=120)
     counts = bpftrace_maps(bpftrace, out)
@@ -196,7 +204,7 @@ def test_a_server_traced_by_pid_is_never_stopped_and_counted_as_bpftrace_counts(
     summary = summary_out.read_text()
     lines = [line for line in summary.splitlines() if line.startswith("allocations: pid")]
     frees = int(lines[0].split("; ")[1].split()[0]) if lines else 0  # none: it never called
-    assert frees == counts["frees"], (lines, counts)
+    assert quiet <= frees <= counts["frees"], (lines, quiet, counts)
     if target.name == "mariadbd":  # glibc's malloc: the stacks are there, unwound by CFI
         assert counts["mallocs"] > 10_000 and "0 files without CFI" in summary
         assert "stacks unwound by CFI" in summary
@@ -225,6 +233,7 @@ def test_a_server_traced_by_serve_is_never_stopped_and_counted_as_bpftrace_count
     # WHEN its clients load it, and its metrics are scraped after
     load = subprocess.run(target.load, capture_output=True, text=True, timeout=600)
     wait_quiet(out)
+    quiet = frees_printed(out)  # the server may free more of its own accord later
     page = settled(f"http://127.0.0.1:{port}/metrics")
     counts = bpftrace_maps(bpftrace, out)  # stopped before serve: serve's window is inside
     serve.send_signal(signal.SIGTERM)
@@ -234,4 +243,4 @@ def test_a_server_traced_by_serve_is_never_stopped_and_counted_as_bpftrace_count
     unharmed(load, states, counts, code, err)
     # AND its frees (exact, whatever serve samples) are those bpftrace counted
     frees = metric(page, "mtrace_free_calls_total", target.name)
-    assert frees == counts["frees"], (frees, counts)
+    assert quiet <= frees <= counts["frees"], (frees, quiet, counts)

@@ -30,7 +30,7 @@ soak = _soak_module().soak  # type: ignore[attr-defined]
 
 
 PID_MAX = Path("/proc/sys/kernel/pid_max")
-WRAPPED_PID_MAX = 4096  # the churn's ~200 processes a second wrap it every ~20 s
+WRAPPED_PID_MAX = 3072  # the churn's ~130-200 processes a second wrap it every 14-20 s
 
 
 @pytest.fixture
