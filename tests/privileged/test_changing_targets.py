@@ -54,26 +54,29 @@ LEADER_EXIT_BODY = (
 
 def trace_leader_exit(tmp: Path, before_attach: Callable[[int], None] = nothing,
                       after_attach: Callable[[int], None] = nothing,
-                      main_first: bool = False) -> Traced:  # fmt: skip
-    """leader_exit (main's 5,000 malloc/free pairs, then pthread_exit, then
-    another thread's 5,000 once the tracer has said it moved its probes)
-    traced by pid beside bpftrace; ``main_first``: main has made its pairs
-    and exited before bpftrace and the tracer attach."""
+                      mode: str = "after") -> Traced:  # fmt: skip
+    """leader_exit traced by pid beside bpftrace. ``mode``: "after", main
+    makes its 5,000 malloc/free pairs and calls pthread_exit once the
+    tracer is there, then another thread makes its 5,000 once the tracer
+    has said it moved its probes; "first", main has done so before bpftrace
+    and the tracer attach; "busy", another thread makes pairs all along,
+    while main lingers in pthread_exit until the probes have moved."""
     with Reaper() as reaper:
         pipe = subprocess.PIPE
-        workload = reaper.add(subprocess.Popen([str(built("leader_exit")), "5000", "wait"],
-                                               stdin=pipe, stdout=pipe))  # fmt: skip
-        assert workload.stdout is not None and workload.stdin is not None
-        assert workload.stdout.readline() == b"ready\n"
+        argv = [str(built("leader_exit")), "5000", "busy" if mode == "busy" else "wait"]
+        workload = reaper.add(subprocess.Popen(argv, stdin=pipe, stdout=pipe))
+        stdin, stdout = workload.stdin, workload.stdout
+        assert stdout is not None and stdin is not None
+        assert stdout.readline() == b"ready\n"
         pid = workload.pid
 
-        def main_exits() -> None:
-            workload.stdin.write(b"g")  # type: ignore[union-attr]
-            workload.stdin.flush()  # type: ignore[union-attr]
-            assert workload.stdout.readline() == b"main gone\n"  # type: ignore[union-attr]
+        def say(byte: bytes) -> None:
+            stdin.write(byte)  # type: ignore[union-attr]
+            stdin.flush()  # type: ignore[union-attr]
 
-        if main_first:
-            main_exits()
+        if mode == "first":
+            say(b"g")
+            assert stdout.readline() == b"main gone\n"
             assert Path(f"/proc/{pid}/stat").read_text().rpartition(") ")[2][0] == "Z"
         body = LEADER_EXIT_BODY.format(libc=default_libc())
         bpftrace, bpftrace_out = start_bpftrace(body, pid, tmp)
@@ -86,13 +89,17 @@ def trace_leader_exit(tmp: Path, before_attach: Callable[[int], None] = nothing,
                                                  stdout=lines, stderr=errors))  # fmt: skip
         wait_for_line(err, READY, tracer, timeout=120)
         after_attach(pid)
-        if not main_first:
-            main_exits()
+        if mode != "first":
+            say(b"g")
+            if mode == "after":
+                assert stdout.readline() == b"main gone\n"
             wait_for_line(err, "pthread_exit", tracer, timeout=120)  # the probes moved
-        workload.stdin.write(b"o")
-        workload.stdin.close()
-        done = workload.stdout.readline().split()
-        workload.stdout.close()
+        if mode == "busy":
+            say(b"o")  # main ends now
+        say(b"p")
+        stdin.close()
+        done = stdout.readline().split()
+        stdout.close()
         assert workload.wait(timeout=120) == 0
         assert tracer.wait(timeout=120) == 0, err.read_text()
         counts = stop_bpftrace(bpftrace, bpftrace_out)
@@ -122,45 +129,17 @@ def test_no_call_is_counted_twice_while_the_probes_move(tmp_path: Path) -> None:
     # GIVEN leader_exit whose other thread makes pairs without a pause while
     # main, in pthread_exit, lingers until the probes have moved (both the
     # old and the new events fire meanwhile), traced by pid
-    with Reaper() as reaper:
-        pipe = subprocess.PIPE
-        workload = reaper.add(subprocess.Popen([str(built("leader_exit")), "5000", "busy"],
-                                               stdin=pipe, stdout=pipe))  # fmt: skip
-        assert workload.stdout is not None and workload.stdin is not None
-        assert workload.stdout.readline() == b"ready\n"
-        pid = workload.pid
-        bpftrace, bpftrace_out = start_bpftrace(LEADER_EXIT_BODY.format(libc=default_libc()),
-                                                pid, tmp_path)  # fmt: skip
-        reaper.add(bpftrace)
-        wait_for_line(bpftrace_out, BPFTRACE_READY, bpftrace, timeout=120)
-        err, out = tmp_path / "trace.err", tmp_path / "trace.out"
-        with open(err, "wb") as errors, open(out, "wb") as lines:
-            tracer = reaper.add(subprocess.Popen([*MTRACE, "--pid", str(pid), "-o", "json"],
-                                                 stdout=lines, stderr=errors))  # fmt: skip
-        wait_for_line(err, READY, tracer, timeout=120)
-        for byte, then in ((b"g", "pthread_exit"), (b"o", None), (b"p", None)):
-            workload.stdin.write(byte)
-            workload.stdin.flush()
-            if then is not None:  # WHEN the probes have moved, main still there
-                wait_for_line(err, then, tracer, timeout=120)
-        workload.stdin.close()
-        done = int(workload.stdout.readline().split()[1])
-        workload.stdout.close()
-        assert workload.wait(timeout=120) == 0
-        assert tracer.wait(timeout=120) == 0, err.read_text()
-        counts = stop_bpftrace(bpftrace, bpftrace_out)
+    traced = trace_leader_exit(tmp_path, mode="busy")
     # THEN every malloc is counted once: as bpftrace counted (none twice
     # while both generations of the probes fired, none lost in the move)
-    tables = [json.loads(line) for line in out.read_text().splitlines() if '"table"' in line]
-    (functions,) = [t for t in tables if t["table"] == "alloc_functions"]
-    assert functions["calls"]["malloc"] == counts["malloc"] >= done // 2, (functions, counts)
-    assert counts.get("signal_generate", 0) == 0
+    assert traced.mallocs == traced.bpftrace >= traced.workload // 2
+    assert traced.stops == 0
 
 
 def test_a_process_whose_main_thread_exited_before_the_attach_is_traced(tmp_path: Path) -> None:
     # GIVEN leader_exit whose main thread has made its pairs and called
     # pthread_exit before the tracer attaches (its leader shows as a zombie)
-    traced = trace_leader_exit(tmp_path, main_first=True)
+    traced = trace_leader_exit(tmp_path, mode="first")
     # THEN every malloc of the thread that stayed is counted, as bpftrace
     # counted, and it was never stopped
     assert traced.mallocs == traced.bpftrace >= traced.workload // 2
