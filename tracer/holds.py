@@ -17,8 +17,9 @@ those. ``Holds.release`` reads the count before it sends SIGCONT and writes
 it after, so a stop that comes in between stays held.
 
 The guardian is a process of its own, forked when the program is loaded
-(before any thread or probe), in a session of its own, ignoring the
-terminal's signals, and the last the OOM killer would pick. It holds the
+(before any thread or uprobe; it closes every descriptor it inherits but
+the maps it reads), in a session of its own, ignoring the terminal's
+signals, and the last the OOM killer would pick. It holds the
 three maps and a pidfd of the tracer, and every ``POLL_S``:
 
 - continues a process held longer than ``BOUND_S`` (the tracer is slow or
@@ -63,7 +64,6 @@ class Holds:
     def __init__(self, program: BpfProgram) -> None:
         self.program = program
         self.fds = (program.map_fd("holds"), program.map_fd("hold_continued"))
-        self.released = 0  # processes this side continued
 
     def allow(self, pid: int) -> None:
         """``pid`` was started by mtrace-live: it may be held."""
@@ -76,7 +76,6 @@ class Holds:
             os.kill(pid, signal.SIGCONT)
         if stops:
             bpf_syscalls.update_u32(self.fds[1], pid, _U64.pack(stops))
-            self.released += 1
 
     def is_held(self, pid: int) -> bool:
         return _is_held(self.fds, pid)
@@ -104,9 +103,14 @@ def _stops(holds_fd: int, pid: int) -> int:
     return _HOLD.unpack(raw)[0] if raw is not None else 0
 
 
+def _u64_at(fd: int, key: int) -> int:
+    """The u64 at u32 ``key`` of a map (hold_continued, hold_counts), 0 where none."""
+    raw = bpf_syscalls.lookup_u32(fd, key, _U64.size)
+    return _U64.unpack(raw)[0] if raw is not None else 0
+
+
 def _is_held(fds: tuple[int, int], pid: int) -> bool:
-    continued = bpf_syscalls.lookup_u32(fds[1], pid, _U64.size)
-    return _stops(fds[0], pid) > (_U64.unpack(continued)[0] if continued else 0)
+    return _stops(fds[0], pid) > _u64_at(fds[1], pid)
 
 
 class Guardian:
@@ -209,8 +213,7 @@ def _let_go(fds: tuple[int, ...], gone: bool) -> None:
         if raw is None:
             continue
         stops, since = _HOLD.unpack(raw)
-        continued = bpf_syscalls.lookup_u32(continued_fd, pid, _U64.size)
-        if stops <= (_U64.unpack(continued)[0] if continued else 0):
+        if stops <= _u64_at(continued_fd, pid):
             continue
         if not gone and now - since < BOUND_S * 1e9:
             continue
@@ -218,6 +221,4 @@ def _let_go(fds: tuple[int, ...], gone: bool) -> None:
             os.kill(pid, signal.SIGCONT)
         bpf_syscalls.update_u32(continued_fd, pid, _U64.pack(stops))
         slot = int(HoldCount.TRACER_GONE if gone else HoldCount.PAST_BOUND)
-        count = bpf_syscalls.lookup_u32(counts_fd, slot, _U64.size)
-        total = (_U64.unpack(count)[0] if count else 0) + 1
-        bpf_syscalls.update_u32(counts_fd, slot, _U64.pack(total))
+        bpf_syscalls.update_u32(counts_fd, slot, _U64.pack(_u64_at(counts_fd, slot) + 1))

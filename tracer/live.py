@@ -167,7 +167,7 @@ class LiveTrace:
 
     def _load(self, plan: ProgramPlan, stats_fd: int | None) -> None:
         """Load the program; where it may hold processes, start the
-        guardian, forked now, before any thread or probe: whatever becomes
+        guardian, forked now, before any thread or uprobe: whatever becomes
         of this process, no process it held stays stopped (tracer/holds.py)."""
         try:
             self.program = BpfProgram(plan.config.source())

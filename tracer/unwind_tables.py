@@ -220,7 +220,6 @@ class UnwindTables:
         self.blocks: dict[int, tuple[int, int]] = {}  # pid -> its block
         self.written: dict[int, tuple[Mapping, ...]] = {}  # pid -> the mappings written
         self.counts: Counter[str] = Counter()
-        self.failed: dict[str, str] = {}  # file -> why its tables could not be built
         self.load_s = 0.0  # time spent writing tables
 
     def _file(self, pid: int, mapping: Mapping) -> MappedFile:
@@ -242,7 +241,6 @@ class UnwindTables:
                 known = self._load(path, ident, segments)
             except Exception as exc:  # one file's failure is that file's alone
                 self.counts["files_failed"] += 1
-                self.failed[mapping.path] = f"{type(exc).__name__}: {exc}"
                 print(f"mtrace-live: warning: {mapping.path}: its unwind tables could not be "
                       f"built ({type(exc).__name__}: {exc}); its frames are walked by frame "
                       "pointers", file=sys.stderr, flush=True)  # fmt: skip
