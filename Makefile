@@ -109,12 +109,13 @@ soak: exercisers $(SETUP_STAMP)
 	SOAK_MINUTES=$(SOAK_MINUTES) $(BIN)/python -m tests.soak.soak
 
 # Every reader of untrusted input under atheris (coverage-guided), RUNS
-# inputs each (default 250000: 1.25 M in all); writes docs/fuzzing.md and
-# fails on any finding. TARGETS=json,listen runs some. The first run installs
-# atheris into .venv (the fuzz extra).
+# inputs each (default 250000), and the kmemtrace walker's C code natively
+# under libFuzzer, ASan and UBSan, NATIVE_RUNS inputs (default 1000000);
+# writes docs/fuzzing.md and fails on any finding. TARGETS=json,walker-native
+# runs some. The first run installs atheris into .venv (the fuzz extra).
 fuzz: $(SETUP_STAMP)
 	@$(BIN)/python -c 'import atheris' 2>/dev/null || $(BIN)/pip install --quiet --disable-pip-version-check -e '.[fuzz]'
-	RUNS=$(RUNS) TARGETS=$(TARGETS) $(BIN)/python tests/fuzz/fuzz.py
+	RUNS=$(RUNS) NATIVE_RUNS=$(NATIVE_RUNS) TARGETS=$(TARGETS) $(BIN)/python tests/fuzz/fuzz.py
 
 clean:
 	rm -rf $(BUILD)

@@ -38,9 +38,12 @@ ARCH=$(dpkg --print-architecture)
 # python3-dev's headers build the compiled parts at install (report's pass, the ring copier, the CFI reader);
 # mariadb-server and redis-server (with their clients and load generators) are the real servers the
 # tests trace under load (tests/privileged/test_servers.py): both link libsystemd, hence libgcrypt.
+# clang and its sanitizer and libFuzzer runtimes fuzz the kmemtrace walker's C code natively (make fuzz,
+# tests/unit/test_native_fuzz.py).
 SERVERS=(mariadb-server mariadb-client redis-server redis-tools)
 packages=(python3-bpfcc libbpfcc bpfcc-tools bpftool bpftrace gcc g++ make libc6-dev libc6-dbg golang-go heaptrack
-          systemtap-sdt-dev python3-venv python3-dev binutils prometheus openssl sqlite3 "${SERVERS[@]}")
+          systemtap-sdt-dev python3-venv python3-dev binutils prometheus openssl sqlite3 clang libclang-rt-dev
+          "${SERVERS[@]}")
 if [ "${ID}" = ubuntu ]; then
   packages+=(linux-tools-common "linux-tools-$KERNEL")
 else

@@ -23,7 +23,7 @@ from .errors import NotElfError, TargetError
 
 # What pyelftools may raise on a damaged file.
 ELF_FAILURES = (ELFError, DWARFError, ConstructError, struct.error, ValueError, EOFError,
-                IndexError, KeyError)  # fmt: skip
+                OverflowError, IndexError, KeyError)  # fmt: skip
 PF_X = 1
 
 

@@ -11,10 +11,16 @@ build/fuzz/findings/ and makes the run fail.
     make fuzz                 # every target, RUNS inputs each
     make fuzz RUNS=20000      # a short run
     make fuzz TARGETS=json    # some targets (comma-separated)
+
+One more target, ``walker-native``, is the kmemtrace walker's C code built
+natively with libFuzzer, AddressSanitizer and UndefinedBehaviorSanitizer
+(tests/fuzz/native.py); it runs NATIVE_RUNS inputs (default 1,000,000).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import platform
 import re
@@ -32,7 +38,11 @@ RSS_LIMIT_MB = 2048  # for the whole fuzzing process
 MAX_LEN = 65536  # bytes per input
 
 sys.path.insert(0, str(ROOT / "tests" / "unit"))
+sys.path.insert(0, str(ROOT / "tests" / "fuzz"))
+import native  # noqa: E402
 from fuzz_targets import TARGETS  # noqa: E402
+
+NATIVE = "walker-native"
 
 # What the harness found when it was first run, each fixed with a unit test
 # that replays it; kept on the page by every later run.
@@ -47,6 +57,10 @@ FOUND = [
     "- `webconfig`: a YAML mapping with keys of mixed types (`~: 1` beside",
     "  strings) failed with a TypeError while sorting the unknown keys. Keys",
     "  are now named as text. Test: `test_a_bad_web_config_is_one_clear_error`.",
+    "- `cfi`: an ELF file whose `.eh_frame` header claims a size near 2^63 made",
+    "  pyelftools raise OverflowError, which the CFI reader let through. It is",
+    "  now read as damaged: no rows, and why. Test:",
+    "  `test_a_section_larger_than_any_file_gives_no_rows_and_says_so`.",
 ]
 DONE = re.compile(r"Done (\d+) runs in (\d+) second")
 STATS = re.compile(r"cov: (\d+) ft: (\d+) corp: (\d+)/\S+ .*exec/s: (\d+) rss: (\d+)Mb")
@@ -72,17 +86,21 @@ def run(target: str, runs: int) -> Result:
     findings.mkdir(parents=True, exist_ok=True)
     seeds = BUILD / "seeds" / target
     seeds.mkdir(parents=True, exist_ok=True)
-    for n, seed in enumerate(TARGETS[target][1]()):
+    for n, seed in enumerate(native.seeds() if target == NATIVE else TARGETS[target][1]()):
         (seeds / f"seed-{n}").write_bytes(seed)
     before = set(findings.iterdir())
-    argv = [sys.executable, str(ROOT / "tests" / "fuzz" / "driver.py"), target,
-            f"-runs={runs}", f"-timeout={TIMEOUT_S}", f"-rss_limit_mb={RSS_LIMIT_MB}",
+    if target == NATIVE:
+        command = [str(native.build(BUILD / "native"))]
+    else:
+        command = [sys.executable, str(ROOT / "tests" / "fuzz" / "driver.py"), target]
+    argv = [*command, f"-runs={runs}", f"-timeout={TIMEOUT_S}", f"-rss_limit_mb={RSS_LIMIT_MB}",
             f"-max_len={MAX_LEN}", f"-artifact_prefix={findings}/", "-print_final_stats=1",
             str(corpus), str(seeds)]  # fmt: skip
     print(f"fuzz: {target}: {runs} inputs", flush=True)
     log = BUILD / f"{target}.log"
     with open(log, "w") as out:
-        done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, check=False)
+        done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, check=False,
+                              env=native.environment() if target == NATIVE else None)  # fmt: skip
     text = log.read_text(errors="replace")
     ran = DONE.search(text)
     stats = STATS.findall(text)
@@ -104,6 +122,13 @@ def write_doc(results: list[Result], runs: int) -> None:
         "`tests/unit/fuzz_targets.py`, and CI runs the same targets under hypothesis",
         "(`tests/unit/test_fuzz_readers.py`, 150 examples each).",
         "",
+        f"`{NATIVE}` is the C code every record set goes through (the kmemtrace",
+        "walker, `exporters/kmemtrace/walker.c`), built by clang with libFuzzer,",
+        "AddressSanitizer and UndefinedBehaviorSanitizer (`tests/fuzz/walker_fuzz.c`):",
+        "any out-of-bounds access, use after free, leak or undefined behaviour is a",
+        "finding, and so is a pass finding more records than its bytes can hold.",
+        "`tests/unit/test_native_fuzz.py` runs a short campaign of it in `make test`.",
+        "",
         "Each target takes bytes and must either refuse them with mtrace-live's own",
         "error (the one line and exit code a user sees) or give a result that passes",
         "its checks: a report or a record set reads back as it was written, totals",
@@ -122,6 +147,9 @@ def write_doc(results: list[Result], runs: int) -> None:
         "recordset": "a kmemtrace record set with every header file: report, JSON, sp-rtrace",
         "webconfig": "a `--web.config.file`",
         "listen": "a `--web.listen-address`",
+        "cfi": "an ELF file's call-frame information into unwind rows",
+        NATIVE: "the kmemtrace walker's C code (walker.c), native, under AddressSanitizer and "
+        "UndefinedBehaviorSanitizer: scan, report_records and report_pass (small chunks)",
     }
     for r in results:
         rate = r.runs // r.seconds if r.seconds else r.runs
@@ -134,7 +162,8 @@ def write_doc(results: list[Result], runs: int) -> None:
         )
     lines += [
         "",
-        f"In all: {total:,} inputs ({runs:,} asked of each target), "
+        f"In all: {total:,} inputs ({runs:,} asked of each target under atheris, "
+        f"{max((r.runs for r in results if r.target == NATIVE), default=0):,} natively), "
         f"{sum(len(r.findings) for r in results)} findings.",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Linux {platform.release()}, "
@@ -148,20 +177,42 @@ def write_doc(results: list[Result], runs: int) -> None:
     DOC.write_text("\n".join(lines) + "\n")
 
 
+def kept(results: list[Result], known: list[str]) -> list[Result]:
+    """These results, and each other target's last (build/fuzz/results/), so
+    that a run of some targets leaves the others' rows on the page."""
+    saved = BUILD / "results"
+    saved.mkdir(parents=True, exist_ok=True)
+    for r in results:
+        (saved / f"{r.target}.json").write_text(json.dumps(dataclasses.asdict(r)))
+    ran = {r.target: r for r in results}
+    for target in known:
+        path = saved / f"{target}.json"
+        if target not in ran and path.exists():
+            ran[target] = Result(**json.loads(path.read_text()))
+    return [ran[t] for t in known if t in ran]
+
+
 def main() -> int:
     runs = int(os.environ.get("RUNS") or 250_000)
-    wanted = [t for t in (os.environ.get("TARGETS") or "").split(",") if t] or list(TARGETS)
-    unknown = sorted(set(wanted) - set(TARGETS))
+    native_runs = int(os.environ.get("NATIVE_RUNS") or 1_000_000)
+    known = [*TARGETS, NATIVE]
+    wanted = [t for t in (os.environ.get("TARGETS") or "").split(",") if t] or known
+    unknown = sorted(set(wanted) - set(known))
     if unknown:
-        print(f"fuzz: error: no target {', '.join(unknown)} (of {', '.join(TARGETS)})")
+        print(f"fuzz: error: no target {', '.join(unknown)} (of {', '.join(known)})")
         return 2
-    results = [run(target, runs) for target in wanted]
+    try:
+        results = [run(t, native_runs if t == NATIVE else runs) for t in wanted]
+    except native.NoCompiler as exc:
+        print(f"fuzz: error: {exc}")
+        return 2
     for r in results:
         print(f"fuzz: {r.target}: {r.runs} inputs in {r.seconds} s, coverage {r.coverage}, "
               f"findings: {', '.join(r.findings) or 'none'}")  # fmt: skip
-    write_doc(results, runs)
+    write_doc(kept(results, known), runs)
     print(f"fuzz: results in {DOC.relative_to(ROOT)}")
-    failed = [r for r in results if r.findings or r.exit_code or r.runs < runs]
+    asked = {r.target: native_runs if r.target == NATIVE else runs for r in results}
+    failed = [r for r in results if r.findings or r.exit_code or r.runs < asked[r.target]]
     return 1 if failed else 0
 
 

@@ -7,11 +7,13 @@ reason, so CI cannot pass by skipping them.
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 from mtrace_live.tracer import sdt_glibc
 
+from . import pid_max
 from .tracing import wait_for_detach
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,6 +39,16 @@ def bpf_works() -> None:
     probe = mtrace_count("--kmem-only", "--json", "--", "/bin/true")
     if probe.returncode != 0:
         pytest.fail(f"BPF does not work on this machine: {probe.stderr.strip()[-500:]}")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def pid_max_as_found() -> None:
+    """A pid_max that a killed run of the soak test left lowered is put back,
+    and the run says so."""
+    said = pid_max.restore_left_over()
+    if said is not None:
+        print(f"\n{said}", file=sys.stderr)
+        warnings.warn(said, stacklevel=1)
 
 
 @pytest.fixture(autouse=True)

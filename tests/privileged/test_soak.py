@@ -6,12 +6,16 @@ results are in docs/reliability.md."""
 from __future__ import annotations
 
 import importlib.util
+import signal
+import subprocess
 import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from . import pid_max
 from .conftest import REPO
 
 
@@ -29,20 +33,16 @@ def _soak_module() -> object:
 soak = _soak_module().soak  # type: ignore[attr-defined]
 
 
-PID_MAX = Path("/proc/sys/kernel/pid_max")
 WRAPPED_PID_MAX = 3072  # the churn's ~130-200 processes a second wrap it every 14-20 s
+WRAPS = 2  # the churn goes on past its minute until its pids wrapped this often
 
 
 @pytest.fixture
 def pids_that_wrap() -> Iterator[None]:
     """This machine's pid_max lowered for the test, so that pids are reused
     within the minute as they are within hours on a machine with the default."""
-    before = PID_MAX.read_text()
-    PID_MAX.write_text(str(WRAPPED_PID_MAX))
-    try:
+    with pid_max.lowered(WRAPPED_PID_MAX):
         yield
-    finally:
-        PID_MAX.write_text(before)
 
 
 def test_a_minute_of_churn_is_counted_exactly_and_leaves_nothing_behind(
@@ -52,10 +52,13 @@ def test_a_minute_of_churn_is_counted_exactly_and_leaves_nothing_behind(
     # every ~20 s (alone: at this pid_max, other programs beside it would be
     # given pids the churn freed within serve's retirement window, a limit
     # docs/reliability.md states; make soak runs them at the machine's pid_max)
-    result = soak(60, tmp_path, every=5.0, maps_every=15.0, neighbours=False)
-    # THEN the churn ran: processes by the thousand, and allocations by the million
+    # (the churn goes on until its pids wrapped twice, however slow the machine)
+    result = soak(60, tmp_path, every=5.0, maps_every=15.0, neighbours=False, wraps=WRAPS)
+    # THEN the churn ran: processes by the thousand, its pids given out again,
+    # and allocations by the million
     assert result.churn["failures"] == 0
-    assert result.churn["processes"] + result.churn["execs"] >= 2 * WRAPPED_PID_MAX
+    assert result.churn["wraps"] >= WRAPS, result.churn
+    assert result.churn["processes"] + result.churn["execs"] >= WRAPPED_PID_MAX, result.churn
     own = result.churn["mallocs"] + result.churn["callocs"]
     # AND each tracer counted the churn's allocations exactly as bpftrace did
     # (libc's own on top of the churn's), under the churn's name, though a
@@ -70,3 +73,36 @@ def test_a_minute_of_churn_is_counted_exactly_and_leaves_nothing_behind(
     (following,) = [t for t in result.tracers if t.name == "serve --pid"]
     entries = following.samples[-1].maps["alloc_procs"][0]
     assert entries < result.churn["processes"] / 4, entries
+
+
+def test_a_killed_run_s_lowered_pid_max_is_restored_by_the_next(tmp_path: Path) -> None:
+    # GIVEN a run lowering pid_max, SIGKILLed inside the lowered block
+    kept = tmp_path / "pid_max"
+    before = pid_max.PID_MAX.read_text().strip()
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        from tests.privileged import pid_max
+        with pid_max.lowered(4000, kept=pid_max.Path({str(kept)!r})):
+            print("lowered", flush=True)
+            time.sleep(3600)
+    """)
+    run = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert run.stdout is not None and run.stdout.readline() == "lowered\n"
+        assert pid_max.PID_MAX.read_text().strip() == "4000"
+    finally:
+        run.send_signal(signal.SIGKILL)
+        run.wait()
+        assert run.stdout is not None
+        run.stdout.close()
+    # THEN it stays lowered, and the next run says so and restores it
+    try:
+        assert pid_max.PID_MAX.read_text().strip() == "4000"
+        said = pid_max.restore_left_over(kept)
+        assert said is not None and "was 4000" in said and f"restored to {before}" in said
+        assert pid_max.PID_MAX.read_text().strip() == before
+        assert not kept.exists()
+        assert pid_max.restore_left_over(kept) is None  # and says nothing when all is well
+    finally:
+        pid_max.PID_MAX.write_text(before)

@@ -6,6 +6,7 @@ measured by `make bench` (section 6), never asserted here."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -122,19 +123,19 @@ def test_a_live_trace_and_serve_stop_on_sigterm_and_detach(sdt: SdtGlibc, tmp_pa
     assert programs_unloaded(loaded)
 
 
-def uprobe_events() -> list[str]:
-    """The uprobe events tracefs holds (legacy ones, made through tracefs)."""
-    for root in (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing")):
-        events = root / "uprobe_events"
-        if events.exists():
-            return events.read_text().splitlines()
-    return []
+def uprobes() -> list[dict[str, object]]:
+    """The uprobe perf events the kernel holds with a BPF program on them,
+    whichever process holds them (bpftool perf: every process's perf event
+    descriptors, as the kernel reports them; mtrace-live attaches its uprobes
+    on the uprobe PMU, which tracefs's uprobe_events never lists)."""
+    done = subprocess.run(["bpftool", "perf", "-j"], capture_output=True, text=True, check=True)
+    return [link for link in json.loads(done.stdout or "[]")
+            if "uprobe" in str(link.get("fd_type"))]  # fmt: skip
 
 
 def test_a_tracer_killed_with_sigkill_leaves_no_probe_and_the_next_one_starts(
     tmp_path: Path,
 ) -> None:
-    before = set(uprobe_events())
     with Reaper() as reaper:
         load = reaper.add(subprocess.Popen([str(built("arena_contention")), "60"],
                                            stdout=subprocess.DEVNULL))  # fmt: skip
@@ -142,13 +143,16 @@ def test_a_tracer_killed_with_sigkill_leaves_no_probe_and_the_next_one_starts(
         trace = start_when_ready([*MTRACE, "--pid", str(load.pid), "-o", "summary"], reaper,
                                  "Ctrl-C to stop", stdout=subprocess.DEVNULL)  # fmt: skip
         loaded = programs_of(trace.pid)
+        attached = [link for link in uprobes() if link["prog_id"] in loaded]
+        assert any(link["pid"] == trace.pid for link in attached), attached
+        sites = {(link["filename"], link["offset"]) for link in attached}
         # WHEN it is killed outright: no handler of its own runs
         trace.kill()
         trace.communicate(timeout=120)
-        # THEN the kernel drops its programs and probes with its descriptors,
-        # and tracefs holds no uprobe event it made
+        # THEN the kernel drops its programs and its uprobes with its descriptors:
+        # no process holds a uprobe at any of its sites
         assert programs_unloaded(loaded)
-        assert set(uprobe_events()) <= before
+        assert [link for link in uprobes() if (link["filename"], link["offset"]) in sites] == []
         # AND the next trace of the same process attaches and ends cleanly
         again = start_when_ready([*MTRACE, "--pid", str(load.pid), "-o", "summary"], reaper,
                                  "Ctrl-C to stop", stdout=subprocess.DEVNULL)  # fmt: skip

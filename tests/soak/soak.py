@@ -315,12 +315,14 @@ def libc_of(pid: int) -> Path:
 
 
 def soak(seconds: float, tmp: Path, every: float = 10.0, maps_every: float = 60.0,
-         neighbours: bool = True) -> Result:  # fmt: skip
+         neighbours: bool = True, wraps: int = 0) -> Result:  # fmt: skip
     """Run the churn for ``seconds`` under both tracers and bpftrace, and
-    (``neighbours``) the programs of other names beside it."""
+    (``neighbours``) the programs of other names beside it; past ``seconds``,
+    until the pids it is given have wrapped ``wraps`` times (tests/workloads/
+    churn.c bounds that at 20 times ``seconds``)."""
     program = tmp / NAME
     shutil.copy2(BUILD / "churn", program)
-    argv = [str(program), str(BUILD / "libcfi_plugin.so"), str(seconds)]
+    argv = [str(program), str(BUILD / "libcfi_plugin.so"), str(seconds), str(wraps)]
     churn = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     tracers: list[Tracer] = []
     bpftrace = None

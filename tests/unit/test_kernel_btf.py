@@ -13,7 +13,13 @@ import pytest
 from mtrace_live.tracer.kernel_btf import VMLINUX, KernelBtf
 from mtrace_live.tracer.kmem_attach import _RAW_EVENTS, PAGE_EVENTS_WHY, _raw_plan, kmem_attach
 
-pytestmark = pytest.mark.skipif(not VMLINUX.exists(), reason="this kernel has no BTF")
+from .needs import needs
+
+
+@pytest.fixture(autouse=True)
+def kernel_btf() -> None:
+    needs(VMLINUX.exists(), f"this kernel has no BTF ({VMLINUX} is missing)")
+
 
 VARIANTS = {"HAVE_CACHE_NAME": 1, "HAVE_PAGE_FREE_BATCHED": 1}
 EVENTS = ("kmalloc", "kfree", "kmem_cache_alloc", "kmem_cache_free", "mm_page_alloc",

@@ -114,41 +114,124 @@ def write(directory: Path, spec: dict[str, object]) -> None:
         (directory / f"cpu{cpu}").write_bytes(bytes(data))
     (directory / "abi_version").write_text("3\n")
     (directory / "cpu_nodes").write_text(spec["nodes"])  # type: ignore[arg-type]
-    (directory / "libc_probes").write_text("memory_mallopt\nmemory_sbrk_more\n")
+    (directory / "libc_probes").write_text("".join(f"{name}\n" for name in PROBES))
     (directory / "user_maps").write_text("1 400000 402000 0 x /usr/bin/prog\n")
 
 
-def kernel_truth(spec: dict[str, object]) -> dict[str, object]:
-    """What the records written say of the kernel allocations, worked out
-    here from the generator's own list, in sequence (= list) order: per
-    (call site, type) allocations, matched frees and unknown frees, and the
-    findings that come of matching frees to allocations by pointer."""
+# The allocation functions by number, as docs/kmemtrace-format.md lists them.
+FUNCTIONS = ("malloc", "calloc", "realloc", "reallocarray", "free", "memalign",
+             "posix_memalign", "aligned_alloc", "valloc", "pvalloc")  # fmt: skip
+KERNEL_COUNTS = ("allocs", "bytes_req", "bytes_alloc", "failed", "cross_node", "frees",
+                 "bytes_freed", "cross_cpu_frees", "mismatched_frees", "unknown_frees")  # fmt: skip
+LIBC_TYPES = {3: "sbrk", 4: "heap", 5: "arena"}
+KEPT = ("alloc", "free", "probe", "bad_feature")  # the kinds a reader keeps
+PROBES = ("memory_mallopt", "memory_sbrk_more")  # the set's libc_probes file, in order
+
+
+def truth(spec: dict[str, object]) -> dict[str, object]:
+    """What the records written say, worked out here from the generator's
+    own list in sequence (= list) order, as docs/kmemtrace-format.md defines
+    each figure: per kernel (call site, type) every count and byte sum, frees
+    matched by pointer; the whole set's errors, cross-CPU frees and
+    cross-node allocations; libc's records by type; probe hits; and per user
+    (process, function, call site) allocations, bytes and frees matched by
+    (process, pointer)."""
+    node_of = {int(cpu): int(node) for cpu, node in
+               (line.split() for line in str(spec["nodes"]).splitlines())}  # fmt: skip
     sites: dict[tuple[str, str], dict[str, int]] = {}
-    live: dict[int, tuple[tuple[str, str], int]] = {}
-    errors = {"null_frees": 0, "reallocated_live": 0, "mismatched_frees": 0, "unknown_frees": 0}
+    live: dict[int, tuple[tuple[str, str], int, int, int]] = {}  # ptr -> site, type, cpu, bytes
+    users: dict[tuple[int, str, str], dict[str, int]] = {}
+    user_live: dict[tuple[int, int], tuple[tuple[int, str, str], int]] = {}
+    found: dict[str, object] = {
+        "errors": dict.fromkeys(("null_frees", "reallocated_live", "mismatched_frees",
+                                 "unknown_frees", "requested_above_allocated"), 0),
+        "cross_cpu": {"frees": 0, "node_allocs": 0}, "libc": {}, "probes": {},
+        "user_unknown_frees": 0, "sites": sites, "user": users,
+    }  # fmt: skip
+    errors, cross, libc, probes = (found[k] for k in ("errors", "cross_cpu", "libc", "probes"))
 
     def site(key: tuple[str, str]) -> dict[str, int]:
-        return sites.setdefault(key, {"allocs": 0, "frees": 0, "unknown_frees": 0})
+        return sites.setdefault(key, dict.fromkeys(KERNEL_COUNTS, 0))
 
     for rec in spec["records"]:  # type: ignore[attr-defined]
-        if rec.type_id > 2 or rec.kind not in ("alloc", "free", "bad_feature"):
+        if rec.kind not in KEPT:
+            continue
+        if rec.kind == "probe":
+            name = PROBES[rec.probe] if rec.probe < len(PROBES) else f"probe {rec.probe}"
+            probes[name] = probes.get(name, 0) + 1  # type: ignore[index, attr-defined]
+            continue
+        alloc = rec.kind != "free"
+        if rec.type_id in LIBC_TYPES:
+            kind = libc.setdefault(LIBC_TYPES[rec.type_id],  # type: ignore[attr-defined]
+                                   {"allocs": 0, "bytes": 0, "frees": 0})  # fmt: skip
+            kind["allocs" if alloc else "frees"] += 1
+            kind["bytes"] += rec.got if alloc else 0
+            continue
+        if rec.type_id == 7:
+            key = (rec.pid, FUNCTIONS[rec.fn], f"{rec.site:#x}")
+            if alloc:
+                user = users.setdefault(key, {"allocs": 0, "bytes": 0, "frees": 0,
+                                              "bytes_freed": 0})  # fmt: skip
+                user["allocs"] += 1
+                user["bytes"] += rec.req
+                if rec.ptr:
+                    user_live[(rec.pid, rec.ptr)] = (key, rec.req)
+            elif rec.ptr and (rec.pid, rec.ptr) in user_live:
+                owner, size = user_live.pop((rec.pid, rec.ptr))
+                users[owner]["frees"] += 1
+                users[owner]["bytes_freed"] += size
+            elif rec.ptr:
+                found["user_unknown_frees"] += 1  # type: ignore[operator]
             continue
         key = (f"{rec.site:#x}", TYPE_NAMES[rec.type_id])
-        if rec.kind != "free":
-            site(key)["allocs"] += 1
+        if alloc:
+            counts = site(key)
+            counts["allocs"] += 1
+            counts["bytes_req"] += rec.req
+            counts["bytes_alloc"] += rec.got
+            counts["failed"] += rec.ptr == 0
+            far = rec.target >= 0 and rec.target != node_of.get(rec.cpu, -1)
+            counts["cross_node"] += far
+            cross["node_allocs"] += far  # type: ignore[index]
+            errors["requested_above_allocated"] += rec.req > rec.got  # type: ignore[index]
             if rec.ptr:
-                errors["reallocated_live"] += rec.ptr in live
-                live[rec.ptr] = (key, rec.type_id)
+                errors["reallocated_live"] += rec.ptr in live  # type: ignore[index]
+                live[rec.ptr] = (key, rec.type_id, rec.cpu, rec.got)
         elif rec.ptr == 0:
-            errors["null_frees"] += 1
+            errors["null_frees"] += 1  # type: ignore[index]
         elif rec.ptr in live:
-            (owner, type_id) = live.pop(rec.ptr)
-            site(owner)["frees"] += 1
-            errors["mismatched_frees"] += type_id != rec.type_id
+            owner, type_id, cpu, size = live.pop(rec.ptr)
+            counts = site(owner)
+            counts["frees"] += 1
+            counts["bytes_freed"] += size
+            counts["cross_cpu_frees"] += cpu != rec.cpu
+            cross["frees"] += cpu != rec.cpu  # type: ignore[index]
+            counts["mismatched_frees"] += type_id != rec.type_id
+            errors["mismatched_frees"] += type_id != rec.type_id  # type: ignore[index]
         else:
             site(key)["unknown_frees"] += 1
-            errors["unknown_frees"] += 1
-    return {"sites": sites, "errors": errors}
+            errors["unknown_frees"] += 1  # type: ignore[index]
+    return found
+
+
+def reported(report: dict) -> dict[str, object]:  # type: ignore[type-arg]
+    """The same figures, as the report's JSON gives them."""
+    users: dict[tuple[int, str, str], dict[str, int]] = {}
+    for u in report.get("user", []):
+        key = (u["pid"], u["allocator"], u["call_site"])
+        users[key] = {k: u[k] for k in ("allocs", "bytes", "frees", "bytes_freed")}
+    return {
+        "errors": report["errors"],
+        "cross_cpu": report["cross_cpu"],
+        "libc": report.get("libc", {}),
+        "probes": report.get("libc_probes", {}),
+        "user_unknown_frees": report.get("user_unknown_frees", 0),
+        "sites": {
+            (s["call_site"], s["type"]): {k: s[k] for k in KERNEL_COUNTS}
+            for s in report["kernel"]["call_sites"]
+        },
+        "user": users,
+    }
 
 
 def both(path: Path, big: bool | None = None, chunk: int | None = None) -> tuple[dict, dict]:
@@ -174,16 +257,13 @@ def test_the_streaming_pass_answers_as_the_sorting_analysis(spec: dict, tmp_path
     streaming, sorting = both(directory, spec["big"], spec["chunk"])
     # THEN every figure is the same
     assert streaming == sorting
-    # AND the kernel allocations are those the records written say
-    truth = kernel_truth(spec)
-    found = {(s["call_site"], s["type"]): {k: s[k] for k in ("allocs", "frees", "unknown_frees")}
-             for s in streaming["kernel"]["call_sites"]}  # fmt: skip
-    assert found == truth["sites"]
-    assert {k: streaming["errors"][k] for k in truth["errors"]} == truth["errors"]
-    # AND on an undamaged little-endian set, every record written was read
-    if not spec["big"] and not spec["tail"]:
-        kept = ("alloc", "free", "probe", "bad_feature")
-        assert streaming["records"] == sum(rec.kind in kept for rec in spec["records"])
+    # AND every figure is what the records written say: kernel sites with
+    # their byte sums, cross-CPU and cross-node counts, requested above
+    # allocated, libc's records, probe hits, and the user allocations
+    assert reported(streaming) == truth(spec)
+    # AND on an undamaged set, every record written was read
+    if not spec["tail"]:
+        assert streaming["records"] == sum(rec.kind in KEPT for rec in spec["records"])
 
 
 def test_a_file_whose_sequence_numbers_go_backwards_is_sorted_instead(tmp_path: Path) -> None:

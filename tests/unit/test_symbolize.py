@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from mtrace_live.exporters.data.symbolize import ModuleSymbols, ProcessSymbols
 
+from .needs import needs
+
 BUILD = Path(__file__).resolve().parents[2] / "build"
 
 
@@ -123,12 +125,12 @@ def test_a_running_process_addresses_resolve_through_its_maps() -> None:
 LIBC = Path("/lib/x86_64-linux-gnu/libc.so.6")
 
 
-@pytest.mark.skipif(shutil.which("addr2line") is None, reason="binutils is not installed")
 def test_libc_lines_come_from_the_units_that_hold_the_addresses_alone() -> None:
     # GIVEN the stock libc, whose lines are in its debug file (libc6-dbg), of ~2,000 units
+    needs(shutil.which("addr2line") is not None, "binutils' addr2line is missing")
     module = ModuleSymbols(LIBC)
-    if module.debug_file is None:
-        pytest.skip("libc6-dbg is not installed")
+    needs(module.debug_file is not None, "the libc's debug file (libc6-dbg) is missing")
+    assert module.debug_file is not None
     wanted = [address for name, address in functions(module.debug_file).items()
               if name in ("__libc_malloc", "_IO_file_doallocate", "__libc_calloc")]  # fmt: skip
     assert len(wanted) == 3
@@ -161,8 +163,8 @@ def cxxfilt_binary(names: list[str]) -> list[str]:
     return out.splitlines()
 
 
-@pytest.mark.skipif(shutil.which("c++filt") is None, reason="binutils is not installed")
 def test_names_are_demangled_as_cxxfilt_demangles_them() -> None:
+    needs(shutil.which("c++filt") is not None, "binutils' c++filt is missing")
     from mtrace_live.exporters.data.symbolize import demangled
     from mtrace_live.probes.elf.file import open_elf
     from mtrace_live.probes.elf.symbols import symbol_table
@@ -202,8 +204,8 @@ RUST_V0 = [
 ]
 
 
-@pytest.mark.skipif(shutil.which("c++filt") is None, reason="binutils is not installed")
 def test_rust_v0_names_are_demangled_as_binutils_demangles_them() -> None:
+    needs(shutil.which("c++filt") is not None, "binutils' c++filt is missing")
     from mtrace_live.exporters.data.symbolize import demangled
 
     # GIVEN Rust functions' symbols in the v0 mangling, and c++filt's names

@@ -2,10 +2,13 @@
  * thousand, threads, dlopen/dlclose, fork/exec and allocation bursts, for a
  * given time, counting what it did.
  *
- *   churn PLUGIN SECONDS
+ *   churn PLUGIN SECONDS [WRAPS]
  *
  * Prints "ready" and waits for a byte on stdin (tracers attach meanwhile),
- * then runs rounds until SECONDS have passed. Each round:
+ * then runs rounds until SECONDS have passed and the pids it was given have
+ * wrapped past pid_max WRAPS times (0 unless given), so that pid reuse comes
+ * by construction, not by the machine's speed; a round begun past
+ * LIMIT x SECONDS is the last, however few wraps were seen. Each round:
  *   - forks FORKS children; each makes CHILD_CALLS malloc/free pairs and exits;
  *   - starts THREADS threads; each makes THREAD_CALLS pairs;
  *   - dlopens PLUGIN (libcfi_plugin.so), calls its plugin_alloc (a calloc)
@@ -37,12 +40,22 @@
 #define PLUGIN_CALLS 50
 #define BURST 20000
 #define PAUSE_MS 20
+#define LIMIT 20
 
 struct totals {
-    long rounds, processes, execs, threads, dlopens, mallocs, callocs, frees, failures;
+    long rounds, processes, execs, threads, dlopens, mallocs, callocs, frees, failures, wraps;
 };
 
 static struct totals *shared; /* MAP_SHARED: the forked children add theirs */
+static pid_t last_pid;         /* the last child's: a smaller one means the pids wrapped */
+
+static void seen_pid(pid_t pid)
+{
+    if (pid > 0 && pid < last_pid)
+        shared->wraps++;
+    if (pid > 0)
+        last_pid = pid;
+}
 
 static double now(void)
 {
@@ -84,6 +97,7 @@ static void forks(void)
             pairs(CHILD_CALLS, (unsigned)c);
             _exit(0);
         }
+        seen_pid(children[c]);
     }
     for (int c = 0; c < FORKS; c++) {
         int status;
@@ -129,6 +143,7 @@ static void execs(const char *self)
             execl(self, self, "--leaf", (char *)NULL);
             _exit(127);
         }
+        seen_pid(child);
         int status;
         if (child < 0 || waitpid(child, &status, 0) < 0 || status != 0) {
             add(&shared->failures, 1);
@@ -160,10 +175,11 @@ int main(int argc, char **argv)
         pairs(CHILD_CALLS, 7);
         return 0;
     }
-    if (argc != 3 || atof(argv[2]) <= 0) {
-        fprintf(stderr, "usage: %s PLUGIN SECONDS\n", argv[0]);
+    if (argc < 3 || argc > 4 || atof(argv[2]) <= 0) {
+        fprintf(stderr, "usage: %s PLUGIN SECONDS [WRAPS]\n", argv[0]);
         return 2;
     }
+    long wraps = argc == 4 ? atol(argv[3]) : 0;
     char self[4096];
     ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
     if (n <= 0)
@@ -173,9 +189,9 @@ int main(int argc, char **argv)
     if (shared == MAP_FAILED)
         return 1;
     ready_then_wait();
-    double end = now() + atof(argv[2]);
+    double start = now(), end = start + atof(argv[2]), limit = start + LIMIT * atof(argv[2]);
     struct timespec pause = {0, PAUSE_MS * 1000000L};
-    while (now() < end) {
+    while (now() < end || (shared->wraps < wraps && now() < limit)) {
         forks();
         threads();
         plugin(argv[1]);
@@ -186,9 +202,10 @@ int main(int argc, char **argv)
     }
     printf("{\"rounds\": %ld, \"processes\": %ld, \"execs\": %ld, \"threads\": %ld, "
            "\"dlopens\": %ld, \"mallocs\": %ld, \"callocs\": %ld, \"frees\": %ld, "
-           "\"failures\": %ld}\n",
+           "\"failures\": %ld, \"wraps\": %ld, \"seconds\": %.1f}\n",
            shared->rounds, shared->processes, shared->execs, shared->threads, shared->dlopens,
-           shared->mallocs, shared->callocs, shared->frees, shared->failures);
+           shared->mallocs, shared->callocs, shared->frees, shared->failures, shared->wraps,
+           now() - start);
     fflush(stdout);
     return shared->failures ? 1 : 0;
 }
