@@ -71,6 +71,22 @@ def trace_workload(libc_kind: str, sdt: sdt_glibc.SdtGlibc, tmp: Path,
     return trace_launched(argv, lambda _: default_libc(), truth_file, tmp, extra)
 
 
+# bpftrace's own counts beside each function's calls (@extra): frees of NULL,
+# by the argument, and the calls made inside another allocation function
+# (glibc's realloc(NULL) calls malloc), by each thread's depth in them.
+NULL_FREES, NESTED = "free(NULL)", "nested"
+
+
+def bpftrace_script(libc: Path) -> str:
+    lines = [f"uprobe:{libc}:{name} /pid == $1/ {{ @hits[probe] = count(); "
+             f"if (@depth[tid] > 0) {{ @extra[\"{NESTED}\"] = count(); }} @depth[tid]++; }}\n"
+             f"uretprobe:{libc}:{name} /pid == $1 && @depth[tid] > 0/ {{ @depth[tid]--; }}"
+             for name in COUNTED if name != "free"]  # fmt: skip
+    lines.append(f"uprobe:{libc}:free /pid == $1/ {{ @hits[probe] = count(); "
+                 f"if (arg0 == 0) {{ @extra[\"{NULL_FREES}\"] = count(); }} }}")  # fmt: skip
+    return "\n".join(lines)
+
+
 def trace_launched(argv: list[str], libc_of: Callable[[int], Path], truth_file: Path, tmp: Path,
                    extra: tuple[str, ...] = (), lib_option: bool = True) -> Traced:  # fmt: skip
     """The workload started by ``argv``, bpftrace on ``libc_of(pid)`` and
@@ -79,10 +95,7 @@ def trace_launched(argv: list[str], libc_of: Callable[[int], Path], truth_file: 
     with Reaper() as reaper:
         proc = start_workload(argv, reaper)
         libc = libc_of(proc.pid)
-        body = "\n".join(
-            f"uprobe:{libc}:{name} /pid == $1/ {{ @hits[probe] = count(); }}" for name in COUNTED
-        )
-        bpftrace, bpftrace_out = start_bpftrace(body, proc.pid, tmp)
+        bpftrace, bpftrace_out = start_bpftrace(bpftrace_script(libc), proc.pid, tmp)
         reaper.add(bpftrace)
         wait_for_line(bpftrace_out, BPFTRACE_READY, bpftrace, timeout=120)
         err = tmp / "trace.err"
@@ -213,12 +226,15 @@ def test_every_allocation_and_free_reaches_the_json_stream(traced: Traced) -> No
     for event in traced.events:
         events[event["probe"]] += 1
     # THEN each function's calls are its events, exactly: less, for malloc,
-    # the calls nested in realloc(NULL) (the realloc's event stands for them)
-    # and, for free, free(NULL), which frees nothing
+    # the calls nested in another allocation function (realloc(NULL): the
+    # realloc's event stands for them) and, for free, free(NULL), which frees
+    # nothing; both counted by bpftrace in the same run
+    nested, null = traced.bpftrace.get(NESTED, 0), traced.bpftrace.get(NULL_FREES, 0)
+    assert nested > 0 and null > 0, traced.bpftrace
+    assert (functions["nested"], functions["null_frees"]) == (nested, null)
     for name, calls in functions["calls"].items():
-        nested = functions["nested"] if name == "malloc" else 0
-        null = functions["null_frees"] if name == "free" else 0
-        assert events[name] == calls - nested - null, (name, events[name], calls)
+        expected = calls - (nested if name == "malloc" else 0) - (null if name == "free" else 0)
+        assert events[name] == expected, (name, events[name], calls)
     assert events["malloc"] and events["free"] and events["realloc"]
     # AND each realloc of a block releases it: nine of each chain's ten (the
     # first starts from NULL), the only reallocs of a block in the run

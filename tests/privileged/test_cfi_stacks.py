@@ -27,7 +27,7 @@ from mtrace_live.exporters.sprtrace import text as sprtrace
 
 from .conftest import MTRACE, built
 from .test_serve import free_port, start_serve, stop
-from .tracing import Reaper, trace_cxx_stacks
+from .tracing import Reaper, pprof_mappings, readelf_build_id, trace_cxx_stacks
 
 CALLS = 150
 DEEP = 200  # deeper than the 127 frames a walk keeps
@@ -205,18 +205,11 @@ def test_the_profile_s_mappings_carry_each_module_s_build_id(
     # GIVEN the profile's mappings, as go tool pprof -raw lists them
     raw = subprocess.run(["go", "tool", "pprof", "-raw", str(PROFILE["cfi"])], capture_output=True,
                          text=True, check=True, timeout=120).stdout  # fmt: skip
-    listed = {}
-    for line in raw.partition("Mappings")[2].splitlines():
-        fields = line.split()
-        if len(fields) >= 4 and fields[0].endswith(":"):
-            listed[fields[2]] = fields[3]
+    listed = pprof_mappings(raw)
     # THEN each of the workload's modules is there with the build-id readelf reads in it
     for name in ("cfi_stacks", "libcfi_deep.so", "libcfi_plugin.so"):
         path = str(built(name))
-        notes = subprocess.run(["readelf", "-n", path], capture_output=True, text=True,
-                               check=True).stdout  # fmt: skip
-        build_id = re.search(r"Build ID: ([0-9a-f]+)", notes)
-        assert build_id is not None and listed.get(path) == build_id.group(1), (path, listed)
+        assert listed.get(path) == readelf_build_id(path), (path, listed)
 
 
 def test_heaptrack_sees_the_same_chains_with_the_same_counts(tmp_path: Path) -> None:

@@ -47,7 +47,12 @@ def test_the_child_closes_each_perf_event_after_this_process_closed_its_copy(
     events = [perf_event() for _ in range(EVENTS)]
     assert all(os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[perf_event]" for fd in events)
     detacher = DETACHER_NAME.decode()
-    body = (f'tracepoint:syscalls:sys_enter_close /pid == $1 || comm == "{detacher}"/ '
+    # (the detacher is this process's grandchild, of that name: bpftrace
+    # follows this process's forks, and no other run's detacher is taken)
+    body = ("tracepoint:sched:sched_process_fork /args->parent_pid == $1 || "
+            "@ours[args->parent_pid]/ { @ours[args->child_pid] = 1; }\n"
+            "tracepoint:syscalls:sys_enter_close /pid == $1 || "
+            f'(@ours[pid] && comm == "{detacher}")/ '
             '{ printf("close %d %d %d\\n", nsecs, pid == $1 ? 0 : 1, args->fd); }\n')  # fmt: skip
     with Reaper() as reaper:
         bpftrace, out = start_bpftrace(body, os.getpid(), tmp_path, "closes")

@@ -24,7 +24,7 @@ from mtrace_live.tracer.target import cgroup2_root
 
 from .conftest import built
 from .test_serve import fetch, free_port, start_serve, stop
-from .tracing import Reaper, wait_until
+from .tracing import Reaper, pprof_mappings, readelf_build_id, wait_until
 
 CONTAINER = "5ca1ab1e" * 8  # a 64-digit id
 SAMPLE_BYTES = 524288  # serve's default
@@ -45,6 +45,7 @@ class Sample:
 class RawProfile:
     samples: list[Sample]
     period: int
+    mappings: dict[str, str]  # file -> build-id
 
 
 def go_raw(source: str, tmp: Path, *flags: str, ca: Path | None = None) -> RawProfile:
@@ -75,7 +76,7 @@ def go_raw(source: str, tmp: Path, *flags: str, ca: Path | None = None) -> RawPr
             for key, value in re.findall(r"(\w+):\[([^\]]*)\]", line):
                 samples[-1].labels[key] = value
     period = re.search(r"^Period: (\d+)", head, re.MULTILINE)
-    return RawProfile(samples, int(period[1]) if period else 0)
+    return RawProfile(samples, int(period[1]) if period else 0, pprof_mappings(done.stdout))
 
 
 def by_function(samples: list[Sample]) -> dict[str, list[int]]:
@@ -243,6 +244,12 @@ def test_serve_samples_by_default_and_go_tool_pprof_reads_it_over_http(tmp_path:
         assert stop(serve) == 0, err.read_text()
     # THEN it is sampled once per 512 KiB on average
     assert profile.period == SAMPLE_BYTES
+    # AND its mappings are the workload's files, each with the build-id readelf
+    # reads in it, as run --pprof's are
+    assert str(built("alloc_workload")) in profile.mappings, profile.mappings
+    assert any("/libc.so" in path for path in profile.mappings), profile.mappings
+    for path, build_id in profile.mappings.items():
+        assert build_id == readelf_build_id(path), (path, profile.mappings)
     kept = len(profile.samples)
     calls = sum(site["calls"] for site in truth["sites"])
     assert 0 < kept < calls / 100

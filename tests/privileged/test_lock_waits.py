@@ -124,6 +124,21 @@ def stop_bpftrace_waits(proc: subprocess.Popen[bytes], out: Path) -> tuple[int, 
     return found["@waits"], found["@total"]
 
 
+# This run's perf probe group: another run's probes are never touched.
+GROUP = f"mtrace_test_{os.getpid()}"
+
+
+def forget_dead_runs_probes() -> None:
+    """Delete the probes of runs that were killed before deleting theirs
+    (their group names a pid no longer running)."""
+    listed = subprocess.run(["perf", "probe", "-l"], capture_output=True, text=True,
+                            check=False).stdout  # fmt: skip
+    for group in set(re.findall(r"(?m)^\s*(mtrace_test_(\d+)):", listed)):
+        if not Path(f"/proc/{group[1]}").exists():
+            subprocess.run(["perf", "probe", "-q", "-d", f"{group[0]}:*"], check=False,
+                           capture_output=True)  # fmt: skip
+
+
 @contextlib.contextmanager
 def perf_probes(libc: Path, tmp: Path, pid: int) -> Iterator[Path]:
     """perf recording, in ``pid``, the entry and the return of the slow
@@ -132,19 +147,17 @@ def perf_probes(libc: Path, tmp: Path, pid: int) -> Iterator[Path]:
     acknowledgement says the events are on."""
     site = lock_wait_site(libc)
     assert site is not None
-    # probes a killed run left behind would make the definitions below fail
-    subprocess.run(["perf", "probe", "-q", "-d", "mtrace_test:*"], check=False,
-                   capture_output=True)  # fmt: skip
-    for probe in (f"mtrace_test:lw_enter={site.address:#x}",
-                  "mtrace_test:lw_return=__lll_lock_wait_private%return"):  # fmt: skip
+    forget_dead_runs_probes()
+    for probe in (f"{GROUP}:lw_enter={site.address:#x}",
+                  f"{GROUP}:lw_return=__lll_lock_wait_private%return"):  # fmt: skip
         subprocess.run(["perf", "probe", "-q", "-x", str(libc), "-a", probe], check=True)
     data, ctl, ack = tmp / "perf.data", tmp / "perf.ctl", tmp / "perf.ack"
     os.mkfifo(ctl)
     os.mkfifo(ack)
     try:
         record = subprocess.Popen(["perf", "record", "-q", "-D", "-1", "--control",
-                                   f"fifo:{ctl},{ack}", "-e", "mtrace_test:lw_enter",
-                                   "-e", "mtrace_test:lw_return__return", "-p", str(pid),
+                                   f"fifo:{ctl},{ack}", "-e", f"{GROUP}:lw_enter",
+                                   "-e", f"{GROUP}:lw_return__return", "-p", str(pid),
                                    "-o", str(data)])  # fmt: skip
         try:
             with open(ctl, "w") as control, open(ack) as reply:
@@ -156,7 +169,7 @@ def perf_probes(libc: Path, tmp: Path, pid: int) -> Iterator[Path]:
             record.send_signal(signal.SIGINT)
             record.wait(timeout=120)
     finally:
-        subprocess.run(["perf", "probe", "-q", "-d", "mtrace_test:*"], check=False)
+        subprocess.run(["perf", "probe", "-q", "-d", f"{GROUP}:*"], check=False)
 
 
 def perf_waits(data: Path) -> tuple[int, int]:
@@ -165,7 +178,7 @@ def perf_waits(data: Path) -> tuple[int, int]:
                             capture_output=True, text=True, check=True).stdout  # fmt: skip
     started: dict[int, int] = {}
     count = total = 0
-    for found in re.finditer(r"(?m)^\s*(\d+)\s+(\d+)\.(\d{9}):\s+mtrace_test:(\w+)", script):
+    for found in re.finditer(rf"(?m)^\s*(\d+)\s+(\d+)\.(\d{{9}}):\s+{GROUP}:(\w+)", script):
         tid, at = int(found.group(1)), int(found.group(2)) * 10**9 + int(found.group(3))
         if found.group(4) == "lw_enter":
             started[tid] = at

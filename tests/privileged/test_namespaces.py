@@ -48,6 +48,17 @@ PIVOT_ROOT = ('mount --bind "$0" "$0" && cd "$0" && mkdir -p old && pivot_root .
               '&& cd / && exec /bin/cxx_stacks 20')  # fmt: skip
 
 
+def family(pid: int) -> list[int]:
+    """``pid`` and every process descended from it, as /proc links them."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        found.append(parent)
+        for children in Path(f"/proc/{parent}/task").glob("*/children"):
+            todo += [int(child) for child in children.read_text().split()]
+    return found
+
+
 @pytest.mark.parametrize(
     "enter",
     [["chroot"], ["unshare", "--pid", "--mount", "--fork", "chroot"],
@@ -64,10 +75,10 @@ def test_a_chrooted_process_with_its_own_libc_is_traced_exactly(
     allocinfo = tmp_path / "allocinfo"
 
     def inner(started: int) -> int:
-        """The workload's pid (a child of unshare's child, or chroot itself)."""
-        found = subprocess.run(["pgrep", "-xf", "/bin/cxx_stacks 20"], capture_output=True,
-                               text=True, check=True).stdout.split()  # fmt: skip
-        (pid,) = [int(p) for p in found]
+        """The workload's pid (a child of unshare's child, or chroot itself):
+        the one process of this run's that runs it."""
+        argv = b"/bin/cxx_stacks\x0020\x00"
+        (pid,) = [p for p in family(started) if Path(f"/proc/{p}/cmdline").read_bytes() == argv]
         copy = os.stat(root / "lib/x86_64-linux-gnu/libc.so.6")
         mapped = [line for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
                   if line.endswith("/libc.so.6")]  # fmt: skip

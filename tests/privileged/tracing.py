@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -153,19 +154,27 @@ def start_bpftrace(body: str, pid: int, tmp: Path,
 
 
 def stop_bpftrace(proc: subprocess.Popen[bytes], out: Path) -> dict[str, int]:
+    """bpftrace's counts at its end: ``@hits[probe]`` by function name, and
+    ``@extra[name]`` (a script's other counts) by name."""
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         proc.kill()
         raise
+    counts: dict[str, int] = {}
+    hits = False
     for line in out.read_text(errors="replace").splitlines():
-        if not line.startswith("{"):
+        record = json.loads(line) if line.startswith("{") else {}
+        if record.get("type") != "map":
             continue
-        record = json.loads(line)
-        if record.get("type") == "map" and "@hits" in record["data"]:
-            return {key.rsplit(":", 1)[1]: int(v) for key, v in record["data"]["@hits"].items()}
-    raise AssertionError(f"bpftrace printed no counts: {out.read_text(errors='replace')}")
+        if "@hits" in record["data"]:
+            hits = True
+            counts |= {k.rsplit(":", 1)[1]: int(v) for k, v in record["data"]["@hits"].items()}
+        counts |= {k: int(v) for k, v in record["data"].get("@extra", {}).items()}
+    if not hits:
+        raise AssertionError(f"bpftrace printed no counts: {out.read_text(errors='replace')}")
+    return counts
 
 
 def program_fdinfo(pid: int) -> list[dict[str, str]]:
@@ -275,3 +284,22 @@ def trace_cxx_stacks(argv: list[str], find_pid: Callable[[int], int], outputs: l
         work.stdout.close()
         assert work.wait(timeout=60) == 0
     return known
+
+
+def pprof_mappings(raw: str) -> dict[str, str]:
+    """File -> build-id of each mapping ``go tool pprof -raw`` lists."""
+    listed = {}
+    for line in raw.partition("\nMappings\n")[2].splitlines():
+        fields = line.split()
+        if len(fields) >= 4 and fields[0].endswith(":"):
+            listed[fields[2]] = fields[3]
+    return listed
+
+
+def readelf_build_id(path: str | Path) -> str:
+    """The build-id ``readelf -n`` reads in the file at ``path``."""
+    notes = subprocess.run(["readelf", "-n", str(path)], capture_output=True, text=True,
+                           check=True).stdout  # fmt: skip
+    found = re.search(r"Build ID: ([0-9a-f]+)", notes)
+    assert found is not None, f"{path} has no build-id"
+    return found.group(1)
