@@ -113,30 +113,35 @@ def run(target: str, runs: int) -> Result:
     )  # fmt: skip
 
 
+INTRO = [
+    "# Fuzzing the readers of untrusted input",
+    "",
+    "Written by `make fuzz` (tests/fuzz/fuzz.py); the targets are in",
+    "`tests/unit/fuzz_targets.py`, and CI runs the same targets under hypothesis",
+    "(`tests/unit/test_fuzz_readers.py`, 150 examples each).",
+    "",
+    f"`{NATIVE}` is the C code every record set goes through (the kmemtrace",
+    "walker, `exporters/kmemtrace/walker.c`), built by clang with libFuzzer,",
+    "AddressSanitizer and UndefinedBehaviorSanitizer (`tests/fuzz/walker_fuzz.c`):",
+    "any out-of-bounds access, use after free, leak or undefined behaviour is a",
+    "finding, and so is a pass finding more records than its bytes can hold.",
+    "`tests/unit/test_native_fuzz.py` runs a short campaign of it in `make test`.",
+    "",
+    "Each target takes bytes and must either refuse them with mtrace-live's own",
+    "error (the one line and exit code a user sees) or give a result that passes",
+    "its checks: a report or a record set reads back as it was written, totals",
+    "are consistent, an accepted address formats back to itself. Anything else",
+    "is a finding: an exception let through, an input that takes more than",
+    f"{TIMEOUT_S} s, or a process above {RSS_LIMIT_MB} MiB of memory (libFuzzer's",
+    f"`-timeout` and `-rss_limit_mb`). Inputs are at most {MAX_LEN} bytes.",
+    "",
+]
+
+
 def write_doc(results: list[Result], runs: int) -> None:
     total = sum(r.runs for r in results)
     lines = [
-        "# Fuzzing the readers of untrusted input",
-        "",
-        "Written by `make fuzz` (tests/fuzz/fuzz.py); the targets are in",
-        "`tests/unit/fuzz_targets.py`, and CI runs the same targets under hypothesis",
-        "(`tests/unit/test_fuzz_readers.py`, 150 examples each).",
-        "",
-        f"`{NATIVE}` is the C code every record set goes through (the kmemtrace",
-        "walker, `exporters/kmemtrace/walker.c`), built by clang with libFuzzer,",
-        "AddressSanitizer and UndefinedBehaviorSanitizer (`tests/fuzz/walker_fuzz.c`):",
-        "any out-of-bounds access, use after free, leak or undefined behaviour is a",
-        "finding, and so is a pass finding more records than its bytes can hold.",
-        "`tests/unit/test_native_fuzz.py` runs a short campaign of it in `make test`.",
-        "",
-        "Each target takes bytes and must either refuse them with mtrace-live's own",
-        "error (the one line and exit code a user sees) or give a result that passes",
-        "its checks: a report or a record set reads back as it was written, totals",
-        "are consistent, an accepted address formats back to itself. Anything else",
-        "is a finding: an exception let through, an input that takes more than",
-        f"{TIMEOUT_S} s, or a process above {RSS_LIMIT_MB} MiB of memory (libFuzzer's",
-        f"`-timeout` and `-rss_limit_mb`). Inputs are at most {MAX_LEN} bytes.",
-        "",
+        *INTRO,
         "| target | what it reads | inputs | seconds | inputs/s | coverage (edges) | features "
         "| corpus | peak RSS (MiB) | findings |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",

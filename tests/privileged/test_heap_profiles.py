@@ -164,7 +164,11 @@ def assert_holds(profile: RawProfile, work: Workload, truth: dict[str, Any]) -> 
         assert found.get(function) == values, (function, found.get(function), values)
     for sample in profile.samples:
         if sample.leaf in functions:
-            assert {"main", "start_thread"} & set(sample.frames), sample.frames
+            # called straight from main (or, for the threads' site, from the
+            # thread's start in libc), and walked on through libc's start
+            caller = "start_thread" if sample.leaf == "threaded" else "main"
+            assert sample.frames[1:2] == [caller], sample.frames
+            assert caller == "start_thread" or sample.frames[-1] == "_start", sample.frames
 
 
 def test_go_tool_pprof_reads_a_container_s_delta_profile_over_https_with_basic_auth(

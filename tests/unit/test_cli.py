@@ -148,6 +148,7 @@ def test_every_example_in_a_commands_help_stands_on_a_line_of_its_own() -> None:
         examples = [line.strip() for line in command.help.splitlines()
                     if line.strip().startswith("mtrace-live ")]  # fmt: skip
         shown = [line.strip() for line in run(name, "--help").stdout.splitlines()]
-        # THEN each example of its docstring is a whole line of the help, as written
+        # THEN it has examples, and each is a whole line of the help, as written
+        assert examples, f"{name}'s help has no example"
         for example in examples:
             assert example in shown, (name, example)

@@ -288,6 +288,7 @@ def test_a_profile_of_a_process_gone_is_still_valid() -> None:
     profile = decoded(body)
     assert [list(s.value) for s in profile.sample] == [[4, 128, 4, 128]]
     assert profile.location[0].address == 0x7F0000001000
+    assert list(profile.location[0].line) == [] and list(profile.function) == []
 
 
 # ---- the way a request travels -------------------------------------------------

@@ -128,7 +128,7 @@ KEPT = ("alloc", "free", "probe", "bad_feature")  # the kinds a reader keeps
 PROBES = ("memory_mallopt", "memory_sbrk_more")  # the set's libc_probes file, in order
 
 
-def truth(spec: dict[str, object]) -> dict[str, object]:
+class Truth:
     """What the records written say, worked out here from the generator's
     own list in sequence (= list) order, as docs/kmemtrace-format.md defines
     each figure: per kernel (call site, type) every count and byte sum, frees
@@ -136,82 +136,101 @@ def truth(spec: dict[str, object]) -> dict[str, object]:
     cross-node allocations; libc's records by type; probe hits; and per user
     (process, function, call site) allocations, bytes and frees matched by
     (process, pointer)."""
-    node_of = {int(cpu): int(node) for cpu, node in
-               (line.split() for line in str(spec["nodes"]).splitlines())}  # fmt: skip
-    sites: dict[tuple[str, str], dict[str, int]] = {}
-    live: dict[int, tuple[tuple[str, str], int, int, int]] = {}  # ptr -> site, type, cpu, bytes
-    users: dict[tuple[int, str, str], dict[str, int]] = {}
-    user_live: dict[tuple[int, int], tuple[tuple[int, str, str], int]] = {}
-    found: dict[str, object] = {
-        "errors": dict.fromkeys(("null_frees", "reallocated_live", "mismatched_frees",
-                                 "unknown_frees", "requested_above_allocated"), 0),
-        "cross_cpu": {"frees": 0, "node_allocs": 0}, "libc": {}, "probes": {},
-        "user_unknown_frees": 0, "sites": sites, "user": users,
-    }  # fmt: skip
-    errors, cross, libc, probes = (found[k] for k in ("errors", "cross_cpu", "libc", "probes"))
 
-    def site(key: tuple[str, str]) -> dict[str, int]:
-        return sites.setdefault(key, dict.fromkeys(KERNEL_COUNTS, 0))
+    def __init__(self, nodes: str) -> None:
+        self.node_of = {int(cpu): int(node) for cpu, node in map(str.split, nodes.splitlines())}
+        self.sites: dict[tuple[str, str], dict[str, int]] = {}
+        self.live: dict[int, tuple[tuple[str, str], int, int, int]] = {}  # site, type, cpu, bytes
+        self.users: dict[tuple[int, str, str], dict[str, int]] = {}
+        self.user_live: dict[tuple[int, int], tuple[tuple[int, str, str], int]] = {}
+        self.errors = dict.fromkeys(("null_frees", "reallocated_live", "mismatched_frees",
+                                     "unknown_frees", "requested_above_allocated"), 0)  # fmt: skip
+        self.cross = {"frees": 0, "node_allocs": 0}
+        self.libc: dict[str, dict[str, int]] = {}
+        self.probes: dict[str, int] = {}
+        self.user_unknown = 0
 
-    for rec in spec["records"]:  # type: ignore[attr-defined]
+    def figures(self) -> dict[str, object]:
+        return {"errors": self.errors, "cross_cpu": self.cross, "libc": self.libc,
+                "probes": self.probes, "user_unknown_frees": self.user_unknown,
+                "sites": self.sites, "user": self.users}  # fmt: skip
+
+    def record(self, rec: Rec) -> None:
         if rec.kind not in KEPT:
-            continue
+            return
         if rec.kind == "probe":
             name = PROBES[rec.probe] if rec.probe < len(PROBES) else f"probe {rec.probe}"
-            probes[name] = probes.get(name, 0) + 1  # type: ignore[index, attr-defined]
-            continue
-        alloc = rec.kind != "free"
-        if rec.type_id in LIBC_TYPES:
-            kind = libc.setdefault(LIBC_TYPES[rec.type_id],  # type: ignore[attr-defined]
-                                   {"allocs": 0, "bytes": 0, "frees": 0})  # fmt: skip
-            kind["allocs" if alloc else "frees"] += 1
-            kind["bytes"] += rec.got if alloc else 0
-            continue
-        if rec.type_id == 7:
-            key = (rec.pid, FUNCTIONS[rec.fn], f"{rec.site:#x}")
-            if alloc:
-                user = users.setdefault(key, {"allocs": 0, "bytes": 0, "frees": 0,
-                                              "bytes_freed": 0})  # fmt: skip
-                user["allocs"] += 1
-                user["bytes"] += rec.req
-                if rec.ptr:
-                    user_live[(rec.pid, rec.ptr)] = (key, rec.req)
-            elif rec.ptr and (rec.pid, rec.ptr) in user_live:
-                owner, size = user_live.pop((rec.pid, rec.ptr))
-                users[owner]["frees"] += 1
-                users[owner]["bytes_freed"] += size
-            elif rec.ptr:
-                found["user_unknown_frees"] += 1  # type: ignore[operator]
-            continue
-        key = (f"{rec.site:#x}", TYPE_NAMES[rec.type_id])
-        if alloc:
-            counts = site(key)
-            counts["allocs"] += 1
-            counts["bytes_req"] += rec.req
-            counts["bytes_alloc"] += rec.got
-            counts["failed"] += rec.ptr == 0
-            far = rec.target >= 0 and rec.target != node_of.get(rec.cpu, -1)
-            counts["cross_node"] += far
-            cross["node_allocs"] += far  # type: ignore[index]
-            errors["requested_above_allocated"] += rec.req > rec.got  # type: ignore[index]
+            self.probes[name] = self.probes.get(name, 0) + 1
+        elif rec.type_id in LIBC_TYPES:
+            kind = self.libc.setdefault(LIBC_TYPES[rec.type_id],
+                                        {"allocs": 0, "bytes": 0, "frees": 0})  # fmt: skip
+            kind["allocs" if rec.kind != "free" else "frees"] += 1
+            kind["bytes"] += rec.got if rec.kind != "free" else 0
+        elif rec.type_id == 7:
+            self.user(rec)
+        elif rec.kind != "free":
+            self.kernel_alloc(rec)
+        else:
+            self.kernel_free(rec)
+
+    def user(self, rec: Rec) -> None:
+        assert rec.pid is not None and rec.fn is not None
+        key = (rec.pid, FUNCTIONS[rec.fn], f"{rec.site:#x}")
+        if rec.kind != "free":
+            user = self.users.setdefault(key, dict.fromkeys(("allocs", "bytes", "frees",
+                                                             "bytes_freed"), 0))  # fmt: skip
+            user["allocs"] += 1
+            user["bytes"] += rec.req
             if rec.ptr:
-                errors["reallocated_live"] += rec.ptr in live  # type: ignore[index]
-                live[rec.ptr] = (key, rec.type_id, rec.cpu, rec.got)
-        elif rec.ptr == 0:
-            errors["null_frees"] += 1  # type: ignore[index]
-        elif rec.ptr in live:
-            owner, type_id, cpu, size = live.pop(rec.ptr)
-            counts = site(owner)
+                self.user_live[(rec.pid, rec.ptr)] = (key, rec.req)
+        elif rec.ptr and (rec.pid, rec.ptr) in self.user_live:
+            owner, size = self.user_live.pop((rec.pid, rec.ptr))
+            self.users[owner]["frees"] += 1
+            self.users[owner]["bytes_freed"] += size
+        elif rec.ptr:
+            self.user_unknown += 1
+
+    def site(self, key: tuple[str, str]) -> dict[str, int]:
+        return self.sites.setdefault(key, dict.fromkeys(KERNEL_COUNTS, 0))
+
+    def kernel_alloc(self, rec: Rec) -> None:
+        key = (f"{rec.site:#x}", TYPE_NAMES[rec.type_id])
+        counts = self.site(key)
+        counts["allocs"] += 1
+        counts["bytes_req"] += rec.req
+        counts["bytes_alloc"] += rec.got
+        counts["failed"] += rec.ptr == 0
+        far = rec.target >= 0 and rec.target != self.node_of.get(rec.cpu, -1)
+        counts["cross_node"] += far
+        self.cross["node_allocs"] += far
+        self.errors["requested_above_allocated"] += rec.req > rec.got
+        if rec.ptr:
+            self.errors["reallocated_live"] += rec.ptr in self.live
+            self.live[rec.ptr] = (key, rec.type_id, rec.cpu, rec.got)
+
+    def kernel_free(self, rec: Rec) -> None:
+        if rec.ptr == 0:
+            self.errors["null_frees"] += 1
+        elif rec.ptr in self.live:
+            owner, type_id, cpu, size = self.live.pop(rec.ptr)
+            counts = self.site(owner)
             counts["frees"] += 1
             counts["bytes_freed"] += size
             counts["cross_cpu_frees"] += cpu != rec.cpu
-            cross["frees"] += cpu != rec.cpu  # type: ignore[index]
+            self.cross["frees"] += cpu != rec.cpu
             counts["mismatched_frees"] += type_id != rec.type_id
-            errors["mismatched_frees"] += type_id != rec.type_id  # type: ignore[index]
+            self.errors["mismatched_frees"] += type_id != rec.type_id
         else:
-            site(key)["unknown_frees"] += 1
-            errors["unknown_frees"] += 1  # type: ignore[index]
-    return found
+            self.site((f"{rec.site:#x}", TYPE_NAMES[rec.type_id]))["unknown_frees"] += 1
+            self.errors["unknown_frees"] += 1
+
+
+def truth(spec: dict[str, object]) -> dict[str, object]:
+    """The figures the records of ``spec`` say (Truth)."""
+    worked = Truth(str(spec["nodes"]))
+    for rec in spec["records"]:  # type: ignore[attr-defined]
+        worked.record(rec)
+    return worked.figures()
 
 
 def reported(report: dict) -> dict[str, object]:  # type: ignore[type-arg]

@@ -94,13 +94,15 @@ def test_no_two_functions_of_the_package_share_a_name() -> None:
     assert {name: paths for name, paths in where.items() if len(paths) > 1} == {}
 
 
-def test_the_measures_see_a_long_function() -> None:
-    # GIVEN a C function of 61 lines, a BPF handler macro, and a Python one of 61
+def test_the_measures_see_a_long_function(tmp_path: Path) -> None:
+    # GIVEN a C function of 62 lines, a BPF handler macro, and Python ones of
+    # 61 lines and of 3 (a method)
     body = "\n".join(f"    x += {i};" for i in range(58))
     c = f"static int f(int x)\n{{\n{body}\n    return x;\n}}\nTRACEPOINT_PROBE(a, b)\n{{\n}}\n"
     (head, line, n), (macro, _, m) = c_functions(c)
     assert (head, line, n, macro, m) == ("static int f(int x)", 1, 62, "TRACEPOINT_PROBE(a, b)", 3)
-    source = "def g():\n" + "\n".join(f"    y = {i}" for i in range(60)) + "\n"
-    tree = ast.parse(source)
-    fn = tree.body[0]
-    assert fn.end_lineno - fn.lineno + 1 == 61  # type: ignore[attr-defined]
+    source = tmp_path / "long.py"
+    method = "\n\n\nclass K:\n    def h(self):\n        pass\n\n        return 1\n"
+    source.write_text("def g():\n" + "\n".join(f"    y = {i}" for i in range(60)) + method)
+    # THEN the measures the tests use give each its lines
+    assert sorted(python_functions(source)) == [("g", 1, 61), ("h", 65, 4)]

@@ -21,6 +21,8 @@ def doctor(pid: int | None, lib: Path | None) -> None:
     all pass ("--" marks a source that is unavailable but not needed: SDT
     notes, debug info); 3 when something is not permitted; 8 when something
     is not supported here.
+
+        mtrace-live doctor --pid 1234
     """
     from mtrace_live.probes.catalog import load_catalog
 

@@ -48,6 +48,8 @@ def probes(
     shown as derived: from a system call, an exported symbol or the debug
     file (each site, the instruction chosen, where each argument is), or
     unavailable and why.
+
+        mtrace-live probes --pid 1234
     """
     from mtrace_live.probes.catalog import load_catalog
     from mtrace_live.probes.elf.errors import NoProbesError

@@ -51,6 +51,8 @@ def report(
     are named from the kallsyms saved at record time. Exits 14 when SOURCE is
     not a readable record set, 15 when a file is damaged (after reporting
     what was read).
+
+        mtrace-live report ./kmem.rec --sort live --limit 10
     """
     from mtrace_live.exporters.data.kallsyms import KernelSymbols
     from mtrace_live.exporters.kmemtrace.analysis import report_lines, stream_report
