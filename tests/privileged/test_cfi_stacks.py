@@ -58,15 +58,19 @@ def go_traces(profile: Path | str, index: str = "alloc_objects") -> list[tuple[i
 
 
 def heaptrack_stacks(argv: list[str], tmp: Path, stdin: str) -> Counter[tuple[str, ...]]:
-    """Allocation calls by stack (outermost caller first, file names
-    dropped), as heaptrack records ``argv`` and ``heaptrack_print -F`` folds them."""
-    data = tmp / "heaptrack"
-    run = subprocess.run(["heaptrack", "-o", str(data), *argv], input=stdin, capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
+    """Allocation calls by stack, as heaptrack records ``argv`` (folded_stacks)."""
+    run = subprocess.run(["heaptrack", "-o", str(tmp / "heaptrack"), *argv], input=stdin,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr
+    return folded_stacks(tmp)
+
+
+def folded_stacks(tmp: Path) -> Counter[tuple[str, ...]]:
+    """Allocation calls by stack (outermost caller first, file names
+    dropped), as ``heaptrack_print -F`` folds heaptrack's recording in ``tmp``."""
+    (recorded,) = sorted(tmp.glob("heaptrack.*zst")) or sorted(tmp.glob("heaptrack.*gz"))
     folded = tmp / "heaptrack.fold"
-    found = sorted(tmp.glob("heaptrack.*zst")) or sorted(tmp.glob("heaptrack.*gz"))
-    subprocess.run(["heaptrack_print", "-F", str(folded), str(found[0])], capture_output=True,
+    subprocess.run(["heaptrack_print", "-F", str(folded), str(recorded)], capture_output=True,
                    check=True, timeout=300)  # fmt: skip
     stacks: Counter[tuple[str, ...]] = Counter()
     for line in folded.read_text().splitlines():
@@ -213,16 +217,36 @@ def test_the_profile_s_mappings_carry_each_module_s_build_id(
 
 
 def test_heaptrack_sees_the_same_chains_with_the_same_counts(tmp_path: Path) -> None:
-    # GIVEN the same program under heaptrack, which unwinds in the process with libunwind
-    argv = [str(built("cfi_stacks")), str(built("libcfi_plugin.so")), str(CALLS), "8"]
-    stacks = heaptrack_stacks(argv, tmp_path, "xy")
-    plain = subprocess.run(argv, input="xy", capture_output=True, text=True, timeout=120)
-    # THEN each chain the workload made is heaptrack's stack, from main (or
-    # the thread's function) in, with its count
-    for calls, _, frames in known_chains(plain.stdout):
-        matching = {stack: n for stack, n in stacks.items()
-                    if stack[-len(frames):] == frames}  # fmt: skip
-        assert sum(matching.values()) == calls, (frames, matching)
+    # GIVEN one run of the program under heaptrack (which unwinds in the
+    # process with libunwind), traced by mtrace-live from its start
+    profile = tmp_path / "allocs.pb.gz"
+    workload = [str(built("cfi_stacks")), str(built("libcfi_plugin.so")), str(CALLS), "8"]
+    argv = [*MTRACE, "run", "--pprof", str(profile), "-o", "summary", "--",
+            "heaptrack", "-o", str(tmp_path / "heaptrack"), *workload]  # fmt: skip
+    run = subprocess.run(argv, input="xy", capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    theirs = folded_stacks(tmp_path)
+    # (mtrace-live sees the program call heaptrack's malloc, which calls the
+    # libc's: that first frame is heaptrack's, and left out, as are the
+    # allocations heaptrack makes itself; a leading underscore of glibc's
+    # symbol, __clone3, is not in the DWARF name heaptrack shows, clone3)
+    ours: Counter[tuple[str, ...]] = Counter()
+    for count, frames in go_traces(profile):
+        if frames[:1] in (["malloc"], ["calloc"]) and not any("heaptrack" in f for f in frames):
+            ours[tuple(f.lstrip("_") for f in reversed(frames[1:]))] += count
+    # THEN the workload made its five chains
+    chains = known_chains(run.stdout)
+    assert len(chains) == 5, run.stdout
+    for calls, _, frames in chains:
+        # AND heaptrack has each as one stack, from main (or the thread's
+        # start) in, with its count
+        (stack,) = [stack for stack in theirs if stack[-len(frames) :] == frames]
+        assert theirs[stack] == calls, (frames, theirs[stack])
+        # AND mtrace-live has the same stack, frame for frame from heaptrack's
+        # outermost in (its own goes on through the libc's start), with as many calls
+        plain = tuple(f.lstrip("_") for f in stack)
+        same = {mine: n for mine, n in ours.items() if mine[-len(plain) :] == plain}
+        assert sum(same.values()) == calls, (stack, same)
 
 
 def test_frame_pointers_alone_lose_the_callers_in_this_code(tmp_path: Path) -> None:
