@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from mtrace_live.exporters.sprtrace import text as sprtrace
 
-from .conftest import MTRACE, built
+from .conftest import MTRACE, REPO, built
 from .test_serve import free_port, start_serve, stop
 from .tracing import Reaper, pprof_mappings, readelf_build_id, trace_cxx_stacks
 
@@ -390,3 +390,41 @@ def test_wrappers_given_move_allocinfo_lines_to_their_callers(tmp_path: Path) ->
     # AND the rest of the leak is where it was, in the map's and strings' code
     assert sum(int(line.split()[1]) for line in lines if "func:std::" in line
                or "basic_string" in line) == leaked - 1  # fmt: skip
+
+
+@pytest.mark.parametrize("frame_pointers", [True, False], ids=["frame-pointers", "none"])
+def test_code_without_cfi_is_walked_by_its_frame_pointers(
+    tmp_path: Path, frame_pointers: bool
+) -> None:
+    # GIVEN a library with no call-frame information at all, with frame
+    # pointers or without, called from a program that has CFI
+    source = REPO / "tests" / "workloads" / "cfi"
+    library, program = tmp_path / "libnocfi.so", tmp_path / "nocfi_main"
+    pointers = "-fno-omit-frame-pointer" if frame_pointers else "-fomit-frame-pointer"
+    subprocess.run(["gcc", "-O1", pointers, "-fno-asynchronous-unwind-tables",
+                    "-fno-unwind-tables", "-fPIC", "-shared", "-o", str(library),
+                    str(source / "nocfi.c")], check=True)  # fmt: skip
+    subprocess.run(["gcc", "-O2", "-fomit-frame-pointer", "-o", str(program),
+                    str(source / "nocfi_main.c"), f"-L{tmp_path}", "-lnocfi",
+                    "-Wl,-rpath,$ORIGIN"], check=True)  # fmt: skip
+    # WHEN its allocations are traced from its start
+    profile = tmp_path / "allocs.pb.gz"
+    run = subprocess.run([*MTRACE, "run", "--pprof", str(profile), "-o", "summary", "--",
+                          str(program), str(CALLS)],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    chain = ["nocfi_leaf", *["nocfi_chain"] * 4]
+    found = [(n, frames) for n, frames in go_traces(profile) if frames[:1] == ["nocfi_leaf"]]
+    cut = re.search(r"(\d+) at code with no CFI and no frame pointer", run.stdout)
+    assert cut is not None, run.stdout
+    if frame_pointers:
+        # THEN with frame pointers, each stack is whole: the library's chain
+        # by its frame pointers, then main and the libc's start by their CFI
+        assert found == [(CALLS, [*chain, "main", "__libc_start_call_main",
+                                  "__libc_start_main_alias_2", "_start"])], found  # fmt: skip
+        assert int(cut[1]) == 0
+    else:
+        # AND without them, the walk ends in the library, and says so, once a stack
+        assert sum(n for n, _ in found) == CALLS and all(f[:1] == chain[:1] for _, f in found)
+        assert all("main" not in frames for _, frames in found), found
+        assert int(cut[1]) >= CALLS

@@ -1,5 +1,6 @@
-"""A full disk while writing: record's record set, --sp-rtrace's report and
---pprof's profile on a small tmpfs. Each gives one error line and exit 20,
+"""A full disk while writing: record's record set, --kmemtrace's, --sp-rtrace's
+report and each output file (--pprof, --folded, --allocinfo, --pprof-mutex)
+on a small tmpfs. Each gives one error line and exit 20,
 no traceback, and what was written before stays readable by report and
 convert: a batch that does not fit is cut off whole."""
 
@@ -74,6 +75,38 @@ def test_a_full_disk_during_an_sp_rtrace_report_keeps_it_readable(disk: Path) ->
                            timeout=300)  # fmt: skip
     assert again.returncode == 0, again.stderr
     assert again.stdout.splitlines()[0] == report.read_text().splitlines()[0]
+
+
+@pytest.mark.parametrize("option", ["--pprof", "--folded", "--allocinfo", "--pprof-mutex"])
+def test_a_full_disk_for_an_output_file_is_one_error_line(disk: Path, option: str) -> None:
+    # GIVEN an output file on a disk with no room left
+    output = disk / f"out{option}"
+    output.touch()
+    fill(disk, 0)
+    # WHEN a trace writes it at its end
+    done = subprocess.run([*MTRACE, "run", "-o", "summary", option, str(output), "--",
+                           str(built("alloc_bench")), "30000", "1", "1"],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    # THEN one error line, exit 20, no traceback
+    one_error(done, f"cannot write {output}: No space left on device")
+
+
+def test_a_full_disk_for_kmemtrace_records_keeps_what_fitted_readable(disk: Path) -> None:
+    # GIVEN --kmemtrace's record set on a disk with little room left
+    records = disk / "kmem.d"
+    fill(disk, 256 * 1024)
+    done = subprocess.run([*MTRACE, "run", "-o", "summary", "--kmemtrace", str(records), "--",
+                           str(built("alloc_bench")), "300000", "1", "1"],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    # THEN one error line, exit 20, which says how many records are kept
+    error = one_error(done, f"cannot write the record set {records}: No space left on device")
+    kept = re.search(r"the (\d+) records before are kept", error)
+    assert kept is not None, error
+    # AND report reads exactly those
+    report = subprocess.run([*MTRACE, "report", str(records)], capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    assert report.returncode == 0, report.stderr
+    assert f" {kept[1]} records" in report.stdout.splitlines()[0], report.stdout
 
 
 def test_a_full_disk_for_the_profile_is_one_error_line(disk: Path) -> None:

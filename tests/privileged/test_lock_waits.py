@@ -139,16 +139,35 @@ def forget_dead_runs_probes() -> None:
                            capture_output=True)  # fmt: skip
 
 
+def objdump_site(libc: Path) -> int:
+    """Where the wait is timed, found here from binutils' disassembly, apart
+    from the tracer's own choice (capstone's, probes/lock_sites.py): the
+    function's first instruction loads the lock, which the kernel would
+    single-step; the first jump or call after it is the first instruction
+    the kernel emulates (x86's uprobes emulate relative jumps, conditional
+    jumps and calls), and the function is in the same state there as at its
+    entry (no register written but the one the load fills)."""
+    text = subprocess.run(["objdump", "-d", "--no-show-raw-insn",
+                           "--disassemble=__lll_lock_wait_private", str(libc)],
+                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+    insns = re.findall(r"(?m)^\s+([0-9a-f]+):\s+(\S+)\s*(.*)$", text)
+    assert insns and "(%rdi)" in insns[0][2], insns[:3]  # the load of the lock
+    for address, mnemonic, _ in insns[1:]:
+        if mnemonic.startswith("j") or mnemonic.startswith("call"):
+            return int(address, 16)
+        assert mnemonic in ("cmp", "test"), insns[:5]  # nothing written on the way
+    raise AssertionError(f"no jump in {libc}'s __lll_lock_wait_private")
+
+
 @contextlib.contextmanager
 def perf_probes(libc: Path, tmp: Path, pid: int) -> Iterator[Path]:
     """perf recording, in ``pid``, the entry and the return of the slow
-    path, at the instruction mtrace-live probes (probes/lock_sites.py);
-    started disabled, and enabled through its control FIFO, whose
-    acknowledgement says the events are on."""
-    site = lock_wait_site(libc)
-    assert site is not None
+    path, at the instruction the disassembly says (objdump_site); started
+    disabled, and enabled through its control FIFO, whose acknowledgement
+    says the events are on."""
+    site = objdump_site(libc)
     forget_dead_runs_probes()
-    for probe in (f"{GROUP}:lw_enter={site.address:#x}",
+    for probe in (f"{GROUP}:lw_enter={site:#x}",
                   f"{GROUP}:lw_return=__lll_lock_wait_private%return"):  # fmt: skip
         subprocess.run(["perf", "probe", "-q", "-x", str(libc), "-a", probe], check=True)
     data, ctl, ack = tmp / "perf.data", tmp / "perf.ctl", tmp / "perf.ack"
@@ -250,11 +269,15 @@ def test_wait_times_equal_perf_s_and_the_calls_bpftrace_s(
     perf_calls, perf_total = perf_waits(perf_data)
     rows = tables(docs, "lock_waits")
     events = [doc for doc in docs if doc.get("probe") == "lock_wait"]
-    # THEN the waits are bpftrace's calls and perf's, one for one
+    # THEN mtrace-live probes where the disassembly says, and the waits are
+    # bpftrace's calls and perf's, one for one
+    chosen = lock_wait_site(path)
+    assert chosen is not None and chosen.address == objdump_site(path), chosen
     assert calls > 100
     assert sum(row["waits"] for row in rows) == calls == perf_calls == len(events)
-    # AND their time is perf's within 1%; bpftrace's, which starts at the
-    # function's first instruction, holds it
+    # AND their time is perf's within 1%, from above and below (perf times
+    # from the instruction the disassembly gives); bpftrace's, which starts at
+    # the function's first instruction, holds it
     measured = sum(row["total_ns"] for row in rows)
     assert abs(measured - perf_total) <= 0.01 * perf_total, (measured, perf_total)
     assert bpftrace_total >= measured

@@ -250,3 +250,28 @@ def test_damaged_entries_are_read_without_a_crash(flips: list[tuple[int, int]], 
         assert len(packed) % 12 == 0 and skipped <= functions + 1 and malformed <= functions
         pcs = np.frombuffer(packed, dtype=ROW)["pc"]
         assert (pcs[1:] > pcs[:-1]).all()
+
+
+def test_a_library_with_only_debug_frame_is_read_as_readelf_interprets_it(tmp_path: Path) -> None:
+    # GIVEN a library built without unwind tables (no .eh_frame) but with -g:
+    # its call-frame information is in .debug_frame alone
+    needs(shutil.which("readelf") is not None, "binutils' readelf is missing")
+    library = tmp_path / "libdebugframe.so"
+    source = Path(__file__).resolve().parents[1] / "workloads" / "cfi" / "deep.c"
+    subprocess.run(["gcc", "-O2", "-g", "-fomit-frame-pointer", "-fno-asynchronous-unwind-tables",
+                    "-fno-unwind-tables", "-fPIC", "-shared", "-o", str(library), str(source)],
+                   check=True)  # fmt: skip
+    sections = subprocess.run(["readelf", "-S", "-W", str(library)], capture_output=True,
+                              text=True, check=True).stdout  # fmt: skip
+    eh_frame = re.search(r" \.eh_frame +PROGBITS +\S+ \S+ (\S+) ", sections)
+    assert " .debug_frame " in sections and eh_frame is not None, sections
+    assert int(eh_frame.group(1), 16) <= 4, sections  # a terminator, no entry
+    want, _ = readelf_rows(library)
+    assert len(want) > 2
+    # WHEN it is read into unwind rows
+    table = read_cfi(library)
+    # THEN at every address readelf has a row for, the row in force says the same
+    assert table.problem == "" and table.skipped == 0
+    wrong = [(hex(pc), rule, got(table.rows, pc)) for pc, rule in want
+             if got(table.rows, pc) != rule]  # fmt: skip
+    assert not wrong, wrong[:5]

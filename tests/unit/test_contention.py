@@ -252,3 +252,76 @@ def test_probes_says_whether_lock_waits_are_timed_and_told_apart(
     # AND its waits are told to be on arenas only with the debug file's main_arena
     assert report["arenas_told_apart"] is told
     assert ("libc6-dbg" in report["why"]) is not told
+
+
+def test_a_futex_is_told_main_other_or_unknown_from_real_memory() -> None:
+    # GIVEN this process's libc, with its debug file (libc6-dbg), and a finder
+    import ctypes
+    import os
+    import subprocess
+
+    from mtrace_live.exporters.data.lock_waits import MAIN, OTHER, UNKNOWN
+    from mtrace_live.tracer.arena_walk import ArenaFinder, arena_symbols
+    from mtrace_live.tracer.target import default_libc
+
+    from .needs import needs
+
+    libc = default_libc()
+    symbols = arena_symbols(libc)
+    needs(symbols.main_arena is not None, f"main_arena of {libc} (libc6-dbg) is missing")
+    finder = ArenaFinder(libc, symbols)
+    # WHEN the main arena's lock, another word of this process, and a word of
+    # a process that is gone are asked about
+    (main,) = [a.address for a in finder.scan(os.getpid()).arenas if a.main]
+    word = ctypes.c_int(0)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    # THEN the first is the main arena, the second no arena (checked in memory),
+    # the third unknown: its memory cannot be read
+    assert finder.kind(os.getpid(), main) == MAIN
+    assert finder.kind(os.getpid(), ctypes.addressof(word)) == OTHER
+    assert finder.kind(gone.pid, main) == UNKNOWN
+
+
+@pytest.mark.parametrize(
+    ("env", "cpus", "limit"),
+    [({"GLIBC_TUNABLES": "glibc.malloc.arena_max=3"}, None, "3 (tunable glibc.malloc.arena_max)"),
+     ({"MALLOC_ARENA_MAX": "5"}, None, "5 (environment MALLOC_ARENA_MAX)"),
+     ({}, {0}, "8 (default (8 x 1 cores))")],
+    ids=["tunable", "environment", "default"],
+)  # fmt: skip
+def test_the_arena_limit_and_where_it_was_set_are_read_from_the_process(
+    env: dict[str, str], cpus: set[int] | None, limit: str
+) -> None:
+    # GIVEN a process started with the limit in its tunables, in its
+    # environment, or neither, on the CPUs given
+    import os
+    import subprocess
+    import sys
+
+    from mtrace_live.tracer.arena_walk import ArenaFinder, arena_limit, arena_symbols
+    from mtrace_live.tracer.target import default_libc
+
+    from .needs import needs
+
+    libc = default_libc()
+    symbols = arena_symbols(libc)
+    needs(symbols.mp is not None, f"mp_ of {libc} (libc6-dbg) is missing")
+    pinned = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    script = "import sys; print('ready', flush=True); sys.stdin.read()"
+    child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env={**os.environ, **env},
+                             preexec_fn=pinned)  # fmt: skip
+    assert child.stdout is not None and child.stdout.readline() == "ready\n"
+    try:
+        # WHEN its arenas are read from its memory
+        scan = ArenaFinder(libc, symbols).scan(child.pid)
+        assert not scan.problem, scan.problem
+        # THEN the limit and its source are the ones it was started with
+        number, source = arena_limit(child.pid, scan.arena_max)
+        assert f"{number} ({source})" == limit
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait()
+        child.stdout.close()

@@ -503,3 +503,18 @@ def test_values_are_encoded_as_protobuf_encodes_them(values: list[int]) -> None:
     # THEN each sample holds its location and its values, as protobuf reads them
     assert [list(s.location_id) for s in profile.sample] == [[i + 1] for i in range(len(rows))]
     assert [list(s.value) for s in profile.sample] == rows.tolist()
+
+
+def test_past_max_marks_deltas_in_flight_the_oldest_start_is_forgotten() -> None:
+    from mtrace_live.exporters.heap_profiles import MAX_MARKS
+
+    # GIVEN one more delta begun than may be in flight at once
+    heap, _ = profiles(tables(stack(APP, 0x401100, 10, 64, 4)))
+    tokens = [heap.answer({"op": "mark"})[1].decode() for _ in range(MAX_MARKS + 1)]
+    assert len(set(tokens)) == MAX_MARKS + 1
+    # THEN the first one's start is forgotten, said in a 503, and every later
+    # one is answered (the second oldest too: one start was dropped, not two)
+    assert answer(heap, since=tokens[0]) == (
+        503, b"the delta profile's start was forgotten (too many at once)\n")  # fmt: skip
+    assert [answer(heap, since=t)[0] for t in tokens[1:]] == [200] * MAX_MARKS
+    assert dict(heap.served) == {"whole": 0, "delta": MAX_MARKS, "delta_started": MAX_MARKS + 1}

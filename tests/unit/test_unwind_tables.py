@@ -121,3 +121,19 @@ def test_files_that_do_not_fit_are_counted_and_left_to_frame_pointers(
     entries = [maps[first + i] for i in range(count)]
     libc = next(e for e in entries if int(e["start"]) <= malloc < int(e["end"]))
     assert int(libc["count"]) == 0
+
+
+def test_mappings_that_do_not_fit_are_counted_and_the_process_left_to_frame_pointers(
+    rows_cache: RowCache,
+) -> None:
+    # GIVEN tables with room for 3 mappings (this process has dozens)
+    recorder = Recorder()
+    assert len(exec_mappings(os.getpid())) > 3
+    tables = UnwindTables(recorder, maps=3, cache=rows_cache)  # type: ignore[arg-type]
+    # WHEN its tables are written
+    assert not tables.load(os.getpid())
+    # THEN nothing is written for it (its stacks are walked by frame
+    # pointers), and that is counted
+    assert tables.table_counts()["processes_not_fitting"] == 1
+    assert os.getpid() not in recorder.rows.get("unwind_procs", {})
+    assert "unwind_maps" not in recorder.arrays
