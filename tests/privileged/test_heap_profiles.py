@@ -149,9 +149,44 @@ def _removed(directory: Path) -> bool:
     return True
 
 
-def delta_started(url: str, tls: Any) -> bool:
+def deltas_started(url: str, tls: Any) -> int:
+    """The delta profiles serve has begun, as its metrics count them."""
     status, text = fetch(url, tls, tls.password)
-    return status == 200 and 'mtrace_alloc_profiles_total{kind="delta_started"} 1.0' in text
+    found = re.search(r'mtrace_alloc_profiles_total\{kind="delta_started"\} (\d+)', text)
+    return int(found[1]) if status == 200 and found else 0
+
+
+@dataclass
+class Delta:
+    profile: RawProfile
+    during: Workload
+    truth: dict[str, Any]
+
+
+DELTA_WINDOWS = (10, 40, 160)  # seconds: the next is asked when the work outlasted one
+
+
+def delta_while_working(reaper: Reaper, cgroup: Path, base: str, tls: Any, tmp: Path,
+                        started: int, seconds: int) -> Delta | None:  # fmt: skip
+    """go tool pprof's delta of ``seconds``, while a new workload in ``cgroup``
+    and a decoy outside it work once it has begun; None when the window
+    closed before they were done (the fetch was over: its thread had ended)."""
+    during = Workload(reaper, tmp / f"during{started}.json")
+    decoy = Workload(reaper, tmp / f"decoy{started}.json")
+    (cgroup / "cgroup.procs").write_text(f"{during.proc.pid}\n")
+    delta: list[RawProfile] = []
+    fetcher = threading.Thread(target=lambda: delta.append(
+        go_raw(f"{base}/allocs", tmp, "-seconds", str(seconds), ca=tls.cert)))  # fmt: skip
+    fetcher.start()
+    metrics = base.replace("/debug/pprof", "/metrics")
+    wait_until(lambda: deltas_started(metrics, tls) > started, "the delta profile begun")
+    truth = during.work()
+    decoy.work()
+    inside = fetcher.is_alive()
+    fetcher.join(timeout=seconds + 300)
+    for work in (during, decoy):
+        work.end()
+    return Delta(delta[0], during, truth) if inside else None
 
 
 def assert_holds(profile: RawProfile, work: Workload, truth: dict[str, Any]) -> None:
@@ -181,41 +216,37 @@ def test_go_tool_pprof_reads_a_container_s_delta_profile_over_https_with_basic_a
     user = urllib.parse.quote(web_tls.user) + ":" + urllib.parse.quote(web_tls.password)
     base = f"https://{user}@127.0.0.1:{port}/debug/pprof"
     with Reaper() as reaper:
-        before, during = (Workload(reaper, tmp_path / f"{n}.json") for n in ("before", "during"))
-        decoy = Workload(reaper, tmp_path / "decoy.json")
-        for work in (before, during):
-            (container_cgroup / "cgroup.procs").write_text(f"{work.proc.pid}\n")
+        before = Workload(reaper, tmp_path / "before.json")
+        (container_cgroup / "cgroup.procs").write_text(f"{before.proc.pid}\n")
         serve, err = start_serve(
             ["--cgroup", cgroup, "--exact", "--no-kmem", "--web.listen-address",
              f"127.0.0.1:{port}", "--web.config.file", str(web_tls.config)], tmp_path, reaper,
         )  # fmt: skip
         truth_before = before.work()
-        # WHEN go tool pprof asks for a 10-second delta, and the second
-        # workload and the decoy work once it has begun
-        delta: list[RawProfile] = []
-        fetcher = threading.Thread(target=lambda: delta.append(
-            go_raw(f"{base}/allocs", tmp_path, "-seconds", "10", ca=web_tls.cert)))  # fmt: skip
-        fetcher.start()
-        metrics = f"https://127.0.0.1:{port}/metrics"
-        wait_until(lambda: delta_started(metrics, web_tls), "the delta profile begun")
-        truth = during.work()
-        decoy.work()
-        fetcher.join(timeout=300)
+        # WHEN go tool pprof asks for a 10-second delta, and a second
+        # workload and a decoy work once it has begun (and, should they
+        # outlast it, the same again with new ones in a longer window)
+        found = None
+        for started, seconds in enumerate(DELTA_WINDOWS):
+            found = delta_while_working(reaper, container_cgroup, base, web_tls, tmp_path,
+                                        started, seconds)  # fmt: skip
+            if found is not None:
+                break
+        assert found is not None, f"the work outlasted every window {DELTA_WINDOWS}"
         # AND the whole profile of the first workload, and of another cgroup
         whole = go_raw(f"{base}/heap?pid={before.proc.pid}", tmp_path, ca=web_tls.cert)
         other = go_raw(f"{base}/heap?cgroup=/system.slice", tmp_path, ca=web_tls.cert)
         refused = fetch(f"https://127.0.0.1:{port}/debug/pprof/heap?pid=0", web_tls,
                         web_tls.password)  # fmt: skip
         unauthorised = fetch(f"https://127.0.0.1:{port}/debug/pprof/heap", web_tls, "wrong")
-        for work in (before, during, decoy):
-            work.end()
+        before.end()
         assert stop(serve) == 0, err.read_text()
     # THEN the delta holds exactly what the second workload did, function by
     # function, and nothing of the first (done before it) or of the decoy;
     # each stack is whole, down to main or the thread's start (serve unwinds
     # by CFI after giving up root)
-    (window,) = delta
-    assert_holds(window, during, truth)
+    window = found.profile
+    assert_holds(window, found.during, found.truth)
     # AND every sample is labelled with its process, cgroup and container
     for sample in window.samples + whole.samples:
         assert sample.labels["container"] == CONTAINER[:12], sample.labels
