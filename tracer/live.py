@@ -202,8 +202,9 @@ class LiveTrace:
             if plan.config.first_tgid and target_pid is not None:
                 self.program.set_first_target(target_pid)
             self.unwind = self._unwinder(plan)
-            if self.unwind is not None and request.pid is not None:
-                self.unwind.load(request.pid)  # its tables before its first traced call
+            if self.unwind is not None:  # their tables before their first traced call
+                for pid in running_targets(request):
+                    self.unwind.load(pid)
             usdt.attach_sites(self.program, self.selection)
             if self.alloc_plan is not None:
                 alloc_probes.attach_allocs(self.program, self.alloc_plan, request.sample_bytes,
@@ -612,6 +613,18 @@ class _Watch:
     def close(self) -> None:
         if self.pidfd is not None:
             os.close(self.pidfd)
+
+
+def running_targets(request: TraceRequest) -> list[int]:
+    """The running processes the trace names as it starts: --pid's, and
+    those --comm or --cgroup name now (later ones are followed from their
+    fork or exec)."""
+    found = [request.pid] if request.pid is not None else []
+    if request.comm is not None:
+        found += target.processes_with_comm(request.comm)
+    if request.cgroup is not None:
+        found += target.cgroup_processes(request.cgroup)
+    return found
 
 
 def _start(trace: LiveTrace, request: TraceRequest,

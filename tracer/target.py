@@ -197,6 +197,18 @@ def cgroup_target(path: str) -> tuple[int, int, Path]:
     return stat.st_ino, level, directory
 
 
+def cgroup_processes(path: str) -> list[int]:
+    """The processes in cgroup v2 ``path`` and below it, now."""
+    directory = cgroup_target(path)[2]
+    found: set[int] = set()
+    for procs in directory.rglob("cgroup.procs"):
+        try:
+            found.update(int(pid) for pid in procs.read_text().split())
+        except (OSError, ValueError):
+            continue  # a cgroup removed meanwhile
+    return sorted(found)
+
+
 def cgroup2_root() -> Path:
     """Where the cgroup v2 hierarchy is mounted (/sys/fs/cgroup, or
     /sys/fs/cgroup/unified on a hybrid layout)."""

@@ -121,6 +121,14 @@ class Workload:
         assert self.line() == b"done\n"
         return dict(json.loads(self.truth_file.read_text()))
 
+    def drop(self) -> None:
+        """End one that never worked (its work is not wanted)."""
+        self.proc.kill()
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
+
     def end(self) -> None:
         assert self.proc.stdin is not None
         self.proc.stdin.write(b"end\n")
@@ -166,26 +174,22 @@ class Delta:
 DELTA_WINDOWS = (10, 40, 160)  # seconds: the next is asked when the work outlasted one
 
 
-def delta_while_working(reaper: Reaper, cgroup: Path, base: str, tls: Any, tmp: Path,
-                        started: int, seconds: int) -> Delta | None:  # fmt: skip
-    """go tool pprof's delta of ``seconds``, while a new workload in ``cgroup``
-    and a decoy outside it work once it has begun; None when the window
-    closed before they were done (the fetch was over: its thread had ended)."""
-    during = Workload(reaper, tmp / f"during{started}.json")
-    decoy = Workload(reaper, tmp / f"decoy{started}.json")
-    (cgroup / "cgroup.procs").write_text(f"{during.proc.pid}\n")
+def delta_while_working(pair: tuple[Workload, Workload], base: str, metrics: str, tls: Any,
+                        tmp: Path, started: int, seconds: int) -> Delta | None:  # fmt: skip
+    """go tool pprof's delta of ``seconds``, while a workload in the traced
+    cgroup and a decoy outside it (``pair``) work once it has begun; None
+    when the window closed before they were done (the fetch was over: its
+    thread had ended)."""
+    during, decoy = pair
     delta: list[RawProfile] = []
     fetcher = threading.Thread(target=lambda: delta.append(
         go_raw(f"{base}/allocs", tmp, "-seconds", str(seconds), ca=tls.cert)))  # fmt: skip
     fetcher.start()
-    metrics = base.replace("/debug/pprof", "/metrics")
     wait_until(lambda: deltas_started(metrics, tls) > started, "the delta profile begun")
     truth = during.work()
     decoy.work()
     inside = fetcher.is_alive()
     fetcher.join(timeout=seconds + 300)
-    for work in (during, decoy):
-        work.end()
     return Delta(delta[0], during, truth) if inside else None
 
 
@@ -216,8 +220,14 @@ def test_go_tool_pprof_reads_a_container_s_delta_profile_over_https_with_basic_a
     user = urllib.parse.quote(web_tls.user) + ":" + urllib.parse.quote(web_tls.password)
     base = f"https://{user}@127.0.0.1:{port}/debug/pprof"
     with Reaper() as reaper:
+        # (the second and the decoy thrice: a pair for each window that may be
+        # asked; all started before serve, which writes their tables first)
         before = Workload(reaper, tmp_path / "before.json")
-        (container_cgroup / "cgroup.procs").write_text(f"{before.proc.pid}\n")
+        pairs = [(Workload(reaper, tmp_path / f"during{n}.json"),
+                  Workload(reaper, tmp_path / f"decoy{n}.json"))
+                 for n in range(len(DELTA_WINDOWS))]  # fmt: skip
+        for work in (before, *(during for during, _ in pairs)):
+            (container_cgroup / "cgroup.procs").write_text(f"{work.proc.pid}\n")
         serve, err = start_serve(
             ["--cgroup", cgroup, "--exact", "--no-kmem", "--web.listen-address",
              f"127.0.0.1:{port}", "--web.config.file", str(web_tls.config)], tmp_path, reaper,
@@ -228,8 +238,8 @@ def test_go_tool_pprof_reads_a_container_s_delta_profile_over_https_with_basic_a
         # outlast it, the same again with new ones in a longer window)
         found = None
         for started, seconds in enumerate(DELTA_WINDOWS):
-            found = delta_while_working(reaper, container_cgroup, base, web_tls, tmp_path,
-                                        started, seconds)  # fmt: skip
+            found = delta_while_working(pairs[started], base, f"https://127.0.0.1:{port}/metrics",
+                                        web_tls, tmp_path, started, seconds)  # fmt: skip
             if found is not None:
                 break
         assert found is not None, f"the work outlasted every window {DELTA_WINDOWS}"
@@ -239,7 +249,11 @@ def test_go_tool_pprof_reads_a_container_s_delta_profile_over_https_with_basic_a
         refused = fetch(f"https://127.0.0.1:{port}/debug/pprof/heap?pid=0", web_tls,
                         web_tls.password)  # fmt: skip
         unauthorised = fetch(f"https://127.0.0.1:{port}/debug/pprof/heap", web_tls, "wrong")
-        before.end()
+        used = pairs[: started + 1]
+        for work in (before, *(w for pair in used for w in pair)):
+            work.end()
+        for work in (w for pair in pairs[started + 1 :] for w in pair):
+            work.drop()
         assert stop(serve) == 0, err.read_text()
     # THEN the delta holds exactly what the second workload did, function by
     # function, and nothing of the first (done before it) or of the decoy;
