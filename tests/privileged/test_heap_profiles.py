@@ -210,6 +210,17 @@ def assert_holds(profile: RawProfile, work: Workload, truth: dict[str, Any]) -> 
             assert caller == "start_thread" or sample.frames[-1] == "_start", sample.frames
 
 
+def first_delta(pairs: list[tuple[Workload, Workload]], base: str, metrics: str, tls: Any,
+                tmp: Path) -> tuple[int, Delta]:  # fmt: skip
+    """The first delta whose window the work of its pair did not outlast,
+    and its number."""
+    for started, seconds in enumerate(DELTA_WINDOWS):
+        found = delta_while_working(pairs[started], base, metrics, tls, tmp, started, seconds)
+        if found is not None:
+            return started, found
+    raise AssertionError(f"the work outlasted every window {DELTA_WINDOWS}")
+
+
 def test_go_tool_pprof_reads_a_container_s_delta_profile_over_https_with_basic_auth(
     web_tls: Any, tmp_path: Path, container_cgroup: Path
 ) -> None:
@@ -236,13 +247,8 @@ def test_go_tool_pprof_reads_a_container_s_delta_profile_over_https_with_basic_a
         # WHEN go tool pprof asks for a 10-second delta, and a second
         # workload and a decoy work once it has begun (and, should they
         # outlast it, the same again with new ones in a longer window)
-        found = None
-        for started, seconds in enumerate(DELTA_WINDOWS):
-            found = delta_while_working(pairs[started], base, f"https://127.0.0.1:{port}/metrics",
-                                        web_tls, tmp_path, started, seconds)  # fmt: skip
-            if found is not None:
-                break
-        assert found is not None, f"the work outlasted every window {DELTA_WINDOWS}"
+        started, found = first_delta(pairs, base, f"https://127.0.0.1:{port}/metrics", web_tls,
+                                     tmp_path)  # fmt: skip
         # AND the whole profile of the first workload, and of another cgroup
         whole = go_raw(f"{base}/heap?pid={before.proc.pid}", tmp_path, ca=web_tls.cert)
         other = go_raw(f"{base}/heap?cgroup=/system.slice", tmp_path, ca=web_tls.cert)
