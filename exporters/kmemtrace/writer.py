@@ -4,6 +4,7 @@ CPU (the ABI: ``abi``)."""
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,6 +207,9 @@ class _Fields:
         return rec
 
 
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk (or quota), not bad input
+
+
 def new_record_set(directory: Path) -> None:
     """Make ``directory`` for a record set, or refuse one that holds a set."""
     try:
@@ -246,6 +250,9 @@ class KmemtraceWriter:
             (directory / NODES_FILE).write_text("" if cpus else _machine_nodes())
             (directory / KALLSYMS_FILE).write_text(kallsyms)
         except OSError as exc:
+            if exc.errno in FULL:
+                raise OutputError(f"cannot write the record set {directory}: {exc.strerror}; "
+                                  "no record was written") from None  # fmt: skip
             raise RecordSetError(f"cannot write the record set {directory}: {exc}") from None
 
     def write(self, batch: np.ndarray, kmem_kind: int, probe_kind: int,
