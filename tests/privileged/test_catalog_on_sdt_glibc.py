@@ -108,9 +108,14 @@ def test_probes_of_a_running_process_list_its_libc_and_ld_so(sdt: SdtGlibc) -> N
     # which execs ld.so in the same pid)
     with Reaper() as reaper:
         proc = reaper.add(subprocess.Popen(sdt.wrap(["/bin/sleep", "60"])))
+        # (ld.so is mapped first and maps the libc after it: wait for both;
+        # the maps name the libc.so.6 link's file)
         deadline = time.monotonic() + 30
-        while "ld.so" not in Path(f"/proc/{proc.pid}/maps").read_text():
-            assert time.monotonic() < deadline, "the process never mapped the SDT ld.so"
+        maps = Path(f"/proc/{proc.pid}/maps")
+        while not all(
+            path in maps.read_text() for path in ("/elf/ld.so", os.path.realpath(sdt.libc))
+        ):
+            assert time.monotonic() < deadline, "the process never mapped the SDT ld.so and libc"
             time.sleep(0.05)
         # WHEN its probes are listed by pid
         done = subprocess.run(

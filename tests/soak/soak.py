@@ -191,6 +191,7 @@ def start_bpftrace(libc: Path, tmp: Path) -> tuple[subprocess.Popen[bytes], Path
         "  @depth[tid]--;\n"
         "  if (@depth[tid] == 0) { delete(@depth[tid]); }\n"
         "}\n"
+        "interval:s:1 { print(@allocs); }\n"
         "END { clear(@depth); }\n"
     )
     out = tmp / "bpftrace.out"
@@ -201,14 +202,33 @@ def start_bpftrace(libc: Path, tmp: Path) -> tuple[subprocess.Popen[bytes], Path
 
 
 def stop_bpftrace(proc: subprocess.Popen[bytes], out: Path) -> int:
-    proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=120)
+    """bpftrace's count once the churn has ended, then bpftrace killed.
+
+    The count is the second print after now: the first may have read its map
+    before now. bpftrace's own exit is not waited for: on a busy machine it
+    has taken over 120 s to detach."""
+    seen = len(printed_counts(out))
+    for _ in range(1200):
+        counts = printed_counts(out)
+        if len(counts) >= seen + 2:
+            proc.kill()
+            proc.wait()
+            return counts[seen + 1]
+        if proc.poll() is not None:
+            raise RuntimeError(f"bpftrace ended: {out.read_text(errors='replace')[-2000:]}")
+        time.sleep(0.1)
+    raise RuntimeError("bpftrace printed no count")
+
+
+def printed_counts(out: Path) -> list[int]:
+    """Each ``@allocs`` bpftrace printed, in order."""
+    counts = []
     for line in out.read_text(errors="replace").splitlines():
-        if line.startswith("{"):
+        if line.startswith("{") and line.endswith("}"):
             record = json.loads(line)
             if record.get("type") == "map" and "@allocs" in record.get("data", {}):
-                return int(record["data"]["@allocs"])
-    return 0  # no allocation counted
+                counts.append(int(record["data"]["@allocs"]))
+    return counts
 
 
 def programs_of(pid: int) -> set[int]:
