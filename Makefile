@@ -23,7 +23,11 @@ WORKLOADS := probe_exerciser kmem_exerciser mallopt_loop jmp_loop arena_contenti
 # shared libraries (the unwinding by CFI, tests/privileged/test_cfi_stacks.py).
 CFLAGS_DISTRO := -O2 -g -fomit-frame-pointer -Wall -Wextra
 CFI_WORKLOADS := libcfi_deep.so libcfi_plugin.so cfi_stacks cxx_stacks lock_chains
-exercisers: $(addprefix $(BUILD)/,$(WORKLOADS) $(CFI_WORKLOADS))
+exercisers: $(addprefix $(BUILD)/,$(WORKLOADS) $(CFI_WORKLOADS) libbump_malloc.so)
+
+# An allocator mtrace-live does not know (tests/privileged/test_allocators.py).
+$(BUILD)/libbump_malloc.so: tests/workloads/bump_malloc.c | $(BUILD)
+	gcc $(CFLAGS_DISTRO) -fPIC -shared -o $@ $<
 
 $(BUILD)/libcfi_%.so: tests/workloads/cfi/%.c | $(BUILD)
 	gcc $(CFLAGS_DISTRO) -fPIC -shared -o $@ $<

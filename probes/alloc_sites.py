@@ -72,6 +72,12 @@ class AllocSite:
     emulated: bool  # False: the entry, single-stepped
     aliases: tuple[str, ...] = ()  # other functions at the same address
     tail_calls: str | None = None  # the allocation function it jumps to (directly or by PLT)
+    kind: str = ""  # the handler that reads its arguments (probes/allocators.py); "": function
+
+    @property
+    def handler(self) -> str:
+        """The kind of call it is: allocs.bpf.c's ``alloc_<handler>`` reads it."""
+        return self.kind or self.function
 
     @property
     def offset(self) -> int:
@@ -115,34 +121,39 @@ def choose(code: bytes, entry: int, arguments: Iterable[str]) -> tuple[int, str,
     return entry, f"{first.mnemonic} {first.op_str}".strip(), False
 
 
-def alloc_sites(path: Path) -> dict[str, AllocSite]:
-    """The site of each allocation function the file exports (by its default
-    version), keyed by function name; functions it does not export are absent."""
+def alloc_sites(path: Path, entries: Mapping[str, str] | None = None,
+                tables: tuple[str, ...] = (".dynsym",)) -> dict[str, AllocSite]:  # fmt: skip
+    """The site of each allocation function the file defines in ``tables``
+    (by its default version), keyed by function name; functions it does not
+    define are absent. ``entries``: function -> its kind (probes/allocators.py),
+    glibc's ten names by default."""
+    kinds = entries if entries is not None else {name: name for name in ALLOC_FUNCTIONS}
     with open_elf(path) as elf:
-        dynsym = symbol_table(elf, ".dynsym")
-        if dynsym is None:
-            return {}
-        entries: dict[str, int] = {}
-        for symbol in dynsym:
-            if (
-                symbol.name in ALLOC_FUNCTIONS
-                and symbol.value
-                and symbol.type in (STT_FUNC, STT_GNU_IFUNC)
-            ):
-                entries.setdefault(symbol.name, symbol.value)
+        found: dict[str, int] = {}
+        for table in tables:
+            symbols = symbol_table(elf, table)
+            for symbol in symbols if symbols is not None else ():
+                if (
+                    symbol.name in kinds
+                    and symbol.value
+                    and symbol.type in (STT_FUNC, STT_GNU_IFUNC)
+                ):
+                    found.setdefault(symbol.name, symbol.value)
+        entry_of = {name: found[name] for name in kinds if name in found}  # in kinds' order
         by_address: dict[int, list[str]] = {}
-        for name, address in entries.items():
+        for name, address in entry_of.items():
             by_address.setdefault(address, []).append(name)
         targets = {**{address: names[0] for address, names in by_address.items()},
-                   **_plt_targets(elf)}  # fmt: skip
+                   **_plt_targets(elf, kinds)}  # fmt: skip
         sites = {}
-        for name, entry in entries.items():
+        for name, entry in entry_of.items():
             code, bias = code_at(elf, entry, entry + SCAN_BYTES, clamp=True)
-            address, text, fast = choose(code, entry, ALLOC_FUNCTIONS[name])
+            address, text, fast = choose(code, entry, ALLOC_FUNCTIONS[kinds[name]])
             aliases = tuple(other for other in by_address[entry] if other != name)
             jumps_to = tail_call(code, entry, targets)
             sites[name] = AllocSite(name, entry, address, address - bias, text, fast, aliases,
-                                    jumps_to if jumps_to != name else None)  # fmt: skip
+                                    jumps_to if jumps_to != name else None,
+                                    "" if kinds[name] == name else kinds[name])  # fmt: skip
         return sites
 
 
@@ -163,7 +174,7 @@ def tail_call(code: bytes, entry: int, targets: Mapping[int, str]) -> str | None
     return None
 
 
-def _plt_targets(elf: ELFFile) -> dict[int, str]:
+def _plt_targets(elf: ELFFile, kinds: Mapping[str, str]) -> dict[int, str]:
     """PLT stub address -> the allocation function its GOT slot is relocated to."""
     slots: dict[int, str] = {}
     for section in elf.iter_sections():
@@ -174,7 +185,7 @@ def _plt_targets(elf: ELFFile) -> dict[int, str]:
             continue
         for relocation in section.iter_relocations():
             symbol = symbols.get_symbol(relocation["r_info_sym"])
-            if symbol is not None and symbol.name in ALLOC_FUNCTIONS:
+            if symbol is not None and symbol.name in kinds:
                 slots[relocation["r_offset"]] = symbol.name
     stubs: dict[int, str] = {}
     disassembler = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)

@@ -40,10 +40,12 @@ ARCH=$(dpkg --print-architecture)
 # tests trace under load (tests/privileged/test_servers.py): both link libsystemd, hence libgcrypt.
 # clang and its sanitizer and libFuzzer runtimes fuzz the kmemtrace walker's C code natively (make fuzz,
 # tests/unit/test_native_fuzz.py).
+# The allocators other than glibc's are traced where a process calls them (tests/privileged/test_allocators.py).
 SERVERS=(mariadb-server mariadb-client redis-server redis-tools)
+ALLOCATORS=(libjemalloc2 libtcmalloc-minimal4 libgoogle-perftools4 libmimalloc2.0)
 packages=(python3-bpfcc libbpfcc bpfcc-tools bpftool bpftrace gcc g++ make libc6-dev libc6-dbg golang-go heaptrack
           systemtap-sdt-dev python3-venv python3-dev binutils prometheus openssl sqlite3 clang libclang-rt-dev
-          "${SERVERS[@]}")
+          "${SERVERS[@]}" "${ALLOCATORS[@]}")
 if [ "${ID}" = ubuntu ]; then
   packages+=(linux-tools-common "linux-tools-$KERNEL")
 else

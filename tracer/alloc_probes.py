@@ -26,6 +26,7 @@ from mtrace_live.exporters.data.alloc_snapshot import (
     StackColumns,
 )
 from mtrace_live.probes.alloc_sites import AllocSite, alloc_sites
+from mtrace_live.probes.allocators import GLIBC, Allocator
 from mtrace_live.probes.elf.errors import NoProbesError
 from mtrace_live.probes.elf.file import ELF_FAILURES, file_offset, load_segments, not_elf, open_elf
 from mtrace_live.probes.elf.symbols import symbol_table
@@ -61,6 +62,7 @@ class AllocPlan:
     seen_as: Mapping[str, str]  # function -> the probed one it is seen as
     exit_offset: int | None  # file offset of _exit, where processes are held
     thread_exit_offset: int | None = None  # of pthread_exit (one process's uprobes move on)
+    allocator: str = "glibc"  # whose entry points (probes/allocators.py)
 
     @property
     def stepped(self) -> list[str]:
@@ -68,33 +70,47 @@ class AllocPlan:
         return [name for name, site in self.sites.items() if not site.emulated]
 
 
-def plan_sites(libc: Path) -> AllocPlan:
-    """The sites to attach in ``libc``; NotElfError (exit 9) for a file that
-    is not a readable ELF file."""
+def plan_sites(libc: Path, allocator: Allocator = GLIBC,
+               tables: tuple[str, ...] = (".dynsym",)) -> AllocPlan:  # fmt: skip
+    """The sites to attach in ``libc`` (or another ``allocator``'s file,
+    its entry points found in ``tables``); NotElfError (exit 9) for a file
+    that is not a readable ELF file."""
     try:
-        return _plan_sites(libc)
+        return _plan_sites(libc, allocator, tables)
     except ELF_FAILURES as exc:
         raise not_elf(libc, exc) from None
 
 
-def _plan_sites(libc: Path) -> AllocPlan:
-    found = alloc_sites(libc)
+def _plan_sites(libc: Path, allocator: Allocator, tables: tuple[str, ...]) -> AllocPlan:
+    found = alloc_sites(libc, allocator.symbols, tables)
     sites: dict[str, AllocSite] = {}
     seen_as: dict[str, str] = {}
-    for name in ALLOC_FN_NAMES:
-        site = found.get(name)
-        if site is None:
-            continue
-        if site.tail_calls is not None and site.tail_calls in found:
-            seen_as[name] = site.tail_calls
+    for name, site in found.items():
+        target = found.get(site.tail_calls) if site.tail_calls is not None else None
+        if target is not None and _counted_alike(site, target):
+            seen_as[name] = target.function
             continue
         alias = next((other for other in site.aliases if other in sites), None)
         if alias is not None:
             seen_as[name] = alias
             continue
         sites[name] = site
+    if allocator is not GLIBC:  # processes are held in glibc's _exit, with glibc's plan
+        return AllocPlan(libc, sites, seen_as, None, None, allocator.name)
     exit_offset = exported_offset(libc, EXIT_FUNCTION)
     return AllocPlan(libc, sites, seen_as, exit_offset, exported_offset(libc, "pthread_exit"))
+
+
+def _counted_alike(site: AllocSite, target: AllocSite) -> bool:
+    """A function that jumps to ``target`` is seen as it when the target's
+    handler reads the same call: one kind, or glibc's reallocarray jumping to
+    realloc with the product as the size. Otherwise (mimalloc's mi_memalign
+    jumps to mi_malloc_aligned, its arguments swapped) it has its own probe,
+    and the target's hit, at the same stack pointer, is nested in it."""
+    return site.handler == target.handler or (site.handler, target.handler) == (
+        "reallocarray",
+        "realloc",
+    )
 
 
 def exported_offset(libc: Path, name: str) -> int | None:
@@ -137,9 +153,9 @@ def attach_allocs(program: BpfProgram, chosen: AllocPlan, sample_bytes: int, hol
     """Attach the handlers in every process that maps the libc, or, with
     ``pid``, in that process alone: then no other process on the machine
     takes a breakpoint on each malloc and free."""
-    for name, site in chosen.sites.items():
-        program.attach_uprobe(chosen.libc, site.file_offset, f"alloc_{name}", pid)
-        if name in RETURNS_POINTER:
+    for site in chosen.sites.values():
+        program.attach_uprobe(chosen.libc, site.file_offset, f"alloc_{site.handler}", pid)
+        if site.handler in RETURNS_POINTER:
             # At the site itself, not the entry: nothing before the site
             # moves rsp (probes/alloc_sites.py), so the return address is
             # still at the top of the stack for the kernel to replace, and

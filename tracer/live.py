@@ -19,7 +19,7 @@ import select
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -48,7 +48,7 @@ from mtrace_live.probes.elf.errors import (
 )
 from mtrace_live.probes.records import EVENT_DTYPE, EventKind
 
-from . import alloc_probes, bpf_syscalls, lock_waits, package_version, target, usdt
+from . import alloc_probes, bpf_syscalls, lock_waits, package_version, providers, target, usdt
 from .arena_walk import ArenaFinder, arena_symbols
 from .bpf_backend import BpfProgram, bcc_version, require_privileges
 from .counters import BpfCounters
@@ -117,6 +117,7 @@ class LiveTrace:
         libc: Path,
         make_sinks: Callable[[], list[Sink]],
         target_pid: int | None = None,
+        argv: Sequence[str] | None = None,
     ) -> None:
         """``make_sinks`` runs once the probes are chosen and root is
         confirmed, before the program is built: an output that cannot be
@@ -127,6 +128,9 @@ class LiveTrace:
         self.selection, self.sdt, self.alloc_plan = probes.selection, probes.sdt, probes.alloc_plan
         self.lock_plan = probes.lock_plan
         self.notices: list[str] = list(probes.notices)
+        self.providers = self._providers(libc, target_pid, argv)
+        self.provider_plans = tuple(alloc_probes.plan_sites(p.path, p.allocator, p.tables)
+                                    for p in self.providers.extra)  # fmt: skip
         traced = self.alloc_plan.libc if self.alloc_plan is not None else self.selection.libc
         followed = request.filtered_by_pid and not request.one_process
         uprobes = self.alloc_plan is not None or bool(self.sdt)
@@ -164,6 +168,27 @@ class LiveTrace:
         )
         if self.unwind is not None:
             self.counters.table_counts = self.unwind.table_counts
+
+    def _providers(self, libc: Path, target_pid: int | None,
+                   argv: Sequence[str] | None) -> providers.TraceProviders:  # fmt: skip
+        """The allocators beside the libc's that the targets call; a notice
+        for each target whose malloc no known allocator provides."""
+        request = self.request
+        if self.alloc_plan is None:
+            return providers.TraceProviders({}, ())
+        command = (target_pid, argv) if argv is not None and target_pid is not None else None
+        found = providers.for_trace(libc, running_targets(request), command,
+                                    request.all_processes, request.allocator_libs)  # fmt: skip
+        given = {provider.key for provider in found.extra if not provider.allocator.known}
+        for pid, theirs in found.per_process.items():
+            stranger = theirs.unknown_binding
+            if stranger is not None and stranger.key not in given:
+                self.notices.append(
+                    f"process {pid}'s malloc is provided by {stranger.name}, an allocator "
+                    "mtrace-live does not know: its calls are not traced (--allocator-lib "
+                    "with the file's path traces its standard names)"
+                )
+        return found
 
     def _load(self, plan: ProgramPlan, stats_fd: int | None) -> None:
         """Load the program; where it may hold processes, start the
@@ -209,6 +234,8 @@ class LiveTrace:
             if self.alloc_plan is not None:
                 alloc_probes.attach_allocs(self.program, self.alloc_plan, request.sample_bytes,
                                            self.hold, self.alloc_pid)  # fmt: skip
+                for more in self.provider_plans:  # each allocator beside the libc's, once a file
+                    alloc_probes.attach_allocs(self.program, more, 0, False, self.alloc_pid)
             if self.lock_plan is not None:
                 lock_waits.attach_lock_waits(self.program, self.lock_plan, self.alloc_pid)
             self.program.set_gate(True)
@@ -520,6 +547,8 @@ def announce(trace: LiveTrace, pid: int | None) -> None:
         what.append(
             f"{len(trace.alloc_plan.sites)} allocation functions in {trace.alloc_plan.libc}"
         )
+        what += [f"{len(more.sites)} of {more.allocator} in {more.libc}"
+                 for more in trace.provider_plans]  # fmt: skip
     if trace.sdt:
         what.append(f"{len(trace.selection.probes)} probes ({len(trace.selection.layouts)} "
                     f"sites) in {trace.selection.libc}")  # fmt: skip
@@ -533,6 +562,10 @@ def announce(trace: LiveTrace, pid: int | None) -> None:
         file=sys.stderr,
         flush=True,
     )
+    for traced, theirs in trace.providers.per_process.items():
+        if theirs.binding is not None:
+            print(f"mtrace-live: pid {traced}: allocator: {theirs.binding.label}",
+                  file=sys.stderr)  # fmt: skip
     for line in trace.selection.unreadable():
         print(f"mtrace-live: warning: argument not recorded: {line}", file=sys.stderr)
     state = target.process_state(pid) if pid is not None and not request.command else None
@@ -556,7 +589,8 @@ def run_trace(
     trace: LiveTrace | None = None
     try:
         trace = LiveTrace(request, libc, make_sinks or (lambda: default_sinks(request)),
-                          child.pid if child is not None else request.pid)  # fmt: skip
+                          child.pid if child is not None else request.pid,
+                          child.argv if child is not None else None)  # fmt: skip
     except BaseException:
         if child is not None:
             child.abandon()  # the command never ran

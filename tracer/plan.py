@@ -68,6 +68,7 @@ class TraceRequest:
     lock_times: bool = True  # time the waits in the libc's lock-wait slow path
     frame_pointers: bool = False  # walk stacks by frame pointers only, not by the CFI
     wrappers: tuple[str, ...] = ()  # --wrappers: allocation wrappers beyond the known ones
+    allocator_libs: tuple[Path, ...] = ()  # --allocator-lib: an unknown allocator's files
     # serve gives up root in before_start: then no process can be held in
     # _exit (it could not be continued), and the target's symbols are read
     # before, while /proc/PID/maps and its files can still be read.

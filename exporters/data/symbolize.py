@@ -23,6 +23,7 @@ Neither is an error.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import functools
 import os
 import re
@@ -64,6 +65,25 @@ class Symbol:
 _RUST_LEGACY = re.compile(r"^_ZN.*17h[0-9a-f]{16}E(\.[\w.$]+)?$")
 
 
+@functools.cache
+def _demangler() -> cxxfilt.BaseDemangler:
+    """cxxfilt's demangler, freeing what __cxa_demangle returns with the
+    ``free`` this process's ``malloc`` pairs with. cxxfilt takes libc's own
+    ``free`` (dlopen of libc.so.6): under a preloaded allocator (mtrace-live
+    run with LD_PRELOAD=libtcmalloc...) that frees tcmalloc's block with
+    glibc's, and the process aborts. dlsym in the global scope finds the
+    interposed one."""
+    try:
+        demangler = cxxfilt.Demangler(cxxfilt.find_any_library("c"),
+                                      cxxfilt.find_any_library("stdc++", "c++"))  # fmt: skip
+    except cxxfilt.Error:
+        return cxxfilt.default_demangler
+    free = ctypes.CDLL(None).free
+    free.argtypes = [ctypes.c_void_p]
+    demangler._free = free
+    return demangler
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def demangled(name: str) -> str:
     """A C++ or Rust function's name as heaptrack and perf show it: a Rust
@@ -79,7 +99,7 @@ def demangled(name: str) -> str:
     if not name.startswith("_Z"):
         return name
     try:
-        return str(cxxfilt.demangle(name))
+        return str(_demangler().demangle(name))
     except cxxfilt.Error:
         return name
 

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from elftools.common.exceptions import DWARFError, ELFError
 from elftools.construct import ConstructError
+from elftools.elf.dynamic import DynamicSection
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import NoteSection
 
@@ -126,3 +127,12 @@ def code_at(elf: ELFFile, begin: int, end: int, clamp: bool = False) -> tuple[by
         if start <= begin and end <= stop:
             return bytes(segment.data()[begin - start : end - start]), start - segment["p_offset"]
     raise ValueError(f"{begin:#x}-{end:#x} is in no executable segment")
+
+
+def needed(elf: ELFFile) -> list[str]:
+    """The sonames the file names in DT_NEEDED, in order (none for a
+    static executable)."""
+    for section in elf.iter_sections():
+        if isinstance(section, DynamicSection):
+            return [str(tag.needed) for tag in section.iter_tags("DT_NEEDED")]  # type: ignore[attr-defined]
+    return []

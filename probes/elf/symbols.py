@@ -111,3 +111,17 @@ def symbols_by_name(
             if symbol.defined and symbol.name and (types is None or symbol.type in types):
                 found.setdefault(symbol.name, (symbol.value, symbol.size))
     return found
+
+
+def defined_functions(elf: ELFFile, tables: tuple[str, ...] = (".dynsym",)) -> set[str]:
+    """The names of the functions the file defines in ``tables``."""
+    names: set[str] = set()
+    for table in tables:
+        symbols = symbol_table(elf, table)
+        if symbols is None:
+            continue
+        for name, kind, shndx in zip(symbols.names, symbols.type.tolist(),
+                                     symbols.shndx.tolist(), strict=True):  # fmt: skip
+            if shndx != SHN_UNDEF and kind in (STT_FUNC, STT_GNU_IFUNC):
+                names.add(name)
+    return names

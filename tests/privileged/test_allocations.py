@@ -88,14 +88,16 @@ def bpftrace_script(libc: Path) -> str:
 
 
 def trace_launched(argv: list[str], libc_of: Callable[[int], Path], truth_file: Path, tmp: Path,
-                   extra: tuple[str, ...] = (), lib_option: bool = True) -> Traced:  # fmt: skip
-    """The workload started by ``argv``, bpftrace on ``libc_of(pid)`` and
-    mtrace-live (given that libc with --lib when ``lib_option``) on its pid."""
+                   extra: tuple[str, ...] = (), lib_option: bool = True,
+                   script: Callable[[Path], str] = bpftrace_script) -> Traced:  # fmt: skip
+    """The workload started by ``argv``, bpftrace (``script`` of the library)
+    on ``libc_of(pid)`` and mtrace-live (given that libc with --lib when
+    ``lib_option``) on its pid."""
     pprof = tmp / "allocs.pb.gz"
     with Reaper() as reaper:
         proc = start_workload(argv, reaper)
         libc = libc_of(proc.pid)
-        bpftrace, bpftrace_out = start_bpftrace(bpftrace_script(libc), proc.pid, tmp)
+        bpftrace, bpftrace_out = start_bpftrace(script(libc), proc.pid, tmp)
         reaper.add(bpftrace)
         wait_for_line(bpftrace_out, BPFTRACE_READY, bpftrace, timeout=120)
         err = tmp / "trace.err"

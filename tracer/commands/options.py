@@ -294,6 +294,17 @@ TRACE_OPTIONS = [
         "the binaries' CFI: cheaper, but one frame deep in code built without frame "
         "pointers, as distributions build it (docs/allocations.md).",
     ),
+    click.option(
+        "--allocator-lib",
+        "allocator_libs",
+        multiple=True,
+        type=click.Path(dir_okay=False, path_type=Path),
+        metavar="PATH",
+        help="Also trace the allocation functions this library exports (malloc, free and "
+        "the other standard names, and C++'s operator new and delete): an allocator "
+        "mtrace-live does not know. Known ones (glibc, jemalloc, tcmalloc, mimalloc) are "
+        "found in each process (docs/allocations.md).",
+    ),
     wrappers_option,
     click.option(
         "--leaks-older-than",

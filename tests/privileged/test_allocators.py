@@ -1,0 +1,124 @@
+"""The allocator a process really calls: jemalloc, tcmalloc and mimalloc,
+each preloaded into the allocation workload (tests/workloads/alloc_workload.c),
+traced by --pid with no library named, against what the workload says it
+did and against bpftrace on the same allocator's functions in the same run.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from .conftest import MTRACE, built
+from .test_allocations import COUNTED, Traced, by_site, start_workload, trace_launched
+from .tracing import Reaper
+
+LIBS = Path("/usr/lib/x86_64-linux-gnu")
+ALLOCATORS = {
+    "jemalloc": LIBS / "libjemalloc.so.2",
+    "tcmalloc": LIBS / "libtcmalloc_minimal.so.4",
+    "mimalloc": LIBS / "libmimalloc.so.2",
+    "unknown": Path(__file__).parents[2] / "build" / "libbump_malloc.so",  # given by its path
+}
+OUTER = "outer"
+
+
+def outer_calls_script(lib: Path) -> str:
+    """bpftrace counting each standard function's calls made outside every
+    other (a thread's depth in them), by the probe that took them."""
+    allocating = [name for name in COUNTED if name != "free"]
+    entries = ",".join(f"uprobe:{lib}:{name}" for name in allocating)
+    returns = ",".join(f"uretprobe:{lib}:{name}" for name in allocating)
+    return (
+        f"{entries} /pid == $1/ {{ if (@depth[tid] == 0) {{ @hits[probe] = count(); }} "
+        "@depth[tid]++; }\n"
+        f"{returns} /pid == $1 && @depth[tid] > 0/ {{ @depth[tid]--; }}\n"
+        f"uprobe:{lib}:free /pid == $1 && @depth[tid] == 0 && arg0 != 0/ "
+        "{ @hits[probe] = count(); }\n"
+    )
+
+
+@pytest.fixture(scope="module", params=sorted(ALLOCATORS))
+def preloaded(request: pytest.FixtureRequest,
+              tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Traced]:  # fmt: skip
+    name = request.param
+    lib = ALLOCATORS[name]
+    assert lib.exists(), f"{lib} is missing: make setup installs {name}'s Debian package"
+    tmp = tmp_path_factory.mktemp(f"allocator-{name}")
+    truth = tmp / "truth.json"
+    argv = ["env", f"LD_PRELOAD={lib}", str(built("alloc_workload")), "--wait", "--out",
+            str(truth)]  # fmt: skip
+    extra = ("--allocator-lib", str(lib)) if name == "unknown" else ()
+    return name, trace_launched(argv, lambda _: lib, truth, tmp, extra, lib_option=False,
+                                script=outer_calls_script)  # fmt: skip
+
+
+def test_each_allocator_is_found_and_named(preloaded: tuple[str, Traced]) -> None:
+    # GIVEN the workload with an allocator preloaded, traced by --pid alone
+    name, traced = preloaded
+    # THEN the trace names the allocator and its library
+    soname = ALLOCATORS[name].name
+    assert f"pid {traced.truth['pid']}: allocator: {name} ({soname})" in traced.stderr
+
+
+def test_every_call_site_counts_exactly_what_the_workload_did(
+    preloaded: tuple[str, Traced],
+) -> None:
+    # GIVEN what the workload says each of its call sites did
+    _, traced = preloaded
+    found = by_site(traced.tables["alloc_stacks"])
+    for site in traced.truth["sites"]:
+        key = (site["function"], site["fn"])
+        # THEN its calls, bytes and leaks equal the trace's, exactly
+        assert key in found, (key, sorted(found))
+        got = found[key]
+        assert (got["calls"], got["bytes"]) == (site["calls"], site["bytes"]), key
+        assert (got["live_objects"], got["live_bytes"]) == (
+            site["leaked_calls"], site["leaked_bytes"]), key  # fmt: skip
+
+
+def test_calls_of_each_function_equal_bpftraces_on_the_allocator(
+    preloaded: tuple[str, Traced],
+) -> None:
+    # GIVEN bpftrace's count of each of the allocator's standard functions'
+    # outermost calls, in the same run
+    name, traced = preloaded
+    theirs = traced.bpftrace
+    # THEN mtrace-live's calls of each kind, all call sites summed, are the same
+    ours: dict[str, int] = defaultdict(int)
+    for row in traced.tables["alloc_stacks"]:
+        ours[row["allocator"]] += row["calls"]
+    for function in COUNTED:
+        if function != "free":
+            assert ours.get(function, 0) == theirs.get(function, 0), (name, function)
+    assert theirs.get("malloc", 0) >= sum(
+        s["calls"] for s in traced.truth["sites"] if s["fn"] == "malloc"
+    )
+
+
+def test_a_process_on_an_unknown_allocator_is_named_with_the_option_that_traces_it(
+    tmp_path: Path,
+) -> None:
+    # GIVEN the workload on an allocator mtrace-live does not know, traced
+    # by --pid without --allocator-lib
+    lib = ALLOCATORS["unknown"]
+    with Reaper() as reaper:
+        argv = ["env", f"LD_PRELOAD={lib}", str(built("alloc_workload")), "--wait"]
+        proc = start_workload([*argv, "--out", str(tmp_path / "truth.json")], reaper)
+        done = subprocess.run([*MTRACE, "--pid", str(proc.pid), "-o", "summary",
+                               "--duration", "1"],
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert proc.stdin is not None
+        proc.stdin.write(b"go\n")
+        proc.stdin.close()  # the workload goes on, and ends
+        assert proc.wait(timeout=120) == 0
+    # THEN one line names the object that provides malloc, and the option
+    assert done.returncode == 0, done.stderr
+    said = [line for line in done.stderr.splitlines() if "libbump_malloc.so" in line]
+    assert len(said) == 2, done.stderr  # the notice, and the process's allocator
+    assert "an allocator mtrace-live does not know" in said[0]
+    assert "--allocator-lib" in said[0]
+    assert said[1].endswith(f"pid {proc.pid}: allocator: unknown (libbump_malloc.so)")

@@ -1,0 +1,99 @@
+"""Which allocator a set of objects binds malloc to, and where each known
+allocator is probed, on the Debian packages' own files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mtrace_live.probes.allocators import JEMALLOC, KNOWN, MIMALLOC, TCMALLOC, identify
+from mtrace_live.probes.elf.file import open_elf
+from mtrace_live.probes.elf.symbols import defined_functions
+from mtrace_live.tracer.alloc_probes import plan_sites
+from mtrace_live.tracer.providers import resolve, search_order
+
+from .needs import needs
+
+LIBS = Path("/usr/lib/x86_64-linux-gnu")
+LIBC = Path("/lib/x86_64-linux-gnu/libc.so.6")
+FILES = {
+    "glibc": LIBC,
+    "jemalloc": LIBS / "libjemalloc.so.2",
+    "tcmalloc": LIBS / "libtcmalloc_minimal.so.4",
+    "mimalloc": LIBS / "libmimalloc.so.2",
+}
+
+
+def file_of(name: str) -> Path:
+    path = FILES[name]
+    needs(path.exists(), f"{path} (make setup installs the allocators' Debian packages)")
+    return path
+
+
+@pytest.mark.parametrize("name", sorted(FILES))
+def test_each_allocators_library_is_told_by_its_symbols(name: str) -> None:
+    # GIVEN the functions each allocator's library defines
+    with open_elf(file_of(name)) as elf:
+        defined = defined_functions(elf)
+    # THEN it is told as that allocator, and it defines malloc
+    found = identify(defined)
+    assert found is not None and found.name == name
+    assert "malloc" in defined
+
+
+@pytest.mark.parametrize(("allocator", "own"), [
+    (JEMALLOC, {"mallocx": "malloc", "rallocx": "realloc", "sdallocx": "free",
+                "dallocx": "free", "aligned_alloc": "aligned_alloc"}),
+    (TCMALLOC, {"tc_new": "malloc", "tc_free_sized": "free", "tc_delete_aligned": "free"}),
+    # (mi_memalign jumps to mi_malloc_aligned, its arguments swapped: probed
+    # as itself, not seen as the malloc it jumps to)
+    (MIMALLOC, {"mi_zalloc": "malloc", "mi_mallocn": "calloc", "mi_memalign": "memalign",
+                "mi_new_n": "calloc"}),
+])  # fmt: skip
+def test_each_allocators_own_entry_points_are_probed_as_their_kind(
+    allocator: object, own: dict[str, str]
+) -> None:
+    assert allocator in KNOWN
+    # GIVEN the sites chosen in the allocator's library
+    plan = plan_sites(file_of(allocator.name), allocator)  # type: ignore[attr-defined]
+    # THEN each of its own entry points has a probe that reads it as its kind
+    for function, kind in own.items():
+        assert plan.sites[function].handler == kind, function
+    # and the standard names are each probed, or seen as a probed function
+    for function in ("malloc", "calloc", "realloc", "free", "posix_memalign"):
+        seen = plan.seen_as.get(function, function)
+        while seen in plan.seen_as:
+            seen = plan.seen_as[seen]
+        assert seen in plan.sites, function
+
+
+def test_malloc_binds_to_the_first_object_in_the_search_order_that_defines_it() -> None:
+    # GIVEN a program, and jemalloc preloaded before its libc
+    program = ("true", Path("/bin/true"))
+    jemalloc, libc = file_of("jemalloc"), file_of("glibc")
+    find = {"libc.so.6": libc, "libjemalloc.so.2": jemalloc}
+    preloaded = search_order(program, [("libjemalloc.so.2", jemalloc)], find)
+    plain = search_order(program, [], find)
+    # THEN preloaded, jemalloc provides malloc, and glibc is traced beside it
+    assert [name for name, _ in preloaded] == ["true", "libjemalloc.so.2", "libc.so.6"]
+    found = resolve(preloaded, preloaded[1:])
+    assert found.binding is not None and found.binding.label == "jemalloc (libjemalloc.so.2)"
+    assert [p.allocator.name for p in found.all] == ["jemalloc", "glibc"]
+    # and without it, glibc's libc does
+    alone = resolve(plain, plain[1:])
+    assert alone.binding is not None and alone.binding.allocator.name == "glibc"
+
+
+def test_an_object_of_no_known_allocator_that_defines_malloc_is_named() -> None:
+    # GIVEN the workloads' own allocator (tests/workloads/bump_malloc.c),
+    # preloaded before the libc: it defines the standard names, no one's marks
+    bump = Path(__file__).parents[2] / "build" / "libbump_malloc.so"
+    needs(bump.exists(), f"{bump} (make exercisers builds it)")
+    order = [("true", Path("/bin/true")), ("libbump_malloc.so", bump),
+             ("libc.so.6", file_of("glibc"))]  # fmt: skip
+    found = resolve(order, order[1:])
+    # THEN it is the binding, told as unknown, and not traced unless given;
+    # glibc, which the process maps, is
+    assert found.unknown_binding is not None
+    assert found.unknown_binding.label == "unknown (libbump_malloc.so)"
+    assert [p.allocator.name for p in found.all] == ["glibc"]

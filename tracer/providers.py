@@ -1,0 +1,301 @@
+"""Which allocator a process really calls: the object its ``malloc`` binds to.
+
+The dynamic linker binds ``malloc`` to the first object in its search
+order that defines it: the executable, then the ``LD_PRELOAD`` libraries
+(and /etc/ld.so.preload's), then the ``DT_NEEDED`` libraries, breadth-first
+in load order. A running process's objects are the files it maps (reached
+through /proc/PID/map_files, in any mount namespace); a command about to
+run is asked of the dynamic linker itself (``ld.so --list``), with the
+environment it will run in.
+
+Beside that provider, a process may call others: glibc's ``malloc`` by
+``dlsym(RTLD_NEXT)``, an allocator a plugin maps, a copy built into the
+executable under prefixed names (``je_malloc``). Every known allocator a
+process maps, and one built into its executable, is traced.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from mtrace_live.exporters.data.processes import proc_dir
+from mtrace_live.probes.allocators import UNKNOWN, Allocator, identify
+from mtrace_live.probes.elf.file import ELF_FAILURES, needed, open_elf
+from mtrace_live.probes.elf.symbols import defined_functions
+
+from .target import mapped_glibc
+
+# Files that may hold a known allocator: read for their symbols when mapped.
+_ALLOCATOR_FILE = re.compile(r"^lib(c|jemalloc|tcmalloc\w*|mimalloc\w*)([.-][\w.-]*)?\.so[\w.]*$")
+_PRELOAD_SPLIT = re.compile(r"[:\s]+")
+
+
+@dataclass(frozen=True)
+class Provider:
+    """An allocator in one file."""
+
+    allocator: Allocator
+    path: Path  # readable from here
+    name: str  # the file's name, as the process maps it
+    tables: tuple[str, ...] = (".dynsym",)  # where its entry points are found
+    built_in: bool = False  # in the executable, not a library
+
+    @property
+    def label(self) -> str:
+        """As the outputs name it: ``jemalloc (libjemalloc.so.2)``."""
+        return f"{self.allocator.name} ({self.name})"
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """The file's identity: one provider is attached once per file."""
+        return _identity(self.path)
+
+
+@dataclass(frozen=True)
+class Providers:
+    """A process's allocators: the one ``malloc`` binds to (None: no object
+    defines it, or the one that does is unreadable) and every one it may call."""
+
+    binding: Provider | None
+    all: tuple[Provider, ...]  # the known ones (an unknown binding is traced when given)
+
+    @property
+    def unknown_binding(self) -> Provider | None:
+        """The binding, when it is no allocator mtrace-live knows."""
+        known = self.binding is not None and self.binding.allocator.known
+        return None if known else self.binding
+
+
+def _defines(path: Path, tables: tuple[str, ...] = (".dynsym",)) -> set[str]:
+    try:
+        with open_elf(path) as elf:
+            return defined_functions(elf, tables)
+    except (OSError, *ELF_FAILURES):
+        return set()
+
+
+def _needs(path: Path) -> list[str]:
+    try:
+        with open_elf(path) as elf:
+            return needed(elf)
+    except (OSError, *ELF_FAILURES):
+        return []
+
+
+Objects = list[tuple[str, Path]]  # (the file's name as the process sees it, a path from here)
+
+
+def search_order(exe: tuple[str, Path], preload: Objects, find: Mapping[str, Path]) -> Objects:
+    """The objects in the dynamic linker's search order: ``exe``, the
+    ``preload`` libraries, then DT_NEEDED breadth-first (``find``: soname ->
+    the file; a soname not found is left out, as one not loaded)."""
+    order = [exe, *preload]
+    seen = {name for name, _ in order}
+    at = 0
+    while at < len(order):
+        for soname in _needs(order[at][1]):
+            path = find.get(soname)
+            if path is not None and soname not in seen:
+                seen.add(soname)
+                order.append((soname, path))
+        at += 1
+    return order
+
+
+def resolve(order: Objects, mapped: Objects) -> Providers:
+    """The providers of a process whose objects, in search order, are
+    ``order``, and which maps ``mapped`` besides."""
+    binding = None
+    for name, path in order:
+        names = _defines(path)
+        if "malloc" in names:
+            binding = Provider(identify(names) or UNKNOWN, path, name)
+            break
+    found = [] if binding is None or not binding.allocator.known else [binding]
+    if order:
+        name, exe = order[0]
+        built = identify(_defines(exe, (".dynsym", ".symtab")))
+        if built is not None and (not found or found[0].path != exe):
+            found.append(Provider(built, exe, name, (".dynsym", ".symtab"), built_in=True))
+    for name, path in mapped:
+        if _ALLOCATOR_FILE.match(name) and _identity(path) not in {p.key for p in found}:
+            allocator = identify(_defines(path))
+            if allocator is not None:
+                found.append(Provider(allocator, path, name))
+    return Providers(binding, tuple(found))
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return 0, 0
+    return stat.st_dev, stat.st_ino
+
+
+def of_process(pid: int) -> Providers:
+    """The providers of running process ``pid`` (none when its maps cannot
+    be read: it is gone)."""
+    files = _mapped_files(pid)
+    if not files:
+        return Providers(None, ())
+    by_name = _FileNames(files)
+    preload = [(name, path) for name in _preloaded(pid) if (path := by_name.get(name))]
+    return resolve(search_order(_exe_of(pid, files), preload, by_name), files)
+
+
+class _FileNames(dict[str, Path]):
+    """The mapped files by name; a soname (libtcmalloc_minimal.so.4) finds
+    the file it links to (libtcmalloc_minimal.so.4.5.10)."""
+
+    def __init__(self, files: Objects) -> None:
+        super().__init__(reversed(files))  # the first mapping of each name
+
+    def get(self, soname: str, default: Path | None = None) -> Path | None:  # type: ignore[override]
+        if soname in self:
+            return self[soname]
+        return next((path for name, path in self.items() if name.startswith(soname + ".")),
+                    default)  # fmt: skip
+
+
+def of_command(argv: Sequence[str], ld_so: Path | None) -> Providers:
+    """The providers the command ``argv`` will have, asked of the dynamic
+    linker ``ld_so`` with this environment (its LD_PRELOAD included)."""
+    exe = Path(argv[0])
+    listed: Objects = []
+    if ld_so is not None:
+        try:
+            done = subprocess.run([str(ld_so), "--list", str(exe)], capture_output=True,
+                                  text=True, timeout=30, check=False)  # fmt: skip
+            listed = [(os.path.basename(path), Path(path))
+                      for path in re.findall(r"^\s+(?:\S+ => )?(/\S+) \(0x", done.stdout,
+                                             re.MULTILINE)]  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            listed = []
+    return resolve([(exe.name, exe), *listed], listed)
+
+
+def _mapped_files(pid: int) -> Objects:
+    """The files process ``pid`` maps, each once, in address order, each
+    reached through its map_files link (in any mount namespace)."""
+    directory = proc_dir(pid)
+    try:
+        lines = (directory / "maps").read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return []
+    files: Objects = []
+    seen: set[str] = set()
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or not fields[5].startswith("/") or fields[5] in seen:
+            continue
+        seen.add(fields[5])
+        files.append((os.path.basename(fields[5]), _reached(directory, fields)))
+    return files
+
+
+def _reached(directory: Path, fields: list[str]) -> Path:
+    """The file of a maps line: at its path when that is the file here (a
+    path that lasts), else through the process's map_files link."""
+    shown = Path(fields[5])
+    try:
+        if fields[4].isdigit() and os.stat(shown).st_ino == int(fields[4]):
+            return shown
+    except OSError:
+        pass
+    return directory / "map_files" / fields[0]
+
+
+def _exe_of(pid: int, files: Objects) -> tuple[str, Path]:
+    """The mapping of the executable: the file /proc/PID/exe is."""
+    try:
+        exe = os.stat(proc_dir(pid) / "exe")
+    except OSError:
+        return files[0]
+    for name, path in files:
+        try:
+            stat = os.stat(path)
+        except OSError:
+            continue
+        if (stat.st_dev, stat.st_ino) == (exe.st_dev, exe.st_ino):
+            return name, path
+    return files[0]
+
+
+def _preloaded(pid: int) -> list[str]:
+    """The names of the libraries the process was started with preloaded:
+    its LD_PRELOAD, then its root's /etc/ld.so.preload."""
+    names: list[str] = []
+    try:
+        environ = (proc_dir(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:
+        environ = []
+    for entry in environ:
+        if entry.startswith(b"LD_PRELOAD="):
+            value = entry.split(b"=", 1)[1].decode(errors="replace")
+            names += [os.path.basename(p) for p in _PRELOAD_SPLIT.split(value) if p]
+    try:
+        text = (proc_dir(pid) / "root" / "etc" / "ld.so.preload").read_text(errors="replace")
+        names += [os.path.basename(p) for p in _PRELOAD_SPLIT.split(text) if p]
+    except OSError:
+        pass
+    return names
+
+
+def unknown_provider(path: Path) -> Provider:
+    """--allocator-lib: a file whose standard names are traced, whoever it is."""
+    defined = _defines(path)
+    allocator = identify(defined) or UNKNOWN
+    return Provider(allocator, path, path.name)
+
+
+@dataclass(frozen=True)
+class TraceProviders:
+    """The allocators a trace attaches beside the libc's: what each target
+    process calls, and each file beyond the libc, once."""
+
+    per_process: Mapping[int, Providers]
+    extra: tuple[Provider, ...]
+
+
+def for_trace(libc: Path, pids: Sequence[int], command: tuple[int, Sequence[str]] | None,
+              everywhere: bool, given: Sequence[Path]) -> TraceProviders:  # fmt: skip
+    """The providers of the processes ``pids`` (or of ``command``: its pid
+    and argv, not yet run), with every allocator any process maps when the
+    trace covers ``everywhere``, and the files ``given`` (--allocator-lib)."""
+    if command is not None:
+        ld_so = mapped_glibc(os.getpid()).ld_so
+        per_process = {command[0]: of_command(command[1], ld_so)}
+    else:
+        per_process = {pid: of_process(pid) for pid in pids}
+    found = [p for providers in per_process.values() for p in providers.all]
+    if everywhere:
+        found += mapped_anywhere()
+    found += [unknown_provider(path) for path in given]
+    extra: dict[tuple[int, int], Provider] = {}
+    for provider in found:
+        if provider.key not in extra and provider.key != _identity(libc):
+            extra[provider.key] = provider
+    return TraceProviders(per_process, tuple(extra.values()))
+
+
+def mapped_anywhere() -> list[Provider]:
+    """Every known allocator a process on the machine maps, once per file."""
+    found: dict[tuple[int, int], Provider] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        for name, path in _mapped_files(int(entry)):
+            if not _ALLOCATOR_FILE.match(name):
+                continue
+            key = _identity(path)
+            if key not in found and key != (0, 0):
+                allocator = identify(_defines(path))
+                if allocator is not None:
+                    found[key] = Provider(allocator, path, name)
+    return list(found.values())
