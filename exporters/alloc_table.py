@@ -35,6 +35,18 @@ def stack_label(names: FrameNames, tgid: int, frames: Sequence[int],
     return " < ".join(shown) + (" < ..." if len(frames) > limit else "")
 
 
+def other_allocators(snapshot: AllocSnapshot) -> dict[int, str]:
+    """The processes whose malloc is not glibc's: pid -> its allocator, named."""
+    return {proc.tgid: proc.allocator_label for proc in snapshot.processes
+            if proc.allocator and proc.allocator != "glibc"}  # fmt: skip
+
+
+def not_glibc_line(pid: int, label: str) -> str:
+    """What the arena and contention view says of a process on another allocator."""
+    return (f"pid {pid}: allocator: {label}: the arenas and their contention are glibc's "
+            "malloc's, which it does not allocate from")  # fmt: skip
+
+
 def alloc_process_lines(snapshot: AllocSnapshot) -> list[str]:
     lines = []
     live = _live_by_process(snapshot.stacks)
@@ -50,6 +62,7 @@ def alloc_process_lines(snapshot: AllocSnapshot) -> list[str]:
             f"{proc.frees} frees{before}; {proc.failed} failed; "
             f"live {size_text(nbytes)} in {blocks} blocks"
             + (" (estimated from samples)" if snapshot.sample_bytes else "")
+            + (f"; allocator: {proc.allocator_label}" if proc.allocator else "")
         )
         vm = snapshot.vm.get(proc.tgid)
         if vm:

@@ -31,7 +31,7 @@ import secrets
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl
@@ -171,8 +171,9 @@ DROPPED = (
 )  # fmt: skip
 
 
-def comments(snapshot: AllocSnapshot, seconds: int) -> list[str]:
-    """The profile's comments: what it holds, its sampling, what did not fit."""
+def comments(snapshot: AllocSnapshot, seconds: int, tgids: Collection[int]) -> list[str]:
+    """The profile's comments: what it holds, its sampling, what did not fit,
+    and the allocator of each of its processes (``tgids``)."""
     since = f"over {seconds} s" if seconds else "since the trace began"
     said = [f"mtrace-live: allocations by call stack; inuse_* live now, alloc_* {since}"]
     if snapshot.sample_bytes:
@@ -181,7 +182,7 @@ def comments(snapshot: AllocSnapshot, seconds: int) -> list[str]:
     for key, what in DROPPED:
         if snapshot.misc.get(key, 0):
             said.append(f"{snapshot.misc[key]} {what}")
-    return said
+    return said + snapshot.allocator_lines(tgids)
 
 
 class HeapProfiles:
@@ -265,7 +266,7 @@ class HeapProfiles:
             self.encoder.retain(set(comms))
             body = self.encoder.encode(rows, labels.__getitem__, snapshot.sample_bytes,
                                        PROFILES.get(query.profile, "inuse_space"), duration_ns,
-                                       comments(snapshot, seconds))  # fmt: skip
+                                       comments(snapshot, seconds, keep))  # fmt: skip
         with self._lock:
             self.served["delta" if since is not None else "whole"] += 1
         return 200, body

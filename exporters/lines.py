@@ -132,6 +132,8 @@ def stack_table_json(snapshot: AllocSnapshot, names: FrameNames) -> Iterator[str
         yield json.dumps({"table": "alloc_processes", "pid": proc.tgid, "calls": proc.calls,
                           "bytes": proc.bytes, "frees": proc.frees,
                           "unknown_frees": proc.unknown_frees, "failed": proc.failed,
+                          "allocator": proc.allocator or None,
+                          "allocator_lib": proc.allocator_lib or None,
                           "syscalls": dict(snapshot.vm.get(proc.tgid, {}))},
                          separators=(",", ":"))  # fmt: skip
     yield json.dumps({"table": "alloc_functions", "calls": dict(snapshot.calls),

@@ -16,6 +16,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from .alloc_table import not_glibc_line, other_allocators
 from .alloc_view import AllocPanel
 from .contention_view import ContentionPanel
 from .data.allocator_state import Allocators, ProcessState
@@ -43,6 +44,7 @@ class LiveView(Sink):
         self._wait_rates: dict[tuple[int, int], float] = {}
         self._allocs: AllocPanel | None = None
         self._contention: ContentionPanel | None = None
+        self._others: dict[int, str] = {}  # pid -> its allocator, where it is not glibc's
 
     def start(self, info: TraceInfo) -> None:
         self._info = info
@@ -80,6 +82,7 @@ class LiveView(Sink):
             snapshot = self._info.counters.allocations(outstanding=True)
             if snapshot is not None:
                 self._allocs.update(snapshot, elapsed)
+                self._others = other_allocators(snapshot)
         lock_waits = self._info.counters.lock_waits()
         if lock_waits is not None and self._contention is not None:
             self._contention.update(lock_waits, elapsed)
@@ -111,9 +114,14 @@ class LiveView(Sink):
             parts.append(self._probe_table(hits, lost))
             with info.allocators.lock:
                 processes = sorted(info.allocators.processes.values(), key=lambda p: p.pid)
-            parts.append(self._arena_table(processes))
+            # the arenas are glibc's malloc's: a process on another allocator gets a line
+            on_glibc = [state for state in processes if state.pid not in self._others]
+            parts.append(self._arena_table(on_glibc))
+            if self._others:
+                said = [not_glibc_line(pid, label) for pid, label in sorted(self._others.items())]
+                parts.append(Text("\n".join(said)))
             if self._contention is not None:
-                parts += self._contention.render(processes)
+                parts += self._contention.render(on_glibc)
             parts.append(self._memory_table(processes))
             parts.append(self._settings_table(processes))
         return Group(*parts)

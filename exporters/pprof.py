@@ -486,9 +486,10 @@ class PprofSink(_ProfileSink):
     def profile(self, result: TraceResult) -> Any:
         if result.allocations is None:
             return None
-        return build_profile(result.allocations, result.frame_names,
-                             int(result.duration_s * 1e9),
-                             ["mtrace-live: allocations by call stack"])  # fmt: skip
+        allocs = result.allocations
+        return build_profile(allocs, result.frame_names, int(result.duration_s * 1e9),
+                             ["mtrace-live: allocations by call stack",
+                              *allocs.allocator_lines()])  # fmt: skip
 
 
 class ContentionSink(_ProfileSink):

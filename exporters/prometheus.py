@@ -85,10 +85,12 @@ class AllocFigures:
     include exited processes), and the top stacks by live bytes."""
 
     processes: Mapping[str, Mapping[str, int]]  # name -> calls, bytes, frees, ...
-    stacks: list[tuple[str, str, str, int]]  # (process, allocator, stack, live bytes)
+    stacks: list[tuple[str, str, str, int]]  # (process, function, stack, live bytes)
     dropped: Mapping[str, int]  # table -> allocations it had no room for
     sampled: bool
     profiles: Mapping[str, int] = field(default_factory=dict)  # kind -> heap profiles served
+    # name -> its allocator and that allocator's file ("jemalloc", "libjemalloc.so.2")
+    allocators: Mapping[str, tuple[str, str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -171,9 +173,11 @@ class MtraceCollector(Collector):
             sorted(figures.processes, key=lambda n: -figures.processes[n]["bytes"])
         )
         totals: dict[str, Counter[str]] = defaultdict(Counter)
+        allocators: dict[str, set[Labels]] = defaultdict(set)
         for name, values in figures.processes.items():
             totals[self._processes(name)].update(values)
-        yield from _alloc_processes(totals, figures.sampled)
+            allocators[self._processes(name)].add(figures.allocators.get(name, UNNAMED))
+        yield from _alloc_processes(totals, figures.sampled, allocators)
         yield from _vm(totals)
         yield self._alloc_stacks(figures)
         yield _by_label(family("alloc_table_dropped"), figures.dropped)
@@ -236,6 +240,11 @@ ALLOC_PROCESS_FAMILIES = {
     "free_unknown_calls": "unknown_frees", "alloc_failed_calls": "failed",
     "alloc_live_bytes": "live_bytes", "alloc_live_objects": "live_objects",
 }  # fmt: skip
+# The allocator label of a process whose allocator is not known (gone before
+# it was named), and of processes of one label on several.
+Labels = tuple[str, str]  # allocator, allocator_lib
+UNNAMED: Labels = ("unknown", "")
+MIXED: Labels = ("mixed", "")
 VM_SYSCALLS = ("mmap", "munmap", "mremap", "brk")
 # vm_bytes' kind label -> key of AllocFigures.processes (less "vm_").
 VM_BYTES = {
@@ -256,11 +265,19 @@ KMEM_FUNCTION_FAMILIES = {
 }  # fmt: skip
 
 
-def _alloc_processes(totals: Mapping[str, Counter[str]], sampled: bool) -> Iterator[MetricFamily]:
+def _alloc_processes(
+    totals: Mapping[str, Counter[str]],
+    sampled: bool,
+    allocators: Mapping[str, set[tuple[str, str]]],
+) -> Iterator[MetricFamily]:
+    """The per-process families, each process labelled with its allocator
+    (processes of one name, or under "other", on several: "mixed")."""
+    labels = {name: list(next(iter(found)) if len(found) == 1 else MIXED)
+              for name, found in allocators.items()}  # fmt: skip
     for name_, key in ALLOC_PROCESS_FAMILIES.items():
         metrics = family(name_, estimated=sampled)
         for name in sorted(totals):
-            metrics.add_metric([name], totals[name][key])
+            metrics.add_metric([name, *labels.get(name, UNNAMED)], totals[name][key])
         yield metrics
 
 

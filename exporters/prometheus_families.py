@@ -23,27 +23,28 @@ class Family(NamedTuple):
 
 
 _P, _PK = ("process",), ("process", "kind")
+_PA = ("process", "allocator", "allocator_lib")  # the allocator its malloc binds to, its file
 FAMILIES = {f.name: f for f in (
     # ---- the allocation functions
     Family("alloc_calls", COUNTER, "Allocations that returned a pointer (malloc, calloc, "
-           "realloc, memalign & co).", _P),
-    Family("alloc_bytes", COUNTER, "Bytes those allocations asked for.", _P),
+           "realloc, memalign & co).", _PA),
+    Family("alloc_bytes", COUNTER, "Bytes those allocations asked for.", _PA),
     Family("free_calls", COUNTER, "free() of a non-NULL pointer, and realloc's release of its "
-           "old block.", _P),
+           "old block.", _PA),
     Family("free_unknown_calls", COUNTER, "Frees of pointers not seen allocated (before the "
-           "trace, or not sampled).", _P),
-    Family("alloc_failed_calls", COUNTER, "Allocations that returned NULL.", _P),
+           "trace, or not sampled).", _PA),
+    Family("alloc_failed_calls", COUNTER, "Allocations that returned NULL.", _PA),
     Family("alloc_live_bytes", GAUGE, "Bytes allocated during the trace and not freed "
-           "yet{estimated}.", _P),
+           "yet{estimated}.", _PA),
     Family("alloc_live_objects", GAUGE, "Blocks allocated during the trace and not freed "
-           "yet{estimated}.", _P),
+           "yet{estimated}.", _PA),
     Family("vm_calls", COUNTER, "mmap, munmap, mremap and brk calls that succeeded (brk: that "
            "moved the break).", ("process", "syscall")),
     Family("vm_bytes", COUNTER, "Bytes of memory the process mapped, unmapped, remapped or "
            "moved its break by, outside malloc.", _PK),
     Family("alloc_stack_live_bytes", GAUGE, "Live bytes of the call stacks holding most (at "
            "most --top-stacks of them; the rest under stack=\"other\"){estimated}.",
-           ("process", "allocator", "stack")),
+           ("process", "function", "stack")),
     Family("alloc_table_dropped", COUNTER, "Allocations a kernel table had no room for: "
            "outstanding (not matched to their free), stacks (not aggregated), frames "
            "(aggregated by call site alone).", ("table",)),

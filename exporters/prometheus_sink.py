@@ -84,6 +84,7 @@ class MetricsSource:
         # what the kernel counted of the processes gone, whose rows are taken out
         self._retired_allocs: dict[str, Counter[str]] = defaultdict(Counter)
         self._retired_thread_ns: Counter[str] = Counter()
+        self._allocators: dict[str, tuple[str, str]] = {}  # process name -> its allocator, file
         self._gone_before: set[int] = set()
         self.profiles_served: Mapping[str, int] = {}  # the heap profiles' own count, once served
         self._last_housekeeping = time.monotonic()
@@ -293,8 +294,11 @@ class MetricsSource:
         for name, retired in self._retired_allocs.items():
             processes[name].update(retired)
         for proc in snapshot.processes:
-            figures = processes[self._name(proc.tgid, proc.comm)]
+            name = self._name(proc.tgid, proc.comm)
+            figures = processes[name]
             figures.update(_alloc_counts(proc, snapshot.vm.get(proc.tgid, {})))
+            if proc.allocator:  # kept for the name once the process is gone
+                self._allocators[name] = (proc.allocator, proc.allocator_lib)
             objects, nbytes = live.get(proc.tgid, (0, 0))
             figures["live_objects"] += objects
             figures["live_bytes"] += nbytes
@@ -308,7 +312,8 @@ class MetricsSource:
                    "stacks": snapshot.misc.get("stacks_full", 0),
                    "frames": snapshot.misc.get("frames_full", 0)}  # fmt: skip
         return AllocFigures(processes, stacks, dropped, sampled=bool(snapshot.sample_bytes),
-                            profiles=dict(self.profiles_served))  # fmt: skip
+                            profiles=dict(self.profiles_served),
+                            allocators=dict(self._allocators))  # fmt: skip
 
     def _locks(self) -> dict[str, LockFigures] | None:
         """The lock waits in time by process name: the kernel keeps every

@@ -79,7 +79,12 @@ def summary_lines(result: TraceResult) -> list[str]:
         lines.append(f"({silent} more probes attached, not hit)")
     waits = result.lock_waits
     inflated = result.allocations is not None
+    allocs = result.allocations
+    others = alloc_table.other_allocators(allocs) if allocs is not None else {}
     for state in sorted(result.model.processes.values(), key=lambda p: p.pid):
+        if state.pid in others:  # glibc's arenas, which it does not use: one line
+            lines.append(alloc_table.not_glibc_line(state.pid, others[state.pid]))
+            continue
         lines += process_lines(state, waits)
         if waits is not None and (state.pid in waits.threads or waits.of(state.pid).count):
             lines += process_contention_lines(waits, state, state.pid, result.frame_names, inflated)

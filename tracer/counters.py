@@ -64,6 +64,8 @@ class BpfCounters:
         self.delivered = 0
         # what the CFI unwinder's tables hold and could not (tracer/unwind_tables.py)
         self.table_counts: Callable[[], Mapping[str, int]] | None = None
+        # each process's allocator, as the outputs name it (tracer/providers.py)
+        self.allocator_of: Callable[[int], tuple[str, str]] | None = None
         self.kmem_delivered = 0
         self.alloc_delivered = 0  # allocation and free events read from the ring
         self.lock_delivered = 0  # lock wait events read from the ring
@@ -149,6 +151,12 @@ class BpfCounters:
         if snapshot.unwind and self.table_counts is not None:  # the tables' own, user space's
             tables = {f"tables_{key}": value for key, value in self.table_counts().items()}
             snapshot = replace(snapshot, unwind={**snapshot.unwind, **tables})
+        if self.allocator_of is not None:
+            processes = []
+            for proc in snapshot.processes:
+                allocator, lib = self.allocator_of(proc.tgid)
+                processes.append(replace(proc, allocator=allocator, allocator_lib=lib))
+            snapshot = replace(snapshot, processes=tuple(processes))
         return trimmed(snapshot, self.frame_names) if named else snapshot
 
     def lock_waits(self, stacks: bool = True) -> LockWaits | None:

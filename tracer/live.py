@@ -168,6 +168,8 @@ class LiveTrace:
         )
         if self.unwind is not None:
             self.counters.table_counts = self.unwind.table_counts
+        if self.alloc_plan is not None:
+            self.counters.allocator_of = providers.AllocatorNames(self.providers.per_process).of
 
     def _providers(self, libc: Path, target_pid: int | None,
                    argv: Sequence[str] | None) -> providers.TraceProviders:  # fmt: skip

@@ -71,20 +71,42 @@ class Providers:
         return None if known else self.binding
 
 
-def _defines(path: Path, tables: tuple[str, ...] = (".dynsym",)) -> set[str]:
-    try:
-        with open_elf(path) as elf:
-            return defined_functions(elf, tables)
-    except (OSError, *ELF_FAILURES):
-        return set()
+def _defines(path: Path, tables: tuple[str, ...] = (".dynsym",)) -> frozenset[str]:
+    return _file_facts(path, tables, "defines")  # type: ignore[return-value]
 
 
-def _needs(path: Path) -> list[str]:
+def _needs(path: Path) -> tuple[str, ...]:
+    return _file_facts(path, (), "needs")  # type: ignore[return-value]
+
+
+_FILE_FACTS: dict[tuple[object, ...], frozenset[str] | tuple[str, ...]] = {}
+
+
+def _file_facts(path: Path, tables: tuple[str, ...], what: str) -> frozenset[str] | tuple[str, ...]:
+    """What a file defines or needs, read once per file (its identity and
+    change time, whatever path reaches it): every process of a machine maps
+    much the same files."""
+    empty: frozenset[str] | tuple[str, ...] = frozenset() if what == "defines" else ()
     try:
-        with open_elf(path) as elf:
-            return needed(elf)
-    except (OSError, *ELF_FAILURES):
-        return []
+        stat = os.stat(path)
+    except OSError:
+        return empty
+    key = (stat.st_dev, stat.st_ino, stat.st_mtime_ns, tables, what)
+    found = _FILE_FACTS.get(key)
+    if found is None:
+        try:
+            with open_elf(path) as elf:
+                found = (
+                    frozenset(defined_functions(elf, tables))
+                    if what == "defines"
+                    else (tuple(needed(elf)))
+                )
+        except (OSError, *ELF_FAILURES):
+            found = empty
+        if len(_FILE_FACTS) > 4096:
+            _FILE_FACTS.clear()
+        _FILE_FACTS[key] = found
+    return found
 
 
 Objects = list[tuple[str, Path]]  # (the file's name as the process sees it, a path from here)
@@ -299,3 +321,46 @@ def mapped_anywhere() -> list[Provider]:
                 if allocator is not None:
                     found[key] = Provider(allocator, path, name)
     return list(found.values())
+
+
+class AllocatorNames:
+    """Each process's allocator as the outputs name it (``jemalloc
+    (libjemalloc.so.2)``), worked out once per process: its pid and start
+    time, and kept once it is gone. ``known``: the targets' providers found
+    as the trace started (a command's, asked of the dynamic linker)."""
+
+    def __init__(self, known: Mapping[int, Providers]) -> None:
+        self._known = dict(known)
+        self._names: dict[tuple[int, int], tuple[str, str]] = {}
+        self._last: dict[int, tuple[str, str]] = {}
+
+    def of(self, pid: int) -> tuple[str, str]:
+        """(allocator, its file's name) of process ``pid``; ("", "") if not known."""
+        started = _started(pid)
+        if started is None:  # gone: as it was last named
+            return self._last.get(pid) or self._named(self._known.get(pid))
+        key = (pid, started)
+        names = self._names.get(key)
+        if names is None:
+            names = self._named(of_process(pid))
+            names = names if names[0] else self._named(self._known.get(pid))
+            if len(self._names) > 65536:
+                self._names.clear()
+                self._last.clear()
+            self._names[key] = self._last[pid] = names
+        return names
+
+    @staticmethod
+    def _named(found: Providers | None) -> tuple[str, str]:
+        if found is None or found.binding is None:
+            return "", ""
+        return found.binding.allocator.name, found.binding.name
+
+
+def _started(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot), None once gone."""
+    try:
+        fields = (proc_dir(pid) / "stat").read_bytes().rpartition(b") ")[2].split()
+        return int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None

@@ -13,7 +13,7 @@ ratio bytes / sizes.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import overload
 
@@ -226,6 +226,13 @@ class ProcessAllocs:
     unknown_frees: int  # of pointers not seen allocated
     failed: int
     comm: str = ""  # its name when the kernel first saw it call (it may be gone now)
+    allocator: str = ""  # what its malloc binds to (jemalloc); "": not known
+    allocator_lib: str = ""  # ... in this file (libjemalloc.so.2)
+
+    @property
+    def allocator_label(self) -> str:
+        """As the outputs name it: ``jemalloc (libjemalloc.so.2)``; "" if not known."""
+        return f"{self.allocator} ({self.allocator_lib})" if self.allocator else ""
 
 
 @dataclass(frozen=True)
@@ -267,6 +274,16 @@ class AllocSnapshot:
         """The rows with most live bytes, or (``key="bytes"``) most bytes
         allocated; the first of equals first."""
         return StackColumns.of(self.stacks).top(key, limit)
+
+    def allocator_lines(self, tgids: Collection[int] | None = None, limit: int = 64) -> list[str]:
+        """``pid N: allocator: jemalloc (libjemalloc.so.2)`` of each process
+        (of ``tgids``) whose allocator is known, the first ``limit`` by pid."""
+        known = sorted((p.tgid, p.allocator_label) for p in self.processes
+                       if p.allocator and (tgids is None or p.tgid in tgids))  # fmt: skip
+        lines = [f"pid {tgid}: allocator: {label}" for tgid, label in known[:limit]]
+        if len(known) > limit:
+            lines.append(f"and {len(known) - limit} more processes")
+        return lines
 
     def process(self, tgid: int) -> ProcessAllocs | None:
         return next((p for p in self.processes if p.tgid == tgid), None)

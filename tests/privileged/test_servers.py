@@ -40,6 +40,8 @@ class Server:
     name: str
     pid: int
     load: list[str]  # the load generator's command line
+    allocator: str  # as the trace names it
+    libs: list[Path]  # the libraries it allocates from
 
 
 def mariadb(tmp: Path, reaper: Reaper) -> Server:
@@ -57,7 +59,7 @@ def mariadb(tmp: Path, reaper: Reaper) -> Server:
     )
     load = ["mariadb-slap", "--no-defaults", f"--socket={sock}", "-uroot", "--concurrency=16",
             "--iterations=3", "--number-of-queries=4000", "--auto-generate-sql"]  # fmt: skip
-    return Server("mariadbd", server.pid, load)
+    return Server("mariadbd", server.pid, load, "glibc (libc.so.6)", [default_libc()])
 
 
 def redis(tmp: Path, reaper: Reaper) -> Server:
@@ -72,7 +74,8 @@ def redis(tmp: Path, reaper: Reaper) -> Server:
     )
     load = ["redis-benchmark", "-s", str(sock), "-n", "50000", "-c", "16", "-q",
             "-t", "set,get,lpush,lpop,hset"]  # fmt: skip
-    return Server("redis-server", server.pid, load)
+    return Server("redis-server", server.pid, load, f"jemalloc ({JEMALLOC.name})",
+                  [default_libc(), JEMALLOC])  # fmt: skip
 
 
 SERVERS = {"mariadb": mariadb, "redis": redis}
@@ -99,18 +102,33 @@ class StatePoll:
         return self.seen
 
 
-BODY = (
-    "uprobe:{libc}:malloc /pid == $1/ {{ @mallocs = count(); }}\n"
-    "uprobe:{libc}:free /pid == $1 && arg0 != 0/ {{ @frees = count(); }}\n"
-    "uprobe:{libc}:realloc /pid == $1/ {{ @old[tid] = arg0; }}\n"
-    "uretprobe:{libc}:realloc /pid == $1/ {{\n"
+# Each allocator's calls, in each library the server allocates from: its
+# malloc, and its frees (free, and jemalloc's dallocx and sdallocx; a realloc
+# that moved or kept a block frees the old one as mtrace-live counts it).
+CALLS = (
+    "uprobe:{lib}:malloc /pid == $1/ {{ @mallocs = count(); }}\n"
+    "{frees} /pid == $1 && arg0 != 0/ {{ @frees = count(); }}\n"
+    "uprobe:{lib}:realloc /pid == $1/ {{ @old[tid] = arg0; }}\n"
+    "uretprobe:{lib}:realloc /pid == $1/ {{\n"
     "  if (@old[tid] != 0 && retval != 0) {{ @frees = count(); }} delete(@old[tid]);\n"
     "}}\n"
-    "tracepoint:signal:signal_generate /args->sig == 19 && args->pid == $1/ "
-    "{{ @sigstops = count(); }}\n"
-    "interval:ms:200 {{ print(@mallocs); print(@frees); }}\n"
-    "END {{ clear(@old); }}\n"
 )
+WATCH = (
+    "tracepoint:signal:signal_generate /args->sig == 19 && args->pid == $1/ "
+    "{ @sigstops = count(); }\n"
+    "interval:ms:200 { print(@mallocs); print(@frees); }\n"
+    "END { clear(@old); }\n"
+)
+JEMALLOC = Path("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
+
+
+def bpftrace_body(libs: list[Path]) -> str:
+    """bpftrace's script: the calls of each of ``libs``, and the SIGSTOPs."""
+    calls = []
+    for lib in libs:
+        frees = ["free", *(("dallocx", "sdallocx") if lib == JEMALLOC else ())]
+        calls.append(CALLS.format(lib=lib, frees=",".join(f"uprobe:{lib}:{f}" for f in frees)))
+    return "".join(calls) + WATCH
 
 
 def printed(out: Path) -> list[tuple[str, int]]:
@@ -163,7 +181,7 @@ def watched(target: Server, reaper: Reaper,
             tmp: Path) -> tuple[subprocess.Popen[bytes], Path, StatePoll]:  # fmt: skip
     """bpftrace counting the server's calls and SIGSTOPs, once it is idle,
     and its state polled."""
-    bpftrace, out = start_bpftrace(BODY.format(libc=default_libc()), target.pid, tmp)
+    bpftrace, out = start_bpftrace(bpftrace_body(target.libs), target.pid, tmp)
     reaper.add(bpftrace)
     wait_for_line(out, BPFTRACE_READY, bpftrace, timeout=120)
     wait_quiet(out)
@@ -217,9 +235,11 @@ def test_a_server_traced_by_pid_is_never_stopped_and_counted_as_bpftrace_counts(
     lines = [line for line in summary.splitlines() if line.startswith("allocations: pid")]
     frees = int(lines[0].split("; ")[1].split()[0]) if lines else 0  # none: it never called
     assert quiet - attached <= frees <= counts["frees"] - before, (lines, quiet, counts)
-    if target.name == "mariadbd":  # glibc's malloc: the stacks are there, unwound by CFI
-        assert counts["mallocs"] > 10_000 and "0 files without CFI" in summary
-        assert "stacks unwound by CFI" in summary
+    # and each server is on its allocator, as the trace says; its stacks
+    # are unwound by CFI
+    assert f"pid {target.pid}: allocator: {target.allocator}" in err.read_text()
+    assert counts["mallocs"] > 10_000 and "0 files without CFI" in summary
+    assert "stacks unwound by CFI" in summary
 
 
 def metric(text: str, name: str, process: str) -> float:

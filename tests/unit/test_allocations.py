@@ -149,19 +149,22 @@ def test_prometheus_families_by_process_and_top_stacks() -> None:
         stacks=[("prog", "malloc", f"f{i} < main", 100 - i) for i in range(5)],
         dropped={"outstanding": 2, "stacks": 0},
         sampled=False,
+        allocators={"prog": ("jemalloc", "libjemalloc.so.2")},
     )  # fmt: skip
     registry = CollectorRegistry()
     collector = MtraceCollector(lambda: None, top_stacks=3)  # type: ignore[arg-type]
     registry.register(collector)
     collector.collect = lambda: collector._allocs(figures)  # type: ignore[method-assign]
     value = registry.get_sample_value
-    assert value("mtrace_alloc_calls_total", {"process": "prog"}) == 10
-    assert value("mtrace_alloc_live_bytes", {"process": "prog"}) == 384
+    # each process's families carry its allocator and the allocator's file
+    prog = {"process": "prog", "allocator": "jemalloc", "allocator_lib": "libjemalloc.so.2"}
+    assert value("mtrace_alloc_calls_total", prog) == 10
+    assert value("mtrace_alloc_live_bytes", prog) == 384
     assert value("mtrace_alloc_table_dropped_total", {"table": "outstanding"}) == 2
-    stack = {"process": "prog", "allocator": "malloc", "stack": "f0 < main"}
+    stack = {"process": "prog", "function": "malloc", "stack": "f0 < main"}
     assert value("mtrace_alloc_stack_live_bytes", stack) == 100
     # beyond --top-stacks, the rest are summed under "other"
-    other = {"process": "prog", "allocator": "other", "stack": "other"}
+    other = {"process": "prog", "function": "other", "stack": "other"}
     assert value("mtrace_alloc_stack_live_bytes", other) == 97 + 96
 
 
@@ -170,6 +173,7 @@ def test_json_tables_name_every_frame() -> None:
     lines = [json.loads(x) for x in stack_table_json(snap, KnownNames())]
     assert lines[0] == {"table": "alloc_processes", "pid": PID, "calls": 1150, "bytes": 73600,
                         "frees": 1050, "unknown_frees": 7, "failed": 0,
+                        "allocator": None, "allocator_lib": None,  # not known here
                         "syscalls": {}}  # fmt: skip
     assert lines[1]["table"] == "alloc_functions" and lines[1]["calls"]["malloc"] == 1150
     stacks = lines[2:]
