@@ -62,10 +62,20 @@ def libc() -> Path:
     return default_libc()
 
 
-def workload(mix: bool) -> list[str]:
+# The allocators beside glibc's (Debian's packages), each preloaded into the
+# malloc/free loop.
+ALLOCATOR_LIBS = {
+    "jemalloc": Path("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"),
+    "tcmalloc": Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
+    "mimalloc": Path("/usr/lib/x86_64-linux-gnu/libmimalloc.so.2"),
+}
+
+
+def workload(mix: bool, preload: Path | None = None) -> list[str]:
+    env = ["env", f"LD_PRELOAD={preload}"] if preload is not None else []
     if mix:
-        return [str(BUILD / "alloc_bench"), str(MIX_ITERATIONS), "2", "1"]
-    return [str(BUILD / "alloc_bench"), str(PAIR_ITERATIONS), "1", "0"]
+        return [*env, str(BUILD / "alloc_bench"), str(MIX_ITERATIONS), "2", "1"]
+    return [*env, str(BUILD / "alloc_bench"), str(PAIR_ITERATIONS), "1", "0"]
 
 
 def _parse(out: str) -> tuple[float, int]:
@@ -90,10 +100,12 @@ def _peak_rss_mib(pid: int) -> float:
     return 0.0
 
 
-def traced(argv_of: Callable[[int], list[str]] | None, ready: str, mix: bool, tmp: Path) -> Sample:
-    """One run: the gated workload, the tracer attached to its pid (none for
-    untraced), the loop timed by the workload; ns per call."""
-    work = Gated(workload(mix))
+def traced(argv_of: Callable[[int], list[str]] | None, ready: str, mix: bool, tmp: Path,
+           preload: Path | None = None) -> Sample:  # fmt: skip
+    """One run: the gated workload (on the allocator ``preload`` names, else
+    glibc's), the tracer attached to its pid (none for untraced), the loop
+    timed by the workload; ns per call."""
+    work = Gated(workload(mix, preload))
     tracer = None
     try:
         if argv_of is not None:
@@ -161,13 +173,33 @@ def configs(mix: bool, tmp: Path, peers: dict[str, str | None]) -> dict[str, Cal
     return found
 
 
+def allocator_configs(lib: Path, tmp: Path) -> dict[str, Callable[[], Sample]]:
+    """The malloc/free loop on one allocator: untraced, mtrace-live, and the
+    floor on that allocator's own sites."""
+    return {
+        "untraced": lambda: traced(None, "", False, tmp, lib),
+        "mtrace-live (aggregation)": lambda: traced(
+            lambda pid: [*MTRACE, "--pid", str(pid), "-o", "summary"], "Ctrl-C", False, tmp, lib),
+        "floor: empty programs on its sites": lambda: traced(
+            lambda pid: [sys.executable, str(FLOOR), str(pid), "--allocator"], "ready", False,
+            tmp, lib),
+    }  # fmt: skip
+
+
 def run(tmp: Path, peers: dict[str, str | None]) -> dict[str, object]:
     out: dict[str, object] = {"pair_iterations": PAIR_ITERATIONS,
                               "mix_iterations": MIX_ITERATIONS}  # fmt: skip
+    ours = ("mtrace-live", "untraced", "floor")
     for name, mix in (("pairs", False), ("mix", True)):
         say(f"allocations: {name}")
-        ours = ("mtrace-live", "untraced", "floor")
         out[name] = summarise(alternate(configs(mix, tmp, peers), REPS, ours=ours))
+    by_allocator = {}
+    for name, lib in ALLOCATOR_LIBS.items():
+        if not lib.exists():
+            raise RuntimeError(f"{lib} is missing: make setup installs {name}'s package")
+        say(f"allocations: pairs on {name}")
+        by_allocator[name] = summarise(alternate(allocator_configs(lib, tmp), REPS, ours=ours))
+    out["allocators"] = by_allocator
     return out
 
 
@@ -197,7 +229,31 @@ def render(data: dict) -> tuple[list[str], dict[str, bool | None]]:
     if ratios:
         lines += [f"On the malloc/free loop, mtrace-live's aggregation costs {' and '.join(ratios)}"
                   " (overheads over untraced).", ""]  # fmt: skip
-    return lines + _HEAPTRACK_NOTE, verdicts
+    return lines + _HEAPTRACK_NOTE + _allocator_lines(data.get("allocators", {})), verdicts
+
+
+def _allocator_lines(by_allocator: dict) -> list[str]:
+    """One row per allocator: the malloc/free loop preloaded with it, traced
+    by mtrace-live, against the floor on that allocator's own sites."""
+    if not by_allocator:
+        return []
+    lines = [
+        "### By allocator",
+        "",
+        "The same malloc(32)/free loop with each allocator preloaded (Debian's packages); "
+        "mtrace-live finds it (tracer/providers.py) and traces its entry points; the floor "
+        "is the empty programs on that allocator's own sites. ns per call.",
+        "",
+        "| allocator | untraced | mtrace-live | floor | mtrace-live over the floor |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, rows in by_allocator.items():
+        untraced = rows["untraced"]["median_s"]
+        ours = rows["mtrace-live (aggregation)"]["median_s"]
+        floor = rows["floor: empty programs on its sites"]["median_s"]
+        over = (ours - untraced) / (floor - untraced) if floor > untraced else float("nan")
+        lines.append(f"| {name} | {untraced:.0f} | {ours:.0f} | {floor:.0f} | {over:.2f}x |")
+    return [*lines, ""]
 
 
 def _verdicts(pairs: dict) -> tuple[dict[str, bool | None], list[str]]:

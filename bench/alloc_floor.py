@@ -3,10 +3,12 @@ attached where mtrace-live attaches the allocation functions' handlers (the
 same entry sites, the same return probes, for that one process, as
 mtrace-live attaches them for --pid alone), so that what remains is the
 kernel's own cost of the probes. With --every-process, attached for every
-process mapping the libc, as for --all and --follow-forks. Prints "ready"
-once attached; runs until SIGINT or SIGTERM.
+process mapping the libc, as for --all and --follow-forks; with
+--allocator, on the sites of the allocator the process's malloc binds to
+(jemalloc, tcmalloc, mimalloc: tracer/providers.py) instead of the libc's.
+Prints "ready" once attached; runs until SIGINT or SIGTERM.
 
-    python bench/alloc_floor.py PID [--every-process]
+    python bench/alloc_floor.py PID [--every-process] [--allocator]
 """
 
 from __future__ import annotations
@@ -17,20 +19,23 @@ import sys
 from mtrace_live.probes.program import ProgramSource
 from mtrace_live.tracer.alloc_probes import RETURNS_POINTER, plan_sites
 from mtrace_live.tracer.bpf_backend import BpfProgram
+from mtrace_live.tracer.providers import of_process
 from mtrace_live.tracer.target import mapped_libc
 
 
-def main(pid: int, every_process: bool) -> None:
-    chosen = plan_sites(mapped_libc(pid))
+def main(pid: int, every_process: bool, allocator: bool) -> None:
+    binding = of_process(pid).binding if allocator else None
+    if allocator and binding is None:
+        raise SystemExit(f"process {pid}'s malloc binds to no known allocator")
+    chosen = (plan_sites(binding.path, binding.allocator, binding.tables) if binding is not None
+              else plan_sites(mapped_libc(pid)))  # fmt: skip
     scope = -1 if every_process else pid
     program = BpfProgram(ProgramSource.single("empty"))
     try:
-        for name, site in chosen.sites.items():
+        for site in chosen.sites.values():
             program.attach_uprobe(chosen.libc, site.file_offset, "empty", scope)
-            if name in RETURNS_POINTER:
-                program.attach_uretprobe(
-                    chosen.libc, site.file_offset - site.offset, "empty", scope
-                )
+            if site.handler in RETURNS_POINTER:  # at the site, as mtrace-live attaches it
+                program.attach_uretprobe(chosen.libc, site.file_offset, "empty", scope)
         print("ready", flush=True)
         signal.sigwait([signal.SIGINT, signal.SIGTERM])
     finally:
@@ -39,4 +44,4 @@ def main(pid: int, every_process: bool) -> None:
 
 if __name__ == "__main__":
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT, signal.SIGTERM])
-    main(int(sys.argv[1]), "--every-process" in sys.argv[2:])
+    main(int(sys.argv[1]), "--every-process" in sys.argv[2:], "--allocator" in sys.argv[2:])

@@ -129,8 +129,19 @@ class LiveTrace:
         self.lock_plan = probes.lock_plan
         self.notices: list[str] = list(probes.notices)
         self.providers = self._providers(libc, target_pid, argv)
+        self.allocator_names = providers.AllocatorNames(self.providers.per_process)
         self.provider_plans = tuple(alloc_probes.plan_sites(p.path, p.allocator, p.tables)
                                     for p in self.providers.extra)  # fmt: skip
+        for given in self.provider_plans:  # --allocator-lib: a file with nothing to trace
+            alloc_probes.check_attachable(given, None)
+        # the files attached, and the processes seen when they were chosen
+        self._files_attached = {providers.file_identity(libc)} | {
+            p.key for p in self.providers.extra}  # fmt: skip
+        # each process's program when the allocators were last looked for
+        # (a command not exec'd yet has none: its program is looked at)
+        self._programs = {pid: providers.program_of(pid) for pid in providers.every_pid()}
+        if argv is not None and target_pid is not None:
+            self._programs.pop(target_pid, None)
         traced = self.alloc_plan.libc if self.alloc_plan is not None else self.selection.libc
         followed = request.filtered_by_pid and not request.one_process
         uprobes = self.alloc_plan is not None or bool(self.sdt)
@@ -169,7 +180,7 @@ class LiveTrace:
         if self.unwind is not None:
             self.counters.table_counts = self.unwind.table_counts
         if self.alloc_plan is not None:
-            self.counters.allocator_of = providers.AllocatorNames(self.providers.per_process).of
+            self.counters.allocator_of = self.allocator_names.of
 
     def _providers(self, libc: Path, target_pid: int | None,
                    argv: Sequence[str] | None) -> providers.TraceProviders:  # fmt: skip
@@ -272,7 +283,13 @@ class LiveTrace:
         # written (its first call, a dlopen, a change seen each second): a
         # process that was never held is named after it is gone from those.
         return UnwindTables(self.program, release=self.holds.release if self.holds else None,
-                            written=self.frame_names.refresh)  # fmt: skip
+                            written=self._tables_written)  # fmt: skip
+
+    def _tables_written(self, pid: int) -> None:
+        """A process's unwind tables were written (its first traced call, a
+        dlopen): its names and its allocator are read while it lives."""
+        self.frame_names.refresh(pid)
+        self.allocator_names.of(pid)
 
     def info(self, pid: int | None) -> TraceInfo:
         request = self.request
@@ -321,7 +338,41 @@ class LiveTrace:
         if running:
             self.frame_names.refresh(pid)
 
+    def _attach_new_allocators(self, pid: int | None) -> None:
+        """Attach the allocators that processes started since the last look
+        map, and no file attached yet does (every process, --comm, --cgroup,
+        a command's children: the kernel's filter picks the traced ones);
+        for one process (``pid``), those of the program it exec'd since
+        (``run -- env LD_PRELOAD=... PROGRAM``)."""
+        if self.alloc_plan is None:
+            return
+        if self.request.one_process:
+            pids = {pid} if pid is not None else set()
+        else:
+            pids = providers.every_pid()
+        programs = {each: providers.program_of(each) for each in pids}
+        changed = [each for each, program in programs.items()
+                   if program is not None and self._programs.get(each) != program]  # fmt: skip
+        self._programs = programs
+        for found in providers.mapped_by(changed):
+            if found.key in self._files_attached:
+                continue
+            self._files_attached.add(found.key)
+            try:
+                plan = alloc_probes.plan_sites(found.path, found.allocator, found.tables)
+                alloc_probes.attach_allocs(self.program, plan, 0, False, self.alloc_pid)
+            except MtraceError as exc:
+                print(f"mtrace-live: warning: {found.label} in {found.path}, mapped by a "
+                      f"process started after the trace: not traced ({exc})",
+                      file=sys.stderr)  # fmt: skip
+                continue
+            self.provider_plans += (plan,)
+            print(f"mtrace-live: tracing {len(plan.sites)} allocation functions of "
+                  f"{found.label} too, mapped by a program that started after the trace",
+                  file=sys.stderr, flush=True)  # fmt: skip
+
     more_waiting = False  # the last read left events in the ring
+    _next_allocator_look = 0.0  # when tick looks for processes on allocators not attached
     _next_look = 0.0  # when tick looks at the target again
     _next_unwind_look = 0.0  # when tick looks at the traced processes' mappings again
     unwind: UnwindTables | None = None
@@ -336,6 +387,9 @@ class LiveTrace:
         now = time.monotonic()
         for line in self.exec_watch.look() if self.exec_watch is not None else ():
             print(f"mtrace-live: warning: {line}", file=sys.stderr, flush=True)
+        if now >= self._next_allocator_look:
+            self._next_allocator_look = now + 1.0
+            self._attach_new_allocators(pid)
         if self.unwind is not None and now >= self._next_unwind_look:
             self._next_unwind_look = now + 1.0
             self.unwind.refresh()

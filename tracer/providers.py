@@ -19,13 +19,13 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from mtrace_live.exporters.data.processes import proc_dir
 from mtrace_live.probes.allocators import UNKNOWN, Allocator, identify
-from mtrace_live.probes.elf.file import ELF_FAILURES, needed, open_elf
+from mtrace_live.probes.elf.file import ELF_FAILURES, needed, open_elf, soname
 from mtrace_live.probes.elf.symbols import defined_functions
 
 from .target import mapped_glibc
@@ -53,7 +53,7 @@ class Provider:
     @property
     def key(self) -> tuple[int, int]:
         """The file's identity: one provider is attached once per file."""
-        return _identity(self.path)
+        return file_identity(self.path)
 
 
 @dataclass(frozen=True)
@@ -79,11 +79,18 @@ def _needs(path: Path) -> tuple[str, ...]:
     return _file_facts(path, (), "needs")  # type: ignore[return-value]
 
 
+def _soname_or(name: str, path: Path) -> str:
+    """A mapped file's name as the outputs give it: its soname
+    (libmimalloc.so.2), else the name it is mapped under (libmimalloc.so.2.0)."""
+    found = _file_facts(path, (), "soname")
+    return str(found[0]) if isinstance(found, tuple) and found and found[0] else name
+
+
 _FILE_FACTS: dict[tuple[object, ...], frozenset[str] | tuple[str, ...]] = {}
 
 
 def _file_facts(path: Path, tables: tuple[str, ...], what: str) -> frozenset[str] | tuple[str, ...]:
-    """What a file defines or needs, read once per file (its identity and
+    """What a file defines, needs or is named (its soname), read once per file (its identity and
     change time, whatever path reaches it): every process of a machine maps
     much the same files."""
     empty: frozenset[str] | tuple[str, ...] = frozenset() if what == "defines" else ()
@@ -96,11 +103,10 @@ def _file_facts(path: Path, tables: tuple[str, ...], what: str) -> frozenset[str
     if found is None:
         try:
             with open_elf(path) as elf:
-                found = (
-                    frozenset(defined_functions(elf, tables))
-                    if what == "defines"
-                    else (tuple(needed(elf)))
-                )
+                if what == "defines":
+                    found = frozenset(defined_functions(elf, tables))
+                else:
+                    found = tuple(needed(elf)) if what == "needs" else (soname(elf) or "",)
         except (OSError, *ELF_FAILURES):
             found = empty
         if len(_FILE_FACTS) > 4096:
@@ -120,11 +126,11 @@ def search_order(exe: tuple[str, Path], preload: Objects, find: Mapping[str, Pat
     seen = {name for name, _ in order}
     at = 0
     while at < len(order):
-        for soname in _needs(order[at][1]):
-            path = find.get(soname)
-            if path is not None and soname not in seen:
-                seen.add(soname)
-                order.append((soname, path))
+        for wanted in _needs(order[at][1]):
+            path = find.get(wanted)
+            if path is not None and wanted not in seen:
+                seen.add(wanted)
+                order.append((wanted, path))
         at += 1
     return order
 
@@ -145,14 +151,14 @@ def resolve(order: Objects, mapped: Objects) -> Providers:
         if built is not None and (not found or found[0].path != exe):
             found.append(Provider(built, exe, name, (".dynsym", ".symtab"), built_in=True))
     for name, path in mapped:
-        if _ALLOCATOR_FILE.match(name) and _identity(path) not in {p.key for p in found}:
+        if _ALLOCATOR_FILE.match(name) and file_identity(path) not in {p.key for p in found}:
             allocator = identify(_defines(path))
             if allocator is not None:
-                found.append(Provider(allocator, path, name))
+                found.append(Provider(allocator, path, _soname_or(name, path)))
     return Providers(binding, tuple(found))
 
 
-def _identity(path: Path) -> tuple[int, int]:
+def file_identity(path: Path) -> tuple[int, int]:
     try:
         stat = os.stat(path)
     except OSError:
@@ -301,25 +307,35 @@ def for_trace(libc: Path, pids: Sequence[int], command: tuple[int, Sequence[str]
     found += [unknown_provider(path) for path in given]
     extra: dict[tuple[int, int], Provider] = {}
     for provider in found:
-        if provider.key not in extra and provider.key != _identity(libc):
+        if provider.key not in extra and provider.key != file_identity(libc):
             extra[provider.key] = provider
     return TraceProviders(per_process, tuple(extra.values()))
 
 
 def mapped_anywhere() -> list[Provider]:
     """Every known allocator a process on the machine maps, once per file."""
+    return mapped_by(every_pid())
+
+
+def every_pid() -> set[int]:
+    return {int(entry) for entry in os.listdir("/proc") if entry.isdigit()}
+
+
+def mapped_by(pids: Iterable[int]) -> list[Provider]:
+    """Every known allocator but glibc the processes ``pids`` map, once per
+    file. The libc a trace of many processes attaches is the one it chose
+    (--lib, or this machine's): a process on another glibc (a container's)
+    is said by the exec watch, not attached behind the user's back."""
     found: dict[tuple[int, int], Provider] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        for name, path in _mapped_files(int(entry)):
-            if not _ALLOCATOR_FILE.match(name):
+    for pid in pids:
+        for name, path in _mapped_files(pid):
+            if not _ALLOCATOR_FILE.match(name) or name.startswith("libc"):
                 continue
-            key = _identity(path)
+            key = file_identity(path)
             if key not in found and key != (0, 0):
                 allocator = identify(_defines(path))
-                if allocator is not None:
-                    found[key] = Provider(allocator, path, name)
+                if allocator is not None and allocator.known and allocator.name != "glibc":
+                    found[key] = Provider(allocator, path, _soname_or(name, path))
     return list(found.values())
 
 
@@ -364,3 +380,14 @@ def _started(pid: int) -> int | None:
         return int(fields[19])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def program_of(pid: int | None) -> tuple[int, int] | None:
+    """The identity of the program process ``pid`` runs; None if gone."""
+    if pid is None:
+        return None
+    try:
+        stat = os.stat(proc_dir(pid) / "exe")
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino

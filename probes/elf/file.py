@@ -12,7 +12,7 @@ import contextlib
 import struct
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from elftools.common.exceptions import DWARFError, ELFError
 from elftools.construct import ConstructError
@@ -132,7 +132,16 @@ def code_at(elf: ELFFile, begin: int, end: int, clamp: bool = False) -> tuple[by
 def needed(elf: ELFFile) -> list[str]:
     """The sonames the file names in DT_NEEDED, in order (none for a
     static executable)."""
+    return [str(tag.needed) for tag in _dynamic_tags(elf, "DT_NEEDED")]
+
+
+def soname(elf: ELFFile) -> str | None:
+    """The file's DT_SONAME (libjemalloc.so.2), if it has one."""
+    return next((str(tag.soname) for tag in _dynamic_tags(elf, "DT_SONAME")), None)
+
+
+def _dynamic_tags(elf: ELFFile, kind: str) -> list[Any]:
     for section in elf.iter_sections():
         if isinstance(section, DynamicSection):
-            return [str(tag.needed) for tag in section.iter_tags("DT_NEEDED")]  # type: ignore[attr-defined]
+            return list(section.iter_tags(kind))
     return []

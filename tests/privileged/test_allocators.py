@@ -6,6 +6,8 @@ did and against bpftrace on the same allocator's functions in the same run.
 
 from __future__ import annotations
 
+import json
+import signal
 import subprocess
 from collections import defaultdict
 from pathlib import Path
@@ -13,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from .conftest import MTRACE, built
-from .test_allocations import COUNTED, Traced, by_site, start_workload, trace_launched
-from .tracing import Reaper
+from .test_allocations import COUNTED, READY, Traced, by_site, start_workload, trace_launched
+from .tracing import Reaper, wait_for_line
 
 LIBS = Path("/usr/lib/x86_64-linux-gnu")
 ALLOCATORS = {
@@ -122,3 +124,100 @@ def test_a_process_on_an_unknown_allocator_is_named_with_the_option_that_traces_
     assert "an allocator mtrace-live does not know" in said[0]
     assert "--allocator-lib" in said[0]
     assert said[1].endswith(f"pid {proc.pid}: allocator: unknown (libbump_malloc.so)")
+
+
+def test_all_attaches_an_allocator_first_mapped_by_a_process_started_after_it(
+    tmp_path: Path,
+) -> None:
+    # GIVEN a trace of every process, and then the workload started on
+    # mimalloc (mapped by no process before it, on a fresh machine)
+    lib = ALLOCATORS["mimalloc"]
+    truth = tmp_path / "truth.json"
+    err, out = tmp_path / "trace.err", tmp_path / "trace.out"
+    with Reaper() as reaper:
+        with open(err, "wb") as errors, open(out, "wb") as lines:
+            tracer = reaper.add(subprocess.Popen([*MTRACE, "--all", "-o", "json"],
+                                                 stdout=lines, stderr=errors))  # fmt: skip
+        wait_for_line(err, READY, tracer, timeout=120)
+        argv = ["env", f"LD_PRELOAD={lib}", str(built("alloc_workload")), "--wait"]
+        proc = start_workload([*argv, "--out", str(truth)], reaper)
+        # WHEN the trace has attached mimalloc (it says so), the workload goes on
+        if "of mimalloc" not in err.read_text():  # else a process mapped it already
+            wait_for_line(err, "allocation functions of mimalloc (libmimalloc.so.2) too",
+                          tracer, timeout=120)  # fmt: skip
+        assert proc.stdin is not None
+        proc.stdin.write(b"go\n")
+        proc.stdin.close()
+        assert proc.wait(timeout=120) == 0
+        tracer.send_signal(signal.SIGINT)
+        assert tracer.wait(timeout=120) == 0, err.read_text()
+    # THEN every call site of the workload is counted exactly
+    facts = json.loads(truth.read_text())
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    stacks = [r for r in rows if r.get("table") == "alloc_stacks" and r["pid"] == facts["pid"]]
+    found = by_site(stacks)
+    for site in facts["sites"]:
+        got = found[(site["function"], site["fn"])]
+        assert (got["calls"], got["bytes"], got["live_bytes"]) == (
+            site["calls"], site["bytes"], site["leaked_bytes"]), site  # fmt: skip
+    # and its allocator is named in the process's table
+    (mine,) = [r for r in rows if r.get("table") == "alloc_processes" and r["pid"] == facts["pid"]]
+    assert (mine["allocator"], mine["allocator_lib"]) == ("mimalloc", "libmimalloc.so.2")
+
+
+def test_run_attaches_the_allocator_of_the_program_its_command_execs(tmp_path: Path) -> None:
+    # GIVEN run's command, env, which execs the workload with jemalloc
+    # preloaded: env itself allocates from glibc
+    lib = ALLOCATORS["jemalloc"]
+    truth = tmp_path / "truth.json"
+    err, out = tmp_path / "trace.err", tmp_path / "trace.out"
+    command = ["env", f"LD_PRELOAD={lib}", str(built("alloc_workload")), "--wait", "--out",
+               str(truth)]  # fmt: skip
+    with Reaper() as reaper, open(err, "wb") as errors, open(out, "wb") as lines:
+        tracer = reaper.add(subprocess.Popen([*MTRACE, "run", "-o", "json", "--", *command],
+                                             stdin=subprocess.PIPE, stdout=lines,
+                                             stderr=errors))  # fmt: skip
+        # WHEN the trace has attached jemalloc once the workload runs, it goes on
+        wait_for_line(err, "allocation functions of jemalloc (libjemalloc.so.2) too", tracer,
+                      timeout=120)  # fmt: skip
+        assert tracer.stdin is not None
+        tracer.stdin.write(b"go\n")
+        tracer.stdin.close()
+        assert tracer.wait(timeout=120) == 0, err.read_text()
+    # THEN every call site of the workload is counted exactly
+    facts = json.loads(truth.read_text())
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
+    found = by_site([r for r in rows if r.get("table") == "alloc_stacks"])
+    for site in facts["sites"]:
+        got = found[(site["function"], site["fn"])]
+        assert (got["calls"], got["bytes"], got["live_bytes"]) == (
+            site["calls"], site["bytes"], site["leaked_bytes"]), site  # fmt: skip
+
+
+def test_an_allocator_built_into_the_program_under_prefixed_names_is_traced(
+    tmp_path: Path,
+) -> None:
+    # GIVEN a program with jemalloc's prefixed names built in (je_malloc,
+    # je_mallocx, je_free: tests/workloads/builtin_alloc.c), run by mtrace-live
+    calls = 2000
+    err, out = tmp_path / "trace.err", tmp_path / "trace.out"
+    with Reaper() as reaper, open(err, "wb") as errors, open(out, "wb") as lines:
+        tracer = reaper.add(subprocess.Popen(
+            [*MTRACE, "run", "-o", "json", "--", str(built("builtin_alloc")), str(calls)],
+            stdin=subprocess.PIPE, stdout=lines, stderr=errors))  # fmt: skip
+        wait_for_line(err, READY, tracer, timeout=120)
+        assert tracer.stdin is not None
+        tracer.stdin.write(b"go\n")
+        tracer.stdin.close()
+        assert tracer.wait(timeout=120) == 0, err.read_text()
+    # THEN the built-in copy is attached in the program itself
+    assert "of jemalloc in " + str(built("builtin_alloc")) in err.read_text()
+    # and main's calls of it are counted exactly: je_mallocx's call of
+    # je_malloc inside it once, as the outer call
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
+    facts = next(r for r in rows if "malloc_calls" in r)
+    found = by_site([r for r in rows if r.get("table") == "alloc_stacks"])
+    got = found[("main", "malloc")]
+    assert got["calls"] == facts["malloc_calls"] + facts["mallocx_calls"]
+    assert got["bytes"] == facts["malloc_bytes"] + facts["mallocx_bytes"]
+    assert got["live_objects"] == facts["leaked"] + facts["mallocx_calls"]

@@ -3,6 +3,7 @@ allocator is probed, on the Debian packages' own files."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from mtrace_live.probes.elf.symbols import defined_functions
 from mtrace_live.tracer.alloc_probes import plan_sites
 from mtrace_live.tracer.providers import resolve, search_order
 
+from .cli_runs import assert_one_line, mtrace
 from .needs import needs
 
 LIBS = Path("/usr/lib/x86_64-linux-gnu")
@@ -97,3 +99,18 @@ def test_an_object_of_no_known_allocator_that_defines_malloc_is_named() -> None:
     assert found.unknown_binding is not None
     assert found.unknown_binding.label == "unknown (libbump_malloc.so)"
     assert [p.allocator.name for p in found.all] == ["glibc"]
+
+
+@pytest.mark.parametrize(("given", "code", "words"), [
+    ("/bin/true", 5, "/bin/true exports none of the allocation functions"),
+    ("/etc/passwd", 9, "/etc/passwd: not a readable ELF file"),
+    ("/nonexistent/libx.so", 6, "/nonexistent/libx.so: No such file or directory"),
+])  # fmt: skip
+def test_an_allocator_lib_with_nothing_to_trace_is_refused_in_one_line(
+    given: str, code: int, words: str
+) -> None:
+    # GIVEN --allocator-lib naming a file with no allocation function, no ELF
+    # file at all, or nothing; the trace of this very process
+    done = mtrace("--pid", str(os.getpid()), "--allocator-lib", given, "--duration", "1")
+    # THEN one line says why, with its exit code, before anything is attached
+    assert_one_line(done, code, words)
