@@ -23,7 +23,14 @@ WORKLOADS := probe_exerciser kmem_exerciser mallopt_loop jmp_loop arena_contenti
 # shared libraries (the unwinding by CFI, tests/privileged/test_cfi_stacks.py).
 CFLAGS_DISTRO := -O2 -g -fomit-frame-pointer -Wall -Wextra
 CFI_WORKLOADS := libcfi_deep.so libcfi_plugin.so cfi_stacks cxx_stacks lock_chains
-exercisers: $(addprefix $(BUILD)/,$(WORKLOADS) $(CFI_WORKLOADS) libbump_malloc.so)
+# The allocation workload linked against each allocator (its DT_NEEDED before
+# the libc's), for tests/privileged/test_allocators.py.
+LINKED_ALLOCATORS := jemalloc tcmalloc_minimal mimalloc
+exercisers: $(addprefix $(BUILD)/,$(WORKLOADS) $(CFI_WORKLOADS) libbump_malloc.so) \
+	$(addprefix $(BUILD)/alloc_workload-,$(LINKED_ALLOCATORS))
+
+$(BUILD)/alloc_workload-%: tests/workloads/alloc_workload.c | $(BUILD)
+	gcc $(CFLAGS_WORKLOAD) -o $@ $< $(firstword $(wildcard /usr/lib/$(shell gcc -print-multiarch)/lib$*.so.*))
 
 # An allocator mtrace-live does not know (tests/privileged/test_allocators.py).
 $(BUILD)/libbump_malloc.so: tests/workloads/bump_malloc.c | $(BUILD)

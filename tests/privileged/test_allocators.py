@@ -1,7 +1,9 @@
 """The allocator a process really calls: jemalloc, tcmalloc and mimalloc,
-each preloaded into the allocation workload (tests/workloads/alloc_workload.c),
-traced by --pid with no library named, against what the workload says it
-did and against bpftrace on the same allocator's functions in the same run.
+each preloaded into the allocation workload (tests/workloads/alloc_workload.c)
+and linked into it, traced by --pid with no library named, against what the
+workload says it did and against bpftrace on the same allocator's functions
+in the same run; an allocator mtrace-live does not know, named and traced by
+--allocator-lib; one built into a program; those of programs started later.
 """
 
 from __future__ import annotations
@@ -43,16 +45,26 @@ def outer_calls_script(lib: Path) -> str:
     )
 
 
-@pytest.fixture(scope="module", params=sorted(ALLOCATORS))
+# Each allocator preloaded into the workload, and the workload linked against
+# it (Makefile: alloc_workload-<library>; its DT_NEEDED comes before the libc's).
+WAYS = [(name, "preloaded") for name in sorted(ALLOCATORS)] + [
+    ("jemalloc", "linked"), ("tcmalloc", "linked"), ("mimalloc", "linked")]  # fmt: skip
+LINKED = {"jemalloc": "jemalloc", "tcmalloc": "tcmalloc_minimal", "mimalloc": "mimalloc"}
+
+
+@pytest.fixture(scope="module", params=WAYS, ids=[f"{name}-{way}" for name, way in WAYS])
 def preloaded(request: pytest.FixtureRequest,
               tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Traced]:  # fmt: skip
-    name = request.param
+    name, way = request.param
     lib = ALLOCATORS[name]
     assert lib.exists(), f"{lib} is missing: make setup installs {name}'s Debian package"
-    tmp = tmp_path_factory.mktemp(f"allocator-{name}")
+    tmp = tmp_path_factory.mktemp(f"allocator-{name}-{way}")
     truth = tmp / "truth.json"
-    argv = ["env", f"LD_PRELOAD={lib}", str(built("alloc_workload")), "--wait", "--out",
-            str(truth)]  # fmt: skip
+    if way == "linked":
+        argv = [str(built(f"alloc_workload-{LINKED[name]}")), "--wait", "--out", str(truth)]
+    else:
+        argv = ["env", f"LD_PRELOAD={lib}", str(built("alloc_workload")), "--wait", "--out",
+                str(truth)]  # fmt: skip
     extra = ("--allocator-lib", str(lib)) if name == "unknown" else ()
     return name, trace_launched(argv, lambda _: lib, truth, tmp, extra, lib_option=False,
                                 script=outer_calls_script)  # fmt: skip
