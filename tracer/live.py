@@ -128,20 +128,7 @@ class LiveTrace:
         self.selection, self.sdt, self.alloc_plan = probes.selection, probes.sdt, probes.alloc_plan
         self.lock_plan = probes.lock_plan
         self.notices: list[str] = list(probes.notices)
-        self.providers = self._providers(libc, target_pid, argv)
-        self.allocator_names = providers.AllocatorNames(self.providers.per_process)
-        self.provider_plans = tuple(alloc_probes.plan_sites(p.path, p.allocator, p.tables)
-                                    for p in self.providers.extra)  # fmt: skip
-        for given in self.provider_plans:  # --allocator-lib: a file with nothing to trace
-            alloc_probes.check_attachable(given, None)
-        # the files attached, and the processes seen when they were chosen
-        self._files_attached = {providers.file_identity(libc)} | {
-            p.key for p in self.providers.extra}  # fmt: skip
-        # each process's program when the allocators were last looked for
-        # (a command not exec'd yet has none: its program is looked at)
-        self._programs = {pid: providers.program_of(pid) for pid in providers.every_pid()}
-        if argv is not None and target_pid is not None:
-            self._programs.pop(target_pid, None)
+        self._plan_providers(libc, target_pid, argv)
         traced = self.alloc_plan.libc if self.alloc_plan is not None else self.selection.libc
         followed = request.filtered_by_pid and not request.one_process
         uprobes = self.alloc_plan is not None or bool(self.sdt)
@@ -181,6 +168,25 @@ class LiveTrace:
             self.counters.table_counts = self.unwind.table_counts
         if self.alloc_plan is not None:
             self.counters.allocator_of = self.allocator_names.of
+
+    def _plan_providers(self, libc: Path, target_pid: int | None,
+                        argv: Sequence[str] | None) -> None:  # fmt: skip
+        """The allocators the targets call beside the libc's, their sites
+        chosen (before root), and what the once-a-second look starts from."""
+        self.providers = self._providers(libc, target_pid, argv)
+        self.allocator_names = providers.AllocatorNames(self.providers.per_process)
+        self.provider_plans = tuple(alloc_probes.plan_sites(p.path, p.allocator, p.tables)
+                                    for p in self.providers.extra)  # fmt: skip
+        for given in self.provider_plans:  # --allocator-lib: a file with nothing to trace
+            alloc_probes.check_attachable(given, None)
+        # the files attached, and each process's program when the allocators
+        # were last looked for (a command not exec'd yet has none: its
+        # program is looked at)
+        self._files_attached = {providers.file_identity(libc)} | {
+            p.key for p in self.providers.extra}  # fmt: skip
+        self._programs = {pid: providers.program_of(pid) for pid in providers.every_pid()}
+        if argv is not None and target_pid is not None:
+            self._programs.pop(target_pid, None)
 
     def _providers(self, libc: Path, target_pid: int | None,
                    argv: Sequence[str] | None) -> providers.TraceProviders:  # fmt: skip

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from mtrace_live.exporters.data.processes import proc_dir
 from mtrace_live.probes.allocators import UNKNOWN, Allocator, identify
+from mtrace_live.probes.elf.errors import MtraceError
 from mtrace_live.probes.elf.file import ELF_FAILURES, needed, open_elf, soname
 from mtrace_live.probes.elf.symbols import defined_functions
 
@@ -107,7 +108,7 @@ def _file_facts(path: Path, tables: tuple[str, ...], what: str) -> frozenset[str
                     found = frozenset(defined_functions(elf, tables))
                 else:
                     found = tuple(needed(elf)) if what == "needs" else (soname(elf) or "",)
-        except (OSError, *ELF_FAILURES):
+        except (OSError, MtraceError, *ELF_FAILURES):  # a script, a damaged file: no facts
             found = empty
         if len(_FILE_FACTS) > 4096:
             _FILE_FACTS.clear()

@@ -283,6 +283,9 @@ def rss_kib(pid: int) -> int:
     return int(match.group(1)) if match else 0
 
 
+PER_PROCESS = {"process", "allocator", "allocator_lib"}
+
+
 def scrape(port: int) -> tuple[int, dict[str, int], dict[str, float]]:
     """The samples a scrape held, the values of each capped label, and the
     churn's own figures."""
@@ -297,7 +300,8 @@ def scrape(port: int) -> tuple[int, dict[str, int], dict[str, float]]:
             for label, value in sample.labels.items():
                 if label in values:
                     values[label].add(value)
-            if sample.labels.get("process") == NAME and len(sample.labels) == 1:
+            # the churn's per-process families (process, and its allocator's labels)
+            if sample.labels.get("process") == NAME and set(sample.labels) <= PER_PROCESS:
                 churn[sample.name.removeprefix("mtrace_").removesuffix("_total")] = sample.value
             elif sample.name == "mtrace_alloc_table_dropped_total":  # counted, for the report
                 churn[f"dropped_{sample.labels['table']}"] = sample.value

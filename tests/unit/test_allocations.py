@@ -161,10 +161,10 @@ def test_prometheus_families_by_process_and_top_stacks() -> None:
     assert value("mtrace_alloc_calls_total", prog) == 10
     assert value("mtrace_alloc_live_bytes", prog) == 384
     assert value("mtrace_alloc_table_dropped_total", {"table": "outstanding"}) == 2
-    stack = {"process": "prog", "function": "malloc", "stack": "f0 < main"}
+    stack = {"process": "prog", "alloc_function": "malloc", "stack": "f0 < main"}
     assert value("mtrace_alloc_stack_live_bytes", stack) == 100
     # beyond --top-stacks, the rest are summed under "other"
-    other = {"process": "prog", "function": "other", "stack": "other"}
+    other = {"process": "prog", "alloc_function": "other", "stack": "other"}
     assert value("mtrace_alloc_stack_live_bytes", other) == 97 + 96
 
 
