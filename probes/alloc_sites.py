@@ -30,6 +30,7 @@ from elftools.elf.sections import SymbolTableSection
 
 from .elf.file import code_at, open_elf
 from .elf.symbols import STT_FUNC, STT_GNU_IFUNC, symbol_table
+from .records import SITE_REG_BITS, SITE_REG_SHIFT, SiteReg
 
 # The allocation functions and the registers holding their arguments (SysV
 # x86-64 calling convention), in order.
@@ -73,6 +74,14 @@ class AllocSite:
     aliases: tuple[str, ...] = ()  # other functions at the same address
     tail_calls: str | None = None  # the allocation function it jumps to (directly or by PLT)
     kind: str = ""  # the handler that reads its arguments (probes/allocators.py); "": function
+    registers: tuple[str, ...] = ()  # where its arguments are at the site (): the usual ones
+
+    @property
+    def cookie(self) -> int:
+        """The site's BPF cookie: where the handler reads the arguments that
+        the instructions before the site moved (``site_cookie``)."""
+        usual = ALLOC_FUNCTIONS[self.handler]
+        return site_cookie(self.registers, usual) if self.registers else 0
 
     @property
     def handler(self) -> str:
@@ -101,33 +110,93 @@ def choose(code: bytes, entry: int, arguments: Iterable[str]) -> tuple[int, str,
     """(address, instruction, emulated) of the site in ``code`` (the bytes
     from ``entry``): the first emulated instruction before any write to an
     argument register, else the entry."""
+    return choose_site(code, entry, tuple(arguments))[:3]
+
+
+def choose_site(code: bytes, entry: int, arguments: tuple[str, ...],
+                follow_moves: bool = False) -> tuple[int, str, bool, tuple[str, ...]]:  # fmt: skip
+    """``choose``, and where each argument is at the site. With
+    ``follow_moves`` an argument copied to another register (``mov rsi,
+    rdi``) is followed there, and the site may lie past instructions that
+    overwrite its first register, so long as every argument is still in
+    one (mimalloc's mi_malloc moves the size to rsi, then loads its heap
+    into rdi): the handler then reads it where it went (the site's cookie,
+    ``site_cookie``)."""
     disassembler = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
     disassembler.detail = True
-    wanted = set(arguments)
+    held = [{register} for register in arguments]  # the registers holding each argument
     first: capstone.CsInsn | None = None
     for insn in disassembler.disasm(code, entry):
         first = first or insn
         if emulated(insn):
-            return insn.address, f"{insn.mnemonic} {insn.op_str}".strip(), True
+            where = tuple(arg if arg in now else min(now, key=_REGISTERS.index)
+                          for arg, now in zip(arguments, held, strict=True))  # fmt: skip
+            return insn.address, f"{insn.mnemonic} {insn.op_str}".strip(), True, where
         _, written = insn.regs_access()
+        wide = {_WIDE.get(insn.reg_name(reg), "") for reg in written}
         # The site must also see the return address at the top of the
         # stack (the call site, read there): nothing before it moves rsp.
-        if any(_WIDE.get(insn.reg_name(reg), "") in wanted | {"rsp"} for reg in written):
+        if "rsp" in wide or insn.mnemonic in ("ret", "hlt", "ud2"):
             break
-        if insn.mnemonic in ("ret", "hlt", "ud2"):
+        copy = _register_copy(insn) if follow_moves else None
+        for now in held:
+            copied = copy is not None and copy[1] in now
+            now -= wide
+            if copied and copy is not None:
+                now.add(copy[0])
+        if not all(held):
             break
     if first is None:
         raise ValueError(f"no instruction at {entry:#x}")
-    return entry, f"{first.mnemonic} {first.op_str}".strip(), False
+    return entry, f"{first.mnemonic} {first.op_str}".strip(), False, arguments
+
+
+# The registers an argument may be read from at a site (records.h's enum
+# site_reg), in the order one is preferred when it is in several.
+_REGISTERS = ("rdi", "rsi", "rdx", "rcx", "r8", "r9", "rax", "r10", "r11", "rbx", "rbp",
+              "r12", "r13", "r14", "r15")  # fmt: skip
+
+
+def _register_copy(insn: capstone.CsInsn) -> tuple[str, str] | None:
+    """(destination, source) of a whole 64-bit register copied to another
+    (``mov rsi, rdi``), or None."""
+    if insn.mnemonic != "mov" or len(insn.operands) != 2:
+        return None
+    target, source = insn.operands
+    if target.type != x86.X86_OP_REG or source.type != x86.X86_OP_REG:
+        return None
+    names = insn.reg_name(target.reg), insn.reg_name(source.reg)
+    return names if all(name in _REGISTERS for name in names) else None
+
+
+def site_cookie(registers: tuple[str, ...], standard: tuple[str, ...]) -> int:
+    """The BPF cookie that tells allocs.bpf.c's ``site_arg`` where each
+    argument is (records.h's enum site_reg, SITE_REG_BITS each from bit
+    SITE_REG_SHIFT); 0 when every one is where the calling convention puts it."""
+    cookie = 0
+    for slot, (register, usual) in enumerate(zip(registers, standard, strict=True)):
+        if register != usual:
+            cookie |= SiteReg[register.upper()] << (SITE_REG_BITS * slot)
+    return cookie << SITE_REG_SHIFT if cookie else 0
 
 
 def alloc_sites(path: Path, entries: Mapping[str, str] | None = None,
-                tables: tuple[str, ...] = (".dynsym",)) -> dict[str, AllocSite]:  # fmt: skip
+                tables: tuple[str, ...] = (".dynsym",), follow_moves: bool = False,
+                registers: Mapping[str, tuple[str, ...]] | None = None,
+                ) -> dict[str, AllocSite]:  # fmt: skip
     """The site of each allocation function the file defines in ``tables``
     (by its default version), keyed by function name; functions it does not
     define are absent. ``entries``: function -> its kind (probes/allocators.py),
-    glibc's ten names by default."""
+    glibc's ten names by default. ``follow_moves``: a site may lie where the
+    arguments are in other registers (``choose_site``; its handler is then
+    attached with the site's cookie). ``registers``: function -> where its
+    arguments are at its entry, where not its kind's registers (mimalloc's
+    mi_heap_malloc); such a function is left out without ``follow_moves``
+    (its handler could not read them)."""
     kinds = entries if entries is not None else {name: name for name in ALLOC_FUNCTIONS}
+    elsewhere = registers or {}
+    if not follow_moves:
+        kinds = {name: kind for name, kind in kinds.items() if name not in elsewhere}
     with open_elf(path) as elf:
         found: dict[str, int] = {}
         for table in tables:
@@ -148,29 +217,63 @@ def alloc_sites(path: Path, entries: Mapping[str, str] | None = None,
         sites = {}
         for name, entry in entry_of.items():
             code, bias = code_at(elf, entry, entry + SCAN_BYTES, clamp=True)
-            address, text, fast = choose(code, entry, ALLOC_FUNCTIONS[kinds[name]])
+            usual = ALLOC_FUNCTIONS[kinds[name]]
+            at_entry = elsewhere.get(name, usual)
+            address, text, fast, held = choose_site(code, entry, at_entry, follow_moves)
             aliases = tuple(other for other in by_address[entry] if other != name)
             jumps_to = tail_call(code, entry, targets)
             sites[name] = AllocSite(name, entry, address, address - bias, text, fast, aliases,
                                     jumps_to if jumps_to != name else None,
-                                    "" if kinds[name] == name else kinds[name])  # fmt: skip
+                                    "" if kinds[name] == name else kinds[name],
+                                    held if held != usual else ())  # fmt: skip
         return sites
 
 
 def tail_call(code: bytes, entry: int, targets: Mapping[int, str]) -> str | None:
     """The allocation function that the code from ``entry`` ends in a jump
     to, on its straight path (glibc's reallocarray multiplies, then jumps to
-    realloc through the PLT), or None."""
+    realloc through the PLT), or None. Every conditional branch on the way
+    must lead to a return that calls nothing (reallocarray's overflow returns
+    NULL) or to the same jump: one that leads elsewhere (mimalloc's
+    mi_heap_malloc_aligned jumps to mi_heap_malloc_small for small sizes
+    only) makes it no tail call."""
     disassembler = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
     disassembler.detail = True
+    ends: set[int | None] = set()  # where each branch taken leads (_branch_end)
     for insn in disassembler.disasm(code, entry):
         if insn.mnemonic in ("ret", "hlt", "ud2", "call"):
             return None
-        if insn.mnemonic == "jmp":
-            operand = insn.operands[0]
-            if operand.type != x86.X86_OP_IMM:
+        operand = insn.operands[0] if insn.operands else None
+        if operand is None or operand.type != x86.X86_OP_IMM:
+            if insn.mnemonic == "jmp":
                 return None
-            return targets.get(int(operand.imm))
+            continue
+        if insn.mnemonic == "jmp":
+            jump = int(operand.imm)
+            return targets.get(jump) if ends <= {RETURNS, jump} else None
+        if capstone.CS_GRP_JUMP in insn.groups:
+            ends.add(_branch_end(code, entry, int(operand.imm)))
+    return None
+
+
+RETURNS = -1  # _branch_end: the path returns, calling nothing
+
+
+def _branch_end(code: bytes, entry: int, address: int) -> int | None:
+    """Where the straight code at ``address`` (within ``code``) leads:
+    RETURNS, the target of the jump it ends in, or None (it calls, branches
+    again, or runs out of ``code``)."""
+    if not entry <= address < entry + len(code):
+        return None
+    disassembler = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    disassembler.detail = True
+    for insn in disassembler.disasm(code[address - entry :], address):
+        if insn.mnemonic == "ret":
+            return RETURNS
+        if insn.mnemonic == "jmp" and insn.operands[0].type == x86.X86_OP_IMM:
+            return int(insn.operands[0].imm)
+        if insn.mnemonic in ("call", "hlt", "ud2") or capstone.CS_GRP_JUMP in insn.groups:
+            return None
     return None
 
 

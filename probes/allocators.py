@@ -21,7 +21,7 @@ to another is counted once, as the outer call (allocs.bpf.c's nesting).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # glibc's names, each its own kind.
 STANDARD: Mapping[str, str] = {
@@ -50,6 +50,9 @@ class Allocator:
     entries: Mapping[str, str]  # entry point -> its kind (an allocs.bpf.c handler)
     prefixes: tuple[str, ...] = ("",)  # a copy built in with prefixed names (je_malloc)
     known: bool = True  # False: an object that defines malloc, none of the known ones
+    # entry point -> the registers of its kind's arguments, where they are not
+    # the kind's own (mimalloc's mi_heap_malloc(heap, size): the size in rsi)
+    registers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def symbols(self) -> dict[str, str]:
@@ -57,6 +60,12 @@ class Allocator:
         table's order (the standard names first)."""
         return {prefix + entry: kind for prefix in self.prefixes
                 for entry, kind in self.entries.items()}  # fmt: skip
+
+    @property
+    def symbol_registers(self) -> dict[str, tuple[str, ...]]:
+        """``registers``, under each prefix."""
+        return {prefix + entry: where for prefix in self.prefixes
+                for entry, where in self.registers.items()}  # fmt: skip
 
 
 GLIBC = Allocator("glibc", ("__libc_malloc",), STANDARD)
@@ -84,6 +93,24 @@ TCMALLOC = Allocator(
      "tc_deletearray_sized_aligned": "free", "tc_delete_aligned_nothrow": "free",
      "tc_deletearray_aligned_nothrow": "free", "cfree": "free", **CXX},
 )  # fmt: skip
+
+# mimalloc's functions on a heap given first: each its kind's arguments, one
+# register on (the heap in rdi). Not mi_heap_alloc_new: its first instruction
+# moves the stack pointer, so its only site would be single-stepped.
+_MI_HEAP = {
+    **dict.fromkeys(("mi_heap_malloc", "mi_heap_zalloc", "mi_heap_malloc_small",
+                     "mi_heap_malloc_aligned", "mi_heap_zalloc_aligned",
+                     "mi_heap_malloc_aligned_at", "mi_heap_zalloc_aligned_at"), "malloc"),
+    **dict.fromkeys(("mi_heap_calloc", "mi_heap_mallocn", "mi_heap_calloc_aligned",
+                     "mi_heap_calloc_aligned_at", "mi_heap_alloc_new_n"), "calloc"),
+    **dict.fromkeys(("mi_heap_realloc", "mi_heap_reallocf", "mi_heap_rezalloc",
+                     "mi_heap_realloc_aligned", "mi_heap_realloc_aligned_at",
+                     "mi_heap_rezalloc_aligned", "mi_heap_rezalloc_aligned_at"), "realloc"),
+    **dict.fromkeys(("mi_heap_reallocn", "mi_heap_recalloc", "mi_heap_recalloc_aligned",
+                     "mi_heap_recalloc_aligned_at"), "reallocarray"),
+}  # fmt: skip
+_ONE_ON = {"malloc": ("rsi",), "calloc": ("rsi", "rdx"), "realloc": ("rsi", "rdx"),
+           "reallocarray": ("rsi", "rdx", "rcx")}  # fmt: skip
 MIMALLOC = Allocator(
     "mimalloc",
     ("mi_malloc",),
@@ -100,7 +127,8 @@ MIMALLOC = Allocator(
      "mi_pvalloc": "pvalloc", "mi_aligned_alloc": "aligned_alloc",
      "mi_reallocarray": "reallocarray", "mi_new": "malloc", "mi_new_nothrow": "malloc",
      "mi_new_aligned": "malloc", "mi_new_aligned_nothrow": "malloc", "mi_new_n": "calloc",
-     "mi_new_realloc": "realloc", "mi_new_reallocn": "reallocarray", **CXX},
+     "mi_new_realloc": "realloc", "mi_new_reallocn": "reallocarray", **_MI_HEAP, **CXX},
+    registers={name: _ONE_ON[kind] for name, kind in _MI_HEAP.items()},
 )  # fmt: skip
 KNOWN = (GLIBC, JEMALLOC, TCMALLOC, MIMALLOC)
 

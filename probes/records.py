@@ -122,6 +122,33 @@ class AllocArg(IntEnum):
     SITE = 5
 
 
+class SiteReg(IntEnum):
+    """enum site_reg: where an allocation function's argument is at its
+    uprobe site, four bits per argument in the site's cookie from bit
+    SITE_REG_SHIFT (STANDARD: the calling convention's register)."""
+
+    STANDARD = 0
+    RDI = 1
+    RSI = 2
+    RDX = 3
+    RCX = 4
+    R8 = 5
+    R9 = 6
+    RAX = 7
+    R10 = 8
+    R11 = 9
+    RBX = 10
+    RBP = 11
+    R12 = 12
+    R13 = 13
+    R14 = 14
+    R15 = 15
+
+
+SITE_REG_SHIFT = 32  # records.h's; the bits below hold the uprobe's generation
+SITE_REG_BITS = 4
+
+
 class AllocMisc(IntEnum):
     """enum alloc_misc: the slots of the alloc_misc array."""
 

@@ -45,6 +45,7 @@ from mtrace_live.probes.records import (
 )
 from numpy.lib.recfunctions import structured_to_unstructured
 
+from . import bpf_syscalls
 from .bpf_backend import BpfProgram
 
 RETURNS_POINTER = frozenset(fn.name.lower() for fn in AllocFn) - {"free"}
@@ -82,7 +83,10 @@ def plan_sites(libc: Path, allocator: Allocator = GLIBC,
 
 
 def _plan_sites(libc: Path, allocator: Allocator, tables: tuple[str, ...]) -> AllocPlan:
-    found = alloc_sites(libc, allocator.symbols, tables)
+    # a site past moved arguments needs its cookie read by the handler
+    found = alloc_sites(
+        libc, allocator.symbols, tables, bpf_syscalls.attach_cookies(), allocator.symbol_registers
+    )
     sites: dict[str, AllocSite] = {}
     seen_as: dict[str, str] = {}
     for name, site in found.items():
@@ -131,6 +135,7 @@ def defines(sample_bytes: int, events: bool, walk: bool, outstanding: int, stack
         "WITH_ALLOCS": 1,
         "ALLOC_ONE_PROCESS": int(one_process),
         "UPROBE_MOVES": int(one_process),
+        "SITE_REGISTERS": int(bpf_syscalls.attach_cookies()),
         "ALLOC_EVENTS": int(events),
         "ALLOC_WALK": int(walk),
         "FRAME_DEPTH": STACK_DEPTH,
@@ -154,7 +159,9 @@ def attach_allocs(program: BpfProgram, chosen: AllocPlan, sample_bytes: int, hol
     ``pid``, in that process alone: then no other process on the machine
     takes a breakpoint on each malloc and free."""
     for site in chosen.sites.values():
-        program.attach_uprobe(chosen.libc, site.file_offset, f"alloc_{site.handler}", pid)
+        program.attach_uprobe(
+            chosen.libc, site.file_offset, f"alloc_{site.handler}", pid, site.cookie
+        )
         if site.handler in RETURNS_POINTER:
             # At the site itself, not the entry: nothing before the site
             # moves rsp (probes/alloc_sites.py), so the return address is

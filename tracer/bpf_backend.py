@@ -127,7 +127,8 @@ class UprobeEvent:
     prog_fd: int
     pid: int  # the thread (a process's id: its first) it is attached for; -1: every process
     retprobe: bool
-    link: int = -1  # the BPF link carrying its generation, once moved (-1: none)
+    link: int = -1  # the BPF link carrying its cookie (-1: none)
+    cookie: int = 0  # where its handler reads moved arguments (alloc_sites.site_cookie)
 
 
 class BpfProgram:
@@ -238,11 +239,13 @@ class BpfProgram:
                 except Exception as raw:
                     raise AttachError(f"cannot attach to tracepoint {event}: {raw}") from None
 
-    def attach_uprobe(self, path: Path, file_offset: int, handler: str, pid: int = -1) -> None:
+    def attach_uprobe(self, path: Path, file_offset: int, handler: str, pid: int = -1,
+                      cookie: int = 0) -> None:  # fmt: skip
         """Attach ``handler`` at a file offset of ``path``: in every process
         (pid -1), or only in the threads of process ``pid`` (the kernel then
-        places no breakpoint in any other process)."""
-        self._attach_uprobe(path, file_offset, handler, pid, False)
+        places no breakpoint in any other process); through a BPF link
+        carrying ``cookie`` when it is not 0."""
+        self._attach_uprobe(path, file_offset, handler, pid, False, cookie)
 
     def attach_uretprobe(self, path: Path, file_offset: int, handler: str, pid: int = -1) -> None:
         """Attach ``handler`` to the returns of the function at a file offset
@@ -250,14 +253,20 @@ class BpfProgram:
         self._attach_uprobe(path, file_offset, handler, pid, True)
 
     def _attach_uprobe(self, path: Path, file_offset: int, handler: str, pid: int,
-                       retprobe: bool) -> None:  # fmt: skip
+                       retprobe: bool, cookie: int = 0) -> None:  # fmt: skip
         """Through perf_event_open (tracer/uprobe_attach.py): the path as
         given, from this process's root, and the kernel's errno in the error."""
         bcc = import_bcc()
         prog_fd = self._bpf.load_func(handler.encode(), bcc.BPF.KPROBE).fd
         try:
-            fd = uprobe_attach.attach(path, file_offset, prog_fd, pid, retprobe)
-            self._uprobe_events.append(UprobeEvent(fd, path, file_offset, prog_fd, pid, retprobe))
+            fd, link = -1, -1
+            if cookie:
+                fd, link = uprobe_attach.attach_with_cookie(path, file_offset, prog_fd, pid,
+                                                            retprobe, cookie)  # fmt: skip
+            else:
+                fd = uprobe_attach.attach(path, file_offset, prog_fd, pid, retprobe)
+            self._uprobe_events.append(UprobeEvent(fd, path, file_offset, prog_fd, pid, retprobe,
+                                                   link, cookie))  # fmt: skip
         except uprobe_attach.AttachFailure as failure:
             what = "a return probe to" if retprobe else "to"
             message = f"cannot attach {what} {path} at {file_offset:#x}: {failure}"
@@ -281,8 +290,9 @@ class BpfProgram:
         try:
             for index, event in enumerate(self._uprobe_events):
                 if event.pid == old:
+                    cookie = event.cookie | generation
                     fd, link = uprobe_attach.attach_with_cookie(
-                        event.path, event.offset, event.prog_fd, new, event.retprobe, generation
+                        event.path, event.offset, event.prog_fd, new, event.retprobe, cookie
                     )
                     moved.append((index, replace(event, fd=fd, pid=new, link=link)))
         except uprobe_attach.AttachFailure:

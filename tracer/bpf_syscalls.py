@@ -335,6 +335,23 @@ def close(fd: int | None) -> None:
         os.close(fd)
 
 
+ATTACH_COOKIE_SINCE = (5, 15)  # bpf_get_attach_cookie in a uprobe's program, by a perf event link
+
+
+def kernel_version() -> tuple[int, int]:
+    """The running kernel's (major, minor); (0, 0) when its release is unreadable."""
+    release = os.uname().release.split("-", 1)[0].split(".")
+    try:
+        return int(release[0]), int(release[1])
+    except (IndexError, ValueError):
+        return 0, 0
+
+
+def attach_cookies() -> bool:
+    """This kernel gives a uprobe's program the cookie of its link."""
+    return kernel_version() >= ATTACH_COOKIE_SINCE
+
+
 def perf_event_link(prog_fd: int, perf_fd: int, cookie: int) -> int:
     """Attach program ``prog_fd`` to perf event ``perf_fd`` through a BPF
     link carrying ``cookie`` (bpf_get_attach_cookie reads it; Linux 5.15):

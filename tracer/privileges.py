@@ -29,6 +29,8 @@ from pathlib import Path
 
 from mtrace_live.probes.elf.errors import PrivilegeDropError
 
+from .bpf_syscalls import kernel_version
+
 CAP_SYS_PTRACE = 19
 TRACING_CAPABILITIES = (CAP_SYS_PTRACE,)  # kept by serve's tracing process
 CAPABILITY_NAMES: dict[tuple[int, ...], str] = {
@@ -48,20 +50,12 @@ def resolve_user(name: str) -> pwd.struct_passwd:
         raise PrivilegeDropError(f"no user {name!r} to run as after attaching (--user)") from None
 
 
-def _kernel_version() -> tuple[int, int]:
-    release = os.uname().release.split("-", 1)[0].split(".")
-    try:
-        return int(release[0]), int(release[1])
-    except (IndexError, ValueError):
-        return 0, 0
-
-
 def map_reads_need_capability() -> bool:
     try:
         disabled = UNPRIVILEGED_BPF.read_text(encoding="ascii").strip() != "0"
     except OSError:
         disabled = True
-    return disabled and _kernel_version() < _FD_OPS_UNCHECKED_SINCE
+    return disabled and kernel_version() < _FD_OPS_UNCHECKED_SINCE
 
 
 def drop_privileges(user: pwd.struct_passwd, keep: tuple[int, ...] = ()) -> str:

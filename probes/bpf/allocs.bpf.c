@@ -567,10 +567,42 @@ int alloc_return(struct pt_regs *ctx)
     return 0;
 }
 
+#ifndef SITE_REGISTERS
+#define SITE_REGISTERS 0 /* the kernel gives uprobes their link's cookie (Linux 5.15) */
+#endif
+
+/* Argument `slot` of the call: where the site's cookie says it went (enum
+ * site_reg, SITE_REG_BITS per argument from bit SITE_REG_SHIFT: alloc_sites.py
+ * followed it through the moves before the site), else `usual`, the calling
+ * convention's register. */
+static __always_inline u64 site_arg(struct pt_regs *ctx, u32 slot, u64 usual)
+{
+#if SITE_REGISTERS
+    u64 at = bpf_get_attach_cookie(ctx) >> (SITE_REG_SHIFT + SITE_REG_BITS * slot);
+    at &= (1 << SITE_REG_BITS) - 1;
+    if (at) {
+        /* each register read at its own offset of ctx, as the verifier
+         * requires, then picked from the stack */
+        u64 regs[1 << SITE_REG_BITS] = {
+            [SR_RDI] = ctx->di, [SR_RSI] = ctx->si, [SR_RDX] = ctx->dx, [SR_RCX] = ctx->cx,
+            [SR_R8] = ctx->r8, [SR_R9] = ctx->r9, [SR_RAX] = ctx->ax, [SR_R10] = ctx->r10,
+            [SR_R11] = ctx->r11, [SR_RBX] = ctx->bx, [SR_RBP] = ctx->bp, [SR_R12] = ctx->r12,
+            [SR_R13] = ctx->r13, [SR_R14] = ctx->r14, [SR_R15] = ctx->r15,
+        };
+        return regs[at];
+    }
+#endif
+    return usual;
+}
+
+#define ARG1(ctx) site_arg(ctx, 0, PT_REGS_PARM1(ctx))
+#define ARG2(ctx) site_arg(ctx, 1, PT_REGS_PARM2(ctx))
+#define ARG3(ctx) site_arg(ctx, 2, PT_REGS_PARM3(ctx))
+
 /* Entry handlers: the sites' registers, as alloc_sites.py checked. */
 int alloc_malloc(struct pt_regs *ctx)
 {
-    return on_alloc_entry(ctx, AF_MALLOC, PT_REGS_PARM1(ctx), 0);
+    return on_alloc_entry(ctx, AF_MALLOC, ARG1(ctx), 0);
 }
 
 /* n * size, or 0 where it overflows (the call then fails). */
@@ -587,44 +619,44 @@ static __always_inline u64 product(u64 n, u64 size)
 
 int alloc_calloc(struct pt_regs *ctx)
 {
-    u64 n = PT_REGS_PARM1(ctx), size = PT_REGS_PARM2(ctx);
+    u64 n = ARG1(ctx), size = ARG2(ctx);
     return on_alloc_entry(ctx, AF_CALLOC, product(n, size), 0);
 }
 
 int alloc_realloc(struct pt_regs *ctx)
 {
-    return on_alloc_entry(ctx, AF_REALLOC, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx));
+    return on_alloc_entry(ctx, AF_REALLOC, ARG2(ctx), ARG1(ctx));
 }
 
 int alloc_reallocarray(struct pt_regs *ctx)
 {
-    u64 n = PT_REGS_PARM2(ctx), size = PT_REGS_PARM3(ctx);
-    return on_alloc_entry(ctx, AF_REALLOCARRAY, product(n, size), PT_REGS_PARM1(ctx));
+    u64 n = ARG2(ctx), size = ARG3(ctx);
+    return on_alloc_entry(ctx, AF_REALLOCARRAY, product(n, size), ARG1(ctx));
 }
 
 int alloc_memalign(struct pt_regs *ctx)
 {
-    return on_alloc_entry(ctx, AF_MEMALIGN, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx));
+    return on_alloc_entry(ctx, AF_MEMALIGN, ARG2(ctx), ARG1(ctx));
 }
 
 int alloc_aligned_alloc(struct pt_regs *ctx)
 {
-    return on_alloc_entry(ctx, AF_ALIGNED_ALLOC, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx));
+    return on_alloc_entry(ctx, AF_ALIGNED_ALLOC, ARG2(ctx), ARG1(ctx));
 }
 
 int alloc_posix_memalign(struct pt_regs *ctx)
 {
-    return on_alloc_entry(ctx, AF_POSIX_MEMALIGN, PT_REGS_PARM3(ctx), PT_REGS_PARM1(ctx));
+    return on_alloc_entry(ctx, AF_POSIX_MEMALIGN, ARG3(ctx), ARG1(ctx));
 }
 
 int alloc_valloc(struct pt_regs *ctx)
 {
-    return on_alloc_entry(ctx, AF_VALLOC, PT_REGS_PARM1(ctx), 0);
+    return on_alloc_entry(ctx, AF_VALLOC, ARG1(ctx), 0);
 }
 
 int alloc_pvalloc(struct pt_regs *ctx)
 {
-    return on_alloc_entry(ctx, AF_PVALLOC, PT_REGS_PARM1(ctx), 0);
+    return on_alloc_entry(ctx, AF_PVALLOC, ARG1(ctx), 0);
 }
 
 int alloc_free(struct pt_regs *ctx)
@@ -636,7 +668,7 @@ int alloc_free(struct pt_regs *ctx)
     if (!uprobe_followed(ctx, ALLOC_ONE_PROCESS, tgid))
         return 0;
     alloc_calls.increment(AF_FREE);
-    u64 ptr = PT_REGS_PARM1(ctx);
+    u64 ptr = ARG1(ctx);
     if (!ptr) {
         alloc_misc.increment(AX_NULL_FREES);
         return 0;

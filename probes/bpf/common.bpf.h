@@ -215,7 +215,9 @@ static __always_inline int uprobe_followed(void *ctx, const int alone, u32 tgid)
     if (alone) {
         u32 zero = 0;
         u64 *generation = uprobe_generation.lookup(&zero);
-        return !generation || bpf_get_attach_cookie(ctx) == *generation;
+        /* the cookie's low half; its high half may say where a site's
+         * arguments are (allocs.bpf.c's site_arg) */
+        return !generation || (u32)bpf_get_attach_cookie(ctx) == (u32)*generation;
     }
 #endif
     return alone || tgid_is_followed(tgid);

@@ -142,6 +142,32 @@ enum alloc_fn {
     AF_COUNT,
 };
 
+/* Where an argument of an allocation function is at its uprobe site, when
+ * not in the calling convention's register: the instructions before the
+ * site moved it (mimalloc's mi_malloc copies the size from rdi to rsi). Four
+ * bits per argument in the site's BPF cookie, from bit SITE_REG_SHIFT:
+ * probes/alloc_sites.py writes them, allocs.bpf.c's site_arg reads them. */
+enum site_reg {
+    SR_STANDARD, /* where the calling convention puts it */
+    SR_RDI,
+    SR_RSI,
+    SR_RDX,
+    SR_RCX,
+    SR_R8,
+    SR_R9,
+    SR_RAX,
+    SR_R10,
+    SR_R11,
+    SR_RBX,
+    SR_RBP,
+    SR_R12,
+    SR_R13,
+    SR_R14,
+    SR_R15,
+};
+#define SITE_REG_SHIFT 32 /* below: the uprobe's generation (common.bpf.h) */
+#define SITE_REG_BITS 4
+
 /* The args of an EV_ALLOC or EV_FREE event. */
 enum alloc_arg {
     AA_PTR = 0,     /* the pointer returned, or freed */

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import capstone
 import pytest
-from mtrace_live.probes.alloc_sites import ALLOC_FUNCTIONS, alloc_sites, choose
+from mtrace_live.probes.alloc_sites import ALLOC_FUNCTIONS, alloc_sites, choose, choose_site
 
 DEBIAN_LIBC = Path("/lib/x86_64-linux-gnu/libc.so.6")
 
@@ -36,6 +36,30 @@ def test_an_argument_written_before_an_emulated_instruction_leaves_the_entry() -
     # the same with the register left alone: the push is the site
     code = bytes.fromhex("4885ff89c655")  # mov esi,eax writes rsi, not an argument here
     assert choose(code, 0x1000, ("rdi",)) == (0x1005, "push rbp", True)
+
+
+# mimalloc 2.0's mi_calloc: mov rdx,[rip+x]; mov rax,rdi; mov rdi,fs:[rdx];
+# cmp rax,1; je +8; mul rsi ...
+MI_CALLOC = bytes.fromhex("488b15c9ad00004889f864488b3a4883f80174 08 48f7e6".replace(" ", ""))
+
+
+def test_arguments_moved_to_other_registers_are_followed_to_the_first_emulated_one() -> None:
+    # GIVEN calloc's count copied from rdi to rax, then rdi overwritten
+    # WHEN the moves are followed, THEN the je is the site, count in rax
+    assert choose_site(MI_CALLOC, 0x1000, ("rdi", "rsi"), follow_moves=True) == (
+        0x1012, "je 0x101c", True, ("rax", "rsi"))  # fmt: skip
+    # AND when they are not (a kernel without attach cookies), the entry is
+    assert choose_site(MI_CALLOC, 0x1000, ("rdi", "rsi"))[:3] == (
+        0x1000, "mov rdx, qword ptr [rip + 0xadc9]", False)  # fmt: skip
+
+
+def test_an_argument_overwritten_before_it_was_copied_leaves_the_entry() -> None:
+    # mov rdi,rax ; mov rsi,rdi ; push rbp: the argument is lost at the first
+    code = bytes.fromhex("4889c74889fe55")
+    assert choose_site(code, 0x1000, ("rdi",), follow_moves=True)[2] is False
+    # a 32-bit copy (mov esi,edi) truncates it: not followed
+    code = bytes.fromhex("89fe4889c755")
+    assert choose_site(code, 0x1000, ("rdi",), follow_moves=True)[2] is False
 
 
 @pytest.mark.parametrize("name", sorted(ALLOC_FUNCTIONS))

@@ -32,12 +32,20 @@ ENUMS: dict[str, tuple[type[IntEnum], str, dict[str, str]]] = {
     "alloc_fn": (records.AllocFn, "AF_", {}),
     "alloc_arg": (records.AllocArg, "AA_", {}),
     "alloc_misc": (records.AllocMisc, "AX_", {}),
+    "site_reg": (records.SiteReg, "SR_", {}),
     "lock_misc": (records.LockMisc, "LX_", {}),
     "unwind_misc": (records.UnwindMisc, "UX_", {}),
     "hold_count": (records.HoldCount, "HC_", {}),
     "unwind_cfa": (cfi.Cfa, "UC_", {}),
     "unwind_rbp": (cfi.Rbp, "UR_", {}),
     "arg_kind": (ArgKind, "ARG_", {"NONE": "UNREADABLE"}),
+}
+
+# #define in records.h -> the Python constant that must equal it
+DEFINES = {
+    "ALLOC_FRAMES_BASE": records.ALLOC_FRAMES_BASE,
+    "SITE_REG_SHIFT": records.SITE_REG_SHIFT,
+    "SITE_REG_BITS": records.SITE_REG_BITS,
 }
 
 
@@ -146,7 +154,7 @@ def test_every_enum_matches_its_python_enum(header: c_ast.FileAST) -> None:
     assert list(records.KMEM_EVENTS) == kmem_events
 
 
-def test_gcc_agrees_with_the_dtypes(tmp_path: Path) -> None:
+def test_gcc_agrees_with_the_dtypes_and_constants(tmp_path: Path) -> None:
     # GIVEN a C file that asserts every dtype offset and size to the compiler
     lines = ["#include <stddef.h>", *(f"typedef {c} {n};" for n, (c, _) in TYPES.items()
              if n != "char"), f'#include "{records.header_path()}"']  # fmt: skip
@@ -157,6 +165,7 @@ def test_gcc_agrees_with_the_dtypes(tmp_path: Path) -> None:
                 f'_Static_assert(offsetof(struct {name}, {field}) == {offset}, "{name}.{field}");'
                 f'_Static_assert(sizeof(((struct {name} *)0)->{field}) == {size}, "{field}");'
             )
+    lines += [f'_Static_assert({name} == {value}, "{name}");' for name, value in DEFINES.items()]
     source = tmp_path / "layout.c"
     source.write_text("\n".join(lines) + "\n")
     # WHEN gcc compiles it, THEN every assertion holds
