@@ -27,7 +27,11 @@ CFI_WORKLOADS := libcfi_deep.so libcfi_plugin.so cfi_stacks cxx_stacks lock_chai
 # the libc's), for tests/privileged/test_allocators.py.
 LINKED_ALLOCATORS := jemalloc tcmalloc_minimal mimalloc
 exercisers: $(addprefix $(BUILD)/,$(WORKLOADS) $(CFI_WORKLOADS) libbump_malloc.so) \
-	$(addprefix $(BUILD)/alloc_workload-,$(LINKED_ALLOCATORS))
+	$(addprefix $(BUILD)/alloc_workload-,$(LINKED_ALLOCATORS)) $(BUILD)/two_providers
+
+# jemalloc's malloc beside the libc's own, called by dlsym: two providers in one process.
+$(BUILD)/two_providers: tests/workloads/two_providers.c | $(BUILD)
+	gcc $(CFLAGS_WORKLOAD) -o $@ $< $(firstword $(wildcard /usr/lib/$(shell gcc -print-multiarch)/libjemalloc.so.*))
 
 $(BUILD)/alloc_workload-%: tests/workloads/alloc_workload.c | $(BUILD)
 	gcc $(CFLAGS_WORKLOAD) -o $@ $< $(firstword $(wildcard /usr/lib/$(shell gcc -print-multiarch)/lib$*.so.*))

@@ -6,7 +6,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .data.alloc_snapshot import AllocSnapshot, FrameNames, Outstanding, StackRow, function_name
+from .data.alloc_snapshot import (
+    AllocSnapshot,
+    FrameNames,
+    Outstanding,
+    ProcessAllocs,
+    StackRow,
+    function_name,
+)
 
 STACK_FRAMES_SHOWN = 4
 
@@ -47,9 +54,20 @@ def not_glibc_line(pid: int, label: str) -> str:
             "malloc's, which it does not allocate from")  # fmt: skip
 
 
+def provider_text(proc: ProcessAllocs, called: Sequence[tuple[str, str, int, int]]) -> str:
+    """What the summary adds of the providers a process called, when they
+    are more than the one its malloc binds to: ``; by provider: jemalloc
+    (libjemalloc.so.2) 1200 calls, 80.0K; glibc (libc.so.6) 3 calls, 96B``."""
+    if not called or (len(called) == 1 and called[0][:2] == (proc.allocator, proc.allocator_lib)):
+        return ""
+    return "; by provider: " + "; ".join(f"{name} ({lib}) {calls} calls, {size_text(nbytes)}"
+                                         for name, lib, calls, nbytes in called)  # fmt: skip
+
+
 def alloc_process_lines(snapshot: AllocSnapshot) -> list[str]:
     lines = []
     live = _live_by_process(snapshot.stacks)
+    called = snapshot.by_provider()
     for proc in sorted(snapshot.processes, key=lambda p: p.tgid):
         blocks, nbytes = live.get(proc.tgid, (0, 0))
         before = (
@@ -63,6 +81,7 @@ def alloc_process_lines(snapshot: AllocSnapshot) -> list[str]:
             f"live {size_text(nbytes)} in {blocks} blocks"
             + (" (estimated from samples)" if snapshot.sample_bytes else "")
             + (f"; allocator: {proc.allocator_label}" if proc.allocator else "")
+            + provider_text(proc, called.get(proc.tgid, []))
         )
         vm = snapshot.vm.get(proc.tgid)
         if vm:

@@ -128,12 +128,16 @@ def stack_table_json(snapshot: AllocSnapshot, names: FrameNames) -> Iterator[str
     one of the stack walks' counts ({"table": "stack_walks", ...}) when they
     are unwound by CFI, then one per stack ({"table": "alloc_stacks", ...}),
     each frame named."""
+    called = snapshot.by_provider()
     for proc in snapshot.processes:
+        providers = [{"allocator": name, "allocator_lib": lib, "calls": calls, "bytes": nbytes}
+                     for name, lib, calls, nbytes in called.get(proc.tgid, [])]  # fmt: skip
         yield json.dumps({"table": "alloc_processes", "pid": proc.tgid, "calls": proc.calls,
                           "bytes": proc.bytes, "frees": proc.frees,
                           "unknown_frees": proc.unknown_frees, "failed": proc.failed,
                           "allocator": proc.allocator or None,
                           "allocator_lib": proc.allocator_lib or None,
+                          "providers": providers,
                           "syscalls": dict(snapshot.vm.get(proc.tgid, {}))},
                          separators=(",", ":"))  # fmt: skip
     yield json.dumps({"table": "alloc_functions", "calls": dict(snapshot.calls),
@@ -154,6 +158,7 @@ def stack_table_json(snapshot: AllocSnapshot, names: FrameNames) -> Iterator[str
             })  # fmt: skip
         yield json.dumps(
             {"table": "alloc_stacks", "pid": row.tgid, "allocator": row.function,
+             "provider": row.provider or None, "provider_lib": row.provider_lib or None,
              "calls": row.objects, "bytes": row.bytes, "frees": round(row.frees * row.scale),
              "bytes_freed": row.bytes_freed, "live_objects": row.live_objects,
              "live_bytes": row.live_bytes, "sampled_calls": row.calls,

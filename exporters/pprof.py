@@ -140,7 +140,8 @@ def build_profile(snapshot: AllocSnapshot, names: FrameNames, duration_ns: int =
                   comments: Sequence[str] = (), default: str = "inuse_space",
                   labels: Labels | None = None) -> Any:  # fmt: skip
     """The Profile message of ``snapshot``; ``labels`` gives a process's
-    string labels beside ``pid`` and ``allocator`` (serve's profiles)."""
+    string labels beside ``pid``, ``allocator`` (the allocating function),
+    ``provider`` and ``provider_lib`` (serve's profiles)."""
     strings = _Strings()
     profile = _new_profile(strings, SAMPLE_TYPES, default,
                            ("space", "bytes", snapshot.sample_bytes or 1), duration_ns,
@@ -157,6 +158,9 @@ def build_profile(snapshot: AllocSnapshot, names: FrameNames, duration_ns: int =
         sample.value.extend(values)
         sample.label.add(key=pid_key, num=row.tgid)
         sample.label.add(key=allocator_key, str=strings(row.function))
+        for name, text in (("provider", row.provider), ("provider_lib", row.provider_lib)):
+            if text:
+                sample.label.add(key=strings(name), str=strings(text))
         if labels is not None:
             if row.tgid not in extra:
                 extra[row.tgid] = [(strings(k), strings(v)) for k, v in labels(row.tgid) if v]
@@ -288,8 +292,9 @@ class HeapEncoder:
         prefixes = self._prefixes
         numbers = rows.ids.tolist()
         for number in {n for n in numbers if prefixes[n] is None}:
-            tgid, function, _, frames = catalog.keys[number]
-            pair = tgid << _PAIR_BITS | catalog.functions[function]
+            key = catalog.keys[number]
+            tgid, frames = key[0], key[3]
+            pair = tgid << _PAIR_BITS | catalog.functions[key[1:2] + key[4:]]
             prefixes[number] = self._locations(tgid, frames) + self._labels[pair]
         return [prefixes[number] for number in numbers]
 
@@ -299,11 +304,14 @@ class HeapEncoder:
         sample.location_id.extend(self.tables.location_id(tgid, a) for a in frames)
         return bytes(sample.SerializeToString())
 
-    def _labels_encoded(self, tgid: int, function: str, labels: Labels) -> bytes:
-        """A Sample holding a process's labels, encoded."""
+    def _labels_encoded(self, tgid: int, function: tuple[str, ...], labels: Labels) -> bytes:
+        """A Sample holding a process's labels and its allocating function's
+        (the function, then the provider and its file, when told), encoded."""
         sample = message_class("Sample")()
         sample.label.add(key=self.strings("pid"), num=tgid)
-        sample.label.add(key=self.strings("allocator"), str=self.strings(function))
+        for key, value in zip(("allocator", "provider", "provider_lib"), function, strict=False):
+            if value:
+                sample.label.add(key=self.strings(key), str=self.strings(value))
         for key, value in labels(tgid):
             if value:
                 sample.label.add(key=self.strings(key), str=self.strings(value))

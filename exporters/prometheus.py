@@ -85,7 +85,8 @@ class AllocFigures:
     include exited processes), and the top stacks by live bytes."""
 
     processes: Mapping[str, Mapping[str, int]]  # name -> calls, bytes, frees, ...
-    stacks: list[tuple[str, str, str, int]]  # (process, function, stack, live bytes)
+    # (process, function, stack, the provider called, its file, live bytes)
+    stacks: list[tuple[str, str, str, str, str, int]]
     dropped: Mapping[str, int]  # table -> allocations it had no room for
     sampled: bool
     profiles: Mapping[str, int] = field(default_factory=dict)  # kind -> heap profiles served
@@ -185,14 +186,15 @@ class MtraceCollector(Collector):
 
     def _alloc_stacks(self, figures: AllocFigures) -> MetricFamily:
         stacks = family("alloc_stack_live_bytes", estimated=figures.sampled)
-        ranked = sorted(figures.stacks, key=lambda row: -row[3])
-        self._stacks.admit("\0".join(row[:3]) for row in ranked)
-        rows: Counter[tuple[str, str, str]] = Counter()
-        for process, allocator, stack, live in ranked:
-            if self._stacks("\0".join((process, allocator, stack))) == OTHER:
-                rows[(self._processes(process), OTHER, OTHER)] += live
+        ranked = sorted(figures.stacks, key=lambda row: -row[5])
+        self._stacks.admit("\0".join(row[:5]) for row in ranked)
+        rows: Counter[tuple[str, str, str, str, str]] = Counter()
+        for *key, live in ranked:
+            process = self._processes(key[0])
+            if self._stacks("\0".join(key)) == OTHER:
+                rows[(process, OTHER, OTHER, "", "")] += live
             else:
-                rows[(self._processes(process), allocator, stack)] += live
+                rows[(process, key[1], key[2], key[3], key[4])] += live
         for labels, live in sorted(rows.items()):
             stacks.add_metric(list(labels), live)
         return stacks

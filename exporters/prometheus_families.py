@@ -44,7 +44,7 @@ FAMILIES = {f.name: f for f in (
            "moved its break by, outside malloc.", _PK),
     Family("alloc_stack_live_bytes", GAUGE, "Live bytes of the call stacks holding most (at "
            "most --top-stacks of them; the rest under stack=\"other\"){estimated}.",
-           ("process", "alloc_function", "stack")),
+           ("process", "alloc_function", "stack", "allocator", "allocator_lib")),
     Family("alloc_table_dropped", COUNTER, "Allocations a kernel table had no room for: "
            "outstanding (not matched to their free), stacks (not aggregated), frames "
            "(aggregated by call site alone).", ("table",)),

@@ -305,7 +305,7 @@ class MetricsSource:
         names = self.info.frame_names
         stacks = [
             (self._name(row.tgid), row.function, stack_label(names, row.tgid, row.frames),
-             row.live_bytes)
+             row.provider, row.provider_lib, row.live_bytes)
             for row in snapshot.top("live", STACKS_READ)
         ]  # fmt: skip
         dropped = {"outstanding": snapshot.misc.get("outstanding_full", 0),

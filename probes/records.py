@@ -147,6 +147,7 @@ class SiteReg(IntEnum):
 
 SITE_REG_SHIFT = 32  # records.h's; the bits below hold the uprobe's generation
 SITE_REG_BITS = 4
+SITE_PROVIDER_SHIFT = 48  # the cookie's top bits: the site's provider, kept in alloc_key
 
 
 class AllocMisc(IntEnum):
@@ -188,7 +189,14 @@ ALLOC_FRAMES_BASE = 0x40000000
 # (alloc_stacks), struct alloc_proc (alloc_procs), struct outstanding and
 # struct outstanding_row (outstanding).
 ALLOC_KEY_DTYPE = np.dtype(
-    [("call_site", "<u8"), ("tgid", "<u4"), ("stack", "<i4"), ("fn", "<u4"), ("incarnation", "<u4")]
+    [
+        ("call_site", "<u8"),
+        ("tgid", "<u4"),
+        ("stack", "<i4"),
+        ("fn", "<u2"),
+        ("provider", "<u2"),
+        ("incarnation", "<u4"),
+    ]
 )
 ALLOC_STATS_FIELDS = ("calls", "bytes", "sizes", "frees", "bytes_freed", "sizes_freed", "last_ts")
 ALLOC_STATS_DTYPE = np.dtype([(name, "<u8") for name in ALLOC_STATS_FIELDS])

@@ -37,6 +37,7 @@ from mtrace_live.probes.records import (
     ALLOC_STATS_FIELDS,
     OUTSTANDING_FREE_TAGS,
     OUTSTANDING_ROW_DTYPE,
+    SITE_PROVIDER_SHIFT,
     VM_PROC_DTYPE,
     VM_PROC_FIELDS,
     AllocFn,
@@ -154,14 +155,16 @@ def _open_rows(entries: int) -> int:
 
 
 def attach_allocs(program: BpfProgram, chosen: AllocPlan, sample_bytes: int, hold: bool,
-           pid: int = -1) -> None:  # fmt: skip
+                  pid: int = -1, provider: int = 0) -> None:  # fmt: skip
     """Attach the handlers in every process that maps the libc, or, with
     ``pid``, in that process alone: then no other process on the machine
-    takes a breakpoint on each malloc and free."""
+    takes a breakpoint on each malloc and free. ``provider``: the file's
+    number, in its sites' cookies (0: the libc), which each allocation's
+    stack row keeps (StackReader.providers names it)."""
+    number = provider << SITE_PROVIDER_SHIFT if bpf_syscalls.attach_cookies() else 0
     for site in chosen.sites.values():
-        program.attach_uprobe(
-            chosen.libc, site.file_offset, f"alloc_{site.handler}", pid, site.cookie
-        )
+        handler = f"alloc_{site.handler}"
+        program.attach_uprobe(chosen.libc, site.file_offset, handler, pid, site.cookie | number)
         if site.handler in RETURNS_POINTER:
             # At the site itself, not the entry: nothing before the site
             # moves rsp (probes/alloc_sites.py), so the return address is
@@ -195,6 +198,9 @@ class StackReader:
     more keys than the table has rows (processes gone)."""
 
     def __init__(self) -> None:
+        # each provider's (allocator, file), by the number its sites' cookies
+        # carry (0: the libc); the trace appends one as it attaches it
+        self.providers: list[tuple[str, str]] = []
         self._start()
 
     def _start(self) -> None:
@@ -213,9 +219,10 @@ class StackReader:
         fresh = np.flatnonzero(~self._settled[slots] | ~same)
         frames_of: dict[int, tuple[int, ...]] = {}
         numbers = []
-        for call_site, tgid, stack, fn, _ in table["key"][fresh].tolist():
+        for call_site, tgid, stack, fn, provider, _ in table["key"][fresh].tolist():
             frames = _frames(program, stack, call_site, frames_of)
-            numbers.append(self.catalog.number((tgid, _fn_name(fn), call_site, frames)))
+            name, lib = self.providers[provider] if provider < len(self.providers) else ("", "")
+            numbers.append(self.catalog.number((tgid, _fn_name(fn), call_site, frames, name, lib)))
         changed = slots[fresh]
         found = np.array(numbers, np.int64)
         # settled: walked by no frames, or numbered alike twice running
@@ -266,7 +273,7 @@ def read_snapshot(program: BpfProgram, sample_bytes: int, started_ns: int,
         theirs = np.isin(_incarnations(keys["tgid"], keys["incarnation"]), present)
         rows = rows[~np.isin(rows["tag"], OUTSTANDING_FREE_TAGS) & theirs]
         for _, ptr, tgid, _, (key, size, weight, ts, tid, _) in rows.tolist():
-            call_site, _, stack, fn, _ = key
+            call_site, _, stack, fn, _, _ = key
             held.append(Outstanding(tgid, ptr, size, weight, ts, tid, _fn_name(fn), call_site,
                                     _frames(program, stack, call_site, frames_of)))  # fmt: skip
     return AllocSnapshot(

@@ -168,6 +168,8 @@ class LiveTrace:
             self.counters.table_counts = self.unwind.table_counts
         if self.alloc_plan is not None:
             self.counters.allocator_of = self.allocator_names.of
+            if bpf_syscalls.attach_cookies():  # the stack rows say which provider was called
+                self.counters.stack_reader.providers = self.provider_names
 
     def _plan_providers(self, libc: Path, target_pid: int | None,
                         argv: Sequence[str] | None) -> None:  # fmt: skip
@@ -177,6 +179,12 @@ class LiveTrace:
         self.allocator_names = providers.AllocatorNames(self.providers.per_process)
         self.provider_plans = tuple(alloc_probes.plan_sites(p.path, p.allocator, p.tables)
                                     for p in self.providers.extra)  # fmt: skip
+        # each provider by its number in its sites' cookies and alloc_key
+        # (0: the libc), when the kernel gives uprobes their cookies
+        self.provider_names: list[tuple[str, str]] = [
+            ("glibc", providers.soname_or(libc.name, libc)),
+            *((p.allocator.name, p.name) for p in self.providers.extra),
+        ]  # fmt: skip
         for given in self.provider_plans:  # --allocator-lib: a file with nothing to trace
             alloc_probes.check_attachable(given, None)
         # the files attached, and each process's program when the allocators
@@ -253,8 +261,11 @@ class LiveTrace:
             if self.alloc_plan is not None:
                 alloc_probes.attach_allocs(self.program, self.alloc_plan, request.sample_bytes,
                                            self.hold, self.alloc_pid)  # fmt: skip
-                for more in self.provider_plans:  # each allocator beside the libc's, once a file
-                    alloc_probes.attach_allocs(self.program, more, 0, False, self.alloc_pid)
+                for number, more in enumerate(
+                    self.provider_plans, 1
+                ):  # beside the libc, once a file
+                    alloc_probes.attach_allocs(self.program, more, 0, False, self.alloc_pid,
+                                               number)  # fmt: skip
             if self.lock_plan is not None:
                 lock_waits.attach_lock_waits(self.program, self.lock_plan, self.alloc_pid)
             self.program.set_gate(True)
@@ -366,13 +377,15 @@ class LiveTrace:
             self._files_attached.add(found.key)
             try:
                 plan = alloc_probes.plan_sites(found.path, found.allocator, found.tables)
-                alloc_probes.attach_allocs(self.program, plan, 0, False, self.alloc_pid)
+                alloc_probes.attach_allocs(self.program, plan, 0, False, self.alloc_pid,
+                                           len(self.provider_names))  # fmt: skip
             except MtraceError as exc:
                 print(f"mtrace-live: warning: {found.label} in {found.path}, mapped by a "
                       f"process started after the trace: not traced ({exc})",
                       file=sys.stderr)  # fmt: skip
                 continue
             self.provider_plans += (plan,)
+            self.provider_names.append((found.allocator.name, found.name))
             print(f"mtrace-live: tracing {len(plan.sites)} allocation functions of "
                   f"{found.label} too, mapped by a program that started after the trace",
                   file=sys.stderr, flush=True)  # fmt: skip

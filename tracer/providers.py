@@ -80,7 +80,7 @@ def _needs(path: Path) -> tuple[str, ...]:
     return _file_facts(path, (), "needs")  # type: ignore[return-value]
 
 
-def _soname_or(name: str, path: Path) -> str:
+def soname_or(name: str, path: Path) -> str:
     """A mapped file's name as the outputs give it: its soname
     (libmimalloc.so.2), else the name it is mapped under (libmimalloc.so.2.0)."""
     found = _file_facts(path, (), "soname")
@@ -155,7 +155,7 @@ def resolve(order: Objects, mapped: Objects) -> Providers:
         if _ALLOCATOR_FILE.match(name) and file_identity(path) not in {p.key for p in found}:
             allocator = identify(_defines(path))
             if allocator is not None:
-                found.append(Provider(allocator, path, _soname_or(name, path)))
+                found.append(Provider(allocator, path, soname_or(name, path)))
     return Providers(binding, tuple(found))
 
 
@@ -336,7 +336,7 @@ def mapped_by(pids: Iterable[int]) -> list[Provider]:
             if key not in found and key != (0, 0):
                 allocator = identify(_defines(path))
                 if allocator is not None and allocator.known and allocator.name != "glibc":
-                    found[key] = Provider(allocator, path, _soname_or(name, path))
+                    found[key] = Provider(allocator, path, soname_or(name, path))
     return list(found.values())
 
 

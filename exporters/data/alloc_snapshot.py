@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import overload
+from typing import Any, overload
 
 import numpy as np
 
@@ -36,6 +36,8 @@ class StackRow:
     bytes_freed: int
     sizes_freed: int
     last_ts: int
+    provider: str = ""  # the allocator whose function was called (jemalloc); "": not told
+    provider_lib: str = ""  # ... its file (libjemalloc.so.2)
 
     @property
     def live_bytes(self) -> int:
@@ -63,14 +65,15 @@ class StackRow:
                 self.bytes - self.bytes_freed)  # fmt: skip
 
 
-StackKey = tuple[int, str, int, tuple[int, ...]]  # tgid, function, call_site, frames
+# tgid, function, call_site, frames, then the provider and its file (StackRow's)
+StackKey = tuple[int, str, int, tuple[int, ...], str, str]
 VALUE_FIELDS = ("calls", "bytes", "sizes", "frees", "bytes_freed", "sizes_freed", "last_ts")
 LAST_TS = VALUE_FIELDS.index("last_ts")
 _INT64_FLOAT = (-(2.0**63), 2.0**63 - 1024)  # the int64 range's ends that a float64 holds
 
 
 class StackCatalog:
-    """The keys of stack rows (process, function, call site, stack), each
+    """The keys of stack rows (process, function, call site, stack, provider), each
     numbered once: a number names one key for as long as the catalog
     lives, so that what is worked out for a key (its frames, its cut, its
     encoded locations) is kept by number from one read of the tables to
@@ -79,7 +82,8 @@ class StackCatalog:
     def __init__(self) -> None:
         self.keys: list[StackKey] = []
         self.index: dict[StackKey, int] = {}
-        self.functions: dict[str, int] = {}  # allocating function -> its code
+        # (allocating function, provider, its file) -> its code
+        self.functions: dict[tuple[str, ...], int] = {}
         self._tgids: list[int] = []
         self._codes: list[int] = []
         self._arrays = (np.zeros(0, np.int64), np.zeros(0, np.int64))
@@ -93,8 +97,13 @@ class StackCatalog:
             found = self.index[key] = len(self.keys)
             self.keys.append(key)
             self._tgids.append(key[0])
-            self._codes.append(self.functions.setdefault(key[1], len(self.functions)))
+            self._codes.append(self.functions.setdefault(key[1:2] + key[4:], len(self.functions)))
         return found
+
+    def row(self, number: int, values: Sequence[int]) -> StackRow:
+        """The StackRow of key ``number`` with ``values`` (VALUE_FIELDS)."""
+        key: tuple[Any, ...] = self.keys[number]
+        return StackRow(*key[:4], *values, *key[4:])
 
     def tgids(self) -> np.ndarray:
         """Each key's process, by number."""
@@ -128,15 +137,15 @@ class StackColumns(Sequence[StackRow]):
         if isinstance(rows, StackColumns):
             return rows
         catalog = StackCatalog()
-        ids = np.array([catalog.number((r.tgid, r.function, r.call_site, r.frames)) for r in rows],
-                       np.int64)  # fmt: skip
+        ids = np.array([catalog.number((r.tgid, r.function, r.call_site, r.frames, r.provider,
+                                        r.provider_lib)) for r in rows], np.int64)  # fmt: skip
         values = np.array([[getattr(r, name) for name in VALUE_FIELDS] for r in rows], np.int64)
         return cls(catalog, ids, values.reshape(len(rows), len(VALUE_FIELDS)))
 
     def rows(self) -> tuple[StackRow, ...]:
         if self._rows is None:
-            keys, numbers, values = self.catalog.keys, self.ids.tolist(), self.values.tolist()
-            self._rows = tuple(StackRow(*keys[k], *row)
+            numbers, values = self.ids.tolist(), self.values.tolist()
+            self._rows = tuple(self.catalog.row(k, row)
                                for k, row in zip(numbers, values, strict=True))  # fmt: skip
         return self._rows
 
@@ -184,6 +193,29 @@ class StackColumns(Sequence[StackRow]):
         np.add.at(sums, inverse, columns)
         return dict(zip(tgids.tolist(), sums.tolist(), strict=True))
 
+    def by_provider(self) -> dict[int, list[tuple[str, str, int, int]]]:
+        """Each process's (provider, its file, calls, bytes) by the provider
+        called, most calls first; rows whose provider is not told are left out."""
+        kinds = {code: kind[1:] for kind, code in self.catalog.functions.items()}
+        codes = self.catalog.codes()[self.ids]
+        told = np.array([len(kinds.get(code, ())) == 2 and bool(kinds[code][0])
+                         for code in range(len(kinds))], bool)  # fmt: skip
+        chosen = np.flatnonzero(told[codes]) if len(kinds) else np.zeros(0, np.int64)
+        sums: dict[tuple[int, tuple[str, ...]], list[int]] = {}
+        values = self.heap_values()[chosen][:, :2].tolist()
+        for tgid, code, (calls, nbytes) in zip(
+            self.tgids()[chosen].tolist(), codes[chosen].tolist(), values, strict=True
+        ):
+            found = sums.setdefault((tgid, kinds[code]), [0, 0])
+            found[0] += calls
+            found[1] += nbytes
+        out: dict[int, list[tuple[str, str, int, int]]] = {}
+        for (tgid, (name, lib)), (calls, nbytes) in sums.items():
+            out.setdefault(tgid, []).append((name, lib, calls, nbytes))
+        for rows in out.values():
+            rows.sort(key=lambda row: (-row[2], row[0], row[1]))
+        return out
+
     def live_by_process(self) -> dict[int, tuple[int, int]]:
         """Each process's live objects and bytes (StackRow.live_objects, .live_bytes summed)."""
         sums = self.by_process(self.heap_values()[:, 2:])
@@ -198,8 +230,7 @@ class StackColumns(Sequence[StackRow]):
             order = chosen[np.lexsort((-calls[chosen], -live[chosen]))]
         else:
             order = np.lexsort((-calls, -self.values[:, 1]))
-        keys = self.catalog.keys
-        return [StackRow(*keys[self.ids[i]], *self.values[i].tolist()) for i in order[:limit]]
+        return [self.catalog.row(int(self.ids[i]), self.values[i].tolist()) for i in order[:limit]]
 
 
 def summed(catalog: StackCatalog, ids: np.ndarray, values: np.ndarray) -> StackColumns:
@@ -284,6 +315,10 @@ class AllocSnapshot:
         if len(known) > limit:
             lines.append(f"and {len(known) - limit} more processes")
         return lines
+
+    def by_provider(self) -> dict[int, list[tuple[str, str, int, int]]]:
+        """StackColumns.by_provider of the stacks."""
+        return StackColumns.of(self.stacks).by_provider()
 
     def process(self, tgid: int) -> ProcessAllocs | None:
         return next((p for p in self.processes if p.tgid == tgid), None)
@@ -458,9 +493,9 @@ class _Trimming:
         to = self.cut_to[columns.ids]
         if (to < 0).any():
             for number in np.unique(columns.ids[to < 0]).tolist():
-                tgid, function, call_site, frames = self.source.keys[number]
-                self.cut_to[number] = self.catalog.number((tgid, function, call_site,
-                                                           cut(tgid, frames)))  # fmt: skip
+                key = self.source.keys[number]
+                cut_key = (key[0], key[1], key[2], cut(key[0], key[3]), *key[4:])
+                self.cut_to[number] = self.catalog.number(cut_key)
             to = self.cut_to[columns.ids]
         return summed(self.catalog, to, columns.values)
 

@@ -67,7 +67,8 @@ struct pending_call {
     u64 sp;    /* the stack pointer at the site: deeper calls are nested */
     u64 size;
     u64 aux;   /* realloc's old pointer, posix_memalign's pointer's address, the alignment */
-    u32 fn;
+    u16 fn;
+    u16 provider; /* the site's (site_provider) */
     u32 depth; /* 1 + nested calls not yet returned; 0: the slot is free */
     u32 tid;   /* whose call it is */
     u32 proc_tgid; /* the process whose alloc_procs row this slot's thread has made */
@@ -147,6 +148,44 @@ static __always_inline struct pending_call *slot_of(u32 tid)
     return pending.lookup(&slot);
 }
 
+#ifndef SITE_REGISTERS
+#define SITE_REGISTERS 0 /* the kernel gives uprobes their link's cookie (Linux 5.15) */
+#endif
+
+/* Argument `slot` of the call: where the site's cookie says it went (enum
+ * site_reg, SITE_REG_BITS per argument from bit SITE_REG_SHIFT: alloc_sites.py
+ * followed it through the moves before the site), else `usual`, the calling
+ * convention's register. */
+static __always_inline u64 site_arg(struct pt_regs *ctx, u32 slot, u64 usual)
+{
+#if SITE_REGISTERS
+    u64 at = bpf_get_attach_cookie(ctx) >> (SITE_REG_SHIFT + SITE_REG_BITS * slot);
+    at &= (1 << SITE_REG_BITS) - 1;
+    if (at) {
+        /* each register read at its own offset of ctx, as the verifier
+         * requires, then picked from the stack */
+        u64 regs[1 << SITE_REG_BITS] = {
+            [SR_RDI] = ctx->di, [SR_RSI] = ctx->si, [SR_RDX] = ctx->dx, [SR_RCX] = ctx->cx,
+            [SR_R8] = ctx->r8, [SR_R9] = ctx->r9, [SR_RAX] = ctx->ax, [SR_R10] = ctx->r10,
+            [SR_R11] = ctx->r11, [SR_RBX] = ctx->bx, [SR_RBP] = ctx->bp, [SR_R12] = ctx->r12,
+            [SR_R13] = ctx->r13, [SR_R14] = ctx->r14, [SR_R15] = ctx->r15,
+        };
+        return regs[at];
+    }
+#endif
+    return usual;
+}
+
+/* The provider the site is in (its cookie's top bits; 0: the libc). */
+static __always_inline u16 site_provider(struct pt_regs *ctx)
+{
+    return SITE_REGISTERS ? bpf_get_attach_cookie(ctx) >> SITE_PROVIDER_SHIFT : 0;
+}
+
+#define ARG1(ctx) site_arg(ctx, 0, PT_REGS_PARM1(ctx))
+#define ARG2(ctx) site_arg(ctx, 1, PT_REGS_PARM2(ctx))
+#define ARG3(ctx) site_arg(ctx, 2, PT_REGS_PARM3(ctx))
+
 /* The pending call of this thread, if the slot holds one. */
 static __always_inline struct pending_call *pending_of(struct pending_call *p, u32 tid)
 {
@@ -197,6 +236,7 @@ static __always_inline int on_alloc_entry(struct pt_regs *ctx, u32 fn, u64 size,
     slot->size = size;
     slot->aux = aux;
     slot->fn = fn;
+    slot->provider = site_provider(ctx);
     slot->tid = tid;
     slot->depth = 1;
 #if WITH_UNWIND && LOCK_STACKS
@@ -292,7 +332,8 @@ static __always_inline u64 alloc_key_hash(const struct alloc_key *key)
 {
     u64 h = (key->call_site ^ 0x84222325cbf29ce4ull) * 0x9e3779b97f4a7c15ull;
     h = (h ^ (h >> 29) ^ ((u64)key->tgid << 32 | (u32)key->stack)) * 0x9e3779b97f4a7c15ull;
-    h = (h ^ (h >> 29) ^ ((u64)key->incarnation << 32 | key->fn)) * 0x9e3779b97f4a7c15ull;
+    h = (h ^ (h >> 29) ^ ((u64)key->incarnation << 32 | (u32)key->provider << 16 | key->fn)) *
+        0x9e3779b97f4a7c15ull;
     return h | 1; /* never 0, which marks a free row; the tag names the whole key */
 }
 
@@ -456,7 +497,8 @@ static __always_inline void count_in_process(u32 tgid, u64 size)
 static __always_inline void keep_allocation(const struct pending_call *call, u32 tgid, u32 tid,
                                             u64 call_site, u64 ptr, u64 weight, s32 stack)
 {
-    struct alloc_key key = {.call_site = call_site, .tgid = tgid, .fn = call->fn, .stack = stack,
+    struct alloc_key key = {.call_site = call_site, .tgid = tgid, .fn = call->fn,
+                            .provider = call->provider, .stack = stack,
                             .incarnation = call->proc_incarnation};
     if (key.stack == FRAMES_NO_ROOM) {
         alloc_misc.increment(AX_FRAMES_FULL);
@@ -566,38 +608,6 @@ int alloc_return(struct pt_regs *ctx)
     walk_and_keep(ctx, &call, tgid, tid, call_site, ptr, weight);
     return 0;
 }
-
-#ifndef SITE_REGISTERS
-#define SITE_REGISTERS 0 /* the kernel gives uprobes their link's cookie (Linux 5.15) */
-#endif
-
-/* Argument `slot` of the call: where the site's cookie says it went (enum
- * site_reg, SITE_REG_BITS per argument from bit SITE_REG_SHIFT: alloc_sites.py
- * followed it through the moves before the site), else `usual`, the calling
- * convention's register. */
-static __always_inline u64 site_arg(struct pt_regs *ctx, u32 slot, u64 usual)
-{
-#if SITE_REGISTERS
-    u64 at = bpf_get_attach_cookie(ctx) >> (SITE_REG_SHIFT + SITE_REG_BITS * slot);
-    at &= (1 << SITE_REG_BITS) - 1;
-    if (at) {
-        /* each register read at its own offset of ctx, as the verifier
-         * requires, then picked from the stack */
-        u64 regs[1 << SITE_REG_BITS] = {
-            [SR_RDI] = ctx->di, [SR_RSI] = ctx->si, [SR_RDX] = ctx->dx, [SR_RCX] = ctx->cx,
-            [SR_R8] = ctx->r8, [SR_R9] = ctx->r9, [SR_RAX] = ctx->ax, [SR_R10] = ctx->r10,
-            [SR_R11] = ctx->r11, [SR_RBX] = ctx->bx, [SR_RBP] = ctx->bp, [SR_R12] = ctx->r12,
-            [SR_R13] = ctx->r13, [SR_R14] = ctx->r14, [SR_R15] = ctx->r15,
-        };
-        return regs[at];
-    }
-#endif
-    return usual;
-}
-
-#define ARG1(ctx) site_arg(ctx, 0, PT_REGS_PARM1(ctx))
-#define ARG2(ctx) site_arg(ctx, 1, PT_REGS_PARM2(ctx))
-#define ARG3(ctx) site_arg(ctx, 2, PT_REGS_PARM3(ctx))
 
 /* Entry handlers: the sites' registers, as alloc_sites.py checked. */
 int alloc_malloc(struct pt_regs *ctx)

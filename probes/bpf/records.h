@@ -167,6 +167,9 @@ enum site_reg {
 };
 #define SITE_REG_SHIFT 32 /* below: the uprobe's generation (common.bpf.h) */
 #define SITE_REG_BITS 4
+/* The cookie's top bits: the provider (the allocator's file) the site is in,
+ * numbered by user space (0: the libc) and kept in each allocation's key. */
+#define SITE_PROVIDER_SHIFT 48
 
 /* The args of an EV_ALLOC or EV_FREE event. */
 enum alloc_arg {
@@ -199,7 +202,8 @@ struct alloc_key {
     u64 call_site; /* the return address into the caller */
     u32 tgid;
     s32 stack;     /* ALLOC_FRAMES_BASE + row of alloc_frames, or -1: not walked or no room */
-    u32 fn;        /* enum alloc_fn */
+    u16 fn;        /* enum alloc_fn */
+    u16 provider;  /* which file's function was called: the site's cookie from bit SITE_PROVIDER_SHIFT */
     u32 incarnation; /* the process's alloc_procs row's: a pid reused is another process */
 };
 

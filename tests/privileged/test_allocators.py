@@ -233,3 +233,61 @@ def test_an_allocator_built_into_the_program_under_prefixed_names_is_traced(
     assert got["calls"] == facts["malloc_calls"] + facts["mallocx_calls"]
     assert got["bytes"] == facts["malloc_bytes"] + facts["mallocx_bytes"]
     assert got["live_objects"] == facts["leaked"] + facts["mallocx_calls"]
+
+
+def pprof_tags(profile: Path, index: str) -> dict[str, dict[str, int]]:
+    """``go tool pprof -tags``: each string label's values and their totals of
+    sample type ``index``."""
+    done = subprocess.run(["go", "tool", "pprof", "-tags", f"-sample_index={index}",
+                           str(profile)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    tags: dict[str, dict[str, int]] = defaultdict(dict)
+    label = ""
+    for line in done.stdout.splitlines():
+        head, _, rest = line.strip().partition(": ")
+        if rest.startswith("Total "):
+            label = head
+        elif "(" in head and rest and label:
+            tags[label][rest] = round(float(head.split()[0]))
+    return tags
+
+
+def test_two_providers_in_one_process_are_kept_apart(tmp_path: Path) -> None:
+    # GIVEN a program whose malloc is jemalloc's, which also calls the libc's
+    # own malloc found by dlsym (tests/workloads/two_providers.c), run by mtrace-live
+    err, out, profile = tmp_path / "trace.err", tmp_path / "trace.out", tmp_path / "heap.pb.gz"
+    with Reaper() as reaper, open(err, "wb") as errors, open(out, "wb") as lines:
+        tracer = reaper.add(subprocess.Popen(
+            [*MTRACE, "run", "-o", "json", "--pprof", str(profile), "--",
+             str(built("two_providers")), "3000", "700"],
+            stdin=subprocess.PIPE, stdout=lines, stderr=errors))  # fmt: skip
+        wait_for_line(err, READY, tracer, timeout=120)
+        assert tracer.stdin is not None
+        tracer.stdin.write(b"go\n")
+        tracer.stdin.close()
+        assert tracer.wait(timeout=120) == 0, err.read_text()
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
+    facts = next(r for r in rows if "jemalloc_calls" in r)
+    stacks = [r for r in rows if r.get("table") == "alloc_stacks"]
+    # THEN each call site's row names the provider its calls went to, with
+    # exactly the calls, bytes and leaks the program made through it
+    mine = {(r["frames"][0]["function"], r["provider"], r["provider_lib"]): r for r in stacks
+            if r["frames"][0]["function"] in ("via_jemalloc", "via_libc")}  # fmt: skip
+    jemalloc = mine[("via_jemalloc", "jemalloc", "libjemalloc.so.2")]
+    libc = mine[("via_libc", "glibc", "libc.so.6")]
+    assert len(mine) == 2
+    assert (jemalloc["calls"], jemalloc["bytes"], jemalloc["live_objects"]) == (
+        facts["jemalloc_calls"], facts["jemalloc_bytes"], facts["jemalloc_leaked"])  # fmt: skip
+    assert (libc["calls"], libc["bytes"], libc["live_objects"]) == (
+        facts["libc_calls"], facts["libc_bytes"], facts["libc_calls"])  # fmt: skip
+    # AND the process's row sums its calls by provider
+    (process,) = [r for r in rows if r.get("table") == "alloc_processes"]
+    assert process["allocator"] == "jemalloc"
+    called = {p["allocator"]: p["calls"] for p in process["providers"]}
+    assert called["jemalloc"] >= facts["jemalloc_calls"]
+    assert called["glibc"] >= facts["libc_calls"]
+    # AND go tool pprof reads each sample's provider label
+    tags = pprof_tags(profile, "alloc_objects")
+    assert tags["provider"]["jemalloc"] >= facts["jemalloc_calls"]
+    assert tags["provider"]["glibc"] >= facts["libc_calls"]
+    assert tags["provider_lib"]["libjemalloc.so.2"] == tags["provider"]["jemalloc"]

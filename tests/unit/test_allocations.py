@@ -5,6 +5,7 @@ the tail-call detection that decides which functions get a probe."""
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import io
 import json
@@ -38,7 +39,12 @@ from mtrace_live.probes.records import (
     AllocFn,
     EventKind,
 )
-from mtrace_live.tracer.alloc_probes import plan_sites, read_snapshot, sample_intervals
+from mtrace_live.tracer.alloc_probes import (
+    StackReader,
+    plan_sites,
+    read_snapshot,
+    sample_intervals,
+)
 from prometheus_client import CollectorRegistry
 from rich.console import Console
 
@@ -146,7 +152,8 @@ def test_prometheus_families_by_process_and_top_stacks() -> None:
     figures = AllocFigures(
         processes={"prog": {"calls": 10, "bytes": 640, "frees": 4, "unknown_frees": 1,
                             "failed": 0, "live_bytes": 384, "live_objects": 6}},
-        stacks=[("prog", "malloc", f"f{i} < main", 100 - i) for i in range(5)],
+        stacks=[("prog", "malloc", f"f{i} < main", "jemalloc", "libjemalloc.so.2", 100 - i)
+                for i in range(5)],
         dropped={"outstanding": 2, "stacks": 0},
         sampled=False,
         allocators={"prog": ("jemalloc", "libjemalloc.so.2")},
@@ -161,10 +168,23 @@ def test_prometheus_families_by_process_and_top_stacks() -> None:
     assert value("mtrace_alloc_calls_total", prog) == 10
     assert value("mtrace_alloc_live_bytes", prog) == 384
     assert value("mtrace_alloc_table_dropped_total", {"table": "outstanding"}) == 2
-    stack = {"process": "prog", "alloc_function": "malloc", "stack": "f0 < main"}
+    # each stack carries the provider its calls went to
+    stack = {
+        "process": "prog",
+        "alloc_function": "malloc",
+        "stack": "f0 < main",
+        "allocator": "jemalloc",
+        "allocator_lib": "libjemalloc.so.2",
+    }
     assert value("mtrace_alloc_stack_live_bytes", stack) == 100
     # beyond --top-stacks, the rest are summed under "other"
-    other = {"process": "prog", "alloc_function": "other", "stack": "other"}
+    other = {
+        "process": "prog",
+        "alloc_function": "other",
+        "stack": "other",
+        "allocator": "",
+        "allocator_lib": "",
+    }
     assert value("mtrace_alloc_stack_live_bytes", other) == 97 + 96
 
 
@@ -174,11 +194,53 @@ def test_json_tables_name_every_frame() -> None:
     assert lines[0] == {"table": "alloc_processes", "pid": PID, "calls": 1150, "bytes": 73600,
                         "frees": 1050, "unknown_frees": 7, "failed": 0,
                         "allocator": None, "allocator_lib": None,  # not known here
+                        "providers": [],  # no stack says which provider it called
                         "syscalls": {}}  # fmt: skip
     assert lines[1]["table"] == "alloc_functions" and lines[1]["calls"]["malloc"] == 1150
     stacks = lines[2:]
     assert stacks[0]["live_bytes"] == 6400 and stacks[0]["frames"][0]["function"] == "leaker"
     assert stacks[0]["frames"][1]["location"] == "prog.c:7"
+
+
+def test_each_stack_row_names_the_provider_its_calls_went_to() -> None:
+    # GIVEN one process's malloc rows: one through jemalloc (provider 1, as
+    # its sites' cookies say), two through the libc (provider 0)
+    procs = np.zeros(1, ALLOC_PROC_DTYPE)
+    procs[0]["incarnation"], procs[0]["comm"] = 1, b"server"
+    stacks = np.zeros(3, ALLOC_STACK_ROW_DTYPE)
+    for row, (provider, calls) in enumerate(((1, 1200), (0, 3), (0, 2))):
+        stacks[row]["tag"] = row + 1
+        stacks[row]["key"] = (0x401000 + row, 100, -1, 0, provider, 1)
+        stacks[row]["stats"]["calls"] = calls
+        stacks[row]["stats"]["bytes"] = stacks[row]["stats"]["sizes"] = 32 * calls
+    program = TablesOnly({
+        "alloc_procs": (np.array([100], "<u4"), procs),
+        "alloc_stacks": (np.arange(3, dtype="<u4"), stacks),
+        "vm_procs": (np.zeros(0, "<u4"), np.zeros(0, VM_PROC_DTYPE)),
+    })  # fmt: skip
+    reader = StackReader()
+    reader.providers = [("glibc", "libc.so.6"), ("jemalloc", "libjemalloc.so.2")]
+    # WHEN the tables are read, the process's malloc bound to jemalloc
+    snapshot = read_snapshot(program, 0, 0, reader=reader)  # type: ignore[arg-type]
+    snapshot = dataclasses.replace(snapshot, processes=tuple(
+        dataclasses.replace(p, allocator="jemalloc", allocator_lib="libjemalloc.so.2")
+        for p in snapshot.processes))  # fmt: skip
+    # THEN each row says which provider its calls went to
+    named = sorted((row.calls, row.provider, row.provider_lib) for row in snapshot.stacks)
+    assert named == [(2, "glibc", "libc.so.6"), (3, "glibc", "libc.so.6"),
+                     (1200, "jemalloc", "libjemalloc.so.2")]  # fmt: skip
+    # AND the summary and JSON keep the providers apart, calls and bytes each
+    (line,) = [x for x in alloc_table.alloc_process_lines(snapshot) if x.startswith("allocations:")]
+    assert line.endswith(
+        "; allocator: jemalloc (libjemalloc.so.2); by provider: jemalloc "
+        "(libjemalloc.so.2) 1200 calls, 37.5K; glibc (libc.so.6) 5 calls, 160B"
+    )
+    (processes,) = [json.loads(x) for x in stack_table_json(snapshot, KnownNames())
+                    if '"alloc_processes"' in x]  # fmt: skip
+    assert processes["providers"] == [
+        {"allocator": "jemalloc", "allocator_lib": "libjemalloc.so.2", "calls": 1200,
+         "bytes": 38400},
+        {"allocator": "glibc", "allocator_lib": "libc.so.6", "calls": 5, "bytes": 160}]  # fmt: skip
 
 
 def test_alloc_and_free_records_decode_with_their_arguments() -> None:
@@ -293,7 +355,7 @@ def test_a_reused_pid_s_old_stack_rows_are_not_its_new_process_s() -> None:
     stacks = np.zeros(3, ALLOC_STACK_ROW_DTYPE)
     for row, (incarnation, calls) in enumerate(((1, 500), (2, 7), (2, 3))):
         stacks[row]["tag"] = row + 1
-        stacks[row]["key"] = (0x401000 + row, 100, -1, 0, incarnation)
+        stacks[row]["key"] = (0x401000 + row, 100, -1, 0, 0, incarnation)
         stacks[row]["stats"]["calls"] = calls
     program = TablesOnly({
         "alloc_procs": (np.array([100], "<u4"), procs),

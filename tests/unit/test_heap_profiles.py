@@ -64,7 +64,8 @@ def stack(tgid: int, site: int, calls: int, size: int, frees: int) -> StackRow:
 def numbered(catalog: StackCatalog, *rows: StackRow) -> StackColumns:
     """``rows`` as the kernel's reader gives them: numbered in its catalog,
     kept from one read to the next."""
-    ids = [catalog.number((row.tgid, row.function, row.call_site, row.frames)) for row in rows]
+    ids = [catalog.number((row.tgid, row.function, row.call_site, row.frames, row.provider,
+                           row.provider_lib)) for row in rows]  # fmt: skip
     values = [[row.calls, row.bytes, row.sizes, row.frees, row.bytes_freed, row.sizes_freed,
                row.last_ts] for row in rows]  # fmt: skip
     return StackColumns(catalog, np.array(ids, np.int64), np.array(values, np.int64).reshape(-1, 7))
@@ -454,7 +455,9 @@ def contents(profile: Any) -> set[tuple[tuple[int, ...], tuple[str, ...], tuple[
 def test_the_encoder_holds_what_build_profile_holds_and_keeps_up_with_the_tables() -> None:
     from mtrace_live.exporters.pprof import HeapEncoder, build_profile
 
-    rows = [stack(APP, 0x401100, 10, 64, 4), stack(DB, 0x401200, 3, 100, 0),
+    rows = [stack(APP, 0x401100, 10, 64, 4),
+            replace(stack(DB, 0x401200, 3, 100, 0), provider="jemalloc",
+                    provider_lib="libjemalloc.so.2"),
             replace(stack(APP, 0x401300, 2, 8, 2), function="calloc"),
             stack(DB, 0x700000, 5, 16, 1)]  # fmt: skip
     extra = {APP: (("comm", "app"),), DB: (("comm", "db"), ("cgroup", "/x"))}
@@ -471,6 +474,11 @@ def test_the_encoder_holds_what_build_profile_holds_and_keeps_up_with_the_tables
     # changed, then with DB gone
     first = encoded(rows)
     assert contents(first) == expected(rows)
+    # (the row of DB's calls through jemalloc names it, the others nothing)
+    named = [{first.string_table[label.key]: first.string_table[label.str]
+              for label in sample.label if label.str} for sample in first.sample]  # fmt: skip
+    assert sum(labels.get("provider") == "jemalloc" for labels in named) == 1
+    assert sum("provider" in labels for labels in named) == 1
     assert [first.string_table[c] for c in first.comment] == ["c"]
     grown = [replace(rows[0], calls=20, bytes=1280, sizes=1280), *rows[1:]]
     extra[DB] = (("comm", "db2"),)

@@ -42,7 +42,7 @@ def stack_rows(*rows: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray]:
     table = np.zeros(len(rows), ALLOC_STACK_ROW_DTYPE)
     for index, (slot, stack, calls) in enumerate(rows):
         table[index]["tag"] = slot + 1
-        table[index]["key"] = (SITE, APP, stack, 0, 1)
+        table[index]["key"] = (SITE, APP, stack, 0, 0, 1)
         table[index]["stats"]["calls"] = calls
         table[index]["stats"]["bytes"] = 16 * calls
     return np.array([slot for slot, _, _ in rows], "<u4"), table
