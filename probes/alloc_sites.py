@@ -46,6 +46,9 @@ ALLOC_FUNCTIONS: Mapping[str, tuple[str, ...]] = {
     "valloc": ("rdi",),
     "pvalloc": ("rdi",),
 }
+# Every kind of call a handler reads (allocs.bpf.c's alloc_<kind>): glibc's
+# functions, and jemalloc's xallocx(ptr, size, extra, flags), which resizes in place.
+KIND_ARGUMENTS: Mapping[str, tuple[str, ...]] = {**ALLOC_FUNCTIONS, "xallocx": ("rdi", "rsi")}
 SCAN_BYTES = 64  # how far from the entry a site is looked for
 
 # The 64-bit register each narrower name is part of.
@@ -80,7 +83,7 @@ class AllocSite:
     def cookie(self) -> int:
         """The site's BPF cookie: where the handler reads the arguments that
         the instructions before the site moved (``site_cookie``)."""
-        usual = ALLOC_FUNCTIONS[self.handler]
+        usual = KIND_ARGUMENTS[self.handler]
         return site_cookie(self.registers, usual) if self.registers else 0
 
     @property
@@ -217,7 +220,7 @@ def alloc_sites(path: Path, entries: Mapping[str, str] | None = None,
         sites = {}
         for name, entry in entry_of.items():
             code, bias = code_at(elf, entry, entry + SCAN_BYTES, clamp=True)
-            usual = ALLOC_FUNCTIONS[kinds[name]]
+            usual = KIND_ARGUMENTS[kinds[name]]
             at_entry = elsewhere.get(name, usual)
             address, text, fast, held = choose_site(code, entry, at_entry, follow_moves)
             aliases = tuple(other for other in by_address[entry] if other != name)

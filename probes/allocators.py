@@ -71,10 +71,11 @@ class Allocator:
 GLIBC = Allocator("glibc", ("__libc_malloc",), STANDARD)
 JEMALLOC = Allocator(
     "jemalloc",
-    ("mallocx", "je_mallocx", "je_malloc"),
-    {**STANDARD, "mallocx": "malloc", "rallocx": "realloc", "sdallocx": "free",
-     "dallocx": "free", **CXX},
-    prefixes=("", "je_"),
+    ("mallocx", "je_mallocx", "je_malloc", "_rjem_mallocx"),
+    {**STANDARD, "mallocx": "malloc", "rallocx": "realloc", "xallocx": "xallocx",
+     "sdallocx": "free", "dallocx": "free", **CXX},
+    # je_: built with --with-jemalloc-prefix=je_; _rjem_: Rust's tikv-jemallocator
+    prefixes=("", "je_", "_rjem_"),
 )  # fmt: skip
 TCMALLOC = Allocator(
     "tcmalloc",

@@ -49,7 +49,9 @@ from numpy.lib.recfunctions import structured_to_unstructured
 from . import bpf_syscalls
 from .bpf_backend import BpfProgram
 
-RETURNS_POINTER = frozenset(fn.name.lower() for fn in AllocFn) - {"free"}
+# the handlers whose call's end is read (alloc_return): what it returned
+# (xallocx: the size the block has now, which it resized in place)
+RETURNS_POINTER = frozenset(fn.name.lower() for fn in AllocFn) - {"free"} | {"xallocx"}
 SAMPLE_QUANTILES = 1024  # allocs.bpf.c's table of exponential intervals
 STACK_DEPTH = 32  # frames kept of each allocation's stack, as bcc's memleak
 EXIT_FUNCTION = "_exit"  # every exit() passes it: processes are held there (hold_at_exit)

@@ -153,8 +153,13 @@ class BpfCounters:
             snapshot = replace(snapshot, unwind={**snapshot.unwind, **tables})
         if self.allocator_of is not None:
             processes = []
+            called: dict[int, list[tuple[str, str, int, int]]] | None = None
             for proc in snapshot.processes:
                 allocator, lib = self.allocator_of(proc.tgid)
+                if not allocator and self.stack_reader.providers:
+                    # gone before it was looked at: the provider it called most
+                    called = snapshot.by_provider() if called is None else called
+                    allocator, lib, _, _ = (called.get(proc.tgid) or [("", "", 0, 0)])[0]
                 processes.append(replace(proc, allocator=allocator, allocator_lib=lib))
             snapshot = replace(snapshot, processes=tuple(processes))
         return trimmed(snapshot, self.frame_names) if named else snapshot

@@ -33,6 +33,7 @@ class ExecWatch:
         self.libc_path = libc
         self._waiting: list[tuple[float, int]] = []
         self._said: set[str] = set()
+        self.looked: list[int] = []  # the processes the last look was at
 
     def exec_seen(self, pids: list[int]) -> None:
         now = time.monotonic()
@@ -44,6 +45,7 @@ class ExecWatch:
         due = time.monotonic() - LOOK_AFTER_S
         ready = [pid for seen, pid in self._waiting if seen <= due]
         self._waiting = [(seen, pid) for seen, pid in self._waiting if seen > due]
+        self.looked = ready
         lines = []
         for pid in ready:
             line = self._check(pid)

@@ -192,7 +192,9 @@ class LiveTrace:
         # program is looked at)
         self._files_attached = {providers.file_identity(libc)} | {
             p.key for p in self.providers.extra}  # fmt: skip
-        self._programs = {pid: providers.program_of(pid) for pid in providers.every_pid()}
+        # (one process: only its own program is looked at again)
+        pids = {target_pid} if self.request.one_process and target_pid else providers.every_pid()
+        self._programs = {pid: providers.program_of(pid) for pid in pids}
         if argv is not None and target_pid is not None:
             self._programs.pop(target_pid, None)
 
@@ -355,22 +357,25 @@ class LiveTrace:
         if running:
             self.frame_names.refresh(pid)
 
-    def _attach_new_allocators(self, pid: int | None) -> None:
+    def _attach_new_allocators(self, pid: int | None, execs: Sequence[int] = ()) -> None:
         """Attach the allocators that processes started since the last look
         map, and no file attached yet does (every process, --comm, --cgroup,
         a command's children: the kernel's filter picks the traced ones);
         for one process (``pid``), those of the program it exec'd since
-        (``run -- env LD_PRELOAD=... PROGRAM``)."""
+        (``run -- env LD_PRELOAD=... PROGRAM``); with ``execs``, those of
+        the followed processes just seen exec'ing, alone."""
         if self.alloc_plan is None:
             return
-        if self.request.one_process:
+        if execs:
+            pids = set(execs)
+        elif self.request.one_process:
             pids = {pid} if pid is not None else set()
         else:
             pids = providers.every_pid()
         programs = {each: providers.program_of(each) for each in pids}
         changed = [each for each, program in programs.items()
                    if program is not None and self._programs.get(each) != program]  # fmt: skip
-        self._programs = programs
+        self._programs = {**self._programs, **programs} if execs else programs
         for found in providers.mapped_by(changed):
             if found.key in self._files_attached:
                 continue
@@ -406,6 +411,9 @@ class LiveTrace:
         now = time.monotonic()
         for line in self.exec_watch.look() if self.exec_watch is not None else ():
             print(f"mtrace-live: warning: {line}", file=sys.stderr, flush=True)
+        if self.exec_watch is not None and self.exec_watch.looked:
+            # a followed process's new program: its allocators now, not within a second
+            self._attach_new_allocators(pid, self.exec_watch.looked)
         if now >= self._next_allocator_look:
             self._next_allocator_look = now + 1.0
             self._attach_new_allocators(pid)

@@ -44,7 +44,6 @@ class Provider:
     path: Path  # readable from here
     name: str  # the file's name, as the process maps it
     tables: tuple[str, ...] = (".dynsym",)  # where its entry points are found
-    built_in: bool = False  # in the executable, not a library
 
     @property
     def label(self) -> str:
@@ -150,7 +149,7 @@ def resolve(order: Objects, mapped: Objects) -> Providers:
         name, exe = order[0]
         built = identify(_defines(exe, (".dynsym", ".symtab")))
         if built is not None and (not found or found[0].path != exe):
-            found.append(Provider(built, exe, name, (".dynsym", ".symtab"), built_in=True))
+            found.append(Provider(built, exe, name, (".dynsym", ".symtab")))
     for name, path in mapped:
         if _ALLOCATOR_FILE.match(name) and file_identity(path) not in {p.key for p in found}:
             allocator = identify(_defines(path))
@@ -242,18 +241,10 @@ def _reached(directory: Path, fields: list[str]) -> Path:
 
 def _exe_of(pid: int, files: Objects) -> tuple[str, Path]:
     """The mapping of the executable: the file /proc/PID/exe is."""
-    try:
-        exe = os.stat(proc_dir(pid) / "exe")
-    except OSError:
+    exe = program_of(pid)
+    if exe is None:
         return files[0]
-    for name, path in files:
-        try:
-            stat = os.stat(path)
-        except OSError:
-            continue
-        if (stat.st_dev, stat.st_ino) == (exe.st_dev, exe.st_ino):
-            return name, path
-    return files[0]
+    return next(((name, path) for name, path in files if file_identity(path) == exe), files[0])
 
 
 def _preloaded(pid: int) -> list[str]:
@@ -314,7 +305,7 @@ def for_trace(libc: Path, pids: Sequence[int], command: tuple[int, Sequence[str]
 
 
 def mapped_anywhere() -> list[Provider]:
-    """Every known allocator a process on the machine maps, once per file."""
+    """Every known allocator but glibc a process on the machine maps, once per file."""
     return mapped_by(every_pid())
 
 

@@ -196,25 +196,23 @@ class StackColumns(Sequence[StackRow]):
     def by_provider(self) -> dict[int, list[tuple[str, str, int, int]]]:
         """Each process's (provider, its file, calls, bytes) by the provider
         called, most calls first; rows whose provider is not told are left out."""
-        kinds = {code: kind[1:] for kind, code in self.catalog.functions.items()}
+        providers = {code: kind[1:] for kind, code in self.catalog.functions.items()
+                     if len(kind) == 3 and kind[1]}  # fmt: skip
         codes = self.catalog.codes()[self.ids]
-        told = np.array([len(kinds.get(code, ())) == 2 and bool(kinds[code][0])
-                         for code in range(len(kinds))], bool)  # fmt: skip
-        chosen = np.flatnonzero(told[codes]) if len(kinds) else np.zeros(0, np.int64)
-        sums: dict[tuple[int, tuple[str, ...]], list[int]] = {}
-        values = self.heap_values()[chosen][:, :2].tolist()
-        for tgid, code, (calls, nbytes) in zip(
-            self.tgids()[chosen].tolist(), codes[chosen].tolist(), values, strict=True
-        ):
-            found = sums.setdefault((tgid, kinds[code]), [0, 0])
+        chosen = np.flatnonzero(np.isin(codes, list(providers)))
+        groups, inverse = np.unique(self.tgids()[chosen] << 16 | codes[chosen],
+                                    return_inverse=True)  # fmt: skip
+        sums = np.zeros((len(groups), 2), np.int64)
+        np.add.at(sums, inverse, self.heap_values()[chosen][:, :2])
+        merged: dict[int, dict[tuple[str, ...], list[int]]] = {}
+        for group, (calls, nbytes) in zip(groups.tolist(), sums.tolist(), strict=True):
+            found = merged.setdefault(group >> 16, {}).setdefault(providers[group & 0xFFFF], [0, 0])
             found[0] += calls
             found[1] += nbytes
-        out: dict[int, list[tuple[str, str, int, int]]] = {}
-        for (tgid, (name, lib)), (calls, nbytes) in sums.items():
-            out.setdefault(tgid, []).append((name, lib, calls, nbytes))
-        for rows in out.values():
-            rows.sort(key=lambda row: (-row[2], row[0], row[1]))
-        return out
+        return {tgid: sorted(((name, lib, calls, nbytes)
+                              for (name, lib), (calls, nbytes) in found.items()),
+                             key=lambda row: (-row[2], row[0], row[1]))
+                for tgid, found in merged.items()}  # fmt: skip
 
     def live_by_process(self) -> dict[int, tuple[int, int]]:
         """Each process's live objects and bytes (StackRow.live_objects, .live_bytes summed)."""

@@ -61,6 +61,8 @@
 #define SAMPLE_QUANTILES 1024 /* a power of two */
 #define MAX_CROSSINGS 32
 
+/* In a pending call's fn: jemalloc's xallocx, a realloc in place (alloc_return). */
+#define AF_IN_PLACE 0x8000
 #define PENDING_SLOTS 65536 /* a power of two: threads whose ids differ by a multiple share one */
 
 struct pending_call {
@@ -148,44 +150,6 @@ static __always_inline struct pending_call *slot_of(u32 tid)
     return pending.lookup(&slot);
 }
 
-#ifndef SITE_REGISTERS
-#define SITE_REGISTERS 0 /* the kernel gives uprobes their link's cookie (Linux 5.15) */
-#endif
-
-/* Argument `slot` of the call: where the site's cookie says it went (enum
- * site_reg, SITE_REG_BITS per argument from bit SITE_REG_SHIFT: alloc_sites.py
- * followed it through the moves before the site), else `usual`, the calling
- * convention's register. */
-static __always_inline u64 site_arg(struct pt_regs *ctx, u32 slot, u64 usual)
-{
-#if SITE_REGISTERS
-    u64 at = bpf_get_attach_cookie(ctx) >> (SITE_REG_SHIFT + SITE_REG_BITS * slot);
-    at &= (1 << SITE_REG_BITS) - 1;
-    if (at) {
-        /* each register read at its own offset of ctx, as the verifier
-         * requires, then picked from the stack */
-        u64 regs[1 << SITE_REG_BITS] = {
-            [SR_RDI] = ctx->di, [SR_RSI] = ctx->si, [SR_RDX] = ctx->dx, [SR_RCX] = ctx->cx,
-            [SR_R8] = ctx->r8, [SR_R9] = ctx->r9, [SR_RAX] = ctx->ax, [SR_R10] = ctx->r10,
-            [SR_R11] = ctx->r11, [SR_RBX] = ctx->bx, [SR_RBP] = ctx->bp, [SR_R12] = ctx->r12,
-            [SR_R13] = ctx->r13, [SR_R14] = ctx->r14, [SR_R15] = ctx->r15,
-        };
-        return regs[at];
-    }
-#endif
-    return usual;
-}
-
-/* The provider the site is in (its cookie's top bits; 0: the libc). */
-static __always_inline u16 site_provider(struct pt_regs *ctx)
-{
-    return SITE_REGISTERS ? bpf_get_attach_cookie(ctx) >> SITE_PROVIDER_SHIFT : 0;
-}
-
-#define ARG1(ctx) site_arg(ctx, 0, PT_REGS_PARM1(ctx))
-#define ARG2(ctx) site_arg(ctx, 1, PT_REGS_PARM2(ctx))
-#define ARG3(ctx) site_arg(ctx, 2, PT_REGS_PARM3(ctx))
-
 /* The pending call of this thread, if the slot holds one. */
 static __always_inline struct pending_call *pending_of(struct pending_call *p, u32 tid)
 {
@@ -208,7 +172,7 @@ static __always_inline int on_alloc_entry(struct pt_regs *ctx, u32 fn, u64 size,
     u64 id = bpf_get_current_pid_tgid();
     if (!uprobe_followed(ctx, ALLOC_ONE_PROCESS, id >> 32))
         return 0;
-    alloc_calls.increment(fn);
+    alloc_calls.increment(fn & ~AF_IN_PLACE);
     u32 tid = (u32)id;
     u64 sp = PT_REGS_SP(ctx);
     struct pending_call *slot = slot_of(tid);
@@ -587,6 +551,12 @@ int alloc_return(struct pt_regs *ctx)
         return 0;
     u64 ptr = returned_block(ctx, &call);
     u64 call_site = PT_REGS_IP(ctx); /* the return address, restored by the kernel */
+    if (call.fn & AF_IN_PLACE) { /* xallocx returns the block's size: at least the size */
+        if (ptr < call.size)     /* asked, it was resized where it is; else left alone */
+            return 0;
+        ptr = call.aux;
+        call.fn &= ~AF_IN_PLACE;
+    }
     if (call.fn == AF_REALLOC || call.fn == AF_REALLOCARRAY) {
         /* glibc frees the old block on success, and on a request of 0 bytes. */
         if (call.aux && (ptr || call.size == 0))
@@ -642,6 +612,12 @@ int alloc_reallocarray(struct pt_regs *ctx)
 {
     u64 n = ARG2(ctx), size = ARG3(ctx);
     return on_alloc_entry(ctx, AF_REALLOCARRAY, product(n, size), ARG1(ctx));
+}
+
+/* jemalloc's xallocx(ptr, size, extra, flags): a realloc that never moves the block. */
+int alloc_xallocx(struct pt_regs *ctx)
+{
+    return on_alloc_entry(ctx, AF_REALLOC | AF_IN_PLACE, ARG2(ctx), ARG1(ctx));
 }
 
 int alloc_memalign(struct pt_regs *ctx)

@@ -30,6 +30,7 @@
 
 #include "records.h"
 #include "set_table.h"
+#include "site_cookie.h"
 
 #ifndef DERIVED_SYSCALLS
 #define DERIVED_SYSCALLS 0 /* derive memory_sbrk_* and memory_heap_* from syscalls (probes/derived.py) */

@@ -13,6 +13,7 @@ import signal
 import subprocess
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -206,27 +207,35 @@ def test_run_attaches_the_allocator_of_the_program_its_command_execs(tmp_path: P
             site["calls"], site["bytes"], site["leaked_bytes"]), site  # fmt: skip
 
 
-def test_an_allocator_built_into_the_program_under_prefixed_names_is_traced(
-    tmp_path: Path,
-) -> None:
-    # GIVEN a program with jemalloc's prefixed names built in (je_malloc,
-    # je_mallocx, je_free: tests/workloads/builtin_alloc.c), run by mtrace-live
-    calls = 2000
+def run_released(tmp_path: Path, command: list[str],
+                 options: tuple[str, ...] = ()) -> tuple[list[dict[str, Any]], str]:  # fmt: skip
+    """``command`` (a workload that waits for a line before it allocates) run
+    by ``mtrace-live run -o json``, released once the trace has started:
+    the JSON objects of its output and the tracer's, and the tracer's stderr."""
     err, out = tmp_path / "trace.err", tmp_path / "trace.out"
     with Reaper() as reaper, open(err, "wb") as errors, open(out, "wb") as lines:
         tracer = reaper.add(subprocess.Popen(
-            [*MTRACE, "run", "-o", "json", "--", str(built("builtin_alloc")), str(calls)],
+            [*MTRACE, "run", "-o", "json", *options, "--", *command],
             stdin=subprocess.PIPE, stdout=lines, stderr=errors))  # fmt: skip
         wait_for_line(err, READY, tracer, timeout=120)
         assert tracer.stdin is not None
         tracer.stdin.write(b"go\n")
         tracer.stdin.close()
         assert tracer.wait(timeout=120) == 0, err.read_text()
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
+    return rows, err.read_text()
+
+
+def test_an_allocator_built_into_the_program_under_prefixed_names_is_traced(
+    tmp_path: Path,
+) -> None:
+    # GIVEN a program with jemalloc's prefixed names built in (je_malloc,
+    # je_mallocx, je_free: tests/workloads/builtin_alloc.c), run by mtrace-live
+    rows, stderr = run_released(tmp_path, [str(built("builtin_alloc")), "2000"])
     # THEN the built-in copy is attached in the program itself
-    assert "of jemalloc in " + str(built("builtin_alloc")) in err.read_text()
+    assert "of jemalloc in " + str(built("builtin_alloc")) in stderr
     # and main's calls of it are counted exactly: je_mallocx's call of
     # je_malloc inside it once, as the outer call
-    rows = [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
     facts = next(r for r in rows if "malloc_calls" in r)
     found = by_site([r for r in rows if r.get("table") == "alloc_stacks"])
     got = found[("main", "malloc")]
@@ -254,19 +263,11 @@ def pprof_tags(profile: Path, index: str) -> dict[str, dict[str, int]]:
 
 def test_two_providers_in_one_process_are_kept_apart(tmp_path: Path) -> None:
     # GIVEN a program whose malloc is jemalloc's, which also calls the libc's
-    # own malloc found by dlsym (tests/workloads/two_providers.c), run by mtrace-live
-    err, out, profile = tmp_path / "trace.err", tmp_path / "trace.out", tmp_path / "heap.pb.gz"
-    with Reaper() as reaper, open(err, "wb") as errors, open(out, "wb") as lines:
-        tracer = reaper.add(subprocess.Popen(
-            [*MTRACE, "run", "-o", "json", "--pprof", str(profile), "--",
-             str(built("two_providers")), "3000", "700"],
-            stdin=subprocess.PIPE, stdout=lines, stderr=errors))  # fmt: skip
-        wait_for_line(err, READY, tracer, timeout=120)
-        assert tracer.stdin is not None
-        tracer.stdin.write(b"go\n")
-        tracer.stdin.close()
-        assert tracer.wait(timeout=120) == 0, err.read_text()
-    rows = [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
+    # own malloc found by dlsym, and jemalloc's xallocx
+    # (tests/workloads/two_providers.c), run by mtrace-live
+    profile = tmp_path / "heap.pb.gz"
+    rows, _ = run_released(tmp_path, [str(built("two_providers")), "3000", "700"],
+                           ("--pprof", str(profile)))  # fmt: skip
     facts = next(r for r in rows if "jemalloc_calls" in r)
     stacks = [r for r in rows if r.get("table") == "alloc_stacks"]
     # THEN each call site's row names the provider its calls went to, with
@@ -280,6 +281,15 @@ def test_two_providers_in_one_process_are_kept_apart(tmp_path: Path) -> None:
         facts["jemalloc_calls"], facts["jemalloc_bytes"], facts["jemalloc_leaked"])  # fmt: skip
     assert (libc["calls"], libc["bytes"], libc["live_objects"]) == (
         facts["libc_calls"], facts["libc_bytes"], facts["libc_calls"])  # fmt: skip
+    # AND jemalloc's xallocx, which resized each block in place, is a realloc
+    # of it there: the malloc's block released, the realloc's then freed
+    resized = by_site([r for r in stacks if r["frames"][0]["function"] == "in_place"])
+    assert (resized[("in_place", "malloc")]["calls"], resized[("in_place", "malloc")]["bytes"],
+            resized[("in_place", "malloc")]["live_objects"]) == (
+        facts["in_place_mallocs"], 64 * facts["in_place_mallocs"], 0)  # fmt: skip
+    assert (resized[("in_place", "realloc")]["calls"], resized[("in_place", "realloc")]["bytes"],
+            resized[("in_place", "realloc")]["live_objects"]) == (
+        facts["in_place_resized"], 60 * facts["in_place_resized"], 0)  # fmt: skip
     # AND the process's row sums its calls by provider
     (process,) = [r for r in rows if r.get("table") == "alloc_processes"]
     assert process["allocator"] == "jemalloc"

@@ -205,19 +205,7 @@ def test_json_tables_name_every_frame() -> None:
 def test_each_stack_row_names_the_provider_its_calls_went_to() -> None:
     # GIVEN one process's malloc rows: one through jemalloc (provider 1, as
     # its sites' cookies say), two through the libc (provider 0)
-    procs = np.zeros(1, ALLOC_PROC_DTYPE)
-    procs[0]["incarnation"], procs[0]["comm"] = 1, b"server"
-    stacks = np.zeros(3, ALLOC_STACK_ROW_DTYPE)
-    for row, (provider, calls) in enumerate(((1, 1200), (0, 3), (0, 2))):
-        stacks[row]["tag"] = row + 1
-        stacks[row]["key"] = (0x401000 + row, 100, -1, 0, provider, 1)
-        stacks[row]["stats"]["calls"] = calls
-        stacks[row]["stats"]["bytes"] = stacks[row]["stats"]["sizes"] = 32 * calls
-    program = TablesOnly({
-        "alloc_procs": (np.array([100], "<u4"), procs),
-        "alloc_stacks": (np.arange(3, dtype="<u4"), stacks),
-        "vm_procs": (np.zeros(0, "<u4"), np.zeros(0, VM_PROC_DTYPE)),
-    })  # fmt: skip
+    program = pid_100_tables(b"server", 1, [(1, 1, 1200), (0, 1, 3), (0, 1, 2)])
     reader = StackReader()
     reader.providers = [("glibc", "libc.so.6"), ("jemalloc", "libjemalloc.so.2")]
     # WHEN the tables are read, the process's malloc bound to jemalloc
@@ -346,22 +334,31 @@ class TablesOnly:
         return False
 
 
+def pid_100_tables(comm: bytes, incarnation: int,
+                   rows: list[tuple[int, int, int]]) -> TablesOnly:  # fmt: skip
+    """Process 100's alloc_procs row (of ``incarnation``) and its malloc
+    rows, each (provider, incarnation, calls) of 32 bytes a call, at a
+    call site of its own."""
+    procs = np.zeros(1, ALLOC_PROC_DTYPE)
+    procs[0]["incarnation"], procs[0]["comm"] = incarnation, comm
+    stacks = np.zeros(len(rows), ALLOC_STACK_ROW_DTYPE)
+    for row, (provider, made_by, calls) in enumerate(rows):
+        stacks[row]["tag"] = row + 1
+        stacks[row]["key"] = (0x401000 + row, 100, -1, 0, provider, made_by)
+        stacks[row]["stats"]["calls"] = calls
+        stacks[row]["stats"]["bytes"] = stacks[row]["stats"]["sizes"] = 32 * calls
+    return TablesOnly({
+        "alloc_procs": (np.array([100], "<u4"), procs),
+        "alloc_stacks": (np.arange(len(rows), dtype="<u4"), stacks),
+        "vm_procs": (np.zeros(0, "<u4"), np.zeros(0, VM_PROC_DTYPE)),
+    })  # fmt: skip
+
+
 def test_a_reused_pid_s_old_stack_rows_are_not_its_new_process_s() -> None:
     # GIVEN pid 100's stack rows of two incarnations: the first process,
     # retired by serve (its alloc_procs row taken out), and the process that
     # reused its pid (whose row is incarnation 2)
-    procs = np.zeros(1, ALLOC_PROC_DTYPE)
-    procs[0]["incarnation"], procs[0]["comm"] = 2, b"new"
-    stacks = np.zeros(3, ALLOC_STACK_ROW_DTYPE)
-    for row, (incarnation, calls) in enumerate(((1, 500), (2, 7), (2, 3))):
-        stacks[row]["tag"] = row + 1
-        stacks[row]["key"] = (0x401000 + row, 100, -1, 0, 0, incarnation)
-        stacks[row]["stats"]["calls"] = calls
-    program = TablesOnly({
-        "alloc_procs": (np.array([100], "<u4"), procs),
-        "alloc_stacks": (np.arange(3, dtype="<u4"), stacks),
-        "vm_procs": (np.zeros(0, "<u4"), np.zeros(0, VM_PROC_DTYPE)),
-    })  # fmt: skip
+    program = pid_100_tables(b"new", 2, [(0, 1, 500), (0, 2, 7), (0, 2, 3)])
     # WHEN the tables are read
     snapshot = read_snapshot(program, 0, 0)  # type: ignore[arg-type]
     # THEN the new process has its own calls only, and the old rows are not read

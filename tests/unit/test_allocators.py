@@ -116,6 +116,16 @@ def test_malloc_binds_to_the_first_object_in_the_search_order_that_defines_it() 
     assert alone.binding is not None and alone.binding.allocator.name == "glibc"
 
 
+def test_a_jemalloc_built_in_under_a_prefix_is_told_and_probed_under_it() -> None:
+    # GIVEN the symbols of a program with jemalloc built in, as Rust's
+    # tikv-jemallocator builds it (_rjem_ prefix), beside glibc's
+    defined = {"_rjem_malloc", "_rjem_mallocx", "_rjem_sdallocx", "__libc_malloc", "main"}
+    # THEN it is jemalloc, and its prefixed entry points are among those probed
+    assert identify(defined) is JEMALLOC
+    assert JEMALLOC.symbols["_rjem_mallocx"] == "malloc"
+    assert JEMALLOC.symbols["_rjem_sdallocx"] == "free"
+
+
 def test_an_object_of_no_known_allocator_that_defines_malloc_is_named() -> None:
     # GIVEN the workloads' own allocator (tests/workloads/bump_malloc.c),
     # preloaded before the libc: it defines the standard names, no one's marks

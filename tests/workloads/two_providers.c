@@ -3,8 +3,10 @@
  * that bypasses the process's allocator does: two providers in one process.
  *
  * usage: two_providers N M: waits for a line on standard input, then makes
- * N calls of malloc(48) from via_jemalloc, freeing every other block, and M
- * calls of the libc's malloc(80) from via_libc, freeing none, and prints
+ * N calls of malloc(48) from via_jemalloc, freeing every other block, M
+ * calls of the libc's malloc(80) from via_libc, freeing none, and from
+ * in_place M blocks of 64 bytes each shrunk in place to 60 by jemalloc's
+ * xallocx (a block of 64 holds 60 where it is), then freed; and prints
  * {"jemalloc_calls": N, "jemalloc_bytes": ..., "libc_calls": M, ...}. */
 #include <dlfcn.h>
 #include <stdio.h>
@@ -13,6 +15,7 @@
 #define NOINLINE __attribute__((noinline))
 
 static void *(*libc_malloc)(size_t);
+size_t xallocx(void *ptr, size_t size, size_t extra, int flags); /* jemalloc's */
 
 NOINLINE long via_jemalloc(long n)
 {
@@ -36,6 +39,17 @@ NOINLINE void via_libc(long m)
     }
 }
 
+NOINLINE long in_place(long m)
+{
+    long resized = 0;
+    for (long i = 0; i < m; i++) {
+        void *p = malloc(64);
+        resized += xallocx(p, 60, 0, 0) >= 60;
+        free(p);
+    }
+    return resized;
+}
+
 int main(int argc, char **argv)
 {
     long n = argc > 1 ? atol(argv[1]) : 1000, m = argc > 2 ? atol(argv[2]) : 100;
@@ -50,7 +64,9 @@ int main(int argc, char **argv)
         return 3;
     long kept = via_jemalloc(n);
     via_libc(m);
+    long resized = in_place(m);
     printf("{\"jemalloc_calls\": %ld, \"jemalloc_bytes\": %ld, \"jemalloc_leaked\": %ld, "
-           "\"libc_calls\": %ld, \"libc_bytes\": %ld}\n", n, n * 48, kept, m, m * 80);
+           "\"libc_calls\": %ld, \"libc_bytes\": %ld, \"in_place_mallocs\": %ld, "
+           "\"in_place_resized\": %ld}\n", n, n * 48, kept, m, m * 80, m, resized);
     return 0;
 }
