@@ -70,7 +70,7 @@ struct pending_call {
     u64 size;
     u64 aux;   /* realloc's old pointer, posix_memalign's pointer's address, the alignment */
     u16 fn;
-    u16 provider; /* the site's (site_provider) */
+    u16 provider; /* the site's (its cookie from bit SITE_PROVIDER_SHIFT) */
     u32 depth; /* 1 + nested calls not yet returned; 0: the slot is free */
     u32 tid;   /* whose call it is */
     u32 proc_tgid; /* the process whose alloc_procs row this slot's thread has made */
@@ -165,7 +165,8 @@ static __always_inline struct pending_call *enclosing(struct pending_call *slot,
     return NULL; /* none, or left over from a call that never returned */
 }
 
-static __always_inline int on_alloc_entry(struct pt_regs *ctx, u32 fn, u64 size, u64 aux)
+static __always_inline int on_alloc_entry(struct pt_regs *ctx, u32 fn, u64 size, u64 aux,
+                                          u64 cookie)
 {
     if (gate_closed())
         return 0;
@@ -200,7 +201,7 @@ static __always_inline int on_alloc_entry(struct pt_regs *ctx, u32 fn, u64 size,
     slot->size = size;
     slot->aux = aux;
     slot->fn = fn;
-    slot->provider = site_provider(ctx);
+    slot->provider = cookie >> SITE_PROVIDER_SHIFT;
     slot->tid = tid;
     slot->depth = 1;
 #if WITH_UNWIND && LOCK_STACKS
@@ -579,10 +580,12 @@ int alloc_return(struct pt_regs *ctx)
     return 0;
 }
 
-/* Entry handlers: the sites' registers, as alloc_sites.py checked. */
+/* Entry handlers: the sites' registers, as alloc_sites.py checked (or where
+ * their cookie says). */
 int alloc_malloc(struct pt_regs *ctx)
 {
-    return on_alloc_entry(ctx, AF_MALLOC, ARG1(ctx), 0);
+    u64 cookie = site_cookie(ctx);
+    return on_alloc_entry(ctx, AF_MALLOC, ARG1(ctx, cookie), 0, cookie);
 }
 
 /* n * size, or 0 where it overflows (the call then fails). */
@@ -599,50 +602,59 @@ static __always_inline u64 product(u64 n, u64 size)
 
 int alloc_calloc(struct pt_regs *ctx)
 {
-    u64 n = ARG1(ctx), size = ARG2(ctx);
-    return on_alloc_entry(ctx, AF_CALLOC, product(n, size), 0);
+    u64 cookie = site_cookie(ctx);
+    u64 n = ARG1(ctx, cookie), size = ARG2(ctx, cookie);
+    return on_alloc_entry(ctx, AF_CALLOC, product(n, size), 0, cookie);
 }
 
 int alloc_realloc(struct pt_regs *ctx)
 {
-    return on_alloc_entry(ctx, AF_REALLOC, ARG2(ctx), ARG1(ctx));
+    u64 cookie = site_cookie(ctx);
+    return on_alloc_entry(ctx, AF_REALLOC, ARG2(ctx, cookie), ARG1(ctx, cookie), cookie);
 }
 
 int alloc_reallocarray(struct pt_regs *ctx)
 {
-    u64 n = ARG2(ctx), size = ARG3(ctx);
-    return on_alloc_entry(ctx, AF_REALLOCARRAY, product(n, size), ARG1(ctx));
+    u64 cookie = site_cookie(ctx);
+    u64 n = ARG2(ctx, cookie), size = ARG3(ctx, cookie);
+    return on_alloc_entry(ctx, AF_REALLOCARRAY, product(n, size), ARG1(ctx, cookie), cookie);
 }
 
 /* jemalloc's xallocx(ptr, size, extra, flags): a realloc that never moves the block. */
 int alloc_xallocx(struct pt_regs *ctx)
 {
-    return on_alloc_entry(ctx, AF_REALLOC | AF_IN_PLACE, ARG2(ctx), ARG1(ctx));
+    u64 cookie = site_cookie(ctx);
+    return on_alloc_entry(ctx, AF_REALLOC | AF_IN_PLACE, ARG2(ctx, cookie), ARG1(ctx, cookie), cookie);
 }
 
 int alloc_memalign(struct pt_regs *ctx)
 {
-    return on_alloc_entry(ctx, AF_MEMALIGN, ARG2(ctx), ARG1(ctx));
+    u64 cookie = site_cookie(ctx);
+    return on_alloc_entry(ctx, AF_MEMALIGN, ARG2(ctx, cookie), ARG1(ctx, cookie), cookie);
 }
 
 int alloc_aligned_alloc(struct pt_regs *ctx)
 {
-    return on_alloc_entry(ctx, AF_ALIGNED_ALLOC, ARG2(ctx), ARG1(ctx));
+    u64 cookie = site_cookie(ctx);
+    return on_alloc_entry(ctx, AF_ALIGNED_ALLOC, ARG2(ctx, cookie), ARG1(ctx, cookie), cookie);
 }
 
 int alloc_posix_memalign(struct pt_regs *ctx)
 {
-    return on_alloc_entry(ctx, AF_POSIX_MEMALIGN, ARG3(ctx), ARG1(ctx));
+    u64 cookie = site_cookie(ctx);
+    return on_alloc_entry(ctx, AF_POSIX_MEMALIGN, ARG3(ctx, cookie), ARG1(ctx, cookie), cookie);
 }
 
 int alloc_valloc(struct pt_regs *ctx)
 {
-    return on_alloc_entry(ctx, AF_VALLOC, ARG1(ctx), 0);
+    u64 cookie = site_cookie(ctx);
+    return on_alloc_entry(ctx, AF_VALLOC, ARG1(ctx, cookie), 0, cookie);
 }
 
 int alloc_pvalloc(struct pt_regs *ctx)
 {
-    return on_alloc_entry(ctx, AF_PVALLOC, ARG1(ctx), 0);
+    u64 cookie = site_cookie(ctx);
+    return on_alloc_entry(ctx, AF_PVALLOC, ARG1(ctx, cookie), 0, cookie);
 }
 
 int alloc_free(struct pt_regs *ctx)
@@ -654,7 +666,7 @@ int alloc_free(struct pt_regs *ctx)
     if (!uprobe_followed(ctx, ALLOC_ONE_PROCESS, tgid))
         return 0;
     alloc_calls.increment(AF_FREE);
-    u64 ptr = ARG1(ctx);
+    u64 ptr = ARG1(ctx, site_cookie(ctx));
     if (!ptr) {
         alloc_misc.increment(AX_NULL_FREES);
         return 0;

@@ -9,15 +9,21 @@
 #define SITE_REGISTERS 0 /* the kernel gives uprobes their link's cookie (Linux 5.15) */
 #endif
 
-/* Argument `slot` of the call: where the site's cookie says it went (enum
+/* The site's cookie: 0 without SITE_REGISTERS (every argument where the
+ * calling convention puts it, and the libc's provider). Read once a call. */
+static __always_inline u64 site_cookie(struct pt_regs *ctx)
+{
+    return SITE_REGISTERS ? bpf_get_attach_cookie(ctx) : 0;
+}
+
+/* Argument `slot` of the call: where the site's `cookie` says it went (enum
  * site_reg, SITE_REG_BITS per argument from bit SITE_REG_SHIFT: alloc_sites.py
  * followed it through the moves before the site), else `usual`, the calling
- * convention's register. */
-static __always_inline u64 site_arg(struct pt_regs *ctx, u32 slot, u64 usual)
+ * convention's register. The provider is the cookie's bits from
+ * SITE_PROVIDER_SHIFT. */
+static __always_inline u64 site_arg(struct pt_regs *ctx, u64 cookie, u32 slot, u64 usual)
 {
-#if SITE_REGISTERS
-    u64 at = bpf_get_attach_cookie(ctx) >> (SITE_REG_SHIFT + SITE_REG_BITS * slot);
-    at &= (1 << SITE_REG_BITS) - 1;
+    u64 at = (cookie >> (SITE_REG_SHIFT + SITE_REG_BITS * slot)) & ((1 << SITE_REG_BITS) - 1);
     if (at) {
         /* each register read at its own offset of ctx, as the verifier
          * requires, then picked from the stack */
@@ -29,18 +35,11 @@ static __always_inline u64 site_arg(struct pt_regs *ctx, u32 slot, u64 usual)
         };
         return regs[at];
     }
-#endif
     return usual;
 }
 
-/* The provider the site is in (its cookie's top bits; 0: the libc). */
-static __always_inline u16 site_provider(struct pt_regs *ctx)
-{
-    return SITE_REGISTERS ? bpf_get_attach_cookie(ctx) >> SITE_PROVIDER_SHIFT : 0;
-}
-
-#define ARG1(ctx) site_arg(ctx, 0, PT_REGS_PARM1(ctx))
-#define ARG2(ctx) site_arg(ctx, 1, PT_REGS_PARM2(ctx))
-#define ARG3(ctx) site_arg(ctx, 2, PT_REGS_PARM3(ctx))
+#define ARG1(ctx, cookie) site_arg(ctx, cookie, 0, PT_REGS_PARM1(ctx))
+#define ARG2(ctx, cookie) site_arg(ctx, cookie, 1, PT_REGS_PARM2(ctx))
+#define ARG3(ctx, cookie) site_arg(ctx, cookie, 2, PT_REGS_PARM3(ctx))
 
 #endif
