@@ -263,9 +263,8 @@ class LiveTrace:
             if self.alloc_plan is not None:
                 alloc_probes.attach_allocs(self.program, self.alloc_plan, request.sample_bytes,
                                            self.hold, self.alloc_pid)  # fmt: skip
-                for number, more in enumerate(
-                    self.provider_plans, 1
-                ):  # beside the libc, once a file
+                # each allocator beside the libc's, once a file, by its number
+                for number, more in enumerate(self.provider_plans, 1):
                     alloc_probes.attach_allocs(self.program, more, 0, False, self.alloc_pid,
                                                number)  # fmt: skip
             if self.lock_plan is not None:
@@ -380,17 +379,17 @@ class LiveTrace:
             if found.key in self._files_attached:
                 continue
             self._files_attached.add(found.key)
+            number = len(self.provider_names)  # named before its first site fires
+            self.provider_names.append((found.allocator.name, found.name))
             try:
                 plan = alloc_probes.plan_sites(found.path, found.allocator, found.tables)
-                alloc_probes.attach_allocs(self.program, plan, 0, False, self.alloc_pid,
-                                           len(self.provider_names))  # fmt: skip
+                alloc_probes.attach_allocs(self.program, plan, 0, False, self.alloc_pid, number)
             except MtraceError as exc:
                 print(f"mtrace-live: warning: {found.label} in {found.path}, mapped by a "
                       f"process started after the trace: not traced ({exc})",
                       file=sys.stderr)  # fmt: skip
                 continue
             self.provider_plans += (plan,)
-            self.provider_names.append((found.allocator.name, found.name))
             print(f"mtrace-live: tracing {len(plan.sites)} allocation functions of "
                   f"{found.label} too, mapped by a program that started after the trace",
                   file=sys.stderr, flush=True)  # fmt: skip
