@@ -46,7 +46,9 @@ def go_traces(profile: Path | str, index: str = "alloc_objects") -> list[tuple[i
     for block in text.split("-----------+")[1:]:
         frames, value = [], None
         for line in block.splitlines()[1:]:
-            if not line.strip() or re.match(r"^\s+\w+:\s", line):
+            # a label is right-aligned to the separator's width, or starts the
+            # line when its name is longer (provider_lib)
+            if not line.strip() or re.match(r"^\s*\w+:\s", line):
                 continue  # the separator's tail, a label
             if value is None:
                 first = line.split(maxsplit=1)
