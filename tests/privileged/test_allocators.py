@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -139,6 +140,16 @@ def test_a_process_on_an_unknown_allocator_is_named_with_the_option_that_traces_
     assert said[1].endswith(f"pid {proc.pid}: allocator: unknown (libbump_malloc.so)")
 
 
+def wait_for_events(out: Path, truth: dict[str, Any], tracer: subprocess.Popen[bytes]) -> None:
+    """Until ``out`` (-o json) holds an event line of the workload's process
+    for each call its truth says it made."""
+    needle, wanted = f'"pid":{truth["pid"]},', sum(site["calls"] for site in truth["sites"])
+    deadline = time.monotonic() + 120
+    while out.read_text(errors="replace").count(needle) < wanted:
+        assert tracer.poll() is None and time.monotonic() < deadline, "its events never came"
+        time.sleep(0.1)
+
+
 def test_all_attaches_an_allocator_first_mapped_by_a_process_started_after_it(
     tmp_path: Path,
 ) -> None:
@@ -152,14 +163,24 @@ def test_all_attaches_an_allocator_first_mapped_by_a_process_started_after_it(
             tracer = reaper.add(subprocess.Popen([*MTRACE, "--all", "-o", "json"],
                                                  stdout=lines, stderr=errors))  # fmt: skip
         wait_for_line(err, READY, tracer, timeout=120)
-        argv = ["env", f"LD_PRELOAD={lib}", str(built("alloc_workload")), "--wait"]
-        proc = start_workload([*argv, "--out", str(truth)], reaper)
+        argv = ["env", f"LD_PRELOAD={lib}", str(built("alloc_workload")), "--wait", "--hold",
+                "--out", str(truth)]  # fmt: skip
+        proc = reaper.add(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+        assert proc.stdin is not None and proc.stdout is not None
+        assert proc.stdout.readline() == b"ready\n"
         # WHEN the trace has attached mimalloc (it says so), the workload goes on
         if "of mimalloc" not in err.read_text():  # else a process mapped it already
             wait_for_line(err, "allocation functions of mimalloc (libmimalloc.so.2) too",
                           tracer, timeout=120)  # fmt: skip
-        assert proc.stdin is not None
         proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline() == b"done\n"
+        # and ends once the trace has delivered its calls: a process the trace
+        # did not start is never held, and its maps (to name its frames) are
+        # read when its first call's request for its tables, made before any
+        # of its events, is handled
+        wait_for_events(out, json.loads(truth.read_text()), tracer)
+        proc.stdin.write(b"\n")
         proc.stdin.close()
         assert proc.wait(timeout=120) == 0
         tracer.send_signal(signal.SIGINT)
