@@ -175,6 +175,7 @@ def test_all_attaches_an_allocator_first_mapped_by_a_process_started_after_it(
         proc.stdin.write(b"go\n")
         proc.stdin.flush()
         assert proc.stdout.readline() == b"done\n"
+        proc.stdout.close()
         # and ends once the trace has delivered its calls: a process the trace
         # did not start is never held, and its maps (to name its frames) are
         # read when its first call's request for its tables, made before any
