@@ -30,6 +30,7 @@ from .test_serve import Prometheus, fetch, free_port, start_serve, stop
 from .tracing import (
     BPFTRACE_READY,
     Reaper,
+    end_held_workload,
     finish,
     gate,
     start_bpftrace,
@@ -454,11 +455,12 @@ def test_all_traces_the_allocations_of_every_process_mapping_the_libc(
         wait_for_line(err, READY, tracer, timeout=120)
         # WHEN the workload runs under that libc, not followed by pid
         truth_file = tmp_path / "truth.json"
-        subprocess.run(sdt.wrap([str(built("alloc_workload")), "--out", str(truth_file)]),
-                       check=True, timeout=120)  # fmt: skip
+        argv = sdt.wrap([str(built("alloc_workload")), "--hold", "--out", str(truth_file)])
+        proc = reaper.add(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+        # and ends once the trace has delivered its calls
+        truth = end_held_workload(proc, truth_file, out, tracer)
         tracer.send_signal(2)
         assert tracer.wait(timeout=120) == 0, err.read_text()
-    truth = json.loads(truth_file.read_text())
     stacks = [json.loads(x) for x in out.read_text().splitlines() if '"alloc_stacks"' in x]
     mine = [row for row in stacks if row["pid"] == truth["pid"]]
     # THEN its call sites are there, exactly

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ import pytest
 
 from .conftest import MTRACE, built
 from .test_allocations import COUNTED, READY, Traced, by_site, start_workload, trace_launched
-from .tracing import Reaper, wait_for_line
+from .tracing import Reaper, end_held_workload, wait_for_line
 
 LIBS = Path("/usr/lib/x86_64-linux-gnu")
 ALLOCATORS = {
@@ -140,16 +139,6 @@ def test_a_process_on_an_unknown_allocator_is_named_with_the_option_that_traces_
     assert said[1].endswith(f"pid {proc.pid}: allocator: unknown (libbump_malloc.so)")
 
 
-def wait_for_events(out: Path, truth: dict[str, Any], tracer: subprocess.Popen[bytes]) -> None:
-    """Until ``out`` (-o json) holds an event line of the workload's process
-    for each call its truth says it made."""
-    needle, wanted = f'"pid":{truth["pid"]},', sum(site["calls"] for site in truth["sites"])
-    deadline = time.monotonic() + 120
-    while out.read_text(errors="replace").count(needle) < wanted:
-        assert tracer.poll() is None and time.monotonic() < deadline, "its events never came"
-        time.sleep(0.1)
-
-
 def test_all_attaches_an_allocator_first_mapped_by_a_process_started_after_it(
     tmp_path: Path,
 ) -> None:
@@ -174,20 +163,11 @@ def test_all_attaches_an_allocator_first_mapped_by_a_process_started_after_it(
                           tracer, timeout=120)  # fmt: skip
         proc.stdin.write(b"go\n")
         proc.stdin.flush()
-        assert proc.stdout.readline() == b"done\n"
-        proc.stdout.close()
-        # and ends once the trace has delivered its calls: a process the trace
-        # did not start is never held, and its maps (to name its frames) are
-        # read when its first call's request for its tables, made before any
-        # of its events, is handled
-        wait_for_events(out, json.loads(truth.read_text()), tracer)
-        proc.stdin.write(b"\n")
-        proc.stdin.close()
-        assert proc.wait(timeout=120) == 0
+        # and ends once the trace has delivered its calls
+        facts = end_held_workload(proc, truth, out, tracer)
         tracer.send_signal(signal.SIGINT)
         assert tracer.wait(timeout=120) == 0, err.read_text()
     # THEN every call site of the workload is counted exactly
-    facts = json.loads(truth.read_text())
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     stacks = [r for r in rows if r.get("table") == "alloc_stacks" and r["pid"] == facts["pid"]]
     found = by_site(stacks)

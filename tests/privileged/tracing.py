@@ -10,6 +10,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from mtrace_live.tracer.bpf_backend import DETACHER_NAME
 
@@ -77,6 +78,30 @@ def wait_for_line(path: Path, needle: str, proc: subprocess.Popen[bytes], timeou
             raise AssertionError(f"tracer exited early: {path.read_text(errors='replace')}")
         time.sleep(0.1)
     raise AssertionError(f"no {needle!r} in {path} after {timeout}s")
+
+
+def end_held_workload(
+    proc: subprocess.Popen[bytes], truth_file: Path, out: Path, tracer: subprocess.Popen[bytes]
+) -> dict[str, Any]:
+    """Let a workload run with ``--hold`` end once the trace (``-o json`` into
+    ``out``) has delivered an event line of its process for each call its
+    truth says it made; its truth. A process the trace did not start is
+    never held, and its maps (to name its frames) are read when its first
+    call's request for its tables, made before any of its events, is
+    handled: one that ended at once could be gone before then."""
+    assert proc.stdin is not None and proc.stdout is not None
+    assert proc.stdout.readline() == b"done\n"
+    proc.stdout.close()
+    truth: dict[str, Any] = json.loads(truth_file.read_text())
+    needle, wanted = f'"pid":{truth["pid"]},', sum(site["calls"] for site in truth["sites"])
+    deadline = time.monotonic() + 120
+    while out.read_text(errors="replace").count(needle) < wanted:
+        assert tracer.poll() is None and time.monotonic() < deadline, "its events never came"
+        time.sleep(0.1)
+    proc.stdin.write(b"\n")
+    proc.stdin.close()
+    assert proc.wait(timeout=120) == 0
+    return truth
 
 
 def bpftrace_counts(
