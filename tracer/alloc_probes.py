@@ -176,7 +176,8 @@ def attach_allocs(program: BpfProgram, chosen: AllocPlan, sample_bytes: int, hol
             program.attach_uretprobe(chosen.libc, site.file_offset, "alloc_return", pid)
     if hold and chosen.exit_offset is not None:
         program.attach_uprobe(chosen.libc, chosen.exit_offset, "alloc_exit", pid)
-    if pid >= 0 and chosen.thread_exit_offset is not None and program.has_table("alloc_target"):
+    if (pid >= 0 and chosen.thread_exit_offset is not None and program.has_table("alloc_target")
+            and program.uprobes_move):  # fmt: skip
         program.fill_array("alloc_target", [pid])
         program.attach_uprobe(chosen.libc, chosen.thread_exit_offset, "alloc_thread_exit", pid)
     if sample_bytes > 0:

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ from mtrace_live.probes.elf.errors import (
 from mtrace_live.probes.program import ProgramSource
 from mtrace_live.probes.records import ALLOC_FRAMES_BASE
 
-from . import bpf_cache, bpf_syscalls, uprobe_attach
+from . import bpf_cache, bpf_syscalls, uprobe_attach, uprobe_multi
 from .bpf_syscalls import BatchReader
 from .kernel_btf import BtfUnavailable, KernelBtf
 
@@ -134,7 +134,9 @@ class UprobeEvent:
 class BpfProgram:
     """A compiled and attached bcc program, built from its bundled parts."""
 
-    def __init__(self, source: ProgramSource) -> None:
+    def __init__(self, source: ProgramSource, links: bool = True) -> None:
+        """``links``: the uprobes may be attached in links (tracer/uprobe_multi.py),
+        where the kernel has them."""
         require_privileges()
         tracefs_root()
         bcc = import_bcc()
@@ -163,8 +165,12 @@ class BpfProgram:
         # (a debug line, MTRACE_LIVE_DEBUG=1).
         self.warnings: list[str] = []
         started = time.monotonic()
+        # Uprobes in links (tracer/uprobe_multi.py) where the kernel has them:
+        # every uprobe program is then loaded here, for them, from its code.
+        self.uprobes_apart = uprobe_multi.why_not() if links else uprobe_multi.MAIN_GONE
         compiled = self._cached(bcc, key)
         self.from_cache = compiled is not None  # loaded from code a previous run compiled
+        made: bpf_cache.Compiled | None = None  # what bcc compiled in this run
         if compiled is None:
             try:
                 with tempfile.TemporaryDirectory(prefix="mtrace-live-bpf-") as scratch:
@@ -173,7 +179,10 @@ class BpfProgram:
             except Exception as exc:
                 raise AttachError(f"cannot load BPF program {name}: {exc}") from None
             with contextlib.suppress(Exception):  # the cache is only ever a saving
-                bpf_cache.store(key, _compiled(bcc, self._bpf))
+                made = _compiled(bcc, self._bpf)
+                self._bpf.mtrace_uprobe_code = _uprobe_code(bcc, made.functions)
+                bpf_cache.store(key, made)
+        self.uprobe_links = self._links(compiled if compiled is not None else made)
         how = "loaded from the cache" if self.from_cache else "compiled"
         self.origin = f"BPF program {name} {how} in {time.monotonic() - started:.2f} s ({key[:12]})"
         # The BTF-typed handlers' code, with this run's map descriptors in it.
@@ -188,13 +197,23 @@ class BpfProgram:
                 self.close()
                 raise
 
+    def _links(self, compiled: bpf_cache.Compiled | None) -> uprobe_multi.UprobeLinks | None:
+        """The uprobe programs to load for links, where this kernel has them
+        and their code could be read (else uprobes_apart says why not)."""
+        code = getattr(self._bpf, "mtrace_uprobe_code", None)
+        if self.uprobes_apart is None and (code is None or compiled is None):
+            self.uprobes_apart = "the compiled code could not be read back"
+        if self.uprobes_apart is not None or code is None or compiled is None:
+            return None
+        return uprobe_multi.UprobeLinks(code, compiled.license, compiled.kern_version)
+
     def _cached(self, bcc: Any, key: str) -> bpf_cache.Compiled | None:
         """The program stored under ``key``, loaded; None (with a warning
         where one was stored) to compile it instead."""
         try:
             compiled = bpf_cache.load(key)
             if compiled is not None:
-                self._bpf = _from_cache(bcc, compiled)
+                self._bpf = _from_cache(bcc, compiled, self.uprobes_apart is None)
             return compiled
         except Exception as exc:  # any doubt: compile, as without a cache
             self.warnings.append(f"warning: the cached BPF program is unusable, compiled "
@@ -205,7 +224,9 @@ class BpfProgram:
         """What the start-up report says of this program: its warnings, and
         where it came from when MTRACE_LIVE_DEBUG is set."""
         debug = os.environ.get("MTRACE_LIVE_DEBUG", "") not in ("", "0")
-        return [*self.warnings, *([f"debug: {self.origin}"] if debug else [])]
+        how = ("uprobes attached in links (uprobe_multi)" if self.uprobe_links is not None
+               else f"uprobes attached one perf event each ({self.uprobes_apart})")  # fmt: skip
+        return [*self.warnings, *([f"debug: {self.origin}", f"debug: {how}"] if debug else [])]
 
     def _attach_typed(self, handlers: dict[str, bytes], license_: str) -> None:
         """Load and attach each BTF-typed tracepoint handler; where the
@@ -256,8 +277,16 @@ class BpfProgram:
                        retprobe: bool, cookie: int = 0) -> None:  # fmt: skip
         """Through perf_event_open (tracer/uprobe_attach.py): the path as
         given, from this process's root, and the kernel's errno in the error."""
-        bcc = import_bcc()
-        prog_fd = self._bpf.load_func(handler.encode(), bcc.BPF.KPROBE).fd
+        if self.uprobe_links is not None:
+            uprobe = uprobe_multi.Uprobe(path, file_offset, handler, pid, retprobe, cookie)
+            try:
+                self.uprobe_links.add(uprobe)
+            except uprobe_multi.LinkFailure as exc:
+                raise _attach_error(exc.uprobe, exc.failure) from None
+            except OSError as exc:
+                raise AttachError(f"cannot load the handler {handler}: {exc.strerror}") from None
+            return
+        prog_fd = self._prog_fd(handler)
         try:
             fd, link = -1, -1
             if cookie:
@@ -268,13 +297,41 @@ class BpfProgram:
             self._uprobe_events.append(UprobeEvent(fd, path, file_offset, prog_fd, pid, retprobe,
                                                    link, cookie))  # fmt: skip
         except uprobe_attach.AttachFailure as failure:
-            what = "a return probe to" if retprobe else "to"
-            message = f"cannot attach {what} {path} at {file_offset:#x}: {failure}"
-            if failure.errno == errno.ESRCH:
-                raise TargetError(f"process {pid} exited") from None
-            if failure.errno in (errno.EPERM, errno.EACCES):
-                raise NotPrivilegedError(message) from None
-            raise AttachError(message) from None
+            uprobe = uprobe_multi.Uprobe(path, file_offset, handler, pid, retprobe, cookie)
+            raise _attach_error(uprobe, failure) from None
+
+    @contextlib.contextmanager
+    def uprobe_batch(self) -> Iterator[None]:
+        """The uprobes attached inside, attached at its end in as few links
+        as can be (one per file, handler, process and kind); one perf event
+        each, at once, where the kernel has no links."""
+        if self.uprobe_links is None:
+            yield
+            return
+        try:
+            with self.uprobe_links.batch():
+                yield
+        except uprobe_multi.LinkFailure as exc:
+            raise _attach_error(exc.uprobe, exc.failure) from None
+        except OSError as exc:
+            raise AttachError(f"cannot load a uprobe handler: {exc.strerror}") from None
+
+    def _prog_fd(self, handler: str) -> int:
+        """A uprobe-type program's fd (a uprobe's handler, or a step the
+        unwinder tail-calls), loaded for links where they are used."""
+        if self.uprobe_links is not None:
+            try:
+                return self.uprobe_links.program(handler)
+            except OSError as exc:
+                raise AttachError(f"cannot load the handler {handler}: {exc.strerror}") from None
+        return int(self._bpf.load_func(handler.encode(), import_bcc().BPF.KPROBE).fd)
+
+    @property
+    def uprobes_move(self) -> bool:
+        """The uprobes of one process are attached for one of its threads,
+        and must move when it ends (tracer/retarget.py); in links, they
+        follow the process itself."""
+        return self.uprobe_links is None
 
     def retarget(self, old: int, new: int) -> int:
         """The uprobes attached for thread ``old`` attached for thread ``new``
@@ -286,6 +343,13 @@ class BpfProgram:
         moved; AttachFailure when one could not be opened (the old ones
         stay in force, the new ones opened so far are closed)."""
         generation = self._generation + 1
+        if self.uprobe_links is not None:
+            try:
+                gone_links, count = self.uprobe_links.retarget(old, new, generation)
+            except uprobe_multi.LinkFailure as exc:
+                raise exc.failure from None
+            self._turn(generation, gone_links)
+            return count
         moved: list[tuple[int, UprobeEvent]] = []
         try:
             for index, event in enumerate(self._uprobe_events):
@@ -300,18 +364,22 @@ class BpfProgram:
                 os.close(event.link)
                 os.close(event.fd)
             raise
-        if self.has_table("uprobe_generation"):
-            self.fill_array("uprobe_generation", [generation])
-        self._generation = generation
         gone = []
         for index, event in moved:
             gone.append(self._uprobe_events[index])
             self._uprobe_events[index] = event
-        fds = [fd for event in gone for fd in (event.link, event.fd) if fd >= 0]
+        self._turn(generation, [fd for event in gone for fd in (event.link, event.fd) if fd >= 0])
+        return len(moved)
+
+    def _turn(self, generation: int, fds: list[int]) -> None:
+        """The program's generation turned to the new uprobes', and the old
+        ones (``fds``) closed by a detacher child."""
+        if self.has_table("uprobe_generation"):
+            self.fill_array("uprobe_generation", [generation])
+        self._generation = generation
         if fds and not _detach_in_child(fds):
             for fd in fds:
                 os.close(fd)
-        return len(moved)
 
     def clear_pending(self, tids: Iterable[int]) -> int:
         """Forget the calls threads ``tids`` were in (their returns will not
@@ -463,11 +531,9 @@ class BpfProgram:
 
     def set_tail_calls(self, table: str, slots: Mapping[int, str]) -> None:
         """Each slot of a program array given the uprobe-type program named."""
-        bcc = import_bcc()
         array = self._bpf[table]
         for slot, name in slots.items():
-            function = self._bpf.load_func(name.encode(), bcc.BPF.KPROBE)
-            array[ctypes.c_int(slot)] = ctypes.c_int(function.fd)
+            array[ctypes.c_int(slot)] = ctypes.c_int(self._prog_fd(name))
 
     def set_first_target(self, pid: int) -> None:
         """Name the process asked for to the trace program (FIRST_TGID)."""
@@ -563,6 +629,8 @@ class BpfProgram:
         fds = {name.decode() if isinstance(name, bytes) else str(name): int(func.fd)
                for name, func in self._bpf.funcs.items()}  # fmt: skip
         fds.update((name, program) for name, (program, _) in self._typed.items())
+        if self.uprobe_links is not None:
+            fds.update(self.uprobe_links.programs)
         return fds
 
     def string_keyed_counts(self, table: str) -> dict[str, int]:
@@ -613,6 +681,7 @@ class BpfProgram:
         fds = [
             *tracepoints.values(),
             *(fd for event in self._uprobe_events for fd in (event.link, event.fd) if fd >= 0),
+            *(self.uprobe_links.take_fds() if self.uprobe_links is not None else ()),
         ]
         self._uprobe_events = []
         if fds and not _detach_in_child(fds):
@@ -624,6 +693,8 @@ class BpfProgram:
             os.close(attachment)
             os.close(program)
         self._typed.clear()
+        if self.uprobe_links is not None:
+            self.uprobe_links.close_programs()
         self._bpf.cleanup()
 
 
@@ -718,10 +789,29 @@ def _program_type(bcc: Any, name: str) -> int:
     return int(bcc.BPF.KPROBE)  # the uprobe and uretprobe handlers
 
 
-def _from_cache(bcc: Any, compiled: bpf_cache.Compiled) -> Any:
+def _uprobe_code(bcc: Any, functions: Mapping[str, bytes]) -> dict[str, bytes]:
+    """The uprobe-type programs' code, as bcc compiled it in this run."""
+    kind = int(bcc.BPF.KPROBE)
+    return {text: code for text, code in functions.items()
+            if not text.startswith(TYPED_PREFIX) and _program_type(bcc, text) == kind}  # fmt: skip
+
+
+def _attach_error(uprobe: uprobe_multi.Uprobe, failure: uprobe_attach.AttachFailure) -> Exception:
+    """What a refused uprobe means to the user."""
+    what = "a return probe to" if uprobe.retprobe else "to"
+    message = f"cannot attach {what} {uprobe.path} at {uprobe.offset:#x}: {failure}"
+    if failure.errno == errno.ESRCH:
+        return TargetError(f"process {uprobe.pid} exited")
+    if failure.errno in (errno.EPERM, errno.EACCES):
+        return NotPrivilegedError(message)
+    return AttachError(message)
+
+
+def _from_cache(bcc: Any, compiled: bpf_cache.Compiled, links: bool) -> Any:
     """A bcc.BPF object made from cached code instead of clang: the maps made
     anew, the code loaded with their descriptors, the tracepoint handlers
-    attached as bcc's own start attaches them. Raises on anything
+    attached as bcc's own start attaches them; with ``links``, the uprobe
+    programs' code kept instead, to load for links. Raises on anything
     unexpected, with everything made so far closed."""
     BPF = bcc.BPF
     bpf = BPF.__new__(BPF)
@@ -731,6 +821,7 @@ def _from_cache(bcc: Any, compiled: bpf_cache.Compiled) -> Any:
         setattr(bpf, table, {})
     bpf._ringbuf_manager, bpf.tracefile, bpf.debug, bpf.module = None, None, 0, None
     bpf.mtrace_typed = {}  # BTF-typed handlers: relocated, loaded by BpfProgram
+    bpf.mtrace_uprobe_code = {} if links else None  # relocated, loaded for links
     cached = _CachedParts(bcc, bpf, compiled)
     bpf.close, bpf.load_func, bpf.get_table = cached.close, cached.load_func, cached.get_table
     try:
@@ -771,8 +862,12 @@ class _CachedParts:
             if text.startswith(TYPED_PREFIX):
                 bpf.mtrace_typed[text] = bpf_cache.relocate(code, self.map_fds)
                 continue
+            kind = _program_type(self.bcc, text)
+            if kind == int(self.bcc.BPF.KPROBE) and bpf.mtrace_uprobe_code is not None:
+                bpf.mtrace_uprobe_code[text] = bpf_cache.relocate(code, self.map_fds)
+                continue
             insns = ctypes.create_string_buffer(bpf_cache.relocate(code, self.map_fds), len(code))
-            fd = lib.bcc_prog_load(_program_type(self.bcc, text), text.encode(), insns, len(code),
+            fd = lib.bcc_prog_load(kind, text.encode(), insns, len(code),
                                    license_, compiled.kern_version, 0, None, 0)  # fmt: skip
             if fd < 0:
                 raise OSError(ctypes.get_errno(), f"cannot load {text}")

@@ -69,7 +69,9 @@ _MAP_CREATE = struct.Struct("=7I16s")
 # line_info_cnt, attach_btf_id; the kernel wants the rest zero.
 _PROG_LOAD = struct.Struct("=IIQQIIQII16sIIIIQIIQII")
 _PROG_TYPE_TRACING = 26  # enum bpf_prog_type
+PROG_TYPE_KPROBE = 2  # the uprobes' programs too
 _TRACE_RAW_TP = 23  # enum bpf_attach_type
+TRACE_UPROBE_MULTI = 48  # enum bpf_attach_type: Linux 6.6
 _LOG_SIZE = 1 << 20
 
 
@@ -296,6 +298,15 @@ def load_btf_tracepoint(code: bytes, license_: str, name: str, type_id: int) -> 
     tracepoint whose ``btf_trace_<event>`` type is ``type_id`` in the
     kernel's BTF: its fd. Raises OSError, with the verifier's last words
     when it refused the code."""
+    return load_program(code, license_, name, _PROG_TYPE_TRACING, _TRACE_RAW_TP, btf_id=type_id)
+
+
+def load_program(code: bytes, license_: str, name: str, prog_type: int, attach_type: int,
+                 kern_version: int = 0, btf_id: int = 0) -> int:  # fmt: skip
+    """Load ``code`` as a program of ``prog_type`` for ``attach_type``
+    (enum bpf_attach_type, the expected one), for the tracepoint whose BTF
+    type is ``btf_id`` where it is one: its fd. Raises OSError, with the
+    verifier's last words when it refused the code."""
     insns = ctypes.create_string_buffer(code, len(code))
     text = ctypes.create_string_buffer(license_.encode())
     log = ctypes.create_string_buffer(0)
@@ -303,10 +314,11 @@ def load_btf_tracepoint(code: bytes, license_: str, name: str, type_id: int) -> 
         if level:
             log = ctypes.create_string_buffer(_LOG_SIZE)
         attr = ctypes.create_string_buffer(_PROG_LOAD.size + 16)
-        _PROG_LOAD.pack_into(attr, 0, _PROG_TYPE_TRACING, len(code) // 8, ctypes.addressof(insns),
+        _PROG_LOAD.pack_into(attr, 0, prog_type, len(code) // 8, ctypes.addressof(insns),
                              ctypes.addressof(text), level, len(log) if level else 0,
-                             ctypes.addressof(log) if level else 0, 0, 0, name.encode()[:15], 0,
-                             _TRACE_RAW_TP, 0, 0, 0, 0, 0, 0, 0, type_id)  # fmt: skip
+                             ctypes.addressof(log) if level else 0, kern_version, 0,
+                             name.encode()[:15], 0, attach_type, 0, 0, 0, 0, 0, 0, 0,
+                             btf_id)  # fmt: skip
         fd = _bpf(BPF_PROG_LOAD, attr)
         if fd >= 0:
             return fd
@@ -360,4 +372,10 @@ def perf_event_link(prog_fd: int, perf_fd: int, cookie: int) -> int:
     # flags (u32 each), then perf_event.bpf_cookie (u64).
     attr = ctypes.create_string_buffer(64)
     struct.pack_into("=IIIIQ", attr, 0, prog_fd, perf_fd, BPF_PERF_EVENT, 0, cookie)
+    return _bpf(BPF_LINK_CREATE, attr)
+
+
+def link_create(attr: ctypes.Array[ctypes.c_char]) -> int:
+    """BPF_LINK_CREATE with ``attr`` (union bpf_attr): the link's fd, or -1
+    with errno set."""
     return _bpf(BPF_LINK_CREATE, attr)

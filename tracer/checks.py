@@ -24,7 +24,7 @@ from mtrace_live.probes.elf.errors import (
 from mtrace_live.probes.listing import no_probes_error
 from mtrace_live.probes.sdt_notes import read_sites
 
-from . import bpf_backend
+from . import bpf_backend, uprobe_multi
 from .kmem_attach import kmem_attach
 from .tracefs import kmem_defines, parse_format
 
@@ -62,6 +62,7 @@ def run_checks(libc: Path, catalog: Catalog) -> Iterator[Check]:
         yield _tracepoint_check(tracepoint.category, tracepoint.name,
                           [f.name for f in tracepoint.fields if f.required])  # fmt: skip
     yield _raw_tracepoints()
+    yield _uprobe_attach()
 
 
 def exit_code(checks: list[Check]) -> int:
@@ -103,6 +104,17 @@ def _kernel_support() -> Check:
             "kernel", NOT_SUPPORTED, f"Linux {release} lacks {lacks}; use one built with them"
         )
     return Check("kernel", OK, f"Linux {release} has BPF, uprobes and tracepoints")
+
+
+def _uprobe_attach() -> Check:
+    """How a trace attaches its uprobes (tracer/uprobe_multi.py)."""
+    name = "uprobe attach"
+    why = uprobe_multi.why_not()
+    if why is None:
+        return Check(name, OK, "in BPF links (uprobe_multi), one per handler and file, made and "
+                               "closed in one call each")  # fmt: skip
+    return Check(name, UNAVAILABLE, f"one perf event per uprobe, each closed under the kernel's "
+                                    f"event_mutex: no uprobe_multi links ({why})")  # fmt: skip
 
 
 def _headers() -> Check:

@@ -224,7 +224,7 @@ class LiveTrace:
         guardian, forked now, before any thread or uprobe: whatever becomes
         of this process, no process it held stays stopped (tracer/holds.py)."""
         try:
-            self.program = BpfProgram(plan.config.source())
+            self.program = BpfProgram(plan.config.source(), links=not plan.main_gone)
         except BaseException:
             bpf_syscalls.close(stats_fd)
             raise
@@ -255,20 +255,15 @@ class LiveTrace:
         try:
             if plan.config.first_tgid and target_pid is not None:
                 self.program.set_first_target(target_pid)
-            self.unwind = self._unwinder(plan)
-            if self.unwind is not None:  # their tables before their first traced call
-                for pid in running_targets(request):
-                    self.unwind.load(pid)
-            usdt.attach_sites(self.program, self.selection)
-            if self.alloc_plan is not None:
-                alloc_probes.attach_allocs(self.program, self.alloc_plan, request.sample_bytes,
-                                           self.hold, self.alloc_pid)  # fmt: skip
-                # each allocator beside the libc's, once a file, by its number
-                for number, more in enumerate(self.provider_plans, 1):
-                    alloc_probes.attach_allocs(self.program, more, 0, False, self.alloc_pid,
-                                               number)  # fmt: skip
-            if self.lock_plan is not None:
-                lock_waits.attach_lock_waits(self.program, self.lock_plan, self.alloc_pid)
+            with self.program.uprobe_batch():  # in as few links as can be, at its end
+                self.unwind = self._unwinder(plan)
+                if self.unwind is not None:  # their tables before their first traced call
+                    for pid in running_targets(request):
+                        self.unwind.load(pid)
+                usdt.attach_sites(self.program, self.selection)
+                self._attach_allocators()
+                if self.lock_plan is not None:
+                    lock_waits.attach_lock_waits(self.program, self.lock_plan, self.alloc_pid)
             self.program.set_gate(True)
             room = request.ring_buffer_pages
             self.reader = RingReader(
@@ -282,6 +277,17 @@ class LiveTrace:
             self.program.close()
             bpf_syscalls.close(stats_fd)
             raise
+
+    def _attach_allocators(self) -> None:
+        """The allocation functions' probes: the libc's, then each allocator
+        beside it, once a file, by its number."""
+        if self.alloc_plan is None:
+            return
+        request = self.request
+        alloc_probes.attach_allocs(self.program, self.alloc_plan, request.sample_bytes,
+                                   self.hold, self.alloc_pid)  # fmt: skip
+        for number, more in enumerate(self.provider_plans, 1):
+            alloc_probes.attach_allocs(self.program, more, 0, False, self.alloc_pid, number)
 
     def _unwinder(self, plan: ProgramPlan) -> UnwindTables | None:
         """The CFI unwinder's tables, its programs in their slots; None when
@@ -383,7 +389,9 @@ class LiveTrace:
             self.provider_names.append((found.allocator.name, found.name))
             try:
                 plan = alloc_probes.plan_sites(found.path, found.allocator, found.tables)
-                alloc_probes.attach_allocs(self.program, plan, 0, False, self.alloc_pid, number)
+                with self.program.uprobe_batch():
+                    alloc_probes.attach_allocs(self.program, plan, 0, False, self.alloc_pid,
+                                               number)  # fmt: skip
             except MtraceError as exc:
                 print(f"mtrace-live: warning: {found.label} in {found.path}, mapped by a "
                       f"process started after the trace: not traced ({exc})",

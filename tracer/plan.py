@@ -207,6 +207,9 @@ class ProgramPlan:
     hold: bool  # a process mtrace-live started calling _exit is held until its maps are read
     alloc_pid: int  # the one process the uprobes are attached for, or -1
     holds: bool  # processes mtrace-live started may be held (HOLDS): a guardian watches
+    # alloc_pid is a thread of the process, its main one gone (pthread_exit):
+    # uprobe links, which find a process by its main thread, cannot follow it
+    main_gone: bool = False
 
 
 def program_plan(request: TraceRequest, probes: Probes, target_pid: int | None,
@@ -251,7 +254,8 @@ def program_plan(request: TraceRequest, probes: Probes, target_pid: int | None,
         holds=request.holds,
         exit_group_dead=exit_says_group_dead(),
     )
-    return ProgramPlan(config, ring_pages, hold, alloc_pid, request.holds)
+    main_gone = target_pid is not None and alloc_pid not in (-1, target_pid)
+    return ProgramPlan(config, ring_pages, hold, alloc_pid, request.holds, main_gone)
 
 
 def exit_says_group_dead() -> bool:

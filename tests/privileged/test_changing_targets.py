@@ -27,6 +27,9 @@ from .tracing import (
 )
 
 READY = "Ctrl-C to stop"
+# How the tracer attaches its uprobes: in links (tracer/uprobe_multi.py),
+# or one perf event each, as on a kernel older than 6.6.
+UPROBES = {"links": None, "perf events": {**os.environ, "MTRACE_LIVE_UPROBE_MULTI": "0"}}
 
 
 @dataclass
@@ -54,13 +57,16 @@ LEADER_EXIT_BODY = (
 
 def trace_leader_exit(tmp: Path, before_attach: Callable[[int], None] = nothing,
                       after_attach: Callable[[int], None] = nothing,
-                      mode: str = "after") -> Traced:  # fmt: skip
+                      mode: str = "after", uprobes: str = "links") -> Traced:  # fmt: skip
     """leader_exit traced by pid beside bpftrace. ``mode``: "after", main
     makes its 5,000 malloc/free pairs and calls pthread_exit once the
     tracer is there, then another thread makes its 5,000 once the tracer
-    has said it moved its probes; "first", main has done so before bpftrace
-    and the tracer attach; "busy", another thread makes pairs all along,
-    while main lingers in pthread_exit until the probes have moved."""
+    has said it moved its probes (``uprobes`` "perf events": one each,
+    attached for main; in "links", they follow the process, and nothing
+    moves); "first", main has done so before bpftrace and the tracer
+    attach; "busy", another thread makes pairs all along, while main
+    lingers in pthread_exit until the probes have moved (in links, until
+    the tracer has read main's pthread_exit call)."""
     with Reaper() as reaper:
         pipe = subprocess.PIPE
         argv = [str(built("leader_exit")), "5000", "busy" if mode == "busy" else "wait"]
@@ -86,14 +92,16 @@ def trace_leader_exit(tmp: Path, before_attach: Callable[[int], None] = nothing,
         err, out = tmp / "trace.err", tmp / "trace.out"
         with open(err, "wb") as errors, open(out, "wb") as lines:
             tracer = reaper.add(subprocess.Popen([*MTRACE, "--pid", str(pid), "-o", "json"],
-                                                 stdout=lines, stderr=errors))  # fmt: skip
+                                                 stdout=lines, stderr=errors,
+                                                 env=UPROBES[uprobes]))  # fmt: skip
         wait_for_line(err, READY, tracer, timeout=120)
         after_attach(pid)
         if mode != "first":
             say(b"g")
             if mode == "after":
                 assert stdout.readline() == b"main gone\n"
-            wait_for_line(err, "pthread_exit", tracer, timeout=120)  # the probes moved
+            if uprobes == "perf events":
+                wait_for_line(err, "pthread_exit", tracer, timeout=120)  # the probes moved
         if mode == "busy":
             say(b"o")  # main ends now
         say(b"p")
@@ -110,26 +118,34 @@ def trace_leader_exit(tmp: Path, before_attach: Callable[[int], None] = nothing,
                   err.read_text(), counts.get("signal_generate", 0), stacks)  # fmt: skip
 
 
-def test_main_calling_pthread_exit_leaves_its_other_threads_traced(tmp_path: Path) -> None:
+@pytest.mark.parametrize("uprobes", list(UPROBES))
+def test_main_calling_pthread_exit_leaves_its_other_threads_traced(
+    tmp_path: Path, uprobes: str
+) -> None:
     # GIVEN a process whose main thread makes 5,000 pairs and calls
     # pthread_exit, after which another thread makes its 5,000
-    traced = trace_leader_exit(tmp_path)
+    traced = trace_leader_exit(tmp_path, uprobes=uprobes)
     # THEN it is never stopped (the trace did not start it)
     assert traced.stops == 0
     # AND every malloc of both threads is counted: as bpftrace counted, and
     # at least the workload's own (libc's come on top)
     assert traced.mallocs == traced.bpftrace >= traced.workload
     # AND the move of the probes to the thread that stayed is said once
+    # (links follow the process: none moves)
     said = [line for line in traced.stderr.splitlines() if "pthread_exit" in line]
     pid = traced.pid
-    assert len(said) == 1 and f"thread {pid} of process {pid}" in said[0], said
+    if uprobes == "links":
+        assert said == [], said
+    else:
+        assert len(said) == 1 and f"thread {pid} of process {pid}" in said[0], said
 
 
-def test_no_call_is_counted_twice_while_the_probes_move(tmp_path: Path) -> None:
+@pytest.mark.parametrize("uprobes", list(UPROBES))
+def test_no_call_is_counted_twice_while_the_probes_move(tmp_path: Path, uprobes: str) -> None:
     # GIVEN leader_exit whose other thread makes pairs without a pause while
     # main, in pthread_exit, lingers until the probes have moved (both the
     # old and the new events fire meanwhile), traced by pid
-    traced = trace_leader_exit(tmp_path, mode="busy")
+    traced = trace_leader_exit(tmp_path, mode="busy", uprobes=uprobes)
     # THEN every malloc is counted once: as bpftrace counted (none twice
     # while both generations of the probes fired, none lost in the move)
     assert traced.mallocs == traced.bpftrace >= traced.workload // 2
@@ -148,14 +164,18 @@ def test_a_process_whose_main_thread_exited_before_the_attach_is_traced(tmp_path
     assert "pairs" in traced.stacks, traced.stacks[:2000]
 
 
-def test_a_target_stopped_with_sigstop_is_traced_once_continued(tmp_path: Path) -> None:
+@pytest.mark.parametrize("uprobes", list(UPROBES))
+def test_a_target_stopped_with_sigstop_is_traced_once_continued(
+    tmp_path: Path, uprobes: str
+) -> None:
     # GIVEN the same workload stopped (SIGSTOP) when the tracer attaches,
     # and continued after
     def stop(pid: int) -> None:
         os.kill(pid, signal.SIGSTOP)
         os.waitid(os.P_PID, pid, os.WSTOPPED | os.WNOWAIT)  # stopped, seen by its parent
 
-    traced = trace_leader_exit(tmp_path, stop, lambda pid: os.kill(pid, signal.SIGCONT))
+    traced = trace_leader_exit(tmp_path, stop, lambda pid: os.kill(pid, signal.SIGCONT),
+                               uprobes=uprobes)  # fmt: skip
     # THEN the tracer said it is stopped, and traced every call once it ran
     assert f"process {traced.pid} is stopped (SIGSTOP)" in traced.stderr
     assert traced.mallocs == traced.bpftrace >= traced.workload

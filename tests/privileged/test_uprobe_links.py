@@ -1,0 +1,125 @@
+"""Uprobes attached in one batch (tracer/uprobe_multi.py): what the kernel
+says of the tracer's links, read from its /proc/PID/fdinfo while it traces,
+against what the libc's functions are; and the per-uprobe perf events of
+an older kernel, forced with MTRACE_LIVE_UPROBE_MULTI=0, beside."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from mtrace_live.tracer.target import default_libc
+
+from .conftest import MTRACE
+from .tracing import Reaper, wait_for_line
+
+READY = "Ctrl-C to stop"
+PERF_EVENTS = {**os.environ, "MTRACE_LIVE_UPROBE_MULTI": "0"}
+
+
+def fd_kinds(pid: int) -> tuple[list[dict[str, str]], int]:
+    """Process ``pid``'s BPF links (each one's fdinfo fields, and its
+    uprobes' offsets as ``offsets``) and how many perf events it holds."""
+    links, perf_events = [], 0
+    for entry in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{entry}")
+            info = Path(f"/proc/{pid}/fdinfo/{entry}").read_text()
+        except OSError:
+            continue
+        if target == "anon_inode:[perf_event]":
+            perf_events += 1
+        if "link_type:" not in info:
+            continue
+        fields = dict(re.findall(r"^(\w+):\s*(.*)$", info, re.M))
+        rows = re.findall(r"^\d+\s+(0x[0-9a-f]+)\s+0x[0-9a-f]+$", info, re.M)
+        links.append({**fields, "offsets": " ".join(rows)})
+    return links, perf_events
+
+
+def extents(path: str, names: tuple[str, ...]) -> list[tuple[int, int]]:
+    """(address, size) of each named exported function, as nm -D -S gives them."""
+    listed = subprocess.run(["nm", "-D", "-S", path], capture_output=True, text=True,
+                            check=True).stdout  # fmt: skip
+    found = {}
+    for line in listed.splitlines():
+        parts = line.split()
+        if len(parts) == 4 and parts[3].split("@", 1)[0] in names:
+            found[parts[3].split("@", 1)[0]] = (int(parts[0], 16), int(parts[1], 16))
+    assert set(found) == set(names), found
+    return list(found.values())
+
+
+def traced_fds(tmp: Path, env: dict[str, str] | None) -> tuple[int, list[dict[str, str]], int]:
+    """A --pid trace of a sleeping process: its pid, and the tracer's links
+    and perf events while it traces."""
+    err = tmp / "trace.err"
+    with Reaper() as reaper:
+        target = reaper.add(subprocess.Popen(["sleep", "600"]))
+        with open(err, "wb") as errors:
+            tracer = reaper.add(subprocess.Popen(
+                [*MTRACE, "--pid", str(target.pid), "-o", "summary"],
+                stdout=subprocess.DEVNULL, stderr=errors, env=env,
+            ))  # fmt: skip
+        wait_for_line(err, READY, tracer, timeout=120)
+        links, perf_events = fd_kinds(tracer.pid)
+        tracer.send_signal(2)
+        assert tracer.wait(timeout=120) == 0, err.read_text()
+    return target.pid, links, perf_events
+
+
+def test_doctor_says_this_kernel_attaches_uprobes_in_links() -> None:
+    done = subprocess.run([*MTRACE, "doctor"], capture_output=True, text=True, timeout=120)
+    (line,) = [x for x in done.stdout.splitlines() if "uprobe attach:" in x]
+    assert line.startswith("ok") and "in BPF links (uprobe_multi)" in line, line
+    # AND it says why not when they are turned off
+    done = subprocess.run([*MTRACE, "doctor"], capture_output=True, text=True, timeout=120,
+                          env=PERF_EVENTS)  # fmt: skip
+    (line,) = [x for x in done.stdout.splitlines() if "uprobe attach:" in x]
+    assert "one perf event per uprobe" in line and "MTRACE_LIVE_UPROBE_MULTI=0" in line, line
+
+
+def test_a_trace_attaches_its_uprobes_in_a_link_per_handler_for_its_process(
+    tmp_path: Path,
+) -> None:
+    # GIVEN a --pid trace of a process on the system libc
+    pid, links, _ = traced_fds(tmp_path, None)
+    multi = [link for link in links if link["link_type"] in ("uprobe_multi", "uretprobe_multi")]
+    # THEN its uprobes are in uprobe_multi links on the libc, each program in one link
+    assert multi, links
+    libc = str(default_libc())
+    assert {link["path"] for link in multi} == {libc}
+    programs = [(link["prog_id"], link["link_type"]) for link in multi]
+    assert len(programs) == len(set(programs)), programs
+    # AND the allocation functions are among them, for its process alone: a
+    # uprobe in malloc's and in free's code, as nm gives their extents (the
+    # libc's text is loaded at its file offset: an address is an offset)
+    ours = [link for link in multi if link["pid"] == str(pid)]
+    offsets = {int(text, 16) for link in ours for text in link["offsets"].split()}
+    for start, size in extents(libc, ("malloc", "free")):
+        assert any(start <= offset < start + size for offset in offsets), (start, ours)
+    # AND the return probes of the functions that return a pointer share one link
+    returns = [link for link in ours if link["link_type"] == "uretprobe_multi"]
+    assert max(int(link["uprobe_cnt"]) for link in returns) >= 5, returns
+
+
+def test_without_links_each_uprobe_is_a_perf_event(tmp_path: Path) -> None:
+    # GIVEN the same trace, its uprobes one perf event each (MTRACE_LIVE_UPROBE_MULTI=0)
+    _, with_links, events_with_links = traced_fds(tmp_path / "links", None)
+    _, links, perf_events = traced_fds(tmp_path / "perf", PERF_EVENTS)
+    # THEN it holds no uprobe link, and a perf event for each uprobe the
+    # links held (beside the tracepoints' events, which both hold), and one
+    # on pthread_exit: events attached for one thread move when it ends
+    # (tracer/retarget.py), where links follow the process
+    assert not [link for link in links if "uprobe" in link["link_type"]], links
+    uprobes = sum(int(link["uprobe_cnt"]) for link in with_links if "uprobe_cnt" in link)
+    assert perf_events - events_with_links == uprobes + 1, (perf_events, events_with_links)
+
+
+@pytest.fixture(autouse=True)
+def _dirs(tmp_path: Path) -> None:
+    for name in ("links", "perf"):
+        (tmp_path / name).mkdir()
