@@ -170,18 +170,7 @@ class BpfProgram:
         self.uprobes_apart = uprobe_multi.why_not() if links else uprobe_multi.MAIN_GONE
         compiled = self._cached(bcc, key)
         self.from_cache = compiled is not None  # loaded from code a previous run compiled
-        made: bpf_cache.Compiled | None = None  # what bcc compiled in this run
-        if compiled is None:
-            try:
-                with tempfile.TemporaryDirectory(prefix="mtrace-live-bpf-") as scratch:
-                    main = source.main_file(Path(scratch), text)
-                    self._bpf = bcc.BPF(src_file=str(main).encode(), cflags=cflags)
-            except Exception as exc:
-                raise AttachError(f"cannot load BPF program {name}: {exc}") from None
-            with contextlib.suppress(Exception):  # the cache is only ever a saving
-                made = _compiled(bcc, self._bpf)
-                self._bpf.mtrace_uprobe_code = _uprobe_code(bcc, made.functions)
-                bpf_cache.store(key, made)
+        made = self._compile(bcc, source, text, cflags, key) if compiled is None else None
         self.uprobe_links = self._links(compiled if compiled is not None else made)
         how = "loaded from the cache" if self.from_cache else "compiled"
         self.origin = f"BPF program {name} {how} in {time.monotonic() - started:.2f} s ({key[:12]})"
@@ -196,6 +185,23 @@ class BpfProgram:
             except BaseException:
                 self.close()
                 raise
+
+    def _compile(self, bcc: Any, source: ProgramSource, text: str, cflags: list[str],
+                 key: str) -> bpf_cache.Compiled | None:  # fmt: skip
+        """Compile with bcc, and keep the code under ``key``: what was
+        compiled, or None where it could not be read back."""
+        try:
+            with tempfile.TemporaryDirectory(prefix="mtrace-live-bpf-") as scratch:
+                main = source.main_file(Path(scratch), text)
+                self._bpf = bcc.BPF(src_file=str(main).encode(), cflags=cflags)
+        except Exception as exc:
+            raise AttachError(f"cannot load BPF program {source.name}: {exc}") from None
+        made = None
+        with contextlib.suppress(Exception):  # the cache is only ever a saving
+            made = _compiled(bcc, self._bpf)
+            self._bpf.mtrace_uprobe_code = _uprobe_code(bcc, made.functions)
+            bpf_cache.store(key, made)
+        return made
 
     def _links(self, compiled: bpf_cache.Compiled | None) -> uprobe_multi.UprobeLinks | None:
         """The uprobe programs to load for links, where this kernel has them

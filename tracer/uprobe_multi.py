@@ -60,21 +60,21 @@ def _why_not() -> str | None:
     if bpf_syscalls.kernel_version() < SINCE:
         return f"Linux {SINCE[0]}.{SINCE[1]} or later is needed"
     try:
-        fd = load(_RETURN_ZERO, "GPL", "mtrace_multi", 0)
+        fd = load_for_links(_RETURN_ZERO, "GPL", "mtrace_multi", 0)
     except OSError as exc:
         return f"the kernel refuses a program for them ({exc.strerror})"
     os.close(fd)
     return None
 
 
-def load(code: bytes, license_: str, name: str, kern_version: int) -> int:
+def load_for_links(code: bytes, license_: str, name: str, kern_version: int) -> int:
     """A uprobe program's code loaded for a uprobe_multi link: its fd.
     Raises OSError."""
     return bpf_syscalls.load_program(code, license_, name, bpf_syscalls.PROG_TYPE_KPROBE,
                                      bpf_syscalls.TRACE_UPROBE_MULTI, kern_version)  # fmt: skip
 
 
-def attach(prog_fd: int, path: Path, offsets: Sequence[int], cookies: Sequence[int],
+def attach_link(prog_fd: int, path: Path, offsets: Sequence[int], cookies: Sequence[int],
            pid: int, retprobe: bool) -> int:  # fmt: skip
     """Program ``prog_fd`` at each file offset of ``path`` (at the
     function's returns with ``retprobe``), each with its cookie, in
@@ -142,7 +142,7 @@ class UprobeLinks:
         (the verifier's words), KeyError for a handler the program does not
         have."""
         if handler not in self.programs:
-            self.programs[handler] = load(self._code[handler], self._license, handler,
+            self.programs[handler] = load_for_links(self._code[handler], self._license, handler,
                                           self._kern_version)  # fmt: skip
         return self.programs[handler]
 
@@ -181,7 +181,7 @@ class UprobeLinks:
         first = group[0]
         program = self.program(first.handler)
         try:
-            fd = attach(program, first.path, [u.offset for u in group],
+            fd = attach_link(program, first.path, [u.offset for u in group],
                         [u.cookie | generation for u in group], first.pid,
                         first.retprobe)  # fmt: skip
         except AttachFailure as failure:

@@ -60,13 +60,11 @@ def trace_leader_exit(tmp: Path, before_attach: Callable[[int], None] = nothing,
                       mode: str = "after", uprobes: str = "links") -> Traced:  # fmt: skip
     """leader_exit traced by pid beside bpftrace. ``mode``: "after", main
     makes its 5,000 malloc/free pairs and calls pthread_exit once the
-    tracer is there, then another thread makes its 5,000 once the tracer
-    has said it moved its probes (``uprobes`` "perf events": one each,
-    attached for main; in "links", they follow the process, and nothing
-    moves); "first", main has done so before bpftrace and the tracer
-    attach; "busy", another thread makes pairs all along, while main
-    lingers in pthread_exit until the probes have moved (in links, until
-    the tracer has read main's pthread_exit call)."""
+    tracer is there, then another thread makes its 5,000 once the probes
+    moved (``uprobes`` "perf events", attached for main; "links" follow the
+    process: no wait); "first", main has done so before the tracers attach;
+    "busy", another thread makes pairs all along, main lingering in
+    pthread_exit until the probes have moved."""
     with Reaper() as reaper:
         pipe = subprocess.PIPE
         argv = [str(built("leader_exit")), "5000", "busy" if mode == "busy" else "wait"]
