@@ -29,8 +29,9 @@ why). docs/derived-probes.md has the table and the measurements.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import capstone
 from capstone import x86
@@ -847,3 +848,39 @@ _DERIVATIONS = (
     _lock_wait,
     _unavailable,
 )
+
+
+def plan_document(plan_: DerivedPlan) -> dict[str, object]:
+    """``plan_`` as JSON-ready data (``plan_from_document`` reads it back)."""
+    document = asdict(plan_)
+    document["libc"] = str(plan_.libc)
+    document["debug_file"] = str(plan_.debug_file) if plan_.debug_file is not None else None
+    return document
+
+
+def plan_from_document(document: dict[str, Any]) -> DerivedPlan:
+    """The plan ``plan_document`` wrote; KeyError, TypeError or ValueError
+    where the data is not one."""
+
+    def arg(data: dict[str, Any]) -> DerivedArg:
+        location = dict(data["location"])
+        location["kind"] = ArgKind(location["kind"])
+        return DerivedArg(str(data["name"]), ArgLocation(**location), str(data["text"]))
+
+    def site(data: dict[str, Any]) -> DerivedSite:
+        return DerivedSite(**{**data, "args": tuple(arg(a) for a in data["args"])})
+
+    def probe(data: dict[str, Any]) -> DerivedProbe:
+        sites = tuple(site(s) for s in data["sites"])
+        syscall_args = tuple(arg(a) for a in data["syscall_args"])
+        return DerivedProbe(**{**data, "sites": sites, "syscall_args": syscall_args})
+
+    debug = document["debug_file"]
+    return DerivedPlan(
+        libc=Path(document["libc"]),
+        debug_file=Path(debug) if debug is not None else None,
+        debug_problem=str(document["debug_problem"]),
+        probes={str(name): probe(data) for name, data in document["probes"].items()},
+        heap_info={str(k): int(v) for k, v in document["heap_info"].items()},
+        main_arena=None if document["main_arena"] is None else int(document["main_arena"]),
+    )

@@ -197,16 +197,20 @@ def store(key: str, compiled: Compiled) -> None:
         },
         "maps": [asdict(spec) for spec in compiled.maps],
     }
-    with contextlib.suppress(OSError):
+    keep_json(directory / f"{key}.json", document, KEEP)
+
+
+def keep_json(path: Path, document: object, keep: int) -> None:
+    """Write ``document`` to ``path`` atomically, in a directory only this
+    user may write, and leave its ``keep`` most recently used JSON files
+    there; errors are ignored (a cache is only ever a saving)."""
+    directory = path.parent
+    with contextlib.suppress(OSError, TypeError, ValueError):
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as tmp:
             json.dump(document, tmp)
-        os.replace(tmp.name, directory / f"{key}.json")
-        _prune(directory)
-
-
-def _prune(directory: Path) -> None:
-    entries = sorted(directory.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for stale in entries[KEEP:]:
-        with contextlib.suppress(OSError):
-            stale.unlink()
+        os.replace(tmp.name, path)
+        entries = sorted(directory.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for stale in entries[keep:]:
+            with contextlib.suppress(OSError):
+                stale.unlink()

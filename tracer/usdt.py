@@ -26,7 +26,7 @@ from mtrace_live.probes.locations import SiteLayout, layout_sites, rip_symbols, 
 from mtrace_live.probes.records import MAX_ARGS
 from mtrace_live.probes.sdt_notes import SdtSite
 
-from . import sdt_glibc, target
+from . import plan_cache, sdt_glibc, target
 from .bpf_backend import BpfProgram
 from .launch import resolve_command
 
@@ -113,7 +113,7 @@ def choose_derived(
     """The probes matching ``patterns`` that probes/derived.py can rebuild
     for ``libc``, with their uprobe sites first and one site entry per
     syscall-derived probe after them (never attached)."""
-    plan = derived.plan(libc, debug_file)
+    plan = plan_cache.derived_plan(libc, debug_file)
     names = [n for n in plan.available() if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
     if not names:
         raise NoMatchingProbeError(
