@@ -12,7 +12,8 @@ allocs (8: every malloc and free, against bpftrace, memleak and heaptrack),
 contention (9: lock waits in time, and the tracer's observer effect),
 profiles (10: serve's heap profiles: building them, /metrics beside them,
 serve's default sampling), servers (11: a real server's throughput traced,
-the CFI tables cold, the guardian after a killed tracer). The
+the CFI tables cold, the guardian after a killed tracer), startup (12: the
+whole wait from the command to a trace attached, warm and cold). The
 peers (bpftrace, bcc's trace, perf) are looked for first; a missing one is
 named, its configurations left out, and the rest still runs.
 """
@@ -38,6 +39,7 @@ import rates_bench
 import scrape_bench
 import servers_bench
 import stacks_bench
+import startup_bench
 import usdt_bench
 from common import PEERS, QUICK, REPO, REPS, machine, peer_versions, say
 
@@ -56,6 +58,7 @@ SECTIONS = (
     "contention",
     "profiles",
     "servers",
+    "startup",
 )
 # The page's sections in order, each from its part of the results.
 PAGE: tuple[tuple[str, Callable[[Any], tuple[list[str], dict[str, bool | None]]]], ...] = (
@@ -71,6 +74,7 @@ PAGE: tuple[tuple[str, Callable[[Any], tuple[list[str], dict[str, bool | None]]]
     ("contention", contention_bench.render),
     ("profiles", profile_bench.render),
     ("servers", servers_bench.render),
+    ("startup", startup_bench.render),
 )
 
 
@@ -97,6 +101,7 @@ def measure(only: set[str]) -> dict[str, object]:
             "contention": lambda: contention_bench.run(tmp, peers),
             "profiles": lambda: profile_bench.run(tmp),
             "servers": lambda: servers_bench.run(tmp, peers),
+            "startup": lambda: startup_bench.run(tmp, peers),
         }
         durations = {}
         failed: dict[str, dict[str, str]] = {}
