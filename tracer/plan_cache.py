@@ -51,7 +51,7 @@ def derived_plan(libc: Path, debug_file: Path | None = None) -> derived.DerivedP
     key = _key(libc, debug_file) if directory is not None else None
     path = directory / f"{key}.json" if directory is not None and key is not None else None
     if path is not None:
-        kept = _load(path)
+        kept = _read_kept(path)
         if kept is not None:
             return kept
     plan = derived.plan(libc, debug_file)
@@ -95,7 +95,7 @@ def _key(libc: Path, debug_file: Path | None) -> str | None:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
-def _load(path: Path) -> derived.DerivedPlan | None:
+def _read_kept(path: Path) -> derived.DerivedPlan | None:
     try:
         if not (private_file(path.parent) and private_file(path)):
             return None
