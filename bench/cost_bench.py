@@ -243,9 +243,10 @@ def render(data: dict) -> tuple[list[str], dict[str, bool | None]]:
     ]
     lines += [f"| {name} | {row['median_s']:.2f} |" for name, row in data["startup"].items()]
     verdicts: dict[str, bool | None] = {}
-    ours = data["startup"]["mtrace-live -o text"]["median_s"]
     floor = data["startup"].get(FLOOR, {}).get("median_s")
-    verdicts["start-up <= 0.3 s to the first event"] = ours <= 0.3
+    lines += ["", "Each start here follows the last one's detacher's end (so that the CPU "
+              "figures below are the tracer's alone): a part of the wait. Section 12 measures "
+              "the whole wait a user sees, and the start-up goals are judged there."]  # fmt: skip
     if floor is not None:
         lines += ["", _floor_text(floor)]
     lines += [
