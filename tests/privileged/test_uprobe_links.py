@@ -5,12 +5,14 @@ an older kernel, forced with MTRACE_LIVE_UPROBE_MULTI=0, beside."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
+from mtrace_live.tracer import uprobe_multi
 from mtrace_live.tracer.target import default_libc
 
 from .conftest import MTRACE
@@ -18,6 +20,7 @@ from .tracing import Reaper, wait_for_line
 
 READY = "Ctrl-C to stop"
 PERF_EVENTS = {**os.environ, "MTRACE_LIVE_UPROBE_MULTI": "0"}
+RETURN_ZERO = bytes.fromhex("b7000000000000009500000000000000")  # r0 = 0; exit
 
 
 def fd_kinds(pid: int) -> tuple[list[dict[str, str]], int]:
@@ -123,3 +126,26 @@ def test_without_links_each_uprobe_is_a_perf_event(tmp_path: Path) -> None:
 def _dirs(tmp_path: Path) -> None:
     for name in ("links", "perf"):
         (tmp_path / name).mkdir()
+
+
+def test_a_batch_the_kernel_refuses_names_the_uprobe_it_refuses(tmp_path: Path) -> None:
+    # GIVEN a program that returns 0, and a batch of two uprobes on the libc:
+    # one at malloc, one past the end of the file
+    links = uprobe_multi.UprobeLinks({"zero": RETURN_ZERO}, "GPL", 0)
+    libc = default_libc()
+    ((malloc, _),) = extents(str(libc), ("malloc",))
+    beyond = libc.stat().st_size + 0x1000
+    try:
+        with pytest.raises(uprobe_multi.LinkFailure) as refused, links.batch():
+            for offset in (malloc, beyond):
+                links.add(uprobe_multi.Uprobe(libc, offset, "zero", -1, False, 0))
+        # THEN the failure names the one past the end, and why
+        assert refused.value.uprobe.offset == beyond
+        assert refused.value.failure.errno == errno.EINVAL, refused.value.failure
+        # AND the one the kernel took alone is attached, in a link of its own,
+        # which the trace's close detaches
+        assert [link.uprobes[0].offset for link in links.links] == [malloc]
+    finally:
+        for fd in links.take_fds():
+            os.close(fd)
+        links.close_programs()
