@@ -84,8 +84,8 @@ def test_doctor_passes_for_the_sdt_glibc(sdt: SdtGlibc) -> None:
     lines = done.stdout.splitlines()
     # privileges, kernel, tracefs, headers, bcc, allocation functions, libc
     # probes, libc debug info, derived probes, lock wait times, six
-    # tracepoints, which are raw
-    assert len(lines) == 17
+    # tracepoints, which are raw, and how uprobes are attached
+    assert len(lines) == 18
     assert all(line.startswith("ok") for line in lines), lines
 
 

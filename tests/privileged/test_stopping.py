@@ -20,7 +20,7 @@ from mtrace_live.tracer import bpf_syscalls
 from mtrace_live.tracer.sdt_glibc import SdtGlibc
 
 from .conftest import MTRACE, built
-from .tracing import Reaper, programs_of, wait_for_detach, wait_until
+from .tracing import Reaper, programs_of, uprobe_links, wait_for_detach, wait_until
 
 
 def start_when_ready(argv: list[str], reaper: Reaper, needle: str,
@@ -143,16 +143,19 @@ def test_a_tracer_killed_with_sigkill_leaves_no_probe_and_the_next_one_starts(
         trace = start_when_ready([*MTRACE, "--pid", str(load.pid), "-o", "summary"], reaper,
                                  "Ctrl-C to stop", stdout=subprocess.DEVNULL)  # fmt: skip
         loaded = programs_of(trace.pid)
-        attached = [link for link in uprobes() if link["prog_id"] in loaded]
-        assert any(link["pid"] == trace.pid for link in attached), attached
-        sites = {(link["filename"], link["offset"]) for link in attached}
+        # (its uprobes are in links on this kernel: tracer/uprobe_multi.py)
+        attached = [link for link in uprobe_links([trace.pid]) if link["prog_id"] in loaded]
+        assert any(link["pid"] == load.pid for link in attached), attached
+        sites = {(link["path"], offset) for link in attached for offset in link["offsets"]}
         # WHEN it is killed outright: no handler of its own runs
         trace.kill()
         trace.communicate(timeout=120)
         # THEN the kernel drops its programs and its uprobes with its descriptors:
-        # no process holds a uprobe at any of its sites
+        # no process holds a uprobe at any of its sites, in a link or a perf event
         assert programs_unloaded(loaded)
-        assert [link for link in uprobes() if (link["filename"], link["offset"]) in sites] == []
+        held = {(link["path"], offset) for link in uprobe_links() for offset in link["offsets"]}
+        held |= {(link["filename"], link["offset"]) for link in uprobes()}
+        assert held & sites == set()
         # AND the next trace of the same process attaches and ends cleanly
         again = start_when_ready([*MTRACE, "--pid", str(load.pid), "-o", "summary"], reaper,
                                  "Ctrl-C to stop", stdout=subprocess.DEVNULL)  # fmt: skip

@@ -5,42 +5,32 @@ an older kernel, forced with MTRACE_LIVE_UPROBE_MULTI=0, beside."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
-import re
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mtrace_live.tracer import uprobe_multi
 from mtrace_live.tracer.target import default_libc
 
 from .conftest import MTRACE
-from .tracing import Reaper, wait_for_line
+from .tracing import Reaper, uprobe_links, wait_for_line
 
 READY = "Ctrl-C to stop"
 PERF_EVENTS = {**os.environ, "MTRACE_LIVE_UPROBE_MULTI": "0"}
 RETURN_ZERO = bytes.fromhex("b7000000000000009500000000000000")  # r0 = 0; exit
 
 
-def fd_kinds(pid: int) -> tuple[list[dict[str, str]], int]:
-    """Process ``pid``'s BPF links (each one's fdinfo fields, and its
-    uprobes' offsets as ``offsets``) and how many perf events it holds."""
-    links, perf_events = [], 0
+def perf_events(pid: int) -> int:
+    """How many perf events process ``pid`` holds."""
+    count = 0
     for entry in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{entry}")
-            info = Path(f"/proc/{pid}/fdinfo/{entry}").read_text()
-        except OSError:
-            continue
-        if target == "anon_inode:[perf_event]":
-            perf_events += 1
-        if "link_type:" not in info:
-            continue
-        fields = dict(re.findall(r"^(\w+):\s*(.*)$", info, re.M))
-        rows = re.findall(r"^\d+\s+(0x[0-9a-f]+)\s+0x[0-9a-f]+$", info, re.M)
-        links.append({**fields, "offsets": " ".join(rows)})
-    return links, perf_events
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/{pid}/fd/{entry}") == "anon_inode:[perf_event]"
+    return count
 
 
 def extents(path: str, names: tuple[str, ...]) -> list[tuple[int, int]]:
@@ -56,7 +46,7 @@ def extents(path: str, names: tuple[str, ...]) -> list[tuple[int, int]]:
     return list(found.values())
 
 
-def traced_fds(tmp: Path, env: dict[str, str] | None) -> tuple[int, list[dict[str, str]], int]:
+def traced_fds(tmp: Path, env: dict[str, str] | None) -> tuple[int, list[dict[str, Any]], int]:
     """A --pid trace of a sleeping process: its pid, and the tracer's links
     and perf events while it traces."""
     err = tmp / "trace.err"
@@ -68,10 +58,10 @@ def traced_fds(tmp: Path, env: dict[str, str] | None) -> tuple[int, list[dict[st
                 stdout=subprocess.DEVNULL, stderr=errors, env=env,
             ))  # fmt: skip
         wait_for_line(err, READY, tracer, timeout=120)
-        links, perf_events = fd_kinds(tracer.pid)
+        links, events = uprobe_links([tracer.pid]), perf_events(tracer.pid)
         tracer.send_signal(2)
         assert tracer.wait(timeout=120) == 0, err.read_text()
-    return target.pid, links, perf_events
+    return target.pid, links, events
 
 
 def test_doctor_says_this_kernel_attaches_uprobes_in_links() -> None:
@@ -89,10 +79,9 @@ def test_a_trace_attaches_its_uprobes_in_a_link_per_handler_for_its_process(
     tmp_path: Path,
 ) -> None:
     # GIVEN a --pid trace of a process on the system libc
-    pid, links, _ = traced_fds(tmp_path, None)
-    multi = [link for link in links if link["link_type"] in ("uprobe_multi", "uretprobe_multi")]
+    pid, multi, _ = traced_fds(tmp_path, None)
     # THEN its uprobes are in uprobe_multi links on the libc, each program in one link
-    assert multi, links
+    assert multi
     libc = str(default_libc())
     assert {link["path"] for link in multi} == {libc}
     programs = [(link["prog_id"], link["link_type"]) for link in multi]
@@ -100,26 +89,26 @@ def test_a_trace_attaches_its_uprobes_in_a_link_per_handler_for_its_process(
     # AND the allocation functions are among them, for its process alone: a
     # uprobe in malloc's and in free's code, as nm gives their extents (the
     # libc's text is loaded at its file offset: an address is an offset)
-    ours = [link for link in multi if link["pid"] == str(pid)]
-    offsets = {int(text, 16) for link in ours for text in link["offsets"].split()}
+    ours = [link for link in multi if link["pid"] == pid]
+    offsets = {offset for link in ours for offset in link["offsets"]}
     for start, size in extents(libc, ("malloc", "free")):
         assert any(start <= offset < start + size for offset in offsets), (start, ours)
     # AND the return probes of the functions that return a pointer share one link
     returns = [link for link in ours if link["link_type"] == "uretprobe_multi"]
-    assert max(int(link["uprobe_cnt"]) for link in returns) >= 5, returns
+    assert max(link["uprobe_cnt"] for link in returns) >= 5, returns
 
 
 def test_without_links_each_uprobe_is_a_perf_event(tmp_path: Path) -> None:
     # GIVEN the same trace, its uprobes one perf event each (MTRACE_LIVE_UPROBE_MULTI=0)
     _, with_links, events_with_links = traced_fds(tmp_path / "links", None)
-    _, links, perf_events = traced_fds(tmp_path / "perf", PERF_EVENTS)
+    _, links, events = traced_fds(tmp_path / "perf", PERF_EVENTS)
     # THEN it holds no uprobe link, and a perf event for each uprobe the
     # links held (beside the tracepoints' events, which both hold), and one
     # on pthread_exit: events attached for one thread move when it ends
     # (tracer/retarget.py), where links follow the process
-    assert not [link for link in links if "uprobe" in link["link_type"]], links
-    uprobes = sum(int(link["uprobe_cnt"]) for link in with_links if "uprobe_cnt" in link)
-    assert perf_events - events_with_links == uprobes + 1, (perf_events, events_with_links)
+    assert links == []
+    uprobes = sum(link["uprobe_cnt"] for link in with_links)
+    assert events - events_with_links == uprobes + 1, (events, events_with_links)
 
 
 @pytest.fixture(autouse=True)

@@ -217,6 +217,35 @@ def program_fdinfo(pid: int) -> list[dict[str, str]]:
     return found
 
 
+def uprobe_links(holders: list[int] | None = None) -> list[dict[str, Any]]:
+    """The uprobe_multi links processes ``holders`` (default: every process)
+    hold, as the kernel's fdinfo describes each: its kind (link_type), the
+    holder, the program (prog_id), the file (path), the process it is for
+    (pid: 0 for every process), its uprobe count (uprobe_cnt) and each
+    uprobe's offset (offsets)."""
+    if holders is None:
+        holders = [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+    found = []
+    for holder in holders:
+        try:
+            fds = list(Path(f"/proc/{holder}/fd").iterdir())
+        except OSError:
+            continue  # gone meanwhile
+        for fd in fds:
+            try:
+                info = Path(f"/proc/{holder}/fdinfo/{fd.name}").read_text()
+            except OSError:
+                continue
+            fields = dict(re.findall(r"^(\w+):\s*(.*)$", info, re.M))
+            if fields.get("link_type") not in ("uprobe_multi", "uretprobe_multi"):
+                continue
+            offsets = re.findall(r"^\d+\s+(0x[0-9a-f]+)\s+0x[0-9a-f]+$", info, re.M)
+            found.append({**fields, "holder": holder, "prog_id": int(fields["prog_id"]),
+                          "pid": int(fields["pid"]), "uprobe_cnt": int(fields["uprobe_cnt"]),
+                          "offsets": [int(text, 16) for text in offsets]})  # fmt: skip
+    return found
+
+
 def programs_of(pid: int) -> set[int]:
     """The ids of the BPF programs process ``pid`` holds: what a test asks
     of its own tracer, whatever other tools load meanwhile."""
