@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import select
 import shutil
 import signal
 import statistics
@@ -197,6 +198,40 @@ class Gated:
         if self.process.returncode != 0:
             raise RuntimeError(f"workload exited {self.process.returncode}: {err[-500:]}")
         return out
+
+
+def time_to_line(argv: list[str], wanted: Callable[[str], bool], stream: str,
+                 env: dict[str, str] | None = None) -> float:  # fmt: skip
+    """Seconds from starting ``argv`` to its first line on ``stream``
+    ("stdout" or "stderr") that ``wanted`` accepts; then it is stopped."""
+    started = time.monotonic()
+    pipe = subprocess.PIPE
+    tracer = subprocess.Popen(argv, stdout=pipe if stream == "stdout" else subprocess.DEVNULL,
+                              stderr=pipe if stream == "stderr" else subprocess.DEVNULL,
+                              preexec_fn=interruptible,
+                              env={**os.environ, **(env or {})})  # fmt: skip
+    out = tracer.stdout if stream == "stdout" else tracer.stderr
+    assert out is not None
+    pending = b""
+    try:
+        while time.monotonic() < started + 120:
+            ready, _, _ = select.select([out], [], [], 1.0)
+            if not ready:
+                continue
+            chunk = os.read(out.fileno(), 65536)  # what is there: no line waits in a buffer
+            if not chunk:
+                raise RuntimeError(f"{argv[0]} ended before its line")
+            *lines, pending = (pending + chunk).split(b"\n")
+            if any(wanted(line.decode(errors="replace")) for line in lines):
+                return time.monotonic() - started
+        raise RuntimeError(f"{argv[0]}: no line in 120 s")
+    finally:
+        tracer.send_signal(signal.SIGINT)
+        try:
+            tracer.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            tracer.kill()
+            tracer.communicate()
 
 
 # ---- configurations in alternating order -----------------------------------------

@@ -17,8 +17,6 @@ pid.
 from __future__ import annotations
 
 import os
-import select
-import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -33,10 +31,10 @@ from common import (
     Sample,
     alternate,
     detached,
-    interruptible,
     say,
     sdt,
     summarise,
+    time_to_line,
 )  # fmt: skip
 from mtrace_live.probes.program import ProgramSource
 
@@ -88,29 +86,7 @@ def bpftrace_argv(pid: int, action: str) -> list[str]:
 def first_event(
     argv: list[str], is_event: Callable[[str], bool], env: dict[str, str] | None = None
 ) -> Sample:
-    started = time.monotonic()
-    tracer = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                              preexec_fn=interruptible,
-                              env={**os.environ, **(env or {})})  # fmt: skip
-    assert tracer.stdout is not None
-    try:
-        deadline = started + 120
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([tracer.stdout], [], [], 1.0)
-            if ready:
-                line = tracer.stdout.readline()
-                if not line:
-                    raise RuntimeError(f"{argv[0]} ended before its first event")
-                if is_event(line):
-                    return Sample(time.monotonic() - started)
-        raise RuntimeError(f"{argv[0]}: no event in 120 s")
-    finally:
-        tracer.send_signal(signal.SIGINT)
-        try:
-            tracer.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            tracer.kill()
-            tracer.communicate()
+    return Sample(time_to_line(argv, is_event, "stdout", env))
 
 
 def steady(argv: list[str], ready: str, tmp: Path) -> Sample:

@@ -20,17 +20,13 @@ attached).
 
 from __future__ import annotations
 
-import os
-import select
-import signal
 import statistics
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import attach_costs
-from common import MTRACE, QUICK, detached, interruptible, say
+from common import MTRACE, QUICK, detached, say, time_to_line
 from mtrace_live.tracer.target import default_libc
 
 RUNS = 3 if QUICK else 20
@@ -45,40 +41,6 @@ TRACEPOINTS = ("sched:sched_process_exec", "sched:sched_process_exit", "task:tas
 # probes' plan was kept: one perf event per uprobe, the plan derived each time.
 BEFORE_ENV = {"MTRACE_LIVE_UPROBE_MULTI": "0", "MTRACE_LIVE_PLAN_CACHE": "off"}
 GOAL_MEDIAN_S, GOAL_P90_S, GOAL_COLD_S = 0.3, 0.5, 2.0
-
-
-def time_to_line(argv: list[str], wanted: Callable[[str], bool], stream: str,
-                 env: dict[str, str] | None = None) -> float:  # fmt: skip
-    """Seconds from starting ``argv`` to its first line on ``stream``
-    ("stdout" or "stderr") that ``wanted`` accepts; then it is stopped."""
-    started = time.monotonic()
-    pipe = subprocess.PIPE
-    tracer = subprocess.Popen(argv, stdout=pipe if stream == "stdout" else subprocess.DEVNULL,
-                              stderr=pipe if stream == "stderr" else subprocess.DEVNULL,
-                              preexec_fn=interruptible,
-                              env={**os.environ, **(env or {})})  # fmt: skip
-    out = tracer.stdout if stream == "stdout" else tracer.stderr
-    assert out is not None
-    pending = b""
-    try:
-        while time.monotonic() < started + 120:
-            ready, _, _ = select.select([out], [], [], 1.0)
-            if not ready:
-                continue
-            chunk = os.read(out.fileno(), 65536)  # what is there: no line waits in a buffer
-            if not chunk:
-                raise RuntimeError(f"{argv[0]} ended before its line")
-            *lines, pending = (pending + chunk).split(b"\n")
-            if any(wanted(line.decode(errors="replace")) for line in lines):
-                return time.monotonic() - started
-        raise RuntimeError(f"{argv[0]}: no line in 120 s")
-    finally:
-        tracer.send_signal(signal.SIGINT)
-        try:
-            tracer.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            tracer.kill()
-            tracer.communicate()
 
 
 def bpftrace_script(first: str) -> str:
