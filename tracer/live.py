@@ -647,6 +647,9 @@ def announce(trace: LiveTrace, pid: int | None) -> None:
     records = request.file("kmemtrace")
     if records is not None:
         what[-1] += f", records to {records}"
+    # its state as attached, before the line that says so (on which whoever
+    # stopped it may continue it)
+    state = target.process_state(pid) if pid is not None and not request.command else None
     print(
         f"mtrace-live: tracing {' and '.join(what)} for {whom}; Ctrl-C to stop",
         file=sys.stderr,
@@ -658,7 +661,6 @@ def announce(trace: LiveTrace, pid: int | None) -> None:
                   file=sys.stderr)  # fmt: skip
     for line in trace.selection.unreadable():
         print(f"mtrace-live: warning: argument not recorded: {line}", file=sys.stderr)
-    state = target.process_state(pid) if pid is not None and not request.command else None
     if state is not None and state[0] in "Tt":
         how = "SIGSTOP" if state[0] == "T" else "by a debugger"
         print(f"mtrace-live: process {pid} is stopped ({how}): its calls are traced once it is "
