@@ -29,7 +29,6 @@ from mtrace_live.tracer import bpf_syscalls, uprobe_attach, uprobe_multi
 from mtrace_live.tracer.bpf_backend import tracefs_root
 from mtrace_live.tracer.target import default_libc
 
-RETURN_ZERO = bytes.fromhex("b7000000000000009500000000000000")  # r0 = 0; exit
 PROG_TYPE_TRACEPOINT, PROG_TYPE_RAW_TRACEPOINT = 5, 17
 PERF_TYPE_TRACEPOINT = 2
 TRACEPOINTS = ("sched:sched_process_exec", "sched:sched_process_exit", "task:task_newtask",
@@ -106,12 +105,12 @@ def measure() -> dict[str, dict[str, float]]:
     offsets = _offsets(libc)
     load = bpf_syscalls.load_program
     programs = {
-        "plain": [load(RETURN_ZERO, "GPL", "empty", bpf_syscalls.PROG_TYPE_KPROBE, 0)
+        "plain": [load(uprobe_multi.RETURN_ZERO, "GPL", "empty", bpf_syscalls.PROG_TYPE_KPROBE, 0)
                   for _ in range(2)],
-        "multi": [uprobe_multi.load_for_links(RETURN_ZERO, "GPL", "empty", 0)],
-        "classic": [load(RETURN_ZERO, "GPL", "empty", PROG_TYPE_TRACEPOINT, 0)
+        "multi": [uprobe_multi.load_for_links(uprobe_multi.RETURN_ZERO, "GPL", "empty", 0)],
+        "classic": [load(uprobe_multi.RETURN_ZERO, "GPL", "empty", PROG_TYPE_TRACEPOINT, 0)
                     for _ in range(2)],
-        "raw": [load(RETURN_ZERO, "GPL", "empty", PROG_TYPE_RAW_TRACEPOINT, 0)],
+        "raw": [load(uprobe_multi.RETURN_ZERO, "GPL", "empty", PROG_TYPE_RAW_TRACEPOINT, 0)],
     }  # fmt: skip
     kinds: dict[str, tuple[str, Callable[[int], list[int]]]] = {
         f"{len(offsets)} uprobes, a perf event each": ("plain", lambda prog: [

@@ -281,8 +281,9 @@ class BpfProgram:
 
     def _attach_uprobe(self, path: Path, file_offset: int, handler: str, pid: int,
                        retprobe: bool, cookie: int = 0) -> None:  # fmt: skip
-        """Through perf_event_open (tracer/uprobe_attach.py): the path as
-        given, from this process's root, and the kernel's errno in the error."""
+        """In a link (tracer/uprobe_multi.py), or through perf_event_open
+        (tracer/uprobe_attach.py): the path as given, from this process's
+        root, and the kernel's errno in the error."""
         if self.uprobe_links is not None:
             uprobe = uprobe_multi.Uprobe(path, file_offset, handler, pid, retprobe, cookie)
             try:
@@ -348,14 +349,9 @@ class BpfProgram:
         old ones are then closed by a detacher child. Returns how many
         moved; AttachFailure when one could not be opened (the old ones
         stay in force, the new ones opened so far are closed)."""
-        generation = self._generation + 1
         if self.uprobe_links is not None:
-            try:
-                gone_links, count = self.uprobe_links.retarget(old, new, generation)
-            except uprobe_multi.LinkFailure as exc:
-                raise exc.failure from None
-            self._turn(generation, gone_links)
-            return count
+            return 0  # links follow the process: its pthread_exit is not even probed
+        generation = self._generation + 1
         moved: list[tuple[int, UprobeEvent]] = []
         try:
             for index, event in enumerate(self._uprobe_events):

@@ -27,7 +27,7 @@ import functools
 import os
 import struct
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import bpf_syscalls
@@ -44,7 +44,7 @@ MAIN_GONE = "the process's main thread has exited (pthread_exit)"
 # (u64 addresses), cnt, flags, pid (u32 each).
 _LINK = struct.Struct("=IIIIQQQQIII")
 # r0 = 0; exit: the least program there is
-_RETURN_ZERO = bytes.fromhex("b7000000000000009500000000000000")
+RETURN_ZERO = bytes.fromhex("b7000000000000009500000000000000")
 
 
 def why_not() -> str | None:
@@ -60,7 +60,7 @@ def _why_not() -> str | None:
     if bpf_syscalls.kernel_version() < SINCE:
         return f"Linux {SINCE[0]}.{SINCE[1]} or later is needed"
     try:
-        fd = load_for_links(_RETURN_ZERO, "GPL", "mtrace_multi", 0)
+        fd = load_for_links(RETURN_ZERO, "GPL", "mtrace_multi", 0)
     except OSError as exc:
         return f"the kernel refuses a program for them ({exc.strerror})"
     os.close(fd)
@@ -107,7 +107,7 @@ class Uprobe:
     handler: str
     pid: int  # the thread (a process's id: its first) it is attached for; -1: every process
     retprobe: bool
-    cookie: int  # without the generation (tracer/retarget.py), which a link adds
+    cookie: int  # a link's uprobes never move (tracer/retarget.py): no generation in it
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,6 @@ class Link:
 
     fd: int
     uprobes: tuple[Uprobe, ...]
-    generation: int
 
 
 class LinkFailure(Exception):
@@ -152,7 +151,7 @@ class UprobeLinks:
         if self._batch is not None:
             self._batch.append(uprobe)
         else:
-            self._attach([uprobe], 0)
+            self._attach([uprobe])
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
@@ -172,9 +171,9 @@ class UprobeLinks:
             key = (uprobe.path, uprobe.handler, uprobe.pid, uprobe.retprobe)
             groups.setdefault(key, []).append(uprobe)
         for group in groups.values():
-            self._attach(group, 0)
+            self._attach(group)
 
-    def _attach(self, group: Sequence[Uprobe], generation: int) -> Link:
+    def _attach(self, group: Sequence[Uprobe]) -> Link:
         """One link for ``group`` (one file, program, process and kind);
         where the kernel refuses it, each uprobe alone, so that the one it
         refuses is named."""
@@ -182,39 +181,19 @@ class UprobeLinks:
         program = self.program(first.handler)
         try:
             fd = attach_link(program, first.path, [u.offset for u in group],
-                        [u.cookie | generation for u in group], first.pid,
+                        [u.cookie for u in group], first.pid,
                         first.retprobe)  # fmt: skip
         except AttachFailure as failure:
             if len(group) > 1:
-                return self._one_by_one(group, generation)
+                return self._one_by_one(group)
             raise LinkFailure(first, failure) from None
-        link = Link(fd, tuple(group), generation)
+        link = Link(fd, tuple(group))
         self.links.append(link)
         return link
 
-    def _one_by_one(self, group: Sequence[Uprobe], generation: int) -> Link:
-        links = [self._attach([uprobe], generation) for uprobe in group]
+    def _one_by_one(self, group: Sequence[Uprobe]) -> Link:
+        links = [self._attach([uprobe]) for uprobe in group]
         return links[-1]  # all attached, each in a link of its own
-
-    def retarget(self, old: int, new: int, generation: int) -> tuple[list[int], int]:
-        """Every link made for thread ``old`` made anew for thread ``new``
-        with ``generation`` in its cookies: the old links' fds (to close once
-        the generation has turned) and how many uprobes moved. Raises
-        LinkFailure, the new links made so far closed and the old ones kept."""
-        moving = [link for link in self.links if link.uprobes[0].pid == old]
-        kept = [link for link in self.links if link.uprobes[0].pid != old]
-        start = len(self.links)
-        try:
-            for link in moving:
-                self._attach(tuple(replace(u, pid=new) for u in link.uprobes), generation)
-        except LinkFailure:
-            for link in self.links[start:]:
-                os.close(link.fd)
-            del self.links[start:]
-            raise
-        made = self.links[start:]
-        self.links = kept + made
-        return [link.fd for link in moving], sum(len(link.uprobes) for link in made)
 
     def take_fds(self) -> list[int]:
         """The links' fds, to close (this object forgets them)."""

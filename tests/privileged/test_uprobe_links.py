@@ -21,7 +21,6 @@ from .tracing import Reaper, uprobe_links, wait_for_line
 
 READY = "Ctrl-C to stop"
 PERF_EVENTS = {**os.environ, "MTRACE_LIVE_UPROBE_MULTI": "0"}
-RETURN_ZERO = bytes.fromhex("b7000000000000009500000000000000")  # r0 = 0; exit
 
 
 def perf_events(pid: int) -> int:
@@ -120,7 +119,7 @@ def _dirs(tmp_path: Path) -> None:
 def test_a_batch_the_kernel_refuses_names_the_uprobe_it_refuses(tmp_path: Path) -> None:
     # GIVEN a program that returns 0, and a batch of two uprobes on the libc:
     # one at malloc, one past the end of the file
-    links = uprobe_multi.UprobeLinks({"zero": RETURN_ZERO}, "GPL", 0)
+    links = uprobe_multi.UprobeLinks({"zero": uprobe_multi.RETURN_ZERO}, "GPL", 0)
     libc = default_libc()
     ((malloc, _),) = extents(str(libc), ("malloc",))
     beyond = libc.stat().st_size + 0x1000
