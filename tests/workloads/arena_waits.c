@@ -19,6 +19,7 @@
  *   thread_seconds SECONDS (the sum of the threads' own times, release to end)
  *   lifetimes SECONDS      (the sum of every thread's life so far: main's from
  *                          its start, each worker's from its start to its end)
+ *   main SECONDS           (main's part of it)
  *
  * and waits for another byte (or the end of stdin) before it exits, so that
  * what a tracer counted can be read while it is still attached.
@@ -117,8 +118,8 @@ int main(int argc, char **argv)
     for (int t = 0; t < threads; t++)
         pthread_join(tid[t], NULL);
     double end = now();
-    printf("wall %.6f\nthread_seconds %.6f\nlifetimes %.6f\n", end - start, thread_seconds,
-           lifetimes + end - born);
+    printf("wall %.6f\nthread_seconds %.6f\nlifetimes %.6f\nmain %.6f\n", end - start,
+           thread_seconds, lifetimes + end - born, end - born);
     fflush(stdout);
     if (read(0, &byte, 1) < 0)
         return 1;
