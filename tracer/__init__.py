@@ -7,11 +7,12 @@ The top layer: it imports the outputs (mtrace_live.exporters) and the probes,
 never the reverse. Installed as ``mtrace_live.tracer`` (see pyproject.toml).
 """
 
-from importlib.metadata import PackageNotFoundError, version
-
 
 def package_version() -> str:
     """mtrace-live's installed version ("unknown" outside an install)."""
+    # imported here: importlib.metadata costs a trace's start 25 ms
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
         return version("mtrace-live")
     except PackageNotFoundError:

@@ -17,7 +17,6 @@ from typing import Any
 import click
 from mtrace_live.probes.elf.errors import InternalError, MtraceError
 
-from . import package_version
 from .commands import options
 
 PROG = "mtrace-live"
@@ -45,7 +44,7 @@ class LazyGroup(click.Group):
     context_settings={"help_option_names": ["-h", "--help"]},
     invoke_without_command=True,
 )
-@click.version_option(package_version(), "-V", "--version", prog_name=PROG)
+@click.version_option(None, "-V", "--version", package_name="mtrace-live", prog_name=PROG)
 @options.pid_option("Trace this running process.")
 @click.option("--all", "all_processes", is_flag=True, help="Trace every process mapping the libc.")
 @options.follow_forks_option(False, "With --pid: trace the processes it forks from now on too.")

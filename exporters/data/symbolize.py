@@ -31,8 +31,8 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import cxxfilt
 import pyderust
 from elftools.common.exceptions import DWARFError, ELFError
 from elftools.dwarf.dwarfinfo import DWARFInfo
@@ -66,13 +66,16 @@ _RUST_LEGACY = re.compile(r"^_ZN.*17h[0-9a-f]{16}E(\.[\w.$]+)?$")
 
 
 @functools.cache
-def _demangler() -> cxxfilt.BaseDemangler:
+def _demangler() -> Any:  # cxxfilt.BaseDemangler
     """cxxfilt's demangler, freeing what __cxa_demangle returns with the
     ``free`` this process's ``malloc`` pairs with. cxxfilt takes libc's own
     ``free`` (dlopen of libc.so.6): under a preloaded allocator (mtrace-live
     run with LD_PRELOAD=libtcmalloc...) that frees tcmalloc's block with
     glibc's, and the process aborts. dlsym in the global scope finds the
-    interposed one."""
+    interposed one. (cxxfilt is imported on the first C++ name: a trace's
+    start does not wait for it.)"""
+    import cxxfilt
+
     try:
         demangler = cxxfilt.Demangler(cxxfilt.find_any_library("c"),
                                       cxxfilt.find_any_library("stdc++", "c++"))  # fmt: skip
@@ -98,6 +101,8 @@ def demangled(name: str) -> str:
             return name
     if not name.startswith("_Z"):
         return name
+    import cxxfilt
+
     try:
         return str(_demangler().demangle(name))
     except cxxfilt.Error:
