@@ -19,12 +19,13 @@ STACK_FRAMES_SHOWN = 4
 
 
 def size_text(n: float) -> str:
-    """Bytes the way ``ls -h`` and heaptrack show them: 1023B, 1.5K, 12.0M."""
-    for unit in ("B", "K", "M", "G", "T"):
-        if abs(n) < 1024 or unit == "T":
+    """Bytes with their unit, in powers of 1024: 1023B, 1.5KiB, 12.0MiB
+    (a rate reads 12.0MiB/s; never a bare 12.0M)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
         n /= 1024
-    return f"{n:.1f}T"  # not reached
+    return f"{n:.1f}TiB"  # not reached
 
 
 def stack_text(names: FrameNames, tgid: int, frames: Iterable[int],
@@ -114,12 +115,12 @@ def stack_lines(snapshot: AllocSnapshot, names: FrameNames, key: str = "live",
     rows = snapshot.top(key, limit)
     if not rows:
         return []
-    head = f"{'LIVE':>8} {'BLOCKS':>7} {'CALLS':>8} {'BYTES':>8} {'PID':>7} {'FUNCTION':<14}"
+    head = f"{'LIVE':>9} {'BLOCKS':>7} {'CALLS':>8} {'BYTES':>9} {'PID':>7} {'FUNCTION':<14}"
     lines = [head + " CALL STACK"]
     for row in rows:
         lines.append(
-            f"{size_text(row.live_bytes):>8} {row.live_objects:>7} {row.objects:>8} "
-            f"{size_text(row.bytes):>8} {row.tgid:>7} {row.function:<14} "
+            f"{size_text(row.live_bytes):>9} {row.live_objects:>7} {row.objects:>8} "
+            f"{size_text(row.bytes):>9} {row.tgid:>7} {row.function:<14} "
             f"{stack_text(names, row.tgid, row.frames)}"
         )
     return lines
@@ -161,11 +162,11 @@ def leak_lines(snapshot: AllocSnapshot, names: FrameNames, older_than_s: float =
     groups = leak_groups(snapshot.outstanding, snapshot.now_ns, older_than_s)
     if not groups:
         return []
-    lines = [f"{'BYTES':>8} {'BLOCKS':>7} {'OLDEST':>8} {'PID':>7} {'FUNCTION':<14} CALL STACK"]
+    lines = [f"{'BYTES':>9} {'BLOCKS':>7} {'OLDEST':>8} {'PID':>7} {'FUNCTION':<14} CALL STACK"]
     for group in groups[:limit]:
         age = (snapshot.now_ns - group.oldest_ns) / 1e9
         lines.append(
-            f"{size_text(group.bytes):>8} {group.blocks:>7} {age:>7.1f}s {group.tgid:>7} "
+            f"{size_text(group.bytes):>9} {group.blocks:>7} {age:>7.1f}s {group.tgid:>7} "
             f"{group.function:<14} {stack_text(names, group.tgid, group.frames)}"
         )
     if len(groups) > limit:

@@ -6,7 +6,7 @@ asks for, and the profile built from the kernel's allocation tables.
 - ``/debug/pprof/allocs``: the same profile, ``alloc_space`` by default;
 - ``?seconds=N`` (1 to ``MAX_SECONDS``): the difference between the tables
   now and N seconds from now, every value (as Go's delta profiles are), dated
-  at its start and lasting N seconds;
+  at its end (the second reading, as Go dates it) and lasting N seconds;
 - ``?pid=``, ``?comm=`` (the process name, as the metrics' ``process`` label
   gives it) and ``?cgroup=`` (a cgroup v2 path: the processes in it and
   below) select processes; by default every traced process is in it.
@@ -16,12 +16,22 @@ Every sample is labelled ``pid`` (a number), ``allocator``, ``comm``,
 (``container_of``). Only processes that are alive have rows in the kernel's
 tables (serve retires the others), so a profile holds the live processes.
 
-A query's parameters are checked before anything is read: a repeated
-parameter, a malformed number, a value out of range, a name that is not
-UTF-8 or a cgroup path that is not a plain absolute one is refused with one
-line (``QueryError``, a 400). The builder (``HeapProfiles``) runs in the
-tracing process, which holds the tables; exporters/profile_serving.py
-carries the requests to it from the serving process.
+A query's parameters are checked before anything is read: a malformed
+number, a value out of range, a name that is not UTF-8 or a cgroup path
+that is not a plain absolute one is refused with one line (``QueryError``,
+a 400). A repeated parameter is read by its first value, as Go's
+net/http/pprof reads it (``Request.FormValue``): Parca adds ``seconds=N``
+to a job's ``params`` once per delta profile, so its URLs carry it twice.
+
+- ``?max_samples=N`` (0: no bound): at most N samples, the largest by the
+  profile's sample type, each process's other stacks summed into one
+  sample at the function ``(other)`` (so every total stays right);
+  by default serve's ``--profile-max-samples`` (``MAX_SAMPLES``, 16,000:
+  the most Pyroscope takes).
+
+The builder (``HeapProfiles``) runs in the tracing process, which holds
+the tables; exporters/profile_serving.py carries the requests to it from
+the serving process.
 """
 
 from __future__ import annotations
@@ -40,13 +50,19 @@ import numpy as np
 
 from .data.alloc_snapshot import LAST_TS, AllocSnapshot, FrameNames, StackColumns
 from .data.processes import process_cgroup
-from .pprof import HeapEncoder
+from .pprof import OTHER_STACKS, SAMPLE_TYPES, HeapEncoder
+
+SAMPLE_NAMES = [name for name, _ in SAMPLE_TYPES]
 
 PROFILES = {"heap": "inuse_space", "allocs": "alloc_space"}  # name -> default sample type
 PREFIX = "/debug/pprof/"
 MAX_SECONDS = 300  # the longest delta profile: its response is held that long
 MAX_MARKS = 16  # delta profiles in flight at once; the oldest start is forgotten past that
 MAX_NAME_BYTES = 255
+# Samples a profile holds at most, by default: Pyroscope refuses a profile
+# of more (its max_profile_stacktrace_samples, pkg/validation/limits.go).
+MAX_SAMPLES = 16_000
+SAMPLES_LIMIT = 10_000_000  # the largest ?max_samples= taken
 PID_LIMIT = 1 << 22  # the kernel's PID_MAX_LIMIT
 _NUMBER = re.compile(r"[0-9]{1,10}")
 # The last component of a cgroup path that names a container, and its id:
@@ -72,11 +88,12 @@ class ProfileQuery:
     pid: int | None = None
     comm: str | None = None
     cgroup: str | None = None
+    max_samples: int | None = None  # None: serve's bound; 0: none
 
     def request(self) -> dict[str, Any]:
         """The query as the tracing process is asked it (JSON)."""
         return {"op": "profile", "profile": self.profile, "pid": self.pid, "comm": self.comm,
-                "cgroup": self.cgroup}  # fmt: skip
+                "cgroup": self.cgroup, "max_samples": self.max_samples}  # fmt: skip
 
 
 def parse_query(profile: str, query: str) -> ProfileQuery:
@@ -89,10 +106,8 @@ def parse_query(profile: str, query: str) -> ProfileQuery:
     except UnicodeDecodeError:
         raise QueryError("a query parameter is not UTF-8") from None
     given: dict[str, str] = {}
-    for key, value in pairs:
-        if key in given:
-            raise QueryError(f"the parameter {key!r} is given more than once")
-        given[key] = value
+    for key, value in pairs:  # a repeated parameter: its first value, as Go's FormValue
+        given.setdefault(key, value)
     if given.get("debug", "0") != "0":
         raise QueryError("debug=N (a text profile) is not served: read the profile with "
                          "go tool pprof")  # fmt: skip
@@ -102,7 +117,31 @@ def parse_query(profile: str, query: str) -> ProfileQuery:
     if comm is not None and (not 0 < len(comm.encode()) <= MAX_NAME_BYTES or "\0" in comm):
         raise QueryError(f"comm must be a process name of 1 to {MAX_NAME_BYTES} bytes")
     cgroup = given.get("cgroup")
-    return ProfileQuery(profile, seconds or 0, pid, comm, _cgroup(cgroup))
+    bound = _number(given, "max_samples", 0, SAMPLES_LIMIT)
+    return ProfileQuery(profile, seconds or 0, pid, comm, _cgroup(cgroup), bound)
+
+
+def bounded(rows: StackColumns, column: int,
+            max_samples: int) -> tuple[StackColumns, dict[int, list[int]], int]:  # fmt: skip
+    """``rows`` (but those whose values are all 0) cut to at most
+    ``max_samples`` samples (0: no bound): the largest by the heap value
+    ``column`` (its magnitude: a delta's may be negative) kept, and each
+    process's others summed, its four heap values, into one "other" sample
+    counted in the bound; and how many stacks were summed so. (A profile of
+    more processes than the bound keeps one sample per process.)"""
+    values = rows.heap_values()
+    nonzero = np.flatnonzero(values.any(axis=1))
+    rows, values = rows.select(nonzero), values[nonzero]
+    if not max_samples or len(rows) <= max_samples:
+        return rows, {}, 0
+    order = np.lexsort((np.arange(len(rows)), -np.abs(values[:, column])))
+    tgids = rows.tgids()
+    kept = max_samples
+    while kept > 0 and kept + len(np.unique(tgids[order[kept:]])) > max_samples:
+        kept = max(0, max_samples - len(np.unique(tgids[order[kept:]])))
+    left = order[kept:]
+    others = StackColumns(rows.catalog, rows.ids[left], rows.values[left]).by_process(values[left])
+    return rows.select(np.sort(order[:kept])), others, len(left)
 
 
 def _number(given: Mapping[str, str], key: str, low: int, high: int) -> int | None:
@@ -191,7 +230,10 @@ class HeapProfiles:
     never runs in the middle of one)."""
 
     def __init__(self, read: Reader[Any], names: FrameNames,
-                 cgroup_of: Callable[[int], str] = process_cgroup) -> None:  # fmt: skip
+                 cgroup_of: Callable[[int], str] = process_cgroup,
+                 max_samples: int = MAX_SAMPLES) -> None:  # fmt: skip
+        """``max_samples``: a profile's bound where its query gives none (0: none)."""
+        self.max_samples = max_samples
         self.read = read
         self.names = names
         self.cgroup_of = cgroup_of
@@ -209,8 +251,8 @@ class HeapProfiles:
             return self._mark()
         try:
             query = ProfileQuery(str(request["profile"]), pid=request.get("pid"),
-                                 comm=request.get("comm"),
-                                 cgroup=request.get("cgroup"))  # fmt: skip
+                                 comm=request.get("comm"), cgroup=request.get("cgroup"),
+                                 max_samples=request.get("max_samples"))  # fmt: skip
         except (KeyError, TypeError):
             return 400, b"malformed request\n"
         since = request.get("since")
@@ -251,22 +293,30 @@ class HeapProfiles:
                      or in_cgroup(cgroups.get(tgid, ""), query.cgroup))}  # fmt: skip
         rows = StackColumns.of(snapshot.stacks)
         rows = rows.select(np.isin(rows.tgids(), list(keep)))
-        seconds, duration_ns = 0, 0
+        seconds, duration_ns, ended_ns = 0, 0, None
         if since is not None:
             if mark is None:
                 return 503, b"the delta profile's start was forgotten (too many at once)\n"
             started, base = mark
+            ended_ns = time.time_ns()
             duration_ns = int((time.monotonic() - started) * 1e9)
             seconds = round(duration_ns / 1e9)
             rows = delta(rows, base)
         labels = {tgid: (("comm", comms[tgid]), ("cgroup", cgroups.get(tgid, "")),
                          ("container", container_of(cgroups.get(tgid, ""))))
                   for tgid in keep}  # fmt: skip
+        default = PROFILES.get(query.profile, "inuse_space")
+        bound = self.max_samples if query.max_samples is None else query.max_samples
+        rows, others, cut = bounded(rows, SAMPLE_NAMES.index(default), bound)
+        said = comments(snapshot, seconds, keep)
+        if cut:
+            said.append(f"{cut} stacks past the bound of {bound} samples "
+                        f"(max_samples): summed per process at {OTHER_STACKS}")  # fmt: skip
         with self._lock:
             self.encoder.retain(set(comms))
             body = self.encoder.encode(rows, labels.__getitem__, snapshot.sample_bytes,
-                                       PROFILES.get(query.profile, "inuse_space"), duration_ns,
-                                       comments(snapshot, seconds, keep))  # fmt: skip
+                                       default, duration_ns, said, others,
+                                       ended_ns)  # fmt: skip
         with self._lock:
             self.served["delta" if since is not None else "whole"] += 1
         return 200, body

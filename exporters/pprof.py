@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import gzip
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -237,9 +237,16 @@ class HeapEncoder:
             self._start()
 
     def encode(self, rows: Sequence[StackRow], labels: Labels, sample_bytes: int,
-               default: str, duration_ns: int, comments: Sequence[str]) -> bytes:  # fmt: skip
-        """The gzipped profile of ``rows``, as ``build_profile`` makes it."""
+               default: str, duration_ns: int, comments: Sequence[str],
+               others: Mapping[int, Sequence[int]] | None = None,
+               ended_ns: int | None = None) -> bytes:  # fmt: skip
+        """The gzipped profile of ``rows``, as ``build_profile`` makes it;
+        ``others``: a process's stacks left out, summed (its four values),
+        as one sample at the function OTHER_STACKS. Dated ``ended_ns`` (the
+        time the tables were read; now if not given): a delta's end, as Go
+        dates its second reading."""
         samples = self._samples(StackColumns.of(rows), labels)
+        samples += self._other_samples(others or {}, labels)
         header = message_class("Profile")()
         for kind, unit in SAMPLE_TYPES:
             header.sample_type.add(type=self.strings(kind), unit=self.strings(unit))
@@ -247,7 +254,7 @@ class HeapEncoder:
         header.period_type.type = self.strings("space")
         header.period_type.unit = self.strings("bytes")
         header.period = sample_bytes or 1
-        header.time_nanos = time.time_ns() - duration_ns
+        header.time_nanos = time.time_ns() if ended_ns is None else ended_ns
         header.duration_nanos = duration_ns
         self._encode_strings()
         extra = [_framed(_STRING_TAG, text.encode()) for text in comments]
@@ -271,6 +278,21 @@ class HeapEncoder:
         pieces[0::2] = [glue[a:b] for a, b in zip([0, *ends], [*ends, len(glue)], strict=True)]
         pieces[1::2] = prefixes
         return pieces
+
+    def _other_samples(self, others: Mapping[int, Sequence[int]], labels: Labels) -> list[bytes]:
+        """A sample per process of ``others``: its summed values at the one
+        location of OTHER_STACKS, and its process's labels."""
+        if not others:
+            return []
+        location = self.tables.other_location()
+        framed = []
+        for tgid, values in sorted(others.items()):
+            sample = message_class("Sample")()
+            sample.location_id.append(location)
+            sample.value.extend(int(v) for v in values)
+            head = bytes(sample.SerializeToString())
+            framed.append(_framed(_SAMPLE_TAG, head + self._labels_encoded(tgid, (), labels)))
+        return framed
 
     def _prefixes_of(self, rows: StackColumns, labels: Labels) -> list[bytes]:
         """Each row's prefix, those of keys not seen before (or whose labels
@@ -330,6 +352,10 @@ class HeapEncoder:
             self._encoded_strings.append(_framed(_STRING_TAG, text.encode()))
 
 
+# The function of the one sample per process that sums the stacks a
+# bounded profile (serve's max_samples) left out, and its location's key.
+OTHER_STACKS = "(other)"
+_OTHER_KEY = (-1, 0)
 _PAIR_BITS = 8  # a (process, allocating function) pair: tgid << 8 | the function's code
 _PAIR_MASK = (1 << _PAIR_BITS) - 1
 _SHIFTS = np.arange(10, dtype=np.uint64) * np.uint64(7)
@@ -444,6 +470,16 @@ class _Tables:
         (a process that reuses a pid has its own)."""
         self.locations = {key: id_ for key, id_ in self.locations.items() if key[0] not in tgids}
         self.mappings = {key: id_ for key, id_ in self.mappings.items() if key[0] not in tgids}
+
+    def other_location(self) -> int:
+        """The location of the stacks a bounded profile left out (no
+        address, no mapping: the function OTHER_STACKS)."""
+        found = self.locations.get(_OTHER_KEY)
+        if found is None:
+            found = self.locations[_OTHER_KEY] = len(self.profile.location) + 1
+            location = self.profile.location.add(id=found)
+            location.line.add(function_id=self.function_id(OTHER_STACKS, ""))
+        return found
 
     def location_id(self, tgid: int, address: int) -> int:
         key = (tgid, address)

@@ -10,9 +10,12 @@ tracing process answers on a thread of its own (``answer_forever``,
 exporters/heap_profiles.py's ``HeapProfiles``); the metrics pages go on
 being rendered and served meanwhile.
 
-A delta profile (``?seconds=N``) asks twice, N seconds apart, holding no
-lock while it waits; its connection's deadline is moved on by N seconds,
-and no other request waits for it.
+Each ask ends within ``ASK_TIMEOUT_S`` (30 s), its wait behind other
+requests included, in the answer or a 503 that says why. A whole profile's
+connection deadline is moved on to cover one ask; a delta profile
+(``?seconds=N``) asks twice, N seconds apart, holding no lock while it
+waits, and its deadline covers N seconds and both asks. So every profile
+request ends in a complete reply, never a cut connection.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ the default; inuse_objects) and since the trace began (alloc_space, alloc_object
 <tr><td><a href="allocs">allocs</a></td><td>the same profile, alloc_space by default.</td></tr>
 </table>
 <p>?pid=N, ?comm=NAME and ?cgroup=/PATH select processes; samples are labelled pid, comm,
-cgroup and container.</p>
+cgroup and container. ?max_samples=N bounds the samples (16000 by default; 0: none), each
+process's other stacks summed into one.</p>
 </body></html>
 """
 
@@ -92,18 +96,25 @@ class ProfileChannel:
         self._serving.close()
 
     def ask(self, request: Mapping[str, Any]) -> Answer:
-        """The tracing process's answer, or a 503 when it gives none in time."""
-        with self._lock:
+        """The tracing process's answer, or a 503 when it gives none within
+        ASK_TIMEOUT_S, the wait for the requests before it included."""
+        deadline = time.monotonic() + ASK_TIMEOUT_S
+        if not self._lock.acquire(timeout=ASK_TIMEOUT_S):
+            said = f"the tracing process did not answer in {ASK_TIMEOUT_S:.0f} s"
+            return 503, f"{said} (behind another request)\n".encode()
+        try:
             if self._broken:
                 return 503, b"the tracing process no longer answers\n"
             self._asked += 1
             ident = self._asked
             try:
                 _send(self._serving, ident, 0, json.dumps(request).encode())
-                return self._answer_to(ident, time.monotonic() + ASK_TIMEOUT_S)
+                return self._answer_to(ident, deadline)
             except (OSError, ValueError):
                 self._broken = True
                 return 503, b"the tracing process no longer answers\n"
+        finally:
+            self._lock.release()
 
     def _answer_to(self, ident: int, deadline: float) -> Answer:
         """Answers to earlier requests, given up on, are read and dropped.
@@ -111,8 +122,9 @@ class ProfileChannel:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([self._serving], [], [], left)[0]:
-                return 503, b"the tracing process did not answer in time\n"
-            self._serving.settimeout(ASK_TIMEOUT_S)
+                said = f"the tracing process did not answer in {ASK_TIMEOUT_S:.0f} s\n"
+                return 503, said.encode()
+            self._serving.settimeout(max(deadline - time.monotonic(), 1.0))  # a frame begun
             answered, status, body = _receive(self._serving)
             if answered == ident:
                 return status, body
@@ -163,15 +175,18 @@ class ProfilesApp:
         except QueryError as exc:
             return _text(start_response, 400, str(exc))
         request: dict[str, Any] = query.request()
+        # The connection's deadline covers every wait (each ask ends by
+        # ASK_TIMEOUT_S): the reply is a profile or a 503, never a cut.
+        hold = environ.get("mtrace.hold")
+        if hold is not None:
+            hold(query.seconds + 2 * ASK_TIMEOUT_S if query.seconds else ASK_TIMEOUT_S)
         if query.seconds:
-            hold = environ.get("mtrace.hold")
-            if hold is not None:
-                hold(query.seconds + ASK_TIMEOUT_S)
-            begun = time.monotonic()
             status, token = self.ask({"op": "mark"})
             if status != 200:
                 return _text(start_response, status, token.decode(errors="replace").strip())
-            time.sleep(max(0.0, begun + query.seconds - time.monotonic()))
+            # the window from the first reading, as Go's (serveDeltaProfile
+            # waits its seconds once the first profile is collected)
+            time.sleep(query.seconds)
             request["since"] = token.decode()
         status, body = self.ask(request)
         if status != 200:

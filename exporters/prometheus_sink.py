@@ -40,7 +40,7 @@ from .data.lock_waits import ARENA, MAIN, LockWaits, WaitTimes
 from .data.processes import process_name
 from .data.sink import RunStats, Sink, TraceInfo, TraceResult
 from .exposition import PublishedApp, Renderer, SharedPages
-from .heap_profiles import HeapProfiles
+from .heap_profiles import MAX_SAMPLES, HeapProfiles
 from .profile_serving import ProfileChannel, ProfilesApp
 from .prometheus import AllocFigures, LockFigures, MtraceCollector, ProcessFigures, Snapshot
 from .web import MetricsEndpoint
@@ -60,6 +60,7 @@ class ExportOptions:
     run_as: str | None = None  # drop root to this user once attached (serve)
     bpf_stats: bool = False
     read_interval: float = 0.5  # the page is rendered (the BPF maps read) this often while scraped
+    profile_max_samples: int = MAX_SAMPLES  # a heap profile's samples at most (0: no bound)
 
 
 class MetricsSource:
@@ -407,7 +408,8 @@ class PrometheusSink(Sink):
         self.renderer = Renderer(registry, self.pages, self.options.read_interval,
                                  self.endpoint.report)  # fmt: skip
         self.renderer.start()
-        self.profiles = HeapProfiles(self.source.read_allocations, info.frame_names)
+        self.profiles = HeapProfiles(self.source.read_allocations, info.frame_names,
+                                     max_samples=self.options.profile_max_samples)  # fmt: skip
         self.source.profiles_served = self.profiles.served
         if self.channel is not None:
             threading.Thread(target=self.channel.answer_forever, name="heap-profiles",

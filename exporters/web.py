@@ -482,6 +482,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(name, value)
         if code == 405:
             self.send_header("Allow", "GET")
+        if code >= 400 and self.path.startswith(PROFILES_PATH):
+            # as Go's net/http/pprof marks its errors (serveError): go tool
+            # pprof prints an error's body only where this header is
+            self.send_header("X-Go-Pprof", "1")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         if self.command != "HEAD":

@@ -63,7 +63,7 @@ def go_raw(source: str, tmp: Path, *flags: str, ca: Path | None = None) -> RawPr
     locations_text = rest.partition("\nMappings\n")[0]
     leaves = {}
     for line in locations_text.splitlines():
-        found = re.match(r"\s*(\d+): 0x[0-9a-f]+ M=\d+ (\S+)", line)
+        found = re.match(r"\s*(\d+): 0x[0-9a-f]+ (?:M=\d+ )?(\S+)", line)
         if found:
             leaves[found[1]] = found[2]
     samples: list[Sample] = []

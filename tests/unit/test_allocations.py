@@ -110,7 +110,7 @@ def test_the_summary_lists_top_stacks_and_what_was_never_freed() -> None:
     text = "\n".join(lines)
     assert "allocations: pid 4242: 1150 calls" in text and "7 of memory allocated before" in text
     top = lines[lines.index("top call stacks by live bytes:") + 2]
-    assert top.split()[:3] == ["6.2K", "100", "150"] and "leaker+0x10 (prog.c:7) < main" in top
+    assert top.split()[:3] == ["6.2KiB", "100", "150"] and "leaker+0x10 (prog.c:7) < main" in top
     never = text.split("never freed, by stack (the command has ended):")[1].splitlines()
     # three outstanding blocks of 64 bytes, the oldest allocated at 0 s, now 10 s
     assert never[2].split()[:3] == ["192B", "3", "10.0s"]
@@ -221,7 +221,7 @@ def test_each_stack_row_names_the_provider_its_calls_went_to() -> None:
     (line,) = [x for x in alloc_table.alloc_process_lines(snapshot) if x.startswith("allocations:")]
     assert line.endswith(
         "; allocator: jemalloc (libjemalloc.so.2); by provider: jemalloc "
-        "(libjemalloc.so.2) 1200 calls, 37.5K; glibc (libc.so.6) 5 calls, 160B"
+        "(libjemalloc.so.2) 1200 calls, 37.5KiB; glibc (libc.so.6) 5 calls, 160B"
     )
     (processes,) = [json.loads(x) for x in stack_table_json(snapshot, KnownNames())
                     if '"alloc_processes"' in x]  # fmt: skip

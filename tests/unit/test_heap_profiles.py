@@ -5,16 +5,19 @@ to the tracing one."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import gzip
 import subprocess
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
+import bcrypt
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -136,13 +139,20 @@ def test_a_query_is_read_as_go_s_pprof_handlers_read_theirs() -> None:
     assert parse_query("heap", f"seconds={MAX_SECONDS}").seconds == MAX_SECONDS
 
 
+def test_a_repeated_parameter_is_read_by_its_first_value_as_go_s_form_value() -> None:
+    # Parca's query for a job with params (comm) and two delta profiles: url.Values.Encode
+    # of the job's params, to which each delta profile added seconds (pkg/scrape/target.go)
+    parca = "comm=redis-server&seconds=15&seconds=15"
+    assert parse_query("heap", parca) == ProfileQuery("heap", 15, comm="redis-server")
+    assert parse_query("heap", "pid=7&pid=8&seconds=10&seconds=x") == ProfileQuery("heap", 10, 7)
+
+
 @pytest.mark.parametrize(("query", "words"), [
     ("seconds=-1", "seconds must be a whole number from 1 to 300"),
     ("seconds=0", "seconds must be"), ("seconds=301", "seconds must be"),
     ("seconds=99999999999999999999", "seconds must be"), ("seconds=1.5", "seconds must be"),
     ("seconds=", "seconds must be"), ("pid=0", "pid must be"), ("pid=-3", "pid must be"),
-    ("pid=4194305", "pid must be"), ("pid=1&pid=2", "'pid' is given more than once"),
-    ("seconds=1&seconds=1", "given more than once"), ("comm=%ff%fe", "not UTF-8"),
+    ("pid=4194305", "pid must be"), ("comm=%ff%fe", "not UTF-8"),
     ("comm=\xff", "not UTF-8"), ("comm=", "comm must be"), ("comm=" + "x" * 256, "comm must be"),
     ("comm=a%00b", "comm must be"), ("cgroup=/../../etc", "cgroup must be"),
     ("cgroup=/a/./b", "cgroup must be"), ("cgroup=a/b", "cgroup must be"),
@@ -378,12 +388,12 @@ def test_the_app_refuses_before_asking_and_asks_twice_for_a_delta() -> None:
     assert wsgi(app, "/debug/pprof/heap", "pid=x")[0] == "400 Bad Request"
     assert asked == []
     held: list[float] = []
-    assert wsgi(app, "/debug/pprof/allocs", "seconds=1&comm=app", held.append) == (
-        "200 OK", b"profile")  # fmt: skip
+    assert wsgi(app, "/debug/pprof/allocs", "seconds=1&comm=app&max_samples=5",
+                held.append) == ("200 OK", b"profile")  # fmt: skip
     assert [r["op"] for r in asked] == ["mark", "profile"]
     assert asked[1] == {"op": "profile", "profile": "allocs", "pid": None, "comm": "app",
-                        "cgroup": None, "since": "token"}  # fmt: skip
-    assert held == [1 + profile_serving.ASK_TIMEOUT_S]
+                        "cgroup": None, "max_samples": 5, "since": "token"}  # fmt: skip
+    assert held == [1 + 2 * profile_serving.ASK_TIMEOUT_S]  # the two asks, and the wait between
 
 
 def fetch(url: str) -> tuple[int, bytes]:
@@ -425,6 +435,78 @@ def test_profiles_are_not_served_where_allocations_are_not_traced() -> None:
     finally:
         endpoint.close()
     assert status == 404 and b"not traced" in body
+
+
+def test_every_error_of_the_profile_endpoints_is_marked_for_go_tool_pprof() -> None:
+    # GIVEN profiles served by an endpoint with basic auth
+    heap, _ = profiles(tables(stack(APP, 0x401100, 10, 64, 4)))
+    hashed = bcrypt.hashpw(b"secret", bcrypt.gensalt(rounds=4))
+    endpoint = MetricsEndpoint("127.0.0.1:0", CollectorRegistry(), WebConfig(users={"u": hashed}))
+    endpoint.serve_profiles(ProfilesApp(heap.answer))
+    endpoint.start()
+    base = endpoint.url.removesuffix("/metrics")
+    auth = {"Authorization": "Basic " + base64.b64encode(b"u:secret").decode()}
+
+    def headers(path: str, given: Mapping[str, str]) -> tuple[int, str | None]:
+        request = urllib.request.Request(base + path, headers=dict(given))
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, response.headers.get("X-Go-Pprof")
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.headers.get("X-Go-Pprof")
+
+    try:
+        # WHEN errors of every kind are asked for, and a profile
+        got = [headers("/debug/pprof/heap", {}), headers("/debug/pprof/heap?pid=x", auth),
+               headers("/debug/pprof/heap?pid=99", auth), headers("/debug/pprof/goroutine", auth),
+               headers("/debug/pprof/heap", auth), headers("/metrics", {})]  # fmt: skip
+    finally:
+        endpoint.close()
+    # THEN each error carries X-Go-Pprof: 1, as Go's serveError sets it (go tool pprof
+    # prints the body of those only); a profile, and a page that is not a profile's, do not
+    assert got == [(401, "1"), (400, "1"), (400, "1"), (404, "1"), (200, None), (401, None)]
+
+
+def test_a_delta_profile_is_dated_at_its_end_and_lasts_its_window() -> None:
+    # GIVEN a delta profile's start marked, and the time read after it
+    heap, _ = profiles(tables(stack(APP, 0x401100, 10, 64, 4)))
+    token = heap.answer({"op": "mark"})[1].decode()
+    between = time.time_ns()
+    # WHEN its end is taken
+    profile = decoded(answer(heap, since=token)[1])
+    after = time.time_ns()
+    # THEN, as Go's net/http/pprof dates a delta (TimeNanos = its second reading), its time
+    # is the end of the window, and its duration the window, which began before ``between``
+    assert between <= profile.time_nanos <= after
+    assert profile.time_nanos - profile.duration_nanos <= between
+
+
+def test_a_bounded_profile_keeps_the_largest_stacks_and_every_total() -> None:
+    # GIVEN 40 stacks of app and 25 of db, each of its own size (its inuse_space known)
+    rows = [stack(APP, 0x401000 + 16 * n, 1 + n % 7, 64 + 8 * n, n % 3) for n in range(40)]
+    rows += [stack(DB, 0x402000 + 16 * n, 2 + n % 5, 40 + 24 * n, n % 2) for n in range(25)]
+    heap, _ = profiles(tables(*rows))
+    # WHEN the heap profile is asked for whole, and with at most 12 samples
+    whole = decoded(answer(heap, max_samples=0)[1])
+    bound = decoded(answer(heap, max_samples=12)[1])
+    # THEN it holds 12 samples: one "(other)" per process, and the 10 stacks of the
+    # most inuse_space, as the rows say it
+    got = samples(bound)
+    assert len(bound.sample) == 12 and len(whole.sample) == 65
+    inuse = {(r.tgid, f"f{r.call_site:x}"): r.bytes - r.bytes_freed for r in rows}
+    largest = sorted(inuse, key=lambda k: -inuse[k])[:10]
+    assert set(got) == set(largest) | {(APP, "(other)"), (DB, "(other)")}
+    # AND every total, of each process and each sample type, is the whole profile's
+    for pid in (APP, DB):
+        assert [sum(s.value[i] for s in bound.sample if s.label[0].num == pid)
+                for i in range(4)] == [sum(s.value[i] for s in whole.sample
+                                           if s.label[0].num == pid) for i in range(4)]  # fmt: skip
+    assert got[(DB, "(other)")][1]["comm"] == "db"
+    assert "stacks past the bound of 12 samples" in " ".join(
+        bound.string_table[c] for c in bound.comment
+    )
+    # AND without a bound in the query, serve's bound (16,000) leaves these 65 whole
+    assert len(decoded(answer(heap)[1]).sample) == 65
 
 
 def test_a_profile_s_pid_label_is_a_number_and_the_rest_strings() -> None:

@@ -182,7 +182,7 @@ def test_the_live_view_draws_lock_waits_per_arena_and_the_allocations() -> None:
     assert waits[2:] == ["3", "0"]
     # AND the process's allocations: 25,600 bytes live, 607 frees, 7 unknown
     (process,) = [row for row in screen_rows(screen, str(PID)) if len(row) == 9]
-    assert (process[2], process[5], process[6]) == ("25.0K", "607", "7")
+    assert (process[2], process[5], process[6]) == ("25.0KiB", "607", "7")
     # AND the stack holding them, in both stack tables: 25,600 bytes live in
     # 400 blocks, of 1,000 calls, allocating (64,000 bytes since the start)
     stacks = [[c.strip() for c in re.split(r"[│┃]", line)[1:-1]]
@@ -190,7 +190,7 @@ def test_the_live_view_draws_lock_waits_per_arena_and_the_allocations() -> None:
     assert len(stacks) == 2
     for live, blocks, _, rate, calls, pid, function, frames in stacks:
         assert (live, blocks, calls, pid, function, frames) == (
-            "25.0K", "400", "1000", str(PID), "malloc", "0x401234")  # fmt: skip
+            "25.0KiB", "400", "1000", str(PID), "malloc", "0x401234")  # fmt: skip
         assert rate.endswith("/s") and rate != "0B/s"
     assert view.written == len(SESSION)
 

@@ -56,6 +56,13 @@ if TYPE_CHECKING:
     help="Allocation call stacks given a label of their own in "
     'mtrace_alloc_stack_live_bytes; the rest are summed under stack="other".',
 )
+@click.option(
+    "--profile-max-samples",
+    type=click.IntRange(0),
+    help="Samples a heap profile holds at most [default: 16,000, the most Pyroscope takes]: "
+    "the largest kept, each process's other stacks summed into one sample; 0: no bound. "
+    "A profile's ?max_samples=N overrides it.",
+)
 @options.alloc_options
 @click.option("--exact", is_flag=True,
               help="Keep every allocation: exact counts per stack, at a higher cost per call "
@@ -137,4 +144,9 @@ def _export(params: dict[str, Any]) -> ExportOptions:
         run_as=None if params["keep_privileges"] else params["user"],
         bpf_stats=params["bpf_stats"],
         read_interval=params["read_interval"],
+        **(
+            {"profile_max_samples": params["profile_max_samples"]}
+            if params["profile_max_samples"] is not None
+            else {}
+        ),
     )

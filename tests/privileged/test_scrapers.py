@@ -1,0 +1,187 @@
+"""serve's heap profiles as the scrapers really ask for them: the URLs
+Parca and Alloy build from the configurations of docs/heap-profiles.md (as
+their sources build them: Parca's pkg/scrape/target.go, Alloy's
+internal/component/pyroscope/scrape/target.go), go tool pprof's errors,
+the sample bound, and a tracing process held busy. Each is checked by its
+status, its headers and the profile as go tool pprof parses it."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode
+
+import yaml
+from mtrace_live.exporters.pprof import message_class
+
+from .test_heap_profiles import Workload, by_function, go_raw, truth_by_function
+from .test_serve import free_port, start_serve, stop
+from .tracing import Reaper, wait_until
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "heap-profiles.md"
+WINDOW = 10  # seconds: the scrape interval the Parca job is given here (15 s on the page)
+
+
+class Got:
+    """One response as a scraper gets it: status, headers, body."""
+
+    def __init__(self, url: str) -> None:
+        try:
+            with urllib.request.urlopen(url, timeout=300) as response:
+                self.status, self.headers, self.body = response.status, response.headers, b""
+                self.body = response.read()
+        except urllib.error.HTTPError as exc:
+            self.status, self.headers, self.body = exc.code, exc.headers, exc.read()
+
+    def profile(self) -> Any:
+        return message_class("Profile").FromString(gzip.decompress(self.body))
+
+
+def parca_url(base: str, job: dict[str, Any], profile: str, comm: str) -> str:
+    """The URL Parca scrapes for ``profile`` of ``job`` (its interval
+    WINDOW): the job's params, its comm made ``comm``, then, for a delta
+    profile, seconds added once per target to the params all its targets
+    share; url.Values.Encode's order (keys sorted, values in order)."""
+    settings = job["profiling_config"]["pprof_config"][profile]
+    params = {key: list(values) for key, values in job["params"].items()}
+    params["comm"] = [comm]
+    if settings.get("delta"):
+        targets = sum(len(group["targets"]) for group in job["static_configs"])
+        params.setdefault("seconds", []).extend([str(WINDOW)] * targets)
+    return f"{base}{settings['path']}?{urlencode(sorted(params.items()), doseq=True)}"
+
+
+def parca_jobs() -> list[dict[str, Any]]:
+    text = DOC.read_text()
+    body = text[text.index("### Parca") :].split("```yaml\n", 1)[1].split("```", 1)[0]
+    jobs: list[dict[str, Any]] = yaml.safe_load(body)["scrape_configs"]
+    return jobs
+
+
+def deltas_begun(base: str) -> int:
+    """The delta profiles serve has begun, as its metrics count them."""
+    got = Got(f"{base}/metrics")
+    found = re.search(rb'mtrace_alloc_profiles_total\{kind="delta_started"\} (\d+)', got.body)
+    return int(found[1]) if got.status == 200 and found else 0
+
+
+def parsed(got: Got, tmp: Path, name: str) -> Any:
+    """The body as go tool pprof -raw reads it (from a file: as fetched)."""
+    path = tmp / name
+    path.write_bytes(got.body)
+    return go_raw(str(path), tmp)
+
+
+def test_parca_s_and_alloy_s_urls_get_whole_profiles_and_errors_reach_go_tool_pprof(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    delta_job, heap_job = parca_jobs()
+    with Reaper() as reaper:
+        # GIVEN two runs of the allocation workload, serve tracing both
+        first = Workload(reaper, tmp_path / "first.json")
+        second = Workload(reaper, tmp_path / "second.json")
+        serve, err = start_serve(["--no-kmem", "--exact", "--comm", "alloc_workload",
+                                  "--web.listen-address", f"127.0.0.1:{port}"],
+                                 tmp_path, reaper)  # fmt: skip
+        truth_first = first.work()
+        # WHEN Parca's delta job scrapes (its URL carries seconds twice: two targets share
+        # the job's params) while the second works inside the window
+        url = parca_url(base, delta_job, "memory", "alloc_workload")
+        delta: list[Got] = []
+        asked = time.time_ns()
+        fetcher = threading.Thread(target=lambda: delta.append(Got(url)))
+        fetcher.start()
+        wait_until(lambda: deltas_begun(base) > 0, "Parca's delta begun")
+        truth_second = second.work()
+        inside = fetcher.is_alive()
+        fetcher.join(timeout=300)
+        # AND Parca's heap job, Alloy's memory profile, a bounded and an unbounded profile
+        # and a bad query through go tool pprof
+        heap = Got(parca_url(base, heap_job, "memory", "alloc_workload"))
+        alloy = Got(f"{base}/debug/pprof/allocs")
+        bounded = go_raw(f"{base}/debug/pprof/allocs?max_samples=3&pid={first.proc.pid}",
+                         tmp_path)  # fmt: skip
+        whole = go_raw(f"{base}/debug/pprof/allocs?max_samples=0&pid={first.proc.pid}", tmp_path)
+        refused = subprocess.run(["go", "tool", "pprof", "-raw", f"{base}/debug/pprof/heap?pid=1"],
+                                 capture_output=True, text=True, timeout=300,
+                                 env=dict(os.environ, PPROF_TMPDIR=str(tmp_path)))  # fmt: skip
+        for work in (first, second):
+            work.end()
+        assert stop(serve) == 0, err.read_text()
+    assert f"?comm=alloc_workload&seconds={WINDOW}&seconds={WINDOW}" in url
+    assert inside, "the second run outlasted the delta's window"
+    # THEN Parca's delta is a profile of what the second run did in the window, dated at the
+    # window's end and lasting it, as Go dates a delta
+    (got,) = delta
+    assert got.status == 200 and got.headers["Content-Type"] == "application/octet-stream"
+    assert got.headers.get("X-Go-Pprof") is None
+    window = got.profile()
+    assert window.duration_nanos >= WINDOW * 10**9
+    assert window.time_nanos >= asked + window.duration_nanos
+    found = by_function(parsed(got, tmp_path, "delta.pb.gz").samples)
+    for function, values in truth_by_function(truth_second).items():
+        assert found.get(function) == values, (function, found.get(function), values)
+    # AND Parca's heap job and Alloy's memory profile hold both runs, whole
+    both = {f: [a + b for a, b in zip(truth_by_function(truth_first)[f], v, strict=True)]
+            for f, v in truth_by_function(truth_second).items()}  # fmt: skip
+    for answer, name in ((heap, "heap.pb.gz"), (alloy, "allocs.pb.gz")):
+        assert answer.status == 200, answer.body
+        found = by_function(parsed(answer, tmp_path, name).samples)
+        for function, values in both.items():
+            assert found.get(function) == values, (name, function, found.get(function))
+    # AND the bounded profile has 3 samples, the first run's totals all there
+    assert len(bounded.samples) == 3 < len(whole.samples)
+    assert "(other)" in {s.leaf for s in bounded.samples}
+    assert [sum(s.values[i] for s in bounded.samples) for i in range(4)] == [
+        sum(s.values[i] for s in whole.samples) for i in range(4)]  # fmt: skip
+    # AND go tool pprof shows serve's one line for a refused query (X-Go-Pprof: 1)
+    assert refused.returncode != 0 and "no traced process has pid 1" in refused.stderr, refused
+
+
+def test_a_profile_asked_of_a_held_tracing_process_ends_in_a_503_never_a_cut(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}/debug/pprof"
+    with Reaper() as reaper:
+        # GIVEN serve tracing the workload, its tracing process then stopped (the serving
+        # process, which answers the network, goes on)
+        work = Workload(reaper, tmp_path / "truth.json")
+        serve, err = start_serve(["--no-kmem", "--pid", str(work.proc.pid),
+                                  "--web.listen-address", f"127.0.0.1:{port}"],
+                                 tmp_path, reaper)  # fmt: skip
+        work.work()
+        os.kill(serve.pid, signal.SIGSTOP)
+        try:
+            # WHEN a whole profile and a delta are asked for, past the connections' 10 s
+            answers: dict[str, Got] = {}
+            fetchers = [threading.Thread(target=lambda p=path: answers.update({p: Got(base + p)}))
+                        for path in ("/heap", "/allocs?seconds=1")]  # fmt: skip
+            for fetcher in fetchers:
+                fetcher.start()
+            for fetcher in fetchers:
+                fetcher.join(timeout=300)
+        finally:
+            os.kill(serve.pid, signal.SIGCONT)
+        # AND once the tracing process goes on, a profile is served again
+        again = Got(base + "/heap")
+        work.end()
+        assert stop(serve) == 0, err.read_text()
+    # THEN each ends in a whole 503 that says why, marked for go tool pprof
+    for path, got in answers.items():
+        assert got.status == 503, (path, got.status, got.body)
+        assert got.body.startswith(b"the tracing process did not answer in 30 s"), got.body
+        assert got.body.count(b"\n") == 1
+        assert got.headers["X-Go-Pprof"] == "1"
+    assert again.status == 200 and again.profile().sample
