@@ -1,4 +1,4 @@
-"""The floor of section 8: a program that does nothing (probes/bpf/empty.bpf.c),
+"""The floor of section 8: a program that does nothing (bench/bpf/empty.bpf.c),
 attached where mtrace-live attaches the allocation functions' handlers (the
 same entry sites, the same return probes, for that one process, as
 mtrace-live attaches them for --pid alone), so that what remains is the
@@ -16,7 +16,7 @@ from __future__ import annotations
 import signal
 import sys
 
-from mtrace_live.probes.program import ProgramSource
+from common import floor_source
 from mtrace_live.tracer.alloc_probes import RETURNS_POINTER, plan_sites
 from mtrace_live.tracer.bpf_backend import BpfProgram
 from mtrace_live.tracer.providers import of_process
@@ -30,7 +30,7 @@ def main(pid: int, every_process: bool, allocator: bool) -> None:
     chosen = (plan_sites(binding.path, binding.allocator, binding.tables) if binding is not None
               else plan_sites(mapped_libc(pid)))  # fmt: skip
     scope = -1 if every_process else pid
-    program = BpfProgram(ProgramSource.single("empty"))
+    program = BpfProgram(floor_source("empty"))
     try:
         for site in chosen.sites.values():
             program.attach_uprobe(chosen.libc, site.file_offset, "empty", scope)

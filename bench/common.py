@@ -19,8 +19,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from mtrace_live.probes.program import ProgramSource
+
 REPO = Path(__file__).resolve().parents[1]
 BUILD = REPO / "build"
+FLOORS = REPO / "bench" / "bpf"  # the floors' programs: the bench's own, never shipped
+
+
+def floor_source(name: str, defines: dict[str, int] | None = None) -> ProgramSource:
+    """The floor program ``bench/bpf/<name>.bpf.c`` as BpfProgram compiles it."""
+    return ProgramSource(name, (FLOORS / f"{name}.bpf.c",), dict(defines or {}))
+
+
 MTRACE = [str(REPO / ".venv" / "bin" / "mtrace-live")]
 QUICK = os.environ.get("QUICK") == "1"
 REPS = 1 if QUICK else 5

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from common import (
     BUILD,
+    FLOORS,
     MTRACE,
     QUICK,
     REPS,
@@ -36,7 +37,6 @@ from common import (
     summarise,
     time_to_line,
 )  # fmt: skip
-from mtrace_live.probes.program import ProgramSource
 
 RATE = 300_000  # hits/s
 HOLD = 1.0 if QUICK else 3.0
@@ -64,7 +64,7 @@ COLD = "mtrace-live -o text, compiling (no program cache)"
 EMPTY_BCC = [
     str(Path(MTRACE[0]).with_name("python")),
     "-c",
-    f"import bcc, time; bcc.BPF(src_file={str(ProgramSource.single('empty').parts[0])!r})"
+    f"import bcc, time; bcc.BPF(src_file={str(FLOORS / 'empty.bpf.c')!r})"
     ".load_func('empty', bcc.BPF.KPROBE); print('loaded', flush=True); time.sleep(120)",
 ]
 

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 from common import (
     BUILD,
+    FLOORS,
     MTRACE,
     QUICK,
     REPS,
@@ -39,7 +40,7 @@ from common import (
     say,
     summarise,
 )  # fmt: skip
-from mtrace_live.probes.program import ProgramSource
+from mtrace_live.probes.program import bpf_directory
 
 PAIRS = 10_000 if QUICK else 50_000
 WINDOW_PAIRS = PAIRS if QUICK else 4 * PAIRS
@@ -83,12 +84,16 @@ def page_free_batched() -> bool:
 
 
 def empty_programs(raw: bool) -> list[str]:
-    """A bcc process holding empty handlers (probes/bpf/kmem_empty.bpf.c) on
+    """A bcc process holding empty handlers (bench/bpf/kmem_empty.bpf.c) on
     the kmem tracepoints, raw for the slab events if ``raw``; it prints
     "ready" once attached. bcc itself, not mtrace-live's loader, so that
     the floor is compiled as any bcc tool compiles."""
-    source = str(ProgramSource.single("kmem_empty").parts[0])
-    cflags = [f"-DRAW_SLAB={int(raw)}", f"-DPAGE_FREE_BATCHED={int(page_free_batched())}"]
+    source = str(FLOORS / "kmem_empty.bpf.c")
+    cflags = [
+        f"-DRAW_SLAB={int(raw)}",
+        f"-DPAGE_FREE_BATCHED={int(page_free_batched())}",
+        f"-I{bpf_directory()}",
+    ]  # set_table.h, the program's own
     code = (f"import bcc, signal; b = bcc.BPF(src_file={source!r}, cflags={cflags!r}); "
             "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}); "
             "print('ready', flush=True); signal.sigwait({signal.SIGINT})")  # fmt: skip

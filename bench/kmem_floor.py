@@ -1,5 +1,5 @@
 """Floors of section 2, compiled by bcc itself as any bcc tool is
-(probes/bpf/kmem_empty.bpf.c):
+(bench/bpf/kmem_empty.bpf.c):
 
 - ``count``: the least a pid-filtered aggregation does at each kmem event,
   compare the event's process with the traced one and count those that
@@ -21,7 +21,8 @@ import os
 import sys
 
 import bcc
-from mtrace_live.probes.program import ProgramSource
+from common import FLOORS
+from mtrace_live.probes.program import bpf_directory
 from mtrace_live.tracer.bpf_backend import tracepoint_format
 from mtrace_live.tracer.kmem_attach import kmem_attach
 from mtrace_live.tracer.tracefs import kmem_defines
@@ -43,8 +44,8 @@ def main(kind: str, page_free_batched: int, argv: list[str]) -> int:
     cflags = ["-DRAW_SLAB=1", f"-DPAGE_FREE_BATCHED={page_free_batched}", "-DPID_FILTER=1"]
     if kind == "match":
         cflags += ["-DMATCH_FREES=1", *pointer_arguments()]
-    source = ProgramSource.single("kmem_empty").parts[0]
-    cflags.append(f"-I{source.parent}")  # set_table.h, beside it
+    source = FLOORS / "kmem_empty.bpf.c"
+    cflags.append(f"-I{bpf_directory()}")  # set_table.h, the program's own
     program = bcc.BPF(src_file=str(source), cflags=cflags)
     go_read, go_write = os.pipe()
     pid = os.fork()

@@ -488,7 +488,7 @@ _NOTES = [
     "the same sites in every process (as bpftrace attaches), a program that does nothing "
     "(the uprobe trap alone), and programs that only reserve a ring record, write what "
     "it holds of the hit into it (the thread's ids; then the site; then three argument "
-    "registers) and submit it (probes/bpf/ring_floor.bpf.c), at the least size a record "
+    "registers) and submit it (bench/bpf/ring_floor.bpf.c), at the least size a record "
     f"can have (8 bytes: the thread), the least that holds a hit ({HIT_BYTES}), and the "
     f"size of mtrace-live's ({EVENT_BYTES}). The "
     "least an event stream can pay: a thread on the other CPU copies everything committed"

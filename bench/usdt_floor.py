@@ -1,7 +1,7 @@
 """The floors of section 1: on the SDT libc's sites of the named probes, in
 every process mapping it (as bpftrace attaches to the library), either a
 handler that does nothing (the uprobe trap alone) or one that writes a ring
-record of RECORD_BYTES a hit and nothing else (probes/bpf/ring_floor.bpf.c).
+record of RECORD_BYTES a hit and nothing else (bench/bpf/ring_floor.bpf.c).
 
 The least an event stream can pay: the records are read, on another CPU, by
 a thread that copies everything committed every millisecond (mtrace-live's
@@ -20,7 +20,7 @@ import sys
 import threading
 
 import numpy as np
-from mtrace_live.probes.program import ProgramSource
+from common import floor_source
 from mtrace_live.probes.sdt_notes import read_sites
 from mtrace_live.tracer import sdt_glibc
 from mtrace_live.tracer.bpf_backend import BpfProgram
@@ -39,7 +39,7 @@ def main(handler: str, record_bytes: int, probes: list[str]) -> None:
     libc = sdt_glibc.locate().libc
     sites = [s for s in read_sites(libc) if s.provider == "libc" and s.name in probes]
     program = BpfProgram(
-        ProgramSource.single("ring_floor", {"RECORD_BYTES": record_bytes, "RING_PAGES": RING_PAGES})
+        floor_source("ring_floor", {"RECORD_BYTES": record_bytes, "RING_PAGES": RING_PAGES})
     )
     record = np.dtype([("words", "<u8", (record_bytes // 8,))])
     reader = RingReader(program.map_fd("records"), RING_PAGES * mmap.PAGESIZE, record)

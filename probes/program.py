@@ -13,7 +13,9 @@ defines (tracer/bpf_cache.py).
 
 from __future__ import annotations
 
+import functools
 import mmap
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib.resources import files
@@ -39,6 +41,29 @@ def bpf_directory() -> Path:
     return Path(str(files("mtrace_live.probes") / "bpf"))
 
 
+# ``#define NAME 12``, ``#define NAME (8 << 20)``, a comment after it or not
+_DEFINE = re.compile(
+    r"^#define[ \t]+(\w+)[ \t]+\(?(\d+)(?:[ \t]*<<[ \t]*(\d+))?\)?[ \t]*(?:/\*.*)?$", re.MULTILINE
+)
+
+
+def c_constants(text: str) -> dict[str, int]:
+    """The whole-number ``#define``s of C ``text``; a name defined with two
+    values (under two ``#if`` branches) is left out."""
+    found: dict[str, set[int]] = {}
+    for name, value, shift in _DEFINE.findall(text):
+        found.setdefault(name, set()).add(int(value) << int(shift or 0))
+    return {name: values.pop() for name, values in found.items() if len(values) == 1}
+
+
+@functools.cache
+def part_constants(part: str) -> dict[str, int]:
+    """The constants a part of the program (``bpf/<part>``) defines, read
+    from its C: the one place of each constant user space shares with it
+    (a tail-call slot, a table's default size), so the two cannot drift."""
+    return c_constants((bpf_directory() / part).read_text())
+
+
 @dataclass(frozen=True)
 class ProgramSource:
     """A BPF program as bcc gets it: a name, its parts and its defines."""
@@ -46,14 +71,6 @@ class ProgramSource:
     name: str
     parts: tuple[Path, ...]
     defines: Mapping[str, int] = field(default_factory=dict)
-
-    @classmethod
-    def single(cls, name: str, defines: Mapping[str, int] | None = None) -> ProgramSource:
-        """A program of one file, ``bpf/<name>.bpf.c`` (the benches' floors)."""
-        path = bpf_directory() / f"{name}.bpf.c"
-        if not path.is_file():
-            raise FileNotFoundError(path)
-        return cls(name, (path,), dict(defines or {}))
 
     @property
     def directory(self) -> Path:

@@ -34,19 +34,24 @@ from mtrace_live.exporters.data.processes import proc_dir
 from mtrace_live.probes.elf.cfi import ROW, CfiTable, read_cfi
 from mtrace_live.probes.elf.errors import NotElfError, TargetError
 from mtrace_live.probes.elf.file import ELF_FAILURES, LoadSegment, build_id, load_segments, open_elf
+from mtrace_live.probes.program import part_constants
 from mtrace_live.probes.records import FRAME_DEPTH, UNWIND_MAP_DTYPE
 
 from .alloc_probes import exported_offset
 from .bpf_backend import BpfProgram
 from .bpf_cache import private_file
 
-DEFAULT_ROWS = 1 << 20  # unwind_rows: 12 MiB, libc takes 28,000
-DEFAULT_MAPS = 1 << 16  # unwind_maps: 3 MiB
-DEFAULT_PAGES = 1 << 20  # unwind_pages: 4 MiB, a page index entry per 4 KiB of code
+# The unwinder's constants, as unwind.bpf.c defines them (read from it):
+# its tables' default sizes (unwind_rows 1 M rows, 12 MiB: the libc takes
+# 28,000; unwind_maps 64 Ki, 3 MiB; unwind_pages 1 M entries, 4 MiB: an
+# entry per 4 KiB of code), its page index's shift, unwind_progs' slots.
+_UNWIND = part_constants("unwind.bpf.c")
+DEFAULT_ROWS, DEFAULT_MAPS, DEFAULT_PAGES = (
+    _UNWIND["UNWIND_ROWS"], _UNWIND["UNWIND_MAPS"], _UNWIND["UNWIND_PAGES"])  # fmt: skip
 DEFAULT_CACHE = Path("/var/cache/mtrace-live/cfi")
 CACHE_FORMAT = 2  # 2: rows read by probes/elf/cfi_rows.c (malformed entries as CFA_OTHER)
-# unwind_progs' slots (unwind.bpf.c)
-STEP, RESUME_ALLOC, RESUME_LOCK = 0, 1, 2
+STEP, RESUME_ALLOC, RESUME_LOCK = (
+    _UNWIND[f"UNWIND_{slot}"] for slot in ("STEP", "RESUME_ALLOC", "RESUME_LOCK"))  # fmt: skip
 
 
 def unwind_defines(rows: int = DEFAULT_ROWS, maps: int = DEFAULT_MAPS,
@@ -129,7 +134,7 @@ class MappedFile:
     page_base: int = 0
 
 
-PAGE_SHIFT = 12  # UNWIND_PAGE_SHIFT
+PAGE_SHIFT = _UNWIND["UNWIND_PAGE_SHIFT"]
 
 
 def page_index(rows: np.ndarray) -> tuple[int, np.ndarray]:

@@ -3,7 +3,7 @@
  * docs/kmemtrace-format.md), for every reader of them:
  *
  * - decode(): one record into a decoded record, rec_t, whose layout is
- *   reader.py's DECODED (a unit test compares the two). Every walk below
+ *   abi.py's DECODED (a unit test compares the two). Every walk below
  *   goes through it: the same skip reasons, the same damage statuses.
  * - scan(): one cpuN file decoded into memory, for the reader
  *   (read_record_set: convert, the JSON lines, the fallback below).
@@ -42,7 +42,7 @@ enum { T_KMALLOC = 0, T_CACHE = 1, T_PAGES = 2, T_SBRK = 3, T_ARENA = 5, T_PROBE
 #define ORDERS 66
 #define NO_FUNCTION 0xFF
 
-/* One decoded record: the layout of exporters/kmemtrace/reader.py's
+/* One decoded record: the layout of exporters/kmemtrace/abi.py's
  * DECODED (tests/unit/test_kmemtrace_format.py compares the two). */
 typedef struct {
     int64_t seq;

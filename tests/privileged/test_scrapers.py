@@ -81,9 +81,7 @@ def parsed(got: Got, tmp: Path, name: str) -> Any:
     return go_raw(str(path), tmp)
 
 
-def test_parca_s_and_alloy_s_urls_get_whole_profiles_and_errors_reach_go_tool_pprof(
-    tmp_path: Path,
-) -> None:
+def test_parca_s_and_alloy_s_urls_get_whole_profiles(tmp_path: Path) -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     delta_job, heap_job = parca_jobs()
@@ -106,16 +104,9 @@ def test_parca_s_and_alloy_s_urls_get_whole_profiles_and_errors_reach_go_tool_pp
         truth_second = second.work()
         inside = fetcher.is_alive()
         fetcher.join(timeout=300)
-        # AND Parca's heap job, Alloy's memory profile, a bounded and an unbounded profile
-        # and a bad query through go tool pprof
+        # AND Parca's heap job and Alloy's memory profile scrape
         heap = Got(parca_url(base, heap_job, "memory", "alloc_workload"))
         alloy = Got(f"{base}/debug/pprof/allocs")
-        bounded = go_raw(f"{base}/debug/pprof/allocs?max_samples=3&pid={first.proc.pid}",
-                         tmp_path)  # fmt: skip
-        whole = go_raw(f"{base}/debug/pprof/allocs?max_samples=0&pid={first.proc.pid}", tmp_path)
-        refused = subprocess.run(["go", "tool", "pprof", "-raw", f"{base}/debug/pprof/heap?pid=1"],
-                                 capture_output=True, text=True, timeout=300,
-                                 env=dict(os.environ, PPROF_TMPDIR=str(tmp_path)))  # fmt: skip
         for work in (first, second):
             work.end()
         assert stop(serve) == 0, err.read_text()
@@ -140,7 +131,30 @@ def test_parca_s_and_alloy_s_urls_get_whole_profiles_and_errors_reach_go_tool_pp
         found = by_function(parsed(answer, tmp_path, name).samples)
         for function, values in both.items():
             assert found.get(function) == values, (name, function, found.get(function))
-    # AND the bounded profile has 3 samples, the first run's totals all there
+
+
+def test_a_bounded_profile_keeps_every_total_and_errors_reach_go_tool_pprof(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}/debug/pprof"
+    with Reaper() as reaper:
+        # GIVEN the allocation workload, done, traced by serve
+        work = Workload(reaper, tmp_path / "truth.json")
+        serve, err = start_serve(["--no-kmem", "--exact", "--pid", str(work.proc.pid),
+                                  "--web.listen-address", f"127.0.0.1:{port}"],
+                                 tmp_path, reaper)  # fmt: skip
+        work.work()
+        # WHEN go tool pprof reads its profile bounded to 3 samples, and unbounded, and asks
+        # with a bad query
+        bounded = go_raw(f"{base}/allocs?max_samples=3", tmp_path)
+        whole = go_raw(f"{base}/allocs?max_samples=0", tmp_path)
+        refused = subprocess.run(["go", "tool", "pprof", "-raw", f"{base}/heap?pid=1"],
+                                 capture_output=True, text=True, timeout=300,
+                                 env=dict(os.environ, PPROF_TMPDIR=str(tmp_path)))  # fmt: skip
+        work.end()
+        assert stop(serve) == 0, err.read_text()
+    # THEN the bounded profile has 3 samples, one of them the rest, every total all there
     assert len(bounded.samples) == 3 < len(whole.samples)
     assert "(other)" in {s.leaf for s in bounded.samples}
     assert [sum(s.values[i] for s in bounded.samples) for i in range(4)] == [

@@ -1,0 +1,53 @@
+"""The constants user space shares with the BPF program are read from its C
+(probes/program.py ``part_constants``), written once there: the unwinder's
+tail-call slots, its page index's shift and its tables' default sizes."""
+
+from __future__ import annotations
+
+from mtrace_live.probes.program import bpf_directory, c_constants
+from mtrace_live.tracer import unwind_tables
+
+
+def test_defines_are_read_as_c_writes_them() -> None:
+    text = """
+#ifndef ROWS
+#define ROWS 1048576 /* rows, all files together */
+#endif
+#define SHIFTED (8 << 20)
+#define  SPACED\t7
+#define EXPRESSION (ROWS * 2)
+#if WIDE
+#define TWICE 1
+#else
+#define TWICE 2
+#endif
+#define SAME 4
+#define SAME 4
+"""
+    assert c_constants(text) == {"ROWS": 1 << 20, "SHIFTED": 8 << 20, "SPACED": 7, "SAME": 4}
+
+
+def test_the_unwinder_s_constants_follow_its_c_and_cannot_drift() -> None:
+    # GIVEN unwind.bpf.c, and a copy with a slot, the page shift and a size changed
+    text = (bpf_directory() / "unwind.bpf.c").read_text()
+    edits = {"#define UNWIND_RESUME_LOCK 2": "#define UNWIND_RESUME_LOCK 3",
+             "#define UNWIND_PAGE_SHIFT 12": "#define UNWIND_PAGE_SHIFT 13",
+             "#define UNWIND_MAPS 65536": "#define UNWIND_MAPS 4096"}  # fmt: skip
+    changed = text
+    for before, after in edits.items():
+        assert before in changed
+        changed = changed.replace(before, after)
+    # THEN what is read from the copy is the copy's: a change on the C side reaches user space
+    theirs = c_constants(changed)
+    assert (theirs["UNWIND_RESUME_LOCK"], theirs["UNWIND_PAGE_SHIFT"], theirs["UNWIND_MAPS"]) == (
+        3, 13, 4096)  # fmt: skip
+    # AND user space holds the shipped C's: the slots it fills (distinct, within the program
+    # array's size), the page index's shift (4 KiB pages) and the tables' defaults
+    ours = c_constants(text)
+    slots = (unwind_tables.STEP, unwind_tables.RESUME_ALLOC, unwind_tables.RESUME_LOCK)
+    assert slots == (ours["UNWIND_STEP"], ours["UNWIND_RESUME_ALLOC"], ours["UNWIND_RESUME_LOCK"])
+    assert len(set(slots)) == 3 and max(slots) < ours["UNWIND_PROGS"]
+    assert unwind_tables.PAGE_SHIFT == ours["UNWIND_PAGE_SHIFT"] == 12
+    sizes = (unwind_tables.DEFAULT_ROWS, unwind_tables.DEFAULT_MAPS, unwind_tables.DEFAULT_PAGES)
+    assert sizes == (1 << 20, 1 << 16, 1 << 20)
+    assert unwind_tables.unwind_defines()["UNWIND_MAPS"] == ours["UNWIND_MAPS"]
