@@ -74,6 +74,19 @@ def deltas_begun(base: str) -> int:
     return int(found[1]) if got.status == 200 and found else 0
 
 
+def served_workload(reaper: Reaper, tmp: Path, *options: str) -> tuple[
+        str, Workload, subprocess.Popen[bytes], Path]:  # fmt: skip
+    """The allocation workload, done, traced by serve (with ``options``):
+    the profiles' base URL, the workload, serve and its stderr's file."""
+    port = free_port()
+    work = Workload(reaper, tmp / "truth.json")
+    argv = ["--no-kmem", *options, "--pid", str(work.proc.pid), "--web.listen-address",
+            f"127.0.0.1:{port}"]  # fmt: skip
+    serve, err = start_serve(argv, tmp, reaper)
+    work.work()
+    return f"http://127.0.0.1:{port}/debug/pprof", work, serve, err
+
+
 def parsed(got: Got, tmp: Path, name: str) -> Any:
     """The body as go tool pprof -raw reads it (from a file: as fetched)."""
     path = tmp / name
@@ -136,15 +149,9 @@ def test_parca_s_and_alloy_s_urls_get_whole_profiles(tmp_path: Path) -> None:
 def test_a_bounded_profile_keeps_every_total_and_errors_reach_go_tool_pprof(
     tmp_path: Path,
 ) -> None:
-    port = free_port()
-    base = f"http://127.0.0.1:{port}/debug/pprof"
     with Reaper() as reaper:
         # GIVEN the allocation workload, done, traced by serve
-        work = Workload(reaper, tmp_path / "truth.json")
-        serve, err = start_serve(["--no-kmem", "--exact", "--pid", str(work.proc.pid),
-                                  "--web.listen-address", f"127.0.0.1:{port}"],
-                                 tmp_path, reaper)  # fmt: skip
-        work.work()
+        base, work, serve, err = served_workload(reaper, tmp_path, "--exact")
         # WHEN go tool pprof reads its profile bounded to 3 samples, and unbounded, and asks
         # with a bad query
         bounded = go_raw(f"{base}/allocs?max_samples=3", tmp_path)
@@ -166,16 +173,10 @@ def test_a_bounded_profile_keeps_every_total_and_errors_reach_go_tool_pprof(
 def test_a_profile_asked_of_a_held_tracing_process_ends_in_a_503_never_a_cut(
     tmp_path: Path,
 ) -> None:
-    port = free_port()
-    base = f"http://127.0.0.1:{port}/debug/pprof"
     with Reaper() as reaper:
         # GIVEN serve tracing the workload, its tracing process then stopped (the serving
         # process, which answers the network, goes on)
-        work = Workload(reaper, tmp_path / "truth.json")
-        serve, err = start_serve(["--no-kmem", "--pid", str(work.proc.pid),
-                                  "--web.listen-address", f"127.0.0.1:{port}"],
-                                 tmp_path, reaper)  # fmt: skip
-        work.work()
+        base, work, serve, err = served_workload(reaper, tmp_path)
         os.kill(serve.pid, signal.SIGSTOP)
         try:
             # WHEN a whole profile and a delta are asked for, past the connections' 10 s
