@@ -123,22 +123,28 @@ def parse_query(profile: str, query: str) -> ProfileQuery:
 
 def bounded(rows: StackColumns, column: int,
             max_samples: int) -> tuple[StackColumns, dict[int, list[int]], int]:  # fmt: skip
-    """``rows`` (but those whose values are all 0) cut to at most
-    ``max_samples`` samples (0: no bound): the largest by the heap value
-    ``column`` (its magnitude: a delta's may be negative) kept, and each
-    process's others summed, its four heap values, into one "other" sample
-    counted in the bound; and how many stacks were summed so. (A profile of
-    more processes than the bound keeps one sample per process.)"""
+    """``rows`` cut to at most ``max_samples`` samples (0: no bound; the
+    rows whose values are all 0, which make no sample, left out first): the
+    largest by the heap value ``column`` (its magnitude: a delta's may be
+    negative) kept, and each process's others summed, its four heap values,
+    into one "other" sample counted in the bound; and how many stacks were
+    summed so. (A profile of more processes than the bound keeps one sample
+    per process.) Where the bound cannot bite, ``rows`` as they are."""
+    if not max_samples or len(rows) <= max_samples:
+        return rows, {}, 0
     values = rows.heap_values()
     nonzero = np.flatnonzero(values.any(axis=1))
     rows, values = rows.select(nonzero), values[nonzero]
-    if not max_samples or len(rows) <= max_samples:
+    if len(rows) <= max_samples:
         return rows, {}, 0
     order = np.lexsort((np.arange(len(rows)), -np.abs(values[:, column])))
     tgids = rows.tgids()
     kept = max_samples
-    while kept > 0 and kept + len(np.unique(tgids[order[kept:]])) > max_samples:
-        kept = max(0, max_samples - len(np.unique(tgids[order[kept:]])))
+    while kept > 0:
+        processes = len(np.unique(tgids[order[kept:]]))  # each gets its "other" sample
+        if kept + processes <= max_samples:
+            break
+        kept = max(0, max_samples - processes)
     left = order[kept:]
     others = StackColumns(rows.catalog, rows.ids[left], rows.values[left]).by_process(values[left])
     return rows.select(np.sort(order[:kept])), others, len(left)
