@@ -1,5 +1,9 @@
 """Types of the ring copier (tracer/ring_copy.c)."""
 
+BUSY_BIT: int  # a record's header: the producer is writing it
+DISCARD_BIT: int  # ... the producer discarded it
+HEADER_SIZE: int  # a record's header, before its data
+
 class Copier:
     """A thread that empties a BPF ring buffer into a buffer in user memory."""
 

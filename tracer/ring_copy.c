@@ -380,6 +380,13 @@ PyMODINIT_FUNC PyInit__ring_copy(void)
     PyObject *m = PyModule_Create(&module);
     if (!m)
         return NULL;
+    /* the ring's layout, as above: tracer/ringbuf.py takes it from here */
+    if (PyModule_AddIntConstant(m, "BUSY_BIT", BUSY_BIT) < 0 ||
+        PyModule_AddIntConstant(m, "DISCARD_BIT", DISCARD_BIT) < 0 ||
+        PyModule_AddIntConstant(m, "HEADER_SIZE", HEADER_SIZE) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     Py_INCREF(&CopierType);
     if (PyModule_AddObject(m, "Copier", (PyObject *)&CopierType) < 0) {
         Py_DECREF(&CopierType);

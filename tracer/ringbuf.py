@@ -2,12 +2,10 @@
 
 bcc's Python ring buffer API calls back into Python once per record, which
 caps delivery at a few hundred thousand records a second. The kernel lets the
-consumer map the buffer instead (kernel/bpf/ringbuf.c): page 0 holds the
-consumer position (read-write), page 1 the producer position, and the data
-pages follow, mapped twice in a row so that a record that wraps around the
-end is still contiguous. Each record is an 8-byte header (length, with a
-busy bit while the producer writes it and a discard bit) and the data,
-rounded up to 8 bytes.
+consumer map the buffer instead. The ring's layout (its pages, each
+record's 8-byte header with its busy and discard bits, the records' 8-byte
+alignment) is described once, in tracer/ring_copy.c, and its constants
+(``BUSY_BIT``, ``DISCARD_BIT``, ``HEADER_SIZE``) are that extension's.
 
 ``RingReader.read()`` copies everything committed since the last call in one
 slice, views it as a numpy structured array and advances the consumer
@@ -30,11 +28,9 @@ import struct
 
 import numpy as np
 
-from ._ring_copy import Copier
+from ._ring_copy import BUSY_BIT, DISCARD_BIT, HEADER_SIZE, Copier
 
-BUSY_BIT = 1 << 31
-DISCARD_BIT = 1 << 30
-HEADER_SIZE = 8
+__all__ = ["BUSY_BIT", "DISCARD_BIT", "HEADER_SIZE", "RingReader", "record_stride"]
 
 
 def record_stride(size: int) -> int:
