@@ -17,6 +17,7 @@ from mtrace_live.probes.elf.errors import RecordSetError
 
 from ..data.symbolize import Mapping as FileMapping
 from ._walker import scan
+from ._walker import unwrap as walker_unwrap
 from .abi import (
     ABI_FILE,
     CORE_SIZE,
@@ -118,15 +119,13 @@ def decode_batch(
     return records[np.argsort(records["seq"], kind="stable")], args, encoded.next_seq
 
 
-def unwrap(seq32: np.ndarray) -> np.ndarray:
-    """32-bit sequence numbers in file order -> int64, wraparound undone:
-    consecutive records are taken to be less than 2**31 apart."""
-    if len(seq32) == 0:
-        return seq32.astype(np.int64)
-    steps = np.diff(seq32.astype(np.int64)).astype(np.int64)
-    steps = ((steps + 2**31) % 2**32) - 2**31
-    unwrapped: np.ndarray = seq32[0].astype(np.int64) + np.concatenate(([0], np.cumsum(steps)))
-    return unwrapped
+def unwrap(seq32: np.ndarray, prev: int | None = None) -> np.ndarray:
+    """32-bit sequence numbers in file order -> int64, wraparound undone
+    (consecutive records are taken to be less than 2**31 apart), the first
+    against ``prev`` where given: the walker's own unwrapping (walker.c)."""
+    seq = np.array(seq32, dtype=np.int64)  # a contiguous copy, unwrapped in place
+    walker_unwrap(seq, prev)
+    return seq
 
 
 # The most a header file may hold: one number; a list of up to 65536 CPUs;
@@ -305,7 +304,7 @@ def read_record_set(path: Path, big_endian: bool | None = None) -> RecordSet:
         line = damage_line(path, status, offset, len(data), len(records))
         if line is not None:
             damage.append(line)
-        records["seq"] = unwrap(records["seq"].astype(np.int32))
+        records["seq"] = unwrap(records["seq"])
         parts.append(records)
         arg_parts.append(args)
 
@@ -364,8 +363,7 @@ def _one_scale(parts: list[np.ndarray], arg_parts: list[np.ndarray]) -> np.ndarr
     base = int(nonempty[0]["seq"][0])
     for part in nonempty:
         first = int(part["seq"][0])
-        delta = ((first - base + 2**31) % 2**32) - 2**31
-        part["seq"] += base + delta - first
+        part["seq"] += int(unwrap(part["seq"][:1], base)[0]) - first
     args = np.concatenate(arg_parts)
     probe_seq = np.concatenate([p["seq"][p["event_id"] == EventId.PROBE] for p in parts])
     return args[np.argsort(probe_seq, kind="stable")]

@@ -418,6 +418,14 @@ static void stop(file_t *f, int status) {
 
 /* Decode the file's next record into f->head: 1 found, 0 none left, -1 read
  * error, -2 out of memory. */
+/* The one unwrapping of the records' 32-bit sequence numbers: the number
+ * `raw` read after `prev` (whose 32-bit number was `prev_raw`), the two
+ * taken to be less than 2^31 apart. The merge below and the reader
+ * (reader.py, through unwrap()) both use it. */
+static inline int64_t unwrapped(int64_t prev, uint32_t prev_raw, uint32_t raw) {
+    return prev + (int32_t)(raw - prev_raw);
+}
+
 static int next_record(file_t *f) {
     while (!f->done) {
         size_t avail = f->len - f->pos;
@@ -460,7 +468,7 @@ static int next_record(file_t *f) {
         if (f->count == 0) {
             seq = (int32_t)raw;
         } else {
-            seq = f->prev_seq + (int32_t)(raw - f->prev_raw);
+            seq = unwrapped(f->prev_seq, f->prev_raw, raw);
             if (seq < f->prev_seq) g_unsorted = 1;
         }
         f->prev_raw = raw;
@@ -831,8 +839,7 @@ static int run(state_t *s, file_t *files, int n) {
             base = first;
             have_base = 1;
         }
-        int64_t delta = (int32_t)(uint32_t)(first - base);
-        files[i].scale = base + delta - first;
+        files[i].scale = unwrapped(base, (uint32_t)base, (uint32_t)first) - first;
         files[i].head.seq += files[i].scale;
         heap[live++] = i;
     }
@@ -1032,6 +1039,43 @@ static PyObject *scan(PyObject *self, PyObject *pyargs) {
                          (Py_ssize_t)result[2], (Py_ssize_t)result[3]);
 }
 
+/* unwrap(seq, prev=None): 32-bit sequence numbers in file order, each
+ * sign-extended in an int64 (as decode() leaves them), unwrapped in place;
+ * the first against `prev` (an unwrapped number) where given. */
+static PyObject *unwrap(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer b;
+    PyObject *prev_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "w*|O", &b, &prev_obj)) return NULL;
+    if (b.itemsize != 8 || b.len % 8 || !PyBuffer_IsContiguous(&b, 'C')) {
+        PyBuffer_Release(&b);
+        PyErr_SetString(PyExc_ValueError, "unwrap: a contiguous int64 array is needed");
+        return NULL;
+    }
+    int64_t *seq = b.buf;
+    Py_ssize_t n = b.len / 8;
+    if (n > 0) {
+        uint32_t prev_raw = (uint32_t)seq[0];
+        if (prev_obj == Py_None) {
+            seq[0] = (int32_t)prev_raw;
+        } else {
+            long long prev = PyLong_AsLongLong(prev_obj);
+            if (prev == -1 && PyErr_Occurred()) {
+                PyBuffer_Release(&b);
+                return NULL;
+            }
+            seq[0] = unwrapped(prev, (uint32_t)prev, prev_raw);
+        }
+        for (Py_ssize_t i = 1; i < n; i++) {
+            uint32_t raw = (uint32_t)seq[i];
+            seq[i] = unwrapped(seq[i - 1], prev_raw, raw);
+            prev_raw = raw;
+        }
+    }
+    PyBuffer_Release(&b);
+    Py_RETURN_NONE;
+}
+
 /* Each field of rec_t: name -> (offset, size), for the layout test. */
 static PyObject *record_layout(PyObject *self, PyObject *unused) {
     (void)self;
@@ -1055,6 +1099,9 @@ static PyMethodDef methods[] = {
     {"report_records", report_records, METH_VARARGS,
      "report_records(records, nodes, page_size) -> dict: report_pass's figures from decoded "
      "records in sequence order; nodes[cpu] is the CPU's node, or -1."},
+    {"unwrap", unwrap, METH_VARARGS,
+     "unwrap(seq, prev=None): 32-bit sequence numbers (sign-extended int64, in file order) "
+     "unwrapped in place, the first against prev where given."},
     {"record_layout", record_layout, METH_NOARGS,
      "record_layout() -> {field: (offset, size)} of a decoded record."},
     {"report_pass", report_pass, METH_VARARGS,

@@ -159,6 +159,19 @@ def test_sequence_numbers_wrapping_past_2_to_the_31_keep_their_order(tmp_path: P
     assert np.all(np.diff(rs.records["seq"]) == 1)
 
 
+def test_the_one_unwrapping_of_sequence_numbers() -> None:
+    from mtrace_live.exporters.kmemtrace.reader import unwrap
+
+    # a file's numbers across the signed 32-bit wraparound, as decode() sign-extends them
+    assert unwrap(np.array([2**31 - 1, -(2**31), -(2**31) + 5])).tolist() == [
+        2**31 - 1, 2**31, 2**31 + 5]  # fmt: skip
+    # a file's first number against another file's first (already unwrapped) one
+    assert unwrap(np.array([5]), 2**32 + 3).tolist() == [2**32 + 5]
+    assert unwrap(np.array([-(2**31) + 1]), 2**31).tolist() == [2**31 + 1]
+    assert unwrap(np.array([7]), 2**32 + 10).tolist() == [2**32 + 7]  # a little behind it
+    assert unwrap(np.zeros(0, np.int64)).tolist() == []
+
+
 def v1_set(tmp_path: Path, data: bytes, abi: str | None = "1\n") -> Path:
     directory = tmp_path / "set"
     directory.mkdir(exist_ok=True)
