@@ -27,6 +27,7 @@ from mtrace_live.probes.derived import NO_DEBUG_FILE
 from mtrace_live.probes.elf.debug import find_debug_file
 from mtrace_live.probes.elf.errors import MtraceError
 from mtrace_live.probes.elf.file import ELF_FAILURES, open_elf
+from mtrace_live.probes.elf.maps import read_maps
 from mtrace_live.probes.elf.symbols import symbols_by_name
 from mtrace_live.probes.malloc_state import (
     ArenaLayoutError,
@@ -93,16 +94,11 @@ def libc_base(pid: int, libc: Path) -> int | None:
     the start of its mapping at file offset 0."""
     try:
         st = os.stat(libc)
-        lines = (proc_dir(pid) / "maps").read_text(encoding="utf-8", errors="replace")
+        mappings = read_maps(proc_dir(pid))
     except OSError:
         return None
-    for line in lines.splitlines():
-        fields = line.split(maxsplit=5)
-        if len(fields) < 6 or int(fields[2], 16) != 0 or not fields[4].isdigit():
-            continue
-        if int(fields[4]) == st.st_ino and os.path.basename(fields[5]) == libc.name:
-            return int(fields[0].split("-")[0], 16)
-    return None
+    return next((m.start for m in mappings if m.offset == 0 and m.inode[1] == st.st_ino
+                 and os.path.basename(m.path) == libc.name), None)  # fmt: skip
 
 
 @dataclass

@@ -27,6 +27,8 @@ from mtrace_live.exporters.data.processes import proc_dir
 from mtrace_live.probes.allocators import UNKNOWN, Allocator, identify
 from mtrace_live.probes.elf.errors import MtraceError
 from mtrace_live.probes.elf.file import ELF_FAILURES, needed, open_elf, soname
+from mtrace_live.probes.elf.maps import Mapping as ProcessMapping
+from mtrace_live.probes.elf.maps import read_maps
 from mtrace_live.probes.elf.symbols import defined_functions
 
 from .target import mapped_glibc
@@ -213,30 +215,29 @@ def _mapped_files(pid: int) -> Objects:
     reached through its map_files link (in any mount namespace)."""
     directory = proc_dir(pid)
     try:
-        lines = (directory / "maps").read_text(encoding="utf-8", errors="replace").splitlines()
+        mappings = read_maps(directory)
     except OSError:
         return []
     files: Objects = []
     seen: set[str] = set()
-    for line in lines:
-        fields = line.split(maxsplit=5)
-        if len(fields) < 6 or not fields[5].startswith("/") or fields[5] in seen:
+    for mapping in mappings:
+        if not mapping.is_file or mapping.path in seen:
             continue
-        seen.add(fields[5])
-        files.append((os.path.basename(fields[5]), _reached(directory, fields)))
+        seen.add(mapping.path)
+        files.append((os.path.basename(mapping.path), _reached(directory, mapping)))
     return files
 
 
-def _reached(directory: Path, fields: list[str]) -> Path:
-    """The file of a maps line: at its path when that is the file here (a
+def _reached(directory: Path, mapping: ProcessMapping) -> Path:
+    """The file of a mapping: at its path when that is the file here (a
     path that lasts), else through the process's map_files link."""
-    shown = Path(fields[5])
+    shown = Path(mapping.path)
     try:
-        if fields[4].isdigit() and os.stat(shown).st_ino == int(fields[4]):
+        if os.stat(shown).st_ino == mapping.inode[1]:
             return shown
     except OSError:
         pass
-    return directory / "map_files" / fields[0]
+    return directory / "map_files" / mapping.map_files
 
 
 def _exe_of(pid: int, files: Objects) -> tuple[str, Path]:

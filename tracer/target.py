@@ -12,6 +12,7 @@ from mtrace_live.probes.elf.errors import (
     NotPrivilegedError,
     TargetError,
 )
+from mtrace_live.probes.elf.maps import read_maps
 
 # glibc's soname; the versioned file name older glibcs installed; and libc.so,
 # the real file name in a glibc build tree, where libc.so.6 is a symlink to it
@@ -60,10 +61,9 @@ def current_break(pid: int) -> int | None:
     break rounded up to a page; glibc keeps it page-aligned), or, before the
     heap has grown, its start_brk (field 47 of /proc/PID/stat); None if gone."""
     try:
-        with open(proc_dir(pid) / "maps", encoding="utf-8", errors="replace") as maps:
-            for line in maps:
-                if line.rstrip().endswith("[heap]"):
-                    return int(line.split("-", 1)[1].split()[0], 16)
+        heap = next((m for m in read_maps(proc_dir(pid)) if m.path == "[heap]"), None)
+        if heap is not None:
+            return heap.end
         with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as stat:
             fields = stat.read().rsplit(")", 1)[1].split()
         return int(fields[47 - 3])
@@ -90,19 +90,14 @@ def _mapped_paths(pid: int) -> list[tuple[str, int]]:
     """(path, inode) of each file mapping, as /proc/PID/maps shows them."""
     maps = proc_dir(pid) / "maps"
     try:
-        lines = maps.read_text(encoding="utf-8", errors="replace").splitlines()
+        mappings = read_maps(proc_dir(pid))
     except FileNotFoundError:
         raise TargetError(f"no process with pid {pid}") from None
     except PermissionError:
         raise NotPrivilegedError(f"cannot read {maps}: permission denied") from None
     except ProcessLookupError:
         raise TargetError(f"process {pid} exited") from None
-    paths = []
-    for line in lines:
-        fields = line.split(maxsplit=5)
-        if len(fields) == 6 and fields[5].startswith("/") and fields[4].isdigit():
-            paths.append((fields[5], int(fields[4])))
-    return paths
+    return [(m.path, m.inode[1]) for m in mappings if m.is_file]
 
 
 def mapped_libc(pid: int) -> Path:

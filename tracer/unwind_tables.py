@@ -34,6 +34,7 @@ from mtrace_live.exporters.data.processes import proc_dir
 from mtrace_live.probes.elf.cfi import ROW, CfiTable, read_cfi
 from mtrace_live.probes.elf.errors import NotElfError, TargetError
 from mtrace_live.probes.elf.file import ELF_FAILURES, LoadSegment, build_id, load_segments, open_elf
+from mtrace_live.probes.elf.maps import Mapping, read_maps
 from mtrace_live.probes.program import part_constants
 from mtrace_live.probes.records import FRAME_DEPTH, UNWIND_MAP_DTYPE
 
@@ -148,40 +149,20 @@ def page_index(rows: np.ndarray) -> tuple[int, np.ndarray]:
     return base, np.clip(index, 0, None).astype(np.uint32)
 
 
-@dataclass(frozen=True)
-class Mapping:
-    """One executable file mapping of a process, as /proc/PID/maps gives it."""
-
-    start: int
-    end: int
-    offset: int
-    inode: tuple[int, int]  # (device, inode)
-    path: str
-
-
 def exec_mappings(pid: int) -> list[Mapping]:
     """``pid``'s executable mappings of files; [] when it is gone."""
     try:
-        text = (proc_dir(pid) / "maps").read_text(encoding="utf-8", errors="replace")
+        mappings = read_maps(proc_dir(pid))
     except OSError:
         return []
-    found = []
-    for line in text.splitlines():
-        fields = line.split(maxsplit=5)
-        if len(fields) < 6 or fields[1][2] != "x" or fields[4] == "0":
-            continue
-        start, end = (int(x, 16) for x in fields[0].split("-"))
-        major, minor = (int(x, 16) for x in fields[3].split(":"))
-        inode = (os.makedev(major, minor), int(fields[4]))
-        found.append(Mapping(start, end, int(fields[2], 16), inode, fields[5]))
-    return found
+    return [m for m in mappings if m.executable and m.inode[1] != 0 and m.path]
 
 
 def mapped_file(pid: int, mapping: Mapping) -> Path | None:
     """A path that opens the file ``pid`` maps: /proc/PID/map_files/ (any
     mount namespace; it needs CAP_SYS_ADMIN), else the path in the process's
     root, if the file there is the mapped one (its device and inode)."""
-    for path in (Path(f"/proc/{pid}/map_files/{mapping.start:x}-{mapping.end:x}"),
+    for path in (Path(f"/proc/{pid}/map_files/{mapping.map_files}"),
                  Path(f"{proc_dir(pid)}/root{mapping.path}")):  # fmt: skip
         try:
             with open(path, "rb"):

@@ -40,6 +40,7 @@ from elftools.elf.elffile import ELFFile
 from mtrace_live.exporters.data.processes import proc_dir
 from mtrace_live.probes.elf.debug import DEBUG_DIRECTORIES, debug_files
 from mtrace_live.probes.elf.file import LoadSegment, build_id, debuglink, load_segments, vaddr_at
+from mtrace_live.probes.elf.maps import Mapping, read_maps
 from mtrace_live.probes.elf.symbols import STT_FUNC, STT_GNU_IFUNC, symbol_table
 
 PAGE = 4096
@@ -321,15 +322,6 @@ def module_symbols(
     return found
 
 
-@dataclass(frozen=True)
-class Mapping:
-    start: int
-    end: int
-    offset: int
-    path: str  # as the process sees it
-    executable: bool = True
-
-
 class ProcessSymbols:
     """Symbolizes addresses of one process (a snapshot of its maps)."""
 
@@ -349,18 +341,11 @@ class ProcessSymbols:
             self._starts = [m.start for m in self.mappings]
             return
         try:
-            text = (where / "maps").read_text(encoding="utf-8", errors="replace")
+            found = read_maps(where)
         except OSError:
-            text = ""
-        for line in text.splitlines():
-            fields = line.split(maxsplit=5)
-            if len(fields) < 6 or not fields[5].startswith("/"):
-                continue
-            start, end = (int(part, 16) for part in fields[0].split("-"))
-            mapping = Mapping(start, end, int(fields[2], 16), fields[5], "x" in fields[1])
-            self._file_maps.append(mapping)
-            if "x" in fields[1]:
-                self.mappings.append(mapping)
+            found = []
+        self._file_maps = [m for m in found if m.is_file]
+        self.mappings = [m for m in self._file_maps if m.executable]
         self._starts = [m.start for m in self.mappings]
 
     def modules(self) -> list[Mapping]:
