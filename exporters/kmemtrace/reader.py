@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 from mtrace_live.probes.elf.errors import RecordSetError
+from mtrace_live.probes.elf.maps import Mapping as FileMapping
 
-from ..data.symbolize import Mapping as FileMapping
 from ._walker import scan
 from ._walker import unwrap as walker_unwrap
 from .abi import (
