@@ -767,15 +767,18 @@ def _start(trace: LiveTrace, request: TraceRequest,
 
 def _release(trace: LiveTrace, request: TraceRequest, sinks: Fanout, child: GatedCommand | None,
              target_pid: int | None, before_start: Callable[[], None] | None) -> None:  # fmt: skip
-    """Announce the trace, start the sinks, and let the command run."""
+    """Let the command run, announce the trace and start the sinks: once the
+    line that says the trace is on is out, the command runs (a script that
+    acts on that line, or stops the tracer then, finds it started). Its
+    first events wait in the ring for the loop."""
+    if child is not None:
+        child.release()
     announce(trace, target_pid)
     if trace.alloc_plan is not None and target_pid is not None and request.privileges_dropped:
         trace.frame_names.preload(target_pid)
     if before_start is not None:
         before_start()
     sinks.start(trace.info(target_pid))
-    if child is not None:
-        child.release()
 
 
 def _close_gate(trace: LiveTrace, child: GatedCommand | None, stop: _Stop,
@@ -839,6 +842,7 @@ def _loop(
         watch.close()
     for batch in [*settled, *_drained(trace)]:  # everything committed before the detach
         sinks.consume(batch)
+        failure = failure or _exec_failure(request, batch.records)  # an exec read last
     result = trace.result(started, ended_by, exit_code)
     _say_holds(trace)
     sinks.finish(result)
