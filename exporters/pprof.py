@@ -9,8 +9,12 @@ bytes allocated since the trace began) and ``inuse_objects`` and
 With sampling the values are the estimates (exporters/data/alloc_snapshot.py)
 and ``period`` is the mean sampling interval in bytes.
 
-The messages are encoded by the protobuf library from a descriptor built
-here from profile.proto's field numbers, so no generated code is kept.
+The profile is written by the one encoder here, straight to protobuf's
+wire format from profile.proto's field numbers: no message objects, no
+generated code. serve's profiles (HeapEncoder) keep its tables and each
+stack's encoded prefix from one profile to the next and encode the values
+as arrays; a profile written once is the same encoder used once. The
+tests read what it writes with protobuf's parser and go tool pprof.
 
 Each sample is one (process, allocating function, stack) row; its first
 location is the call site (the function that called malloc), then its
@@ -29,78 +33,111 @@ from __future__ import annotations
 
 import gzip
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from .data.alloc_snapshot import AllocSnapshot, FrameNames, StackCatalog, StackColumns, StackRow
 from .data.lock_waits import LockWaits
 from .data.sink import FileAtEndSink, TraceResult, write_file
 from .data.symbolize import Symbol
 
-# profile.proto (package perftools.profiles): message -> [(field, number, type, repeated, message)]
-_I64, _U64, _BOOL, _STR, _MSG = "int64", "uint64", "bool", "string", "message"
-SCHEMA: dict[str, list[tuple[str, int, str, bool, str]]] = {
-    "Profile": [
-        ("sample_type", 1, _MSG, True, "ValueType"), ("sample", 2, _MSG, True, "Sample"),
-        ("mapping", 3, _MSG, True, "Mapping"), ("location", 4, _MSG, True, "Location"),
-        ("function", 5, _MSG, True, "Function"), ("string_table", 6, _STR, True, ""),
-        ("drop_frames", 7, _I64, False, ""), ("keep_frames", 8, _I64, False, ""),
-        ("time_nanos", 9, _I64, False, ""), ("duration_nanos", 10, _I64, False, ""),
-        ("period_type", 11, _MSG, False, "ValueType"), ("period", 12, _I64, False, ""),
-        ("comment", 13, _I64, True, ""), ("default_sample_type", 14, _I64, False, ""),
-    ],
-    "ValueType": [("type", 1, _I64, False, ""), ("unit", 2, _I64, False, "")],
-    "Sample": [("location_id", 1, _U64, True, ""), ("value", 2, _I64, True, ""),
-               ("label", 3, _MSG, True, "Label")],
-    "Label": [("key", 1, _I64, False, ""), ("str", 2, _I64, False, ""),
-              ("num", 3, _I64, False, ""), ("num_unit", 4, _I64, False, "")],
-    "Mapping": [("id", 1, _U64, False, ""), ("memory_start", 2, _U64, False, ""),
-                ("memory_limit", 3, _U64, False, ""), ("file_offset", 4, _U64, False, ""),
-                ("filename", 5, _I64, False, ""), ("build_id", 6, _I64, False, ""),
-                ("has_functions", 7, _BOOL, False, ""), ("has_filenames", 8, _BOOL, False, ""),
-                ("has_line_numbers", 9, _BOOL, False, ""),
-                ("has_inline_frames", 10, _BOOL, False, "")],
-    "Location": [("id", 1, _U64, False, ""), ("mapping_id", 2, _U64, False, ""),
-                 ("address", 3, _U64, False, ""), ("line", 4, _MSG, True, "Line"),
-                 ("is_folded", 5, _BOOL, False, "")],
-    "Line": [("function_id", 1, _U64, False, ""), ("line", 2, _I64, False, "")],
-    "Function": [("id", 1, _U64, False, ""), ("name", 2, _I64, False, ""),
-                 ("system_name", 3, _I64, False, ""), ("filename", 4, _I64, False, ""),
-                 ("start_line", 5, _I64, False, "")],
-}  # fmt: skip
-PACKAGE = "perftools.profiles"
+
+# profile.proto (google/pprof, package perftools.profiles): the field numbers
+# of the messages written, as the wire carries them.
+class _Profile:
+    SAMPLE_TYPE, SAMPLE, MAPPING, LOCATION, FUNCTION, STRING_TABLE = 1, 2, 3, 4, 5, 6
+    TIME_NANOS, DURATION_NANOS, PERIOD_TYPE, PERIOD = 9, 10, 11, 12
+    COMMENT, DEFAULT_SAMPLE_TYPE = 13, 14
+
+
+class _ValueType:
+    TYPE, UNIT = 1, 2
+
+
+class _Sample:
+    LOCATION_ID, VALUE, LABEL = 1, 2, 3
+
+
+class _Label:
+    KEY, STR, NUM = 1, 2, 3
+
+
+class _Mapping:
+    ID, MEMORY_START, MEMORY_LIMIT, FILENAME, BUILD_ID = 1, 2, 3, 5, 6
+    HAS_FUNCTIONS, HAS_FILENAMES, HAS_LINE_NUMBERS = 7, 8, 9
+
+
+class _Location:
+    ID, MAPPING_ID, ADDRESS, LINE = 1, 2, 3, 4
+
+
+class _Line:
+    FUNCTION_ID, LINE = 1, 2
+
+
+class _Function:
+    ID, NAME, SYSTEM_NAME, FILENAME = 1, 2, 3, 4
+
+
 SAMPLE_TYPES = (("alloc_objects", "count"), ("alloc_space", "bytes"),
                 ("inuse_objects", "count"), ("inuse_space", "bytes"))  # fmt: skip
+CONTENTION_TYPES = (("contentions", "count"), ("delay", "nanoseconds"))
 
-_CLASSES: dict[str, Any] = {}
+_LENGTH_DELIMITED = 2  # the wire type of a message, a string and packed numbers
+# the varints of 0 to 2**14 - 1 (one or two bytes): ids and string indices
+_SMALL = [bytes([n]) for n in range(0x80)] + [bytes([n & 0x7F | 0x80, n >> 7])
+                                              for n in range(0x80, 0x4000)]  # fmt: skip
 
 
-def message_class(name: str) -> Any:
-    """The class of one profile.proto message, built once."""
-    if not _CLASSES:
-        types = descriptor_pb2.FieldDescriptorProto
-        kinds = {_I64: types.TYPE_INT64, _U64: types.TYPE_UINT64, _BOOL: types.TYPE_BOOL,
-                 _STR: types.TYPE_STRING, _MSG: types.TYPE_MESSAGE}  # fmt: skip
-        file = descriptor_pb2.FileDescriptorProto(
-            name="mtrace_live_profile.proto", package=PACKAGE, syntax="proto3"
-        )
-        for message, fields in SCHEMA.items():
-            proto = file.message_type.add(name=message)
-            for field, number, kind, repeated, of in fields:
-                entry = proto.field.add(name=field, number=number, type=kinds[kind])
-                entry.label = types.LABEL_REPEATED if repeated else types.LABEL_OPTIONAL
-                if of:
-                    entry.type_name = f".{PACKAGE}.{of}"
-        pool = descriptor_pool.DescriptorPool()
-        pool.Add(file)
-        for message in SCHEMA:
-            found = pool.FindMessageTypeByName(f"{PACKAGE}.{message}")
-            _CLASSES[message] = message_factory.GetMessageClass(found)
-    return _CLASSES[name]
+def _varint(number: int) -> bytes:
+    """A protobuf varint (an int64 below 0 as its 64-bit two's complement)."""
+    if 0 <= number < 0x4000:
+        return _SMALL[number]
+    if number < 0:
+        number += 1 << 64
+    out = bytearray()
+    while number >= 0x80:
+        out.append(number & 0x7F | 0x80)
+        number >>= 7
+    out.append(number)
+    return bytes(out)
+
+
+def _tag(number: int) -> bytes:
+    """The key of a length-delimited field."""
+    return _varint(number << 3 | _LENGTH_DELIMITED)
+
+
+def _framed(number: int, payload: bytes) -> bytes:
+    """A length-delimited field: a message, a string or packed numbers."""
+    return _tag(number) + _varint(len(payload)) + payload
+
+
+_KEYS = [_varint(number << 3) for number in range(16)]  # a varint field's key, by number
+
+
+def _numbers(*fields: tuple[int, int]) -> bytes:
+    """Varint fields (number, value), each of value 0 left out as proto3
+    leaves its defaults out."""
+    out: list[bytes] = []
+    for number, value in fields:
+        if value:
+            out += (_KEYS[number], _varint(value))
+    return b"".join(out)
+
+
+def _packed(number: int, values: Iterable[int]) -> bytes:
+    """A repeated number field, packed (proto3's encoding of one)."""
+    payload = b"".join(map(_varint, values))
+    return _framed(number, payload) if payload else b""
+
+
+def _label(key: int, text: int = 0, num: int = 0) -> bytes:
+    """A Sample's label, a string (``text``, its index) or a number."""
+    fields = _numbers((_Label.KEY, key), (_Label.STR, text), (_Label.NUM, num))
+    return _framed(_Sample.LABEL, fields)
 
 
 class _Strings:
@@ -116,84 +153,49 @@ class _Strings:
         return found
 
 
-def _new_profile(strings: _Strings, types: Sequence[tuple[str, str]], default: str,
-                 period: tuple[str, str, int], duration_ns: int,
-                 comments: Sequence[str]) -> Any:  # fmt: skip
-    profile = message_class("Profile")()
-    for kind, unit in types:
-        profile.sample_type.add(type=strings(kind), unit=strings(unit))
-    profile.default_sample_type = strings(default)
-    profile.period_type.type = strings(period[0])
-    profile.period_type.unit = strings(period[1])
-    profile.period = period[2]
-    profile.time_nanos = time.time_ns() - duration_ns
-    profile.duration_nanos = duration_ns
-    for text in comments:
-        profile.comment.append(strings(text))
-    return profile
+def _profile_fields(strings: _Strings, types: Sequence[tuple[str, str]], default: str,
+            period: tuple[str, str, int], time_ns: int, duration_ns: int,
+            comments: Sequence[str]) -> tuple[bytes, list[bytes]]:  # fmt: skip
+    """A Profile's fields but its samples and tables, and the string-table
+    entries of its comments, which follow the whole of ``strings``' table
+    (and are not added to it: they change from one profile to the next)."""
+
+    def value_type(kind: str, unit: str) -> bytes:
+        return _numbers((_ValueType.TYPE, strings(kind)), (_ValueType.UNIT, strings(unit)))
+
+    kind, unit, every = period
+    head = [_framed(_Profile.SAMPLE_TYPE, value_type(*pair)) for pair in types]
+    head.append(_framed(_Profile.PERIOD_TYPE, value_type(kind, unit)))
+    head.append(_numbers((_Profile.DEFAULT_SAMPLE_TYPE, strings(default)),
+                         (_Profile.PERIOD, every), (_Profile.TIME_NANOS, time_ns),
+                         (_Profile.DURATION_NANOS, duration_ns)))  # fmt: skip
+    first = len(strings.table)
+    head.append(_packed(_Profile.COMMENT, range(first, first + len(comments))))
+    return b"".join(head), [_framed(_Profile.STRING_TABLE, text.encode()) for text in comments]
+
+
+def _gzipped(pieces: Iterable[bytes], level: int) -> bytes:
+    """A profile's fields as its file holds them: gzipped, no time in the gzip header."""
+    return gzip.compress(b"".join(pieces), compresslevel=level, mtime=0)
 
 
 Labels = Callable[[int], Sequence[tuple[str, str]]]  # a process's string labels
 
 
+def _no_labels(tgid: int) -> Sequence[tuple[str, str]]:
+    return ()
+
+
 def build_profile(snapshot: AllocSnapshot, names: FrameNames, duration_ns: int = 0,
                   comments: Sequence[str] = (), default: str = "inuse_space",
-                  labels: Labels | None = None) -> Any:  # fmt: skip
-    """The Profile message of ``snapshot``; ``labels`` gives a process's
-    string labels beside ``pid``, ``allocator`` (the allocating function),
-    ``provider`` and ``provider_lib`` (serve's profiles)."""
-    strings = _Strings()
-    profile = _new_profile(strings, SAMPLE_TYPES, default,
-                           ("space", "bytes", snapshot.sample_bytes or 1), duration_ns,
-                           comments)  # fmt: skip
-    tables = _Tables(profile, strings, names)
-    pid_key, allocator_key = strings("pid"), strings("allocator")
-    extra: dict[int, list[tuple[int, int]]] = {}
-    for row in snapshot.stacks:
-        values = row.heap_values
-        if not any(values):
-            continue
-        sample = profile.sample.add()
-        sample.location_id.extend(tables.location_id(row.tgid, address) for address in row.frames)
-        sample.value.extend(values)
-        sample.label.add(key=pid_key, num=row.tgid)
-        sample.label.add(key=allocator_key, str=strings(row.function))
-        for name, text in (("provider", row.provider), ("provider_lib", row.provider_lib)):
-            if text:
-                sample.label.add(key=strings(name), str=strings(text))
-        if labels is not None:
-            if row.tgid not in extra:
-                extra[row.tgid] = [(strings(k), strings(v)) for k, v in labels(row.tgid) if v]
-            for key, value in extra[row.tgid]:
-                sample.label.add(key=key, str=value)
-    profile.string_table.extend(strings.table)
-    return profile
-
-
-_SMALL = [bytes([n]) for n in range(0x80)]
-_SAMPLE_TAG, _VALUE_TAG, _STRING_TAG = (
-    b"\x12",
-    b"\x12",
-    b"\x32",
-)  # Profile.sample, Sample.value, Profile.string_table
-
-
-def _varint(number: int) -> bytes:
-    """A protobuf varint (an int64 below 0 as its 64-bit two's complement)."""
-    if number < 0:
-        number += 1 << 64
-    if number < 0x80:
-        return _SMALL[number]
-    out = bytearray()
-    while number >= 0x80:
-        out.append(number & 0x7F | 0x80)
-        number >>= 7
-    out.append(number)
-    return bytes(out)
-
-
-def _framed(tag: bytes, payload: bytes) -> bytes:
-    return tag + _varint(len(payload)) + payload
+                  labels: Labels | None = None) -> bytes:  # fmt: skip
+    """The profile of ``snapshot``, gzipped, as its file holds it, dated at
+    the trace's start; ``labels`` gives a process's string labels beside
+    ``pid``, ``allocator`` (the allocating function), ``provider`` and
+    ``provider_lib``."""
+    return HeapEncoder(names).encode(snapshot.stacks, labels or _no_labels, snapshot.sample_bytes,
+                                     default, duration_ns, comments,
+                                     time_ns=time.time_ns() - duration_ns, level=9)  # fmt: skip
 
 
 class HeapEncoder:
@@ -212,9 +214,7 @@ class HeapEncoder:
 
     def _start(self) -> None:
         self.strings = _Strings()
-        self._dictionary = message_class("Profile")()  # locations, functions, mappings
-        self.tables = _Tables(self._dictionary, self.strings, self.names)
-        self._dictionary_bytes = (0, 0, 0, b"")
+        self.tables = _Tables(self.strings, self.names)
         self._encoded_strings: list[bytes] = []
         self._catalog: StackCatalog | None = None
         self._prefixes: list[bytes | None] = []  # by key number: location ids and labels, encoded
@@ -233,35 +233,27 @@ class HeapEncoder:
                 self._prefixes[number] = None
         self.tables.forget(gone)
         kept = sum(prefix is not None for prefix in self._prefixes)
-        if len(self._dictionary.location) > 4 * kept + 100_000:
+        if self.tables.count[_Profile.LOCATION] > 4 * kept + 100_000:
             self._start()
 
     def encode(self, rows: Sequence[StackRow], labels: Labels, sample_bytes: int,
                default: str, duration_ns: int, comments: Sequence[str],
                others: Mapping[int, Sequence[int]] | None = None,
-               ended_ns: int | None = None) -> bytes:  # fmt: skip
-        """The gzipped profile of ``rows``, as ``build_profile`` makes it;
-        ``others``: a process's stacks left out, summed (its four values),
-        as one sample at the function OTHER_STACKS. Dated ``ended_ns`` (the
-        time the tables were read; now if not given): a delta's end, as Go
-        dates its second reading."""
+               time_ns: int | None = None, level: int = 1) -> bytes:  # fmt: skip
+        """The gzipped profile of ``rows``; ``others``: a process's stacks
+        left out, summed (its four values), as one sample at the function
+        OTHER_STACKS. Dated ``time_ns`` (now if not given): serve dates a
+        profile when it read the tables, a delta at its end, as Go dates
+        its second reading."""
         samples = self._samples(StackColumns.of(rows), labels)
         samples += self._other_samples(others or {}, labels)
-        header = message_class("Profile")()
-        for kind, unit in SAMPLE_TYPES:
-            header.sample_type.add(type=self.strings(kind), unit=self.strings(unit))
-        header.default_sample_type = self.strings(default)
-        header.period_type.type = self.strings("space")
-        header.period_type.unit = self.strings("bytes")
-        header.period = sample_bytes or 1
-        header.time_nanos = time.time_ns() if ended_ns is None else ended_ns
-        header.duration_nanos = duration_ns
+        header, notes = _profile_fields(self.strings, SAMPLE_TYPES, default,
+                                ("space", "bytes", sample_bytes or 1),
+                                time.time_ns() if time_ns is None else time_ns, duration_ns,
+                                comments)  # fmt: skip
         self._encode_strings()
-        extra = [_framed(_STRING_TAG, text.encode()) for text in comments]
-        header.comment.extend(range(len(self.strings.table), len(self.strings.table) + len(extra)))
-        raw = b"".join([header.SerializeToString(), self._dictionary_encoded(), *samples,
-                        *self._encoded_strings, *extra])  # fmt: skip
-        return gzip.compress(raw, compresslevel=1, mtime=0)
+        return _gzipped([header, self.tables.encoded(), *samples, *self._encoded_strings, *notes],
+                        level)  # fmt: skip
 
     def _samples(self, rows: StackColumns, labels: Labels) -> list[bytes]:
         """The rows' Samples (but those whose values are all 0), each framed
@@ -284,15 +276,10 @@ class HeapEncoder:
         location of OTHER_STACKS, and its process's labels."""
         if not others:
             return []
-        location = self.tables.other_location()
-        framed = []
-        for tgid, values in sorted(others.items()):
-            sample = message_class("Sample")()
-            sample.location_id.append(location)
-            sample.value.extend(int(v) for v in values)
-            head = bytes(sample.SerializeToString())
-            framed.append(_framed(_SAMPLE_TAG, head + self._labels_encoded(tgid, (), labels)))
-        return framed
+        location = _framed(_Sample.LOCATION_ID, self.tables.other_location())
+        return [_framed(_Profile.SAMPLE, location + _packed(_Sample.VALUE, map(int, values))
+                        + self._labels_encoded(tgid, (), labels))
+                for tgid, values in sorted(others.items())]  # fmt: skip
 
     def _prefixes_of(self, rows: StackColumns, labels: Labels) -> list[bytes]:
         """Each row's prefix, those of keys not seen before (or whose labels
@@ -321,35 +308,21 @@ class HeapEncoder:
         return [prefixes[number] for number in numbers]
 
     def _locations(self, tgid: int, frames: Sequence[int]) -> bytes:
-        """A Sample holding the location ids of ``frames``, encoded."""
-        sample = message_class("Sample")()
-        sample.location_id.extend(self.tables.location_id(tgid, a) for a in frames)
-        return bytes(sample.SerializeToString())
+        """A Sample's location ids of ``frames``, encoded."""
+        return self.tables.location_ids(tgid, frames)
 
     def _labels_encoded(self, tgid: int, function: tuple[str, ...], labels: Labels) -> bytes:
-        """A Sample holding a process's labels and its allocating function's
+        """A Sample's labels: its process's and its allocating function's
         (the function, then the provider and its file, when told), encoded."""
-        sample = message_class("Sample")()
-        sample.label.add(key=self.strings("pid"), num=tgid)
-        for key, value in zip(("allocator", "provider", "provider_lib"), function, strict=False):
-            if value:
-                sample.label.add(key=self.strings(key), str=self.strings(value))
-        for key, value in labels(tgid):
-            if value:
-                sample.label.add(key=self.strings(key), str=self.strings(value))
-        return bytes(sample.SerializeToString())
-
-    def _dictionary_encoded(self) -> bytes:
-        """The locations, functions and mappings, encoded again only when added to."""
-        sizes = (len(self._dictionary.location), len(self._dictionary.function),
-                 len(self._dictionary.mapping))  # fmt: skip
-        if sizes != self._dictionary_bytes[:3]:
-            self._dictionary_bytes = (*sizes, self._dictionary.SerializeToString())
-        return self._dictionary_bytes[3]
+        named = [*zip(("allocator", "provider", "provider_lib"), function, strict=False),
+                 *labels(tgid)]  # fmt: skip
+        return _label(self.strings("pid"), num=tgid) + b"".join(
+            _label(self.strings(key), self.strings(value)) for key, value in named if value
+        )
 
     def _encode_strings(self) -> None:
         for text in self.strings.table[len(self._encoded_strings) :]:
-            self._encoded_strings.append(_framed(_STRING_TAG, text.encode()))
+            self._encoded_strings.append(_framed(_Profile.STRING_TABLE, text.encode()))
 
 
 # The function of the one sample per process that sums the stacks a
@@ -398,46 +371,62 @@ def _sample_frames(prefix_lengths: np.ndarray, values: np.ndarray) -> tuple[byte
     packed_lengths = widths.reshape(rows, -1).sum(axis=1)
     length, length_widths = _varints(prefix_lengths + 2 + packed_lengths)
     ones = np.ones(rows, np.int64)
-    value_heads = np.column_stack([np.full(rows, _VALUE_TAG[0]), packed_lengths]).astype(np.uint8)
+    value_tag = np.full(rows, _tag(_Sample.VALUE)[0])
+    value_heads = np.column_stack([value_tag, packed_lengths]).astype(np.uint8)
     flat, begins = _joined_rows([
-        (np.full(rows, _SAMPLE_TAG[0], np.uint8), ones), (length, length_widths),
+        (np.full(rows, _tag(_Profile.SAMPLE)[0], np.uint8), ones), (length, length_widths),
         (value_heads.reshape(-1), 2 * ones), (packed, packed_lengths),
     ])  # fmt: skip
     return flat.tobytes(), begins + 1 + length_widths
 
 
-CONTENTION_TYPES = (("contentions", "count"), ("delay", "nanoseconds"))
-
-
 def build_contention_profile(waits: LockWaits, names: FrameNames, duration_ns: int = 0,
-                             comments: Sequence[str] = ()) -> Any:  # fmt: skip
-    """The contention Profile message of ``waits``' stacks."""
+                             comments: Sequence[str] = ()) -> bytes:  # fmt: skip
+    """The contention profile of ``waits``' stacks, gzipped, as its file
+    holds it, dated at the trace's start."""
     strings = _Strings()
-    profile = _new_profile(strings, CONTENTION_TYPES, "delay", ("contentions", "count", 1),
-                           duration_ns, comments)  # fmt: skip
-    tables = _Tables(profile, strings, names)
+    tables = _Tables(strings, names)
     pid_key, lock_key = strings("pid"), strings("lock")
-    for row in waits.stacks:
-        if not row.times.count:
-            continue
-        sample = profile.sample.add()
-        sample.location_id.extend(tables.location_id(row.pid, address) for address in row.frames)
-        sample.value.extend([row.times.count, row.times.total_ns])
-        sample.label.add(key=pid_key, num=row.pid)
-        sample.label.add(key=lock_key, str=strings(row.kind))
-    profile.string_table.extend(strings.table)
-    return profile
+    samples = [_framed(_Profile.SAMPLE, b"".join([
+        tables.location_ids(row.pid, row.frames),
+        _packed(_Sample.VALUE, [row.times.count, row.times.total_ns]),
+        _label(pid_key, num=row.pid), _label(lock_key, strings(row.kind))]))
+        for row in waits.stacks if row.times.count]  # fmt: skip
+    header, notes = _profile_fields(strings, CONTENTION_TYPES, "delay", ("contentions", "count", 1),
+                            time.time_ns() - duration_ns, duration_ns, comments)  # fmt: skip
+    table = [_framed(_Profile.STRING_TABLE, text.encode()) for text in strings.table]
+    return _gzipped([header, tables.encoded(), *samples, *table, *notes], 9)
 
 
 class _Tables:
-    """A profile's locations, functions and mappings, each added once, with
-    the ids samples refer to them by."""
+    """A profile's locations, functions and mappings, each added once and
+    encoded as it is added, with the ids samples refer to them by."""
 
-    def __init__(self, profile: Any, strings: _Strings, names: FrameNames) -> None:
-        self.profile, self.strings, self.names = profile, strings, names
-        self.locations: dict[tuple[int, int], int] = {}
+    def __init__(self, strings: _Strings, names: FrameNames) -> None:
+        self.strings, self.names = strings, names
+        self.locations: dict[tuple[int, int], bytes] = {}  # each one's id, as a varint
         self.functions: dict[tuple[str, str], int] = {}
         self.mappings: dict[tuple[int, str], int] = {}
+        # by Profile's field: each entry encoded, and how many there are
+        self._encoded: dict[int, list[bytes]] = {
+            _Profile.MAPPING: [], _Profile.LOCATION: [], _Profile.FUNCTION: []}  # fmt: skip
+        self.count = {field: 0 for field in self._encoded}
+        self._joined: tuple[tuple[int, ...], bytes] = ((), b"")
+
+    def _add(self, field: int, payload: bytes) -> None:
+        self._encoded[field].append(_framed(field, payload))
+
+    def _next_id(self, field: int) -> int:
+        self.count[field] += 1
+        return self.count[field]
+
+    def encoded(self) -> bytes:
+        """The mappings, locations and functions, joined again only when added to."""
+        sizes = tuple(self.count.values())
+        if sizes != self._joined[0]:
+            joined = b"".join(e for entries in self._encoded.values() for e in entries)
+            self._joined = (sizes, joined)
+        return self._joined[1]
 
     def mapping_id(self, tgid: int, symbol: Symbol | None) -> int:
         if symbol is None or symbol.span is None:
@@ -445,24 +434,26 @@ class _Tables:
         key = (tgid, symbol.module)
         found = self.mappings.get(key)
         if found is None:
-            found = self.mappings[key] = len(self.profile.mapping) + 1
+            found = self.mappings[key] = self._next_id(_Profile.MAPPING)
             start, end = symbol.span
-            self.profile.mapping.add(id=found, memory_start=start, memory_limit=end,
-                                     filename=self.strings(symbol.module),
-                                     build_id=self.strings(symbol.build_id or ""),
-                                     has_functions=True,
-                                     has_filenames=symbol.location is not None,
-                                     has_line_numbers=symbol.location is not None)  # fmt: skip
+            located = int(symbol.location is not None)
+            self._add(_Profile.MAPPING, _numbers(
+                (_Mapping.ID, found), (_Mapping.MEMORY_START, start), (_Mapping.MEMORY_LIMIT, end),
+                (_Mapping.FILENAME, self.strings(symbol.module)),
+                (_Mapping.BUILD_ID, self.strings(symbol.build_id or "")),
+                (_Mapping.HAS_FUNCTIONS, 1), (_Mapping.HAS_FILENAMES, located),
+                (_Mapping.HAS_LINE_NUMBERS, located)))  # fmt: skip
         return found
 
     def function_id(self, name: str, filename: str, system_name: str | None = None) -> int:
         key = (name, filename)
         found = self.functions.get(key)
         if found is None:
-            found = self.functions[key] = len(self.profile.function) + 1
-            self.profile.function.add(id=found, name=self.strings(name),
-                                      system_name=self.strings(system_name or name),
-                                      filename=self.strings(filename))  # fmt: skip
+            found = self.functions[key] = self._next_id(_Profile.FUNCTION)
+            self._add(_Profile.FUNCTION, _numbers(
+                (_Function.ID, found), (_Function.NAME, self.strings(name)),
+                (_Function.SYSTEM_NAME, self.strings(system_name or name)),
+                (_Function.FILENAME, self.strings(filename))))  # fmt: skip
         return found
 
     def forget(self, tgids: set[int]) -> None:
@@ -471,28 +462,38 @@ class _Tables:
         self.locations = {key: id_ for key, id_ in self.locations.items() if key[0] not in tgids}
         self.mappings = {key: id_ for key, id_ in self.mappings.items() if key[0] not in tgids}
 
-    def other_location(self) -> int:
+    def other_location(self) -> bytes:
         """The location of the stacks a bounded profile left out (no
-        address, no mapping: the function OTHER_STACKS)."""
+        address, no mapping: the function OTHER_STACKS): its id's varint."""
         found = self.locations.get(_OTHER_KEY)
         if found is None:
-            found = self.locations[_OTHER_KEY] = len(self.profile.location) + 1
-            location = self.profile.location.add(id=found)
-            location.line.add(function_id=self.function_id(OTHER_STACKS, ""))
+            number = self._next_id(_Profile.LOCATION)
+            line = _numbers((_Line.FUNCTION_ID, self.function_id(OTHER_STACKS, "")))
+            self._add(_Profile.LOCATION, _numbers((_Location.ID, number))
+                      + _framed(_Location.LINE, line))  # fmt: skip
+            found = self.locations[_OTHER_KEY] = _varint(number)
         return found
 
-    def location_id(self, tgid: int, address: int) -> int:
-        key = (tgid, address)
-        found = self.locations.get(key)
-        if found is None:
-            found = self.locations[key] = len(self.profile.location) + 1
-            symbol = self.names.resolve(tgid, address)
-            mapping = self.mapping_id(tgid, symbol)
-            location = self.profile.location.add(id=found, address=address, mapping_id=mapping)
-            if symbol is not None and symbol.function is not None:
-                filename, line = _place(symbol.location)
-                function = self.function_id(symbol.function, filename, symbol.system_name)
-                location.line.add(function_id=function, line=line)
+    def location_ids(self, tgid: int, frames: Sequence[int]) -> bytes:
+        """A Sample's location ids, those of ``frames`` (leaf first), encoded."""
+        found = self.locations
+        ids = [found.get((tgid, a)) or self._location(tgid, a) for a in frames]
+        return _framed(_Sample.LOCATION_ID, b"".join(ids)) if ids else b""
+
+    def _location(self, tgid: int, address: int) -> bytes:
+        """A location added: its id's varint."""
+        number = self._next_id(_Profile.LOCATION)
+        symbol = self.names.resolve(tgid, address)
+        fields = _numbers((_Location.ID, number),
+                          (_Location.MAPPING_ID, self.mapping_id(tgid, symbol)),
+                          (_Location.ADDRESS, address))  # fmt: skip
+        if symbol is not None and symbol.function is not None:
+            filename, line = _place(symbol.location)
+            function = self.function_id(symbol.function, filename, symbol.system_name)
+            fields += _framed(_Location.LINE, _numbers((_Line.FUNCTION_ID, function),
+                                                       (_Line.LINE, line)))  # fmt: skip
+        self._add(_Profile.LOCATION, fields)
+        found = self.locations[tgid, address] = _varint(number)
         return found
 
 
@@ -503,31 +504,25 @@ def _place(location: str | None) -> tuple[str, int]:
     return (filename, int(line)) if line.isdigit() else (location, 0)
 
 
-def profile_bytes(profile: Any) -> bytes:
-    """The profile as its file holds it: gzipped, without a time in the header."""
-    return gzip.compress(profile.SerializeToString(), mtime=0)
-
-
-def write_profile(path: Path, profile: Any) -> None:
-    write_file(path, profile_bytes(profile))
+def write_profile(path: Path, profile: bytes) -> None:
+    write_file(path, profile)
 
 
 class _ProfileSink(FileAtEndSink):
     """A profile written to a file when the trace ends."""
 
-    def profile(self, result: TraceResult) -> Any:
-        """The Profile message, or None when the trace has nothing for it."""
+    def profile(self, result: TraceResult) -> bytes | None:
+        """The gzipped profile, or None when the trace has nothing for it."""
         raise NotImplementedError
 
     def content(self, result: TraceResult) -> bytes | None:
-        profile = self.profile(result)
-        return None if profile is None else profile_bytes(profile)
+        return self.profile(result)
 
 
 class PprofSink(_ProfileSink):
     """``--pprof FILE``: allocations by call stack."""
 
-    def profile(self, result: TraceResult) -> Any:
+    def profile(self, result: TraceResult) -> bytes | None:
         if result.allocations is None:
             return None
         allocs = result.allocations
@@ -539,7 +534,7 @@ class PprofSink(_ProfileSink):
 class ContentionSink(_ProfileSink):
     """``--pprof-mutex FILE``: lock waits by the waiting thread's stack."""
 
-    def profile(self, result: TraceResult) -> Any:
+    def profile(self, result: TraceResult) -> bytes | None:
         if result.lock_waits is None:
             return None
         waits = result.lock_waits

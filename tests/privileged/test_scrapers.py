@@ -7,7 +7,6 @@ status, its headers and the profile as go tool pprof parses it."""
 
 from __future__ import annotations
 
-import gzip
 import os
 import re
 import signal
@@ -21,8 +20,8 @@ from typing import Any
 from urllib.parse import urlencode
 
 import yaml
-from mtrace_live.exporters.pprof import message_class
 
+from ..unit.profile_proto import parsed as read_profile
 from .test_heap_profiles import Workload, by_function, go_raw, truth_by_function
 from .test_serve import free_port, start_serve, stop
 from .tracing import Reaper, wait_until
@@ -43,7 +42,7 @@ class Got:
             self.status, self.headers, self.body = exc.code, exc.headers, exc.read()
 
     def profile(self) -> Any:
-        return message_class("Profile").FromString(gzip.decompress(self.body))
+        return read_profile(self.body)
 
 
 def parca_url(base: str, job: dict[str, Any], profile: str, comm: str) -> str:

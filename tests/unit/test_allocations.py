@@ -6,7 +6,6 @@ the tail-call detection that decides which functions get a probe."""
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import io
 import json
 import math
@@ -27,7 +26,7 @@ from mtrace_live.exporters.data.alloc_snapshot import (
 from mtrace_live.exporters.data.events import EventDecoder
 from mtrace_live.exporters.data.symbolize import Symbol
 from mtrace_live.exporters.lines import stack_table_json
-from mtrace_live.exporters.pprof import build_profile, message_class, write_profile
+from mtrace_live.exporters.pprof import build_profile, write_profile
 from mtrace_live.exporters.prometheus import AllocFigures, MtraceCollector
 from mtrace_live.probes.alloc_sites import alloc_sites, tail_call
 from mtrace_live.probes.records import (
@@ -49,6 +48,7 @@ from prometheus_client import CollectorRegistry
 from rich.console import Console
 
 from .needs import needs
+from .profile_proto import parsed
 
 PID = 4242
 MAIN, LEAKER, CHURN, GARBAGE = 0x401000, 0x401100, 0x401200, 0xDEAD0000BEEF
@@ -128,8 +128,7 @@ def test_the_pprof_profile_reads_back_with_the_four_sample_types(tmp_path: Path)
     path = tmp_path / "heap.pb.gz"
     write_profile(path, build_profile(snap, KnownNames(), 5_000_000_000))
     # WHEN it is parsed back as a profile.proto Profile
-    profile = message_class("Profile")()
-    profile.ParseFromString(gzip.decompress(path.read_bytes()))
+    profile = parsed(path.read_bytes())
     strings = list(profile.string_table)
     types = [(strings[t.type], strings[t.unit]) for t in profile.sample_type]
     # THEN its types are a heap profile's, inuse_space the default

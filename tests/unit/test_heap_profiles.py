@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import gzip
 import subprocess
 import threading
 import time
@@ -41,10 +40,11 @@ from mtrace_live.exporters.heap_profiles import (
     container_of,
     parse_query,
 )
-from mtrace_live.exporters.pprof import message_class
 from mtrace_live.exporters.profile_serving import ProfileChannel, ProfilesApp
 from mtrace_live.exporters.web import MetricsEndpoint, WebConfig
 from prometheus_client import CollectorRegistry
+
+from .profile_proto import message_class, parsed
 
 APP, DB = 4101, 4102  # two processes of the tables below
 HEX = "0123456789abcdef" * 4  # a 64-digit container id
@@ -107,7 +107,7 @@ def profiles(snapshot: AllocSnapshot | None) -> tuple[HeapProfiles, Tables]:
 
 
 def decoded(body: bytes) -> Any:
-    return message_class("Profile").FromString(gzip.decompress(body))
+    return parsed(body)
 
 
 def samples(profile: Any) -> dict[tuple[int, str], tuple[list[int], dict[str, str]]]:
@@ -534,8 +534,8 @@ def contents(profile: Any) -> set[tuple[tuple[int, ...], tuple[str, ...], tuple[
     return found
 
 
-def test_the_encoder_holds_what_build_profile_holds_and_keeps_up_with_the_tables() -> None:
-    from mtrace_live.exporters.pprof import HeapEncoder, build_profile
+def test_the_encoder_holds_each_row_and_keeps_up_with_the_tables() -> None:
+    from mtrace_live.exporters.pprof import HeapEncoder
 
     rows = [stack(APP, 0x401100, 10, 64, 4),
             replace(stack(DB, 0x401200, 3, 100, 0), provider="jemalloc",
@@ -550,7 +550,18 @@ def test_the_encoder_holds_what_build_profile_holds_and_keeps_up_with_the_tables
         return decoded(body)
 
     def expected(rows: list[StackRow]) -> Any:
-        return contents(build_profile(tables(*rows), Names(), labels=extra.__getitem__))
+        """Each row as the test wrote it: its four heap values (no sampling),
+        its frames named as Names names them, its process's labels."""
+        found = set()
+        for row in rows:
+            named = (("pid", row.tgid), ("allocator", row.function),
+                     *(("provider", row.provider),) * bool(row.provider),
+                     *(("provider_lib", row.provider_lib),) * bool(row.provider_lib),
+                     *extra[row.tgid])  # fmt: skip
+            frames = tuple(f"f{a:x}" if a < 0x500000 else hex(a) for a in row.frames)
+            values = (row.calls, row.bytes, row.calls - row.frees, row.bytes - row.bytes_freed)
+            found.add((values, frames, tuple(sorted(named))))
+        return found
 
     # WHEN the rows are encoded, then again with new values and DB's labels
     # changed, then with DB gone

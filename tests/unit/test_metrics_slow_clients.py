@@ -8,7 +8,6 @@ delta profile is held past it for its seconds."""
 from __future__ import annotations
 
 import contextlib
-import gzip
 import http.client
 import socket
 import ssl
@@ -18,12 +17,12 @@ from typing import Any
 
 import pytest
 from mtrace_live.exporters import web
-from mtrace_live.exporters.pprof import message_class
 from mtrace_live.exporters.profile_serving import ProfilesApp
 from mtrace_live.exporters.prometheus import MtraceCollector
 from mtrace_live.exporters.web import MetricsEndpoint, WebConfig, load_web_config
 from prometheus_client import CollectorRegistry
 
+from .profile_proto import parsed
 from .test_heap_profiles import APP, profiles, stack, tables
 from .test_prometheus_export import HITS, snapshot
 
@@ -93,7 +92,7 @@ def scrape(endpoint: MetricsEndpoint, tls: ssl.SSLContext | None, path: str = "/
         response = connection.getresponse()
         body = response.read()
         if path.startswith("/debug/pprof/"):
-            profile = message_class("Profile").FromString(gzip.decompress(body))
+            profile = parsed(body)
             return response.status if len(profile.sample) == 1 else -1
         return response.status if b"mtrace_libc_probe_hits_total" in body else -1
     finally:
@@ -190,5 +189,5 @@ def test_a_delta_profile_is_held_past_the_request_deadline(
         endpoint.close()
     # THEN it is answered, 2 s long, not cut at the deadline
     assert response.status == 200
-    profile = message_class("Profile").FromString(gzip.decompress(body))
+    profile = parsed(body)
     assert profile.duration_nanos >= 2_000_000_000

@@ -101,8 +101,8 @@ def _user_output(fmt: str, result: Report, source: Path, wrappers: tuple[str, ..
     else:
         import sys
 
-        from mtrace_live.exporters.pprof import build_profile, profile_bytes
+        from mtrace_live.exporters.pprof import build_profile
 
-        profile = build_profile(snapshot, names, comments=[f"mtrace-live report {source}"])
-        sys.stdout.buffer.write(profile_bytes(profile))
+        comment = f"mtrace-live report {source}"
+        sys.stdout.buffer.write(build_profile(snapshot, names, comments=[comment]))
         sys.stdout.buffer.flush()
