@@ -5,11 +5,11 @@ x86-64 it emulates a few (``push`` of a register, ``jmp``, ``call``, the
 conditional jumps, ``nop``) and single-steps every other one out of line:
 about 0.65-0.7 us a hit against 9.4 us on this machine's Linux 6.18
 (``free``'s first instruction is ``test %rdi,%rdi``). So each site is the
-first instruction on the straight path from the function's entry that the
-kernel emulates and before which no instruction has written an argument
-register: every call passes through it, with its arguments intact. Where
-there is none in the first bytes, the entry is used, and marked
-single-stepped.
+one probes/uprobe_sites.py chooses from the function's entry: the first
+instruction on the straight path that the kernel emulates, before which
+nothing has written an argument register or the stack: every call passes
+through it, with its arguments intact. Where there is none in the first
+bytes, the entry is used, and marked single-stepped.
 
 The functions are found in the libc's dynamic symbol table, so this works on
 any glibc, with or without SDT notes or debug info; the instructions are
@@ -18,7 +18,7 @@ decoded with capstone.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +31,7 @@ from elftools.elf.sections import SymbolTableSection
 from .elf.file import code_at, open_elf
 from .elf.symbols import STT_FUNC, STT_GNU_IFUNC, symbol_table
 from .records import SITE_REG_BITS, SITE_REG_SHIFT, SiteReg
+from .uprobe_sites import disassemble, first_emulated, jump_targets
 
 # The allocation functions and the registers holding their arguments (SysV
 # x86-64 calling convention), in order.
@@ -50,20 +51,6 @@ ALLOC_FUNCTIONS: Mapping[str, tuple[str, ...]] = {
 # functions, and jemalloc's xallocx(ptr, size, extra, flags), which resizes in place.
 KIND_ARGUMENTS: Mapping[str, tuple[str, ...]] = {**ALLOC_FUNCTIONS, "xallocx": ("rdi", "rsi")}
 SCAN_BYTES = 64  # how far from the entry a site is looked for
-
-# The 64-bit register each narrower name is part of.
-_WIDE = {
-    **{f"{r}{s}": f"r{r}" for r in ("8", "9", "10", "11", "12", "13", "14", "15")
-       for s in ("", "d", "w", "b")},
-    **{n: "rdi" for n in ("rdi", "edi", "di", "dil")},
-    **{n: "rsi" for n in ("rsi", "esi", "si", "sil")},
-    **{n: "rdx" for n in ("rdx", "edx", "dx", "dl", "dh")},
-    **{n: "rcx" for n in ("rcx", "ecx", "cx", "cl", "ch")},
-    **{n: "rax" for n in ("rax", "eax", "ax", "al", "ah")},
-    **{n: "rbx" for n in ("rbx", "ebx", "bx", "bl", "bh")},
-    **{n: "rbp" for n in ("rbp", "ebp", "bp", "bpl")},
-    **{n: "rsp" for n in ("rsp", "esp", "sp", "spl")},
-}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -96,80 +83,15 @@ class AllocSite:
         return self.address - self.entry
 
 
-def emulated(insn: capstone.CsInsn) -> bool:
-    """The kernel emulates this instruction for a uprobe (arch/x86/kernel/uprobes.c:
-    branch_setup_xol_ops and push_setup_xol_ops)."""
-    groups = set(insn.groups)
-    if insn.mnemonic == "push" and len(insn.operands) == 1:
-        return bool(insn.operands[0].type == x86.X86_OP_REG)
-    if insn.mnemonic == "nop" and insn.size == 1:
-        return True
-    if insn.mnemonic in ("jmp", "call"):
-        return bool(insn.operands[0].type == x86.X86_OP_IMM)  # relative, not through memory
-    return capstone.CS_GRP_JUMP in groups and insn.mnemonic.startswith("j")
-
-
-def choose(code: bytes, entry: int, arguments: Iterable[str]) -> tuple[int, str, bool]:
-    """(address, instruction, emulated) of the site in ``code`` (the bytes
-    from ``entry``): the first emulated instruction before any write to an
-    argument register, else the entry."""
-    return choose_site(code, entry, tuple(arguments))[:3]
-
-
 def choose_site(code: bytes, entry: int, arguments: tuple[str, ...],
                 follow_moves: bool = False) -> tuple[int, str, bool, tuple[str, ...]]:  # fmt: skip
-    """``choose``, and where each argument is at the site. With
-    ``follow_moves`` an argument copied to another register (``mov rsi,
-    rdi``) is followed there, and the site may lie past instructions that
-    overwrite its first register, so long as every argument is still in
-    one (mimalloc's mi_malloc moves the size to rsi, then loads its heap
-    into rdi): the handler then reads it where it went (the site's cookie,
-    ``site_cookie``)."""
-    disassembler = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
-    disassembler.detail = True
-    held = [{register} for register in arguments]  # the registers holding each argument
-    first: capstone.CsInsn | None = None
-    for insn in disassembler.disasm(code, entry):
-        first = first or insn
-        if emulated(insn):
-            where = tuple(arg if arg in now else min(now, key=_REGISTERS.index)
-                          for arg, now in zip(arguments, held, strict=True))  # fmt: skip
-            return insn.address, f"{insn.mnemonic} {insn.op_str}".strip(), True, where
-        _, written = insn.regs_access()
-        wide = {_WIDE.get(insn.reg_name(reg), "") for reg in written}
-        # The site must also see the return address at the top of the
-        # stack (the call site, read there): nothing before it moves rsp.
-        if "rsp" in wide or insn.mnemonic in ("ret", "hlt", "ud2"):
-            break
-        copy = _register_copy(insn) if follow_moves else None
-        for now in held:
-            copied = copy is not None and copy[1] in now
-            now -= wide
-            if copied and copy is not None:
-                now.add(copy[0])
-        if not all(held):
-            break
-    if first is None:
-        raise ValueError(f"no instruction at {entry:#x}")
-    return entry, f"{first.mnemonic} {first.op_str}".strip(), False, arguments
-
-
-# The registers an argument may be read from at a site (records.h's enum
-# site_reg), in the order one is preferred when it is in several.
-_REGISTERS = ("rdi", "rsi", "rdx", "rcx", "r8", "r9", "rax", "r10", "r11", "rbx", "rbp",
-              "r12", "r13", "r14", "r15")  # fmt: skip
-
-
-def _register_copy(insn: capstone.CsInsn) -> tuple[str, str] | None:
-    """(destination, source) of a whole 64-bit register copied to another
-    (``mov rsi, rdi``), or None."""
-    if insn.mnemonic != "mov" or len(insn.operands) != 2:
-        return None
-    target, source = insn.operands
-    if target.type != x86.X86_OP_REG or source.type != x86.X86_OP_REG:
-        return None
-    names = insn.reg_name(target.reg), insn.reg_name(source.reg)
-    return names if all(name in _REGISTERS for name in names) else None
+    """(address, instruction, emulated, where each argument is) of the site
+    in ``code`` (the bytes from ``entry``): probes/uprobe_sites.py's
+    ``first_emulated`` from the entry, before a write to an argument
+    register or the stack, where no jump in ``code`` lands; else the entry."""
+    insns = disassemble(code, entry)
+    site = first_emulated(insns, entry, arguments, jump_targets(insns), follow_moves=follow_moves)
+    return site.address, site.instruction, site.emulated, site.registers
 
 
 def site_cookie(registers: tuple[str, ...], standard: tuple[str, ...]) -> int:
@@ -240,10 +162,8 @@ def tail_call(code: bytes, entry: int, targets: Mapping[int, str]) -> str | None
     NULL) or to the same jump: one that leads elsewhere (mimalloc's
     mi_heap_malloc_aligned jumps to mi_heap_malloc_small for small sizes
     only) makes it no tail call."""
-    disassembler = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
-    disassembler.detail = True
     ends: set[int | None] = set()  # where each branch taken leads (_branch_end)
-    for insn in disassembler.disasm(code, entry):
+    for insn in disassemble(code, entry):
         if insn.mnemonic in ("ret", "hlt", "ud2", "call"):
             return None
         operand = insn.operands[0] if insn.operands else None
@@ -268,9 +188,7 @@ def _branch_end(code: bytes, entry: int, address: int) -> int | None:
     again, or runs out of ``code``)."""
     if not entry <= address < entry + len(code):
         return None
-    disassembler = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
-    disassembler.detail = True
-    for insn in disassembler.disasm(code[address - entry :], address):
+    for insn in disassemble(code[address - entry :], address):
         if insn.mnemonic == "ret":
             return RETURNS
         if insn.mnemonic == "jmp" and insn.operands[0].type == x86.X86_OP_IMM:

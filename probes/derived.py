@@ -37,7 +37,6 @@ import capstone
 from capstone import x86
 from elftools.elf.elffile import ELFFile
 
-from .alloc_sites import _WIDE, emulated
 from .debuginfo import Code, DebugInfo
 from .elf.debug import find_debug_file
 from .elf.errors import DebugInfoError, NotGlibcError
@@ -45,6 +44,7 @@ from .elf.file import ELF_FAILURES, code_at, file_offset, load_segments
 from .elf.symbols import STT_FUNC, symbols_by_name
 from .locations import REGISTERS, ArgKind, ArgLocation, SiteLayout
 from .sdt_notes import SdtSite
+from .uprobe_sites import disassemble, first_emulated, jump_targets, written
 
 EXACT, APPROXIMATE, UNAVAILABLE = "exact", "approximate", "unavailable"
 SYSCALL, SYMBOL, DEBUG = "syscall", "exported symbol", "debug info"
@@ -202,48 +202,17 @@ class _Function:
         raise ValueError(f"{address:#x} is not an instruction of {self.name}")
 
 
-def _disassembler() -> capstone.Cs:
-    cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
-    cs.detail = True
-    return cs
-
-
 def _function(elf: ELFFile, name: str, start: int, size: int) -> _Function:
-    insns = list(_disassembler().disasm(code_at(elf, start, start + size)[0], start))
-    targets = set()
-    for insn in insns:
-        if insn.mnemonic.startswith("j") or insn.mnemonic == "call":
-            operand = insn.operands[0] if insn.operands else None
-            if operand is not None and operand.type == x86.X86_OP_IMM:
-                targets.add(int(operand.imm))
-    return _Function(name, start, insns, targets)
-
-
-def _written(insn: capstone.CsInsn) -> set[str]:
-    _, written = insn.regs_access()
-    return {_WIDE.get(insn.reg_name(reg), insn.reg_name(reg)) for reg in written}
-
-
-def _insn_text(insn: capstone.CsInsn) -> str:
-    return f"{insn.mnemonic} {insn.op_str}".strip()
+    insns = disassemble(code_at(elf, start, start + size)[0], start)
+    return _Function(name, start, insns, jump_targets(insns))
 
 
 def choose_from(fn: _Function, anchor: int, registers: Iterable[str]) -> tuple[int, str, bool]:
-    """(address, instruction, emulated): the first instruction the kernel
-    emulates on the straight path from ``anchor``, before any of
-    ``registers`` is written and where no jump lands; else the anchor."""
-    wanted = set(registers)
-    start = fn.index(anchor)
-    first = fn.insns[start]
-    for i in range(start, min(start + 12, len(fn.insns))):
-        insn = fn.insns[i]
-        if i > start and insn.address in fn.targets:
-            break
-        if emulated(insn):
-            return insn.address, _insn_text(insn), True
-        if _written(insn) & wanted or insn.mnemonic in ("ret", "syscall", "hlt", "ud2"):
-            break
-    return first.address, _insn_text(first), False
+    """(address, instruction, emulated): probes/uprobe_sites.py's
+    ``first_emulated`` from ``anchor``, in 12 instructions at most, where
+    no jump in the function lands; else the anchor."""
+    site = first_emulated(fn.insns, anchor, tuple(registers), fn.targets, limit=12)
+    return site.address, site.instruction, site.emulated
 
 
 # ---- the plan --------------------------------------------------------------
@@ -445,7 +414,7 @@ def _code(d: _Deriver, code: Code) -> list[capstone.CsInsn]:
     return [
         insn
         for begin, end in code.ranges
-        for insn in _disassembler().disasm(code_at(d.elf, begin, end)[0], begin)
+        for insn in disassemble(code_at(d.elf, begin, end)[0], begin)
     ]
 
 
@@ -564,7 +533,7 @@ def _lock_wait(d: _Deriver, p: DerivedPlan) -> list[DerivedProbe]:
     if fn is None:
         return [DerivedProbe(name, UNAVAILABLE, "", "", f"{d.libc} exports no {function}")]
     calls = [i for i, insn in enumerate(fn.insns) if insn.mnemonic == "syscall"]
-    if len(calls) != 1 or any("rdi" in _written(fn.insns[i]) for i in range(calls[0])):
+    if len(calls) != 1 or any("rdi" in written(fn.insns[i]) for i in range(calls[0])):
         return [
             DerivedProbe(
                 name,

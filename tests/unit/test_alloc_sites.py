@@ -7,7 +7,7 @@ from pathlib import Path
 
 import capstone
 import pytest
-from mtrace_live.probes.alloc_sites import ALLOC_FUNCTIONS, alloc_sites, choose, choose_site
+from mtrace_live.probes.alloc_sites import ALLOC_FUNCTIONS, alloc_sites, choose_site
 
 DEBIAN_LIBC = Path("/lib/x86_64-linux-gnu/libc.so.6")
 
@@ -32,10 +32,10 @@ def test_sites_in_debians_stock_libc() -> None:
 def test_an_argument_written_before_an_emulated_instruction_leaves_the_entry() -> None:
     # test rdi,rdi ; mov edi,eax ; push rbp
     code = bytes.fromhex("4885ff89c755")
-    assert choose(code, 0x1000, ("rdi",)) == (0x1000, "test rdi, rdi", False)
+    assert choose_site(code, 0x1000, ("rdi",))[:3] == (0x1000, "test rdi, rdi", False)
     # the same with the register left alone: the push is the site
     code = bytes.fromhex("4885ff89c655")  # mov esi,eax writes rsi, not an argument here
-    assert choose(code, 0x1000, ("rdi",)) == (0x1005, "push rbp", True)
+    assert choose_site(code, 0x1000, ("rdi",))[:3] == (0x1005, "push rbp", True)
 
 
 # mimalloc 2.0's mi_calloc: mov rdx,[rip+x]; mov rax,rdi; mov rdi,fs:[rdx];
