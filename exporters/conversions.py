@@ -11,7 +11,7 @@ from mtrace_live.exporters.data.kallsyms import KernelSymbols
 from mtrace_live.exporters.kmemtrace.abi import ABI_FILE, cpu_files
 from mtrace_live.exporters.kmemtrace.reader import read_record_set
 from mtrace_live.exporters.sprtrace import text as sprtrace
-from mtrace_live.probes.elf.errors import (
+from mtrace_live.probes.errors import (
     DamagedRecordsError,
     SpRtraceError,
     TargetError,

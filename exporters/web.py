@@ -66,7 +66,7 @@ from typing import Any
 
 import bcrypt
 import yaml
-from mtrace_live.probes.elf.errors import ListenError, WebConfigError
+from mtrace_live.probes.errors import ListenError, WebConfigError
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import make_wsgi_app
 

@@ -25,9 +25,9 @@ from elftools.dwarf.locationlists import BaseAddressEntry, LocationEntry, Locati
 from elftools.dwarf.ranges import RangeEntry
 from elftools.elf.elffile import ELFFile
 
-from .elf.errors import DebugInfoError
 from .elf.file import ELF_FAILURES
 from .elf.symbols import symbols_by_name
+from .errors import DebugInfoError
 
 # DWARF register numbers of x86-64 (System V psABI, figure 3.36).
 DWARF_REGISTERS = (

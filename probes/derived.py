@@ -39,9 +39,9 @@ from elftools.elf.elffile import ELFFile
 
 from .debuginfo import Code, DebugInfo
 from .elf.debug import find_debug_file
-from .elf.errors import DebugInfoError, NotGlibcError
 from .elf.file import ELF_FAILURES, code_at, file_offset, load_segments
 from .elf.symbols import STT_FUNC, symbols_by_name
+from .errors import DebugInfoError, NotGlibcError
 from .locations import REGISTERS, ArgKind, ArgLocation, SiteLayout
 from .sdt_notes import SdtSite
 from .uprobe_sites import disassemble, first_emulated, jump_targets, written

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from . import sdt_notes
 from .catalog import Catalog, Comparison, compare, parse_note_arg
-from .elf.errors import NoProbesError
+from .errors import NoProbesError
 from .sdt_notes import read_sites
 
 

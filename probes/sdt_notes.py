@@ -16,8 +16,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .elf.errors import MalformedNoteError, TargetError
 from .elf.file import ELF_FAILURES, LoadSegment, file_offset, load_segments, not_elf, open_elf
+from .errors import MalformedNoteError, TargetError
 
 NT_STAPSDT = 3
 _OWNER = b"stapsdt\0"

@@ -27,9 +27,9 @@ from mtrace_live.exporters.data.alloc_snapshot import (
 )
 from mtrace_live.probes.alloc_sites import AllocSite, alloc_sites
 from mtrace_live.probes.allocators import GLIBC, Allocator
-from mtrace_live.probes.elf.errors import NoProbesError
 from mtrace_live.probes.elf.file import ELF_FAILURES, file_offset, load_segments, not_elf, open_elf
 from mtrace_live.probes.elf.symbols import symbol_table
+from mtrace_live.probes.errors import NoProbesError
 from mtrace_live.probes.records import (
     ALLOC_FN_NAMES,
     ALLOC_PROC_DTYPE,

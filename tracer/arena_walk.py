@@ -25,10 +25,10 @@ from mtrace_live.exporters.data.lock_waits import ARENA, MAIN, OTHER, UNKNOWN
 from mtrace_live.exporters.data.processes import proc_dir
 from mtrace_live.probes.derived import NO_DEBUG_FILE
 from mtrace_live.probes.elf.debug import find_debug_file
-from mtrace_live.probes.elf.errors import MtraceError
 from mtrace_live.probes.elf.file import ELF_FAILURES, open_elf
 from mtrace_live.probes.elf.maps import read_maps
 from mtrace_live.probes.elf.symbols import symbols_by_name
+from mtrace_live.probes.errors import MtraceError
 from mtrace_live.probes.malloc_state import (
     ArenaLayoutError,
     FoundArena,

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 from mtrace_live.exporters.data.sink import ProcessHits
-from mtrace_live.probes.elf.errors import (
+from mtrace_live.probes.errors import (
     AttachError,
     BccUnavailableError,
     NotPrivilegedError,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mtrace_live.probes.catalog import Catalog
-from mtrace_live.probes.elf.errors import (
+from mtrace_live.probes.errors import (
     MtraceError,
     NotPrivilegedError,
     TracepointMissingError,
@@ -183,7 +183,7 @@ def _derived_probes(libc: Path) -> Check:
     """What the derived memory_* probes can rebuild for this libc, and the
     package that provides its debug file."""
     from mtrace_live.probes.derived import APPROXIMATE, EXACT, plan
-    from mtrace_live.probes.elf.errors import DebugInfoError, NotGlibcError
+    from mtrace_live.probes.errors import DebugInfoError, NotGlibcError
 
     name = "derived probes"
     try:

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 import click
-from mtrace_live.probes.elf.errors import InternalError, MtraceError
+from mtrace_live.probes.errors import InternalError, MtraceError
 
 from .commands import options
 

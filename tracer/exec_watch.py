@@ -14,7 +14,7 @@ import os
 import time
 from pathlib import Path
 
-from mtrace_live.probes.elf.errors import MtraceError
+from mtrace_live.probes.errors import MtraceError
 
 from . import target
 

@@ -14,7 +14,7 @@ import signal
 import time
 from collections.abc import Sequence
 
-from mtrace_live.probes.elf.errors import TargetError
+from mtrace_live.probes.errors import TargetError
 
 # Dispositions the command gets as a shell gives a foreground job: the signals
 # run passes on (a command that inherited SIGINT ignored, as a script's

@@ -37,7 +37,7 @@ from mtrace_live.exporters.data.sink import (
 )
 from mtrace_live.exporters.data.wrappers import Wrappers
 from mtrace_live.probes.catalog import load_catalog
-from mtrace_live.probes.elf.errors import (
+from mtrace_live.probes.errors import (
     InternalError,
     MtraceError,
     NotPrivilegedError,

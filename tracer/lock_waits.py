@@ -26,8 +26,8 @@ from mtrace_live.exporters.data.lock_waits import (
     ThreadTime,
     WaitTimes,
 )
-from mtrace_live.probes.elf.errors import MtraceError
 from mtrace_live.probes.elf.file import ELF_FAILURES
+from mtrace_live.probes.errors import MtraceError
 from mtrace_live.probes.lock_sites import WAIT_FUNCTION, LockWaitSite, lock_wait_site
 from mtrace_live.probes.records import (
     LOCK_KEY_DTYPE,

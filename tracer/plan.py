@@ -14,7 +14,7 @@ from pathlib import Path
 
 from mtrace_live.exporters import registry
 from mtrace_live.exporters.data.processes import live_thread
-from mtrace_live.probes.elf.errors import NoProbesError, NotPrivilegedError, TracepointMissingError
+from mtrace_live.probes.errors import NoProbesError, NotPrivilegedError, TracepointMissingError
 from mtrace_live.probes.program import ProgramConfig
 
 from . import alloc_probes, bpf_backend, lock_waits, target, tracefs, unwind_tables, usdt

@@ -27,8 +27,8 @@ from pathlib import Path
 
 from mtrace_live.probes import derived
 from mtrace_live.probes.elf.debug import find_debug_file
-from mtrace_live.probes.elf.errors import MtraceError
 from mtrace_live.probes.elf.file import build_id_of
+from mtrace_live.probes.errors import MtraceError
 
 from .bpf_cache import keep_json, private_file
 

@@ -27,7 +27,7 @@ import os
 import pwd
 from pathlib import Path
 
-from mtrace_live.probes.elf.errors import PrivilegeDropError
+from mtrace_live.probes.errors import PrivilegeDropError
 
 from .bpf_syscalls import kernel_version
 

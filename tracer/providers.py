@@ -25,11 +25,11 @@ from pathlib import Path
 
 from mtrace_live.exporters.data.processes import proc_dir
 from mtrace_live.probes.allocators import UNKNOWN, Allocator, identify
-from mtrace_live.probes.elf.errors import MtraceError
 from mtrace_live.probes.elf.file import ELF_FAILURES, needed, open_elf, soname
 from mtrace_live.probes.elf.maps import Mapping as ProcessMapping
 from mtrace_live.probes.elf.maps import read_maps
 from mtrace_live.probes.elf.symbols import defined_functions
+from mtrace_live.probes.errors import MtraceError
 
 from .target import mapped_glibc
 

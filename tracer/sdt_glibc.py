@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from mtrace_live.probes.elf.errors import TargetError
+from mtrace_live.probes.errors import TargetError
 
 from .target import default_libc
 

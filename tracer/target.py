@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mtrace_live.exporters.data.processes import kernel_comm, live_thread, proc_dir
-from mtrace_live.probes.elf.errors import (
+from mtrace_live.probes.elf.maps import read_maps
+from mtrace_live.probes.errors import (
     NotPrivilegedError,
     TargetError,
 )
-from mtrace_live.probes.elf.maps import read_maps
 
 # glibc's soname; the versioned file name older glibcs installed; and libc.so,
 # the real file name in a glibc build tree, where libc.so.6 is a symlink to it

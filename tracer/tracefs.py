@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mtrace_live.probes.elf.errors import TracepointMissingError
+from mtrace_live.probes.errors import TracepointMissingError
 
 _FIELD = re.compile(
     r"^\s*field:(?P<decl>[^;]+);\s*offset:(?P<offset>\d+);\s*size:(?P<size>\d+);"

@@ -32,9 +32,9 @@ from pathlib import Path
 import numpy as np
 from mtrace_live.exporters.data.processes import proc_dir
 from mtrace_live.probes.elf.cfi import ROW, CfiTable, read_cfi
-from mtrace_live.probes.elf.errors import NotElfError, TargetError
 from mtrace_live.probes.elf.file import ELF_FAILURES, LoadSegment, build_id, load_segments, open_elf
 from mtrace_live.probes.elf.maps import Mapping, read_maps
+from mtrace_live.probes.errors import NotElfError, TargetError
 from mtrace_live.probes.program import part_constants
 from mtrace_live.probes.records import FRAME_DEPTH, UNWIND_MAP_DTYPE
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from mtrace_live.exporters.data.events import SiteInfo, site_info
 from mtrace_live.probes import derived, sdt_notes
 from mtrace_live.probes.catalog import Catalog
-from mtrace_live.probes.elf.errors import (
+from mtrace_live.probes.errors import (
     NoMatchingProbeError,
     NoProbesError,
     UsageError,

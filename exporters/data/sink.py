@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import NamedTuple, Protocol
 
 import numpy as np
-from mtrace_live.probes.elf.errors import OutputError
+from mtrace_live.probes.errors import OutputError
 from mtrace_live.probes.records import EventKind
 
 from .alloc_snapshot import AllocSnapshot, FrameNames

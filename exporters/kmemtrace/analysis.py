@@ -40,7 +40,7 @@ from mtrace_live.exporters.kmemtrace.reader import (
     parse_user_maps,
     read_record_set,
 )
-from mtrace_live.probes.elf.errors import RecordSetError
+from mtrace_live.probes.errors import RecordSetError
 from mtrace_live.probes.records import ALLOC_FN_NAMES
 
 PAGE_SIZE = mmap.PAGESIZE  # of the recording machine, assumed the same

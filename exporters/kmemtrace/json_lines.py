@@ -22,7 +22,7 @@ from mtrace_live.exporters.data.kallsyms import KernelSymbols
 from mtrace_live.exporters.kmemtrace.abi import KERNEL_TYPES, TYPES, EventId, TypeId
 from mtrace_live.exporters.kmemtrace.reader import RecordSet
 from mtrace_live.exporters.kmemtrace.writer import KmemtraceWriter
-from mtrace_live.probes.elf.errors import RecordSetError
+from mtrace_live.probes.errors import RecordSetError
 from mtrace_live.probes.records import EVENT_DTYPE, KMEM_EVENTS, MAX_ARGS, EventKind
 
 TYPE_IDS = {info.name: type_id for type_id, info in TYPES.items()}

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from mtrace_live.probes.elf.errors import RecordSetError
 from mtrace_live.probes.elf.maps import Mapping as FileMapping
+from mtrace_live.probes.errors import RecordSetError
 
 from ._walker import scan
 from ._walker import unwrap as walker_unwrap

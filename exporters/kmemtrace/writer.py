@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 from mtrace_live.exporters.data.sink import WholeAppends
-from mtrace_live.probes.elf.errors import OutputError, RecordSetError
+from mtrace_live.probes.errors import OutputError, RecordSetError
 from mtrace_live.probes.records import KMEM_FREE_EVENTS
 
 from .abi import (

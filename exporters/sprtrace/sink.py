@@ -29,7 +29,7 @@ from mtrace_live.exporters.kmemtrace.abi import KERNEL_TYPES, TypeId
 from mtrace_live.exporters.kmemtrace.reader import decode_batch
 from mtrace_live.exporters.sprtrace.convert import RecordCalls, header, resources
 from mtrace_live.exporters.sprtrace.text import Trace, lines, map_line
-from mtrace_live.probes.elf.errors import OutputError, TargetError
+from mtrace_live.probes.errors import OutputError, TargetError
 from mtrace_live.probes.records import FRAME_DEPTH, EventKind
 
 LIBC_TYPES = (TypeId.SBRK, TypeId.HEAP, TypeId.ARENA)

@@ -42,7 +42,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from mtrace_live.probes.elf.errors import SpRtraceError
+from mtrace_live.probes.errors import SpRtraceError
 
 HEADER_KEYS = (
     "version",

@@ -36,8 +36,8 @@ from pathlib import Path
 import numpy as np
 from elftools.elf.elffile import ELFFile
 
+from ..errors import NotElfError, TargetError
 from . import _cfi
-from .errors import NotElfError, TargetError
 from .file import ELF_FAILURES, build_id, not_elf, open_elf
 
 # The rows, as struct unwind_row in probes/bpf/unwind.bpf.c.

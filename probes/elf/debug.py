@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from .errors import DebugInfoError, NotElfError, TargetError
+from ..errors import DebugInfoError, NotElfError, TargetError
 from .file import ELF_FAILURES, build_id_of, open_elf
 
 DEBUG_ROOT = Path("/usr/lib/debug")

@@ -20,7 +20,7 @@ from elftools.elf.dynamic import DynamicSection
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import NoteSection
 
-from .errors import NotElfError, TargetError
+from ..errors import NotElfError, TargetError
 
 # What pyelftools may raise on a damaged file.
 ELF_FAILURES = (ELFError, DWARFError, ConstructError, struct.error, ValueError, EOFError,

@@ -25,7 +25,7 @@ from mtrace_live.exporters.kmemtrace.reader import cpu_files, open_record_set, r
 from mtrace_live.exporters.sprtrace import text as sprtrace
 from mtrace_live.exporters.sprtrace.convert import from_record_set
 from mtrace_live.exporters.web import load_web_config, parse_address
-from mtrace_live.probes.elf.errors import (
+from mtrace_live.probes.errors import (
     ListenError,
     RecordSetError,
     SpRtraceError,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from mtrace_live.probes import derived
 from mtrace_live.probes.elf import debug
-from mtrace_live.probes.elf.errors import DebugInfoError
+from mtrace_live.probes.errors import DebugInfoError
 from mtrace_live.tracer.target import default_libc
 
 

@@ -9,7 +9,7 @@ import pytest
 from elftools.elf.elffile import ELFFile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from mtrace_live.probes.elf.errors import MalformedNoteError, NotElfError, TargetError
+from mtrace_live.probes.errors import MalformedNoteError, NotElfError, TargetError
 from mtrace_live.probes.sdt_notes import read_sites
 
 from .cli_runs import assert_one_line, mtrace, mtrace_unprivileged

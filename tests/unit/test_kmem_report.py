@@ -104,7 +104,7 @@ def test_an_older_kernels_formats_select_the_node_tracepoints() -> None:
                "kmem_cache_alloc_node": OLD_KMALLOC}  # fmt: skip
 
     def read(category: str, event: str) -> str:
-        from mtrace_live.probes.elf.errors import TracepointMissingError
+        from mtrace_live.probes.errors import TracepointMissingError
 
         if event not in formats:
             raise TracepointMissingError(event)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from mtrace_live.exporters.kmemtrace.abi import ABI_VERSION, EventId, TypeId
 from mtrace_live.exporters.kmemtrace.reader import read_record_set
 from mtrace_live.exporters.kmemtrace.writer import KmemtraceWriter, encode
-from mtrace_live.probes.elf.errors import RecordSetError
+from mtrace_live.probes.errors import RecordSetError
 from mtrace_live.probes.records import EVENT_DTYPE, EventKind
 
 from .cli_runs import assert_one_line, mtrace

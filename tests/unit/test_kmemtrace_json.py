@@ -11,7 +11,7 @@ from mtrace_live.exporters.data.kallsyms import KernelSymbols
 from mtrace_live.exporters.kmemtrace.abi import EventId, TypeId
 from mtrace_live.exporters.kmemtrace.json_lines import json_lines, write_record_set
 from mtrace_live.exporters.kmemtrace.reader import read_record_set
-from mtrace_live.probes.elf.errors import RecordSetError
+from mtrace_live.probes.errors import RecordSetError
 from mtrace_live.probes.records import EventKind
 
 from .cli_runs import assert_one_line, mtrace

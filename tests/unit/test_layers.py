@@ -4,7 +4,8 @@ From the top: ``mtrace_live.tracer`` (attach, read, decode, model, the
 commands) -> ``mtrace_live.exporters`` (one module per output) ->
 ``mtrace_live.exporters.data`` (the plain data every output receives) ->
 ``mtrace_live.probes`` (catalog, ELF notes, BPF C, record layouts) ->
-``mtrace_live.probes.elf`` (ELF files, the error hierarchy). A module
+``mtrace_live.probes.elf`` (ELF files) -> ``mtrace_live.probes.errors``
+(the error hierarchy, a module of its own). A module
 may import its own layer and the layers below, never one above; no two
 modules may import each other, however indirectly; and bcc is imported in
 one module only.
@@ -23,6 +24,7 @@ LAYERS = (
     "mtrace_live.exporters.data",
     "mtrace_live.probes",
     "mtrace_live.probes.elf",
+    "mtrace_live.probes.errors",
 )
 PACKAGES = ("mtrace_live.probes", "mtrace_live.exporters", "mtrace_live.tracer")
 BCC_IMPORTER = "mtrace_live.tracer.bpf_backend"

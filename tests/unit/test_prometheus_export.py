@@ -28,7 +28,7 @@ from mtrace_live.exporters.web import (
     load_web_config,
     parse_address,
 )
-from mtrace_live.probes.elf.errors import ListenError, WebConfigError
+from mtrace_live.probes.errors import ListenError, WebConfigError
 from mtrace_live.probes.records import KmemType
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families

@@ -5,7 +5,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from mtrace_live.probes.elf.errors import NotElfError, TargetError
+from mtrace_live.probes.errors import NotElfError, TargetError
 from mtrace_live.probes.sdt_notes import read_sites
 
 PROGRAM = r"""

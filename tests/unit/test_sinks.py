@@ -216,7 +216,7 @@ def test_kmemtrace_records_read_back(tmp_path: Path) -> None:
 
 def test_kmemtrace_refuses_a_directory_holding_a_set(tmp_path: Path) -> None:
     (tmp_path / "cpu0").write_bytes(b"")
-    from mtrace_live.probes.elf.errors import RecordSetError
+    from mtrace_live.probes.errors import RecordSetError
 
     with pytest.raises(RecordSetError, match="already holds a record set"):
         KmemtraceSink(tmp_path)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from mtrace_live.exporters.sprtrace import text as sprtrace
 from mtrace_live.exporters.sprtrace.text import Call, Comment, Frame, Resource, Trace
-from mtrace_live.probes.elf.errors import SpRtraceError
+from mtrace_live.probes.errors import SpRtraceError
 
 from .cli_runs import assert_one_line, mtrace
 

@@ -52,7 +52,7 @@ def probes(
         mtrace-live probes --pid 1234
     """
     from mtrace_live.probes.catalog import load_catalog
-    from mtrace_live.probes.elf.errors import NoProbesError
+    from mtrace_live.probes.errors import NoProbesError
     from mtrace_live.probes.listing import list_file
 
     catalog = load_catalog()
@@ -122,7 +122,7 @@ def _print_text(libc: Path, listings: list[Any], bare: list[tuple[Path, str]], p
 
 def _derived_plan(libc: Path, debug_file: Path | None) -> Any:
     from mtrace_live.probes.derived import plan
-    from mtrace_live.probes.elf.errors import DebugInfoError, NotGlibcError, TargetError
+    from mtrace_live.probes.errors import DebugInfoError, NotGlibcError, TargetError
 
     try:
         return plan(libc, debug_file)
@@ -132,7 +132,7 @@ def _derived_plan(libc: Path, debug_file: Path | None) -> Any:
 
 def _alloc_sites(libc: Path) -> list[dict[str, Any]]:
     """Each allocation function the libc exports, and where its probe sits."""
-    from mtrace_live.probes.elf.errors import MtraceError
+    from mtrace_live.probes.errors import MtraceError
 
     from ..alloc_probes import plan_sites
 

@@ -57,7 +57,7 @@ def report(
     from mtrace_live.exporters.data.kallsyms import KernelSymbols
     from mtrace_live.exporters.kmemtrace.analysis import report_lines, stream_report
     from mtrace_live.exporters.kmemtrace.reader import open_record_set
-    from mtrace_live.probes.elf.errors import DamagedRecordsError
+    from mtrace_live.probes.errors import DamagedRecordsError
 
     header = open_record_set(source)
     if kallsyms is not None:
