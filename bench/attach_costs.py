@@ -26,8 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mtrace_live.tracer import bpf_syscalls, uprobe_attach, uprobe_multi
-from mtrace_live.tracer.bpf_backend import tracefs_root
 from mtrace_live.tracer.target import default_libc
+from mtrace_live.tracer.tracefs import tracefs_root
 
 PROG_TYPE_TRACEPOINT, PROG_TYPE_RAW_TRACEPOINT = 5, 17
 PERF_TYPE_TRACEPOINT = 2

@@ -48,6 +48,7 @@ from numpy.lib.recfunctions import structured_to_unstructured
 
 from . import bpf_syscalls
 from .bpf_backend import BpfProgram
+from .trace_tables import TraceTables
 
 # the handlers whose call's end is read (alloc_return): what it returned
 # (xallocx: the size the block has now, which it resized in place)
@@ -212,7 +213,7 @@ class StackReader:
         self._numbers = np.zeros(0, np.int64)  # by slot: its key's number; -1 none
         self._settled = np.zeros(0, bool)  # by slot: its frames read the same twice
 
-    def read(self, program: BpfProgram, slots: np.ndarray, table: np.ndarray) -> StackColumns:
+    def read(self, tables: TraceTables, slots: np.ndarray, table: np.ndarray) -> StackColumns:
         """The rows ``table`` (alloc_stacks rows at ``slots``) as columns."""
         if len(self.catalog) > 4 * len(table) + 100_000:
             self._start()
@@ -223,7 +224,7 @@ class StackReader:
         frames_of: dict[int, tuple[int, ...]] = {}
         numbers = []
         for call_site, tgid, stack, fn, provider, _ in table["key"][fresh].tolist():
-            frames = _frames(program, stack, call_site, frames_of)
+            frames = _frames(tables, stack, call_site, frames_of)
             name, lib = self.providers[provider] if provider < len(self.providers) else ("", "")
             numbers.append(self.catalog.number((tgid, _fn_name(fn), call_site, frames, name, lib)))
         changed = slots[fresh]
@@ -261,7 +262,7 @@ def read_snapshot(program: BpfProgram, sample_bytes: int, started_ns: int,
     kept = ((table["tag"] != 0) & (table["key"]["call_site"] != 0)
             & np.isin(_incarnations(table["key"]["tgid"], table["key"]["incarnation"]),
                       present))  # fmt: skip
-    stacks = (reader or StackReader()).read(program, slots[kept], table[kept])
+    stacks = (reader or StackReader()).read(program.tables, slots[kept], table[kept])
     processes = _processes(pkeys, pvalues, None if sample_bytes else stacks)
     vkeys, vvalues = program.read_table("vm_procs", "<u4", VM_PROC_DTYPE)
     vm = {int(tgid): dict(zip(VM_PROC_FIELDS, row, strict=True))
@@ -277,8 +278,9 @@ def read_snapshot(program: BpfProgram, sample_bytes: int, started_ns: int,
         rows = rows[~np.isin(rows["tag"], OUTSTANDING_FREE_TAGS) & theirs]
         for _, ptr, tgid, _, (key, size, weight, ts, tid, _) in rows.tolist():
             call_site, _, stack, fn, _, _ = key
+            frames = _frames(program.tables, stack, call_site, frames_of)
             held.append(Outstanding(tgid, ptr, size, weight, ts, tid, _fn_name(fn), call_site,
-                                    _frames(program, stack, call_site, frames_of)))  # fmt: skip
+                                    frames))  # fmt: skip
     return AllocSnapshot(
         stacks=stacks,
         processes=tuple(processes),
@@ -332,7 +334,7 @@ def _fn_name(fn: int) -> str:
     return ALLOC_FN_NAMES[fn] if fn < len(ALLOC_FN_NAMES) else f"fn{fn}"
 
 
-def _frames(program: BpfProgram, stack: int, call_site: int,
+def _frames(tables: TraceTables, stack: int, call_site: int,
             cache: dict[int, tuple[int, ...]]) -> tuple[int, ...]:  # fmt: skip
     """The call site, then its callers from the stack walk (whose first
     frame is the call site itself: the walk starts at the return address)."""
@@ -340,7 +342,7 @@ def _frames(program: BpfProgram, stack: int, call_site: int,
         return (call_site,)
     frames = cache.get(stack)
     if frames is None:
-        walked = program.stack(stack)
+        walked = tables.stack(stack)
         frames = cache[stack] = tuple(walked[1:] if walked and walked[0] == call_site else walked)
     return (call_site, *frames)
 

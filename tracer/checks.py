@@ -24,7 +24,7 @@ from mtrace_live.probes.errors import (
 from mtrace_live.probes.listing import no_probes_error
 from mtrace_live.probes.sdt_notes import read_sites
 
-from . import bpf_backend, uprobe_multi
+from . import bpf_backend, privileges, tracefs, uprobe_multi
 from .kmem_attach import kmem_attach
 from .tracefs import kmem_defines, parse_format
 
@@ -50,7 +50,7 @@ class Check:
 def run_checks(libc: Path, catalog: Catalog) -> Iterator[Check]:
     yield _privileges()
     yield _kernel_support()
-    yield _guarded("tracefs", lambda: f"mounted at {bpf_backend.tracefs_root()}")
+    yield _guarded("tracefs", lambda: f"mounted at {tracefs.tracefs_root()}")
     yield _headers()
     yield _guarded("bcc", _bcc)
     yield _alloc_functions(libc)
@@ -83,7 +83,7 @@ def _guarded(name: str, probe: Callable[[], str]) -> Check:
 
 
 def _privileges() -> Check:
-    problem = bpf_backend.privilege_problem()
+    problem = privileges.privilege_problem()
     if problem:
         return Check("privileges", NOT_PERMITTED, problem)
     return Check("privileges", OK, "root" if os.geteuid() == 0 else "CAP_BPF and CAP_PERFMON")
@@ -237,7 +237,7 @@ def debug_package(path: Path) -> str:
 def _tracepoint_check(category: str, event: str, required: list[str]) -> Check:
     name = f"tracepoint {category}:{event}"
     try:
-        fmt = bpf_backend.tracepoint_format(category, event)
+        fmt = tracefs.tracepoint_format(category, event)
     except NotPrivilegedError as exc:
         return Check(name, NOT_PERMITTED, str(exc))
     except MtraceError as exc:
@@ -254,7 +254,7 @@ def _raw_tracepoints() -> Check:
     why the others stay classic."""
     name = "raw kmem tracepoints"
     try:
-        plan = kmem_attach(kmem_defines(bpf_backend.tracepoint_format))
+        plan = kmem_attach(kmem_defines(tracefs.tracepoint_format))
     except NotPrivilegedError as exc:
         return Check(name, NOT_PERMITTED, str(exc))
     except MtraceError as exc:

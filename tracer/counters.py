@@ -134,13 +134,13 @@ class BpfCounters:
         )
 
     def process_hits(self) -> list[ProcessHits]:
-        return self._with_read(self.program.process_hits(), None) if self.libc else []
+        return self._with_read(self.program.tables.process_hits(), None) if self.libc else []
 
     def take_process_hits(self, tgids: set[int]) -> list[ProcessHits]:
-        return self._with_read(self.program.process_hits(tgids, take=True), tgids)
+        return self._with_read(self.program.tables.process_hits(tgids, take=True), tgids)
 
     def stack(self, stack_id: int) -> list[int]:
-        return self.program.stack(stack_id)
+        return self.program.tables.stack(stack_id)
 
     def allocations(self, outstanding: bool = False, named: bool = True) -> AllocSnapshot | None:
         if self.sample_bytes is None:

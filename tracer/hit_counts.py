@@ -22,9 +22,10 @@ from mtrace_live.probes.program import ProgramConfig
 from mtrace_live.probes.records import KMEM_EVENTS
 
 from . import target, usdt
-from .bpf_backend import BpfProgram, require_privileges
+from .bpf_backend import BpfProgram
 from .kmem_attach import kmem_switches
 from .launch import GatedCommand
+from .privileges import require_privileges
 
 
 @dataclass
@@ -85,7 +86,7 @@ class HitCounter:
 
     def follow(self, pids: Iterable[int]) -> None:
         pids = list(pids)
-        self._program.follow(pids)
+        self._program.tables.follow(pids)
         if self.selection is not None:
             for pid in pids:
                 usdt.seed_break(self._program, self.selection, pid)

@@ -33,9 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .bpf_backend import tracepoint_format
 from .kernel_btf import BtfUnavailable, KernelBtf
-from .tracefs import kmem_defines
+from .tracefs import kmem_defines, tracepoint_format
 
 # event -> (its define's prefix, the arguments read, the optional ones)
 _RAW_EVENTS = {

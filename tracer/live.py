@@ -50,7 +50,7 @@ from mtrace_live.probes.records import EVENT_DTYPE, EventKind
 
 from . import alloc_probes, bpf_syscalls, lock_waits, package_version, providers, target, usdt
 from .arena_walk import ArenaFinder, arena_symbols
-from .bpf_backend import BpfProgram, bcc_version, require_privileges
+from .bpf_backend import BpfProgram, bcc_version
 from .counters import BpfCounters
 from .exec_watch import ExecWatch
 from .holds import BOUND_S, Guardian, Holds
@@ -58,6 +58,7 @@ from .kmem_attach import kmem_switches
 from .launch import GatedCommand
 from .model import AllocatorModel
 from .plan import ProgramPlan, TraceRequest, choose_probes, program_plan
+from .privileges import require_privileges
 from .retarget import move_uprobes
 from .ringbuf import RingReader
 from .unwind_tables import RESUME_ALLOC, RESUME_LOCK, STEP, UnwindTables, attach_dlopen
@@ -254,7 +255,7 @@ class LiveTrace:
         request = self.request
         try:
             if plan.config.first_tgid and target_pid is not None:
-                self.program.set_first_target(target_pid)
+                self.program.tables.set_first_target(target_pid)
             with self.program.uprobe_batch():  # in as few links as can be, at its end
                 self.unwind = self._unwinder(plan)
                 if self.unwind is not None:  # their tables before their first traced call
@@ -264,7 +265,7 @@ class LiveTrace:
                 self._attach_allocators()
                 if self.lock_plan is not None:
                     lock_waits.attach_lock_waits(self.program, self.lock_plan, self.alloc_pid)
-            self.program.set_gate(True)
+            self.program.tables.set_gate(True)
             room = request.ring_buffer_pages
             self.reader = RingReader(
                 self.program.map_fd("events"),
@@ -351,7 +352,7 @@ class LiveTrace:
         alone may be held), whose arenas can then be read now."""
         if self.holds is not None and not running:
             self.holds.allow(pid)
-        self.program.follow([pid])
+        self.program.tables.follow([pid])
         usdt.seed_break(self.program, self.selection, pid)
         if self.arenas is not None and running:
             self.model.seed_arenas(pid, self.arenas.scan(pid), at_attach=True)
@@ -785,7 +786,7 @@ def _close_gate(trace: LiveTrace, child: GatedCommand | None, stop: _Stop,
                 ended_by: str) -> tuple[list[EventBatch], int | None]:  # fmt: skip
     """Close the handlers' gate, read what the ring holds, end the command:
     the batches read and the command's exit code."""
-    trace.program.set_gate(False)
+    trace.program.tables.set_gate(False)
     time.sleep(GATE_SETTLE_S)  # a handler past the gate finishes its record
     # Read now what the ring holds: a process stopped in _exit just before
     # the gate closed (the command's own child, say) is continued as its

@@ -182,7 +182,7 @@ def read_lock_waits(program: BpfProgram, finder: ArenaFinder | None, stacks: boo
         for (futex, pid, stack), (count, total, longest) in zip(keys.tolist(), values.tolist(),
                                                                 strict=True):  # fmt: skip
             if stack >= 0 and stack not in cache:
-                cache[stack] = tuple(program.stack(stack))
+                cache[stack] = tuple(program.tables.stack(stack))
             stack_rows.append(LockStackRow(pid, futex, kind(pid, futex), cache.get(stack, ()),
                                            WaitTimes(count, total, longest)))  # fmt: skip
     misc = program.percpu_array_totals("lock_misc")

@@ -17,7 +17,7 @@ from mtrace_live.exporters.data.processes import live_thread
 from mtrace_live.probes.errors import NoProbesError, NotPrivilegedError, TracepointMissingError
 from mtrace_live.probes.program import ProgramConfig
 
-from . import alloc_probes, bpf_backend, lock_waits, target, tracefs, unwind_tables, usdt
+from . import alloc_probes, lock_waits, target, tracefs, unwind_tables, usdt
 
 DEFAULT_BUFFER_PAGES = 2048  # 8 MiB: about 87,000 events of slack
 # With kmem records in the ring (record, --kmemtrace, --sp-rtrace): 128 MiB,
@@ -263,7 +263,7 @@ def exit_says_group_dead() -> bool:
     process ends with its last thread, not with main's (which may call
     pthread_exit while the others go on). Older kernels end it with main's."""
     try:
-        text = bpf_backend.tracepoint_format("sched", "sched_process_exit")
+        text = tracefs.tracepoint_format("sched", "sched_process_exit")
     except (TracepointMissingError, NotPrivilegedError):
         return False
     return tracefs.parse_format("sched", "sched_process_exit", text).has("group_dead")

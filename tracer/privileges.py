@@ -27,9 +27,39 @@ import os
 import pwd
 from pathlib import Path
 
-from mtrace_live.probes.errors import PrivilegeDropError
+from mtrace_live.probes.errors import NotPrivilegedError, PrivilegeDropError
 
 from .bpf_syscalls import kernel_version
+
+# Capability bits from include/uapi/linux/capability.h.
+CAP_SYS_ADMIN = 21
+CAP_PERFMON = 38
+CAP_BPF = 39
+
+
+def _effective_capabilities() -> int:
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("CapEff:"):
+                return int(line.split()[1], 16)
+    return 0
+
+
+def privilege_problem() -> str | None:
+    """Why BPF programs cannot be loaded by this process, or None."""
+    caps = _effective_capabilities()
+    has_bpf = caps & (1 << CAP_BPF) and caps & (1 << CAP_PERFMON)
+    if os.geteuid() != 0 and not has_bpf and not caps & (1 << CAP_SYS_ADMIN):
+        return "loading BPF programs needs root (or CAP_BPF and CAP_PERFMON); run with sudo"
+    return None
+
+
+def require_privileges() -> None:
+    """Fail early, with one line, when BPF programs cannot be loaded."""
+    problem = privilege_problem()
+    if problem:
+        raise NotPrivilegedError(problem)
+
 
 CAP_SYS_PTRACE = 19
 TRACING_CAPABILITIES = (CAP_SYS_PTRACE,)  # kept by serve's tracing process

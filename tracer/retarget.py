@@ -82,7 +82,7 @@ def move_uprobes(program: BpfProgram, tgid: int, old: int,
                     f"not be attached for thread {threads[0]}: {failure}; the process's "
                     "other threads are no longer traced")  # fmt: skip
         program.fill_array("alloc_target", [threads[0]])
-        in_flight = program.clear_pending(threads) if release is not None else None
+        in_flight = program.tables.clear_pending(threads) if release is not None else None
         return Moved(tgid, old, threads[0], probes, in_flight)
     finally:
         if release is not None:

@@ -13,8 +13,34 @@ import contextlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
-from mtrace_live.probes.errors import TracepointMissingError
+from mtrace_live.probes.errors import NotPrivilegedError, TracepointMissingError
+
+TRACEFS_ROOTS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
+
+
+def tracefs_root() -> Path:
+    for root in TRACEFS_ROOTS:
+        try:
+            if (root / "events").is_dir():
+                return root
+        except PermissionError:
+            raise NotPrivilegedError(f"cannot read {root}: permission denied") from None
+    raise TracepointMissingError(
+        "tracefs is not mounted; mount it with: mount -t tracefs tracefs /sys/kernel/tracing"
+    )
+
+
+def tracepoint_format(category: str, event: str) -> str:
+    fmt = tracefs_root() / "events" / category / event / "format"
+    try:
+        return fmt.read_text(encoding="ascii", errors="replace")
+    except PermissionError:
+        raise NotPrivilegedError(f"cannot read {fmt}: permission denied") from None
+    except FileNotFoundError:
+        raise TracepointMissingError(f"this kernel has no tracepoint {category}:{event}") from None
+
 
 _FIELD = re.compile(
     r"^\s*field:(?P<decl>[^;]+);\s*offset:(?P<offset>\d+);\s*size:(?P<size>\d+);"

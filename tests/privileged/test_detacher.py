@@ -11,7 +11,7 @@ import os
 import struct
 from pathlib import Path
 
-from mtrace_live.tracer.bpf_backend import DETACHER_NAME, _detach_in_child
+from mtrace_live.tracer.detacher import DETACHER_NAME, detach_in_child
 
 from .tracing import (
     BPFTRACE_READY,
@@ -59,7 +59,7 @@ def test_the_child_closes_each_perf_event_after_this_process_closed_its_copy(
         reaper.add(bpftrace)
         wait_for_line(out, BPFTRACE_READY, bpftrace, timeout=120)
         # WHEN the detacher takes them
-        assert _detach_in_child(events)
+        assert detach_in_child(events)
         wait_for_detach()
         bpftrace.send_signal(2)
         bpftrace.wait(timeout=60)
@@ -93,7 +93,7 @@ def test_a_long_lived_tracer_keeps_no_zombie_per_trace() -> None:
     # handing the events of three traces, one after the other, to detachers
     assert not children(b"Z")
     for _ in range(3):
-        assert _detach_in_child([perf_event() for _ in range(4)])
+        assert detach_in_child([perf_event() for _ in range(4)])
     wait_for_detach()
     # THEN the detachers did their work and none of them is left a zombie here
     assert not children(b"Z"), children(b"Z")

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mtrace_live.tracer.bpf_backend import DETACHER_NAME
+from mtrace_live.tracer.detacher import DETACHER_NAME
 
 BPFTRACE_READY = "mtrace-live-test-ready"
 

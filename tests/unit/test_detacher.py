@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import select
 
-from mtrace_live.tracer.bpf_backend import _detach_in_child
+from mtrace_live.tracer.detacher import detach_in_child
 
 
 def test_this_processs_copies_close_at_once_and_the_childs_after() -> None:
@@ -20,7 +20,7 @@ def test_this_processs_copies_close_at_once_and_the_childs_after() -> None:
     written = [write for _, write in events]
 
     # WHEN the detacher takes them
-    assert _detach_in_child(written)
+    assert detach_in_child(written)
 
     # THEN this process's copies are closed at once
     for fd in written:

@@ -1,0 +1,123 @@
+"""The trace program's own tables, by their names in probes/bpf/: what the
+tracer writes to them (the gate, the process asked for, the processes
+followed) and reads or clears in them (stacks, hits per process, the calls
+a thread is in), on BpfProgram's generic map interface
+(tracer/bpf_backend.py), which knows no table by name."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+import numpy as np
+from mtrace_live.exporters.data.sink import ProcessHits
+from mtrace_live.probes.records import ALLOC_FRAMES_BASE
+
+
+class Maps(Protocol):
+    """A loaded program's maps (BpfProgram)."""
+
+    def table(self, name: str) -> Any: ...
+
+    def has_table(self, name: str) -> bool: ...
+
+    def read_all(
+        self, table: str, limit: int | None = None
+    ) -> tuple[Any, np.ndarray, np.ndarray] | None: ...
+
+
+class TraceTables:
+    """The trace program's tables, by name, through ``maps``."""
+
+    def __init__(self, maps: Maps) -> None:
+        self._maps = maps
+        # alloc_frames rows read: (frames, read the same twice). The frame store
+        # never gives a row to another stack, so a row read whole is kept;
+        # twice the same, it is whole (a row is written once, when claimed).
+        self._frame_rows: dict[int, tuple[tuple[int, ...], bool]] = {}
+
+    def clear_pending(self, tids: Iterable[int]) -> int:
+        """Forget the calls threads ``tids`` were in (their returns will not
+        be seen, their uprobes moved): the allocation functions' pending
+        slots and the lock waits'. Returns how many there were."""
+        cleared = 0
+        if self._maps.has_table("pending"):
+            pending = self._maps.table("pending")
+            slots = len(pending)
+            for tid in tids:
+                key = pending.Key(tid & (slots - 1))
+                if pending[key].depth and pending[key].tid == tid:
+                    pending[key] = pending.Leaf()
+                    cleared += 1
+        if self._maps.has_table("lock_pending"):
+            waits = self._maps.table("lock_pending")
+            for tid in tids:
+                with contextlib.suppress(KeyError):
+                    del waits[waits.Key(tid)]
+                    cleared += 1
+        return cleared
+
+    def stack(self, stack_id: int) -> list[int]:
+        """The addresses of one stored stack, innermost first: from
+        ``alloc_frames`` for an allocation's stack (kept once read whole),
+        else from ``stacks``."""
+        if stack_id < ALLOC_FRAMES_BASE:
+            return self._stack_row(self._maps.table("stacks"), stack_id)
+        known = self._frame_rows.get(stack_id)
+        if known is not None and known[1]:
+            return list(known[0])
+        frames = tuple(
+            self._stack_row(self._maps.table("alloc_frames"), stack_id - ALLOC_FRAMES_BASE)
+        )
+        self._frame_rows[stack_id] = (frames, known is not None and known[0] == frames)
+        return list(frames)
+
+    @staticmethod
+    def _stack_row(table: Any, key: int) -> list[int]:
+        try:
+            frames = list(table[table.Key(key)].ip)
+        except (KeyError, IndexError):
+            return []
+        return frames[: frames.index(0)] if 0 in frames else frames
+
+    def process_hits(self, tgids: set[int] | None = None, take: bool = False) -> list[ProcessHits]:
+        """The ``proc_hits`` table: hits by (tgid, probe slot), with the name of
+        the thread that hit first. ``tgids`` limits it to those processes;
+        ``take`` also deletes what it returns (for processes that are gone)."""
+        got = self._maps.read_all("proc_hits")
+        if got is None:
+            table = self._maps.table("proc_hits")
+            entries = [
+                (bytes(key), int(value.count), bytes(value.comm)) for key, value in table.items()
+            ]
+        else:
+            table, keys, values = got
+            entries = [(key.tobytes(), int(value[0, 0]), value[0, 1:].tobytes())
+                       for key, value in zip(keys, values, strict=True)]  # fmt: skip
+        rows = []
+        for raw_key, count, raw_comm in entries:
+            key = table.Key.from_buffer_copy(raw_key)
+            tgid = int(key.tgid)
+            if tgids is not None and tgid not in tgids:
+                continue
+            comm = raw_comm.split(b"\0", 1)[0].decode(errors="replace")
+            rows.append(ProcessHits(tgid, int(key.probe), count, comm))
+            if take:
+                del table[key]
+        return rows
+
+    def set_gate(self, open_: bool) -> None:
+        """Open or close the trace program's ``control`` gate for the site handlers."""
+        control = self._maps.table("control")
+        control[control.Key(0)] = control.Leaf(int(open_))
+
+    def set_first_target(self, pid: int) -> None:
+        """Name the process asked for to the trace program (FIRST_TGID)."""
+        table = self._maps.table("first_target")
+        table[table.Key(0)] = table.Leaf(pid, 1)
+
+    def follow(self, pids: Iterable[int]) -> None:
+        followed = self._maps.table("followed")
+        for pid in pids:
+            followed[followed.Key(pid)] = followed.Leaf(1)
