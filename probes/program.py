@@ -97,6 +97,10 @@ class ProgramSource:
         return [f"-D{key}={value}" for key, value in self.defines.items()]
 
 
+# common.bpf.h's defaults of the settings below that user space also names
+_COMMON = part_constants("common.bpf.h")
+
+
 @dataclass(frozen=True)
 class ProgramConfig:
     """Every switch of the trace program (common.bpf.h's settings).
@@ -113,7 +117,7 @@ class ProgramConfig:
     first_tgid: bool = False  # the process asked for is named in first_target
     comm: tuple[int, int] | None = None  # follow processes of this name (two u64)
     cgroup: tuple[int, int] | None = None  # (id, level) of a cgroup v2
-    ring_pages: int = 2048
+    ring_pages: int = _COMMON["RINGBUF_PAGES"]
     exact_times: bool = True  # probe events timed to the ns (else: to the tick)
     sites: Mapping[str, int] = field(default_factory=dict)
     derived: Mapping[str, int] = field(default_factory=dict)
@@ -121,7 +125,7 @@ class ProgramConfig:
     kmem_events: bool = False  # kmem events through the ring too
     page_shift: int = PAGE_SHIFT
     stack_depth: int = 0  # > 0: a stack id on each probe and kmem event
-    stack_entries: int = 16384
+    stack_entries: int = _COMMON["STACK_ENTRIES"]
     allocs: Mapping[str, int] | None = None  # None: no allocation functions
     locks: Mapping[str, int] | None = None  # None: lock waits are not timed
     unwind: Mapping[str, int] | None = None  # None: stacks are walked by frame pointers only

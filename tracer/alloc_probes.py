@@ -30,6 +30,7 @@ from mtrace_live.probes.allocators import GLIBC, Allocator
 from mtrace_live.probes.elf.file import ELF_FAILURES, file_offset, load_segments, not_elf, open_elf
 from mtrace_live.probes.elf.symbols import symbol_table
 from mtrace_live.probes.errors import NoProbesError
+from mtrace_live.probes.program import part_constants
 from mtrace_live.probes.records import (
     ALLOC_FN_NAMES,
     ALLOC_PROC_DTYPE,
@@ -53,7 +54,8 @@ from .trace_tables import TraceTables
 # the handlers whose call's end is read (alloc_return): what it returned
 # (xallocx: the size the block has now, which it resized in place)
 RETURNS_POINTER = frozenset(fn.name.lower() for fn in AllocFn) - {"free"} | {"xallocx"}
-SAMPLE_QUANTILES = 1024  # allocs.bpf.c's table of exponential intervals
+# the size of allocs.bpf.c's table of exponential intervals, read from its C
+SAMPLE_QUANTILES = part_constants("allocs.bpf.c")["SAMPLE_QUANTILES"]
 STACK_DEPTH = 32  # frames kept of each allocation's stack, as bcc's memleak
 EXIT_FUNCTION = "_exit"  # every exit() passes it: processes are held there (hold_at_exit)
 

@@ -29,6 +29,7 @@ from mtrace_live.exporters.data.lock_waits import (
 from mtrace_live.probes.elf.file import ELF_FAILURES
 from mtrace_live.probes.errors import MtraceError
 from mtrace_live.probes.lock_sites import WAIT_FUNCTION, LockWaitSite, lock_wait_site
+from mtrace_live.probes.program import part_constants
 from mtrace_live.probes.records import (
     LOCK_KEY_DTYPE,
     LOCK_STACK_TIME_DTYPE,
@@ -43,8 +44,9 @@ from .arena_walk import ArenaFinder, arena_symbols
 if TYPE_CHECKING:
     from .bpf_backend import BpfProgram
 
-LOCK_ROWS = 4096  # (process, lock) rows: locks.bpf.c's LOCK_ROWS
-LOCK_STACK_ROWS = 8192  # (process, lock, stack) rows
+_LOCKS = part_constants("locks.bpf.c")  # the tables' sizes, read from the C
+LOCK_ROWS = _LOCKS["LOCK_ROWS"]  # (process, lock) rows
+LOCK_STACK_ROWS = _LOCKS["LOCK_STACK_ROWS"]  # (process, lock, stack) rows
 
 
 @dataclass(frozen=True)

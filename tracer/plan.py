@@ -19,7 +19,7 @@ from mtrace_live.probes.program import ProgramConfig
 
 from . import alloc_probes, lock_waits, target, tracefs, unwind_tables, usdt
 
-DEFAULT_BUFFER_PAGES = 2048  # 8 MiB: about 87,000 events of slack
+DEFAULT_BUFFER_PAGES = ProgramConfig.ring_pages  # 8 MiB: about 87,000 events of slack
 # With kmem records in the ring (record, --kmemtrace, --sp-rtrace): 128 MiB,
 # 1.4 million events. A burst of kmem events outruns the reader (1.9 million
 # in 0.4 s from the kmem exerciser): 8 MiB lost 40% of such a burst, this
@@ -58,7 +58,7 @@ class TraceRequest:
     cgroup: str | None = None  # trace the tasks of this cgroup v2 and below (serve)
     end_with_target: bool = True  # False: go on after a --pid target exits (serve)
     stack_depth: int = 0  # > 0: a user (and kernel, for kmem) stack on each event
-    stack_entries: int = 16384  # distinct stacks the BPF stack map holds
+    stack_entries: int = ProgramConfig.stack_entries  # distinct stacks the BPF stack map holds
     bpf_stats: bool = False  # have the kernel count the handlers' run time (serve --bpf-stats)
     allocs: bool = True  # the allocation functions (malloc, free, ...)
     sample_bytes: int = 0  # > 0: keep one allocation per this many bytes, on average

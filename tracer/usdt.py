@@ -23,6 +23,7 @@ from mtrace_live.probes.errors import (
     UsageError,
 )
 from mtrace_live.probes.locations import SiteLayout, layout_sites, rip_symbols, symbol_addresses
+from mtrace_live.probes.program import part_constants
 from mtrace_live.probes.records import MAX_ARGS
 from mtrace_live.probes.sdt_notes import SdtSite
 
@@ -31,7 +32,8 @@ from .bpf_backend import BpfProgram
 from .launch import resolve_command
 
 LIBC_PROVIDER = "libc"
-MAX_SITES = 128  # the handlers site_0 ... site_127 in sdt.bpf.c
+# the handlers site_0 ... site_<MAX_SITES - 1> sdt.bpf.c can build, read from the C
+MAX_SITES = part_constants("common.bpf.h")["MAX_SITES"]
 
 # The default probe set, chosen by measuring hit rates (docs/performance.md):
 # the allocator's own probes and the private-lock wait that arena contention

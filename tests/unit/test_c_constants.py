@@ -1,6 +1,9 @@
 """The constants user space shares with the BPF program are read from its C
 (probes/program.py ``part_constants``), written once there: the unwinder's
-tail-call slots, its page index's shift and its tables' default sizes."""
+tail-call slots, its page index's shift and its tables' default sizes; the
+ring's and the stack map's default sizes, the lock tables', the sampling
+table's and the SDT handlers' count. The command line's defaults are the
+request's, and those the C's."""
 
 from __future__ import annotations
 
@@ -51,3 +54,41 @@ def test_the_unwinder_s_constants_follow_its_c_and_cannot_drift() -> None:
     sizes = (unwind_tables.DEFAULT_ROWS, unwind_tables.DEFAULT_MAPS, unwind_tables.DEFAULT_PAGES)
     assert sizes == (1 << 20, 1 << 16, 1 << 20)
     assert unwind_tables.unwind_defines()["UNWIND_MAPS"] == ours["UNWIND_MAPS"]
+
+
+def test_the_command_line_s_defaults_are_the_request_s_and_the_program_s() -> None:
+    # GIVEN every option of every command, the request's defaults and the C's
+    import click
+    from mtrace_live.probes.program import ProgramConfig, part_constants
+    from mtrace_live.tracer import alloc_probes, lock_waits, plan
+    from mtrace_live.tracer.cli import cli
+
+    request = plan.TraceRequest
+    fields = {"max_outstanding": request.max_outstanding, "alloc_stacks": request.alloc_stacks,
+              "stack_map_size": request.stack_entries}  # fmt: skip
+    seen = set()
+    context = click.Context(cli)
+    commands = [cli, *(cli.get_command(context, name) for name in cli.list_commands(context))]
+    for command in commands:
+        assert command is not None
+        for param in command.params:
+            if param.name in fields:
+                # THEN each option shows the request's default
+                assert param.default == fields[param.name], (command.name, param.name)
+                seen.add(param.name)
+            if param.name == "buffer_pages" and isinstance(param, click.Option):
+                help_text = param.help or ""
+                assert f"default {plan.DEFAULT_BUFFER_PAGES} " in help_text
+                assert f"and {plan.RECORD_BUFFER_PAGES} " in help_text
+    assert seen == set(fields)
+    # AND the request's are the program's, as its C writes them
+    common, allocs = part_constants("common.bpf.h"), part_constants("allocs.bpf.c")
+    assert plan.DEFAULT_BUFFER_PAGES == ProgramConfig().ring_pages == common["RINGBUF_PAGES"]
+    assert request.stack_entries == ProgramConfig().stack_entries == common["STACK_ENTRIES"]
+    assert alloc_probes._open_rows(request.max_outstanding) == allocs["ALLOC_OUT_ROWS"]
+    assert alloc_probes._open_rows(request.alloc_stacks) == allocs["ALLOC_STACK_ROWS"]
+    locks = part_constants("locks.bpf.c")
+    assert (locks["LOCK_ROWS"], locks["LOCK_STACK_ROWS"]) == (
+        lock_waits.LOCK_ROWS,
+        lock_waits.LOCK_STACK_ROWS,
+    )

@@ -44,6 +44,7 @@ ENUMS: dict[str, tuple[type[IntEnum], str, dict[str, str]]] = {
 # #define in records.h -> the Python constant that must equal it
 DEFINES = {
     "ALLOC_FRAMES_BASE": records.ALLOC_FRAMES_BASE,
+    "MAX_ARGS": records.MAX_ARGS,
     "SITE_REG_SHIFT": records.SITE_REG_SHIFT,
     "SITE_REG_BITS": records.SITE_REG_BITS,
     "SITE_PROVIDER_SHIFT": records.SITE_PROVIDER_SHIFT,

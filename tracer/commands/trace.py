@@ -40,17 +40,18 @@ def trace_request(params: dict[str, Any]) -> TraceRequest:
     rest = dict(params)
     kmem_only = rest.pop("kmem_only", False)
     contention = rest.pop("contention", False)  # the allocation functions left alone
+    defaults = TraceRequest  # what an option a command lacks is
     allocs = options.alloc_settings(rest.pop("no_allocs", False) or kmem_only or contention,
                                     rest.pop("sample_bytes", None),
-                                    rest.pop("max_outstanding", 262144),
-                                    rest.pop("alloc_stacks", 16384))  # fmt: skip
+                                    rest.pop("max_outstanding", defaults.max_outstanding),
+                                    rest.pop("alloc_stacks", defaults.alloc_stacks))  # fmt: skip
     output = rest.pop("output", None) or ("live" if sys.stdout.isatty() else "text")
     return TraceRequest(
         output=output,
         patterns=rest.pop("patterns", ()) or DEFAULT_PATTERNS,
         kmem=rest.pop("kmem", False) or kmem_only,
         libc_probes=not kmem_only,
-        stack_entries=rest.pop("stack_map_size", 16384),
+        stack_entries=rest.pop("stack_map_size", TraceRequest.stack_entries),
         lock_times=not rest.pop("no_lock_times", False),
         **allocs,
         **rest,
