@@ -110,9 +110,12 @@ def _tag(number: int) -> bytes:
     return _varint(number << 3 | _LENGTH_DELIMITED)
 
 
+_TAGS = [_tag(number) for number in range(16)]  # a length-delimited field's key, by number
+
+
 def _framed(number: int, payload: bytes) -> bytes:
     """A length-delimited field: a message, a string or packed numbers."""
-    return _tag(number) + _varint(len(payload)) + payload
+    return _TAGS[number] + _varint(len(payload)) + payload
 
 
 _KEYS = [_varint(number << 3) for number in range(16)]  # a varint field's key, by number
