@@ -183,7 +183,9 @@ def stop_bpftrace(proc: subprocess.Popen[bytes], out: Path) -> dict[str, int]:
     ``@extra[name]`` (a script's other counts) by name."""
     proc.send_signal(signal.SIGINT)
     try:
-        proc.wait(timeout=60)
+        # a guard against a hang, not a measure: bpftrace closes each probe's
+        # perf event in turn, and once took more than 60 s to end (cause unknown)
+        proc.wait(timeout=300)
     except subprocess.TimeoutExpired:
         proc.kill()
         raise
