@@ -147,14 +147,12 @@ def frees_printed(out: Path) -> int:
     return next((value for name, value in reversed(printed(out)) if name == "@frees"), 0)
 
 
-def attach_bracket(out: Path, bpftrace: subprocess.Popen[bytes]) -> tuple[int, int]:
-    """bpftrace's count of frees before the tracer attached (the one before
-    the last print when it said it was ready: the server may free of its own
-    accord while a tracer starts) and after (the next print)."""
+def attached_frees(out: Path) -> int:
+    """bpftrace's count of frees once the tracer has said it is ready: its
+    next print (the tracer attached before it said so)."""
     seen = len(printed(out))
     wait_until(lambda: len(printed(out)) >= seen + 2, "bpftrace prints again")
-    frees = [value for name, value in printed(out) if name == "@frees"]
-    return frees[max(0, seen // 2 - 2)], frees[-1]
+    return frees_printed(out)
 
 
 def wait_quiet(out: Path) -> None:
@@ -213,12 +211,15 @@ def test_a_server_traced_by_pid_is_never_stopped_and_counted_as_bpftrace_counts(
     # GIVEN the server idle: bpftrace attached to it first, then the tracer
     bpftrace, out, poll = watched(target, reaper, tmp_path)
     err, summary_out = tmp_path / "trace.err", tmp_path / "summary"
+    # the frees before the tracer starts: the server may free of its own accord
+    # while it attaches, and the tracer's start line comes after its attach
+    before = frees_printed(out)
     with open(err, "wb") as errors, open(summary_out, "wb") as lines:
         tracer = reaper.add(subprocess.Popen(
             [*MTRACE, "--pid", str(target.pid), "-o", "summary", "--pprof",
              str(tmp_path / "heap.pb.gz")], stdout=lines, stderr=errors))  # fmt: skip
     wait_for_line(err, READY, tracer, timeout=120)
-    before, attached = attach_bracket(out, bpftrace)
+    attached = attached_frees(out)
     # WHEN its clients load it, and the trace then ends
     load = subprocess.run(target.load, capture_output=True, text=True, timeout=600)
     wait_quiet(out)
@@ -257,12 +258,13 @@ def test_a_server_traced_by_serve_is_never_stopped_and_counted_as_bpftrace_count
     bpftrace, out, poll = watched(target, reaper, tmp_path)
     port = free_port()
     err = tmp_path / "serve.err"
+    before = frees_printed(out)  # before serve starts, as for --pid above
     with open(err, "wb") as errors:
         serve = reaper.add(subprocess.Popen(
             [*MTRACE, "serve", "--pid", str(target.pid), "--web.listen-address",
              f"127.0.0.1:{port}"], stdout=errors, stderr=errors))  # fmt: skip
     wait_for_line(err, SERVE_READY, serve, timeout=120)
-    before, attached = attach_bracket(out, bpftrace)
+    attached = attached_frees(out)
     # WHEN its clients load it, and its metrics are scraped after
     load = subprocess.run(target.load, capture_output=True, text=True, timeout=600)
     wait_quiet(out)
