@@ -34,13 +34,12 @@ from __future__ import annotations
 import gzip
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
 
 import numpy as np
 
 from .data.alloc_snapshot import AllocSnapshot, FrameNames, StackCatalog, StackColumns, StackRow
 from .data.lock_waits import LockWaits
-from .data.sink import FileAtEndSink, TraceResult, write_file
+from .data.sink import FileAtEndSink, TraceResult
 from .data.symbolize import Symbol
 
 
@@ -147,6 +146,7 @@ class _Strings:
     def __init__(self) -> None:
         self.table: list[str] = [""]
         self.index: dict[str, int] = {"": 0}
+        self._encoded: list[bytes] = []  # the table's entries encoded so far
 
     def __call__(self, text: str) -> int:
         found = self.index.get(text)
@@ -155,10 +155,16 @@ class _Strings:
             self.table.append(text)
         return found
 
+    def encoded(self) -> list[bytes]:
+        """The table as Profile's string_table fields, each encoded once."""
+        for text in self.table[len(self._encoded) :]:
+            self._encoded.append(_framed(_Profile.STRING_TABLE, text.encode()))
+        return self._encoded
+
 
 def _profile_fields(strings: _Strings, types: Sequence[tuple[str, str]], default: str,
-            period: tuple[str, str, int], time_ns: int, duration_ns: int,
-            comments: Sequence[str]) -> tuple[bytes, list[bytes]]:  # fmt: skip
+                    period: tuple[str, str, int], time_ns: int, duration_ns: int,
+                    comments: Sequence[str]) -> tuple[bytes, list[bytes]]:  # fmt: skip
     """A Profile's fields but its samples and tables, and the string-table
     entries of its comments, which follow the whole of ``strings``' table
     (and are not added to it: they change from one profile to the next)."""
@@ -218,7 +224,6 @@ class HeapEncoder:
     def _start(self) -> None:
         self.strings = _Strings()
         self.tables = _Tables(self.strings, self.names)
-        self._encoded_strings: list[bytes] = []
         self._catalog: StackCatalog | None = None
         self._prefixes: list[bytes | None] = []  # by key number: location ids and labels, encoded
         self._labels: dict[int, bytes] = {}  # by (process, function) pair: its labels, encoded
@@ -251,11 +256,10 @@ class HeapEncoder:
         samples = self._samples(StackColumns.of(rows), labels)
         samples += self._other_samples(others or {}, labels)
         header, notes = _profile_fields(self.strings, SAMPLE_TYPES, default,
-                                ("space", "bytes", sample_bytes or 1),
-                                time.time_ns() if time_ns is None else time_ns, duration_ns,
-                                comments)  # fmt: skip
-        self._encode_strings()
-        return _gzipped([header, self.tables.encoded(), *samples, *self._encoded_strings, *notes],
+                                        ("space", "bytes", sample_bytes or 1),
+                                        time.time_ns() if time_ns is None else time_ns,
+                                        duration_ns, comments)  # fmt: skip
+        return _gzipped([header, self.tables.encoded(), *samples, *self.strings.encoded(), *notes],
                         level)  # fmt: skip
 
     def _samples(self, rows: StackColumns, labels: Labels) -> list[bytes]:
@@ -323,10 +327,6 @@ class HeapEncoder:
             _label(self.strings(key), self.strings(value)) for key, value in named if value
         )
 
-    def _encode_strings(self) -> None:
-        for text in self.strings.table[len(self._encoded_strings) :]:
-            self._encoded_strings.append(_framed(_Profile.STRING_TABLE, text.encode()))
-
 
 # The function of the one sample per process that sums the stacks a
 # bounded profile (serve's max_samples) left out, and its location's key.
@@ -374,10 +374,10 @@ def _sample_frames(prefix_lengths: np.ndarray, values: np.ndarray) -> tuple[byte
     packed_lengths = widths.reshape(rows, -1).sum(axis=1)
     length, length_widths = _varints(prefix_lengths + 2 + packed_lengths)
     ones = np.ones(rows, np.int64)
-    value_tag = np.full(rows, _tag(_Sample.VALUE)[0])
+    value_tag = np.full(rows, _TAGS[_Sample.VALUE][0])
     value_heads = np.column_stack([value_tag, packed_lengths]).astype(np.uint8)
     flat, begins = _joined_rows([
-        (np.full(rows, _tag(_Profile.SAMPLE)[0], np.uint8), ones), (length, length_widths),
+        (np.full(rows, _TAGS[_Profile.SAMPLE][0], np.uint8), ones), (length, length_widths),
         (value_heads.reshape(-1), 2 * ones), (packed, packed_lengths),
     ])  # fmt: skip
     return flat.tobytes(), begins + 1 + length_widths
@@ -395,10 +395,10 @@ def build_contention_profile(waits: LockWaits, names: FrameNames, duration_ns: i
         _packed(_Sample.VALUE, [row.times.count, row.times.total_ns]),
         _label(pid_key, num=row.pid), _label(lock_key, strings(row.kind))]))
         for row in waits.stacks if row.times.count]  # fmt: skip
-    header, notes = _profile_fields(strings, CONTENTION_TYPES, "delay", ("contentions", "count", 1),
-                            time.time_ns() - duration_ns, duration_ns, comments)  # fmt: skip
-    table = [_framed(_Profile.STRING_TABLE, text.encode()) for text in strings.table]
-    return _gzipped([header, tables.encoded(), *samples, *table, *notes], 9)
+    header, notes = _profile_fields(strings, CONTENTION_TYPES, "delay",
+                                    ("contentions", "count", 1), time.time_ns() - duration_ns,
+                                    duration_ns, comments)  # fmt: skip
+    return _gzipped([header, tables.encoded(), *samples, *strings.encoded(), *notes], 9)
 
 
 class _Tables:
@@ -507,25 +507,10 @@ def _place(location: str | None) -> tuple[str, int]:
     return (filename, int(line)) if line.isdigit() else (location, 0)
 
 
-def write_profile(path: Path, profile: bytes) -> None:
-    write_file(path, profile)
-
-
-class _ProfileSink(FileAtEndSink):
-    """A profile written to a file when the trace ends."""
-
-    def profile(self, result: TraceResult) -> bytes | None:
-        """The gzipped profile, or None when the trace has nothing for it."""
-        raise NotImplementedError
+class PprofSink(FileAtEndSink):
+    """``--pprof FILE``: allocations by call stack, written when the trace ends."""
 
     def content(self, result: TraceResult) -> bytes | None:
-        return self.profile(result)
-
-
-class PprofSink(_ProfileSink):
-    """``--pprof FILE``: allocations by call stack."""
-
-    def profile(self, result: TraceResult) -> bytes | None:
         if result.allocations is None:
             return None
         allocs = result.allocations
@@ -534,10 +519,11 @@ class PprofSink(_ProfileSink):
                               *allocs.allocator_lines()])  # fmt: skip
 
 
-class ContentionSink(_ProfileSink):
-    """``--pprof-mutex FILE``: lock waits by the waiting thread's stack."""
+class ContentionSink(FileAtEndSink):
+    """``--pprof-mutex FILE``: lock waits by the waiting thread's stack,
+    written when the trace ends."""
 
-    def profile(self, result: TraceResult) -> bytes | None:
+    def content(self, result: TraceResult) -> bytes | None:
         if result.lock_waits is None:
             return None
         waits = result.lock_waits

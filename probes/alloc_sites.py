@@ -212,13 +212,11 @@ def _plt_targets(elf: ELFFile, kinds: Mapping[str, str]) -> dict[int, str]:
             if symbol is not None and symbol.name in kinds:
                 slots[relocation["r_offset"]] = symbol.name
     stubs: dict[int, str] = {}
-    disassembler = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
-    disassembler.detail = True
     for name in (".plt", ".plt.sec"):
         plt = elf.get_section_by_name(name)
         if plt is None:
             continue
-        for insn in disassembler.disasm(plt.data(), plt.header["sh_addr"]):
+        for insn in disassemble(plt.data(), plt.header["sh_addr"]):
             if insn.mnemonic != "jmp" or not insn.operands:
                 continue
             operand = insn.operands[0]

@@ -195,12 +195,6 @@ class _Function:
     insns: list[capstone.CsInsn]
     targets: set[int]  # addresses some direct jump or call in it lands on
 
-    def index(self, address: int) -> int:
-        for i, insn in enumerate(self.insns):
-            if insn.address == address:
-                return i
-        raise ValueError(f"{address:#x} is not an instruction of {self.name}")
-
 
 def _function(elf: ELFFile, name: str, start: int, size: int) -> _Function:
     insns = disassemble(code_at(elf, start, start + size)[0], start)

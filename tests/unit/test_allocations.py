@@ -26,7 +26,7 @@ from mtrace_live.exporters.data.alloc_snapshot import (
 from mtrace_live.exporters.data.events import EventDecoder
 from mtrace_live.exporters.data.symbolize import Symbol
 from mtrace_live.exporters.lines import stack_table_json
-from mtrace_live.exporters.pprof import build_profile, write_profile
+from mtrace_live.exporters.pprof import build_profile
 from mtrace_live.exporters.prometheus import AllocFigures, MtraceCollector
 from mtrace_live.probes.alloc_sites import alloc_sites, tail_call
 from mtrace_live.probes.records import (
@@ -126,7 +126,7 @@ def test_the_pprof_profile_reads_back_with_the_four_sample_types(tmp_path: Path)
     # GIVEN the profile of the snapshot, written gzipped
     snap = trimmed(snapshot(), KnownNames())
     path = tmp_path / "heap.pb.gz"
-    write_profile(path, build_profile(snap, KnownNames(), 5_000_000_000))
+    path.write_bytes(build_profile(snap, KnownNames(), 5_000_000_000))
     # WHEN it is parsed back as a profile.proto Profile
     profile = parsed(path.read_bytes())
     strings = list(profile.string_table)

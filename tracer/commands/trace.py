@@ -40,11 +40,11 @@ def trace_request(params: dict[str, Any]) -> TraceRequest:
     rest = dict(params)
     kmem_only = rest.pop("kmem_only", False)
     contention = rest.pop("contention", False)  # the allocation functions left alone
-    defaults = TraceRequest  # what an option a command lacks is
-    allocs = options.alloc_settings(rest.pop("no_allocs", False) or kmem_only or contention,
-                                    rest.pop("sample_bytes", None),
-                                    rest.pop("max_outstanding", defaults.max_outstanding),
-                                    rest.pop("alloc_stacks", defaults.alloc_stacks))  # fmt: skip
+    # an option a command does not have takes the request's default
+    allocs = options.alloc_settings(
+        rest.pop("no_allocs", False) or kmem_only or contention, rest.pop("sample_bytes", None),
+        rest.pop("max_outstanding", TraceRequest.max_outstanding),
+        rest.pop("alloc_stacks", TraceRequest.alloc_stacks))  # fmt: skip
     output = rest.pop("output", None) or ("live" if sys.stdout.isatty() else "text")
     return TraceRequest(
         output=output,
