@@ -192,7 +192,8 @@ def unwind_lines(unwind: Mapping[str, int]) -> list[str]:
         f"cut: {cut}",
         f"  frames: {unwind.get('cfi_frames', 0)} by CFI, {unwind.get('fp_frames', 0)} by frame "
         f"pointers (no CFI at the PC); {unwind.get('no_tables', 0)} stacks walked by frame "
-        "pointers alone (their process's tables were not written yet)",
+        "pointers alone (their process's tables were not written yet); "
+        f"{unwind.get('inherited', 0)} by the tables their process inherited at its fork",
         *_table_lines(unwind),
     ]
 

@@ -257,7 +257,8 @@ UNWIND_ROW_DTYPE = cfi.ROW  # struct unwind_row: probes/elf/cfi.py makes them
 UNWIND_MAP_DTYPE = np.dtype([("start", "<u8"), ("end", "<u8"), ("bias", "<u8"), ("first", "<u4"),
                              ("count", "<u4"), ("pages", "<u4"), ("page_count", "<u4"),
                              ("page_base", "<u4"), ("pad", "<u4")])  # fmt: skip
-UNWIND_PROC_DTYPE = np.dtype([("first", "<u4"), ("count", "<u4")])
+UNWIND_PROC_DTYPE = np.dtype([("first", "<u4"), ("count", "<u4"), ("inherited", "<u4"),
+                              ("parent", "<u4")])  # fmt: skip
 
 
 class UnwindMisc(IntEnum):
@@ -274,6 +275,7 @@ class UnwindMisc(IntEnum):
     CFI_FRAMES = 8
     FP_FRAMES = 9
     LOST = 10
+    INHERITED = 11
 
 
 THREAD_START_DTYPE = np.dtype([("start", "<u8"), ("tgid", "<u4"), ("pad", "<u4")])

@@ -41,7 +41,9 @@ ARCH=$(dpkg --print-architecture)
 # clang and its sanitizer and libFuzzer runtimes fuzz the kmemtrace walker's C code natively (make fuzz,
 # tests/unit/test_native_fuzz.py).
 # The allocators other than glibc's are traced where a process calls them (tests/privileged/test_allocators.py).
-SERVERS=(mariadb-server mariadb-client redis-server redis-tools)
+# postgresql-15 (pgbench is in its contrib part of the server package) forks a backend per connection
+# (tests/privileged/test_forking_server.py); libllvm15 is the largest library a process maps.
+SERVERS=(mariadb-server mariadb-client redis-server redis-tools postgresql-15 libllvm15)
 ALLOCATORS=(libjemalloc2 libtcmalloc-minimal4 libgoogle-perftools4 libmimalloc2.0)
 packages=(python3-bpfcc libbpfcc bpfcc-tools bpftool bpftrace gcc g++ make libc6-dev libc6-dbg golang-go heaptrack
           systemtap-sdt-dev python3-venv python3-dev binutils prometheus openssl sqlite3 clang libclang-rt-dev

@@ -61,6 +61,7 @@ from .plan import ProgramPlan, TraceRequest, choose_probes, program_plan
 from .privileges import require_privileges
 from .retarget import move_uprobes
 from .ringbuf import RingReader
+from .trace_tables import own_processes
 from .unwind_tables import RESUME_ALLOC, RESUME_LOCK, STEP, UnwindTables, attach_dlopen
 
 # Events handled between two looks at signals and deadlines: about 0.1 s of
@@ -254,6 +255,8 @@ class LiveTrace:
                                 f"its BTF-typed handler ({why})")  # fmt: skip
         request = self.request
         try:
+            # never its own processes, nor its guardian's or endpoint's allocations
+            self.program.tables.exclude_self([target_pid] if target_pid is not None else [])
             if plan.config.first_tgid and target_pid is not None:
                 self.program.tables.set_first_target(target_pid)
             with self.program.uprobe_batch():  # in as few links as can be, at its end
@@ -451,8 +454,13 @@ class LiveTrace:
                 return
             kinds = records["kind"]
             if self.unwind is not None:
-                wanted = records["tgid"][kinds == EventKind.UNWIND]
-                self.unwind.tables_wanted(sorted(set(wanted.tolist())))
+                asks = records[kinds == EventKind.UNWIND]
+                forked = asks[asks["nargs"] > 0]  # each with the parent it inherited from
+                parents = forked["args"][:, 0].tolist()
+                for child, parent in zip(forked["tgid"].tolist(), parents, strict=True):
+                    self.frame_names.inherit(child, parent)
+
+                self.unwind.tables_wanted(sorted(set(asks["tgid"].tolist())))
             if self.hold:
                 self._continue_held(records[kinds == EventKind.HELD])
             if self.alloc_pid >= 0:
@@ -747,11 +755,13 @@ def running_targets(request: TraceRequest) -> list[int]:
     those --comm or --cgroup name now (later ones are followed from their
     fork or exec)."""
     found = [request.pid] if request.pid is not None else []
+    named = []
     if request.comm is not None:
-        found += target.processes_with_comm(request.comm)
+        named += target.processes_with_comm(request.comm)
     if request.cgroup is not None:
-        found += target.cgroup_processes(request.cgroup)
-    return found
+        named += target.cgroup_processes(request.cgroup)
+    ours = set(own_processes()) if named else set()  # never mtrace-live's own
+    return found + [pid for pid in named if pid not in ours]
 
 
 def _start(trace: LiveTrace, request: TraceRequest,
@@ -761,8 +771,10 @@ def _start(trace: LiveTrace, request: TraceRequest,
     if target_pid is not None:
         trace.follow(target_pid, running=child is None)
     if request.comm is not None:  # later ones are followed from their exec, in the kernel
+        ours = set(own_processes())
         for pid in target.processes_with_comm(request.comm):
-            trace.follow(pid)
+            if pid not in ours:
+                trace.follow(pid)
     return target_pid, Fanout(trace.sinks)
 
 

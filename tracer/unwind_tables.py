@@ -10,12 +10,16 @@ kept on disk by build-id between runs (``MTRACE_LIVE_CFI_CACHE``, default
 
 A process's mappings are written when it is followed, when it first calls
 a function that wants a stack (it is stopped until they are, see
-``unwind_wanted``), and again at each ``refresh`` (once a second) when they
-changed: a library ``dlopen``ed meanwhile is unwound from then on. Each
-process's mappings take a block of unwind_maps, a new one each time they
-change (the walk in flight reads the old block, which is freed after the
-new one is in place). What did not fit (rows of a file, a process's
-mappings) is counted: those frames are walked by frame pointers.
+``unwind_wanted``, if mtrace-live started it), and again at each ``refresh``
+(once a second) when they changed: a library ``dlopen``ed meanwhile is
+unwound from then on. Each process's mappings take a block of unwind_maps,
+a new one each time they change (the walk in flight reads the old block).
+A process forked by a followed one gets its parent's entry in the kernel,
+the same block (``unwind_fork``), and asks for its own at its first call,
+without a hold: so a block no process of ours names any more is retired,
+not freed, and freed at a later ``refresh`` once no entry of unwind_procs
+names it. What did not fit (rows of a file, a process's mappings) is
+counted: those frames are walked by frame pointers.
 """
 
 from __future__ import annotations
@@ -203,6 +207,10 @@ class UnwindTables:
         self.next_row = 0
         self.page_capacity, self.next_page = pages, 0
         self.free: list[tuple[int, int]] = [(0, maps)]  # blocks of unwind_maps: (first, size)
+        # blocks no process of ours names, which a forked one's entry may:
+        # retired since the last sweep, and retired before it
+        self.retired: list[tuple[int, int]] = []
+        self.retired_before: list[tuple[int, int]] = []
         self.blocks: dict[int, tuple[int, int]] = {}  # pid -> its block
         self.written: dict[int, tuple[Mapping, ...]] = {}  # pid -> the mappings written
         self.counts: Counter[str] = Counter()
@@ -301,10 +309,10 @@ class UnwindTables:
             self.counts["processes_not_fitting"] += 1
             return False
         self.program.write_array("unwind_maps", block[0], entries)
-        self.program.set_row("unwind_procs", pid, (block[0], len(entries)))
+        self.program.set_row("unwind_procs", pid, (block[0], len(entries), 0, 0))
         old = self.blocks.pop(pid, None)
         if old is not None:
-            self.free.append(old)
+            self.retired.append(old)
         self.blocks[pid], self.written[pid] = block, tuple(mappings)
         if self.written_hook is not None:
             self.written_hook(pid)
@@ -329,17 +337,41 @@ class UnwindTables:
 
     def refresh(self) -> None:
         """Write again the mappings of each process whose mappings changed
-        (a library loaded or unloaded); forget those that are gone."""
+        (a library loaded or unloaded); forget those that are gone; free
+        the retired blocks no entry names."""
         for pid in list(self.blocks):
             if not self.load(pid) and not Path(f"/proc/{pid}").exists():
                 self.forget(pid)
+        self.sweep()
 
     def forget(self, pid: int) -> None:
         """``pid`` is gone (or exec'd: the kernel deleted its entry)."""
         block = self.blocks.pop(pid, None)
         if block is not None:
-            self.free.append(block)
+            self.retired.append(block)
         self.written.pop(pid, None)
+
+    def sweep(self) -> None:
+        """Free the blocks retired before the last sweep that no entry of
+        unwind_procs names (a process forked from one that had the block
+        holds it until its own are written, or it ends). A block retired
+        since then waits a sweep more: a fork that read its parent's entry
+        just before it was replaced has written its own entry by then."""
+        if self.retired_before:
+            named = self._named_blocks()
+            self.free.extend(b for b in self.retired_before if b[0] not in named)
+            self.retired_before = [b for b in self.retired_before if b[0] in named]
+        self.retired_before += self.retired
+        self.retired = []
+
+    def _named_blocks(self) -> set[int]:
+        """The first slots of the blocks unwind_procs' entries name."""
+        read = self.program.read_all("unwind_procs")
+        if read is not None:
+            values = read[2]
+            return set((values[:, 0, 0] & 0xFFFFFFFF).tolist())
+        table = self.program.table("unwind_procs")
+        return {int(leaf.first) for leaf in table.values()}
 
     def tables_wanted(self, pids: list[int]) -> None:
         """Processes whose tables the kernel asked for (their first call
@@ -363,7 +395,7 @@ class UnwindTables:
         entry."""
         block = self.blocks.get(pid)
         row = self.program.row("unwind_procs", pid)
-        return block is not None and row is not None and tuple(row) == block
+        return block is not None and row is not None and tuple(row[:2]) == block and not row[2]
 
     def _failed_process(self, pid: int, exc: Exception) -> None:
         """Tables that could not be written for ``pid``: counted, said once

@@ -343,7 +343,9 @@ class FrameNames:
     The maps of a process are read when it is first asked about and again
     when an address falls outside them (a library loaded later); ``remember``
     reads them ahead of need (the tracer does so when a process stops in
-    _exit). Once a process is gone its last maps are used."""
+    _exit). Once a process is gone its last maps are used; a process forked
+    from another (``inherit``) and gone before its own maps were read is
+    named by its parent's, which were its own at its fork."""
 
     symbols: dict[int, ProcessSymbols] = field(default_factory=dict)
     comms: dict[int, str] = field(default_factory=dict)  # process names, read with the maps
@@ -351,6 +353,7 @@ class FrameNames:
     _names: dict[tuple[int, int], Symbol | None] = field(default_factory=dict)
     # (process, stack) -> the stack cut as ``cut`` cuts it, while its names hold
     _cuts: dict[tuple[int, tuple[int, ...]], tuple[int, ...]] = field(default_factory=dict)
+    parents: dict[int, int] = field(default_factory=dict)  # a forked process -> its parent
     named: int = 0  # frames named (each once)
     naming_s: float = 0.0  # the time that took
     _trimming: _Trimming | None = field(default=None, repr=False)
@@ -360,11 +363,27 @@ class FrameNames:
             self.symbols.setdefault(tgid, ProcessSymbols(tgid, saved=[]))
             return
         fresh = ProcessSymbols(tgid)
+        parent = self.parents.get(tgid)
+        known = self.symbols.get(tgid)
+        if not fresh.mappings and parent in self.symbols and (known is None or not known.mappings):
+            self.symbols[tgid] = self.symbols[parent]  # gone: its maps were its parent's
+            self.comms.setdefault(tgid, self.comms.get(parent, ""))
+            return
         if fresh.mappings or tgid not in self.symbols:
             self.symbols[tgid] = fresh
         name = process_name(tgid)
         if name:
             self.comms[tgid] = name
+
+    def inherit(self, child: int, parent: int) -> None:
+        """``child`` was forked from ``parent`` and unwound by its tables:
+        named by the parent's maps (read now if they were not) if it is gone
+        before its own are read."""
+        if not self.live or child == parent:
+            return
+        self.parents[child] = parent
+        if parent not in self.symbols:
+            self.remember(parent)
 
     def forget(self, tgids: set[int]) -> None:
         """Processes gone whose frames will not be named again (serve's
@@ -372,6 +391,7 @@ class FrameNames:
         for tgid in tgids:
             self.symbols.pop(tgid, None)
             self.comms.pop(tgid, None)
+            self.parents.pop(tgid, None)
         self._names = {key: name for key, name in self._names.items() if key[0] not in tgids}
         self._cuts = {key: cut for key, cut in self._cuts.items() if key[0] not in tgids}
         if self._trimming is not None:

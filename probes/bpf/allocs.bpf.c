@@ -183,8 +183,8 @@ static __always_inline int on_alloc_entry(struct pt_regs *ctx, u32 fn, u64 size,
     /* the process's tables, asked for once per thread and generation, not
      * looked up at every call (a hash lookup: most of the sampled cost) */
     u64 gen = unwind_gen();
-    if (slot->tables_tgid != (u32)(id >> 32) || slot->tables_gen != gen) {
-        unwind_wanted(id >> 32);
+    if ((slot->tables_tgid != (u32)(id >> 32) || slot->tables_gen != gen) &&
+        unwind_wanted(id >> 32)) {
         slot->tables_tgid = id >> 32;
         slot->tables_gen = gen;
     }

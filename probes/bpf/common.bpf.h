@@ -84,6 +84,30 @@
 #define MTRACE_CLONE_THREAD 0x00010000 /* include/uapi/linux/sched.h */
 
 BPF_HASH(followed, u32, u8, MAX_FOLLOWED);
+
+/* mtrace-live's own processes (the tracer, its guardian, its metrics
+ * endpoint), never traced, whatever the filter: written by user space
+ * before anything attaches (tracer/trace_tables.py), 0 in unused slots.
+ * One array lookup and SELF_SLOTS compares: --all pays no hash lookup. */
+#define SELF_SLOTS 8
+struct self_set {
+    u32 tgid[SELF_SLOTS];
+};
+BPF_ARRAY(self_set, struct self_set, 1);
+
+static __always_inline int is_self(u32 tgid)
+{
+    u32 zero = 0;
+    struct self_set *set = self_set.lookup(&zero);
+    if (!set || !tgid)
+        return 0;
+#pragma unroll
+    for (int i = 0; i < SELF_SLOTS; i++) {
+        if (set->tgid[i] == tgid)
+            return 1;
+    }
+    return 0;
+}
 #if FIRST_TGID
 /* The process asked for, written by user space once the program is loaded
  * (a value, not a compile-time constant, so that the compiled program does
@@ -178,7 +202,7 @@ static __always_inline void holds_end(u32 tgid) {}
 static __always_inline int tgid_is_followed(u32 tgid)
 {
 #if FILTER_CGROUP
-    return bpf_get_current_ancestor_cgroup_id(CGROUP_LEVEL) == CGROUP_ID;
+    return bpf_get_current_ancestor_cgroup_id(CGROUP_LEVEL) == CGROUP_ID && !is_self(tgid);
 #elif FILTER_PIDS
 #if FIRST_TGID
     /* Most events of a traced process are its own: a compare instead of a
@@ -190,7 +214,7 @@ static __always_inline int tgid_is_followed(u32 tgid)
 #endif
     return followed.lookup(&tgid) != NULL;
 #else
-    return 1;
+    return !is_self(tgid);
 #endif
 }
 
@@ -252,8 +276,12 @@ static __always_inline void follow_child(u32 child)
 
 /* The hook of locks.bpf.c: a thread of a followed process is made. */
 static __always_inline void locks_new_thread(u32 tgid, u32 tid);
+/* The hook of unwind.bpf.c: a followed process forked one that is followed
+ * too (it has its parent's mappings, so its parent's tables). */
+static __always_inline void unwind_fork(u32 parent, u32 child);
 
-#if (FILTER_PIDS && FOLLOW_FORKS) || DERIVED_SYSCALLS || WITH_LOCK_TIMES
+#if (FILTER_PIDS && FOLLOW_FORKS) || DERIVED_SYSCALLS || WITH_LOCK_TIMES || \
+    (WITH_UNWIND && (!FILTER_PIDS || FOLLOW_FORKS))
 TRACEPOINT_PROBE(task, task_newtask)
 {
     u32 parent = bpf_get_current_pid_tgid() >> 32;
@@ -274,6 +302,7 @@ TRACEPOINT_PROBE(task, task_newtask)
 #endif
 #if !FILTER_PIDS || FOLLOW_FORKS
     locks_new_thread(args->pid, args->pid); /* a process traced from its fork */
+    unwind_fork(parent, args->pid);
 #endif
     return 0;
 }
@@ -316,7 +345,7 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
     /* The comm is the new program's by now (begin_new_exec set it). */
     u64 comm[2] = {};
     bpf_get_current_comm(comm, sizeof(comm));
-    if (comm[0] == COMM_LO && comm[1] == COMM_HI) {
+    if (comm[0] == COMM_LO && comm[1] == COMM_HI && !is_self(tgid)) {
         u8 one = 1;
         followed.update(&tgid, &one);
     } else {

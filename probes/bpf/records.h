@@ -359,10 +359,15 @@ struct unwind_map {
     u32 pad;
 };
 
-/* A process's mappings: unwind_maps[first, first + count), by start. */
+/* A process's mappings: unwind_maps[first, first + count), by start.
+ * inherited: 1 while they are its parent's (parent), given at its fork in
+ * the kernel (the same block: user space frees a block only when no entry
+ * names it); 2 once it has asked user space for its own. */
 struct unwind_proc {
     u32 first;
     u32 count;
+    u32 inherited;
+    u32 parent;
 };
 
 /* The unwind_misc array. */
@@ -378,6 +383,7 @@ enum unwind_misc {
     UX_CFI_FRAMES,  /* frames found by the CFI */
     UX_FP_FRAMES,   /* frames found by frame pointers (no CFI at the PC) */
     UX_LOST,        /* kept calls whose resumption after the walk failed (not counted) */
+    UX_INHERITED,   /* stacks walked by the tables a process inherited at its fork */
     UX_COUNT,
 };
 

@@ -136,6 +136,8 @@ static __always_inline struct unwind_state *unwind_begin(u32 tgid, u64 pc, u64 s
     struct alloc_frames_row *row = alloc_walk.lookup(&zero);
     if (!st || !row)
         return NULL;
+    if (proc->inherited)
+        unwind_misc.increment(UX_INHERITED);
     st->pc = pc;
     st->sp = sp;
     st->bp = bp;
@@ -192,37 +194,78 @@ static __always_inline void unwind_forget(u32 tgid)
  * continued then; no other process is ever stopped. Until its tables are
  * written its stacks are walked by frame pointers, counted as
  * UX_NO_TABLES. */
-static __always_inline void unwind_ask(u32 tgid);
+static __always_inline int unwind_ask(u32 tgid, int hold, u32 parent);
 
-static __always_inline void unwind_wanted(u32 tgid)
+/* 1 once nothing is left to ask (the caller asks no more until the
+ * generation changes); 0 when the ring had no room to say so, to be asked
+ * again at the next call. */
+static __always_inline int unwind_wanted(u32 tgid)
 {
 #if WITH_EVENTS
-    if (unwind_procs.lookup(&tgid))
-        return;
+    struct unwind_proc *proc = unwind_procs.lookup(&tgid);
+    if (proc) {
+        /* Its parent's tables, from its fork: whole stacks now; its own
+         * asked for once, and no hold, as it needs none to be unwound
+         * (two threads may both ask: user space writes them once). */
+        if (proc->inherited == 1) {
+            if (!unwind_ask(tgid, 0, proc->parent))
+                return 0;
+            proc->inherited = 2;
+        }
+        return 1;
+    }
     struct unwind_proc asked = {};
     if (unwind_procs.insert(&tgid, &asked))
-        return; /* another thread asked first */
-    unwind_ask(tgid);
+        return 1; /* another thread asked first */
+    if (unwind_ask(tgid, 1, 0))
+        return 1;
+    unwind_procs.delete(&tgid); /* not said: asked again at the next call */
+    return 0;
+#else
+    return 1;
 #endif
 }
 
+/* A followed process forked `child`: its mappings are its parent's, so it
+ * is unwound by its parent's tables from its first call, the same block of
+ * unwind_maps (user space frees a block only once no entry names it,
+ * tracer/unwind_tables.py), until its own are written. A child of a process
+ * with no tables has none (a pid reused since an entry was written). */
+static __always_inline void unwind_fork(u32 parent, u32 child)
+{
+    struct unwind_proc *theirs = unwind_procs.lookup(&parent);
+    if (!theirs || !theirs->count) {
+        unwind_procs.delete(&child);
+        return;
+    }
+    struct unwind_proc given = {theirs->first, theirs->count, 1, parent};
+    unwind_procs.update(&child, &given);
+}
+
 /* Say that process `tgid` wants its tables (written anew), holding it
- * meanwhile if mtrace-live started it. */
-static __always_inline void unwind_ask(u32 tgid)
+ * meanwhile (`hold`) if mtrace-live started it; `parent`, the process it
+ * inherited its tables from at its fork (0: none), is the event's one
+ * argument: its frames are named by its parent's maps if it is gone before
+ * its own are read. */
+static __always_inline int unwind_ask(u32 tgid, int hold, u32 parent)
 {
 #if WITH_EVENTS
     struct event *e = events.ringbuf_reserve(sizeof(struct event));
     if (!e)
-        return; /* no room to say so: not stopped */
+        return 0; /* no room to say so: not stopped */
     __builtin_memset(e, 0, sizeof(*e));
     e->ts = bpf_ktime_get_ns();
     e->tgid = tgid;
     e->tid = (u32)bpf_get_current_pid_tgid();
     e->kind = EV_UNWIND;
+    e->nargs = parent ? 1 : 0;
+    e->args[0] = parent;
     e->ustack = e->kstack = -1;
-    hold_process(tgid); /* a process mtrace-live started (HOLDS) */
+    if (hold)
+        hold_process(tgid); /* a process mtrace-live started (HOLDS) */
     events.ringbuf_submit(e, 0);
 #endif
+    return 1;
 }
 
 /* The entry of dlopen or dlmopen (where its return probe stands: the
@@ -259,7 +302,7 @@ int unwind_dlopen_return(struct pt_regs *ctx)
     struct unwind_proc *proc = unwind_procs.lookup(&tgid);
     if (!proc || !proc->count)
         return 0; /* never asked, or asked and not written yet: its tables will have the library */
-    unwind_ask(tgid);
+    unwind_ask(tgid, 1, 0);
     return 0;
 }
 
@@ -449,6 +492,7 @@ int unwind_step(struct pt_regs *ctx)
 }
 #else
 static __always_inline void unwind_forget(u32 tgid) {}
-static __always_inline void unwind_wanted(u32 tgid) {}
+static __always_inline int unwind_wanted(u32 tgid) { return 1; }
+static __always_inline void unwind_fork(u32 parent, u32 child) {}
 static __always_inline u64 unwind_gen(void) { return 0; }
 #endif

@@ -35,6 +35,14 @@ class Recorder:
         self.writes += 1
         self.rows.setdefault(table, {})[key] = fields
 
+    def read_all(self, table: str) -> tuple[None, np.ndarray, np.ndarray]:
+        """A hash map of u32 keys and 16-byte values (unwind_procs), as the
+        batched read gives it: u64 words, little-endian fields."""
+        entries = self.rows.get(table, {})
+        keys = np.array(list(entries), dtype=np.uint32).reshape(-1, 1)
+        fields = np.array(list(entries.values()), dtype=np.uint32).reshape(-1, 4)
+        return None, keys, fields.view(np.uint64).reshape(-1, 1, 2)
+
 
 @pytest.fixture(scope="module")
 def rows_cache(tmp_path_factory: pytest.TempPathFactory) -> RowCache:
@@ -87,7 +95,8 @@ def test_a_mapping_s_bias_turns_a_pc_into_the_address_the_cfi_rows_use(
         assert load_segments(elf)
     # WHEN the mapping holding it is found as the BPF search finds it
     maps = recorder.arrays["unwind_maps"]
-    first, count = recorder.rows["unwind_procs"][os.getpid()]
+    first, count, inherited, _ = recorder.rows["unwind_procs"][os.getpid()]
+    assert inherited == 0  # its own, written by user space
     entries = [maps[first + i] for i in range(count)]
     assert [int(e["start"]) for e in entries] == sorted(int(e["start"]) for e in entries)
     entry = next(e for e in entries if int(e["start"]) <= runtime < int(e["end"]))
@@ -114,7 +123,8 @@ def test_files_that_do_not_fit_are_counted_and_left_to_frame_pointers(
     # THEN what did not fit is counted, and those mappings have no rows (frame pointers there)
     assert counts["files_not_fitting"] >= 1 and counts["rows_not_fitting"] > 1000
     assert counts["rows"] <= 1000
-    first, count = recorder.rows["unwind_procs"][os.getpid()]
+    first, count, inherited, _ = recorder.rows["unwind_procs"][os.getpid()]
+    assert inherited == 0  # its own, written by user space
     maps = recorder.arrays["unwind_maps"]
     malloc = ctypes.cast(ctypes.CDLL(str(libc_mapping())).malloc, ctypes.c_void_p).value
     assert malloc is not None
@@ -137,3 +147,44 @@ def test_mappings_that_do_not_fit_are_counted_and_the_process_left_to_frame_poin
     assert tables.table_counts()["processes_not_fitting"] == 1
     assert os.getpid() not in recorder.rows.get("unwind_procs", {})
     assert "unwind_maps" not in recorder.arrays
+
+
+def test_a_block_a_forked_process_was_given_is_freed_only_once_no_entry_names_it(
+    rows_cache: RowCache,
+) -> None:
+    # GIVEN this process's tables, and a child given its block at its fork
+    # (the kernel's unwind_fork: the same first and count, marked inherited)
+    recorder = Recorder()
+    tables = UnwindTables(recorder, rows=1 << 24, pages=1 << 24, cache=rows_cache)  # type: ignore[arg-type]
+    parent, child = os.getpid(), 2**22 + 7
+    assert tables.load(parent)
+    block = tables.blocks[parent]
+    procs = recorder.rows["unwind_procs"]
+    procs[child] = (block[0], block[1], 1, 0)
+    # WHEN the parent's tables go (it exec'd: the kernel deleted its entry)
+    tables.forget(parent)
+    del procs[parent]
+    # THEN its block is not free while the child's entry names it, however many sweeps
+    for _ in range(3):
+        tables.sweep()
+        assert all(first != block[0] for first, _ in tables.free)
+    # AND once the child's entry is gone too, the next sweep frees it
+    del procs[child]
+    tables.sweep()
+    assert block in tables.free
+
+
+def test_a_retired_block_waits_one_sweep_more_before_it_is_freed(rows_cache: RowCache) -> None:
+    # GIVEN a block retired just now, which no entry names (a fork that read
+    # the parent's entry just before it was replaced may not have written its own yet)
+    recorder = Recorder()
+    tables = UnwindTables(recorder, rows=1 << 24, pages=1 << 24, cache=rows_cache)  # type: ignore[arg-type]
+    assert tables.load(os.getpid())
+    block = tables.blocks[os.getpid()]
+    tables.forget(os.getpid())
+    del recorder.rows["unwind_procs"][os.getpid()]
+    # WHEN swept once, it is not free yet; THEN at the next sweep it is
+    tables.sweep()
+    assert block not in tables.free
+    tables.sweep()
+    assert block in tables.free

@@ -1,0 +1,162 @@
+"""A server that forks a process per connection, traced while it serves:
+PostgreSQL 15 (Debian's, built without frame pointers) under ``pgbench -C``
+(a new connection, so a new backend forked by the postmaster, for every
+transaction), traced by ``--pid POSTMASTER --follow-forks``.
+
+A forked backend has its parent's mappings, so the kernel gives it its
+parent's unwind tables at its fork (unwind.bpf.c's ``unwind_fork``): its
+stacks are whole from its first allocation, though user space writes its
+own tables later, and it is named by its parent's maps if it is gone by then.
+Checked: at least 95% of the backends' malloc calls have a stack that
+reaches the frame that called ``main`` (``__libc_start_call_main``), read
+from the trace's pprof profile by protobuf; their count equals bpftrace's in
+the same run; the postmaster and every backend are never stopped (bpftrace
+counts SIGSTOPs delivered to any postgres process, on any thread)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from mtrace_live.tracer.target import default_libc
+
+from tests.unit.profile_proto import parsed
+
+from .conftest import MTRACE
+from .tracing import BPFTRACE_READY, Reaper, start_bpftrace, wait_for_line, wait_until
+
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+READY = "Ctrl-C to stop"
+ABOVE_MAIN = "__libc_start_call_main"  # glibc's caller of main (named from libc6-dbg)
+
+
+def as_postgres(*argv: str | Path, **kwargs: object) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(["runuser", "-u", "postgres", "--", *map(str, argv)],
+                          capture_output=True, **kwargs)  # type: ignore[call-overload]  # fmt: skip
+
+
+@pytest.fixture
+def postmaster() -> Iterator[tuple[int, Path]]:
+    """A PostgreSQL cluster of its own, with pgbench's tables, autovacuum off
+    (no worker is forked but for the load's connections): the postmaster's
+    pid and the socket's directory (outside pytest's own, which only root
+    may enter)."""
+    assert (PG_BIN / "postgres").exists(), "make setup installs Debian's postgresql-15"
+    home = Path(tempfile.mkdtemp(prefix="mtrace-live-pg-"))
+    shutil.chown(home, "postgres")
+    try:
+        yield from _served(home)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _served(home: Path) -> Iterator[tuple[int, Path]]:
+    done = as_postgres(PG_BIN / "initdb", "-D", home / "data", "-A", "trust", timeout=300)
+    assert done.returncode == 0, done.stderr
+    with Reaper() as reaper:
+        server = reaper.add(subprocess.Popen(
+            ["runuser", "-u", "postgres", "--", str(PG_BIN / "postgres"), "-D", str(home / "data"),
+             "-k", str(home), "-c", "listen_addresses=", "-c", "autovacuum=off"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
+        wait_until(lambda: as_postgres(PG_BIN / "pg_isready", "-h", home, "-q").returncode == 0,
+                   "postgres up")  # fmt: skip
+        init = as_postgres(PG_BIN / "pgbench", "-h", home, "-i", "-s", "1", "postgres", timeout=300)
+        assert init.returncode == 0, init.stderr
+        pid = int((home / "data" / "postmaster.pid").read_text().split()[0])
+        yield pid, home
+        as_postgres(PG_BIN / "pg_ctl", "-D", home / "data", "-m", "fast", "stop", timeout=120)
+        server.wait(timeout=120)
+
+
+def whole_by_pid(profile: Path) -> tuple[Counter[int], Counter[int]]:
+    """Per process, its malloc calls (alloc_objects), and those whose stack
+    reaches the frame that called main."""
+    prof = parsed(profile.read_bytes())
+    strings = prof.string_table
+    kinds = [strings[t.type] for t in prof.sample_type]
+    objects = kinds.index("alloc_objects")
+    names = {f.id: strings[f.name] for f in prof.function}
+    frames = {loc.id: [names[line.function_id] for line in loc.line] for loc in prof.location}
+    calls: Counter[int] = Counter()
+    whole: Counter[int] = Counter()
+    for sample in prof.sample:
+        labels = {strings[label.key]: label for label in sample.label}
+        if strings[labels["allocator"].str] != "malloc":
+            continue
+        pid, n = int(labels["pid"].num), int(sample.value[objects])
+        calls[pid] += n
+        stack = [name for loc in sample.location_id for name in frames[loc]]
+        if any(name.startswith(ABOVE_MAIN) for name in stack):
+            whole[pid] += n
+    return calls, whole
+
+
+# bpftrace: malloc's calls per postgres process, and every SIGSTOP delivered
+# to one (signal_deliver runs in the receiving thread, whichever it is).
+WATCH = (
+    'uprobe:{libc}:malloc /comm == "postgres"/ {{ @mallocs[pid] = count(); }}\n'
+    'tracepoint:signal:signal_deliver /args->sig == 19 && comm == "postgres"/ '
+    "{{ @sigstops = count(); }}\n"
+)
+
+
+def bpftrace_maps(out: Path) -> tuple[dict[int, int], int]:
+    mallocs: dict[int, int] = {}
+    stops = 0
+    for line in out.read_text(errors="replace").splitlines():
+        record = json.loads(line) if line.startswith("{") else {}
+        if record.get("type") != "map":
+            continue
+        data = record["data"]
+        mallocs.update({int(k): int(v) for k, v in data.get("@mallocs", {}).items()})
+        stops = int(data.get("@sigstops", stops))
+    return mallocs, stops
+
+
+def test_a_backend_forked_per_connection_is_unwound_whole_from_its_first_allocation(
+    postmaster: tuple[int, Path], tmp_path: Path
+) -> None:
+    pid, home = postmaster
+    before = {int(p) for p in os.listdir("/proc") if p.isdigit()}
+    with Reaper() as reaper:
+        # GIVEN bpftrace counting the server's mallocs and stops, then the tracer
+        bpftrace, counted = start_bpftrace(WATCH.format(libc=default_libc()), pid, tmp_path)
+        reaper.add(bpftrace)
+        wait_for_line(counted, BPFTRACE_READY, bpftrace, timeout=120)
+        profile, err = tmp_path / "heap.pb.gz", tmp_path / "trace.err"
+        with open(err, "wb") as sink:
+            tracer = reaper.add(subprocess.Popen(
+                [*MTRACE, "--pid", str(pid), "--follow-forks", "-o", "summary",
+                 "--alloc-stacks", "131072",  # each backend's stacks are rows of their own
+                 "--pprof", str(profile)], stdout=sink, stderr=sink))  # fmt: skip
+        wait_for_line(err, READY, tracer, timeout=120)
+        # WHEN pgbench connects anew for every transaction (a backend each)
+        load = as_postgres(PG_BIN / "pgbench", "-h", home, "-S", "-C", "-c", "4", "-t", "50",
+                           "postgres", timeout=300)  # fmt: skip
+        tracer.send_signal(signal.SIGINT)
+        assert tracer.wait(timeout=300) == 0, err.read_text()
+        bpftrace.send_signal(signal.SIGINT)
+        bpftrace.wait(timeout=300)
+    assert load.returncode == 0, load.stderr
+    stderr = err.read_text()
+    assert "Traceback" not in stderr and "error:" not in stderr, stderr
+    calls, whole = whole_by_pid(profile)
+    mallocs, stops = bpftrace_maps(counted)
+    # the backends: the processes the load made (none was there before it)
+    backends = {p for p in mallocs if p not in before}
+    assert len(backends) >= 200, len(backends)  # 4 clients x 50 connections
+    # THEN every backend malloc is counted, as bpftrace counts them
+    assert sum(calls[p] for p in backends) == sum(mallocs[p] for p in backends)
+    # AND at least 95% of them have a stack down to main
+    share = sum(whole[p] for p in backends) / sum(calls[p] for p in backends)
+    assert share >= 0.95, (share, stderr)
+    # AND no postgres process was ever stopped
+    assert stops == 0
