@@ -401,6 +401,11 @@ class BpfProgram:
         bcc_table = self._bpf[table]
         bcc_table[bcc_table.Key(key)] = bcc_table.Leaf(*fields)
 
+    def replace_row(self, table: str, key: int, value: bytes) -> bool:
+        """An entry (u32 key, the value's bytes) of a hash map written only
+        over one there is (BPF_EXIST): False when there is none."""
+        return bpf_syscalls.update_u32(self.map_fd(table), key, value, only_existing=True)
+
     def write_array(self, table: str, first: int, values: np.ndarray) -> None:
         """``values`` into an array map from index ``first`` on, in one call."""
         bpf_syscalls.update_array(self.map_fd(table), first, values)

@@ -37,6 +37,7 @@ SYS_BPF = {"x86_64": 321, "aarch64": 280, "riscv64": 280, "ppc64le": 361, "s390x
 BPF_MAP_CREATE = 0
 BPF_MAP_LOOKUP_ELEM = 1
 BPF_MAP_UPDATE_ELEM = 2
+BPF_EXIST = 2  # the update's flag: only over an existing entry
 BPF_MAP_GET_NEXT_KEY = 4
 BPF_PROG_LOAD = 5
 BPF_RAW_TRACEPOINT_OPEN = 17
@@ -91,12 +92,12 @@ def _bpf(cmd: int, attr: ctypes.Array[ctypes.c_char]) -> int:
 
 
 def _elem(cmd: int, map_fd: int, key: ctypes.Array[ctypes.c_char] | None,
-          value: ctypes.Array[ctypes.c_char]) -> bool:  # fmt: skip
+          value: ctypes.Array[ctypes.c_char], flags: int = 0) -> bool:  # fmt: skip
     """One BPF_MAP_*_ELEM or GET_NEXT_KEY call: map_fd, key, value (or the
-    next key), flags 0."""
+    next key), flags."""
     attr = ctypes.create_string_buffer(32)
     key_at = ctypes.addressof(key) if key is not None else 0
-    struct.pack_into("=IIQQQ", attr, 0, map_fd, 0, key_at, ctypes.addressof(value), 0)
+    struct.pack_into("=IIQQQ", attr, 0, map_fd, 0, key_at, ctypes.addressof(value), flags)
     return _bpf(cmd, attr) == 0
 
 
@@ -118,10 +119,13 @@ def lookup_u32(map_fd: int, key: int, value_size: int) -> bytes | None:
     return value.raw if found else None
 
 
-def update_u32(map_fd: int, key: int, value: bytes) -> bool:
-    """Write ``value`` at u32 ``key``; False when the kernel refuses."""
+def update_u32(map_fd: int, key: int, value: bytes, only_existing: bool = False) -> bool:
+    """Write ``value`` at u32 ``key``; ``only_existing``: only over an entry
+    there is (BPF_EXIST: none is made, in one step with the check). False
+    when the kernel refuses (with ``only_existing``, ENOENT: none there)."""
     return _elem(BPF_MAP_UPDATE_ELEM, map_fd, _u32(key),
-                 ctypes.create_string_buffer(value, len(value)))  # fmt: skip
+                 ctypes.create_string_buffer(value, len(value)),
+                 BPF_EXIST if only_existing else 0)  # fmt: skip
 
 
 def _u32(key: int) -> ctypes.Array[ctypes.c_char]:

@@ -310,8 +310,15 @@ class LiveTrace:
         # A process's maps are read for its names whenever its tables are
         # written (its first call, a dlopen, a change seen each second): a
         # process that was never held is named after it is gone from those.
-        return UnwindTables(self.program, release=self.holds.release if self.holds else None,
+        return UnwindTables(self.program, release=self._release_held if self.holds else None,
                             written=self._tables_written)  # fmt: skip
+
+    def _release_held(self, pid: int) -> None:
+        """Continue ``pid`` if the kernel held it for its tables: a process
+        that asked without a hold (one forked, with its parent's tables) is
+        not sent a SIGCONT, which could continue a stop of someone else's."""
+        if self.holds is not None and self.holds.is_held(pid):
+            self.holds.release(pid)
 
     def _tables_written(self, pid: int) -> None:
         """A process's unwind tables were written (its first traced call, a
@@ -454,13 +461,7 @@ class LiveTrace:
                 return
             kinds = records["kind"]
             if self.unwind is not None:
-                asks = records[kinds == EventKind.UNWIND]
-                forked = asks[asks["nargs"] > 0]  # each with the parent it inherited from
-                parents = forked["args"][:, 0].tolist()
-                for child, parent in zip(forked["tgid"].tolist(), parents, strict=True):
-                    self.frame_names.inherit(child, parent)
-
-                self.unwind.tables_wanted(sorted(set(asks["tgid"].tolist())))
+                self._tables_asked(records, kinds)
             if self.hold:
                 self._continue_held(records[kinds == EventKind.HELD])
             if self.alloc_pid >= 0:
@@ -496,6 +497,21 @@ class LiveTrace:
             moved = move_uprobes(self.program, tgid, tid, release)
             if moved is not None:
                 print(f"mtrace-live: {moved}", file=sys.stderr, flush=True)
+
+    def _tables_asked(self, records: np.ndarray, kinds: np.ndarray) -> None:
+        """The processes that asked for their unwind tables: written. One
+        forked with its parent's tables says which parent (named by its maps
+        if it is gone before its own are read); a new program (an exec) asks
+        with none: its maps are its own."""
+        assert self.unwind is not None
+        asks = records[kinds == EventKind.UNWIND]
+        forked = asks[asks["nargs"] > 0]
+        parents = forked["args"][:, 0].tolist()
+        for child, parent in zip(forked["tgid"].tolist(), parents, strict=True):
+            self.frame_names.inherit(child, parent)
+        anew = asks["tgid"][asks["nargs"] == 0].tolist()
+        self.frame_names.disinherit(anew + records["tgid"][kinds == EventKind.EXEC].tolist())
+        self.unwind.tables_wanted(sorted(set(asks["tgid"].tolist())))
 
     def _continue_held(self, held: np.ndarray) -> None:
         """Processes stopped in _exit: read their maps, then let them go."""

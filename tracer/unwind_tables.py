@@ -40,7 +40,7 @@ from mtrace_live.probes.elf.file import ELF_FAILURES, LoadSegment, build_id, loa
 from mtrace_live.probes.elf.maps import Mapping, read_maps
 from mtrace_live.probes.errors import NotElfError, TargetError
 from mtrace_live.probes.program import part_constants
-from mtrace_live.probes.records import FRAME_DEPTH, UNWIND_MAP_DTYPE
+from mtrace_live.probes.records import FRAME_DEPTH, UNWIND_MAP_DTYPE, UNWIND_PROC_DTYPE
 
 from .alloc_probes import exported_offset
 from .bpf_backend import BpfProgram
@@ -179,6 +179,13 @@ def mapped_file(pid: int, mapping: Mapping) -> Path | None:
     return None
 
 
+def _proc_entry(block: tuple[int, int]) -> bytes:
+    """struct unwind_proc for a block written by user space (not inherited)."""
+    entry = np.zeros(1, dtype=UNWIND_PROC_DTYPE)
+    entry["first"], entry["count"] = block
+    return entry.tobytes()
+
+
 def _segment_of(segments: tuple[LoadSegment, ...], offset: int) -> LoadSegment | None:
     """The executable segment holding file ``offset``."""
     for segment in segments:
@@ -208,9 +215,10 @@ class UnwindTables:
         self.page_capacity, self.next_page = pages, 0
         self.free: list[tuple[int, int]] = [(0, maps)]  # blocks of unwind_maps: (first, size)
         # blocks no process of ours names, which a forked one's entry may:
-        # retired since the last sweep, and retired before it
+        # retired since the last sweep; and retired before it, each with how
+        # many sweeps in a row found no entry naming it
         self.retired: list[tuple[int, int]] = []
-        self.retired_before: list[tuple[int, int]] = []
+        self.retired_before: list[tuple[tuple[int, int], int]] = []
         self.blocks: dict[int, tuple[int, int]] = {}  # pid -> its block
         self.written: dict[int, tuple[Mapping, ...]] = {}  # pid -> the mappings written
         self.counts: Counter[str] = Counter()
@@ -287,17 +295,21 @@ class UnwindTables:
             entries[i]["page_base"] = file.page_base
         return entries
 
-    def load(self, pid: int) -> bool:
+    def load(self, pid: int, new: bool = True) -> bool:
         """Write ``pid``'s mappings (and any file's rows not yet written),
         if they changed: False when the process is gone or its mappings did
-        not fit."""
+        not fit. ``new``: a process the trace starts to follow (it has no
+        entry yet); else one that asked or was written before, whose entry
+        is written only over the one there is: an exit or exec between the
+        read of its maps and the write deleted it in the kernel, and the
+        maps read are then no process's (a new program asks anew)."""
         begun = time.monotonic()
         try:
-            return self._write(pid)
+            return self._write(pid, new)
         finally:
             self.load_s += time.monotonic() - begun
 
-    def _write(self, pid: int) -> bool:
+    def _write(self, pid: int, new: bool) -> bool:
         mappings = exec_mappings(pid)
         if not mappings:
             return False
@@ -309,7 +321,11 @@ class UnwindTables:
             self.counts["processes_not_fitting"] += 1
             return False
         self.program.write_array("unwind_maps", block[0], entries)
-        self.program.set_row("unwind_procs", pid, (block[0], len(entries), 0, 0))
+        if new:
+            self.program.set_row("unwind_procs", pid, (block[0], len(entries), 0, 0))
+        elif not self.program.replace_row("unwind_procs", pid, _proc_entry(block)):
+            self.free.append(block)  # no entry named it
+            return False
         old = self.blocks.pop(pid, None)
         if old is not None:
             self.retired.append(old)
@@ -340,7 +356,7 @@ class UnwindTables:
         (a library loaded or unloaded); forget those that are gone; free
         the retired blocks no entry names."""
         for pid in list(self.blocks):
-            if not self.load(pid) and not Path(f"/proc/{pid}").exists():
+            if not self.load(pid, new=False) and not Path(f"/proc/{pid}").exists():
                 self.forget(pid)
         self.sweep()
 
@@ -352,26 +368,33 @@ class UnwindTables:
         self.written.pop(pid, None)
 
     def sweep(self) -> None:
-        """Free the blocks retired before the last sweep that no entry of
-        unwind_procs names (a process forked from one that had the block
-        holds it until its own are written, or it ends). A block retired
-        since then waits a sweep more: a fork that read its parent's entry
-        just before it was replaced has written its own entry by then."""
-        if self.retired_before:
-            named = self._named_blocks()
-            self.free.extend(b for b in self.retired_before if b[0] not in named)
-            self.retired_before = [b for b in self.retired_before if b[0] in named]
-        self.retired_before += self.retired
+        """Free the retired blocks that two sweeps in a row (a second apart)
+        found no entry of unwind_procs naming: a process forked from one
+        that had the block holds it until its own are written, or it ends,
+        and a fork that read an entry just as it was replaced or deleted has
+        written its own by the next sweep. A block retired since the last
+        sweep is not looked at yet."""
+        kept: list[tuple[tuple[int, int], int]] = []
+        named = self._named_blocks() if self.retired_before else set()
+        for block, unnamed in self.retired_before:
+            if block[0] in named:
+                kept.append((block, 0))
+            elif unnamed:
+                self.free.append(block)
+            else:
+                kept.append((block, 1))
+        self.retired_before = kept + [(block, 0) for block in self.retired]
         self.retired = []
 
     def _named_blocks(self) -> set[int]:
-        """The first slots of the blocks unwind_procs' entries name."""
+        """The first slots of the blocks unwind_procs' entries name (not
+        the empty entries of processes whose tables are asked for)."""
         read = self.program.read_all("unwind_procs")
         if read is not None:
-            values = read[2]
-            return set((values[:, 0, 0] & 0xFFFFFFFF).tolist())
+            words = read[2][:, 0, 0]
+            return set((words[(words >> 32) > 0] & 0xFFFFFFFF).tolist())
         table = self.program.table("unwind_procs")
-        return {int(leaf.first) for leaf in table.values()}
+        return {int(leaf.first) for leaf in table.values() if leaf.count}
 
     def tables_wanted(self, pids: list[int]) -> None:
         """Processes whose tables the kernel asked for (their first call
@@ -381,7 +404,7 @@ class UnwindTables:
             if not self._in_force(pid):
                 self.forget(pid)  # a new image: written anew
             try:
-                self.load(pid)
+                self.load(pid, new=False)  # over the entry it asked with
             except Exception as exc:  # one process's failure is that process's alone
                 self._failed_process(pid, exc)
             finally:

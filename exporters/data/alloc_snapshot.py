@@ -385,6 +385,12 @@ class FrameNames:
         if parent not in self.symbols:
             self.remember(parent)
 
+    def disinherit(self, tgids: Iterable[int]) -> None:
+        """Processes that run another program now (an exec: its maps are
+        no longer its parent's)."""
+        for tgid in tgids:
+            self.parents.pop(tgid, None)
+
     def forget(self, tgids: set[int]) -> None:
         """Processes gone whose frames will not be named again (serve's
         retired ones): their maps and names go."""

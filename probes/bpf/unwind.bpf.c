@@ -208,9 +208,11 @@ static __always_inline int unwind_wanted(u32 tgid)
          * asked for once, and no hold, as it needs none to be unwound
          * (two threads may both ask: user space writes them once). */
         if (proc->inherited == 1) {
-            if (!unwind_ask(tgid, 0, proc->parent))
+            proc->inherited = 2; /* before the ask is out: user space may replace the entry */
+            if (!unwind_ask(tgid, 0, proc->parent)) {
+                proc->inherited = 1;
                 return 0;
-            proc->inherited = 2;
+            }
         }
         return 1;
     }

@@ -35,6 +35,10 @@ class Recorder:
         self.writes += 1
         self.rows.setdefault(table, {})[key] = fields
 
+    def delete_keys(self, table: str, keys: list[int]) -> None:
+        for key in keys:
+            self.rows.get(table, {}).pop(key, None)
+
     def read_all(self, table: str) -> tuple[None, np.ndarray, np.ndarray]:
         """A hash map of u32 keys and 16-byte values (unwind_procs), as the
         batched read gives it: u64 words, little-endian fields."""
@@ -152,29 +156,51 @@ def test_mappings_that_do_not_fit_are_counted_and_the_process_left_to_frame_poin
 def test_a_block_a_forked_process_was_given_is_freed_only_once_no_entry_names_it(
     rows_cache: RowCache,
 ) -> None:
-    # GIVEN this process's tables, and a child given its block at its fork
-    # (the kernel's unwind_fork: the same first and count, marked inherited)
+    # GIVEN this process's tables (in a block that does not start at 0), and
+    # a child given its block at its fork (the kernel's unwind_fork: the same
+    # first and count, marked inherited, with its parent's pid)
     recorder = Recorder()
     tables = UnwindTables(recorder, rows=1 << 24, pages=1 << 24, cache=rows_cache)  # type: ignore[arg-type]
+    assert tables._take(5) == (0, 5)
     parent, child = os.getpid(), 2**22 + 7
     assert tables.load(parent)
     block = tables.blocks[parent]
+    assert block[0] == 5
     procs = recorder.rows["unwind_procs"]
-    procs[child] = (block[0], block[1], 1, 0)
+    procs[child] = (block[0], block[1], 1, parent)
     # WHEN the parent's tables go (it exec'd: the kernel deleted its entry)
     tables.forget(parent)
     del procs[parent]
     # THEN its block is not free while the child's entry names it, however many sweeps
-    for _ in range(3):
+    for _ in range(4):
         tables.sweep()
         assert all(first != block[0] for first, _ in tables.free)
-    # AND once the child's entry is gone too, the next sweep frees it
+    # AND once the child's entry is gone too, it is freed when two sweeps
+    # in a row have found no entry naming it, not before
     del procs[child]
+    tables.sweep()
+    assert block not in tables.free
     tables.sweep()
     assert block in tables.free
 
 
-def test_a_retired_block_waits_one_sweep_more_before_it_is_freed(rows_cache: RowCache) -> None:
+def test_an_entry_asking_for_its_tables_names_no_block(rows_cache: RowCache) -> None:
+    # GIVEN a retired block starting at 0, and a process's empty entry (its
+    # tables asked for, not written yet: first and count 0)
+    recorder = Recorder()
+    tables = UnwindTables(recorder, rows=1 << 24, pages=1 << 24, cache=rows_cache)  # type: ignore[arg-type]
+    assert tables.load(os.getpid())
+    block = tables.blocks[os.getpid()]
+    assert block[0] == 0
+    tables.forget(os.getpid())
+    recorder.rows["unwind_procs"] = {os.getpid(): (0, 0, 0, 0)}
+    # WHEN swept three times, THEN it is free: the empty entry does not hold it
+    for _ in range(3):
+        tables.sweep()
+    assert block in tables.free
+
+
+def test_a_retired_block_waits_a_sweep_before_it_is_looked_at(rows_cache: RowCache) -> None:
     # GIVEN a block retired just now, which no entry names (a fork that read
     # the parent's entry just before it was replaced may not have written its own yet)
     recorder = Recorder()
@@ -183,8 +209,44 @@ def test_a_retired_block_waits_one_sweep_more_before_it_is_freed(rows_cache: Row
     block = tables.blocks[os.getpid()]
     tables.forget(os.getpid())
     del recorder.rows["unwind_procs"][os.getpid()]
-    # WHEN swept once, it is not free yet; THEN at the next sweep it is
-    tables.sweep()
-    assert block not in tables.free
+    # WHEN swept: the first sweep does not look at it, the second finds it
+    # unnamed once, THEN the third frees it
+    for _ in range(2):
+        tables.sweep()
+        assert block not in tables.free
     tables.sweep()
     assert block in tables.free
+
+
+def test_tables_asked_for_are_written_only_over_the_entry_that_asked(
+    rows_cache: RowCache,
+) -> None:
+    # GIVEN a process that asked for its tables (its empty entry in the
+    # kernel), and one whose entry the kernel deleted (it exec'd or exited
+    # after its maps were read)
+    recorder = Recorder()
+    replaced: list[int] = []
+
+    def replace_row(table: str, key: int, value: bytes) -> bool:
+        entries = recorder.rows.setdefault(table, {})
+        if key not in entries:
+            return False
+        entries[key] = tuple(np.frombuffer(value, dtype=np.uint32).tolist())
+        replaced.append(key)
+        return True
+
+    recorder.replace_row = replace_row  # type: ignore[attr-defined]
+    tables = UnwindTables(recorder, rows=1 << 24, pages=1 << 24, cache=rows_cache)  # type: ignore[arg-type]
+    pid = os.getpid()
+    recorder.rows["unwind_procs"] = {pid: (0, 0, 0, 0)}
+    # WHEN each is written as an ask is
+    assert tables.load(pid, new=False)
+    _, count, inherited, _ = recorder.rows["unwind_procs"][pid]
+    assert replaced == [pid] and count > 0 and inherited == 0
+    del recorder.rows["unwind_procs"][pid]
+    tables.forget(pid)
+    free_before = list(tables.free)
+    # THEN one whose entry is gone gets none, and the block taken for it is free again
+    assert not tables.load(pid, new=False)
+    assert pid not in recorder.rows["unwind_procs"]
+    assert sorted(tables.free) != sorted(free_before) and tables.blocks.get(pid) is None
