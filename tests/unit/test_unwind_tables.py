@@ -184,15 +184,22 @@ def test_a_block_a_forked_process_was_given_is_freed_only_once_no_entry_names_it
     assert block in tables.free
 
 
-def test_an_entry_asking_for_its_tables_names_no_block(rows_cache: RowCache) -> None:
-    # GIVEN a retired block starting at 0, and a process's empty entry (its
-    # tables asked for, not written yet: first and count 0)
+def retired_block(rows_cache: RowCache) -> tuple[Recorder, UnwindTables, tuple[int, int]]:
+    """This process's tables written, then its block retired (it exec'd or
+    exited); its entry is still in the recorder, for the test to change."""
     recorder = Recorder()
     tables = UnwindTables(recorder, rows=1 << 24, pages=1 << 24, cache=rows_cache)  # type: ignore[arg-type]
     assert tables.load(os.getpid())
     block = tables.blocks[os.getpid()]
-    assert block[0] == 0
     tables.forget(os.getpid())
+    return recorder, tables, block
+
+
+def test_an_entry_asking_for_its_tables_names_no_block(rows_cache: RowCache) -> None:
+    # GIVEN a retired block starting at 0, and a process's empty entry (its
+    # tables asked for, not written yet: first and count 0)
+    recorder, tables, block = retired_block(rows_cache)
+    assert block[0] == 0
     recorder.rows["unwind_procs"] = {os.getpid(): (0, 0, 0, 0)}
     # WHEN swept three times, THEN it is free: the empty entry does not hold it
     for _ in range(3):
@@ -203,11 +210,7 @@ def test_an_entry_asking_for_its_tables_names_no_block(rows_cache: RowCache) -> 
 def test_a_retired_block_waits_a_sweep_before_it_is_looked_at(rows_cache: RowCache) -> None:
     # GIVEN a block retired just now, which no entry names (a fork that read
     # the parent's entry just before it was replaced may not have written its own yet)
-    recorder = Recorder()
-    tables = UnwindTables(recorder, rows=1 << 24, pages=1 << 24, cache=rows_cache)  # type: ignore[arg-type]
-    assert tables.load(os.getpid())
-    block = tables.blocks[os.getpid()]
-    tables.forget(os.getpid())
+    recorder, tables, block = retired_block(rows_cache)
     del recorder.rows["unwind_procs"][os.getpid()]
     # WHEN swept: the first sweep does not look at it, the second finds it
     # unnamed once, THEN the third frees it
