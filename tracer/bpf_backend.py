@@ -396,15 +396,17 @@ class BpfProgram:
             return None
         return tuple(int(getattr(leaf, name)) for name, _ in leaf._fields_)
 
-    def set_row(self, table: str, key: int, fields: tuple[int, ...]) -> None:
-        """One entry (u32 key, struct fields) of a hash map."""
+    def set_row(self, table: str, key: int, fields: tuple[int, ...],
+                only_existing: bool = False) -> bool:  # fmt: skip
+        """One entry (u32 key, struct fields) of a hash map; ``only_existing``:
+        written only over the entry there is (BPF_EXIST, one step with the
+        check). False when the kernel refuses (none there)."""
         bcc_table = self._bpf[table]
-        bcc_table[bcc_table.Key(key)] = bcc_table.Leaf(*fields)
-
-    def replace_row(self, table: str, key: int, value: bytes) -> bool:
-        """An entry (u32 key, the value's bytes) of a hash map written only
-        over one there is (BPF_EXIST): False when there is none."""
-        return bpf_syscalls.update_u32(self.map_fd(table), key, value, only_existing=True)
+        leaf = bcc_table.Leaf(*fields)
+        if not only_existing:
+            bcc_table[bcc_table.Key(key)] = leaf
+            return True
+        return bpf_syscalls.update_u32(self.map_fd(table), key, bytes(leaf), only_existing=True)
 
     def write_array(self, table: str, first: int, values: np.ndarray) -> None:
         """``values`` into an array map from index ``first`` on, in one call."""

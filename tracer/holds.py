@@ -69,13 +69,24 @@ class Holds:
         """``pid`` was started by mtrace-live: it may be held."""
         self.program.set_row("holdable", pid, (1,))
 
-    def release(self, pid: int) -> None:
-        """Continue ``pid`` (if held), and write down the stops that covers."""
+    def stops(self, pid: int) -> int:
+        """How many times ``pid`` was held so far."""
+        return _stops(self.fds[0], pid)
+
+    def release(self, pid: int, covered: int | None = None) -> None:
+        """Continue ``pid`` if it is held, and write down the stops that
+        covers. ``covered``: its stops when the work it was held for began
+        (its maps read for its tables): a stop made since (a dlopen while a
+        process that was not held had its tables written) is left to its own
+        ask, as a SIGCONT now would end it before its work is done. A
+        process not held is sent nothing: a SIGCONT could end a stop of
+        someone else's."""
         stops = _stops(self.fds[0], pid)
+        if stops <= _u64_at(self.fds[1], pid) or (covered is not None and stops > covered):
+            return
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
-        if stops:
-            bpf_syscalls.update_u32(self.fds[1], pid, _U64.pack(stops))
+        bpf_syscalls.update_u32(self.fds[1], pid, _U64.pack(stops))
 
     def is_held(self, pid: int) -> bool:
         return _is_held(self.fds, pid)

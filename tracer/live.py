@@ -61,7 +61,6 @@ from .plan import ProgramPlan, TraceRequest, choose_probes, program_plan
 from .privileges import require_privileges
 from .retarget import move_uprobes
 from .ringbuf import RingReader
-from .trace_tables import own_processes
 from .unwind_tables import RESUME_ALLOC, RESUME_LOCK, STEP, UnwindTables, attach_dlopen
 
 # Events handled between two looks at signals and deadlines: about 0.1 s of
@@ -310,15 +309,7 @@ class LiveTrace:
         # A process's maps are read for its names whenever its tables are
         # written (its first call, a dlopen, a change seen each second): a
         # process that was never held is named after it is gone from those.
-        return UnwindTables(self.program, release=self._release_held if self.holds else None,
-                            written=self._tables_written)  # fmt: skip
-
-    def _release_held(self, pid: int) -> None:
-        """Continue ``pid`` if the kernel held it for its tables: a process
-        that asked without a hold (one forked, with its parent's tables) is
-        not sent a SIGCONT, which could continue a stop of someone else's."""
-        if self.holds is not None and self.holds.is_held(pid):
-            self.holds.release(pid)
+        return UnwindTables(self.program, holds=self.holds, written=self._tables_written)
 
     def _tables_written(self, pid: int) -> None:
         """A process's unwind tables were written (its first traced call, a
@@ -771,13 +762,11 @@ def running_targets(request: TraceRequest) -> list[int]:
     those --comm or --cgroup name now (later ones are followed from their
     fork or exec)."""
     found = [request.pid] if request.pid is not None else []
-    named = []
     if request.comm is not None:
-        named += target.processes_with_comm(request.comm)
+        found += target.processes_with_comm(request.comm)
     if request.cgroup is not None:
-        named += target.cgroup_processes(request.cgroup)
-    ours = set(own_processes()) if named else set()  # never mtrace-live's own
-    return found + [pid for pid in named if pid not in ours]
+        found += target.cgroup_processes(request.cgroup)
+    return found
 
 
 def _start(trace: LiveTrace, request: TraceRequest,
@@ -787,10 +776,8 @@ def _start(trace: LiveTrace, request: TraceRequest,
     if target_pid is not None:
         trace.follow(target_pid, running=child is None)
     if request.comm is not None:  # later ones are followed from their exec, in the kernel
-        ours = set(own_processes())
         for pid in target.processes_with_comm(request.comm):
-            if pid not in ours:
-                trace.follow(pid)
+            trace.follow(pid)
     return target_pid, Fanout(trace.sinks)
 
 

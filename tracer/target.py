@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,10 +164,26 @@ def comm_words(name: str) -> tuple[int, int]:
     return int.from_bytes(padded[:8], "little"), int.from_bytes(padded[8:], "little")
 
 
+def own_processes(not_ours: Iterable[int] = ()) -> list[int]:
+    """mtrace-live's own processes: this one and the children it has forked
+    (the guardian, the metrics endpoint), less ``not_ours`` (run's command,
+    which is traced), from /proc/self/task/*/children. None is ever a target."""
+    found = [os.getpid()]
+    with contextlib.suppress(OSError):
+        for task in os.listdir("/proc/self/task"):
+            with (contextlib.suppress(OSError, ValueError),
+                  open(f"/proc/self/task/{task}/children") as children):  # fmt: skip
+                found += [int(pid) for pid in children.read().split()]
+    skip = set(not_ours)
+    return list(dict.fromkeys(pid for pid in found if pid not in skip))
+
+
 def processes_with_comm(name: str) -> list[int]:
-    """The running processes whose main thread's comm is ``name``."""
+    """The running processes whose main thread's comm is ``name``, but
+    mtrace-live's own."""
+    ours = set(own_processes())
     pids = (int(entry) for entry in os.listdir("/proc") if entry.isdigit())
-    return sorted(pid for pid in pids if kernel_comm(pid) == name)
+    return sorted(pid for pid in pids if pid not in ours and kernel_comm(pid) == name)
 
 
 def cgroup_target(path: str) -> tuple[int, int, Path]:
@@ -193,7 +211,8 @@ def cgroup_target(path: str) -> tuple[int, int, Path]:
 
 
 def cgroup_processes(path: str) -> list[int]:
-    """The processes in cgroup v2 ``path`` and below it, now."""
+    """The processes in cgroup v2 ``path`` and below it, now, but
+    mtrace-live's own."""
     directory = cgroup_target(path)[2]
     found: set[int] = set()
     for procs in directory.rglob("cgroup.procs"):
@@ -201,7 +220,7 @@ def cgroup_processes(path: str) -> list[int]:
             found.update(int(pid) for pid in procs.read_text().split())
         except (OSError, ValueError):
             continue  # a cgroup removed meanwhile
-    return sorted(found)
+    return sorted(found - set(own_processes()))
 
 
 def cgroup2_root() -> Path:

@@ -7,7 +7,6 @@ a thread is in), on BpfProgram's generic map interface
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterable
 from typing import Any, Protocol
 
@@ -16,21 +15,9 @@ from mtrace_live.exporters.data.sink import ProcessHits
 from mtrace_live.probes.program import part_constants
 from mtrace_live.probes.records import ALLOC_FRAMES_BASE
 
+from .target import own_processes
+
 SELF_SLOTS = part_constants("common.bpf.h")["SELF_SLOTS"]
-
-
-def own_processes(not_ours: Iterable[int] = ()) -> list[int]:
-    """mtrace-live's own processes: this one and the children it has forked
-    (the guardian, the metrics endpoint), less ``not_ours`` (run's command,
-    which is traced), from /proc/self/task/*/children."""
-    found = [os.getpid()]
-    with contextlib.suppress(OSError):
-        for task in os.listdir("/proc/self/task"):
-            with (contextlib.suppress(OSError, ValueError),
-                  open(f"/proc/self/task/{task}/children") as children):  # fmt: skip
-                found += [int(pid) for pid in children.read().split()]
-    skip = set(not_ours)
-    return list(dict.fromkeys(pid for pid in found if pid not in skip))
 
 
 class Maps(Protocol):
@@ -130,19 +117,15 @@ class TraceTables:
         control = self._maps.table("control")
         control[control.Key(0)] = control.Leaf(int(open_))
 
-    def exclude_self(self, not_ours: Iterable[int] = ()) -> list[int]:
-        """Name mtrace-live's own processes (``own_processes``) to the
+    def exclude_self(self, not_ours: Iterable[int] = ()) -> None:
+        """Name mtrace-live's own processes (target.own_processes) to the
         program, which never traces them whatever its filter (common.bpf.h's
-        self_set): written before anything attaches. Those it names."""
-        if not self._maps.has_table("self_set"):
-            return []
-        pids = own_processes(not_ours)[:SELF_SLOTS]
+        self_set): written before its gate opens and its uprobes attach."""
         table = self._maps.table("self_set")
         leaf = table.Leaf()
-        for slot, pid in enumerate(pids):
+        for slot, pid in enumerate(own_processes(not_ours)[:SELF_SLOTS]):
             leaf.tgid[slot] = pid
         table[table.Key(0)] = leaf
-        return pids
 
     def set_first_target(self, pid: int) -> None:
         """Name the process asked for to the trace program (FIRST_TGID)."""

@@ -45,6 +45,7 @@ from mtrace_live.probes.records import FRAME_DEPTH, UNWIND_MAP_DTYPE, UNWIND_PRO
 from .alloc_probes import exported_offset
 from .bpf_backend import BpfProgram
 from .bpf_cache import private_file
+from .holds import Holds
 
 # The unwinder's constants, as unwind.bpf.c defines them (read from it):
 # its tables' default sizes (unwind_rows 1 M rows, 12 MiB: the libc takes
@@ -179,13 +180,6 @@ def mapped_file(pid: int, mapping: Mapping) -> Path | None:
     return None
 
 
-def _proc_entry(block: tuple[int, int]) -> bytes:
-    """struct unwind_proc for a block written by user space (not inherited)."""
-    entry = np.zeros(1, dtype=UNWIND_PROC_DTYPE)
-    entry["first"], entry["count"] = block
-    return entry.tobytes()
-
-
 def _segment_of(segments: tuple[LoadSegment, ...], offset: int) -> LoadSegment | None:
     """The executable segment holding file ``offset``."""
     for segment in segments:
@@ -199,13 +193,13 @@ class UnwindTables:
 
     def __init__(self, program: BpfProgram, rows: int = DEFAULT_ROWS, maps: int = DEFAULT_MAPS,
                  pages: int = DEFAULT_PAGES, cache: RowCache | None = None,
-                 release: Callable[[int], None] | None = None,
+                 holds: Holds | None = None,
                  written: Callable[[int], None] | None = None) -> None:  # fmt: skip
-        """``release``: continues a process the kernel stopped until its
+        """``holds``: continues a process the kernel stopped until its
         tables were written (one mtrace-live started: tracer/holds.py);
         ``written``: told each process whose mappings were written."""
         self.program = program
-        self.release = release
+        self.holds = holds
         self.written_hook = written
         self.capacity = rows
         self.cache = cache if cache is not None else RowCache(rows_cache_dir())
@@ -214,11 +208,9 @@ class UnwindTables:
         self.next_row = 0
         self.page_capacity, self.next_page = pages, 0
         self.free: list[tuple[int, int]] = [(0, maps)]  # blocks of unwind_maps: (first, size)
-        # blocks no process of ours names, which a forked one's entry may:
-        # retired since the last sweep; and retired before it, each with how
-        # many sweeps in a row found no entry naming it
-        self.retired: list[tuple[int, int]] = []
-        self.retired_before: list[tuple[tuple[int, int], int]] = []
+        # blocks no process of ours names, which a forked one's entry may,
+        # each with how many sweeps in a row found no entry naming it
+        self.retired: dict[tuple[int, int], int] = {}
         self.blocks: dict[int, tuple[int, int]] = {}  # pid -> its block
         self.written: dict[int, tuple[Mapping, ...]] = {}  # pid -> the mappings written
         self.counts: Counter[str] = Counter()
@@ -321,14 +313,16 @@ class UnwindTables:
             self.counts["processes_not_fitting"] += 1
             return False
         self.program.write_array("unwind_maps", block[0], entries)
-        if new:
-            self.program.set_row("unwind_procs", pid, (block[0], len(entries), 0, 0))
-        elif not self.program.replace_row("unwind_procs", pid, _proc_entry(block)):
-            self.free.append(block)  # no entry named it
+        if not self.program.set_row("unwind_procs", pid, (block[0], len(entries), 0, 0),
+                                    only_existing=not new):  # fmt: skip
+            # its entry is gone (an exit or exec after its maps were read): the
+            # block, never named, is free; its old one retired; a new program asks
+            self.free.append(block)
+            self.forget(pid)
             return False
         old = self.blocks.pop(pid, None)
         if old is not None:
-            self.retired.append(old)
+            self.retired[old] = 0
         self.blocks[pid], self.written[pid] = block, tuple(mappings)
         if self.written_hook is not None:
             self.written_hook(pid)
@@ -364,7 +358,7 @@ class UnwindTables:
         """``pid`` is gone (or exec'd: the kernel deleted its entry)."""
         block = self.blocks.pop(pid, None)
         if block is not None:
-            self.retired.append(block)
+            self.retired[block] = 0
         self.written.pop(pid, None)
 
     def sweep(self) -> None:
@@ -372,35 +366,25 @@ class UnwindTables:
         found no entry of unwind_procs naming: a process forked from one
         that had the block holds it until its own are written, or it ends,
         and a fork that read an entry just as it was replaced or deleted has
-        written its own by the next sweep. A block retired since the last
-        sweep is not looked at yet."""
-        kept: list[tuple[tuple[int, int], int]] = []
-        named = self._named_blocks() if self.retired_before else set()
-        for block, unnamed in self.retired_before:
-            if block[0] in named:
-                kept.append((block, 0))
-            elif unnamed:
+        written its own by the next sweep."""
+        if not self.retired:
+            return
+        _, entries = self.program.read_table("unwind_procs", "<u4", UNWIND_PROC_DTYPE)
+        named = set(entries["first"][entries["count"] > 0].tolist())  # not the empty asks
+        for block in list(self.retired):
+            unnamed = 0 if block[0] in named else self.retired[block] + 1
+            if unnamed == 2:
+                del self.retired[block]
                 self.free.append(block)
             else:
-                kept.append((block, 1))
-        self.retired_before = kept + [(block, 0) for block in self.retired]
-        self.retired = []
-
-    def _named_blocks(self) -> set[int]:
-        """The first slots of the blocks unwind_procs' entries name (not
-        the empty entries of processes whose tables are asked for)."""
-        read = self.program.read_all("unwind_procs")
-        if read is not None:
-            words = read[2][:, 0, 0]
-            return set((words[(words >> 32) > 0] & 0xFFFFFFFF).tolist())
-        table = self.program.table("unwind_procs")
-        return {int(leaf.first) for leaf in table.values() if leaf.count}
+                self.retired[block] = unnamed
 
     def tables_wanted(self, pids: list[int]) -> None:
         """Processes whose tables the kernel asked for (their first call
         wanting a stack, or a dlopen): written, and each continued if the
         kernel stopped it."""
         for pid in pids:
+            covered = self.holds.stops(pid) if self.holds is not None else 0
             if not self._in_force(pid):
                 self.forget(pid)  # a new image: written anew
             try:
@@ -408,8 +392,8 @@ class UnwindTables:
             except Exception as exc:  # one process's failure is that process's alone
                 self._failed_process(pid, exc)
             finally:
-                if self.release is not None:
-                    self.release(pid)
+                if self.holds is not None:  # the stops made before its maps were read
+                    self.holds.release(pid, covered)
 
     def _in_force(self, pid: int) -> bool:
         """The kernel holds ``pid``'s tables as written (it asks again after a

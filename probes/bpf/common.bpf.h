@@ -345,7 +345,7 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
     /* The comm is the new program's by now (begin_new_exec set it). */
     u64 comm[2] = {};
     bpf_get_current_comm(comm, sizeof(comm));
-    if (comm[0] == COMM_LO && comm[1] == COMM_HI && !is_self(tgid)) {
+    if (comm[0] == COMM_LO && comm[1] == COMM_HI) {
         u8 one = 1;
         followed.update(&tgid, &one);
     } else {

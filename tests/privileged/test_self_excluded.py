@@ -1,13 +1,16 @@
 """mtrace-live never traces itself: under ``--all`` (every process, no
 filter) its own process makes thousands of allocations (its Python, its
-ring's reader) and maps bcc's libLLVM, yet none of its calls is counted
-and its tables are never written (common.bpf.h's self_set, written before
-anything attaches). A workload run meanwhile is counted, so the profile
-read is one that could show the tracer."""
+ring's reader), yet none of its calls is counted (common.bpf.h's self_set,
+written before the gate opens). A workload run meanwhile is counted, so the
+profile read is one that could show the tracer. Under ``serve`` the set
+holds the tracer and every process it forked (its metrics endpoint), as
+bpftool reads the map."""
 
 from __future__ import annotations
 
+import json
 import signal
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +18,7 @@ from pathlib import Path
 from tests.unit.profile_proto import parsed
 
 from .conftest import MTRACE
+from .test_serve import SERVE_READY, free_port
 from .tracing import Reaper, wait_for_line
 
 READY = "Ctrl-C to stop"
@@ -52,3 +56,27 @@ def test_all_processes_leave_out_the_tracer_itself(tmp_path: Path) -> None:
     # THEN the workload's 300 blocks are there, and not one call of the tracer's
     assert found.get(workload.pid, 0) >= 300, sorted(found.items())[:20]
     assert tracer.pid not in found, found[tracer.pid]
+
+
+def test_serve_names_the_tracer_and_its_endpoint_as_its_own(tmp_path: Path) -> None:
+    err = tmp_path / "serve.err"
+    with Reaper() as reaper:
+        # GIVEN serve, system-wide, with its endpoint forked
+        with open(err, "wb") as sink:
+            tracer = reaper.add(subprocess.Popen(
+                [*MTRACE, "serve", "--listen", f"127.0.0.1:{free_port()}"],
+                stdout=sink, stderr=sink))  # fmt: skip
+        wait_for_line(err, SERVE_READY, tracer, timeout=120)
+        children = {int(pid) for task in Path(f"/proc/{tracer.pid}/task").iterdir()
+                    for pid in (task / "children").read_text().split()}  # fmt: skip
+        # WHEN its program's self_set is read by bpftool
+        dump = subprocess.run(["bpftool", "-j", "map", "dump", "name", "self_set"],
+                              capture_output=True, text=True, check=True)  # fmt: skip
+        tracer.send_signal(signal.SIGINT)
+        assert tracer.wait(timeout=300) == 0, err.read_text()
+    # (its raw bytes: a map made again from the program cache has no BTF to format it)
+    sets = [set(struct.unpack("=8I", bytes(int(byte, 16) for byte in entry["value"])))
+            for entry in json.loads(dump.stdout)]  # fmt: skip
+    # THEN one set holds the tracer and each of its children (the endpoint among them)
+    assert children, "serve forked no endpoint"
+    assert any({tracer.pid, *children} <= found for found in sets), (sets, tracer.pid, children)

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from mtrace_live.exporters.data.alloc_snapshot import FrameNames
 from mtrace_live.exporters.data.symbolize import ModuleSymbols, ProcessSymbols
 
 from .needs import needs
@@ -216,3 +219,24 @@ def test_rust_v0_names_are_demangled_as_binutils_demangles_them() -> None:
     # THEN mtrace-live names each as binutils does, and a malformed one is left as it is
     assert [demangled(n) for n in RUST_V0] == expected
     assert demangled("_RNvC") == "_RNvC"
+
+
+def test_a_forked_process_gone_before_its_maps_were_read_is_named_by_its_parent_s() -> None:
+    # GIVEN an address of this process's libc (the return address just past
+    # malloc's first byte: frames are named by address - 1), and a pid that
+    # has no process (a child gone before its maps were read)
+    malloc = ctypes.cast(ctypes.CDLL(None).malloc, ctypes.c_void_p).value
+    assert malloc is not None
+    gone = 2**22 + 11
+    # THEN alone it is not named; inherited from this process, it is named
+    # by this process's maps; once it ran another program (disinherit), not
+    alone = FrameNames()
+    assert alone.resolve(gone, malloc + 1) is None
+    forked = FrameNames()
+    forked.inherit(gone, os.getpid())
+    named = forked.resolve(gone, malloc + 1)
+    assert named is not None and named.function is not None and "malloc" in named.function
+    exec_d = FrameNames()
+    exec_d.inherit(gone, os.getpid())
+    exec_d.disinherit([gone])
+    assert exec_d.resolve(gone, malloc + 1) is None
