@@ -187,15 +187,29 @@ def unwind_lines(unwind: Mapping[str, int]) -> list[str]:
     if not unwind:
         return []
     cut = ", ".join(f"{unwind.get(key, 0)} {why}" for key, why in UNWIND_ENDS)
-    return [
+    lines = [
         f"stacks unwound by CFI: {unwind.get('stacks', 0)}, {unwind.get('complete', 0)} whole; "
         f"cut: {cut}",
-        f"  frames: {unwind.get('cfi_frames', 0)} by CFI, {unwind.get('fp_frames', 0)} by frame "
-        f"pointers (no CFI at the PC); {unwind.get('no_tables', 0)} stacks walked by frame "
-        "pointers alone (their process's tables were not written yet); "
-        f"{unwind.get('inherited', 0)} by the tables their process inherited at its fork",
-        *_table_lines(unwind),
     ]
+    if "vma_lookups" not in unwind:  # no lookup in the kernel: a process without tables by FP
+        lines.append(
+            f"  frames: {unwind.get('cfi_frames', 0)} by CFI, {unwind.get('fp_frames', 0)} by "
+            f"frame pointers (no CFI at the PC); {unwind.get('no_tables', 0)} stacks walked by "
+            "frame pointers alone (their process's tables were not written yet); "
+            f"{unwind.get('inherited', 0)} by the tables their process inherited at its fork"
+        )
+    else:
+        lines += [
+            f"  frames: {unwind.get('cfi_frames', 0)} by CFI, {unwind.get('fp_frames', 0)} by "
+            f"frame pointers (no CFI at the PC), {unwind.get('unwritten', 0)} of them in files "
+            "whose rows were not written yet; stacks of processes whose tables were not written "
+            f"yet: {unwind.get('no_tables', 0)}, by the mappings the kernel has; "
+            f"{unwind.get('inherited', 0)} by the tables their process inherited at its fork",
+            f"  mappings looked up in the kernel: {unwind.get('vma_lookups', 0)} "
+            f"({unwind.get('vma_busy', 0)} refused: the process's mapping lock was taken), "
+            f"{unwind.get('vma_frames', 0)} frames in the mappings found",
+        ]
+    return lines + _table_lines(unwind)
 
 
 def _table_lines(unwind: Mapping[str, int]) -> list[str]:

@@ -92,6 +92,8 @@ class AllocFigures:
     profiles: Mapping[str, int] = field(default_factory=dict)  # kind -> heap profiles served
     # name -> its allocator and that allocator's file ("jemalloc", "libjemalloc.so.2")
     allocators: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    # how the stacks were walked (unwind.bpf.c's unwind_misc, by its names); {}: by FP only
+    walks: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -183,6 +185,7 @@ class MtraceCollector(Collector):
         yield self._alloc_stacks(figures)
         yield _by_label(family("alloc_table_dropped"), figures.dropped)
         yield _by_label(family("alloc_profiles"), figures.profiles)
+        yield from _walks(figures.walks)
 
     def _alloc_stacks(self, figures: AllocFigures) -> MetricFamily:
         stacks = family("alloc_stack_live_bytes", estimated=figures.sampled)
@@ -420,6 +423,28 @@ def _self_metrics(snap: Snapshot) -> Iterator[MetricFamily | InfoMetricFamily]:
     info = InfoMetricFamily(f"{PREFIX}_{BUILD_INFO[0]}", BUILD_INFO[1])
     info.add_metric([], {**snap.build, "python": platform.python_version()})
     yield info
+
+
+# unwind_misc's names for the families' labels
+WALK_ENDS = ("complete", "depth", "no_cfi", "unreadable", "out_of_stack", "bounds", "lost")
+
+
+def _walks(walks: Mapping[str, int]) -> Iterator[MetricFamily]:
+    """How the stacks were walked by CFI (nothing when by frame pointers only)."""
+    if not walks:
+        return
+    yield _by_label(family("stack_walks"), {end: walks.get(end, 0) for end in WALK_ENDS})
+    frames = {"cfi": walks.get("cfi_frames", 0), "frame_pointers": walks.get("fp_frames", 0)}
+    yield _by_label(family("stack_frames"), frames)
+    starts = {"no_tables": walks.get("no_tables", 0), "inherited": walks.get("inherited", 0)}
+    yield _by_label(family("stack_walk_starts"), starts)
+    if "vma_lookups" in walks:
+        busy = walks.get("vma_busy", 0)
+        yield _by_label(family("stack_mapping_lookups"),
+                        {"found": walks.get("vma_lookups", 0) - busy, "busy": busy})  # fmt: skip
+        unwritten = family("stack_frames_unwritten")
+        unwritten.add_metric([], walks.get("unwritten", 0))
+        yield unwritten
 
 
 def _by_label(

@@ -48,6 +48,19 @@ FAMILIES = {f.name: f for f in (
     Family("alloc_table_dropped", COUNTER, "Allocations a kernel table had no room for: "
            "outstanding (not matched to their free), stacks (not aggregated), frames "
            "(aggregated by call site alone).", ("table",)),
+    Family("stack_walks", COUNTER, "Stacks unwound by CFI in the kernel (allocations kept, lock "
+           "waits), by how the walk ended: complete, depth (cut at the frame limit), no_cfi, "
+           "unreadable, out_of_stack, bounds (the verifier's), lost.", ("ended",)),
+    Family("stack_frames", COUNTER, "Frames of those stacks, by how each was found: cfi, "
+           "frame_pointers (no CFI at the PC, or its file's rows not written yet).", ("by",)),
+    Family("stack_walk_starts", COUNTER, "Stacks by what their walk started with: no_tables (the "
+           "process's tables were not written yet: its mappings found in the kernel), "
+           "inherited (the tables its parent had at its fork).", ("tables",)),
+    Family("stack_mapping_lookups", COUNTER, "PCs in no mapping of their process's tables, looked "
+           "up in the kernel (result=found), and those the kernel refused (result=busy: the "
+           "process's mapping lock was taken; stepped by frame pointers).", ("result",)),
+    Family("stack_frames_unwritten", COUNTER, "Frames in a file whose rows were not written yet "
+           "(stepped by frame pointers; the file is asked for, and the next walk is whole).", ()),
     Family("alloc_profiles", COUNTER, "Heap profiles served at /debug/pprof/ (kind=whole, "
            "delta), and delta profiles begun (kind=delta_started).", ("kind",)),
     # ---- libc

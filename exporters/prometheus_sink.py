@@ -314,7 +314,8 @@ class MetricsSource:
                    "frames": snapshot.misc.get("frames_full", 0)}  # fmt: skip
         return AllocFigures(processes, stacks, dropped, sampled=bool(snapshot.sample_bytes),
                             profiles=dict(self.profiles_served),
-                            allocators=dict(self._allocators))  # fmt: skip
+                            allocators=dict(self._allocators),
+                            walks=dict(snapshot.unwind))  # fmt: skip
 
     def _locks(self) -> dict[str, LockFigures] | None:
         """The lock waits in time by process name: the kernel keeps every

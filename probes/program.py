@@ -29,6 +29,7 @@ PARTS = (
     "kmem.bpf.c",  # the kmem tracepoints
     "frames.bpf.c",  # the stacks the handlers walk themselves
     "unwind.bpf.c",  # ... by the mapped files' CFI
+    "unwind_vma.bpf.c",  # ... where the process's tables lack a mapping: the kernel's VMA
     "allocs.bpf.c",  # the allocation functions
     "holds.bpf.c",  # processes stopped until user space has done its part
     "locks.bpf.c",  # the waits in the libc's lock-wait slow path, timed

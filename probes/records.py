@@ -51,6 +51,7 @@ class EventKind(IntEnum):
     LOCK_WAIT = 7  # a wait in the libc's lock-wait slow path ended: args = futex, ns
     UNWIND = 8  # a process wants its unwind tables (one mtrace-live started: stopped till then)
     RETARGET = 9  # the thread the uprobes are attached for calls pthread_exit
+    UNWIND_VMA = 10  # a walk found a mapping in the kernel: args = start, end, pgoff, dev, ino, ask
 
 
 class HoldCount(IntEnum):
@@ -259,6 +260,12 @@ UNWIND_MAP_DTYPE = np.dtype([("start", "<u8"), ("end", "<u8"), ("bias", "<u8"), 
                              ("page_base", "<u4"), ("pad", "<u4")])  # fmt: skip
 UNWIND_PROC_DTYPE = np.dtype([("first", "<u4"), ("count", "<u4"), ("inherited", "<u4"),
                               ("parent", "<u4")])  # fmt: skip
+UNWIND_FILE_KEY_DTYPE = np.dtype([("dev", "<u8"), ("ino", "<u8")])
+UNWIND_FILE_DTYPE = np.dtype([("first", "<u4"), ("count", "<u4"), ("pages", "<u4"),
+                              ("page_count", "<u4"), ("page_base", "<u4"), ("written", "<u4"),
+                              ("seg_start", "<u8"), ("seg_end", "<u8"),
+                              ("seg_delta", "<u8")])  # fmt: skip
+UNWIND_VMAS_DTYPE = np.dtype([("maps", UNWIND_MAP_DTYPE, (4,)), ("next", "<u4"), ("pad", "<u4")])
 
 
 class UnwindMisc(IntEnum):
@@ -276,6 +283,10 @@ class UnwindMisc(IntEnum):
     FP_FRAMES = 9
     LOST = 10
     INHERITED = 11
+    VMA_LOOKUPS = 12
+    VMA_BUSY = 13
+    UNWRITTEN = 14
+    VMA_FRAMES = 15
 
 
 THREAD_START_DTYPE = np.dtype([("start", "<u8"), ("tgid", "<u4"), ("pad", "<u4")])
@@ -307,6 +318,9 @@ LAYOUTS = {
     "unwind_row": UNWIND_ROW_DTYPE,
     "unwind_map": UNWIND_MAP_DTYPE,
     "unwind_proc": UNWIND_PROC_DTYPE,
+    "unwind_file_key": UNWIND_FILE_KEY_DTYPE,
+    "unwind_file": UNWIND_FILE_DTYPE,
+    "unwind_vmas": UNWIND_VMAS_DTYPE,
 }
 
 

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from . import bpf_cache
+from . import bpf_cache, bpf_callbacks
 
 # Handlers bcc does not load itself: TYPED_PREFIX + EVENT is a BTF-typed
 # tracepoint handler (tp_btf), loaded and attached by BpfProgram, and
@@ -185,6 +185,15 @@ class _CachedParts:
             kind = _program_type(self.bcc, text)
             if kind == int(self.bcc.BPF.KPROBE) and bpf.mtrace_uprobe_code is not None:
                 bpf.mtrace_uprobe_code[text] = bpf_cache.relocate(code, self.map_fds)
+                continue
+            if bpf_callbacks.is_callback(text):
+                continue  # linked into its program's code
+            if bpf_callbacks.has_callback(text, compiled.functions):
+                both = {name: bpf_cache.relocate(compiled.functions[name], self.map_fds)
+                        for name in (text, bpf_callbacks.callback_of(text))}  # fmt: skip
+                fd = bpf_callbacks.load(both, text, compiled.license, kind, 0,
+                                        compiled.kern_version)  # fmt: skip
+                bpf.funcs[text.encode()] = self.bcc.BPF.Function(bpf, text.encode(), fd)
                 continue
             insns = ctypes.create_string_buffer(bpf_cache.relocate(code, self.map_fds), len(code))
             fd = lib.bcc_prog_load(kind, text.encode(), insns, len(code),

@@ -26,7 +26,7 @@ from mtrace_live.probes.errors import (
 )
 from mtrace_live.probes.program import ProgramSource
 
-from . import bpf_cache, bpf_syscalls, uprobe_attach, uprobe_multi
+from . import bpf_cache, bpf_callbacks, bpf_syscalls, uprobe_attach, uprobe_multi
 from .bcc_revive import (
     FALLBACK_PREFIX,
     TYPED_PREFIX,
@@ -35,6 +35,7 @@ from .bcc_revive import (
     typed_handlers,
     uprobe_code,
 )
+from .bpf_callbacks import callback_of
 from .bpf_syscalls import BatchReader
 from .detacher import detach_in_child
 from .kernel_btf import BtfUnavailable, KernelBtf
@@ -274,7 +275,17 @@ class BpfProgram:
                 return self.uprobe_links.program(handler)
             except OSError as exc:
                 raise AttachError(f"cannot load the handler {handler}: {exc.strerror}") from None
-        return int(self._bpf.load_func(handler.encode(), import_bcc().BPF.KPROBE).fd)
+        name = handler.encode()
+        if name not in self._bpf.funcs:
+            # a program with a callback: bcc cannot load it (tracer/bpf_callbacks.py)
+            with contextlib.suppress(KeyError):
+                code = bpf_callbacks.loaded_code(self._bpf, (handler, callback_of(handler)))
+                try:
+                    fd = bpf_callbacks.load(code, handler, "GPL", bpf_syscalls.PROG_TYPE_KPROBE, 0)
+                except (OSError, ValueError) as exc:
+                    raise AttachError(f"cannot load the handler {handler}: {exc}") from None
+                self._bpf.funcs[name] = import_bcc().BPF.Function(self._bpf, name, fd)
+        return int(self._bpf.load_func(name, import_bcc().BPF.KPROBE).fd)
 
     @property
     def uprobes_move(self) -> bool:
@@ -407,6 +418,20 @@ class BpfProgram:
             bcc_table[bcc_table.Key(key)] = leaf
             return True
         return bpf_syscalls.update_u32(self.map_fd(table), key, bytes(leaf), only_existing=True)
+
+    def set_entry(self, table: str, key: bytes, value: bytes) -> bool:
+        """One entry of any map, as raw bytes of its key and value types;
+        False when the kernel refuses (a hash map with no room)."""
+        return bpf_syscalls.update(self.map_fd(table), key, value)
+
+    def delete_entry(self, table: str, key: bytes) -> bool:
+        """Delete one entry of a hash map (raw key bytes); False if none."""
+        return bpf_syscalls.delete(self.map_fd(table), key)
+
+    def row_bytes(self, table: str, key: int) -> bytes | None:
+        """The raw value at u32 ``key`` of a hash map, or None."""
+        bcc_table = self._bpf[table]
+        return bpf_syscalls.lookup_u32(self.map_fd(table), key, ctypes.sizeof(bcc_table.Leaf))
 
     def write_array(self, table: str, first: int, values: np.ndarray) -> None:
         """``values`` into an array map from index ``first`` on, in one call."""

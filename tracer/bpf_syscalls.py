@@ -37,6 +37,7 @@ SYS_BPF = {"x86_64": 321, "aarch64": 280, "riscv64": 280, "ppc64le": 361, "s390x
 BPF_MAP_CREATE = 0
 BPF_MAP_LOOKUP_ELEM = 1
 BPF_MAP_UPDATE_ELEM = 2
+BPF_MAP_DELETE_ELEM = 3
 BPF_EXIST = 2  # the update's flag: only over an existing entry
 BPF_MAP_GET_NEXT_KEY = 4
 BPF_PROG_LOAD = 5
@@ -74,6 +75,10 @@ PROG_TYPE_KPROBE = 2  # the uprobes' programs too
 _TRACE_RAW_TP = 23  # enum bpf_attach_type
 TRACE_UPROBE_MULTI = 48  # enum bpf_attach_type: Linux 6.6
 _LOG_SIZE = 1 << 20
+_FUNC_INFO = 8  # struct bpf_func_info: insn_off, type_id
+BPF_BTF_LOAD = 18
+# union bpf_attr for BPF_BTF_LOAD: btf, btf_log_buf, btf_size, btf_log_size, btf_log_level
+_BTF_LOAD = struct.Struct("=QQIII")
 
 
 # PyDLL: the call keeps the interpreter lock. These syscalls take
@@ -126,6 +131,21 @@ def update_u32(map_fd: int, key: int, value: bytes, only_existing: bool = False)
     return _elem(BPF_MAP_UPDATE_ELEM, map_fd, _u32(key),
                  ctypes.create_string_buffer(value, len(value)),
                  BPF_EXIST if only_existing else 0)  # fmt: skip
+
+
+def update(map_fd: int, key: bytes, value: bytes) -> bool:
+    """Write ``value`` at ``key`` (raw bytes of the map's types). False when
+    the kernel refuses."""
+    return _elem(BPF_MAP_UPDATE_ELEM, map_fd, ctypes.create_string_buffer(key, len(key)),
+                 ctypes.create_string_buffer(value, len(value)))  # fmt: skip
+
+
+def delete(map_fd: int, key: bytes) -> bool:
+    """Delete the entry at ``key`` (raw bytes); False where there was none."""
+    attr = ctypes.create_string_buffer(32)
+    raw = ctypes.create_string_buffer(key, len(key))
+    struct.pack_into("=IIQ", attr, 0, map_fd, 0, ctypes.addressof(raw))
+    return _bpf(BPF_MAP_DELETE_ELEM, attr) == 0
 
 
 def _u32(key: int) -> ctypes.Array[ctypes.c_char]:
@@ -306,13 +326,18 @@ def load_btf_tracepoint(code: bytes, license_: str, name: str, type_id: int) -> 
 
 
 def load_program(code: bytes, license_: str, name: str, prog_type: int, attach_type: int,
-                 kern_version: int = 0, btf_id: int = 0) -> int:  # fmt: skip
+                 kern_version: int = 0, btf_id: int = 0, btf_fd: int = 0,
+                 func_info: bytes = b"") -> int:  # fmt: skip
     """Load ``code`` as a program of ``prog_type`` for ``attach_type``
     (enum bpf_attach_type, the expected one), for the tracepoint whose BTF
-    type is ``btf_id`` where it is one: its fd. Raises OSError, with the
-    verifier's last words when it refused the code."""
+    type is ``btf_id`` where it is one: its fd. ``btf_fd`` and
+    ``func_info`` (records of 8 bytes: first instruction, BTF type): its
+    functions' types, where it has more than one (tracer/bpf_callbacks.py).
+    Raises OSError, with the verifier's last words when it refused the code."""
     insns = ctypes.create_string_buffer(code, len(code))
     text = ctypes.create_string_buffer(license_.encode())
+    infos = ctypes.create_string_buffer(func_info, max(len(func_info), 1))
+    info_at = ctypes.addressof(infos) if func_info else 0
     log = ctypes.create_string_buffer(0)
     for level in (0, 1):  # the verifier's log only to say why
         if level:
@@ -321,8 +346,9 @@ def load_program(code: bytes, license_: str, name: str, prog_type: int, attach_t
         _PROG_LOAD.pack_into(attr, 0, prog_type, len(code) // 8, ctypes.addressof(insns),
                              ctypes.addressof(text), level, len(log) if level else 0,
                              ctypes.addressof(log) if level else 0, kern_version, 0,
-                             name.encode()[:15], 0, attach_type, 0, 0, 0, 0, 0, 0, 0,
-                             btf_id)  # fmt: skip
+                             name.encode()[:15], 0, attach_type, btf_fd,
+                             _FUNC_INFO if func_info else 0, info_at,
+                             len(func_info) // _FUNC_INFO, 0, 0, 0, btf_id)  # fmt: skip
         fd = _bpf(BPF_PROG_LOAD, attr)
         if fd >= 0:
             return fd
@@ -332,6 +358,22 @@ def load_program(code: bytes, license_: str, name: str, prog_type: int, attach_t
     words = [line for line in log.value.decode(errors="replace").splitlines() if line.strip()]
     said = f": {words[-2] if len(words) > 1 else words[-1]}" if words else ""
     raise OSError(error, f"{os.strerror(error)}{said}")
+
+
+def load_btf(blob: bytes) -> int:
+    """Load BTF ``blob`` into the kernel: its fd. Raises OSError, with the
+    kernel's last words when it refused it."""
+    data = ctypes.create_string_buffer(blob, len(blob))
+    log = ctypes.create_string_buffer(1 << 16)
+    attr = ctypes.create_string_buffer(_BTF_LOAD.size + 4)
+    _BTF_LOAD.pack_into(attr, 0, ctypes.addressof(data), ctypes.addressof(log), len(blob),
+                        len(log), 1)  # fmt: skip
+    fd = _bpf(BPF_BTF_LOAD, attr)
+    if fd >= 0:
+        return fd
+    error = ctypes.get_errno()
+    words = [line for line in log.value.decode(errors="replace").splitlines() if line.strip()]
+    raise OSError(error, f"{os.strerror(error)}{': ' + words[-1] if words else ''}")
 
 
 def attach_raw_tracepoint(prog_fd: int) -> int:

@@ -7,14 +7,15 @@ read through libbpf's own parser (``libbpf.so.1``, which bcc's library
 depends on), with ctypes: loading and searching it takes a few
 milliseconds.
 
-Three facts are read:
+Four facts are read:
 
 - a tracepoint's arguments, in order, by name: the parameters of the
   kernel's ``trace_event_raw_event_<event>`` function (its first, ``__data``,
   is not an argument);
 - a struct member's offset in bytes, through anonymous structs and unions;
 - the id of a tracepoint's ``btf_trace_<event>`` type, for a BTF-typed
-  tracepoint program.
+  tracepoint program;
+- whether a function is there (a BPF helper's implementation).
 """
 
 from __future__ import annotations
@@ -130,6 +131,10 @@ class KernelBtf:
         words = (ctypes.c_uint32 * (2 * proto.vlen)).from_address(proto.address + _TYPE_HEADER)
         names = [self._name(words[2 * i]) for i in range(proto.vlen)]
         return names[1:]  # void *__data, the tracepoint's own cookie
+
+    def has_function(self, name: str) -> bool:
+        """The kernel has a function ``name`` (a helper's, ``bpf_find_vma``)."""
+        return self._find(name, _KIND_FUNC) is not None
 
     def tracepoint_type_id(self, event: str) -> int | None:
         """The BTF id of the tracepoint's ``btf_trace_<event>`` typedef, which

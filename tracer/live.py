@@ -46,6 +46,7 @@ from mtrace_live.probes.errors import (
     TargetError,
     TargetExecError,
 )
+from mtrace_live.probes.program import part_constants
 from mtrace_live.probes.records import EVENT_DTYPE, EventKind
 
 from . import alloc_probes, bpf_syscalls, lock_waits, package_version, providers, target, usdt
@@ -61,7 +62,15 @@ from .plan import ProgramPlan, TraceRequest, choose_probes, program_plan
 from .privileges import require_privileges
 from .retarget import move_uprobes
 from .ringbuf import RingReader
-from .unwind_tables import RESUME_ALLOC, RESUME_LOCK, STEP, UnwindTables, attach_dlopen
+from .unwind_tables import (
+    RESUME_ALLOC,
+    RESUME_LOCK,
+    STEP,
+    VMA_LOOKUP,
+    UnwindTables,
+    attach_dlopen,
+    own_loader,
+)
 
 # Events handled between two looks at signals and deadlines: about 0.1 s of
 # event lines in the slowest output (text).
@@ -136,6 +145,8 @@ class LiveTrace:
         self.exec_watch = ExecWatch(traced) if followed and uprobes and traced else None
         require_privileges()
         self.frame_names = FrameNames()
+        self.found_ring: RingReader | None = None  # the mappings walks found (UNWIND_VMA)
+        self.unwind: UnwindTables | None = None
         self.kmem = request.with_kmem
         self.sites = tuple(self.selection.site_infos(load_catalog()))
         self.decoder = EventDecoder(self.sites)
@@ -276,6 +287,8 @@ class LiveTrace:
                 room * mmap.PAGESIZE if room > plan.ring_pages else None,
             )
         except BaseException:
+            if self.unwind is not None:
+                self.unwind.stop_serving(rest=False)
             self._let_go()
             self.program.close()
             bpf_syscalls.close(stats_fd)
@@ -299,6 +312,8 @@ class LiveTrace:
         if not defines.get("WITH_UNWIND"):
             return None
         slots = {STEP: "unwind_step"}
+        if defines.get("UNWIND_VMA"):
+            slots[VMA_LOOKUP] = "unwind_vma"
         if self.alloc_plan is not None:
             slots[RESUME_ALLOC] = "alloc_resume"
         if self.lock_plan is not None:
@@ -309,7 +324,28 @@ class LiveTrace:
         # A process's maps are read for its names whenever its tables are
         # written (its first call, a dlopen, a change seen each second): a
         # process that was never held is named after it is gone from those.
-        return UnwindTables(self.program, holds=self.holds, written=self._tables_written)
+        found = None
+        if defines.get("UNWIND_VMA"):
+            pages = part_constants("unwind_vma.bpf.c")["UNWIND_FOUND_PAGES"]
+            self.found_ring = RingReader(self.program.map_fd("unwind_found"),
+                                         pages * mmap.PAGESIZE, EVENT_DTYPE)  # fmt: skip
+            found = self.found_ring.read
+        tables = UnwindTables(self.program, holds=self.holds, written=self._tables_written,
+                              found=found)  # fmt: skip
+        for path in (libc, *own_loader()):  # in most stacks: written before any walk asks
+            tables.publish_path(path)
+        if self.found_ring is not None:
+            tables.serve_in_background(self.found_ring.fd)
+        return tables
+
+    def _mappings_learned(self) -> None:
+        """The mappings the walks found in the kernel: each names its
+        process's frames there if it is gone before its maps are read."""
+        assert self.unwind is not None
+        learned = self.unwind.learned
+        while learned:
+            found, path = learned.popleft()
+            self.frame_names.learn(found.pid, found.mapping(path))
 
     def _tables_written(self, pid: int) -> None:
         """A process's unwind tables were written (its first traced call, a
@@ -495,6 +531,7 @@ class LiveTrace:
         if it is gone before its own are read); a new program (an exec) asks
         with none: its maps are its own."""
         assert self.unwind is not None
+        self._mappings_learned()
         asks = records[kinds == EventKind.UNWIND]
         forked = asks[asks["nargs"] > 0]
         parents = forked["args"][:, 0].tolist()
@@ -512,6 +549,9 @@ class LiveTrace:
                 self.holds.release(tgid)
 
     def result(self, started: float, ended_by: str, exit_code: int | None) -> TraceResult:
+        if self.unwind is not None:  # the last mappings found, for the names
+            self.unwind.stop_serving()
+            self._mappings_learned()
         counters = self.counters.read(kmem=self.kmem, runs=True)
         names = self.selection.probes
         kmem = None
@@ -557,6 +597,8 @@ class LiveTrace:
             self.guardian.close()
 
     def close(self) -> None:
+        if self.unwind is not None:
+            self.unwind.stop_serving()
         self._let_go()
         self.reader.close()
         self.counters.close()
@@ -719,7 +761,8 @@ class _Watch:
         self.request, self.stop, self.target_pid = request, stop, target_pid
         self.pidfd = _pidfd(target_pid) if target_pid is not None else None
         self.poller = select.poll()
-        for fd in (trace.reader.fd, stop.fd, self.pidfd):
+        found = trace.found_ring.fd if trace.found_ring is not None else None
+        for fd in (trace.reader.fd, found, stop.fd, self.pidfd):
             if fd is not None:
                 self.poller.register(fd, select.POLLIN)
         self.deadline: float | None = None

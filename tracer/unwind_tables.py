@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import sys
+import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -40,12 +42,19 @@ from mtrace_live.probes.elf.file import ELF_FAILURES, LoadSegment, build_id, loa
 from mtrace_live.probes.elf.maps import Mapping, read_maps
 from mtrace_live.probes.errors import NotElfError, TargetError
 from mtrace_live.probes.program import part_constants
-from mtrace_live.probes.records import FRAME_DEPTH, UNWIND_MAP_DTYPE, UNWIND_PROC_DTYPE
+from mtrace_live.probes.records import (
+    FRAME_DEPTH,
+    UNWIND_FILE_DTYPE,
+    UNWIND_FILE_KEY_DTYPE,
+    UNWIND_MAP_DTYPE,
+    UNWIND_PROC_DTYPE,
+)
 
 from .alloc_probes import exported_offset
 from .bpf_backend import BpfProgram
 from .bpf_cache import private_file
 from .holds import Holds
+from .kernel_btf import BtfUnavailable, KernelBtf
 
 # The unwinder's constants, as unwind.bpf.c defines them (read from it):
 # its tables' default sizes (unwind_rows 1 M rows, 12 MiB: the libc takes
@@ -56,15 +65,49 @@ DEFAULT_ROWS, DEFAULT_MAPS, DEFAULT_PAGES = (
     _UNWIND["UNWIND_ROWS"], _UNWIND["UNWIND_MAPS"], _UNWIND["UNWIND_PAGES"])  # fmt: skip
 DEFAULT_CACHE = Path("/var/cache/mtrace-live/cfi")
 CACHE_FORMAT = 2  # 2: rows read by probes/elf/cfi_rows.c (malformed entries as CFA_OTHER)
-STEP, RESUME_ALLOC, RESUME_LOCK = (
-    _UNWIND[f"UNWIND_{slot}"] for slot in ("STEP", "RESUME_ALLOC", "RESUME_LOCK"))  # fmt: skip
+STEP, RESUME_ALLOC, RESUME_LOCK, VMA_LOOKUP = (
+    _UNWIND[f"UNWIND_{slot}"] for slot in ("STEP", "RESUME_ALLOC", "RESUME_LOCK",
+                                            "VMA_LOOKUP"))  # fmt: skip
 
 
 def unwind_defines(rows: int = DEFAULT_ROWS, maps: int = DEFAULT_MAPS,
                    pages: int = DEFAULT_PAGES) -> dict[str, int]:  # fmt: skip
     """The program's switches for unwinding by CFI."""
     return {"WITH_UNWIND": 1, "UNWIND_ROWS": rows, "UNWIND_MAPS": maps, "UNWIND_PAGES": pages,
-            "FRAME_DEPTH": FRAME_DEPTH}  # fmt: skip
+            "FRAME_DEPTH": FRAME_DEPTH, **vma_defines()}  # fmt: skip
+
+
+# What unwind_vma__callback reads of the kernel's VMA, its file, inode and
+# super block: each member's offset and size, from the running kernel's BTF.
+_VMA_MEMBERS = {
+    "VMA_START_OFF": ("vm_area_struct", "vm_start", 8),
+    "VMA_END_OFF": ("vm_area_struct", "vm_end", 8),
+    "VMA_PGOFF_OFF": ("vm_area_struct", "vm_pgoff", 8),
+    "VMA_FILE_OFF": ("vm_area_struct", "vm_file", 8),
+    "FILE_INODE_OFF": ("file", "f_inode", 8),
+    "INODE_INO_OFF": ("inode", "i_ino", 8),
+    "INODE_SB_OFF": ("inode", "i_sb", 8),
+    "SB_DEV_OFF": ("super_block", "s_dev", 4),
+}
+
+
+def vma_defines() -> dict[str, int]:
+    """UNWIND_VMA and the offsets its lookup reads, where the kernel has
+    ``bpf_find_vma`` (Linux 5.17) and its BTF says where the members are;
+    {} (a PC outside a process's tables is walked by frame pointers) where
+    not."""
+    try:
+        with KernelBtf() as btf:
+            if not btf.has_function("bpf_find_vma"):
+                return {}
+            found = {name: btf.member(struct, member)
+                     for name, (struct, member, _) in _VMA_MEMBERS.items()}  # fmt: skip
+    except BtfUnavailable:
+        return {}
+    if any(found[name] is None or found[name][1] != size  # type: ignore[index]
+           for name, (_, _, size) in _VMA_MEMBERS.items()):  # fmt: skip
+        return {}
+    return {"UNWIND_VMA": 1, **{name: at[0] for name, at in found.items() if at is not None}}
 
 
 DLOPEN_FUNCTIONS = ("dlopen", "dlmopen")  # in the libc since glibc 2.34
@@ -163,6 +206,16 @@ def exec_mappings(pid: int) -> list[Mapping]:
     return [m for m in mappings if m.executable and m.inode[1] != 0 and m.path]
 
 
+def own_loader() -> list[Path]:
+    """The dynamic loader mtrace-live's own process maps (the machine's)."""
+    try:
+        mappings = read_maps(Path("/proc/self"))
+    except OSError:
+        return []
+    return sorted({Path(m.path) for m in mappings
+                   if m.executable and Path(m.path).name.startswith("ld-linux")})  # fmt: skip
+
+
 def mapped_file(pid: int, mapping: Mapping) -> Path | None:
     """A path that opens the file ``pid`` maps: /proc/PID/map_files/ (any
     mount namespace; it needs CAP_SYS_ADMIN), else the path in the process's
@@ -180,6 +233,47 @@ def mapped_file(pid: int, mapping: Mapping) -> Path | None:
     return None
 
 
+def kernel_file_key(inode: tuple[int, int]) -> tuple[int, int]:
+    """A file's (device, inode) as unwind_files keys it: the device in the
+    kernel's own encoding (major << 20 | minor)."""
+    device, number = inode
+    return (os.major(device) << 20) | os.minor(device), number
+
+
+def user_inode(key: tuple[int, int]) -> tuple[int, int]:
+    """unwind_files' key as stat(2) and /proc/PID/maps give it."""
+    device, number = key
+    return os.makedev(device >> 20, device & 0xFFFFF), number
+
+
+@dataclass(frozen=True)
+class FoundMapping:
+    """A mapping a walk found in the kernel's VMA of its process
+    (EV_UNWIND_VMA): where, the file (by unwind_files' key), and whether
+    the file's rows were never asked for."""
+
+    pid: int
+    start: int
+    end: int
+    offset: int
+    file: tuple[int, int]
+    ask: bool
+
+    def mapping(self, path: str) -> Mapping:
+        return Mapping(self.start, self.end, self.offset, path, True, user_inode(self.file),
+                       "r-xp")  # fmt: skip
+
+
+def found_mappings(records: np.ndarray) -> list[FoundMapping]:
+    """The EV_UNWIND_VMA records' mappings."""
+    args = records["args"].tolist()
+    return [FoundMapping(pid, a[0], a[1], a[2] << PAGE_SHIFT_VM, (a[3], a[4]), bool(a[5]))
+            for pid, a in zip(records["tgid"].tolist(), args, strict=True)]  # fmt: skip
+
+
+PAGE_SHIFT_VM = 12  # vm_pgoff counts pages of 4 KiB
+
+
 def _segment_of(segments: tuple[LoadSegment, ...], offset: int) -> LoadSegment | None:
     """The executable segment holding file ``offset``."""
     for segment in segments:
@@ -194,10 +288,14 @@ class UnwindTables:
     def __init__(self, program: BpfProgram, rows: int = DEFAULT_ROWS, maps: int = DEFAULT_MAPS,
                  pages: int = DEFAULT_PAGES, cache: RowCache | None = None,
                  holds: Holds | None = None,
-                 written: Callable[[int], None] | None = None) -> None:  # fmt: skip
+                 written: Callable[[int], None] | None = None,
+                 found: Callable[[], np.ndarray] | None = None) -> None:  # fmt: skip
         """``holds``: continues a process the kernel stopped until its
         tables were written (one mtrace-live started: tracer/holds.py);
-        ``written``: told each process whose mappings were written."""
+        ``written``: told each process whose mappings were written;
+        ``found``: reads the mappings the walks found in the kernel (the
+        unwind_found ring's records): each is put in ``learned`` with its
+        file's path ("" if unknown), for the trace's own thread to take."""
         self.program = program
         self.holds = holds
         self.written_hook = written
@@ -215,14 +313,60 @@ class UnwindTables:
         self.written: dict[int, tuple[Mapping, ...]] = {}  # pid -> the mappings written
         self.counts: Counter[str] = Counter()
         self.load_s = 0.0  # time spent writing tables
+        # The files' rows for the kernel's VMA lookups (UNWIND_VMA): those
+        # written to unwind_files, by its key, and a path for each file
+        # seen in a process's maps or exec'd (to open it by, once it is gone).
+        self.vma = program.has_table("unwind_files")
+        self.published: set[tuple[int, int]] = set()
+        self.paths: dict[tuple[int, int], str] = {}
+        self.files_gen = self._told_gen = 0  # files written, and as the kernel was told
+        self.found_reader = found
+        self.learned: deque[tuple[FoundMapping, str]] = deque()
+        self._to_publish: set[int] = set()  # processes with files to write for the walks
+        self._serving = self._nested = False
+        # The files' state is shared with the thread that serves the asks
+        # (serve_in_background); the processes' is the trace thread's alone.
+        self._lock = threading.RLock()
+        self._loaded = threading.Condition(self._lock)  # a file's load ended
+        self._loading: set[tuple[int, int]] = set()  # files being loaded, by inode
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def _file(self, pid: int, mapping: Mapping) -> MappedFile:
-        known = self.by_inode.get(mapping.inode)
-        if known is not None:
-            return known
+        """The file's rows, written once. Two threads load two files at once
+        (the serving thread's ask is not kept waiting by a large file of the
+        trace's); one waits only for the file the other is loading."""
+        known = self._file_unless_loading(pid, mapping, wait=True)
+        assert known is not None
+        return known
+
+    def _file_unless_loading(self, pid: int, mapping: Mapping, wait: bool) -> MappedFile | None:
+        """``_file``, or (not ``wait``) None where another thread is loading it."""
+        with self._lock:
+            known = self.by_inode.get(mapping.inode)
+            while known is None and mapping.inode in self._loading:
+                if not wait:
+                    return None
+                self._loaded.wait()
+                known = self.by_inode.get(mapping.inode)
+            if known is not None:
+                return known
+            self._loading.add(mapping.inode)
+        try:
+            return self._open_file(pid, mapping)
+        finally:
+            with self._lock:
+                self._loading.discard(mapping.inode)
+                self._loaded.notify_all()
+
+    def _open_file(self, pid: int, mapping: Mapping) -> MappedFile:
         path = mapped_file(pid, mapping)
         if path is None:
-            return self._no_rows(mapping, "the mapped file cannot be opened")
+            # not kept: another process mapping it may open it
+            return MappedFile(0, 0, (), "the mapped file cannot be opened")
+        if mapping.path.startswith("/"):
+            self.paths.setdefault(kernel_file_key(mapping.inode), mapping.path)
+        self._asks_first()
         try:
             with open_elf(path) as elf:
                 ident, segments = build_id(elf), tuple(load_segments(elf))
@@ -234,20 +378,211 @@ class UnwindTables:
             try:
                 known = self._load(path, ident, segments)
             except Exception as exc:  # one file's failure is that file's alone
-                self.counts["files_failed"] += 1
+                with self._lock:
+                    self.counts["files_failed"] += 1
                 print(f"mtrace-live: warning: {mapping.path}: its unwind tables could not be "
                       f"built ({type(exc).__name__}: {exc}); its frames are walked by frame "
                       "pointers", file=sys.stderr, flush=True)  # fmt: skip
                 known = MappedFile(0, 0, segments, f"its tables could not be built ({exc})")
-            self.files[key] = known
-        self.by_inode[mapping.inode] = known
+        with self._lock:
+            known = self.files.setdefault(key, known)
+            self.by_inode[mapping.inode] = known
+            self._publish(mapping.inode, known)
         return known
 
     def _no_rows(self, mapping: Mapping, why: str) -> MappedFile:
-        found = self.by_inode[mapping.inode] = MappedFile(0, 0, (), why)
+        with self._lock:
+            found = self.by_inode[mapping.inode] = MappedFile(0, 0, (), why)
+            self._publish(mapping.inode, found)
         return found
 
+    def _publish(self, inode: tuple[int, int], file: MappedFile) -> None:
+        """The file's rows written to unwind_files too, for a walk that
+        finds its mapping in the kernel (made known by ``publish_done``)."""
+        key = kernel_file_key(inode)
+        if not self.vma or key in self.published:
+            return
+        entry = np.zeros(1, dtype=UNWIND_FILE_DTYPE)
+        segment = next((s for s in file.segments if s.executable), None)
+        if segment is not None and file.count:
+            entry["first"], entry["count"] = file.first, file.count
+            entry["pages"], entry["page_count"] = file.pages, file.page_count
+            entry["page_base"] = file.page_base
+            entry["seg_start"], entry["seg_end"] = segment.offset, segment.offset + segment.filesz
+            entry["seg_delta"] = (segment.vaddr - segment.offset) % (1 << 64)
+        entry["written"] = 1
+        keys = np.array([key], dtype=UNWIND_FILE_KEY_DTYPE)
+        if self.program.set_entry("unwind_files", keys.tobytes(), entry.tobytes()):
+            self.published.add(key)
+            self.files_gen += 1
+
+    def publish_done(self) -> None:
+        """Say to the kernel that files were written since it last heard
+        (unwind_files_gen): the mappings it found of files whose rows it
+        did not have are looked up again."""
+        with self._lock:
+            if self.vma and self.files_gen != self._told_gen:
+                self.program.write_array("unwind_files_gen", 0,
+                                         np.array([self.files_gen], dtype=np.uint32))  # fmt: skip
+                self._told_gen = self.files_gen
+
+    def serve_found(self) -> None:
+        """The mappings the walks found since the last read: the files asked
+        for written first, then each put in ``learned``; between two files
+        of the processes that asked, new asks come first."""
+        if self.found_reader is None or self._serving:
+            return
+        self._serving = True
+        try:
+            while True:
+                records = self.found_reader()
+                if not len(records):
+                    if self._publish_next():
+                        continue  # a new ask comes before the next file
+                    break
+                self._serve_records(records)
+        finally:
+            self._serving = False
+
+    def _serve_records(self, records: np.ndarray) -> None:
+        found = found_mappings(records)
+        self.files_found(found)
+        self.learned.extend((one, self.path_of(one)) for one in found)
+
+    def _asks_first(self) -> None:
+        """In the serving thread, between the steps of a file's load: the
+        asks that came meanwhile served first (one level deep), so that a
+        large file keeps a small one waiting for one step of its load."""
+        if self.found_reader is None or self._nested:
+            return
+        if threading.current_thread() is not self._thread:
+            return
+        self._nested = True
+        try:
+            records = self.found_reader()
+            if len(records):
+                self._serve_records(records)
+        finally:
+            self._nested = False
+
+    def serve_in_background(self, fd: int) -> None:
+        """Serve the mappings found (``serve_found``) in a thread of its own,
+        woken by the ring's ``fd``: a file asked for is written within
+        milliseconds of the ask, whatever the trace's loop is doing (a batch
+        of events, another process's tables)."""
+        self._thread = threading.Thread(target=self._serve_until_stopped, args=(fd,),
+                                        name="mtrace-live-unwind", daemon=True)  # fmt: skip
+        self._thread.start()
+
+    def _serve_until_stopped(self, fd: int) -> None:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        try:
+            while not self._stop.is_set():
+                poller.poll(100)
+                self.serve_found()
+        except Exception as exc:  # the walks then step by frame pointers in files not written
+            print(f"mtrace-live: warning: the files asked for by stack walks are no longer "
+                  f"written ({type(exc).__name__}: {exc})", file=sys.stderr,
+                  flush=True)  # fmt: skip
+
+    def stop_serving(self, rest: bool = True) -> None:
+        """End the serving thread, and (``rest``) serve what is left in this one."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+        if rest:
+            self.serve_found()
+
+    def files_found(self, found: list[FoundMapping]) -> None:
+        """Files whose rows a walk asked for (a mapping it found in the
+        kernel): each opened through the process, else by the path it was
+        mapped or exec'd from, if that is still the same file; one that
+        cannot be opened is asked for again by the next process to meet it."""
+        for one in found:
+            if one.file in self.published or not one.ask:
+                continue
+            begun = time.monotonic()
+            try:
+                self._file_found(one)
+            except Exception as exc:  # one file's failure is that file's alone
+                with self._lock:
+                    self.counts["files_failed"] += 1
+                print(f"mtrace-live: warning: a file of pid {one.pid}: its unwind tables could "
+                      f"not be built ({type(exc).__name__}: {exc}); its frames are walked by "
+                      "frame pointers", file=sys.stderr, flush=True)  # fmt: skip
+            finally:
+                self.load_s += time.monotonic() - begun
+        self.publish_done()
+        # then the other files of their processes, one at a time (serve_found)
+        self._to_publish.update(one.pid for one in found if one.ask)
+
+    def _publish_next(self) -> bool:
+        """One more file of a process that asked for one (a walk asks for a
+        file as it meets it, one at a time): False once there is none."""
+        while self._to_publish:
+            pid = min(self._to_publish)
+            waiting = [m for m in exec_mappings(pid)
+                       if kernel_file_key(m.inode) not in self.published
+                       and m.inode not in self.by_inode]  # fmt: skip
+            if not waiting:
+                self._to_publish.discard(pid)
+                continue
+            begun = time.monotonic()
+            try:
+                self._file(pid, waiting[0])
+            finally:
+                self.publish_done()
+                self.load_s += time.monotonic() - begun
+            return True
+        return False
+
+    def publish_path(self, path: Path) -> None:
+        """A file written for the walks before any asks (the libc, the
+        dynamic loader: in most processes' stacks)."""
+        try:
+            status = path.stat()
+        except OSError:
+            return
+        mapping = Mapping(0, 0, 0, str(path), True, (status.st_dev, status.st_ino))
+        if self.vma and kernel_file_key(mapping.inode) not in self.published:
+            self._file(os.getpid(), mapping)
+            self.publish_done()
+
+    def _file_found(self, one: FoundMapping) -> None:
+        path = self.path_of(one)
+        mapping = one.mapping(path)
+        file = self._file_unless_loading(one.pid, mapping, wait=False)
+        if file is None:
+            return  # the trace's thread is loading it, and writes it for the walks
+        if not file.segments and path and Path(path).is_absolute():
+            with contextlib.suppress(OSError):  # the process is gone: the path, if still the file
+                status = os.stat(path)
+                if (status.st_dev, status.st_ino) == mapping.inode:
+                    file = self._file(os.getpid(), replace(mapping, path=path))  # opened by path
+        with self._lock:
+            if one.file not in self.published:
+                keys = np.array([one.file], dtype=UNWIND_FILE_KEY_DTYPE)
+                self.program.delete_entry("unwind_files", keys.tobytes())
+                self.counts["files_unopened"] += 1
+
+    def path_of(self, one: FoundMapping) -> str:
+        """The path of the file a walk found: its process's link to it while
+        it lives, else where it was seen mapped, else the program the
+        process exec'd ("" if none is known)."""
+        with contextlib.suppress(OSError):
+            path = os.readlink(f"/proc/{one.pid}/map_files/{one.start:x}-{one.end:x}")
+            self.paths[one.file] = path
+            return path
+        known = self.paths.get(one.file)
+        if known is not None:
+            return known
+        raw = self.program.row_bytes("unwind_exec_paths", one.pid) if self.vma else None
+        return raw.split(b"\0", 1)[0].decode(errors="replace") if raw else ""
+
     def _load(self, path: Path, ident: str | None, segments: tuple[LoadSegment, ...]) -> MappedFile:
+        self._asks_first()
         rows = self.cache.load(ident)
         problem = ""
         if rows is None:
@@ -255,21 +590,23 @@ class UnwindTables:
             rows, problem = table.rows, table.problem
             if not problem:
                 self.cache.store(ident, rows)
-        if problem or len(rows) == 0:
-            self.counts["files_without_cfi"] += 1
-            return MappedFile(0, 0, segments, problem or "no call-frame information")
-        base, pages = page_index(rows)
-        if (self.next_row + len(rows) > self.capacity or
-                self.next_page + len(pages) > self.page_capacity):  # fmt: skip
-            self.counts["files_not_fitting"] += 1
-            self.counts["rows_not_fitting"] += len(rows)
-            return MappedFile(0, 0, segments, "no room left in the unwind rows")
-        first, first_page = self.next_row, self.next_page
+        self._asks_first()
+        base, pages = page_index(rows) if not problem and len(rows) else (0, rows[:0])
+        with self._lock:  # room taken in one step; written after, outside the lock
+            if problem or len(rows) == 0:
+                self.counts["files_without_cfi"] += 1
+                return MappedFile(0, 0, segments, problem or "no call-frame information")
+            if (self.next_row + len(rows) > self.capacity or
+                    self.next_page + len(pages) > self.page_capacity):  # fmt: skip
+                self.counts["files_not_fitting"] += 1
+                self.counts["rows_not_fitting"] += len(rows)
+                return MappedFile(0, 0, segments, "no room left in the unwind rows")
+            first, first_page = self.next_row, self.next_page
+            self.next_row += len(rows)
+            self.next_page += len(pages)
+            self.counts["files"] += 1
         self.program.write_array("unwind_rows", first, rows)
         self.program.write_array("unwind_pages", first_page, pages)
-        self.next_row += len(rows)
-        self.next_page += len(pages)
-        self.counts["files"] += 1
         return MappedFile(first, len(rows), segments, "", first_page, len(pages), base)
 
     def _entries(self, pid: int, mappings: list[Mapping]) -> np.ndarray:
@@ -299,6 +636,8 @@ class UnwindTables:
         try:
             return self._write(pid, new)
         finally:
+            if self.files_gen != self._told_gen:
+                self.publish_done()
             self.load_s += time.monotonic() - begun
 
     def _write(self, pid: int, new: bool) -> bool:

@@ -30,7 +30,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import bpf_syscalls
+from . import bpf_callbacks, bpf_syscalls
 from .uprobe_attach import TRANSIENT, TRIES, AttachFailure
 
 SINCE = (6, 6)
@@ -141,8 +141,18 @@ class UprobeLinks:
         (the verifier's words), KeyError for a handler the program does not
         have."""
         if handler not in self.programs:
-            self.programs[handler] = load_for_links(self._code[handler], self._license, handler,
-                                          self._kern_version)  # fmt: skip
+            if bpf_callbacks.has_callback(handler, self._code):
+                try:
+                    fd = bpf_callbacks.load(self._code, handler, self._license,
+                                            bpf_syscalls.PROG_TYPE_KPROBE,
+                                            bpf_syscalls.TRACE_UPROBE_MULTI,
+                                            self._kern_version)  # fmt: skip
+                except ValueError as exc:
+                    raise OSError(0, str(exc)) from None
+            else:
+                fd = load_for_links(self._code[handler], self._license, handler,
+                                    self._kern_version)  # fmt: skip
+            self.programs[handler] = fd
         return self.programs[handler]
 
     def add(self, uprobe: Uprobe) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, overload
 
 import numpy as np
+from mtrace_live.probes.elf.maps import Mapping as FileMapping
 
 from .processes import process_name
 from .symbolize import ProcessSymbols, Symbol
@@ -345,7 +346,9 @@ class FrameNames:
     reads them ahead of need (the tracer does so when a process stops in
     _exit). Once a process is gone its last maps are used; a process forked
     from another (``inherit``) and gone before its own maps were read is
-    named by its parent's, which were its own at its fork."""
+    named by its parent's, which were its own at its fork; any other gone
+    before its maps were read, by the mappings its walks found in the
+    kernel (``learn``)."""
 
     symbols: dict[int, ProcessSymbols] = field(default_factory=dict)
     comms: dict[int, str] = field(default_factory=dict)  # process names, read with the maps
@@ -354,6 +357,8 @@ class FrameNames:
     # (process, stack) -> the stack cut as ``cut`` cuts it, while its names hold
     _cuts: dict[tuple[int, tuple[int, ...]], tuple[int, ...]] = field(default_factory=dict)
     parents: dict[int, int] = field(default_factory=dict)  # a forked process -> its parent
+    # a process -> the mappings its walks found in the kernel, by start
+    learned: dict[int, dict[int, FileMapping]] = field(default_factory=dict)
     named: int = 0  # frames named (each once)
     naming_s: float = 0.0  # the time that took
     _trimming: _Trimming | None = field(default=None, repr=False)
@@ -368,6 +373,9 @@ class FrameNames:
         if not fresh.mappings and parent in self.symbols and (known is None or not known.mappings):
             self.symbols[tgid] = self.symbols[parent]  # gone: its maps were its parent's
             self.comms.setdefault(tgid, self.comms.get(parent, ""))
+            return
+        if not fresh.mappings and tgid in self.learned and (known is None or not known.mappings):
+            self.symbols[tgid] = self._learned_symbols(tgid)  # gone: what its walks found
             return
         if fresh.mappings or tgid not in self.symbols:
             self.symbols[tgid] = fresh
@@ -385,6 +393,32 @@ class FrameNames:
         if parent not in self.symbols:
             self.remember(parent)
 
+    def learn(self, tgid: int, mapping: FileMapping) -> None:
+        """A mapping of ``tgid``'s that a walk found in the kernel: it names
+        the process's frames there if it is gone before its maps are read."""
+        if not self.live or not mapping.path:
+            return
+        known = self.learned.setdefault(tgid, {})
+        if known.get(mapping.start) == mapping:
+            return
+        known[mapping.start] = mapping
+        symbols = self.symbols.get(tgid)
+        if symbols is not None and not symbols.mappings:
+            del self.symbols[tgid]  # named anew, by what was learned
+            self._names = {key: name for key, name in self._names.items() if key[0] != tgid}
+            self._cuts = {key: cut for key, cut in self._cuts.items() if key[0] != tgid}
+            if self._trimming is not None:
+                self._trimming.drop({tgid})
+
+    def _learned_symbols(self, tgid: int) -> ProcessSymbols:
+        """The process's symbols by the mappings its walks found: each file
+        taken as mapped from its start (its load base, where file offset 0
+        is), as the dynamic loader maps it."""
+        found = list(self.learned[tgid].values())
+        bases = {m.path: FileMapping(m.start - m.offset, m.start, 0, m.path, False, m.inode, "r--p")
+                 for m in found if m.offset}  # fmt: skip
+        return ProcessSymbols(tgid, saved=[*found, *bases.values()])
+
     def disinherit(self, tgids: Iterable[int]) -> None:
         """Processes that run another program now (an exec: its maps are
         no longer its parent's)."""
@@ -398,6 +432,7 @@ class FrameNames:
             self.symbols.pop(tgid, None)
             self.comms.pop(tgid, None)
             self.parents.pop(tgid, None)
+            self.learned.pop(tgid, None)
         self._names = {key: name for key, name in self._names.items() if key[0] not in tgids}
         self._cuts = {key: cut for key, cut in self._cuts.items() if key[0] not in tgids}
         if self._trimming is not None:

@@ -308,8 +308,10 @@ TRACEPOINT_PROBE(task, task_newtask)
 }
 #endif
 
-/* The hooks of unwind.bpf.c: a process's mappings are gone (exec, exit). */
+/* The hooks of unwind.bpf.c: a process's mappings are gone (exec, exit);
+ * a followed process exec'd the program at `path` (in kernel memory). */
 static __always_inline void unwind_forget(u32 tgid);
+static __always_inline void unwind_exec(u32 tgid, const void *path);
 
 #if FILTER_PIDS && WITH_EVENTS
 static __always_inline void lifecycle_event(u32 tgid, u8 kind, u64 arg)
@@ -338,6 +340,8 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
 {
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     unwind_forget(tgid);
+    if (tgid_is_followed(tgid))
+        unwind_exec(tgid, (const void *)args + (args->data_loc_filename & 0xFFFF));
 #if FILTER_PIDS && WITH_EVENTS
     if (tgid_is_followed(tgid))
         lifecycle_event(tgid, EV_EXEC, args->old_pid);

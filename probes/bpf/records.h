@@ -35,6 +35,10 @@ enum event_kind {
                     * stopped until they are written: HOLDS) */
     EV_RETARGET = 9, /* the thread the uprobes are attached for calls pthread_exit (one
                       * mtrace-live started is stopped until they are attached for another) */
+    EV_UNWIND_VMA = 10, /* a walk found a mapping of its process in the kernel (UNWIND_VMA):
+                         * args = its start, end, page offset, its file's device (the
+                         * kernel's encoding: major << 20 | minor) and inode (0, 0: no
+                         * file), and 1 where the file's rows were never asked for */
 };
 
 /* The slots of hold_counts (common.bpf.h), written by the guardian
@@ -370,6 +374,39 @@ struct unwind_proc {
     u32 parent;
 };
 
+/* A file's rows, for a mapping the walk finds in the kernel (UNWIND_VMA),
+ * by the file's device (the kernel's encoding) and inode. written: 0 while
+ * asked for and not written yet (its frames are stepped by frame pointers
+ * meanwhile); then its rows (count 0: none) and its executable segment:
+ * file offsets [seg_start, seg_end), at link-time addresses seg_start +
+ * seg_delta on. */
+struct unwind_file_key {
+    u64 dev;
+    u64 ino;
+};
+struct unwind_file {
+    u32 first;
+    u32 count;
+    u32 pages;
+    u32 page_count;
+    u32 page_base;
+    u32 written;
+    u64 seg_start;
+    u64 seg_end;
+    u64 seg_delta;
+};
+
+/* A process's mappings found in the kernel, the last UNWIND_VMA_SLOTS
+ * (unwind.bpf.c), as unwind_map; pad is 0, or for a mapping of a file
+ * whose rows were not written yet, unwind_files_gen + 1 when it was found:
+ * it holds until user space writes a file. */
+#define UNWIND_VMA_SLOTS 4
+struct unwind_vmas {
+    struct unwind_map maps[UNWIND_VMA_SLOTS];
+    u32 next;
+    u32 pad;
+};
+
 /* The unwind_misc array. */
 enum unwind_misc {
     UX_STACKS,      /* stacks unwound */
@@ -384,6 +421,10 @@ enum unwind_misc {
     UX_FP_FRAMES,   /* frames found by frame pointers (no CFI at the PC) */
     UX_LOST,        /* kept calls whose resumption after the walk failed (not counted) */
     UX_INHERITED,   /* stacks walked by the tables a process inherited at its fork */
+    UX_VMA_LOOKUPS, /* PCs in no mapping of the process's tables: looked up in the kernel */
+    UX_VMA_BUSY,    /* ... where the kernel's lookup could not take the mapping lock */
+    UX_UNWRITTEN,   /* frames in a file whose rows were not written yet: by frame pointers */
+    UX_VMA_FRAMES,  /* frames whose mapping came from the kernel, not the process's tables */
     UX_COUNT,
 };
 

@@ -42,6 +42,12 @@
 #ifndef UNWIND_PAGES
 #define UNWIND_PAGES 1048576 /* entries of unwind_pages, all files together */
 #endif
+#ifndef UNWIND_VMA
+#define UNWIND_VMA 0 /* a PC in no mapping of the process's tables: its VMA found in the kernel */
+#endif
+#ifndef UNWIND_FILES
+#define UNWIND_FILES 16384 /* entries of unwind_files: files found by the kernel's VMA */
+#endif
 #define UNWIND_PAGE_SHIFT 12
 #if WITH_UNWIND && !WITH_FRAMES
 #error "WITH_UNWIND needs the frame store (WITH_FRAMES, frames.bpf.c)"
@@ -65,7 +71,11 @@
 #define UNWIND_STEP 0
 #define UNWIND_RESUME_ALLOC 1
 #define UNWIND_RESUME_LOCK 2
+#define UNWIND_VMA_LOOKUP 3
 #define UNWIND_PROGS 4
+/* Tail calls a walk makes at most, its resumption's included: the kernel's
+ * limit (MAX_TAIL_CALL_CNT), less the handler's first call. */
+#define UNWIND_CALLS 32
 
 struct unwind_state {
     u64 pc, sp, bp; /* the frame being left: its PC and registers */
@@ -81,6 +91,11 @@ struct unwind_state {
     u8 resume;      /* the slot of unwind_progs to resume */
     u8 ended;       /* enum unwind_misc: how the walk ended, 0 while it goes on */
     u8 pad;
+    u32 calls;      /* tail calls made so far (UNWIND_CALLS at most) */
+    u32 vma_frames, unwritten_frames; /* frames by mappings from the kernel, and of them in
+                                       * files whose rows were not written yet */
+    u32 files_gen;  /* unwind_files_gen when the step began */
+    u64 vma_fp;     /* a PC whose VMA could not be looked up: its frame by frame pointers */
     /* Return addresses the kernel replaced with its uretprobe trampoline:
      * where each was on the stack, and what it was. */
     u64 hijack_at[2], hijack_ra[2];
@@ -105,6 +120,16 @@ BPF_HASH(unwind_procs, u32, struct unwind_proc, MAX_FOLLOWED);
 BPF_PERCPU_ARRAY(unwind_states, struct unwind_state, 1);
 BPF_PERCPU_ARRAY(unwind_misc, u64, UX_COUNT);
 BPF_PROG_ARRAY(unwind_progs, UNWIND_PROGS);
+#if UNWIND_VMA
+/* Files' rows for the mappings found in the kernel (user space writes an
+ * entry for each file whose rows it wrote, and for each one asked for),
+ * bumped by user space whenever it wrote one; each process's last
+ * mappings found there. */
+BPF_HASH(unwind_files, struct unwind_file_key, struct unwind_file, UNWIND_FILES);
+BPF_ARRAY(unwind_files_gen, u32, 1);
+BPF_TABLE("lru_hash", u32, struct unwind_vmas, unwind_vmas, MAX_FOLLOWED);
+BPF_PERCPU_ARRAY(unwind_no_vmas, struct unwind_vmas, 1); /* stays empty: a process with none */
+#endif
 
 static __always_inline void unwind_misc_add(u32 slot, u64 n)
 {
@@ -127,16 +152,22 @@ static __always_inline struct unwind_state *unwind_begin(u32 tgid, u64 pc, u64 s
                                                          u8 resume)
 {
     struct unwind_proc *proc = unwind_procs.lookup(&tgid);
-    if (!proc || !proc->count) {
+    u32 first = 0, count = 0;
+    if (proc && proc->count) {
+        first = proc->first;
+        count = proc->count;
+    } else {
+        /* by the mappings the kernel has (UNWIND_VMA), else by frame pointers */
         unwind_misc.increment(UX_NO_TABLES);
-        return NULL;
+        if (!UNWIND_VMA)
+            return NULL;
     }
     struct unwind_state *st = unwind_state();
     u32 zero = 0;
     struct alloc_frames_row *row = alloc_walk.lookup(&zero);
     if (!st || !row)
         return NULL;
-    if (proc->inherited)
+    if (proc && count && proc->inherited)
         unwind_misc.increment(UX_INHERITED);
     st->pc = pc;
     st->sp = sp;
@@ -144,11 +175,13 @@ static __always_inline struct unwind_state *unwind_begin(u32 tgid, u64 pc, u64 s
     st->top = sp + MAX_STACK_BYTES;
     st->hash = (0x84222325cbf29ce4ull ^ pc) * 0x9e3779b97f4a7c15ull;
     st->n = 1;
-    st->maps_first = proc->first;
-    st->last_map = proc->first;
-    st->maps_count = proc->count;
+    st->maps_first = first;
+    st->last_map = first;
+    st->maps_count = count;
+    st->calls = 1; /* the handler's, to UNWIND_STEP */
+    st->vma_fp = 0;
     st->stack = -1;
-    st->cfi_frames = st->fp_frames = 0;
+    st->cfi_frames = st->fp_frames = st->vma_frames = st->unwritten_frames = 0;
     st->window_at = 0;
     st->bp_known = 1;
     st->resume = resume;
@@ -179,6 +212,9 @@ static __always_inline u64 unwind_gen(void)
 /* A process's mappings are gone (exec, exit): its tables with them. */
 static __always_inline void unwind_forget(u32 tgid)
 {
+#if UNWIND_VMA
+    unwind_vmas.delete(&tgid);
+#endif
     if (unwind_procs.delete(&tgid))
         return; /* it had none */
     u32 zero = 0;
@@ -235,6 +271,13 @@ static __always_inline int unwind_wanted(u32 tgid)
  * with no tables has none (a pid reused since an entry was written). */
 static __always_inline void unwind_fork(u32 parent, u32 child)
 {
+#if UNWIND_VMA
+    struct unwind_vmas *found = unwind_vmas.lookup(&parent);
+    if (found)
+        unwind_vmas.update(&child, found);
+    else
+        unwind_vmas.delete(&child);
+#endif
     struct unwind_proc *theirs = unwind_procs.lookup(&parent);
     if (!theirs || !theirs->count) {
         unwind_procs.delete(&child);
@@ -301,6 +344,9 @@ int unwind_dlopen_return(struct pt_regs *ctx)
         h->at = 0;
     if (gate_closed() || !tgid_is_followed(tgid))
         return 0;
+#if UNWIND_VMA
+    unwind_vmas.delete(&tgid); /* a library closed meanwhile may have left its place to this one */
+#endif
     struct unwind_proc *proc = unwind_procs.lookup(&tgid);
     if (!proc || !proc->count)
         return 0; /* never asked, or asked and not written yet: its tables will have the library */
@@ -428,10 +474,40 @@ static __always_inline u8 fp_step(struct unwind_state *st, u64 *cfa)
     return 0;
 }
 
-/* One frame: 1 while the walk goes on, 0 when it ended (st->ended says why). */
-static __always_inline int unwind_frame(struct unwind_state *st, struct alloc_frames_row *row)
+#if UNWIND_VMA
+/* The mapping holding `pc` among those the kernel gave the process (its
+ * last UNWIND_VMA_SLOTS), or NULL. One of a file whose rows were not
+ * written yet holds until user space writes a file. */
+static __always_inline struct unwind_map *unwind_vma_of(struct unwind_state *st,
+                                                        struct unwind_vmas *vmas, u64 pc)
+{
+    for (int i = 0; i < UNWIND_VMA_SLOTS; i++) {
+        struct unwind_map *m = &vmas->maps[i];
+        if (m->start <= pc && pc < m->end && (!m->pad || m->pad == st->files_gen + 1))
+            return m;
+    }
+    return NULL;
+}
+#endif
+
+/* One frame: 1 while the walk goes on, 0 when it ended (st->ended says
+ * why), 2 when its PC's mapping is to be looked up in the kernel first. */
+static __always_inline int unwind_frame(struct unwind_state *st, struct alloc_frames_row *row,
+                                        struct unwind_vmas *vmas)
 {
     struct unwind_map *m = unwind_map_of(st, st->pc - 1);
+#if UNWIND_VMA
+    if (!m) {
+        m = unwind_vma_of(st, vmas, st->pc - 1);
+        if (m) {
+            st->vma_frames++;
+            if (!m->count && m->pad)
+                st->unwritten_frames++;
+        } else if (st->pc - 1 != st->vma_fp) {
+            return 2;
+        }
+    }
+#endif
     struct unwind_row *r = m ? unwind_row_of(m, st->pc - 1) : NULL;
     u64 cfa = 0, ra = 0;
     u8 ended;
@@ -465,7 +541,38 @@ static __always_inline int unwind_frame(struct unwind_state *st, struct alloc_fr
     return 1;
 }
 
-/* UNWIND_STEP: a part of a walk, then the next part or the resumption. */
+/* The walk's end: its counts, its frames stored, and its resumption. */
+static __always_inline void unwind_finish(struct pt_regs *ctx, struct unwind_state *st,
+                                          struct alloc_frames_row *row)
+{
+    unwind_misc.increment(UX_STACKS);
+    unwind_misc_add(UX_CFI_FRAMES, st->cfi_frames);
+    unwind_misc_add(UX_FP_FRAMES, st->fp_frames);
+#if UNWIND_VMA
+    unwind_misc_add(UX_VMA_FRAMES, st->vma_frames);
+    unwind_misc_add(UX_UNWRITTEN, st->unwritten_frames);
+#endif
+    unwind_misc.increment(st->ended);
+    if (st->n < FRAME_DEPTH)
+        row->ip[st->n & (FRAME_DEPTH - 1)] = 0;
+    st->stack = store_frames(row, st->hash);
+    unwind_progs.call(ctx, st->resume);
+    unwind_misc.increment(UX_LOST);
+}
+
+/* A tail call to `slot` if the walk has one left besides its resumption's
+ * (returns only where it made none). */
+static __always_inline void unwind_next(struct pt_regs *ctx, struct unwind_state *st, u32 slot)
+{
+    if (st->calls + 1 >= UNWIND_CALLS)
+        return;
+    st->calls++;
+    unwind_progs.call(ctx, slot);
+    st->calls--;
+}
+
+/* UNWIND_STEP: a part of a walk, then the next part, a lookup of a
+ * mapping in the kernel (UNWIND_VMA_LOOKUP), or the resumption. */
 int unwind_step(struct pt_regs *ctx)
 {
     u32 zero = 0;
@@ -473,25 +580,36 @@ int unwind_step(struct pt_regs *ctx)
     struct alloc_frames_row *row = alloc_walk.lookup(&zero);
     if (!st || !row)
         return 0;
+    struct unwind_vmas *vmas = NULL;
+#if UNWIND_VMA
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    vmas = unwind_vmas.lookup(&tgid);
+    if (!vmas)
+        vmas = unwind_no_vmas.lookup(&zero);
+    if (!vmas)
+        return 0;
+    u32 *gen = unwind_files_gen.lookup(&zero);
+    st->files_gen = gen ? *gen : 0;
+#endif
+    int going = 1;
     for (int i = 0; i < UNWIND_STEP_FRAMES; i++) {
-        if (!unwind_frame(st, row))
+        going = unwind_frame(st, row, vmas);
+        if (going != 1)
             break;
     }
-    if (!st->ended) {
-        unwind_progs.call(ctx, UNWIND_STEP);
+    if (going == 2) {
+        unwind_next(ctx, st, UNWIND_VMA_LOOKUP);
+        st->vma_fp = st->pc - 1; /* no lookup: this frame by frame pointers */
+        going = 1;
+    }
+    if (going == 1 && !st->ended) {
+        unwind_next(ctx, st, UNWIND_STEP);
         st->ended = UX_BOUNDS; /* no more tail calls */
     }
-    unwind_misc.increment(UX_STACKS);
-    unwind_misc_add(UX_CFI_FRAMES, st->cfi_frames);
-    unwind_misc_add(UX_FP_FRAMES, st->fp_frames);
-    unwind_misc.increment(st->ended);
-    if (st->n < FRAME_DEPTH)
-        row->ip[st->n & (FRAME_DEPTH - 1)] = 0;
-    st->stack = store_frames(row, st->hash);
-    unwind_progs.call(ctx, st->resume);
-    unwind_misc.increment(UX_LOST);
+    unwind_finish(ctx, st, row);
     return 0;
 }
+
 #else
 static __always_inline void unwind_forget(u32 tgid) {}
 static __always_inline int unwind_wanted(u32 tgid) { return 1; }

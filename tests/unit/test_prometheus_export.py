@@ -371,7 +371,8 @@ def test_the_collector_publishes_exactly_the_families_of_the_table() -> None:
     allocs = AllocFigures(processes={"app": {"calls": 5, "bytes": 100}},
                           stacks=[("app", "malloc", "main;f", "glibc", "libc.so.6", 40)],
                           dropped={"stacks": 0},
-                          sampled=True)  # fmt: skip
+                          sampled=True,
+                          walks={"stacks": 3, "complete": 2, "vma_lookups": 1})  # fmt: skip
     locks = {"app": LockFigures({"main": WaitTimes(2, 3000, 2000, (0,) * 11 + (2,))}, 10**9)}
     snap = dataclasses.replace(snapshot({"app": HITS}, {"alloc_skb": 100}), allocs=allocs,
                                locks=locks)  # fmt: skip

@@ -20,10 +20,27 @@ from mtrace_live.tracer.unwind_tables import CACHE_FORMAT, RowCache, UnwindTable
 class Recorder:
     """What the tables write into the program's maps."""
 
-    def __init__(self) -> None:
+    def __init__(self, vma: bool = False) -> None:
+        """``vma``: a program that looks mappings up in the kernel (UNWIND_VMA)."""
         self.arrays: dict[str, dict[int, np.void]] = {}
         self.rows: dict[str, dict[int, tuple[int, ...]]] = {}
+        self.entries: dict[str, dict[bytes, bytes]] = {}  # set_entry's, raw
         self.writes = 0  # every write_array and set_row call
+        self.vma = vma
+
+    def has_table(self, table: str) -> bool:
+        return self.vma and table in ("unwind_files", "unwind_files_gen", "unwind_exec_paths")
+
+    def set_entry(self, table: str, key: bytes, value: bytes) -> bool:
+        self.writes += 1
+        self.entries.setdefault(table, {})[key] = value
+        return True
+
+    def delete_entry(self, table: str, key: bytes) -> bool:
+        return self.entries.get(table, {}).pop(key, None) is not None
+
+    def row_bytes(self, table: str, key: int) -> bytes | None:
+        return None
 
     def write_array(self, table: str, first: int, values: np.ndarray) -> None:
         self.writes += 1
