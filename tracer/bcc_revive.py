@@ -191,7 +191,7 @@ class _CachedParts:
             if bpf_callbacks.has_callback(text, compiled.functions):
                 both = {name: bpf_cache.relocate(compiled.functions[name], self.map_fds)
                         for name in (text, bpf_callbacks.callback_of(text))}  # fmt: skip
-                fd = bpf_callbacks.load(both, text, compiled.license, kind, 0,
+                fd = bpf_callbacks.load_linked(both, text, compiled.license, kind, 0,
                                         compiled.kern_version)  # fmt: skip
                 bpf.funcs[text.encode()] = self.bcc.BPF.Function(bpf, text.encode(), fd)
                 continue

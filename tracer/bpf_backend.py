@@ -281,7 +281,9 @@ class BpfProgram:
             with contextlib.suppress(KeyError):
                 code = bpf_callbacks.loaded_code(self._bpf, (handler, callback_of(handler)))
                 try:
-                    fd = bpf_callbacks.load(code, handler, "GPL", bpf_syscalls.PROG_TYPE_KPROBE, 0)
+                    fd = bpf_callbacks.load_linked(
+                        code, handler, "GPL", bpf_syscalls.PROG_TYPE_KPROBE, 0
+                    )
                 except (OSError, ValueError) as exc:
                     raise AttachError(f"cannot load the handler {handler}: {exc}") from None
                 self._bpf.funcs[name] = import_bcc().BPF.Function(self._bpf, name, fd)
@@ -423,6 +425,11 @@ class BpfProgram:
         """One entry of any map, as raw bytes of its key and value types;
         False when the kernel refuses (a hash map with no room)."""
         return bpf_syscalls.update(self.map_fd(table), key, value)
+
+    def entry_bytes(self, table: str, key: bytes) -> bytes | None:
+        """The raw value at raw ``key`` of a hash map, or None."""
+        bcc_table = self._bpf[table]
+        return bpf_syscalls.lookup(self.map_fd(table), key, ctypes.sizeof(bcc_table.Leaf))
 
     def delete_entry(self, table: str, key: bytes) -> bool:
         """Delete one entry of a hash map (raw key bytes); False if none."""

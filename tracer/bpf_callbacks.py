@@ -100,7 +100,7 @@ def func_btf(program: str, callback: str) -> bytes:
     return header + types + bytes(strings)
 
 
-def load(functions: Mapping[str, bytes], program: str, license_: str, prog_type: int,
+def load_linked(functions: Mapping[str, bytes], program: str, license_: str, prog_type: int,
          attach_type: int, kern_version: int = 0) -> int:  # fmt: skip
     """``program`` loaded with its callback linked in (both from
     ``functions``, by name): its fd. Raises OSError (the verifier's

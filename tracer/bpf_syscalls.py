@@ -86,14 +86,18 @@ _BTF_LOAD = struct.Struct("=QQIII")
 # loop, which under a flood of events keeps it for the whole switch interval
 # (5 ms) before the scrape gets it back.
 _LIBC = ctypes.PyDLL(None, use_errno=True)
+# CDLL: the call lets the lock go, for the calls that take long (a file's
+# rows written: milliseconds), so that the other threads run meanwhile.
+_LIBC_RELEASING = ctypes.CDLL(None, use_errno=True)
 
 
-def _bpf(cmd: int, attr: ctypes.Array[ctypes.c_char]) -> int:
+def _bpf(cmd: int, attr: ctypes.Array[ctypes.c_char], long: bool = False) -> int:
     number = SYS_BPF.get(platform.machine())
     if number is None:
         ctypes.set_errno(errno.ENOSYS)
         return -1
-    return int(_LIBC.syscall(number, cmd, ctypes.byref(attr), len(attr)))
+    libc = _LIBC_RELEASING if long else _LIBC
+    return int(libc.syscall(number, cmd, ctypes.byref(attr), len(attr)))
 
 
 def _elem(cmd: int, map_fd: int, key: ctypes.Array[ctypes.c_char] | None,
@@ -138,6 +142,13 @@ def update(map_fd: int, key: bytes, value: bytes) -> bool:
     the kernel refuses."""
     return _elem(BPF_MAP_UPDATE_ELEM, map_fd, ctypes.create_string_buffer(key, len(key)),
                  ctypes.create_string_buffer(value, len(value)))  # fmt: skip
+
+
+def lookup(map_fd: int, key: bytes, value_size: int) -> bytes | None:
+    """The value at ``key`` (raw bytes), or None when there is none."""
+    value = ctypes.create_string_buffer(value_size)
+    found = _elem(BPF_MAP_LOOKUP_ELEM, map_fd, ctypes.create_string_buffer(key, len(key)), value)
+    return value.raw if found else None
 
 
 def delete(map_fd: int, key: bytes) -> bool:
@@ -205,7 +216,7 @@ def update_array(map_fd: int, first: int, values: np.ndarray) -> None:
     # in_batch, out_batch (unused), keys, values, count, map_fd, elem_flags, flags
     struct.pack_into("=QQQQIIQQ", attr, 0, 0, 0, keys.ctypes.data, values.ctypes.data, count,
                      map_fd, 0, 0)  # fmt: skip
-    if _bpf(BPF_MAP_UPDATE_BATCH, attr) < 0:
+    if _bpf(BPF_MAP_UPDATE_BATCH, attr, long=count > 4096) < 0:
         error = ctypes.get_errno()
         raise OSError(error, f"BPF_MAP_UPDATE_BATCH: {os.strerror(error)}")
     (done,) = struct.unpack_from("=I", attr, 32)

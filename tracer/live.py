@@ -54,6 +54,7 @@ from .arena_walk import ArenaFinder, arena_symbols
 from .bpf_backend import BpfProgram, bcc_version
 from .counters import BpfCounters
 from .exec_watch import ExecWatch
+from .file_server import MAPS, FileServer, region
 from .holds import BOUND_S, Guardian, Holds
 from .kmem_attach import kmem_switches
 from .launch import GatedCommand
@@ -121,6 +122,12 @@ def _pidfd(pid: int) -> int | None:
 class LiveTrace:
     """One attached program, its ring buffer and its sinks."""
 
+    # the CFI unwinder's tables, the ring of the mappings walks found (UNWIND_VMA),
+    # and the file server: made while attaching
+    unwind: UnwindTables | None = None
+    found_ring: RingReader | None = None
+    file_server: FileServer | None = None
+
     def __init__(
         self,
         request: TraceRequest,
@@ -145,8 +152,6 @@ class LiveTrace:
         self.exec_watch = ExecWatch(traced) if followed and uprobes and traced else None
         require_privileges()
         self.frame_names = FrameNames()
-        self.found_ring: RingReader | None = None  # the mappings walks found (UNWIND_VMA)
-        self.unwind: UnwindTables | None = None
         self.kmem = request.with_kmem
         self.sites = tuple(self.selection.site_infos(load_catalog()))
         self.decoder = EventDecoder(self.sites)
@@ -278,6 +283,8 @@ class LiveTrace:
                 self._attach_allocators()
                 if self.lock_plan is not None:
                     lock_waits.attach_lock_waits(self.program, self.lock_plan, self.alloc_pid)
+            if self.file_server is not None:  # forked since: its calls are not traced either
+                self.program.tables.exclude_self([target_pid] if target_pid is not None else [])
             self.program.tables.set_gate(True)
             room = request.ring_buffer_pages
             self.reader = RingReader(
@@ -289,6 +296,8 @@ class LiveTrace:
         except BaseException:
             if self.unwind is not None:
                 self.unwind.stop_serving(rest=False)
+            if self.file_server is not None:
+                self.file_server.close()
             self._let_go()
             self.program.close()
             bpf_syscalls.close(stats_fd)
@@ -324,18 +333,27 @@ class LiveTrace:
         # A process's maps are read for its names whenever its tables are
         # written (its first call, a dlopen, a change seen each second): a
         # process that was never held is named after it is gone from those.
-        found = None
-        if defines.get("UNWIND_VMA"):
-            pages = part_constants("unwind_vma.bpf.c")["UNWIND_FOUND_PAGES"]
-            self.found_ring = RingReader(self.program.map_fd("unwind_found"),
-                                         pages * mmap.PAGESIZE, EVENT_DTYPE)  # fmt: skip
-            found = self.found_ring.read
+        if not defines.get("UNWIND_VMA"):
+            return UnwindTables(self.program, holds=self.holds, written=self._tables_written)
+        pages = part_constants("unwind_vma.bpf.c")["UNWIND_FOUND_PAGES"]
+        self.found_ring = RingReader(self.program.map_fd("unwind_found"),
+                                     pages * mmap.PAGESIZE, EVENT_DTYPE)  # fmt: skip
+        rows, page_entries = region(defines["UNWIND_ROWS"]), region(defines["UNWIND_PAGES"])
         tables = UnwindTables(self.program, holds=self.holds, written=self._tables_written,
-                              found=found)  # fmt: skip
+                              found=self.found_ring.read, server_rows=rows[1] - rows[0],
+                              server_pages=page_entries[1] - page_entries[0])  # fmt: skip
         for path in (libc, *own_loader()):  # in most stacks: written before any walk asks
             tables.publish_path(path)
-        if self.found_ring is not None:
-            tables.serve_in_background(self.found_ring.fd)
+        try:
+            self.file_server = FileServer({name: self.program.map_fd(name) for name in MAPS},
+                                          rows, page_entries)  # fmt: skip
+            tables.server = self.file_server.alive
+        except OSError as exc:  # the trace's own threads serve every ask
+            self.notices.append(
+                f"the file server could not be started ({exc.strerror}): "
+                "files asked for by stack walks are written by the trace"
+            )
+        tables.serve_in_background(self.found_ring.fd)
         return tables
 
     def _mappings_learned(self) -> None:
@@ -444,7 +462,6 @@ class LiveTrace:
     _next_allocator_look = 0.0  # when tick looks for processes on allocators not attached
     _next_look = 0.0  # when tick looks at the target again
     _next_unwind_look = 0.0  # when tick looks at the traced processes' mappings again
-    unwind: UnwindTables | None = None
     _looks = 0
 
     def tick(self, pid: int | None) -> None:
@@ -599,6 +616,8 @@ class LiveTrace:
     def close(self) -> None:
         if self.unwind is not None:
             self.unwind.stop_serving()
+        if self.file_server is not None:
+            self.file_server.close()
         self._let_go()
         self.reader.close()
         self.counters.close()

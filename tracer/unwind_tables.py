@@ -25,7 +25,9 @@ counted: those frames are walked by frame pointers.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import queue
 import select
 import sys
 import threading
@@ -37,7 +39,6 @@ from pathlib import Path
 
 import numpy as np
 from mtrace_live.exporters.data.processes import proc_dir
-from mtrace_live.probes.elf.cfi import ROW, CfiTable, read_cfi
 from mtrace_live.probes.elf.file import ELF_FAILURES, LoadSegment, build_id, load_segments, open_elf
 from mtrace_live.probes.elf.maps import Mapping, read_maps
 from mtrace_live.probes.errors import NotElfError, TargetError
@@ -45,16 +46,28 @@ from mtrace_live.probes.program import part_constants
 from mtrace_live.probes.records import (
     FRAME_DEPTH,
     UNWIND_FILE_DTYPE,
-    UNWIND_FILE_KEY_DTYPE,
     UNWIND_MAP_DTYPE,
     UNWIND_PROC_DTYPE,
 )
 
 from .alloc_probes import exported_offset
 from .bpf_backend import BpfProgram
-from .bpf_cache import private_file
 from .holds import Holds
 from .kernel_btf import BtfUnavailable, KernelBtf
+from .unwind_rows import (
+    BIG_FILE,
+    RowCache,
+    entry_segment,
+    exec_path,
+    file_entry,
+    file_key,
+    kernel_file_key,
+    page_index,
+    rows_cache_dir,
+    rows_of,
+    same_file,
+    user_inode,
+)
 
 # The unwinder's constants, as unwind.bpf.c defines them (read from it):
 # its tables' default sizes (unwind_rows 1 M rows, 12 MiB: the libc takes
@@ -63,8 +76,6 @@ from .kernel_btf import BtfUnavailable, KernelBtf
 _UNWIND = part_constants("unwind.bpf.c")
 DEFAULT_ROWS, DEFAULT_MAPS, DEFAULT_PAGES = (
     _UNWIND["UNWIND_ROWS"], _UNWIND["UNWIND_MAPS"], _UNWIND["UNWIND_PAGES"])  # fmt: skip
-DEFAULT_CACHE = Path("/var/cache/mtrace-live/cfi")
-CACHE_FORMAT = 2  # 2: rows read by probes/elf/cfi_rows.c (malformed entries as CFA_OTHER)
 STEP, RESUME_ALLOC, RESUME_LOCK, VMA_LOOKUP = (
     _UNWIND[f"UNWIND_{slot}"] for slot in ("STEP", "RESUME_ALLOC", "RESUME_LOCK",
                                             "VMA_LOOKUP"))  # fmt: skip
@@ -88,6 +99,8 @@ _VMA_MEMBERS = {
     "INODE_INO_OFF": ("inode", "i_ino", 8),
     "INODE_SB_OFF": ("inode", "i_sb", 8),
     "SB_DEV_OFF": ("super_block", "s_dev", 4),
+    "TASK_REAL_PARENT_OFF": ("task_struct", "real_parent", 8),
+    "TASK_TGID_OFF": ("task_struct", "tgid", 4),
 }
 
 
@@ -128,47 +141,6 @@ def attach_dlopen(program: BpfProgram, libc: Path, pid: int = -1) -> list[str]:
     return probed
 
 
-def rows_cache_dir() -> Path | None:
-    value = os.environ.get("MTRACE_LIVE_CFI_CACHE", "")
-    if value == "off":
-        return None
-    return Path(value) if value else DEFAULT_CACHE
-
-
-class RowCache:
-    """Files' rows on disk, by build-id."""
-
-    def __init__(self, directory: Path | None) -> None:
-        self.directory = directory
-
-    def _path(self, ident: str) -> Path | None:
-        if self.directory is None or not ident.isalnum():
-            return None
-        return self.directory / f"{ident}.v{CACHE_FORMAT}.npy"
-
-    def load(self, ident: str | None) -> np.ndarray | None:
-        path = self._path(ident) if ident else None
-        if path is None:
-            return None
-        with contextlib.suppress(OSError, ValueError):
-            if private_file(path) and private_file(path.parent):
-                rows = np.load(path, allow_pickle=False)
-                if rows.dtype == ROW and rows.ndim == 1:
-                    return np.asarray(rows, dtype=ROW)
-        return None
-
-    def store(self, ident: str | None, rows: np.ndarray) -> None:
-        path = self._path(ident) if ident else None
-        if path is None:
-            return
-        with contextlib.suppress(OSError):
-            path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-            scratch = path.with_suffix(f".{os.getpid()}.tmp")
-            with open(scratch, "wb") as out:
-                np.save(out, rows, allow_pickle=False)
-            os.replace(scratch, path)
-
-
 @dataclass(frozen=True)
 class MappedFile:
     """A file's rows in unwind_rows, its page index in unwind_pages, and its
@@ -181,20 +153,6 @@ class MappedFile:
     pages: int = 0
     page_count: int = 0
     page_base: int = 0
-
-
-PAGE_SHIFT = _UNWIND["UNWIND_PAGE_SHIFT"]
-
-
-def page_index(rows: np.ndarray) -> tuple[int, np.ndarray]:
-    """(the first page's address, for each page from it to the last row's,
-    the index of the row in force at the page's start): a search for an
-    address then starts within its page's rows."""
-    base = int(rows["pc"][0]) >> PAGE_SHIFT << PAGE_SHIFT
-    count = ((int(rows["pc"][-1]) - base) >> PAGE_SHIFT) + 1
-    starts = base + (np.arange(count, dtype=np.uint64) << PAGE_SHIFT)
-    index = np.searchsorted(rows["pc"].astype(np.uint64), starts, side="right") - 1
-    return base, np.clip(index, 0, None).astype(np.uint32)
 
 
 def exec_mappings(pid: int) -> list[Mapping]:
@@ -233,19 +191,6 @@ def mapped_file(pid: int, mapping: Mapping) -> Path | None:
     return None
 
 
-def kernel_file_key(inode: tuple[int, int]) -> tuple[int, int]:
-    """A file's (device, inode) as unwind_files keys it: the device in the
-    kernel's own encoding (major << 20 | minor)."""
-    device, number = inode
-    return (os.major(device) << 20) | os.minor(device), number
-
-
-def user_inode(key: tuple[int, int]) -> tuple[int, int]:
-    """unwind_files' key as stat(2) and /proc/PID/maps give it."""
-    device, number = key
-    return os.makedev(device >> 20, device & 0xFFFFF), number
-
-
 @dataclass(frozen=True)
 class FoundMapping:
     """A mapping a walk found in the kernel's VMA of its process
@@ -282,6 +227,11 @@ def _segment_of(segments: tuple[LoadSegment, ...], offset: int) -> LoadSegment |
     return None
 
 
+# An ask for a small file is the file server's; the trace serves it itself if
+# it is still unwritten this long after it came.
+DEFER_S = 0.05
+
+
 class UnwindTables:
     """The tables of one trace program; ``counts`` says what did not fit."""
 
@@ -289,22 +239,26 @@ class UnwindTables:
                  pages: int = DEFAULT_PAGES, cache: RowCache | None = None,
                  holds: Holds | None = None,
                  written: Callable[[int], None] | None = None,
-                 found: Callable[[], np.ndarray] | None = None) -> None:  # fmt: skip
+                 found: Callable[[], np.ndarray] | None = None,
+                 server_rows: int = 0, server_pages: int = 0) -> None:  # fmt: skip
         """``holds``: continues a process the kernel stopped until its
         tables were written (one mtrace-live started: tracer/holds.py);
         ``written``: told each process whose mappings were written;
         ``found``: reads the mappings the walks found in the kernel (the
         unwind_found ring's records): each is put in ``learned`` with its
-        file's path ("" if unknown), for the trace's own thread to take."""
+        file's path ("" if unknown), for the trace's own thread to take;
+        ``server_rows``, ``server_pages``: the rows and page entries at the
+        end of the tables that the file server writes (tracer/file_server.py),
+        not these tables."""
         self.program = program
         self.holds = holds
         self.written_hook = written
-        self.capacity = rows
+        self.capacity = rows - server_rows
         self.cache = cache if cache is not None else RowCache(rows_cache_dir())
         self.files: dict[object, MappedFile] = {}  # by build-id, else (device, inode)
         self.by_inode: dict[tuple[int, int], MappedFile] = {}
         self.next_row = 0
-        self.page_capacity, self.next_page = pages, 0
+        self.page_capacity, self.next_page = pages - server_pages, 0
         self.free: list[tuple[int, int]] = [(0, maps)]  # blocks of unwind_maps: (first, size)
         # blocks no process of ours names, which a forked one's entry may,
         # each with how many sweeps in a row found no entry naming it
@@ -322,7 +276,6 @@ class UnwindTables:
         self.files_gen = self._told_gen = 0  # files written, and as the kernel was told
         self.found_reader = found
         self.learned: deque[tuple[FoundMapping, str]] = deque()
-        self._to_publish: set[int] = set()  # processes with files to write for the walks
         self._serving = self._nested = False
         # The files' state is shared with the thread that serves the asks
         # (serve_in_background); the processes' is the trace thread's alone.
@@ -330,6 +283,12 @@ class UnwindTables:
         self._loaded = threading.Condition(self._lock)  # a file's load ended
         self._loading: set[tuple[int, int]] = set()  # files being loaded, by inode
         self._thread: threading.Thread | None = None
+        self._bulk_thread: threading.Thread | None = None
+        self._bulk: queue.Queue[Callable[[], None]] = queue.Queue()  # its jobs
+        # The file server, while it runs: it serves the asks for small
+        # files; those still unwritten DEFER_S after the ask are served here.
+        self.server: Callable[[], bool] | None = None  # alive?
+        self._deferred: dict[tuple[int, int], tuple[float, FoundMapping]] = {}
         self._stop = threading.Event()
 
     def _file(self, pid: int, mapping: Mapping) -> MappedFile:
@@ -360,6 +319,13 @@ class UnwindTables:
                 self._loaded.notify_all()
 
     def _open_file(self, pid: int, mapping: Mapping) -> MappedFile:
+        file = kernel_file_key(mapping.inode)
+        served = self._kernel_file(file) if file not in self.published else None
+        if served is not None:  # the file server wrote it
+            with self._lock:
+                self.by_inode[mapping.inode] = served
+                self.published.add(file)
+            return served
         path = mapped_file(pid, mapping)
         if path is None:
             # not kept: another process mapping it may open it
@@ -367,16 +333,24 @@ class UnwindTables:
         if mapping.path.startswith("/"):
             self.paths.setdefault(kernel_file_key(mapping.inode), mapping.path)
         self._asks_first()
+        known = rows = None
+        problem = ""
         try:
-            with open_elf(path) as elf:
+            with open_elf(path, in_memory=BIG_FILE) as elf:  # read once: it may be gone next
                 ident, segments = build_id(elf), tuple(load_segments(elf))
-        except (TargetError, NotElfError, *ELF_FAILURES) as exc:
+                key: object = ident or mapping.inode
+                known = self.files.get(key)
+                if known is None:
+                    self._asks_first()
+                    rows, problem = rows_of(elf, path, ident, self.cache)
+        except (TargetError, OSError) as exc:  # not kept: it may open later, or elsewhere
+            return MappedFile(0, 0, (), str(exc))
+        except (NotElfError, *ELF_FAILURES) as exc:
             return self._no_rows(mapping, str(exc))
-        key: object = ident or mapping.inode
-        known = self.files.get(key)
         if known is None:
             try:
-                known = self._load(path, ident, segments)
+                assert rows is not None
+                known = self._load(rows, problem, segments)
             except Exception as exc:  # one file's failure is that file's alone
                 with self._lock:
                     self.counts["files_failed"] += 1
@@ -402,17 +376,9 @@ class UnwindTables:
         key = kernel_file_key(inode)
         if not self.vma or key in self.published:
             return
-        entry = np.zeros(1, dtype=UNWIND_FILE_DTYPE)
-        segment = next((s for s in file.segments if s.executable), None)
-        if segment is not None and file.count:
-            entry["first"], entry["count"] = file.first, file.count
-            entry["pages"], entry["page_count"] = file.pages, file.page_count
-            entry["page_base"] = file.page_base
-            entry["seg_start"], entry["seg_end"] = segment.offset, segment.offset + segment.filesz
-            entry["seg_delta"] = (segment.vaddr - segment.offset) % (1 << 64)
-        entry["written"] = 1
-        keys = np.array([key], dtype=UNWIND_FILE_KEY_DTYPE)
-        if self.program.set_entry("unwind_files", keys.tobytes(), entry.tobytes()):
+        entry = file_entry(file.first, file.count, file.pages, file.page_count, file.page_base,
+                           file.segments)  # fmt: skip
+        if self.program.set_entry("unwind_files", file_key(key), entry):
             self.published.add(key)
             self.files_gen += 1
 
@@ -437,8 +403,6 @@ class UnwindTables:
             while True:
                 records = self.found_reader()
                 if not len(records):
-                    if self._publish_next():
-                        continue  # a new ask comes before the next file
                     break
                 self._serve_records(records)
         finally:
@@ -469,29 +433,70 @@ class UnwindTables:
         """Serve the mappings found (``serve_found``) in a thread of its own,
         woken by the ring's ``fd``: a file asked for is written within
         milliseconds of the ask, whatever the trace's loop is doing (a batch
-        of events, another process's tables)."""
+        of events, another process's tables). Files larger than BIG_FILE,
+        and the other files of the processes that asked, are loaded by a
+        second thread (the rows are read in C, without the interpreter
+        lock), so that no ask waits for them."""
         self._thread = threading.Thread(target=self._serve_until_stopped, args=(fd,),
                                         name="mtrace-live-unwind", daemon=True)  # fmt: skip
+        self._bulk_thread = threading.Thread(target=self._bulk_until_stopped,
+                                             name="mtrace-live-bulk", daemon=True)  # fmt: skip
         self._thread.start()
+        self._bulk_thread.start()
+
+    def _bulk_until_stopped(self) -> None:
+        try:
+            while not self._stop.is_set():
+                with contextlib.suppress(queue.Empty):
+                    self._bulk.get(timeout=0.1)()
+        except Exception as exc:  # the walks then step by frame pointers in files not written
+            print(f"mtrace-live: warning: the files of the processes whose walks asked are no "
+                  f"longer written ({type(exc).__name__}: {exc})", file=sys.stderr,
+                  flush=True)  # fmt: skip
 
     def _serve_until_stopped(self, fd: int) -> None:
         poller = select.poll()
         poller.register(fd, select.POLLIN)
         try:
             while not self._stop.is_set():
-                poller.poll(100)
+                poller.poll(int(DEFER_S * 1000) if self._deferred else 100)
                 self.serve_found()
+                self._serve_deferred()
         except Exception as exc:  # the walks then step by frame pointers in files not written
             print(f"mtrace-live: warning: the files asked for by stack walks are no longer "
                   f"written ({type(exc).__name__}: {exc})", file=sys.stderr,
                   flush=True)  # fmt: skip
 
+    def _serve_deferred(self) -> None:
+        """The asks the file server has not served DEFER_S after they came
+        (it could not open the file, or had no room)."""
+        now = time.monotonic()
+        for key, (when, one) in list(self._deferred.items()):
+            if now - when < DEFER_S and self.server is not None and self.server():
+                continue
+            del self._deferred[key]
+            if self._kernel_file(key) is None:
+                self._file_found_safely(one)
+
+    def _kernel_file(self, key: tuple[int, int]) -> MappedFile | None:
+        """The file as unwind_files holds it, if written (by either writer)."""
+        raw = self.program.entry_bytes("unwind_files", file_key(key)) if self.vma else None
+        if raw is None:
+            return None
+        entry = np.frombuffer(raw, dtype=UNWIND_FILE_DTYPE)[0]
+        if not entry["written"]:
+            return None
+        return MappedFile(int(entry["first"]), int(entry["count"]), entry_segment(entry), "",
+                          int(entry["pages"]), int(entry["page_count"]),
+                          int(entry["page_base"]))  # fmt: skip
+
     def stop_serving(self, rest: bool = True) -> None:
         """End the serving thread, and (``rest``) serve what is left in this one."""
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self._thread = None
+        self._stop.set()
+        for thread in (self._thread, self._bulk_thread):
+            if thread is not None:
+                thread.join()
+        self._thread = self._bulk_thread = None
         if rest:
             self.serve_found()
 
@@ -503,40 +508,49 @@ class UnwindTables:
         for one in found:
             if one.file in self.published or not one.ask:
                 continue
-            begun = time.monotonic()
-            try:
-                self._file_found(one)
-            except Exception as exc:  # one file's failure is that file's alone
-                with self._lock:
-                    self.counts["files_failed"] += 1
-                print(f"mtrace-live: warning: a file of pid {one.pid}: its unwind tables could "
-                      f"not be built ({type(exc).__name__}: {exc}); its frames are walked by "
-                      "frame pointers", file=sys.stderr, flush=True)  # fmt: skip
-            finally:
-                self.load_s += time.monotonic() - begun
+            big = self._size(one) > BIG_FILE
+            if not big and self.server is not None and self.server():
+                self._deferred.setdefault(one.file, (time.monotonic(), one))
+            elif big and self._bulk_thread is not None:
+                self._bulk.put(functools.partial(self._file_found_safely, one))
+            else:
+                self._file_found_safely(one)
         self.publish_done()
-        # then the other files of their processes, one at a time (serve_found)
-        self._to_publish.update(one.pid for one in found if one.ask)
+        # then the other files of their processes (a walk asks for one file
+        # at a time, as it meets it), in the bulk thread
+        if self._bulk_thread is not None:
+            for pid in sorted({one.pid for one in found if one.ask}):
+                for mapping in exec_mappings(pid):
+                    if kernel_file_key(mapping.inode) not in self.published:
+                        self._bulk.put(functools.partial(self._publish_mapping, pid, mapping))
 
-    def _publish_next(self) -> bool:
-        """One more file of a process that asked for one (a walk asks for a
-        file as it meets it, one at a time): False once there is none."""
-        while self._to_publish:
-            pid = min(self._to_publish)
-            waiting = [m for m in exec_mappings(pid)
-                       if kernel_file_key(m.inode) not in self.published
-                       and m.inode not in self.by_inode]  # fmt: skip
-            if not waiting:
-                self._to_publish.discard(pid)
-                continue
-            begun = time.monotonic()
-            try:
-                self._file(pid, waiting[0])
-            finally:
-                self.publish_done()
-                self.load_s += time.monotonic() - begun
-            return True
-        return False
+    def _file_found_safely(self, one: FoundMapping) -> None:
+        begun = time.monotonic()
+        try:
+            self._file_found(one)
+        except Exception as exc:  # one file's failure is that file's alone
+            with self._lock:
+                self.counts["files_failed"] += 1
+            print(f"mtrace-live: warning: a file of pid {one.pid}: its unwind tables could "
+                  f"not be built ({type(exc).__name__}: {exc}); its frames are walked by "
+                  "frame pointers", file=sys.stderr, flush=True)  # fmt: skip
+        finally:
+            self.publish_done()
+            self.load_s += time.monotonic() - begun
+
+    def _publish_mapping(self, pid: int, mapping: Mapping) -> None:
+        if kernel_file_key(mapping.inode) not in self.published:
+            self._file(pid, mapping)
+            self.publish_done()
+
+    def _size(self, one: FoundMapping) -> int:
+        """The size of the file a walk found (0 where it cannot be told)."""
+        with contextlib.suppress(OSError):
+            return os.stat(f"/proc/{one.pid}/map_files/{one.start:x}-{one.end:x}").st_size
+        path = self.paths.get(one.file)
+        with contextlib.suppress(OSError):
+            return os.stat(path).st_size if path else 0
+        return 0
 
     def publish_path(self, path: Path) -> None:
         """A file written for the walks before any asks (the libc, the
@@ -563,8 +577,7 @@ class UnwindTables:
                     file = self._file(os.getpid(), replace(mapping, path=path))  # opened by path
         with self._lock:
             if one.file not in self.published:
-                keys = np.array([one.file], dtype=UNWIND_FILE_KEY_DTYPE)
-                self.program.delete_entry("unwind_files", keys.tobytes())
+                self.program.delete_entry("unwind_files", file_key(one.file))
                 self.counts["files_unopened"] += 1
 
     def path_of(self, one: FoundMapping) -> str:
@@ -579,17 +592,14 @@ class UnwindTables:
         if known is not None:
             return known
         raw = self.program.row_bytes("unwind_exec_paths", one.pid) if self.vma else None
-        return raw.split(b"\0", 1)[0].decode(errors="replace") if raw else ""
+        executed = exec_path(raw)
+        if executed is None or not same_file(executed, one.file):
+            return ""
+        self.paths[one.file] = os.path.realpath(executed)  # (not through the parent's cwd link)
+        return self.paths[one.file]
 
-    def _load(self, path: Path, ident: str | None, segments: tuple[LoadSegment, ...]) -> MappedFile:
-        self._asks_first()
-        rows = self.cache.load(ident)
-        problem = ""
-        if rows is None:
-            table: CfiTable = read_cfi(path)
-            rows, problem = table.rows, table.problem
-            if not problem:
-                self.cache.store(ident, rows)
+    def _load(self, rows: np.ndarray, problem: str,
+              segments: tuple[LoadSegment, ...]) -> MappedFile:  # fmt: skip
         self._asks_first()
         base, pages = page_index(rows) if not problem and len(rows) else (0, rows[:0])
         with self._lock:  # room taken in one step; written after, outside the lock
@@ -610,19 +620,26 @@ class UnwindTables:
         return MappedFile(first, len(rows), segments, "", first_page, len(pages), base)
 
     def _entries(self, pid: int, mappings: list[Mapping]) -> np.ndarray:
+        """The process's mappings as unwind_maps' rows, by start. A mapping
+        whose file has no rows here (none, or it could not be opened) is
+        left out where the kernel looks mappings up itself (UNWIND_VMA): it
+        may know the file's rows (the file server's), else it steps by frame
+        pointers there, as it does at a mapping without rows."""
         entries = np.zeros(len(mappings), dtype=UNWIND_MAP_DTYPE)
+        kept = np.ones(len(mappings), dtype=bool)
         for i, mapping in enumerate(sorted(mappings, key=lambda m: m.start)):
             file = self._file(pid, mapping)
             entries[i]["start"], entries[i]["end"] = mapping.start, mapping.end
             segment = _segment_of(file.segments, mapping.offset)
             if segment is None or not file.count:
+                kept[i] = not self.vma
                 continue  # frame pointers there
             bias = mapping.start - mapping.offset + segment.offset - segment.vaddr
             entries[i]["bias"] = bias % (1 << 64)
             entries[i]["first"], entries[i]["count"] = file.first, file.count
             entries[i]["pages"], entries[i]["page_count"] = file.pages, file.page_count
             entries[i]["page_base"] = file.page_base
-        return entries
+        return entries[kept]
 
     def load(self, pid: int, new: bool = True) -> bool:
         """Write ``pid``'s mappings (and any file's rows not yet written),

@@ -143,7 +143,7 @@ class UprobeLinks:
         if handler not in self.programs:
             if bpf_callbacks.has_callback(handler, self._code):
                 try:
-                    fd = bpf_callbacks.load(self._code, handler, self._license,
+                    fd = bpf_callbacks.load_linked(self._code, handler, self._license,
                                             bpf_syscalls.PROG_TYPE_KPROBE,
                                             bpf_syscalls.TRACE_UPROBE_MULTI,
                                             self._kern_version)  # fmt: skip

@@ -340,8 +340,6 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
 {
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     unwind_forget(tgid);
-    if (tgid_is_followed(tgid))
-        unwind_exec(tgid, (const void *)args + (args->data_loc_filename & 0xFFFF));
 #if FILTER_PIDS && WITH_EVENTS
     if (tgid_is_followed(tgid))
         lifecycle_event(tgid, EV_EXEC, args->old_pid);
@@ -357,6 +355,8 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
     }
 #endif
 #endif
+    if (tgid_is_followed(tgid)) /* (--comm: once followed by its new name) */
+        unwind_exec(tgid, (const void *)args + (args->data_loc_filename & 0xFFFF));
     return 0;
 }
 #endif

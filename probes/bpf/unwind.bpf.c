@@ -126,7 +126,7 @@ BPF_PROG_ARRAY(unwind_progs, UNWIND_PROGS);
  * bumped by user space whenever it wrote one; each process's last
  * mappings found there. */
 BPF_HASH(unwind_files, struct unwind_file_key, struct unwind_file, UNWIND_FILES);
-BPF_ARRAY(unwind_files_gen, u32, 1);
+BPF_ARRAY(unwind_files_gen, u32, 2); /* by the trace's process, and by the file server */
 BPF_TABLE("lru_hash", u32, struct unwind_vmas, unwind_vmas, MAX_FOLLOWED);
 BPF_PERCPU_ARRAY(unwind_no_vmas, struct unwind_vmas, 1); /* stays empty: a process with none */
 #endif
@@ -588,8 +588,9 @@ int unwind_step(struct pt_regs *ctx)
         vmas = unwind_no_vmas.lookup(&zero);
     if (!vmas)
         return 0;
-    u32 *gen = unwind_files_gen.lookup(&zero);
-    st->files_gen = gen ? *gen : 0;
+    u32 one = 1;
+    u32 *gen = unwind_files_gen.lookup(&zero), *served = unwind_files_gen.lookup(&one);
+    st->files_gen = (gen ? *gen : 0) + (served ? *served : 0);
 #endif
     int going = 1;
     for (int i = 0; i < UNWIND_STEP_FRAMES; i++) {

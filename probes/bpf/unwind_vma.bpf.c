@@ -18,11 +18,18 @@
  * file asked for is written within milliseconds, not after the events. */
 #define UNWIND_FOUND_PAGES 64
 BPF_RINGBUF_OUTPUT(unwind_found, UNWIND_FOUND_PAGES);
+/* The asks alone, for the file server (tracer/file_server.py): a process
+ * of its own, which writes a small file's rows within a millisecond or
+ * two, never kept waiting by the trace's own work. */
+#define UNWIND_ASKS_PAGES 16
+BPF_RINGBUF_OUTPUT(unwind_asks, UNWIND_ASKS_PAGES);
 /* The program each followed process exec'd last, as execve was given it:
  * user space opens it by that path to write its rows, if the process is
  * gone before its maps could be read (a short one). */
 struct unwind_exec_path {
-    char path[256];
+    u32 parent; /* its parent's pid at the exec: a relative path is from the parent's cwd */
+    u32 pad;
+    char path[248];
 };
 BPF_TABLE("lru_hash", u32, struct unwind_exec_path, unwind_exec_paths, 4096);
 BPF_PERCPU_ARRAY(unwind_path_scratch, struct unwind_exec_path, 1);
@@ -34,6 +41,11 @@ static __always_inline void unwind_exec(u32 tgid, const void *path)
     if (!scratch)
         return;
     bpf_probe_read_kernel_str(scratch->path, sizeof(scratch->path), path);
+    void *task = (void *)bpf_get_current_task(), *parent = NULL;
+    scratch->parent = 0;
+    bpf_probe_read_kernel(&parent, sizeof(parent), task + TASK_REAL_PARENT_OFF);
+    if (parent)
+        bpf_probe_read_kernel(&scratch->parent, sizeof(scratch->parent), parent + TASK_TGID_OFF);
     unwind_exec_paths.update(&tgid, scratch);
 }
 
@@ -73,10 +85,13 @@ long unwind_vma__callback(void *task)
 
 /* Say that the process found a mapping in the kernel: its frames are named
  * by it if it is gone before its maps are read, and where `ask`, the
- * file's rows are wanted. 0 when the ring had no room. */
-static __always_inline int unwind_vma_event(u32 tgid, struct unwind_vma_found *f, int ask)
+ * file's rows are wanted; to unwind_found, or (`to_asks`) unwind_asks. 0
+ * when the ring had no room. */
+static __always_inline int unwind_vma_event(int to_asks, u32 tgid, struct unwind_vma_found *f,
+                                            int ask)
 {
-    struct event *e = unwind_found.ringbuf_reserve(sizeof(struct event));
+    struct event *e = to_asks ? unwind_asks.ringbuf_reserve(sizeof(struct event))
+                              : unwind_found.ringbuf_reserve(sizeof(struct event));
     if (!e)
         return 0;
     __builtin_memset(e, 0, sizeof(*e));
@@ -92,7 +107,7 @@ static __always_inline int unwind_vma_event(u32 tgid, struct unwind_vma_found *f
     e->args[4] = f->ino;
     e->args[5] = ask;
     e->ustack = e->kstack = -1;
-    unwind_found.ringbuf_submit(e, 0);
+    unwind_found.ringbuf_submit(e, 0); /* (either ring's: the record says which) */
     return 1;
 }
 
@@ -110,12 +125,15 @@ static __always_inline void unwind_vma_map(u32 tgid, struct unwind_vma_found *f,
     if (!file) {
         struct unwind_file asked = {};
         int ask = !unwind_files.insert(&key, &asked); /* the first to find it asks */
-        if (!unwind_vma_event(tgid, f, ask) && ask)
+        int said = unwind_vma_event(0, tgid, f, ask);
+        if (ask) /* the file server's ring too: it writes a small file first */
+            said |= unwind_vma_event(1, tgid, f, ask);
+        if (ask && !said)
             unwind_files.delete(&key); /* not said: asked again */
         m->pad = files_gen + 1;
         return;
     }
-    unwind_vma_event(tgid, f, 0);
+    unwind_vma_event(0, tgid, f, 0);
     if (!file->written) {
         m->pad = files_gen + 1;
         return;

@@ -90,10 +90,20 @@ def read_cfi(path: Path) -> CfiTable:
     raises for what a file holds."""
     try:
         with open_elf(path) as elf:
-            return _read(elf)
+            return cfi_of(elf, path)
     except (TargetError, NotElfError) as exc:
         return _no_rows(None, str(exc))
-    except (*ELF_FAILURES, OSError, MemoryError) as exc:
+    except OSError as exc:
+        return _no_rows(None, str(not_elf(path, exc)))
+
+
+def cfi_of(elf: ELFFile, path: str | Path) -> CfiTable:
+    """``read_cfi`` of a file already open (``path`` names it). Raises
+    OSError where the file could not be read: a failure of the moment, not
+    of what the file holds."""
+    try:
+        return _read(elf)
+    except (*ELF_FAILURES, MemoryError) as exc:
         return _no_rows(None, str(not_elf(path, exc)))
 
 

@@ -9,10 +9,12 @@ pyelftools reads the file; what it raises on a damaged one is
 from __future__ import annotations
 
 import contextlib
+import io
+import os
 import struct
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 from elftools.common.exceptions import DWARFError, ELFError
 from elftools.construct import ConstructError
@@ -33,11 +35,17 @@ def not_elf(path: str | Path, exc: BaseException) -> NotElfError:
 
 
 @contextlib.contextmanager
-def open_elf(path: str | Path) -> Iterator[ELFFile]:
+def open_elf(path: str | Path, in_memory: int = 0) -> Iterator[ELFFile]:
     """The file, parsed: TargetError when it cannot be opened, NotElfError
-    when it is not ELF (what the body raises goes through unchanged)."""
+    when it is not ELF (what the body raises goes through unchanged).
+    ``in_memory``: a file of at most that many bytes is read whole first, in
+    one read, and parsed from memory (each of pyelftools' many small reads
+    would otherwise let another thread take the interpreter lock)."""
     try:
-        stream = open(path, "rb")  # noqa: SIM115 (closed below)
+        stream: BinaryIO = open(path, "rb")  # noqa: SIM115 (closed below)
+        if in_memory and os.fstat(stream.fileno()).st_size <= in_memory:
+            with stream:
+                stream = io.BytesIO(stream.read())
     except OSError as exc:
         raise TargetError(f"{path}: {exc.strerror}") from None
     with stream:

@@ -8,7 +8,7 @@ request's, and those the C's."""
 from __future__ import annotations
 
 from mtrace_live.probes.program import bpf_directory, c_constants
-from mtrace_live.tracer import unwind_tables
+from mtrace_live.tracer import unwind_rows, unwind_tables
 
 
 def test_defines_are_read_as_c_writes_them() -> None:
@@ -47,10 +47,12 @@ def test_the_unwinder_s_constants_follow_its_c_and_cannot_drift() -> None:
     # AND user space holds the shipped C's: the slots it fills (distinct, within the program
     # array's size), the page index's shift (4 KiB pages) and the tables' defaults
     ours = c_constants(text)
-    slots = (unwind_tables.STEP, unwind_tables.RESUME_ALLOC, unwind_tables.RESUME_LOCK)
-    assert slots == (ours["UNWIND_STEP"], ours["UNWIND_RESUME_ALLOC"], ours["UNWIND_RESUME_LOCK"])
-    assert len(set(slots)) == 3 and max(slots) < ours["UNWIND_PROGS"]
-    assert unwind_tables.PAGE_SHIFT == ours["UNWIND_PAGE_SHIFT"] == 12
+    slots = (unwind_tables.STEP, unwind_tables.RESUME_ALLOC, unwind_tables.RESUME_LOCK,
+             unwind_tables.VMA_LOOKUP)  # fmt: skip
+    assert slots == (ours["UNWIND_STEP"], ours["UNWIND_RESUME_ALLOC"], ours["UNWIND_RESUME_LOCK"],
+                     ours["UNWIND_VMA_LOOKUP"])  # fmt: skip
+    assert len(set(slots)) == 4 and max(slots) < ours["UNWIND_PROGS"]
+    assert unwind_rows.PAGE_SHIFT == ours["UNWIND_PAGE_SHIFT"] == 12
     sizes = (unwind_tables.DEFAULT_ROWS, unwind_tables.DEFAULT_MAPS, unwind_tables.DEFAULT_PAGES)
     assert sizes == (1 << 20, 1 << 16, 1 << 20)
     assert unwind_tables.unwind_defines()["UNWIND_MAPS"] == ours["UNWIND_MAPS"]

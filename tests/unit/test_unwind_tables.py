@@ -14,7 +14,8 @@ import pytest
 from mtrace_live.probes.elf.cfi import CFA_RSP, ROW, read_cfi, rule_at
 from mtrace_live.probes.elf.file import load_segments, open_elf
 from mtrace_live.probes.elf.symbols import symbol_table
-from mtrace_live.tracer.unwind_tables import CACHE_FORMAT, RowCache, UnwindTables, exec_mappings
+from mtrace_live.tracer.unwind_rows import CACHE_FORMAT, RowCache
+from mtrace_live.tracer.unwind_tables import UnwindTables, exec_mappings
 
 
 class Recorder:
