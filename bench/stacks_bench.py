@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -34,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import alloc_bench
-from common import MTRACE, QUICK, REPS, Sample, alternate, say, summarise
+from common import BUILD, MTRACE, QUICK, REPS, Sample, alternate, say, summarise
 
 DEPTHS = (0, 12, 60)  # calls of descend: stacks of 4, 16 and 64 frames
 ROWS = 200_000 if not QUICK else 60_000
@@ -54,9 +55,17 @@ def _depth_configs(tmp: Path, peers: dict[str, str | None]) -> dict[str, Callabl
         return lambda: alloc_bench.traced(
             lambda pid: [*m, "--pid", str(pid), *extra], "Ctrl-C", False, tmp)  # fmt: skip
 
+    def kernel_mappings() -> Sample:
+        os.environ["MTRACE_LIVE_PROCESS_TABLES"] = "off"
+        try:
+            return ours()()
+        finally:
+            del os.environ["MTRACE_LIVE_PROCESS_TABLES"]
+
     found: dict[str, Callable[[], Sample]] = {
         "untraced": lambda: alloc_bench.traced(None, "", False, tmp),
         "mtrace-live, CFI": ours(),
+        "mtrace-live, CFI, mappings from the kernel": kernel_mappings,
         "mtrace-live, frame pointers": ours("--frame-pointers"),
         "mtrace-live, CFI, --sample-bytes 524288": ours("--sample-bytes", "524288"),
         "floor: empty programs on mtrace-live's sites": lambda: alloc_bench.traced(
@@ -142,8 +151,49 @@ def real_program(tmp: Path, peers: dict[str, str | None]) -> dict[str, object]:
     return out
 
 
+CHURN_RUNS = 1000 if not QUICK else 300
+
+
+def churn(tmp: Path) -> dict[str, int]:
+    """A short program (build/short_chain: 50 mallocs, no frame pointers)
+    exec'd CHURN_RUNS times under ``--all``: how its walks found their
+    mappings (the kernel's, or the process's own tables), from the summary."""
+    say("stacks: short processes")
+    log = tmp / "churn.log"
+    loop = (f"import subprocess, sys\nfor _ in range({CHURN_RUNS}):\n"
+            "    subprocess.run(sys.argv[1:], check=True)\n")  # fmt: skip
+    with open(log, "wb") as sink:
+        tracer = subprocess.Popen([*MTRACE, "--all", "-o", "summary"], stdout=sink, stderr=sink)
+    try:
+        deadline = time.monotonic() + 120
+        while "Ctrl-C to stop" not in log.read_text(errors="replace"):
+            if tracer.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the trace did not start: {log.read_text()[-300:]}")
+            time.sleep(0.1)
+        subprocess.run([sys.executable, "-c", loop, str(BUILD / "short_chain")], check=True,
+                       timeout=600)  # fmt: skip
+    finally:
+        tracer.send_signal(signal.SIGINT)
+        tracer.wait(timeout=300)
+    text = log.read_text(errors="replace")
+    found = {}
+    patterns = {"stacks": r"stacks unwound by CFI: (\d+), (\d+) whole",
+                "no_tables": r"whose tables were not written yet: (\d+)",
+                "lookups": r"mappings looked up in the kernel: (\d+)",
+                "unwritten": r"; (\d+) in files whose rows were not written yet"}  # fmt: skip
+    for key, pattern in patterns.items():
+        match = re.search(pattern, text)
+        if match:
+            found[key] = int(match.group(1))
+            if key == "stacks":
+                found["whole"] = int(match.group(2))
+    return found
+
+
 def run(tmp: Path, peers: dict[str, str | None]) -> dict[str, object]:
     data: dict[str, object] = {"depth": by_depth(tmp, peers)}
+    if (BUILD / "short_chain").exists():
+        data["churn"] = churn(tmp)
     if shutil.which("sqlite3"):
         data["sqlite"] = real_program(tmp, peers)
     return data
@@ -186,6 +236,27 @@ def render(data: dict) -> tuple[list[str], dict[str, bool | None]]:
     ]
     verdicts: dict[str, bool | None] = {}
     mid = depth.get("16", {})
+    by_kernel = mid.get("mtrace-live, CFI, mappings from the kernel", {}).get("median_s")
+    by_tables = mid.get("mtrace-live, CFI", {}).get("median_s")
+    if by_kernel and by_tables:
+        lines += ["\"mappings from the kernel\": the process's own tables never written "
+                  "(MTRACE_LIVE_PROCESS_TABLES=off), so that each walk finds its mappings "
+                  "among those the kernel gave it (unwind_vmas), as a process followed from "
+                  f"its exec does until its tables are written: {by_kernel:.0f} ns a call at "
+                  f"16 frames, against {by_tables:.0f} by its tables.", ""]  # fmt: skip
+        verdicts["Stacks: a walk by the kernel's mappings at most 2x one by the tables"] = (
+            by_kernel <= 2 * by_tables
+        )
+    churn_counts = data.get("churn")
+    if churn_counts and churn_counts.get("stacks"):
+        c = churn_counts
+        lines += [f"A short program (50 mallocs, no frame pointers) exec'd {CHURN_RUNS:,} times "
+                  f"under `--all`: {c['stacks']:,} stacks, {c.get('whole', 0):,} whole; "
+                  f"{c.get('no_tables', 0):,} ({100 * c.get('no_tables', 0) / c['stacks']:.1f}%) "
+                  "walked by the mappings the kernel has (their process's tables not written "
+                  f"yet), the rest by the processes' tables; {c.get('lookups', 0):,} lookups "
+                  f"in the kernel; {c.get('unwritten', 0):,} frames in files whose rows were "
+                  "not written yet.", ""]  # fmt: skip
     sampled = mid.get("mtrace-live, CFI, --sample-bytes 524288", {}).get("median_s")
     floor = mid.get("floor: empty programs on mtrace-live's sites", {}).get("median_s")
     if sampled and floor:

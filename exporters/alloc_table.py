@@ -201,9 +201,10 @@ def unwind_lines(unwind: Mapping[str, int]) -> list[str]:
     else:
         lines += [
             f"  frames: {unwind.get('cfi_frames', 0)} by CFI, {unwind.get('fp_frames', 0)} by "
-            f"frame pointers (no CFI at the PC), {unwind.get('unwritten', 0)} of them in files "
-            "whose rows were not written yet; stacks of processes whose tables were not written "
-            f"yet: {unwind.get('no_tables', 0)}, by the mappings the kernel has; "
+            f"frame pointers (no CFI at the PC); {unwind.get('unwritten', 0)} in files whose "
+            "rows were not written yet (by frame pointers where they could be); stacks of "
+            f"processes whose tables were not written yet: {unwind.get('no_tables', 0)}, by the "
+            "mappings the kernel has; "
             f"{unwind.get('inherited', 0)} by the tables their process inherited at its fork",
             f"  mappings looked up in the kernel: {unwind.get('vma_lookups', 0)} "
             f"({unwind.get('vma_busy', 0)} refused: the process's mapping lock was taken), "
@@ -216,8 +217,13 @@ def _table_lines(unwind: Mapping[str, int]) -> list[str]:
     """What the tables hold, and what they could not (tables_* counts)."""
     if "tables_files" not in unwind:
         return []
-    line = (f"  tables: {unwind['tables_files']} files, {unwind.get('tables_rows', 0)} rows; "
-            f"{unwind.get('tables_files_without_cfi', 0)} files without CFI")  # fmt: skip
+    room = unwind.get("tables_rows_room")
+    of_room = f" of {room} (--unwind-rows)" if room else ""
+    memory = unwind.get("tables_memory_bytes")
+    in_kernel = f", {memory / (1 << 20):.0f} MiB of kernel memory" if memory else ""
+    line = (f"  tables: {unwind['tables_files']} files, {unwind.get('tables_rows', 0)} rows"
+            f"{of_room}{in_kernel}; {unwind.get('tables_files_without_cfi', 0)} files without "
+            "CFI")  # fmt: skip
     if unwind.get("tables_files_failed", 0):
         line += (f"; {unwind['tables_files_failed']} files whose tables could not be built "
                  "(named on standard error): frame pointers there")  # fmt: skip

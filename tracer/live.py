@@ -548,6 +548,8 @@ class LiveTrace:
         if it is gone before its own are read); a new program (an exec) asks
         with none: its maps are its own."""
         assert self.unwind is not None
+        if self.unwind.failure is not None:  # a serving thread's: the trace ends on it
+            raise self.unwind.failure
         self._mappings_learned()
         asks = records[kinds == EventKind.UNWIND]
         forked = asks[asks["nargs"] > 0]

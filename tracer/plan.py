@@ -67,6 +67,7 @@ class TraceRequest:
     leaks_older_than: float | None = None  # list what has been outstanding this long (seconds)
     lock_times: bool = True  # time the waits in the libc's lock-wait slow path
     frame_pointers: bool = False  # walk stacks by frame pointers only, not by the CFI
+    unwind_rows: int = unwind_tables.DEFAULT_ROWS  # the unwinder's rows, all files together
     wrappers: tuple[str, ...] = ()  # --wrappers: allocation wrappers beyond the known ones
     allocator_libs: tuple[Path, ...] = ()  # --allocator-lib: an unknown allocator's files
     # serve gives up root in before_start: then no process can be held in
@@ -250,7 +251,7 @@ def program_plan(request: TraceRequest, probes: Probes, target_pid: int | None,
         stack_entries=request.stack_entries,
         allocs=alloc_defines,
         locks=_lock_defines(request, probes, alloc_pid),
-        unwind=unwind_tables.unwind_defines() if unwinds(request) else None,
+        unwind=_unwind_defines(request),
         holds=request.holds,
         exit_group_dead=exit_says_group_dead(),
     )
@@ -267,6 +268,14 @@ def exit_says_group_dead() -> bool:
     except (TracepointMissingError, NotPrivilegedError):
         return False
     return tracefs.parse_format("sched", "sched_process_exit", text).has("group_dead")
+
+
+def _unwind_defines(request: TraceRequest) -> dict[str, int] | None:
+    """The unwinder's switches, its tables sized by --unwind-rows; None with
+    --frame-pointers."""
+    if not unwinds(request):
+        return None
+    return unwind_tables.unwind_defines(rows=request.unwind_rows, pages=request.unwind_rows)
 
 
 def unwinds(request: TraceRequest) -> bool:

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 from mtrace_live.exporters.data.processes import proc_dir
+from mtrace_live.probes.elf.cfi import ROW
 from mtrace_live.probes.elf.file import ELF_FAILURES, LoadSegment, build_id, load_segments, open_elf
 from mtrace_live.probes.elf.maps import Mapping, read_maps
 from mtrace_live.probes.errors import NotElfError, TargetError
@@ -227,6 +228,11 @@ def _segment_of(segments: tuple[LoadSegment, ...], offset: int) -> LoadSegment |
     return None
 
 
+# MTRACE_LIVE_PROCESS_TABLES=off: no process's own tables are written, and
+# every walk finds its mappings in the kernel (make bench's comparison of
+# the two; docs/allocations.md).
+PROCESS_TABLES = os.environ.get("MTRACE_LIVE_PROCESS_TABLES", "") != "off"
+
 # An ask for a small file is the file server's; the trace serves it itself if
 # it is still unwritten this long after it came.
 DEFER_S = 0.05
@@ -254,6 +260,9 @@ class UnwindTables:
         self.holds = holds
         self.written_hook = written
         self.capacity = rows - server_rows
+        # the tables' room (the file server's share too), and their kernel memory
+        self.rows_total = rows
+        self.memory_bytes = rows * ROW.itemsize + pages * 4 + maps * UNWIND_MAP_DTYPE.itemsize
         self.cache = cache if cache is not None else RowCache(rows_cache_dir())
         self.files: dict[object, MappedFile] = {}  # by build-id, else (device, inode)
         self.by_inode: dict[tuple[int, int], MappedFile] = {}
@@ -289,6 +298,9 @@ class UnwindTables:
         # files; those still unwritten DEFER_S after the ask are served here.
         self.server: Callable[[], bool] | None = None  # alive?
         self._deferred: dict[tuple[int, int], tuple[float, FoundMapping]] = {}
+        # what ended a serving thread (a fault of mtrace-live's own: one
+        # file's failure is that file's alone), for the trace's loop to raise
+        self.failure: Exception | None = None
         self._stop = threading.Event()
 
     def _file(self, pid: int, mapping: Mapping) -> MappedFile:
@@ -449,10 +461,8 @@ class UnwindTables:
             while not self._stop.is_set():
                 with contextlib.suppress(queue.Empty):
                     self._bulk.get(timeout=0.1)()
-        except Exception as exc:  # the walks then step by frame pointers in files not written
-            print(f"mtrace-live: warning: the files of the processes whose walks asked are no "
-                  f"longer written ({type(exc).__name__}: {exc})", file=sys.stderr,
-                  flush=True)  # fmt: skip
+        except Exception as exc:  # a fault of mtrace-live's own: the trace ends on it
+            self.failure = exc
 
     def _serve_until_stopped(self, fd: int) -> None:
         poller = select.poll()
@@ -462,10 +472,8 @@ class UnwindTables:
                 poller.poll(int(DEFER_S * 1000) if self._deferred else 100)
                 self.serve_found()
                 self._serve_deferred()
-        except Exception as exc:  # the walks then step by frame pointers in files not written
-            print(f"mtrace-live: warning: the files asked for by stack walks are no longer "
-                  f"written ({type(exc).__name__}: {exc})", file=sys.stderr,
-                  flush=True)  # fmt: skip
+        except Exception as exc:  # a fault of mtrace-live's own: the trace ends on it
+            self.failure = exc
 
     def _serve_deferred(self) -> None:
         """The asks the file server has not served DEFER_S after they came
@@ -498,7 +506,10 @@ class UnwindTables:
                 thread.join()
         self._thread = self._bulk_thread = None
         if rest:
-            self.serve_found()
+            try:
+                self.serve_found()
+            except Exception as exc:  # the trace is ending: only the last names are lost
+                self.failure = self.failure or exc
 
     def files_found(self, found: list[FoundMapping]) -> None:
         """Files whose rows a walk asked for (a mapping it found in the
@@ -658,6 +669,8 @@ class UnwindTables:
             self.load_s += time.monotonic() - begun
 
     def _write(self, pid: int, new: bool) -> bool:
+        if self.vma and not PROCESS_TABLES:
+            return False  # every walk finds its mappings in the kernel (the bench's switch)
         mappings = exec_mappings(pid)
         if not mappings:
             return False
@@ -699,7 +712,9 @@ class UnwindTables:
         no room: files without CFI, files and processes that did not fit."""
         keys = ("files", "files_without_cfi", "files_failed", "files_not_fitting",
                 "rows_not_fitting", "processes_not_fitting", "processes_failed")  # fmt: skip
-        return {"rows": self.next_row, **{key: self.counts[key] for key in keys}}
+        return {"rows": self.next_row, "rows_room": self.rows_total,
+                "memory_bytes": self.memory_bytes,
+                **{key: self.counts[key] for key in keys}}  # fmt: skip
 
     def refresh(self) -> None:
         """Write again the mappings of each process whose mappings changed

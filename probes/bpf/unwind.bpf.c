@@ -34,13 +34,13 @@
 #define WITH_UNWIND 0 /* unwind by CFI (needs the frame store) */
 #endif
 #ifndef UNWIND_ROWS
-#define UNWIND_ROWS 1048576 /* rows of unwind_rows, all files together */
+#define UNWIND_ROWS 2097152 /* rows of unwind_rows, all files together (--unwind-rows) */
 #endif
 #ifndef UNWIND_MAPS
 #define UNWIND_MAPS 65536 /* rows of unwind_maps, all processes together */
 #endif
 #ifndef UNWIND_PAGES
-#define UNWIND_PAGES 1048576 /* entries of unwind_pages, all files together */
+#define UNWIND_PAGES 2097152 /* entries of unwind_pages, all files together (as many) */
 #endif
 #ifndef UNWIND_VMA
 #define UNWIND_VMA 0 /* a PC in no mapping of the process's tables: its VMA found in the kernel */

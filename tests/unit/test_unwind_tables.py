@@ -14,7 +14,8 @@ import pytest
 from mtrace_live.probes.elf.cfi import CFA_RSP, ROW, read_cfi, rule_at
 from mtrace_live.probes.elf.file import load_segments, open_elf
 from mtrace_live.probes.elf.symbols import symbol_table
-from mtrace_live.tracer.unwind_rows import CACHE_FORMAT, RowCache
+from mtrace_live.probes.records import UNWIND_FILE_DTYPE
+from mtrace_live.tracer.unwind_rows import CACHE_FORMAT, RowCache, file_key, kernel_file_key
 from mtrace_live.tracer.unwind_tables import UnwindTables, exec_mappings
 
 
@@ -36,6 +37,9 @@ class Recorder:
         self.writes += 1
         self.entries.setdefault(table, {})[key] = value
         return True
+
+    def entry_bytes(self, table: str, key: bytes) -> bytes | None:
+        return self.entries.get(table, {}).get(key)
 
     def delete_entry(self, table: str, key: bytes) -> bool:
         return self.entries.get(table, {}).pop(key, None) is not None
@@ -268,3 +272,44 @@ def test_tables_asked_for_are_written_only_over_the_entry_that_asked(
     assert pid not in recorder.rows["unwind_procs"]
     assert sum(size for _, size in tables.free) == room
     assert pid not in tables.blocks and len(tables.retired) == 1
+
+
+def test_a_file_s_entry_gives_a_walk_in_the_kernel_the_bias_the_process_s_tables_give(
+    rows_cache: RowCache,
+) -> None:
+    # GIVEN tables of a program that looks mappings up in the kernel (UNWIND_VMA)
+    recorder = Recorder(vma=True)
+    tables = UnwindTables(recorder, rows=1 << 24, pages=1 << 24, cache=rows_cache)  # type: ignore[arg-type]
+    # WHEN this process's are written
+    assert tables.load(os.getpid())
+    libc = next(m for m in exec_mappings(os.getpid()) if "/libc.so" in m.path)
+    maps = recorder.arrays["unwind_maps"]
+    first, count, _, _ = recorder.rows["unwind_procs"][os.getpid()]
+    entry = next(
+        maps[first + i] for i in range(count) if int(maps[first + i]["start"]) == libc.start
+    )
+    # THEN libc's entry of unwind_files, by the kernel's (device, inode), names the same rows
+    key = file_key(kernel_file_key(libc.inode))
+    raw = recorder.entries["unwind_files"][key]
+    file = np.frombuffer(raw, dtype=UNWIND_FILE_DTYPE)[0]
+    assert file["written"] == 1
+    assert (int(file["first"]), int(file["count"])) == (int(entry["first"]), int(entry["count"]))
+    # AND the bias unwind_vma_map works out from the VMA (start, page offset) is the entry's
+    assert int(file["seg_start"]) <= libc.offset < int(file["seg_end"])
+    bias = (libc.start - libc.offset - int(file["seg_delta"])) % (1 << 64)
+    assert bias == int(entry["bias"])
+    # AND the generation the kernel compares its unwritten files with was told
+    assert int(recorder.arrays["unwind_files_gen"][0]) == len(recorder.entries["unwind_files"])
+
+
+def test_mappings_without_rows_are_left_to_the_kernel_s_lookup(tmp_path: Path) -> None:
+    # GIVEN a process mapping a file of no CFI (an empty rows cache, room for no row)
+    for vma in (False, True):
+        recorder = Recorder(vma=vma)
+        tables = UnwindTables(recorder, rows=1, pages=1, cache=RowCache(tmp_path / str(vma)))  # type: ignore[arg-type]
+        # WHEN its tables are written (no file fits: none has rows)
+        tables.load(os.getpid())
+        _, count, _, _ = recorder.rows["unwind_procs"][os.getpid()]
+        # THEN without lookups in the kernel, each mapping is there, walked by frame
+        # pointers; with them, none is: the kernel looks them up
+        assert count == (0 if vma else len(exec_mappings(os.getpid())))

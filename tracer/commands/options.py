@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 from mtrace_live.exporters import registry
+from mtrace_live.probes.program import part_constants
 
 Decorator = Callable[[Any], Any]
 
@@ -176,6 +177,9 @@ def file_outputs(params: dict[str, Any]) -> tuple[tuple[str, Path], ...]:
     return tuple(chosen)
 
 
+UNWIND_ROWS = part_constants("unwind.bpf.c")["UNWIND_ROWS"]  # the unwinder's rows, by default
+
+
 def alloc_options(command: Any) -> Any:
     """How the allocation functions are traced."""
     options = [
@@ -205,6 +209,15 @@ def alloc_options(command: Any) -> Any:
             "--no-allocs",
             is_flag=True,
             help="Do not trace the allocation functions (malloc, free, ...).",
+        ),
+        click.option(
+            "--unwind-rows",
+            type=click.IntRange(1 << 16, 1 << 26),
+            default=UNWIND_ROWS,
+            show_default=True,
+            help="Rows of the unwinder's tables, for all the mapped files together (16 "
+            "bytes of kernel memory each, with the page index); a file with no room is "
+            "walked by frame pointers, counted (docs/allocations.md).",
         ),
     ]
     for option in reversed(options):

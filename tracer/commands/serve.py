@@ -128,6 +128,7 @@ def _request(params: dict[str, Any]) -> TraceRequest:
         comm=comm,
         cgroup=cgroup,
         end_with_target=False,
+        unwind_rows=params["unwind_rows"],
         **allocs,
     )
 
