@@ -221,21 +221,10 @@ def _sqlite_lines(sq: dict) -> list[str]:
     return lines
 
 
-def render(data: dict) -> tuple[list[str], dict[str, bool | None]]:
-    depth = data["depth"]
-    lines = [
-        "## 8b. Whole stacks, unwound by CFI",
-        "",
-        "The malloc(32)/free loop of section 8, run deeper so that each allocation's stack "
-        "has 4, 16 or 64 frames; ns per call of an allocation function (a pair is two calls). "
-        "The workload keeps frame pointers, so `--frame-pointers` walks as deep as the CFI; "
-        "on code without them (distributions' own) it stops at the call site.",
-        "",
-        *_depth_lines(depth),
-        "",
-    ]
-    verdicts: dict[str, bool | None] = {}
-    mid = depth.get("16", {})
+def _kernel_mapping_lines(data: dict, mid: dict, verdicts: dict[str, bool | None]) -> list[str]:
+    """A walk by the kernel's mappings against one by the process's tables,
+    and how the short-process churn's walks found theirs."""
+    lines: list[str] = []
     by_kernel = mid.get("mtrace-live, CFI, mappings from the kernel", {}).get("median_s")
     by_tables = mid.get("mtrace-live, CFI", {}).get("median_s")
     if by_kernel and by_tables:
@@ -263,6 +252,25 @@ def render(data: dict) -> tuple[list[str], dict[str, bool | None]]:
         verdicts["Stacks: with --sample-bytes 524288, within 10% of the empty-probe floor"] = (
             sampled <= 1.1 * floor
         )
+    return lines
+
+
+def render(data: dict) -> tuple[list[str], dict[str, bool | None]]:
+    depth = data["depth"]
+    lines = [
+        "## 8b. Whole stacks, unwound by CFI",
+        "",
+        "The malloc(32)/free loop of section 8, run deeper so that each allocation's stack "
+        "has 4, 16 or 64 frames; ns per call of an allocation function (a pair is two calls). "
+        "The workload keeps frame pointers, so `--frame-pointers` walks as deep as the CFI; "
+        "on code without them (distributions' own) it stops at the call site.",
+        "",
+        *_depth_lines(depth),
+        "",
+    ]
+    verdicts: dict[str, bool | None] = {}
+    mid = depth.get("16", {})
+    lines += _kernel_mapping_lines(data, mid, verdicts)
     sq = data.get("sqlite")
     if sq:
         lines += [f"Debian's sqlite3 running a script ({ROWS:,} rows inserted and indexed; "

@@ -283,11 +283,15 @@ class UnwindTables:
         self.published: set[tuple[int, int]] = set()
         self.paths: dict[tuple[int, int], str] = {}
         self.files_gen = self._told_gen = 0  # files written, and as the kernel was told
+        self._serving_state(found)
+
+    def _serving_state(self, found: Callable[[], np.ndarray] | None) -> None:
+        """What serves the walks' asks (``serve_in_background``) works with."""
         self.found_reader = found
         self.learned: deque[tuple[FoundMapping, str]] = deque()
         self._serving = self._nested = False
-        # The files' state is shared with the thread that serves the asks
-        # (serve_in_background); the processes' is the trace thread's alone.
+        # The files' state is shared with the threads that serve the asks;
+        # the processes' is the trace thread's alone.
         self._lock = threading.RLock()
         self._loaded = threading.Condition(self._lock)  # a file's load ended
         self._loading: set[tuple[int, int]] = set()  # files being loaded, by inode
