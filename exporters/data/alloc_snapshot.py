@@ -405,10 +405,7 @@ class FrameNames:
         symbols = self.symbols.get(tgid)
         if symbols is not None and not symbols.mappings:
             del self.symbols[tgid]  # named anew, by what was learned
-            self._names = {key: name for key, name in self._names.items() if key[0] != tgid}
-            self._cuts = {key: cut for key, cut in self._cuts.items() if key[0] != tgid}
-            if self._trimming is not None:
-                self._trimming.drop({tgid})
+            self._drop_names({tgid})
 
     def _learned_symbols(self, tgid: int) -> ProcessSymbols:
         """The process's symbols by the mappings its walks found: each file
@@ -433,8 +430,15 @@ class FrameNames:
             self.comms.pop(tgid, None)
             self.parents.pop(tgid, None)
             self.learned.pop(tgid, None)
-        self._names = {key: name for key, name in self._names.items() if key[0] not in tgids}
-        self._cuts = {key: cut for key, cut in self._cuts.items() if key[0] not in tgids}
+        self._drop_names(tgids)
+
+    def _drop_names(self, tgids: set[int]) -> None:
+        """Forget the names and cuts of ``tgids``' frames. A scrape's thread
+        may name frames meanwhile: each dict is copied at once (in C, under
+        the interpreter lock), never iterated while it may grow."""
+        self._names = {key: name for key, name in list(self._names.items())
+                       if key[0] not in tgids}  # fmt: skip
+        self._cuts = {key: cut for key, cut in list(self._cuts.items()) if key[0] not in tgids}
         if self._trimming is not None:
             self._trimming.drop(tgids)
 
@@ -448,10 +452,7 @@ class FrameNames:
         known = self.symbols.get(tgid)
         if fresh.mappings and (known is None or fresh.mappings != known.mappings):
             self.symbols[tgid] = fresh
-            self._names = {key: name for key, name in self._names.items() if key[0] != tgid}
-            self._cuts = {key: cut for key, cut in self._cuts.items() if key[0] != tgid}
-            if self._trimming is not None:
-                self._trimming.drop({tgid})
+            self._drop_names({tgid})
 
     def preload(self, tgid: int) -> None:
         """Read the process's maps and every module's symbols now (serve

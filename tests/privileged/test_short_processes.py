@@ -140,7 +140,8 @@ def test_a_thousand_short_processes_are_whole_from_their_first_allocation(
 ) -> None:  # fmt: skip
     reaper, bpftrace, out = counted
     profile, err = tmp_path / "heap.pb.gz", tmp_path / "trace.err"
-    outputs = ["-o", "summary", "--pprof", str(profile)]
+    # (each process's stacks are rows of their own: room for 1,000 processes beside pytest's)
+    outputs = ["-o", "summary", "--alloc-stacks", "131072", "--pprof", str(profile)]
     # GIVEN a trace of every process, or of a command and its children
     # WHEN the loop runs its 1,000 short processes to their end
     with open(err, "wb") as sink:
