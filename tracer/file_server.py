@@ -53,7 +53,6 @@ from .unwind_rows import (
     page_index,
     rows_cache_dir,
     rows_of,
-    same_file,
 )
 
 SERVER_SHARE = 8  # the server's region: the last 1/8 of unwind_rows and unwind_pages
@@ -131,45 +130,65 @@ class _Server:
         self.cache = RowCache(rows_cache_dir())
         self.by_build_id: dict[str, bytes] = {}  # a file served: its entry, for its copies
         self.gen = 0
-        self.pending: dict[tuple[int, int], tuple[int, int, int, int]] = {}  # key -> ask, order
-        self.order = 0
-        self.served: dict[int, int] = {}  # files served for each process
+        self.pending: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (its fd, its size)
+        self.ring: RingReader | None = None  # the asks' (read between a file's steps)
+        self.nested = False
 
     def take(self, records: np.ndarray) -> None:
-        """New asks (EV_UNWIND_VMA records: start, end, pgoff, device, inode)."""
+        """New asks (EV_UNWIND_VMA records: start, end, pgoff, device, inode),
+        each file opened now, while its process most likely lives: the
+        descriptor reads it after the process is gone."""
         for tgid, args in zip(records["tgid"].tolist(), records["args"].tolist(), strict=True):
             key = (args[3], args[4])
-            if key not in self.pending:
-                self.order += 1
-                self.pending[key] = (tgid, args[0], args[1], self.order)
+            if key in self.pending:
+                continue
+            opened = self._open(key, tgid, args[0], args[1])
+            if opened is not None:
+                self.pending[key] = opened
 
-    def serve_one(self) -> None:
-        """The next ask: of the process served least so far, then the
-        oldest (a process that asked for many files, as a new program with
-        its libraries does, lets another's first file go first)."""
-        key = min(self.pending, key=lambda k: (self.served.get(self.pending[k][0], 0),
-                                               self.pending[k][3]))  # fmt: skip
-        pid, start, end, _ = self.pending.pop(key)
-        self.served[pid] = self.served.get(pid, 0) + 1
-        with contextlib.suppress(OSError):  # a file it cannot read is left to the trace
-            if self._serve(key, pid, start, end):
+    def serve_one(self, below: int | None = None) -> bool:
+        """The smallest file asked for (a short program's own before the
+        large one of a process that runs on), if smaller than ``below``:
+        False when there is none."""
+        key = min(self.pending, key=lambda k: self.pending[k][1], default=None)
+        if key is None or (below is not None and self.pending[key][1] >= below):
+            return False
+        fd, size = self.pending.pop(key)
+        try:
+            if self._serve(key, Path(f"/proc/{os.getpid()}/fd/{fd}"), size):
                 self.gen += 1
                 bpf_syscalls.update_u32(self.fds["unwind_files_gen"], 1,
                                         np.uint32(self.gen).tobytes())  # fmt: skip
+        except OSError:
+            pass  # a file it cannot read is left to the trace
+        finally:
+            os.close(fd)
+        return True
 
-    def _serve(self, key: tuple[int, int], pid: int, start: int, end: int) -> bool:
+    def _between(self, size: int) -> None:
+        """Between two steps of a file's load: the asks that came meanwhile
+        taken, and the smaller files among them served first (one level)."""
+        if self.ring is None or self.nested:
+            return
+        self.nested = True
+        try:
+            self.take(self.ring.read())
+            while self.serve_one(below=size):
+                pass
+        finally:
+            self.nested = False
+
+    def _serve(self, key: tuple[int, int], path: Path, size: int) -> bool:
         raw = bpf_syscalls.lookup(self.fds["unwind_files"], file_key(key),
                                   UNWIND_FILE_DTYPE.itemsize)  # fmt: skip
         if raw is not None and np.frombuffer(raw, dtype=UNWIND_FILE_DTYPE)[0]["written"]:
             return False  # written meanwhile
-        path = self._path(key, pid, start, end)
-        if path is None:
-            return False
         try:
-            with open_elf(path, in_memory=BIG_FILE) as elf:  # read once: it may be gone next
+            with open_elf(path, in_memory=BIG_FILE) as elf:
                 ident, segments = build_id(elf), tuple(load_segments(elf))
                 if ident is not None and ident in self.by_build_id:
                     return self._publish(key, self.by_build_id[ident])
+                self._between(size)
                 rows, problem = rows_of(elf, path, ident, self.cache)
         except (TargetError, OSError):
             return False  # it cannot be read now: left to the trace
@@ -177,6 +196,7 @@ class _Server:
             return self._publish(key, file_entry(0, 0, 0, 0, 0, ()))  # no rows there
         if problem or not len(rows):
             return self._publish(key, file_entry(0, 0, 0, 0, 0, segments))
+        self._between(size)
         base, pages = page_index(rows)
         room = self.region
         if room.row + len(rows) > room.row_end or room.page + len(pages) > room.page_end:
@@ -193,17 +213,26 @@ class _Server:
     def _publish(self, key: tuple[int, int], entry: bytes) -> bool:
         return bpf_syscalls.update(self.fds["unwind_files"], file_key(key), entry)
 
-    def _path(self, key: tuple[int, int], pid: int, start: int, end: int) -> Path | None:
-        """A path that opens the file asked for, no larger than BIG_FILE:
-        through its process while it lives, else the program it exec'd."""
+    def _open(self, key: tuple[int, int], pid: int, start: int,
+              end: int) -> tuple[int, int] | None:  # fmt: skip
+        """The file asked for, opened (its descriptor and size): through its
+        process while it lives, else by the program it exec'd; None where
+        neither is the file, or it is larger than BIG_FILE (the trace's)."""
         candidates = [Path(f"/proc/{pid}/map_files/{start:x}-{end:x}"),
                       exec_path(bpf_syscalls.lookup_u32(self.fds["unwind_exec_paths"], pid,
                                                         EXEC_PATH))]  # fmt: skip
         for path in candidates:
-            if path is not None and same_file(path, key):
-                with contextlib.suppress(OSError):
-                    if path.stat().st_size <= BIG_FILE:
-                        return path
+            if path is None:
+                continue
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                continue
+            status = os.fstat(fd)
+            device = (os.major(status.st_dev) << 20) | os.minor(status.st_dev)
+            if (device, status.st_ino) == key and status.st_size <= BIG_FILE:
+                return fd, status.st_size
+            os.close(fd)
         return None
 
 
@@ -230,7 +259,7 @@ def _serve(libc: ctypes.CDLL, fds: dict[str, int], end: int, rows: tuple[int, in
                 with contextlib.suppress(OSError):
                     os.close(int(entry))
         server = _Server(fds, rows, pages)
-        ring = RingReader(fds["unwind_asks"], ring_bytes, EVENT_DTYPE)
+        ring = server.ring = RingReader(fds["unwind_asks"], ring_bytes, EVENT_DTYPE)
         watch = select.poll()
         watch.register(ring.fd, select.POLLIN)
         watch.register(end, select.POLLIN)
