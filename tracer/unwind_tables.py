@@ -368,17 +368,21 @@ class UnwindTables:
                 assert rows is not None
                 known = self._load(rows, problem, segments)
             except Exception as exc:  # one file's failure is that file's alone
-                with self._lock:
-                    self.counts["files_failed"] += 1
-                print(f"mtrace-live: warning: {mapping.path}: its unwind tables could not be "
-                      f"built ({type(exc).__name__}: {exc}); its frames are walked by frame "
-                      "pointers", file=sys.stderr, flush=True)  # fmt: skip
+                self._file_failed(mapping.path, exc)
                 known = MappedFile(0, 0, segments, f"its tables could not be built ({exc})")
         with self._lock:
             known = self.files.setdefault(key, known)
             self.by_inode[mapping.inode] = known
             self._publish(mapping.inode, known)
         return known
+
+    def _file_failed(self, what: str, exc: Exception) -> None:
+        """A file whose tables could not be built: counted, and named."""
+        with self._lock:
+            self.counts["files_failed"] += 1
+        print(f"mtrace-live: warning: {what}: its unwind tables could not be built "
+              f"({type(exc).__name__}: {exc}); its frames are walked by frame pointers",
+              file=sys.stderr, flush=True)  # fmt: skip
 
     def _no_rows(self, mapping: Mapping, why: str) -> MappedFile:
         with self._lock:
@@ -544,11 +548,7 @@ class UnwindTables:
         try:
             self._file_found(one)
         except Exception as exc:  # one file's failure is that file's alone
-            with self._lock:
-                self.counts["files_failed"] += 1
-            print(f"mtrace-live: warning: a file of pid {one.pid}: its unwind tables could "
-                  f"not be built ({type(exc).__name__}: {exc}); its frames are walked by "
-                  "frame pointers", file=sys.stderr, flush=True)  # fmt: skip
+            self._file_failed(f"a file of pid {one.pid}", exc)
         finally:
             self.publish_done()
             self.load_s += time.monotonic() - begun

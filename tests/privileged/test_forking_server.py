@@ -29,10 +29,15 @@ from pathlib import Path
 import pytest
 from mtrace_live.tracer.target import default_libc
 
-from tests.unit.profile_proto import parsed
-
 from .conftest import MTRACE
-from .tracing import BPFTRACE_READY, Reaper, start_bpftrace, wait_for_line, wait_until
+from .tracing import (
+    BPFTRACE_READY,
+    Reaper,
+    malloc_samples,
+    start_bpftrace,
+    wait_for_line,
+    wait_until,
+)
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 READY = "Ctrl-C to stop"
@@ -80,21 +85,10 @@ def _served(home: Path) -> Iterator[tuple[int, Path]]:
 def whole_by_pid(profile: Path) -> tuple[Counter[int], Counter[int]]:
     """Per process, its malloc calls (alloc_objects), and those whose stack
     reaches the frame that called main."""
-    prof = parsed(profile.read_bytes())
-    strings = prof.string_table
-    kinds = [strings[t.type] for t in prof.sample_type]
-    objects = kinds.index("alloc_objects")
-    names = {f.id: strings[f.name] for f in prof.function}
-    frames = {loc.id: [names[line.function_id] for line in loc.line] for loc in prof.location}
     calls: Counter[int] = Counter()
     whole: Counter[int] = Counter()
-    for sample in prof.sample:
-        labels = {strings[label.key]: label for label in sample.label}
-        if strings[labels["allocator"].str] != "malloc":
-            continue
-        pid, n = int(labels["pid"].num), int(sample.value[objects])
+    for pid, n, stack in malloc_samples(profile):
         calls[pid] += n
-        stack = [name for loc in sample.location_id for name in frames[loc]]
         if any(name.startswith(ABOVE_MAIN) for name in stack):
             whole[pid] += n
     return calls, whole

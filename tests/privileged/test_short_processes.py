@@ -32,11 +32,16 @@ import pytest
 from mtrace_live.tracer.target import default_libc
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.unit.profile_proto import parsed
-
 from .conftest import MTRACE, built
 from .test_serve import SERVE_READY, free_port
-from .tracing import BPFTRACE_READY, Reaper, start_bpftrace, wait_for_line, wait_until
+from .tracing import (
+    BPFTRACE_READY,
+    Reaper,
+    malloc_samples,
+    start_bpftrace,
+    wait_for_line,
+    wait_until,
+)
 
 RUNS = 1000
 ALLOCS = 50  # each run's mallocs (short_chain.c)
@@ -80,20 +85,10 @@ def chains_by_pid(profile: Path) -> tuple[Counter[int], Counter[int]]:
     """Per process, its malloc calls (alloc_objects), and those whose stack
     is the program's whole chain: inner, middle, outer, main, the libc's
     caller of main."""
-    prof = parsed(profile.read_bytes())
-    strings = prof.string_table
-    objects = [strings[t.type] for t in prof.sample_type].index("alloc_objects")
-    names = {f.id: strings[f.name] for f in prof.function}
-    frames = {loc.id: [names[line.function_id] for line in loc.line] for loc in prof.location}
     calls: Counter[int] = Counter()
     whole: Counter[int] = Counter()
-    for sample in prof.sample:
-        labels = {strings[label.key]: label for label in sample.label}
-        if strings[labels["allocator"].str] != "malloc":
-            continue
-        pid, n = int(labels["pid"].num), int(sample.value[objects])
+    for pid, n, stack in malloc_samples(profile):
         calls[pid] += n
-        stack = [name for loc in sample.location_id for name in frames[loc]]
         if stack[: len(CHAIN)] == CHAIN:
             whole[pid] += n
     return calls, whole

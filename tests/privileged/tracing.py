@@ -8,11 +8,13 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from mtrace_live.tracer.detacher import DETACHER_NAME
+
+from tests.unit.profile_proto import parsed
 
 BPFTRACE_READY = "mtrace-live-test-ready"
 
@@ -359,3 +361,18 @@ def readelf_build_id(path: str | Path) -> str:
     found = re.search(r"Build ID: ([0-9a-f]+)", notes)
     assert found is not None, f"{path} has no build-id"
     return found.group(1)
+
+
+def malloc_samples(profile: Path) -> Iterator[tuple[int, int, list[str]]]:
+    """The malloc samples of a pprof profile the trace wrote: each one's
+    process, its calls (alloc_objects) and its stack's function names."""
+    prof = parsed(profile.read_bytes())
+    strings = prof.string_table
+    objects = [strings[t.type] for t in prof.sample_type].index("alloc_objects")
+    names = {f.id: strings[f.name] for f in prof.function}
+    frames = {loc.id: [names[line.function_id] for line in loc.line] for loc in prof.location}
+    for sample in prof.sample:
+        labels = {strings[label.key]: label for label in sample.label}
+        if strings[labels["allocator"].str] == "malloc":
+            stack = [name for loc in sample.location_id for name in frames[loc]]
+            yield int(labels["pid"].num), int(sample.value[objects]), stack

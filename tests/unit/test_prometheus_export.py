@@ -387,3 +387,31 @@ def test_the_collector_publishes_exactly_the_families_of_the_table() -> None:
         assert published[f"mtrace_{name}"].documentation == spec.help.format(
             estimated=" (estimated from samples)"
         ), name
+
+
+def test_the_stack_walks_are_published_as_the_kernel_counted_them() -> None:
+    # GIVEN a scrape whose walks' counts are unwind_misc's (by its names)
+    from mtrace_live.exporters.prometheus import AllocFigures
+
+    walks = {"stacks": 10, "complete": 7, "no_cfi": 2, "bounds": 1, "cfi_frames": 50,
+             "fp_frames": 4, "no_tables": 6, "inherited": 1, "vma_lookups": 5, "vma_busy": 1,
+             "unwritten": 3}  # fmt: skip
+    allocs = AllocFigures(processes={}, stacks=[], dropped={}, sampled=False, walks=walks)
+    snap = dataclasses.replace(snapshot({}, {}), allocs=allocs)
+    got = scrape(MtraceCollector(lambda: snap))
+    # THEN each ending, each way of finding frames, each start and lookup is its sample
+    assert got[("mtrace_stack_walks_total", (("ended", "complete"),))] == 7
+    assert got[("mtrace_stack_walks_total", (("ended", "no_cfi"),))] == 2
+    assert got[("mtrace_stack_walks_total", (("ended", "bounds"),))] == 1
+    assert got[("mtrace_stack_walks_total", (("ended", "depth"),))] == 0
+    assert got[("mtrace_stack_frames_total", (("by", "cfi"),))] == 50
+    assert got[("mtrace_stack_frames_total", (("by", "frame_pointers"),))] == 4
+    assert got[("mtrace_stack_walk_starts_total", (("tables", "no_tables"),))] == 6
+    assert got[("mtrace_stack_walk_starts_total", (("tables", "inherited"),))] == 1
+    assert got[("mtrace_stack_mapping_lookups_total", (("result", "found"),))] == 4
+    assert got[("mtrace_stack_mapping_lookups_total", (("result", "busy"),))] == 1
+    assert got[("mtrace_stack_frames_unwritten_total", ())] == 3
+    # AND a program that walks by frame pointers only publishes none of them
+    bare = dataclasses.replace(snap, allocs=dataclasses.replace(allocs, walks={}))
+    assert not [name for name, _ in scrape(MtraceCollector(lambda: bare))
+                if name.startswith("mtrace_stack_")]  # fmt: skip
