@@ -22,7 +22,7 @@ WORKLOADS := probe_exerciser kmem_exerciser mallopt_loop jmp_loop arena_contenti
 # Built as distributions build their programs: -O2, no frame pointers, PIE,
 # shared libraries (the unwinding by CFI, tests/privileged/test_cfi_stacks.py).
 CFLAGS_DISTRO := -O2 -g -fomit-frame-pointer -Wall -Wextra
-CFI_WORKLOADS := libcfi_deep.so libcfi_plugin.so cfi_stacks cxx_stacks lock_chains short_chain
+CFI_WORKLOADS := libcfi_deep.so libcfi_plugin.so cfi_stacks cxx_stacks lock_chains short_chain llvm_user
 # The allocation workload linked against each allocator (its DT_NEEDED before
 # the libc's), for tests/privileged/test_allocators.py.
 LINKED_ALLOCATORS := jemalloc tcmalloc_minimal mimalloc
@@ -48,6 +48,9 @@ $(BUILD)/cfi_stacks: tests/workloads/cfi/cfi_stacks.c $(BUILD)/libcfi_deep.so | 
 
 $(BUILD)/short_chain: tests/workloads/cfi/short_chain.c | $(BUILD)
 	gcc $(CFLAGS_DISTRO) -fPIE -pie -o $@ $<
+
+$(BUILD)/llvm_user: tests/workloads/cfi/llvm_user.c | $(BUILD)
+	gcc $(CFLAGS_DISTRO) -fPIE -pie -o $@ $< -ldl
 
 $(BUILD)/lock_chains: tests/workloads/cfi/lock_chains.c | $(BUILD)
 	gcc $(CFLAGS_DISTRO) -fPIE -pie -o $@ $< -pthread -ldl

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from mtrace_live.probes.records import UNWIND_ENDS, UnwindMisc
+
 from .data.alloc_snapshot import (
     AllocSnapshot,
     FrameNames,
@@ -175,10 +177,11 @@ def leak_lines(snapshot: AllocSnapshot, names: FrameNames, older_than_s: float =
 
 
 # How a walk by CFI can end short of the outermost frame (unwind.bpf.c's unwind_misc).
-UNWIND_ENDS = (("depth", "at 127 frames"), ("no_cfi", "at code with no CFI and no frame pointer"),
-               ("unreadable", "at an unreadable stack"),
-               ("out_of_stack", "where the rules pointed outside the stack"),
-               ("bounds", "at the verifier's bounds"), ("lost", "lost"))  # fmt: skip
+CUT_WHY = {UnwindMisc.DEPTH: "at 127 frames",
+           UnwindMisc.NO_CFI: "at code with no CFI and no frame pointer",
+           UnwindMisc.UNREADABLE: "at an unreadable stack",
+           UnwindMisc.OUT_OF_STACK: "where the rules pointed outside the stack",
+           UnwindMisc.BOUNDS: "at the verifier's bounds", UnwindMisc.LOST: "lost"}  # fmt: skip
 
 
 def unwind_lines(unwind: Mapping[str, int]) -> list[str]:
@@ -186,7 +189,8 @@ def unwind_lines(unwind: Mapping[str, int]) -> list[str]:
     frames found each way (nothing when walked by frame pointers only)."""
     if not unwind:
         return []
-    cut = ", ".join(f"{unwind.get(key, 0)} {why}" for key, why in UNWIND_ENDS)
+    cut = ", ".join(f"{unwind.get(end.name.lower(), 0)} {CUT_WHY[end]}"
+                    for end in UNWIND_ENDS if end != UnwindMisc.COMPLETE)  # fmt: skip
     lines = [
         f"stacks unwound by CFI: {unwind.get('stacks', 0)}, {unwind.get('complete', 0)} whole; "
         f"cut: {cut}",
@@ -227,6 +231,10 @@ def _table_lines(unwind: Mapping[str, int]) -> list[str]:
     if unwind.get("tables_files_failed", 0):
         line += (f"; {unwind['tables_files_failed']} files whose tables could not be built "
                  "(named on standard error): frame pointers there")  # fmt: skip
+    if unwind.get("tables_files_unopened", 0):
+        line += (f"; {unwind['tables_files_unopened']} files asked for by walks that could not "
+                 "be opened (their process gone, the path another file): asked again by the "
+                 "next walk to meet them")  # fmt: skip
     if unwind.get("tables_processes_failed", 0):
         line += (f"; {unwind['tables_processes_failed']} processes whose tables could not be "
                  "written: frame pointers there")  # fmt: skip

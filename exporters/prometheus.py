@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from mtrace_live.probes.meanings import meanings
-from mtrace_live.probes.records import KmemType
+from mtrace_live.probes.records import UNWIND_ENDS, KmemType
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
@@ -426,7 +426,7 @@ def _self_metrics(snap: Snapshot) -> Iterator[MetricFamily | InfoMetricFamily]:
 
 
 # unwind_misc's names for the families' labels
-WALK_ENDS = ("complete", "depth", "no_cfi", "unreadable", "out_of_stack", "bounds", "lost")
+WALK_ENDS = tuple(end.name.lower() for end in UNWIND_ENDS)
 
 
 def _walks(walks: Mapping[str, int]) -> Iterator[MetricFamily]:

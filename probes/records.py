@@ -289,6 +289,14 @@ class UnwindMisc(IntEnum):
     VMA_FRAMES = 15
 
 
+# How a walk by CFI ends: whole, or cut short of the outermost frame.
+UNWIND_ENDS = (UnwindMisc.COMPLETE, UnwindMisc.DEPTH, UnwindMisc.NO_CFI, UnwindMisc.UNREADABLE,
+               UnwindMisc.OUT_OF_STACK, UnwindMisc.BOUNDS, UnwindMisc.LOST)  # fmt: skip
+# The slots counted only where walks look mappings up in the kernel (UNWIND_VMA).
+UNWIND_VMA_COUNTS = frozenset({UnwindMisc.VMA_LOOKUPS, UnwindMisc.VMA_BUSY,
+                               UnwindMisc.UNWRITTEN, UnwindMisc.VMA_FRAMES})  # fmt: skip
+
+
 THREAD_START_DTYPE = np.dtype([("start", "<u8"), ("tgid", "<u4"), ("pad", "<u4")])
 THREAD_TIME_DTYPE = np.dtype(
     [("done_ns", "<u8"), ("exited", "<u8"), ("first_ns", "<u8"), ("last_exit_ns", "<u8")]

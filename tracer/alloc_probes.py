@@ -39,6 +39,7 @@ from mtrace_live.probes.records import (
     OUTSTANDING_FREE_TAGS,
     OUTSTANDING_ROW_DTYPE,
     SITE_PROVIDER_SHIFT,
+    UNWIND_VMA_COUNTS,
     VM_PROC_DTYPE,
     VM_PROC_FIELDS,
     AllocFn,
@@ -304,7 +305,9 @@ def unwind_counts(program: BpfProgram) -> dict[str, int]:
     if not program.has_table("unwind_misc"):
         return {}
     counts = program.percpu_array_totals("unwind_misc")
-    return {m.name.lower(): counts[m] for m in UnwindMisc}
+    looked_up = program.has_table("unwind_files")  # UNWIND_VMA: mappings found in the kernel
+    return {m.name.lower(): counts[m] for m in UnwindMisc
+            if looked_up or m not in UNWIND_VMA_COUNTS}  # fmt: skip
 
 
 def _processes(tgids: np.ndarray, rows: np.ndarray,

@@ -53,6 +53,7 @@ from .unwind_rows import (
     page_index,
     rows_cache_dir,
     rows_of,
+    status_key,
 )
 
 SERVER_SHARE = 8  # the server's region: the last 1/8 of unwind_rows and unwind_pages
@@ -229,8 +230,7 @@ class _Server:
             except OSError:
                 continue
             status = os.fstat(fd)
-            device = (os.major(status.st_dev) << 20) | os.minor(status.st_dev)
-            if (device, status.st_ino) == key and status.st_size <= BIG_FILE:
+            if status_key(status) == key and status.st_size <= BIG_FILE:
                 return fd, status.st_size
             os.close(fd)
         return None

@@ -270,8 +270,6 @@ class LiveTrace:
                                 f"its BTF-typed handler ({why})")  # fmt: skip
         request = self.request
         try:
-            # never its own processes, nor its guardian's or endpoint's allocations
-            self.program.tables.exclude_self([target_pid] if target_pid is not None else [])
             if plan.config.first_tgid and target_pid is not None:
                 self.program.tables.set_first_target(target_pid)
             with self.program.uprobe_batch():  # in as few links as can be, at its end
@@ -283,8 +281,9 @@ class LiveTrace:
                 self._attach_allocators()
                 if self.lock_plan is not None:
                     lock_waits.attach_lock_waits(self.program, self.lock_plan, self.alloc_pid)
-            if self.file_server is not None:  # forked since: its calls are not traced either
-                self.program.tables.exclude_self([target_pid] if target_pid is not None else [])
+            # never its own processes (the file server, forked by _unwinder,
+            # too), nor its guardian's or endpoint's: before the gate opens
+            self.program.tables.exclude_self([target_pid] if target_pid is not None else [])
             self.program.tables.set_gate(True)
             room = request.ring_buffer_pages
             self.reader = RingReader(
@@ -348,7 +347,8 @@ class LiveTrace:
             self.file_server = FileServer({name: self.program.map_fd(name) for name in MAPS},
                                           rows, page_entries)  # fmt: skip
             tables.server = self.file_server.alive
-        except OSError as exc:  # the trace's own threads serve every ask
+        except OSError as exc:  # the trace's own threads serve every ask, in all the room
+            tables.capacity, tables.page_capacity = rows[1], page_entries[1]
             self.notices.append(
                 f"the file server could not be started ({exc.strerror}): "
                 "files asked for by stack walks are written by the trace"
@@ -782,8 +782,8 @@ class _Watch:
         self.request, self.stop, self.target_pid = request, stop, target_pid
         self.pidfd = _pidfd(target_pid) if target_pid is not None else None
         self.poller = select.poll()
-        found = trace.found_ring.fd if trace.found_ring is not None else None
-        for fd in (trace.reader.fd, found, stop.fd, self.pidfd):
+        # (the mappings the walks found are read by the tables' serving thread)
+        for fd in (trace.reader.fd, stop.fd, self.pidfd):
             if fd is not None:
                 self.poller.register(fd, select.POLLIN)
         self.deadline: float | None = None

@@ -166,4 +166,9 @@ def same_file(path: Path, key: tuple[int, int]) -> bool:
         status = path.stat()
     except OSError:
         return False
-    return ((os.major(status.st_dev) << 20) | os.minor(status.st_dev), status.st_ino) == key
+    return status_key(status) == key
+
+
+def status_key(status: os.stat_result) -> tuple[int, int]:
+    """unwind_files' key of the file ``status`` is of."""
+    return kernel_file_key((status.st_dev, status.st_ino))

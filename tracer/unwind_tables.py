@@ -40,10 +40,18 @@ from pathlib import Path
 import numpy as np
 from mtrace_live.exporters.data.processes import proc_dir
 from mtrace_live.probes.elf.cfi import ROW
-from mtrace_live.probes.elf.file import ELF_FAILURES, LoadSegment, build_id, load_segments, open_elf
+from mtrace_live.probes.elf.file import (
+    ELF_FAILURES,
+    LoadSegment,
+    build_id,
+    file_offset,
+    load_segments,
+    open_elf,
+)
 from mtrace_live.probes.elf.maps import Mapping, read_maps
+from mtrace_live.probes.elf.symbols import symbol_table
 from mtrace_live.probes.errors import NotElfError, TargetError
-from mtrace_live.probes.program import part_constants
+from mtrace_live.probes.program import PAGE_SHIFT, part_constants  # vm_pgoff counts pages
 from mtrace_live.probes.records import (
     FRAME_DEPTH,
     UNWIND_FILE_DTYPE,
@@ -71,8 +79,8 @@ from .unwind_rows import (
 )
 
 # The unwinder's constants, as unwind.bpf.c defines them (read from it):
-# its tables' default sizes (unwind_rows 1 M rows, 12 MiB: the libc takes
-# 28,000; unwind_maps 64 Ki, 3 MiB; unwind_pages 1 M entries, 4 MiB: an
+# its tables' default sizes (unwind_rows 2 Mi rows, 24 MiB: the libc takes
+# 28,000; unwind_maps 64 Ki, 3 MiB; unwind_pages 2 Mi entries, 8 MiB: an
 # entry per 4 KiB of code), its page index's shift, unwind_progs' slots.
 _UNWIND = part_constants("unwind.bpf.c")
 DEFAULT_ROWS, DEFAULT_MAPS, DEFAULT_PAGES = (
@@ -128,10 +136,11 @@ DLOPEN_FUNCTIONS = ("dlopen", "dlmopen")  # in the libc since glibc 2.34
 
 
 def attach_dlopen(program: BpfProgram, libc: Path, pid: int = -1) -> list[str]:
-    """The return probe of the libc's dlopen and dlmopen (a library loaded
-    while a process is traced gets its rows before its code calls): the
-    functions probed (none in a libc older than 2.34, where libdl has them;
-    there the mappings are read again each second)."""
+    """The return probe of the libc's dlopen and dlmopen, and the dynamic
+    loader's _dl_debug_state (a library loaded while a process is traced
+    gets its rows before its constructors run): the functions probed
+    (no dlopen in a libc older than 2.34, where libdl has them; there the
+    mappings are read again each second)."""
     probed: list[str] = []
     offsets = {name: exported_offset(libc, name) for name in DLOPEN_FUNCTIONS}
     for name, offset in offsets.items():
@@ -139,7 +148,39 @@ def attach_dlopen(program: BpfProgram, libc: Path, pid: int = -1) -> list[str]:
             program.attach_uprobe(libc, offset, "unwind_dlopen_entry", pid)
             program.attach_uretprobe(libc, offset, "unwind_dlopen_return", pid)
             probed.append(name)
+    loader = loader_beside(libc)
+    state = rtld_state(loader) if loader is not None else None
+    if loader is not None and state is not None:
+        program.write_array("unwind_rtld", 0, np.array([state[1]], dtype=np.int64))
+        program.attach_uprobe(loader, state[0], "unwind_dl_state", pid)
+        probed.append(DEBUG_STATE)
     return probed
+
+
+DEBUG_STATE = "_dl_debug_state"  # the dynamic loader's breakpoint for debuggers
+R_STATE = 24  # struct r_debug's r_state (after r_version, r_map and r_brk)
+
+
+def loader_beside(libc: Path) -> Path | None:
+    """The dynamic loader installed with ``libc`` (in its directory)."""
+    return next(iter(sorted(libc.parent.glob("ld-linux*.so*"))), None)
+
+
+def rtld_state(loader: Path) -> tuple[int, int] | None:
+    """_dl_debug_state's file offset in the dynamic loader, and the distance
+    from it to _r_debug.r_state (None where either is not exported)."""
+    try:
+        with open_elf(loader) as elf:
+            dynsym = symbol_table(elf, ".dynsym")
+            values = {s.name: s.value for s in dynsym or () if s.value}
+            if DEBUG_STATE not in values or "_r_debug" not in values:
+                return None
+            offset = file_offset(load_segments(elf), values[DEBUG_STATE])
+    except (OSError, NotElfError, *ELF_FAILURES):
+        return None
+    if offset is None:
+        return None
+    return offset, values["_r_debug"] + R_STATE - values[DEBUG_STATE]
 
 
 @dataclass(frozen=True)
@@ -213,11 +254,8 @@ class FoundMapping:
 def found_mappings(records: np.ndarray) -> list[FoundMapping]:
     """The EV_UNWIND_VMA records' mappings."""
     args = records["args"].tolist()
-    return [FoundMapping(pid, a[0], a[1], a[2] << PAGE_SHIFT_VM, (a[3], a[4]), bool(a[5]))
+    return [FoundMapping(pid, a[0], a[1], a[2] << PAGE_SHIFT, (a[3], a[4]), bool(a[5]))
             for pid, a in zip(records["tgid"].tolist(), args, strict=True)]  # fmt: skip
-
-
-PAGE_SHIFT_VM = 12  # vm_pgoff counts pages of 4 KiB
 
 
 def _segment_of(segments: tuple[LoadSegment, ...], offset: int) -> LoadSegment | None:
@@ -401,6 +439,8 @@ class UnwindTables:
         if self.program.set_entry("unwind_files", file_key(key), entry):
             self.published.add(key)
             self.files_gen += 1
+        else:  # unwind_files is full (UNWIND_FILES): found mappings step by frame pointers
+            self.counts["files_not_fitting"] += 1
 
     def publish_done(self) -> None:
         """Say to the kernel that files were written since it last heard
@@ -412,10 +452,11 @@ class UnwindTables:
                                          np.array([self.files_gen], dtype=np.uint32))  # fmt: skip
                 self._told_gen = self.files_gen
 
-    def serve_found(self) -> None:
+    def serve_found(self, asks: bool = True) -> None:
         """The mappings the walks found since the last read: the files asked
-        for written first, then each put in ``learned``; between two files
-        of the processes that asked, new asks come first."""
+        for written first (not ``asks``: none, as no walk follows), then
+        each put in ``learned``; between two files of the processes that
+        asked, new asks come first."""
         if self.found_reader is None or self._serving:
             return
         self._serving = True
@@ -424,13 +465,14 @@ class UnwindTables:
                 records = self.found_reader()
                 if not len(records):
                     break
-                self._serve_records(records)
+                self._serve_records(records, asks)
         finally:
             self._serving = False
 
-    def _serve_records(self, records: np.ndarray) -> None:
+    def _serve_records(self, records: np.ndarray, asks: bool = True) -> None:
         found = found_mappings(records)
-        self.files_found(found)
+        if asks:
+            self.files_found(found)
         self.learned.extend((one, self.path_of(one)) for one in found)
 
     def _asks_first(self) -> None:
@@ -507,7 +549,8 @@ class UnwindTables:
                           int(entry["page_base"]))  # fmt: skip
 
     def stop_serving(self, rest: bool = True) -> None:
-        """End the serving thread, and (``rest``) serve what is left in this one."""
+        """End the serving thread, and (``rest``) take the mappings left in
+        the ring in this one, for their names."""
         self._stop.set()
         for thread in (self._thread, self._bulk_thread):
             if thread is not None:
@@ -515,7 +558,7 @@ class UnwindTables:
         self._thread = self._bulk_thread = None
         if rest:
             try:
-                self.serve_found()
+                self.serve_found(asks=False)
             except Exception as exc:  # the trace is ending: only the last names are lost
                 self.failure = self.failure or exc
 
@@ -524,11 +567,12 @@ class UnwindTables:
         kernel): each opened through the process, else by the path it was
         mapped or exec'd from, if that is still the same file; one that
         cannot be opened is asked for again by the next process to meet it."""
+        served = self.server is not None and any(one.ask for one in found) and self.server()
         for one in found:
             if one.file in self.published or not one.ask:
                 continue
             big = self._size(one) > BIG_FILE
-            if not big and self.server is not None and self.server():
+            if not big and served:
                 self._deferred.setdefault(one.file, (time.monotonic(), one))
             elif big and self._bulk_thread is not None:
                 self._bulk.put(functools.partial(self._file_found_safely, one))
@@ -540,7 +584,8 @@ class UnwindTables:
         if self._bulk_thread is not None:
             for pid in sorted({one.pid for one in found if one.ask}):
                 for mapping in exec_mappings(pid):
-                    if kernel_file_key(mapping.inode) not in self.published:
+                    key = kernel_file_key(mapping.inode)
+                    if key not in self.published and key not in self._deferred:  # (the server's)
                         self._bulk.put(functools.partial(self._publish_mapping, pid, mapping))
 
     def _file_found_safely(self, one: FoundMapping) -> None:
@@ -551,7 +596,8 @@ class UnwindTables:
             self._file_failed(f"a file of pid {one.pid}", exc)
         finally:
             self.publish_done()
-            self.load_s += time.monotonic() - begun
+            with self._lock:  # (the serving and bulk threads both load)
+                self.load_s += time.monotonic() - begun
 
     def _publish_mapping(self, pid: int, mapping: Mapping) -> None:
         if kernel_file_key(mapping.inode) not in self.published:
@@ -583,29 +629,33 @@ class UnwindTables:
         path = self.path_of(one)
         mapping = one.mapping(path)
         file = self._file_unless_loading(one.pid, mapping, wait=False)
-        if file is None:
-            return  # the trace's thread is loading it, and writes it for the walks
-        if not file.segments and path and Path(path).is_absolute():
-            with contextlib.suppress(OSError):  # the process is gone: the path, if still the file
-                status = os.stat(path)
-                if (status.st_dev, status.st_ino) == mapping.inode:
-                    file = self._file(os.getpid(), replace(mapping, path=path))  # opened by path
+        if file is None:  # another thread is loading it: looked at again if that fails
+            with self._lock:
+                self._deferred.setdefault(one.file, (time.monotonic(), one))
+            return
+        gone = not file.segments and path and Path(path).is_absolute()
+        if gone and same_file(Path(path), one.file):
+            # the process is gone: opened by the path, still the file
+            file = self._file(os.getpid(), replace(mapping, path=path))
         with self._lock:
-            if one.file not in self.published:
+            if one.file not in self.published and self._kernel_file(one.file) is None:
+                # asked again by the next walk to meet it (the file server's
+                # write between the look and the delete is asked again too)
                 self.program.delete_entry("unwind_files", file_key(one.file))
                 self.counts["files_unopened"] += 1
 
     def path_of(self, one: FoundMapping) -> str:
         """The path of the file a walk found: its process's link to it while
         it lives, else where it was seen mapped, else the program the
-        process exec'd ("" if none is known)."""
+        process exec'd ("" if none is known). The first path found for a
+        file is kept for it."""
+        known = self.paths.get(one.file)
+        if known is not None:
+            return known
         with contextlib.suppress(OSError):
             path = os.readlink(f"/proc/{one.pid}/map_files/{one.start:x}-{one.end:x}")
             self.paths[one.file] = path
             return path
-        known = self.paths.get(one.file)
-        if known is not None:
-            return known
         raw = self.program.row_bytes("unwind_exec_paths", one.pid) if self.vma else None
         executed = exec_path(raw)
         if executed is None or not same_file(executed, one.file):
@@ -690,18 +740,20 @@ class UnwindTables:
                                     only_existing=not new):  # fmt: skip
             # its entry is gone (an exit or exec after its maps were read): the
             # block, never named, is free; its old one retired; a new program asks
-            self.free.append(block)
+            self._retire(block, at_once=True)
             self.forget(pid)
             return False
         old = self.blocks.pop(pid, None)
         if old is not None:
-            self.retired[old] = 0
+            self._retire(old)
         self.blocks[pid], self.written[pid] = block, tuple(mappings)
         if self.written_hook is not None:
             self.written_hook(pid)
         return True
 
     def _take(self, size: int) -> tuple[int, int] | None:
+        if not size:
+            return 0, 0  # no rows of unwind_maps: never freed, nor retired
         for i, (first, room) in enumerate(self.free):
             if room >= size:
                 if room == size:
@@ -715,7 +767,8 @@ class UnwindTables:
         """The files whose rows are written, the rows, and what had none or
         no room: files without CFI, files and processes that did not fit."""
         keys = ("files", "files_without_cfi", "files_failed", "files_not_fitting",
-                "rows_not_fitting", "processes_not_fitting", "processes_failed")  # fmt: skip
+                "rows_not_fitting", "processes_not_fitting", "processes_failed",
+                "files_unopened")  # fmt: skip
         return {"rows": self.next_row, "rows_room": self.rows_total,
                 "memory_bytes": self.memory_bytes,
                 **{key: self.counts[key] for key in keys}}  # fmt: skip
@@ -733,8 +786,18 @@ class UnwindTables:
         """``pid`` is gone (or exec'd: the kernel deleted its entry)."""
         block = self.blocks.pop(pid, None)
         if block is not None:
-            self.retired[block] = 0
+            self._retire(block)
         self.written.pop(pid, None)
+
+    def _retire(self, block: tuple[int, int], at_once: bool = False) -> None:
+        """A block no process of ours names now: free (``at_once``: no entry
+        ever named it), or retired until no entry does."""
+        if not block[1]:
+            return
+        if at_once:
+            self.free.append(block)
+        else:
+            self.retired[block] = 0
 
     def sweep(self) -> None:
         """Free the retired blocks that two sweeps in a row (a second apart)

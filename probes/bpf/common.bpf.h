@@ -66,6 +66,9 @@
 #define STACK_ENTRIES 16384 /* distinct stacks the map holds */
 #endif
 
+#ifndef PAGE_SHIFT_
+#define PAGE_SHIFT_ 12 /* the kernel's pages: 1 << PAGE_SHIFT_ bytes */
+#endif
 #ifndef HOLDS
 #define HOLDS 0 /* processes mtrace-live started (run's command, its children) may be stopped */
 #endif

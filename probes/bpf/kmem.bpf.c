@@ -33,9 +33,6 @@
 #ifndef HAVE_PAGE_FREE_BATCHED
 #define HAVE_PAGE_FREE_BATCHED 0
 #endif
-#ifndef PAGE_SHIFT_
-#define PAGE_SHIFT_ 12
-#endif
 #ifndef KMEM_OBJECTS
 #define KMEM_OBJECTS 262144 /* live objects tracked by pointer */
 #endif

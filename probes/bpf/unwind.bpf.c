@@ -112,6 +112,9 @@ struct unwind_hijack {
     u32 tid, pad;
 };
 BPF_ARRAY(unwind_hijacks, struct unwind_hijack, HIJACK_SLOTS);
+/* Where the dynamic loader's _r_debug.r_state is from its _dl_debug_state,
+ * in bytes (user space writes it from the loader's symbols; 0: not read). */
+BPF_ARRAY(unwind_rtld, s64, 1);
 
 BPF_ARRAY(unwind_rows, struct unwind_row, UNWIND_ROWS);
 BPF_ARRAY(unwind_maps, struct unwind_map, UNWIND_MAPS);
@@ -330,11 +333,25 @@ int unwind_dlopen_entry(struct pt_regs *ctx)
     return 0;
 }
 
-/* The return of dlopen or dlmopen: the process may map more files, whose
- * code may soon call. A process whose tables were written asks for them
- * again (a process mtrace-live started stops until they are): its tables
- * stay in force meanwhile, the new library's frames stepped by frame
- * pointers until they are written. */
+/* The process mapped more files (or unmapped some), whose code may soon
+ * call. A process whose tables were written asks for them again (a
+ * process mtrace-live started stops until they are): its tables stay in
+ * force meanwhile, the new library's frames stepped by frame pointers (or
+ * found in the kernel) until they are written. */
+static __always_inline void unwind_mapped(u32 tgid)
+{
+    if (gate_closed() || !tgid_is_followed(tgid))
+        return;
+#if UNWIND_VMA
+    unwind_vmas.delete(&tgid); /* a library closed meanwhile may have left its place to this one */
+#endif
+    struct unwind_proc *proc = unwind_procs.lookup(&tgid);
+    if (!proc || !proc->count)
+        return; /* never asked, or asked and not written yet: its tables will have the library */
+    unwind_ask(tgid, 1, 0);
+}
+
+/* The return of dlopen or dlmopen (after the library's constructors ran). */
 int unwind_dlopen_return(struct pt_regs *ctx)
 {
     u64 id = bpf_get_current_pid_tgid();
@@ -342,15 +359,27 @@ int unwind_dlopen_return(struct pt_regs *ctx)
     struct unwind_hijack *h = unwind_hijacks.lookup(&slot);
     if (h && h->tid == tid)
         h->at = 0;
-    if (gate_closed() || !tgid_is_followed(tgid))
+    unwind_mapped(tgid);
+    return 0;
+}
+
+/* The dynamic loader's _dl_debug_state, the debuggers' breakpoint: called
+ * with _r_debug.r_state RT_CONSISTENT (0) once a dlopen's objects are
+ * mapped (or a dlclose's unmapped), before their constructors run, which
+ * the return of dlopen comes only after: the constructors' calls and the
+ * library's first ones are then whole too. Called at a process's start as
+ * well, before it has tables (nothing to ask then), and with RT_ADD or
+ * RT_DELETE before the change (nothing mapped yet). */
+int unwind_dl_state(struct pt_regs *ctx)
+{
+    u32 zero = 0;
+    s64 *delta = unwind_rtld.lookup(&zero);
+    int state = 0;
+    if (!delta || !*delta)
         return 0;
-#if UNWIND_VMA
-    unwind_vmas.delete(&tgid); /* a library closed meanwhile may have left its place to this one */
-#endif
-    struct unwind_proc *proc = unwind_procs.lookup(&tgid);
-    if (!proc || !proc->count)
-        return 0; /* never asked, or asked and not written yet: its tables will have the library */
-    unwind_ask(tgid, 1, 0);
+    if (bpf_probe_read_user(&state, sizeof(state), (void *)(PT_REGS_IP(ctx) + *delta)) || state)
+        return 0;
+    unwind_mapped(bpf_get_current_pid_tgid() >> 32);
     return 0;
 }
 

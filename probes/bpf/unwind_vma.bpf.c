@@ -124,12 +124,17 @@ static __always_inline void unwind_vma_map(u32 tgid, struct unwind_vma_found *f,
     struct unwind_file *file = unwind_files.lookup(&key);
     if (!file) {
         struct unwind_file asked = {};
-        int ask = !unwind_files.insert(&key, &asked); /* the first to find it asks */
+        /* The first to find it asks (-EEXIST: another walk did; -E2BIG, a
+         * full table: the file's frames stay by frame pointers, counted as
+         * unwritten). The trace reads every ask from unwind_found, and
+         * serves it if the file server, told through its own ring, does
+         * not; an ask neither can read is taken back, asked again. */
+        int ask = !unwind_files.insert(&key, &asked);
         int said = unwind_vma_event(0, tgid, f, ask);
-        if (ask) /* the file server's ring too: it writes a small file first */
-            said |= unwind_vma_event(1, tgid, f, ask);
-        if (ask && !said)
-            unwind_files.delete(&key); /* not said: asked again */
+        if (ask && said)
+            unwind_vma_event(1, tgid, f, ask);
+        else if (ask)
+            unwind_files.delete(&key);
         m->pad = files_gen + 1;
         return;
     }
@@ -138,7 +143,7 @@ static __always_inline void unwind_vma_map(u32 tgid, struct unwind_vma_found *f,
         m->pad = files_gen + 1;
         return;
     }
-    u64 offset = f->pgoff << 12; /* the file offset at start */
+    u64 offset = f->pgoff << PAGE_SHIFT_; /* the file offset at start (vm_pgoff counts pages) */
     if (!file->count || offset < file->seg_start || offset >= file->seg_end)
         return; /* no rows, or not its code: frame pointers there */
     m->bias = f->start - offset - file->seg_delta;

@@ -31,17 +31,18 @@ ALLOCATORS = {
 OUTER = "outer"
 
 
-def outer_calls_script(lib: Path) -> str:
+def outer_calls_script(lib: Path, where: str = "pid == $1") -> str:
     """bpftrace counting each standard function's calls made outside every
-    other (a thread's depth in them), by the probe that took them."""
+    other (a thread's depth in them), by the probe that took them, in the
+    processes ``where`` says."""
     allocating = [name for name in COUNTED if name != "free"]
     entries = ",".join(f"uprobe:{lib}:{name}" for name in allocating)
     returns = ",".join(f"uretprobe:{lib}:{name}" for name in allocating)
     return (
-        f"{entries} /pid == $1/ {{ if (@depth[tid] == 0) {{ @hits[probe] = count(); }} "
+        f"{entries} /{where}/ {{ if (@depth[tid] == 0) {{ @hits[probe] = count(); }} "
         "@depth[tid]++; }\n"
-        f"{returns} /pid == $1 && @depth[tid] > 0/ {{ @depth[tid]--; }}\n"
-        f"uprobe:{lib}:free /pid == $1 && @depth[tid] == 0 && arg0 != 0/ "
+        f"{returns} /{where} && @depth[tid] > 0/ {{ @depth[tid]--; }}\n"
+        f"uprobe:{lib}:free /{where} && @depth[tid] == 0 && arg0 != 0/ "
         "{ @hits[probe] = count(); }\n"
     )
 

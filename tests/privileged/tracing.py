@@ -366,13 +366,23 @@ def readelf_build_id(path: str | Path) -> str:
 def malloc_samples(profile: Path) -> Iterator[tuple[int, int, list[str]]]:
     """The malloc samples of a pprof profile the trace wrote: each one's
     process, its calls (alloc_objects) and its stack's function names."""
+    for pid, calls, stack in malloc_stacks(profile):
+        yield pid, calls, [name for name, _ in stack]
+
+
+def malloc_stacks(profile: Path, allocator: str | None = "malloc",
+                  ) -> Iterator[tuple[int, int, list[tuple[str, str]]]]:  # fmt: skip
+    """``malloc_samples`` (or ``allocator``'s, None: every function's),
+    each frame with its mapping's file name."""
     prof = parsed(profile.read_bytes())
     strings = prof.string_table
     objects = [strings[t.type] for t in prof.sample_type].index("alloc_objects")
     names = {f.id: strings[f.name] for f in prof.function}
-    frames = {loc.id: [names[line.function_id] for line in loc.line] for loc in prof.location}
+    files = {m.id: strings[m.filename] for m in prof.mapping}
+    frames = {loc.id: [(names[line.function_id], files.get(loc.mapping_id, ""))
+                       for line in loc.line] for loc in prof.location}  # fmt: skip
     for sample in prof.sample:
         labels = {strings[label.key]: label for label in sample.label}
-        if strings[labels["allocator"].str] == "malloc":
-            stack = [name for loc in sample.location_id for name in frames[loc]]
+        if allocator is None or strings[labels["allocator"].str] == allocator:
+            stack = [frame for loc in sample.location_id for frame in frames[loc]]
             yield int(labels["pid"].num), int(sample.value[objects]), stack
