@@ -231,6 +231,9 @@ def _table_lines(unwind: Mapping[str, int]) -> list[str]:
     if unwind.get("tables_files_failed", 0):
         line += (f"; {unwind['tables_files_failed']} files whose tables could not be built "
                  "(named on standard error): frame pointers there")  # fmt: skip
+    if unwind.get("tables_files_evicted", 0):
+        line += (f"; {unwind['tables_files_evicted']} files evicted (no process mapped them "
+                 "any more), their rows given to others")  # fmt: skip
     if unwind.get("tables_files_unopened", 0):
         line += (f"; {unwind['tables_files_unopened']} files asked for by walks that could not "
                  "be opened (their process gone, the path another file): asked again by the "

@@ -348,7 +348,8 @@ class LiveTrace:
                                           rows, page_entries)  # fmt: skip
             tables.server = self.file_server.alive
         except OSError as exc:  # the trace's own threads serve every ask, in all the room
-            tables.capacity, tables.page_capacity = rows[1], page_entries[1]
+            tables.rows_room.grow(rows[1])
+            tables.pages_room.grow(page_entries[1])
             self.notices.append(
                 f"the file server could not be started ({exc.strerror}): "
                 "files asked for by stack walks are written by the trace"
@@ -965,7 +966,7 @@ def _debug_costs(trace: LiveTrace) -> None:
           file=sys.stderr)  # fmt: skip
     if trace.unwind is not None:
         tables = trace.unwind
-        files, rows = tables.counts["files"], tables.next_row
+        files, rows = tables.counts["files"], tables.rows_room.used
         print(f"mtrace-live: debug: unwind tables: {files} files, {rows} rows, written in "
               f"{tables.load_s:.3f} s", file=sys.stderr)  # fmt: skip
 

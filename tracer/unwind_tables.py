@@ -63,6 +63,7 @@ from .alloc_probes import exported_offset
 from .bpf_backend import BpfProgram
 from .holds import Holds
 from .kernel_btf import BtfUnavailable, KernelBtf
+from .unwind_room import Extents
 from .unwind_rows import (
     BIG_FILE,
     RowCache,
@@ -206,6 +207,17 @@ def exec_mappings(pid: int) -> list[Mapping]:
     return [m for m in mappings if m.executable and m.inode[1] != 0 and m.path]
 
 
+def machine_mapped() -> set[tuple[int, int]]:
+    """The files any process on the machine maps executable, as
+    (device, inode) (as /proc/PID/maps gives them)."""
+    mapped: set[tuple[int, int]] = set()
+    with os.scandir("/proc") as entries:
+        for entry in entries:
+            if entry.name.isdigit():
+                mapped.update(mapping.inode for mapping in exec_mappings(int(entry.name)))
+    return mapped
+
+
 def own_loader() -> list[Path]:
     """The dynamic loader mtrace-live's own process maps (the machine's)."""
     try:
@@ -297,16 +309,19 @@ class UnwindTables:
         self.program = program
         self.holds = holds
         self.written_hook = written
-        self.capacity = rows - server_rows
+        # the trace's share of unwind_rows and unwind_pages (the server's after it)
+        self.rows_room, self.pages_room = (
+            Extents(0, rows - server_rows),
+            Extents(0, pages - server_pages),
+        )
         # the tables' room (the file server's share too), and their kernel memory
         self.rows_total = rows
         self.memory_bytes = rows * ROW.itemsize + pages * 4 + maps * UNWIND_MAP_DTYPE.itemsize
         self.cache = cache if cache is not None else RowCache(rows_cache_dir())
         self.files: dict[object, MappedFile] = {}  # by build-id, else (device, inode)
         self.by_inode: dict[tuple[int, int], MappedFile] = {}
-        self.next_row = 0
-        self.page_capacity, self.next_page = pages - server_pages, 0
-        self.free: list[tuple[int, int]] = [(0, maps)]  # blocks of unwind_maps: (first, size)
+        self.maps_room = Extents(0, maps)  # blocks of unwind_maps
+        self.block_rows: dict[tuple[int, int], frozenset[int]] = {}  # the files a block names
         # blocks no process of ours names, which a forked one's entry may,
         # each with how many sweeps in a row found no entry naming it
         self.retired: dict[tuple[int, int], int] = {}
@@ -671,18 +686,70 @@ class UnwindTables:
             if problem or len(rows) == 0:
                 self.counts["files_without_cfi"] += 1
                 return MappedFile(0, 0, segments, problem or "no call-frame information")
-            if (self.next_row + len(rows) > self.capacity or
-                    self.next_page + len(pages) > self.page_capacity):  # fmt: skip
+            room = self._room(len(rows), len(pages))
+            if room is None and self._evict():
+                room = self._room(len(rows), len(pages))
+            if room is None:
                 self.counts["files_not_fitting"] += 1
                 self.counts["rows_not_fitting"] += len(rows)
                 return MappedFile(0, 0, segments, "no room left in the unwind rows")
-            first, first_page = self.next_row, self.next_page
-            self.next_row += len(rows)
-            self.next_page += len(pages)
+            first, first_page = room
             self.counts["files"] += 1
         self.program.write_array("unwind_rows", first, rows)
         self.program.write_array("unwind_pages", first_page, pages)
         return MappedFile(first, len(rows), segments, "", first_page, len(pages), base)
+
+    def _room(self, rows: int, pages: int) -> tuple[int, int] | None:
+        """Runs of ``rows`` rows and ``pages`` page entries taken, or None."""
+        first = self.rows_room.take(rows)
+        if first is None:
+            return None
+        first_page = self.pages_room.take(pages)
+        if first_page is None:
+            self.rows_room.give(first, rows)
+            return None
+        return first, first_page
+
+    def _evict(self) -> int:
+        """Give back the rows of the files no process maps any more (a
+        program that ran and ended; a library unloaded) and no block of
+        unwind_maps names: the number of files evicted. Their unwind_files
+        entries go first, so that no walk takes them up while the machine's
+        maps are read; a file a process still maps gets its entry back."""
+        self._free_unnamed()
+        named = set().union(*self.block_rows.values())
+        by_first: dict[int, list[tuple[int, int]]] = {}
+        for inode, file in self.by_inode.items():
+            if file.count and file.first < self.rows_room.end:  # (the server's are its own)
+                by_first.setdefault(file.first, []).append(inode)
+        unnamed = {first: inodes for first, inodes in by_first.items() if first not in named}
+        for inodes in unnamed.values():
+            for inode in inodes:
+                if self.vma and kernel_file_key(inode) in self.published:
+                    self.program.delete_entry("unwind_files", file_key(kernel_file_key(inode)))
+                    self.published.discard(kernel_file_key(inode))
+        mapped = machine_mapped()
+        evicted = 0
+        for inodes in unnamed.values():
+            file = self.by_inode[inodes[0]]
+            if mapped.isdisjoint(inodes):
+                self._forget_file(file, inodes)
+                evicted += 1
+            else:
+                for inode in inodes:
+                    self._publish(inode, file)
+        self.counts["files_evicted"] += evicted
+        return evicted
+
+    def _forget_file(self, file: MappedFile, inodes: list[tuple[int, int]]) -> None:
+        """An evicted file: its rows and page entries free, and no trace of
+        it left (a process that maps it again has it read anew)."""
+        self.rows_room.give(file.first, file.count)
+        self.pages_room.give(file.pages, file.page_count)
+        for inode in inodes:
+            del self.by_inode[inode]
+        for key in [key for key, known in self.files.items() if known is file]:
+            del self.files[key]
 
     def _entries(self, pid: int, mappings: list[Mapping]) -> np.ndarray:
         """The process's mappings as unwind_maps' rows, by start. A mapping
@@ -731,45 +798,39 @@ class UnwindTables:
         if self.written.get(pid) == tuple(mappings):
             return True
         entries = self._entries(pid, mappings)
-        block = self._take(len(entries))
-        if block is None:
-            self.counts["processes_not_fitting"] += 1
-            return False
-        self.program.write_array("unwind_maps", block[0], entries)
-        if not self.program.set_row("unwind_procs", pid, (block[0], len(entries), 0, 0),
-                                    only_existing=not new):  # fmt: skip
-            # its entry is gone (an exit or exec after its maps were read): the
-            # block, never named, is free; its old one retired; a new program asks
-            self._retire(block, at_once=True)
-            self.forget(pid)
-            return False
-        old = self.blocks.pop(pid, None)
-        if old is not None:
-            self._retire(old)
-        self.blocks[pid], self.written[pid] = block, tuple(mappings)
+        with self._lock:  # (blocks and the files they name: an eviction reads them)
+            block = self._take(len(entries))
+            if block is None:
+                self.counts["processes_not_fitting"] += 1
+                return False
+            self.program.write_array("unwind_maps", block[0], entries)
+            self.block_rows[block] = frozenset(entries["first"][entries["count"] > 0].tolist())
+            if not self.program.set_row("unwind_procs", pid, (block[0], len(entries), 0, 0),
+                                        only_existing=not new):  # fmt: skip
+                # its entry is gone (an exit or exec after its maps were read): the
+                # block, never named, is free; its old one retired; a new program asks
+                self._retire(block, at_once=True)
+                self.forget(pid)
+                return False
+            old = self.blocks.pop(pid, None)
+            if old is not None:
+                self._retire(old)
+            self.blocks[pid], self.written[pid] = block, tuple(mappings)
         if self.written_hook is not None:
             self.written_hook(pid)
         return True
 
     def _take(self, size: int) -> tuple[int, int] | None:
-        if not size:
-            return 0, 0  # no rows of unwind_maps: never freed, nor retired
-        for i, (first, room) in enumerate(self.free):
-            if room >= size:
-                if room == size:
-                    del self.free[i]
-                else:
-                    self.free[i] = (first + size, room - size)
-                return first, size
-        return None
+        first = self.maps_room.take(size)  # (0 rows: never freed, nor retired)
+        return None if first is None else (first, size)
 
     def table_counts(self) -> dict[str, int]:
         """The files whose rows are written, the rows, and what had none or
         no room: files without CFI, files and processes that did not fit."""
         keys = ("files", "files_without_cfi", "files_failed", "files_not_fitting",
                 "rows_not_fitting", "processes_not_fitting", "processes_failed",
-                "files_unopened")  # fmt: skip
-        return {"rows": self.next_row, "rows_room": self.rows_total,
+                "files_unopened", "files_evicted")  # fmt: skip
+        return {"rows": self.rows_room.used, "rows_room": self.rows_total,
                 "memory_bytes": self.memory_bytes,
                 **{key: self.counts[key] for key in keys}}  # fmt: skip
 
@@ -784,10 +845,11 @@ class UnwindTables:
 
     def forget(self, pid: int) -> None:
         """``pid`` is gone (or exec'd: the kernel deleted its entry)."""
-        block = self.blocks.pop(pid, None)
-        if block is not None:
-            self._retire(block)
-        self.written.pop(pid, None)
+        with self._lock:
+            block = self.blocks.pop(pid, None)
+            if block is not None:
+                self._retire(block)
+            self.written.pop(pid, None)
 
     def _retire(self, block: tuple[int, int], at_once: bool = False) -> None:
         """A block no process of ours names now: free (``at_once``: no entry
@@ -795,27 +857,41 @@ class UnwindTables:
         if not block[1]:
             return
         if at_once:
-            self.free.append(block)
+            self._free_block(block)
         else:
             self.retired[block] = 0
 
-    def sweep(self) -> None:
+    def _free_block(self, block: tuple[int, int]) -> None:
+        self.maps_room.give(*block)
+        self.block_rows.pop(block, None)
+
+    def sweep(self, at_once: bool = False) -> None:
         """Free the retired blocks that two sweeps in a row (a second apart)
         found no entry of unwind_procs naming: a process forked from one
         that had the block holds it until its own are written, or it ends,
         and a fork that read an entry just as it was replaced or deleted has
-        written its own by the next sweep."""
-        if not self.retired:
-            return
-        _, entries = self.program.read_table("unwind_procs", "<u4", UNWIND_PROC_DTYPE)
-        named = set(entries["first"][entries["count"] > 0].tolist())  # not the empty asks
-        for block in list(self.retired):
-            unnamed = 0 if block[0] in named else self.retired[block] + 1
-            if unnamed == 2:
-                del self.retired[block]
-                self.free.append(block)
-            else:
-                self.retired[block] = unnamed
+        written its own by the next sweep. ``at_once`` (an eviction, which
+        needs their files' rows now): those one read finds unnamed."""
+        with self._lock:
+            if not self.retired:
+                return
+            _, entries = self.program.read_table("unwind_procs", "<u4", UNWIND_PROC_DTYPE)
+            named = set(entries["first"][entries["count"] > 0].tolist())  # not the empty asks
+            for block in list(self.retired):
+                unnamed = 0 if block[0] in named else self.retired[block] + 1
+                if unnamed == 2 or (at_once and unnamed):
+                    del self.retired[block]
+                    self._free_block(block)
+                else:
+                    self.retired[block] = unnamed
+
+    def _free_unnamed(self) -> None:
+        """(an eviction) The blocks of the processes gone, and the retired
+        ones no entry names now, free."""
+        for pid in list(self.blocks):
+            if not Path(f"/proc/{pid}").exists():
+                self.forget(pid)
+        self.sweep(at_once=True)
 
     def tables_wanted(self, pids: list[int]) -> None:
         """Processes whose tables the kernel asked for (their first call

@@ -176,6 +176,12 @@ def test_mappings_that_do_not_fit_are_counted_and_the_process_left_to_frame_poin
     assert "unwind_maps" not in recorder.arrays
 
 
+def is_free(tables: UnwindTables, block: tuple[int, int]) -> bool:
+    """The block's rows of unwind_maps are all in a free run."""
+    first, size = block
+    return any(f <= first and first + size <= f + n for f, n in tables.maps_room.free)
+
+
 def test_a_block_a_forked_process_was_given_is_freed_only_once_no_entry_names_it(
     rows_cache: RowCache,
 ) -> None:
@@ -197,14 +203,14 @@ def test_a_block_a_forked_process_was_given_is_freed_only_once_no_entry_names_it
     # THEN its block is not free while the child's entry names it, however many sweeps
     for _ in range(4):
         tables.sweep()
-        assert all(first != block[0] for first, _ in tables.free)
+        assert not is_free(tables, block)
     # AND once the child's entry is gone too, it is freed when two sweeps
     # in a row have found no entry naming it, not before
     del procs[child]
     tables.sweep()
-    assert block not in tables.free
+    assert not is_free(tables, block)
     tables.sweep()
-    assert block in tables.free and not tables.retired
+    assert is_free(tables, block) and not tables.retired
 
 
 def retired_block(rows_cache: RowCache) -> tuple[Recorder, UnwindTables, tuple[int, int]]:
@@ -227,7 +233,7 @@ def test_an_entry_asking_for_its_tables_names_no_block(rows_cache: RowCache) -> 
     # WHEN swept twice, THEN it is free: the empty entry does not hold it
     for _ in range(2):
         tables.sweep()
-    assert block in tables.free
+    assert is_free(tables, block)
 
 
 def test_a_retired_block_is_not_freed_by_one_sweep_alone(rows_cache: RowCache) -> None:
@@ -238,15 +244,15 @@ def test_a_retired_block_is_not_freed_by_one_sweep_alone(rows_cache: RowCache) -
     # WHEN swept once, it is kept; WHEN the fork's entry then names it, the
     # count starts again
     tables.sweep()
-    assert block not in tables.free
+    assert not is_free(tables, block)
     recorder.rows["unwind_procs"][2**22 + 9] = (block[0], block[1], 1, os.getpid())
     tables.sweep()
     del recorder.rows["unwind_procs"][2**22 + 9]
     tables.sweep()
-    assert block not in tables.free
+    assert not is_free(tables, block)
     # THEN the second sweep in a row that finds it unnamed frees it
     tables.sweep()
-    assert block in tables.free
+    assert is_free(tables, block)
 
 
 def test_tables_asked_for_are_written_only_over_the_entry_that_asked(
@@ -265,12 +271,12 @@ def test_tables_asked_for_are_written_only_over_the_entry_that_asked(
     assert count > 0 and inherited == 0
     del recorder.rows["unwind_procs"][pid]
     tables.forget(pid)  # as tables_wanted does for an entry not in force
-    room = sum(size for _, size in tables.free)
+    room = tables.maps_room.used
     # THEN one whose entry is gone gets none: the block taken for it is free
     # again (as much room as before), and only its old block is retired
     assert not tables.load(pid, new=False)
     assert pid not in recorder.rows["unwind_procs"]
-    assert sum(size for _, size in tables.free) == room
+    assert tables.maps_room.used == room
     assert pid not in tables.blocks and len(tables.retired) == 1
 
 
@@ -313,3 +319,66 @@ def test_mappings_without_rows_are_left_to_the_kernel_s_lookup(tmp_path: Path) -
         # THEN without lookups in the kernel, each mapping is there, walked by frame
         # pointers; with them, none is: the kernel looks them up
         assert count == (0 if vma else len(exec_mappings(os.getpid())))
+
+
+def copies(tmp_path: Path, *names: str) -> list[Path]:
+    """Copies of libraries of the machine: files no process maps."""
+    made = []
+    for name in names:
+        made.append(tmp_path / name)
+        made[-1].write_bytes(Path("/usr/lib/x86_64-linux-gnu", name).read_bytes())
+    return made
+
+
+def file_of(tables: UnwindTables, path: Path) -> tuple[int, int] | None:
+    """The file's run of rows in the tables (first, count), if it has one."""
+    status = path.stat()
+    known = tables.by_inode.get((status.st_dev, status.st_ino))
+    return None if known is None or not known.count else (known.first, known.count)
+
+
+def test_a_file_no_process_maps_is_evicted_for_one_that_does_not_fit(
+    tmp_path: Path, rows_cache: RowCache
+) -> None:
+    # GIVEN tables with room for the larger of two files, not both, neither
+    # mapped by any process
+    libm, libz = copies(tmp_path, "libm.so.6", "libz.so.1")
+    sizes = len(read_cfi(libm).rows), len(read_cfi(libz).rows)
+    recorder = Recorder(vma=True)
+    tables = UnwindTables(recorder, rows=max(sizes) + 10, cache=rows_cache)  # type: ignore[arg-type]
+    tables.publish_path(libm)
+    first = file_of(tables, libm)
+    assert first is not None and first[1] == sizes[0]
+    # WHEN the second is written
+    tables.publish_path(libz)
+    # THEN the first was evicted for it: its rows given to the second, its
+    # entry for the kernel's lookups gone (asked for again if it is met)
+    second = file_of(tables, libz)
+    assert second is not None and second[1] == sizes[1] and second[0] == 0
+    assert file_of(tables, libm) is None
+    counts = tables.table_counts()
+    assert counts["files_evicted"] == 1 and counts["files_not_fitting"] == 0
+    status = libm.stat()
+    key = file_key(kernel_file_key((status.st_dev, status.st_ino)))
+    assert recorder.entry_bytes("unwind_files", key) is None
+    assert counts["rows"] == sizes[1]
+
+
+def test_a_file_a_process_maps_is_never_evicted(tmp_path: Path, rows_cache: RowCache) -> None:
+    # GIVEN tables with room for this process's libc alone, written
+    libc = libc_mapping()
+    (libz,) = copies(tmp_path, "libz.so.1")
+    recorder = Recorder(vma=True)
+    tables = UnwindTables(recorder, rows=len(read_cfi(libc).rows) + 10, cache=rows_cache)  # type: ignore[arg-type]
+    tables.publish_path(libc)
+    assert file_of(tables, libc) is not None
+    # WHEN a file that does not fit beside it is written
+    tables.publish_path(libz)
+    # THEN the libc, which this process maps, keeps its rows and its entry,
+    # and the other file is counted as not fitting
+    assert file_of(tables, libc) is not None and file_of(tables, libz) is None
+    counts = tables.table_counts()
+    assert counts["files_evicted"] == 0 and counts["files_not_fitting"] == 1
+    status = libc.stat()
+    key = file_key(kernel_file_key((status.st_dev, status.st_ino)))
+    assert recorder.entry_bytes("unwind_files", key) is not None
