@@ -13,6 +13,7 @@ uprobes comes last: the kernel takes about 0.1 s per site to unregister one.)
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
 import select
@@ -329,18 +330,22 @@ class LiveTrace:
         self.program.set_tail_calls("unwind_progs", slots)
         libc = self.alloc_plan.libc if self.alloc_plan is not None else self.lock_plan.libc  # type: ignore[union-attr]
         attach_dlopen(self.program, libc, self.alloc_pid)
+        # the tables' sizes, as the program has them (--unwind-rows)
+        sizes = functools.partial(UnwindTables, rows=defines["UNWIND_ROWS"],
+                                  maps=defines["UNWIND_MAPS"],
+                                  pages=defines["UNWIND_PAGES"])  # fmt: skip
         # A process's maps are read for its names whenever its tables are
         # written (its first call, a dlopen, a change seen each second): a
         # process that was never held is named after it is gone from those.
         if not defines.get("UNWIND_VMA"):
-            return UnwindTables(self.program, holds=self.holds, written=self._tables_written)
+            return sizes(self.program, holds=self.holds, written=self._tables_written)
         pages = part_constants("unwind_vma.bpf.c")["UNWIND_FOUND_PAGES"]
         self.found_ring = RingReader(self.program.map_fd("unwind_found"),
                                      pages * mmap.PAGESIZE, EVENT_DTYPE)  # fmt: skip
         rows, page_entries = region(defines["UNWIND_ROWS"]), region(defines["UNWIND_PAGES"])
-        tables = UnwindTables(self.program, holds=self.holds, written=self._tables_written,
-                              found=self.found_ring.read, server_rows=rows[1] - rows[0],
-                              server_pages=page_entries[1] - page_entries[0])  # fmt: skip
+        tables = sizes(self.program, holds=self.holds, written=self._tables_written,
+                       found=self.found_ring.read, server_rows=rows[1] - rows[0],
+                       server_pages=page_entries[1] - page_entries[0])  # fmt: skip
         for path in (libc, *own_loader()):  # in most stacks: written before any walk asks
             tables.publish_path(path)
         try:

@@ -278,6 +278,8 @@ def _segment_of(segments: tuple[LoadSegment, ...], offset: int) -> LoadSegment |
     return None
 
 
+NO_ROOM = "no room left in the unwind rows"
+
 # MTRACE_LIVE_PROCESS_TABLES=off: no process's own tables are written, and
 # every walk finds its mappings in the kernel (make bench's comparison of
 # the two; docs/allocations.md).
@@ -322,6 +324,7 @@ class UnwindTables:
         self.by_inode: dict[tuple[int, int], MappedFile] = {}
         self.maps_room = Extents(0, maps)  # blocks of unwind_maps
         self.block_rows: dict[tuple[int, int], frozenset[int]] = {}  # the files a block names
+        self.no_room: dict[tuple[int, int], object] = {}  # files that found none: their keys
         # blocks no process of ours names, which a forked one's entry may,
         # each with how many sweeps in a row found no entry naming it
         self.retired: dict[tuple[int, int], int] = {}
@@ -427,6 +430,8 @@ class UnwindTables:
             known = self.files.setdefault(key, known)
             self.by_inode[mapping.inode] = known
             self._publish(mapping.inode, known)
+            if known.problem == NO_ROOM:  # tried again once an eviction makes room
+                self.no_room[mapping.inode] = key
         return known
 
     def _file_failed(self, what: str, exc: Exception) -> None:
@@ -692,7 +697,7 @@ class UnwindTables:
             if room is None:
                 self.counts["files_not_fitting"] += 1
                 self.counts["rows_not_fitting"] += len(rows)
-                return MappedFile(0, 0, segments, "no room left in the unwind rows")
+                return MappedFile(0, 0, segments, NO_ROOM)
             first, first_page = room
             self.counts["files"] += 1
         self.program.write_array("unwind_rows", first, rows)
@@ -739,7 +744,20 @@ class UnwindTables:
                 for inode in inodes:
                     self._publish(inode, file)
         self.counts["files_evicted"] += evicted
+        if evicted:
+            self._retry_no_room()
         return evicted
+
+    def _retry_no_room(self) -> None:
+        """The files that found no room before are read again when next met:
+        by a process's tables, or (their entry gone) a walk's ask."""
+        for inode, key in self.no_room.items():
+            self.by_inode.pop(inode, None)
+            self.files.pop(key, None)
+            if self.vma and kernel_file_key(inode) in self.published:
+                self.program.delete_entry("unwind_files", file_key(kernel_file_key(inode)))
+                self.published.discard(kernel_file_key(inode))
+        self.no_room.clear()
 
     def _forget_file(self, file: MappedFile, inodes: list[tuple[int, int]]) -> None:
         """An evicted file: its rows and page entries free, and no trace of
@@ -889,7 +907,7 @@ class UnwindTables:
         """(an eviction) The blocks of the processes gone, and the retired
         ones no entry names now, free."""
         for pid in list(self.blocks):
-            if not Path(f"/proc/{pid}").exists():
+            if not exec_mappings(pid):  # gone, or a zombie (no maps)
                 self.forget(pid)
         self.sweep(at_once=True)
 

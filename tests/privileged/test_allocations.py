@@ -280,6 +280,7 @@ def test_go_tool_pprof_names_each_leaking_function_with_its_bytes(traced: Traced
     assert allocated["churn"] == churn["bytes"]
 
 
+@pytest.mark.soak  # (make soak: slower than make test's budget)
 def test_sampled_live_bytes_stay_within_the_poisson_bound(sdt: sdt_glibc.SdtGlibc,
                                                           tmp_path: Path) -> None:  # fmt: skip
     # GIVEN a larger run of the workload, sampled once per 4 KiB on average

@@ -19,6 +19,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from mtrace_live.tracer.holds import GUARDIAN_NAME
 
 from .conftest import MTRACE, built
@@ -83,6 +84,7 @@ def start_churn_trace(
     return tracer, err
 
 
+@pytest.mark.soak  # (make soak: slower than make test's budget)
 def test_a_tracer_killed_at_any_point_leaves_no_process_stopped(tmp_path: Path) -> None:
     before = stopped_processes()
     rng = random.Random(46)

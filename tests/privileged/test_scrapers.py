@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
+import pytest
 import yaml
 from google.protobuf import empty_pb2
 from google.protobuf.unknown_fields import UnknownFieldSet
@@ -179,6 +180,7 @@ def test_a_bounded_profile_keeps_every_total_and_errors_reach_go_tool_pprof(
     assert refused.returncode != 0 and "no traced process has pid 1" in refused.stderr, refused
 
 
+@pytest.mark.soak  # (make soak: slower than make test's budget)
 def test_a_profile_asked_of_a_held_tracing_process_ends_in_a_503_never_a_cut(
     tmp_path: Path,
 ) -> None:

@@ -45,6 +45,7 @@ def pids_that_wrap() -> Iterator[None]:
         yield
 
 
+@pytest.mark.soak  # (make soak: slower than make test's budget)
 def test_a_minute_of_churn_is_counted_exactly_and_leaves_nothing_behind(
     tmp_path: Path, pids_that_wrap: None
 ) -> None:
