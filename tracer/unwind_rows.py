@@ -27,7 +27,7 @@ from .bpf_cache import private_file
 
 DEFAULT_CACHE = Path("/var/cache/mtrace-live/cfi")
 CACHE_FORMAT = 2  # 2: rows read by probes/elf/cfi_rows.c (malformed entries as CFA_OTHER)
-PAGE_SHIFT = part_constants("unwind.bpf.c")["UNWIND_PAGE_SHIFT"]
+UNWIND_PAGE_SHIFT = part_constants("unwind.bpf.c")["UNWIND_PAGE_SHIFT"]
 
 
 def rows_cache_dir() -> Path | None:
@@ -89,9 +89,9 @@ def page_index(rows: np.ndarray) -> tuple[int, np.ndarray]:
     """(the first page's address, for each page from it to the last row's,
     the index of the row in force at the page's start): a search for an
     address then starts within its page's rows."""
-    base = int(rows["pc"][0]) >> PAGE_SHIFT << PAGE_SHIFT
-    count = ((int(rows["pc"][-1]) - base) >> PAGE_SHIFT) + 1
-    starts = base + (np.arange(count, dtype=np.uint64) << PAGE_SHIFT)
+    base = int(rows["pc"][0]) >> UNWIND_PAGE_SHIFT << UNWIND_PAGE_SHIFT
+    count = ((int(rows["pc"][-1]) - base) >> UNWIND_PAGE_SHIFT) + 1
+    starts = base + (np.arange(count, dtype=np.uint64) << UNWIND_PAGE_SHIFT)
     index = np.searchsorted(rows["pc"].astype(np.uint64), starts, side="right") - 1
     return base, np.clip(index, 0, None).astype(np.uint32)
 

@@ -325,6 +325,8 @@ class UnwindTables:
         self.maps_room = Extents(0, maps)  # blocks of unwind_maps
         self.block_rows: dict[tuple[int, int], frozenset[int]] = {}  # the files a block names
         self.no_room: dict[tuple[int, int], object] = {}  # files that found none: their keys
+        # processes forgotten, and as many when an eviction last freed nothing
+        self._forgotten, self._evict_idle = 0, -1
         # blocks no process of ours names, which a forked one's entry may,
         # each with how many sweeps in a row found no entry naming it
         self.retired: dict[tuple[int, int], int] = {}
@@ -346,8 +348,9 @@ class UnwindTables:
         self.found_reader = found
         self.learned: deque[tuple[FoundMapping, str]] = deque()
         self._serving = self._nested = False
-        # The files' state is shared with the threads that serve the asks;
-        # the processes' is the trace thread's alone.
+        # The files' state is shared with the threads that serve the asks,
+        # and so are the blocks of unwind_maps (an eviction, in any thread,
+        # frees those of processes gone): both are changed under the lock.
         self._lock = threading.RLock()
         self._loaded = threading.Condition(self._lock)  # a file's load ended
         self._loading: set[tuple[int, int]] = set()  # files being loaded, by inode
@@ -452,8 +455,8 @@ class UnwindTables:
         """The file's rows written to unwind_files too, for a walk that
         finds its mapping in the kernel (made known by ``publish_done``)."""
         key = kernel_file_key(inode)
-        if not self.vma or key in self.published:
-            return
+        if not self.vma or key in self.published or file.problem == NO_ROOM:
+            return  # (no room: an entry asked for stays so, until an eviction makes room)
         entry = file_entry(file.first, file.count, file.pages, file.page_count, file.page_base,
                            file.segments)  # fmt: skip
         if self.program.set_entry("unwind_files", file_key(key), entry):
@@ -616,8 +619,12 @@ class UnwindTables:
             self._file_failed(f"a file of pid {one.pid}", exc)
         finally:
             self.publish_done()
-            with self._lock:  # (the serving and bulk threads both load)
-                self.load_s += time.monotonic() - begun
+            self._took(begun)
+
+    def _took(self, begun: float) -> None:
+        """Time spent writing tables, from ``begun`` (any thread's)."""
+        with self._lock:
+            self.load_s += time.monotonic() - begun
 
     def _publish_mapping(self, pid: int, mapping: Mapping) -> None:
         if kernel_file_key(mapping.inode) not in self.published:
@@ -642,8 +649,10 @@ class UnwindTables:
             return
         mapping = Mapping(0, 0, 0, str(path), True, (status.st_dev, status.st_ino))
         if self.vma and kernel_file_key(mapping.inode) not in self.published:
+            begun = time.monotonic()
             self._file(os.getpid(), mapping)
             self.publish_done()
+            self._took(begun)
 
     def _file_found(self, one: FoundMapping) -> None:
         path = self.path_of(one)
@@ -653,6 +662,8 @@ class UnwindTables:
             with self._lock:
                 self._deferred.setdefault(one.file, (time.monotonic(), one))
             return
+        if file.problem == NO_ROOM:
+            return  # asked again once an eviction makes room (_retry_no_room)
         gone = not file.segments and path and Path(path).is_absolute()
         if gone and same_file(Path(path), one.file):
             # the process is gone: opened by the path, still the file
@@ -720,7 +731,11 @@ class UnwindTables:
         program that ran and ended; a library unloaded) and no block of
         unwind_maps names: the number of files evicted. Their unwind_files
         entries go first, so that no walk takes them up while the machine's
-        maps are read; a file a process still maps gets its entry back."""
+        maps are read again; a file a process maps by then gets its entry
+        back. One that freed nothing is not tried again until a process of
+        ours is gone (the machine's maps are read each time)."""
+        if self._evict_idle == self._forgotten:
+            return 0
         self._free_unnamed()
         named = set().union(*self.block_rows.values())
         by_first: dict[int, list[tuple[int, int]]] = {}
@@ -728,12 +743,12 @@ class UnwindTables:
             if file.count and file.first < self.rows_room.end:  # (the server's are its own)
                 by_first.setdefault(file.first, []).append(inode)
         unnamed = {first: inodes for first, inodes in by_first.items() if first not in named}
+        mapped = machine_mapped()
+        unnamed = {first: inodes for first, inodes in unnamed.items() if mapped.isdisjoint(inodes)}
         for inodes in unnamed.values():
             for inode in inodes:
-                if self.vma and kernel_file_key(inode) in self.published:
-                    self.program.delete_entry("unwind_files", file_key(kernel_file_key(inode)))
-                    self.published.discard(kernel_file_key(inode))
-        mapped = machine_mapped()
+                self._unpublish(inode)
+        mapped = machine_mapped()  # (again: a process that met one before its entry went)
         evicted = 0
         for inodes in unnamed.values():
             file = self.by_inode[inodes[0]]
@@ -746,6 +761,8 @@ class UnwindTables:
         self.counts["files_evicted"] += evicted
         if evicted:
             self._retry_no_room()
+        else:
+            self._evict_idle = self._forgotten
         return evicted
 
     def _retry_no_room(self) -> None:
@@ -754,10 +771,16 @@ class UnwindTables:
         for inode, key in self.no_room.items():
             self.by_inode.pop(inode, None)
             self.files.pop(key, None)
-            if self.vma and kernel_file_key(inode) in self.published:
+            if self.vma:
                 self.program.delete_entry("unwind_files", file_key(kernel_file_key(inode)))
-                self.published.discard(kernel_file_key(inode))
         self.no_room.clear()
+
+    def _unpublish(self, inode: tuple[int, int]) -> None:
+        """The file's unwind_files entry gone: a walk that meets it asks again."""
+        key = kernel_file_key(inode)
+        if self.vma and key in self.published:
+            self.program.delete_entry("unwind_files", file_key(key))
+            self.published.discard(key)
 
     def _forget_file(self, file: MappedFile, inodes: list[tuple[int, int]]) -> None:
         """An evicted file: its rows and page entries free, and no trace of
@@ -805,7 +828,7 @@ class UnwindTables:
         finally:
             if self.files_gen != self._told_gen:
                 self.publish_done()
-            self.load_s += time.monotonic() - begun
+            self._took(begun)
 
     def _write(self, pid: int, new: bool) -> bool:
         if self.vma and not PROCESS_TABLES:
@@ -867,6 +890,7 @@ class UnwindTables:
             block = self.blocks.pop(pid, None)
             if block is not None:
                 self._retire(block)
+                self._forgotten += 1
             self.written.pop(pid, None)
 
     def _retire(self, block: tuple[int, int], at_once: bool = False) -> None:
@@ -889,7 +913,10 @@ class UnwindTables:
         that had the block holds it until its own are written, or it ends,
         and a fork that read an entry just as it was replaced or deleted has
         written its own by the next sweep. ``at_once`` (an eviction, which
-        needs their files' rows now): those one read finds unnamed."""
+        needs their files' rows now): those one read finds unnamed, at the
+        risk the two sweeps guard against: a fork in that read's moment may
+        keep a freed block (its walks then read another process's rows,
+        within the tables' bounds, until its own are written)."""
         with self._lock:
             if not self.retired:
                 return

@@ -351,15 +351,20 @@ static __always_inline void unwind_mapped(u32 tgid)
     unwind_ask(tgid, 1, 0);
 }
 
-/* The return of dlopen or dlmopen (after the library's constructors ran). */
+/* The return of dlopen or dlmopen (after the library's constructors ran):
+ * the thread's return address is its own again; and, where the loader's
+ * _dl_debug_state has no probe (unwind_rtld not written), the process asks
+ * here (once per dlopen: unwind_dl_state asked where it has one). */
 int unwind_dlopen_return(struct pt_regs *ctx)
 {
     u64 id = bpf_get_current_pid_tgid();
-    u32 tgid = id >> 32, tid = (u32)id, slot = tid & (HIJACK_SLOTS - 1);
+    u32 tgid = id >> 32, tid = (u32)id, slot = tid & (HIJACK_SLOTS - 1), zero = 0;
     struct unwind_hijack *h = unwind_hijacks.lookup(&slot);
     if (h && h->tid == tid)
         h->at = 0;
-    unwind_mapped(tgid);
+    s64 *delta = unwind_rtld.lookup(&zero);
+    if (!delta || !*delta)
+        unwind_mapped(tgid);
     return 0;
 }
 

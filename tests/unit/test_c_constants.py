@@ -52,7 +52,7 @@ def test_the_unwinder_s_constants_follow_its_c_and_cannot_drift() -> None:
     assert slots == (ours["UNWIND_STEP"], ours["UNWIND_RESUME_ALLOC"], ours["UNWIND_RESUME_LOCK"],
                      ours["UNWIND_VMA_LOOKUP"])  # fmt: skip
     assert len(set(slots)) == 4 and max(slots) < ours["UNWIND_PROGS"]
-    assert unwind_rows.PAGE_SHIFT == ours["UNWIND_PAGE_SHIFT"] == 12
+    assert unwind_rows.UNWIND_PAGE_SHIFT == ours["UNWIND_PAGE_SHIFT"] == 12
     sizes = (unwind_tables.DEFAULT_ROWS, unwind_tables.DEFAULT_MAPS, unwind_tables.DEFAULT_PAGES)
     assert sizes == (1 << 21, 1 << 16, 1 << 21)
     assert unwind_tables.unwind_defines()["UNWIND_MAPS"] == ours["UNWIND_MAPS"]
