@@ -12,6 +12,8 @@ import sys
 from collections.abc import Iterator
 from typing import TextIO
 
+from mtrace_live.probes.frame_kinds import in_file
+
 from .data.alloc_snapshot import AllocSnapshot, FrameNames
 from .data.allocator_state import Allocators
 from .data.lock_waits import LockWaits
@@ -150,6 +152,7 @@ def stack_table_json(snapshot: AllocSnapshot, names: FrameNames) -> Iterator[str
         for address in row.frames:
             symbol = names.resolve(row.tgid, address)
             frames.append({
+                "kind": "file" if in_file(address) else "address",
                 "address": hex(address),
                 "function": symbol.function if symbol else None,
                 "offset": symbol.offset if symbol and symbol.function else None,

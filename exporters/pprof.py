@@ -409,7 +409,7 @@ class _Tables:
         self.strings, self.names = strings, names
         self.locations: dict[tuple[int, int], bytes] = {}  # each one's id, as a varint
         self.functions: dict[tuple[str, str], int] = {}
-        self.mappings: dict[tuple[int, str], int] = {}
+        self.mappings: dict[tuple[int, str, tuple[int, int] | None], int] = {}
         # by Profile's field: each entry encoded, and how many there are
         self._encoded: dict[int, list[bytes]] = {
             _Profile.MAPPING: [], _Profile.LOCATION: [], _Profile.FUNCTION: []}  # fmt: skip
@@ -434,7 +434,7 @@ class _Tables:
     def mapping_id(self, tgid: int, symbol: Symbol | None) -> int:
         if symbol is None or symbol.span is None:
             return 0
-        key = (tgid, symbol.module)
+        key = (tgid, symbol.module, symbol.span)  # (a file's frames may be of two kinds)
         found = self.mappings.get(key)
         if found is None:
             found = self.mappings[key] = self._next_id(_Profile.MAPPING)

@@ -257,14 +257,15 @@ class LockMisc(IntEnum):
 UNWIND_ROW_DTYPE = cfi.ROW  # struct unwind_row: probes/elf/cfi.py makes them
 UNWIND_MAP_DTYPE = np.dtype([("start", "<u8"), ("end", "<u8"), ("bias", "<u8"), ("first", "<u4"),
                              ("count", "<u4"), ("pages", "<u4"), ("page_count", "<u4"),
-                             ("page_base", "<u4"), ("pad", "<u4")])  # fmt: skip
+                             ("page_base", "<u4"), ("pad", "<u4"), ("file", "<u4"),
+                             ("spare", "<u4")])  # fmt: skip
 UNWIND_PROC_DTYPE = np.dtype([("first", "<u4"), ("count", "<u4"), ("inherited", "<u4"),
                               ("parent", "<u4")])  # fmt: skip
 UNWIND_FILE_KEY_DTYPE = np.dtype([("dev", "<u8"), ("ino", "<u8")])
 UNWIND_FILE_DTYPE = np.dtype([("first", "<u4"), ("count", "<u4"), ("pages", "<u4"),
                               ("page_count", "<u4"), ("page_base", "<u4"), ("written", "<u4"),
                               ("seg_start", "<u8"), ("seg_end", "<u8"),
-                              ("seg_delta", "<u8")])  # fmt: skip
+                              ("seg_delta", "<u8"), ("number", "<u4"), ("pad", "<u4")])  # fmt: skip
 UNWIND_VMAS_DTYPE = np.dtype([("maps", UNWIND_MAP_DTYPE, (4,)), ("next", "<u4"), ("pad", "<u4")])
 
 

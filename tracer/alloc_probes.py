@@ -30,6 +30,7 @@ from mtrace_live.probes.allocators import GLIBC, Allocator
 from mtrace_live.probes.elf.file import ELF_FAILURES, file_offset, load_segments, not_elf, open_elf
 from mtrace_live.probes.elf.symbols import symbol_table
 from mtrace_live.probes.errors import NoProbesError
+from mtrace_live.probes.frame_kinds import in_file
 from mtrace_live.probes.program import part_constants
 from mtrace_live.probes.records import (
     ALLOC_FN_NAMES,
@@ -342,14 +343,17 @@ def _fn_name(fn: int) -> str:
 def _frames(tables: TraceTables, stack: int, call_site: int,
             cache: dict[int, tuple[int, ...]]) -> tuple[int, ...]:  # fmt: skip
     """The call site, then its callers from the stack walk (whose first
-    frame is the call site itself: the walk starts at the return address)."""
+    frame is the call site itself: the walk starts at the return address),
+    as the walk stored it: in its file, where the walk numbered that
+    (probes/frame_kinds.py), else the address."""
     if stack < 0:
         return (call_site,)
-    frames = cache.get(stack)
-    if frames is None:
-        walked = tables.stack(stack)
-        frames = cache[stack] = tuple(walked[1:] if walked and walked[0] == call_site else walked)
-    return (call_site, *frames)
+    walked = cache.get(stack)
+    if walked is None:
+        walked = cache[stack] = tuple(tables.stack(stack))
+    if walked and (walked[0] == call_site or in_file(walked[0]) is not None):
+        return walked
+    return (call_site, *walked)
 
 
 def check_attachable(chosen: AllocPlan, sdt_problem: str | None) -> None:

@@ -54,6 +54,7 @@ from .unwind_rows import (
     rows_cache_dir,
     rows_of,
     status_key,
+    with_number,
 )
 
 SERVER_SHARE = 8  # the server's region: the last 1/8 of unwind_rows and unwind_pages
@@ -182,13 +183,16 @@ class _Server:
     def _serve(self, key: tuple[int, int], path: Path, size: int) -> bool:
         raw = bpf_syscalls.lookup(self.fds["unwind_files"], file_key(key),
                                   UNWIND_FILE_DTYPE.itemsize)  # fmt: skip
-        if raw is not None and np.frombuffer(raw, dtype=UNWIND_FILE_DTYPE)[0]["written"]:
+        asked = np.frombuffer(raw, dtype=UNWIND_FILE_DTYPE)[0] if raw is not None else None
+        if asked is not None and asked["written"]:
             return False  # written meanwhile
+        # the number the walk's ask gave it, which its frames carry
+        number = int(asked["number"]) if asked is not None else 0
         try:
             with open_elf(path, in_memory=BIG_FILE) as elf:
                 ident, segments = build_id(elf), tuple(load_segments(elf))
                 if ident is not None and ident in self.by_build_id:
-                    return self._publish(key, self.by_build_id[ident])
+                    return self._publish(key, with_number(self.by_build_id[ident], number))
                 self._between(size)
                 rows, problem = rows_of(elf, path, ident, self.cache)
         except (TargetError, OSError):
@@ -204,7 +208,7 @@ class _Server:
             return False  # left to the trace
         bpf_syscalls.update_array(self.fds["unwind_rows"], room.row, rows)
         bpf_syscalls.update_array(self.fds["unwind_pages"], room.page, pages)
-        entry = file_entry(room.row, len(rows), room.page, len(pages), base, segments)
+        entry = file_entry(room.row, len(rows), room.page, len(pages), base, segments, number)
         room.row += len(rows)
         room.page += len(pages)
         if ident is not None:

@@ -276,6 +276,7 @@ class LiveTrace:
             with self.program.uprobe_batch():  # in as few links as can be, at its end
                 self.unwind = self._unwinder(plan)
                 if self.unwind is not None:  # their tables before their first traced call
+                    self.frame_names.files = self.unwind.file_frames
                     for pid in running_targets(request):
                         self.unwind.load(pid)
                 usdt.attach_sites(self.program, self.selection)

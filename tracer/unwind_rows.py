@@ -121,10 +121,12 @@ def file_key(key: tuple[int, int]) -> bytes:
 
 
 def file_entry(first: int, count: int, pages: int, page_count: int, page_base: int,
-               segments: tuple[LoadSegment, ...]) -> bytes:  # fmt: skip
+               segments: tuple[LoadSegment, ...], number: int = 0) -> bytes:  # fmt: skip
     """unwind_files' entry of a file written: its rows (count 0: none, the
-    frames there by frame pointers) and its executable segment."""
+    frames there by frame pointers), its executable segment, its number
+    (0: none yet; the trace gives them, exporters/data/file_frames.py)."""
     entry = np.zeros(1, dtype=UNWIND_FILE_DTYPE)
+    entry["number"] = number
     segment = next((s for s in segments if s.executable), None)
     if segment is not None and count:
         entry["first"], entry["count"] = first, count
@@ -133,6 +135,13 @@ def file_entry(first: int, count: int, pages: int, page_count: int, page_base: i
         entry["seg_delta"] = (segment.vaddr - segment.offset) % (1 << 64)
     entry["written"] = 1
     return entry.tobytes()
+
+
+def with_number(entry: bytes, number: int) -> bytes:
+    """unwind_files' ``entry`` with the file's ``number``."""
+    fields = np.frombuffer(entry, dtype=UNWIND_FILE_DTYPE).copy()
+    fields["number"] = number
+    return fields.tobytes()
 
 
 def entry_segment(entry: np.void) -> tuple[LoadSegment, ...]:

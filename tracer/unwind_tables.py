@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+from mtrace_live.exporters.data.file_frames import FileFrames, NumberedFile
 from mtrace_live.exporters.data.processes import proc_dir
 from mtrace_live.probes.elf.cfi import ROW
 from mtrace_live.probes.elf.file import (
@@ -196,6 +197,7 @@ class MappedFile:
     pages: int = 0
     page_count: int = 0
     page_base: int = 0
+    number: int = 0  # its frames' file number (file_frames; 0: none, they are addresses)
 
 
 def exec_mappings(pid: int) -> list[Mapping]:
@@ -257,6 +259,7 @@ class FoundMapping:
     offset: int
     file: tuple[int, int]
     ask: bool
+    number: int = 0  # an ask's: the number it gave the file (its frames', file_frames)
 
     def mapping(self, path: str) -> Mapping:
         return Mapping(self.start, self.end, self.offset, path, True, user_inode(self.file),
@@ -266,7 +269,8 @@ class FoundMapping:
 def found_mappings(records: np.ndarray) -> list[FoundMapping]:
     """The EV_UNWIND_VMA records' mappings."""
     args = records["args"].tolist()
-    return [FoundMapping(pid, a[0], a[1], a[2] << PAGE_SHIFT, (a[3], a[4]), bool(a[5]))
+    return [FoundMapping(pid, a[0], a[1], a[2] << PAGE_SHIFT, (a[3], a[4]), bool(a[5] & 1),
+                         a[5] >> 1)
             for pid, a in zip(records["tgid"].tolist(), args, strict=True)]  # fmt: skip
 
 
@@ -341,6 +345,8 @@ class UnwindTables:
         self.published: set[tuple[int, int]] = set()
         self.paths: dict[tuple[int, int], str] = {}
         self.files_gen = self._told_gen = 0  # files written, and as the kernel was told
+        # the files numbered, whose frames the walks store as (number, address)
+        self.file_frames = FileFrames()
         self._serving_state(found)
 
     def _serving_state(self, found: Callable[[], np.ndarray] | None) -> None:
@@ -397,6 +403,7 @@ class UnwindTables:
         file = kernel_file_key(mapping.inode)
         served = self._kernel_file(file) if file not in self.published else None
         if served is not None:  # the file server wrote it
+            served = self._numbered(mapping, served)
             with self._lock:
                 self.by_inode[mapping.inode] = served
                 self.published.add(file)
@@ -429,6 +436,7 @@ class UnwindTables:
             except Exception as exc:  # one file's failure is that file's alone
                 self._file_failed(mapping.path, exc)
                 known = MappedFile(0, 0, segments, f"its tables could not be built ({exc})")
+            known = self._numbered(mapping, known)
         with self._lock:
             known = self.files.setdefault(key, known)
             self.by_inode[mapping.inode] = known
@@ -436,6 +444,27 @@ class UnwindTables:
             if known.problem == NO_ROOM:  # tried again once an eviction makes room
                 self.no_room[mapping.inode] = key
         return known
+
+    def _numbered(self, mapping: Mapping, file: MappedFile) -> MappedFile:
+        """``file`` with its number, for its frames: the one its ask gave
+        it (the file server's, written with it), else a new one of the
+        trace's (not given twice in a trace), where it has rows and a path."""
+        key = kernel_file_key(mapping.inode)
+        path = mapping.path if mapping.path.startswith("/") else self.paths.get(key, "")
+        if file.number:
+            self._name_number(file.number, path, mapping.inode, file.segments)
+            return file
+        if not file.count or not path:
+            return file
+        number = self.file_frames.number(NumberedFile(path, mapping.inode, file.segments))
+        return replace(file, number=number)
+
+    def _name_number(self, number: int, path: str, inode: tuple[int, int],
+                     segments: tuple[LoadSegment, ...]) -> None:  # fmt: skip
+        """A number the kernel gave (at a walk's ask): its file's path, and
+        its segments once known."""
+        if path.startswith("/"):
+            self.file_frames.name(number, NumberedFile(path, inode, segments))
 
     def _file_failed(self, what: str, exc: Exception) -> None:
         """A file whose tables could not be built: counted, and named."""
@@ -458,7 +487,7 @@ class UnwindTables:
         if not self.vma or key in self.published or file.problem == NO_ROOM:
             return  # (no room: an entry asked for stays so, until an eviction makes room)
         entry = file_entry(file.first, file.count, file.pages, file.page_count, file.page_base,
-                           file.segments)  # fmt: skip
+                           file.segments, file.number)  # fmt: skip
         if self.program.set_entry("unwind_files", file_key(key), entry):
             self.published.add(key)
             self.files_gen += 1
@@ -494,6 +523,9 @@ class UnwindTables:
 
     def _serve_records(self, records: np.ndarray, asks: bool = True) -> None:
         found = found_mappings(records)
+        for one in found:  # the number an ask gave, named from now on (its rows come next)
+            if one.number:
+                self._name_number(one.number, self.path_of(one), user_inode(one.file), ())
         if asks:
             self.files_found(found)
         self.learned.extend((one, self.path_of(one)) for one in found)
@@ -569,7 +601,7 @@ class UnwindTables:
             return None
         return MappedFile(int(entry["first"]), int(entry["count"]), entry_segment(entry), "",
                           int(entry["pages"]), int(entry["page_count"]),
-                          int(entry["page_base"]))  # fmt: skip
+                          int(entry["page_base"]), int(entry["number"]))  # fmt: skip
 
     def stop_serving(self, rest: bool = True) -> None:
         """End the serving thread, and (``rest``) take the mappings left in
@@ -812,6 +844,7 @@ class UnwindTables:
             entries[i]["first"], entries[i]["count"] = file.first, file.count
             entries[i]["pages"], entries[i]["page_count"] = file.pages, file.page_count
             entries[i]["page_base"] = file.page_base
+            entries[i]["file"] = file.number
         return entries[kept]
 
     def load(self, pid: int, new: bool = True) -> bool:

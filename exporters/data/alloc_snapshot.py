@@ -19,7 +19,9 @@ from typing import Any, overload
 
 import numpy as np
 from mtrace_live.probes.elf.maps import Mapping as FileMapping
+from mtrace_live.probes.frame_kinds import in_file
 
+from .file_frames import FileFrames
 from .processes import process_name
 from .symbolize import ProcessSymbols, Symbol
 
@@ -348,7 +350,9 @@ class FrameNames:
     from another (``inherit``) and gone before its own maps were read is
     named by its parent's, which were its own at its fork; any other gone
     before its maps were read, by the mappings its walks found in the
-    kernel (``learn``)."""
+    kernel (``learn``). A frame in a numbered file (probes/frame_kinds.py)
+    needs none of that: it is named by its file (``files``), placed beside
+    its process's mappings."""
 
     symbols: dict[int, ProcessSymbols] = field(default_factory=dict)
     comms: dict[int, str] = field(default_factory=dict)  # process names, read with the maps
@@ -359,6 +363,9 @@ class FrameNames:
     parents: dict[int, int] = field(default_factory=dict)  # a forked process -> its parent
     # a process -> the mappings its walks found in the kernel, by start
     learned: dict[int, dict[int, FileMapping]] = field(default_factory=dict)
+    files: FileFrames | None = None  # the trace's numbered files
+    # a process -> the numbered files its frames were found in
+    placed: dict[int, set[int]] = field(default_factory=dict)
     named: int = 0  # frames named (each once)
     naming_s: float = 0.0  # the time that took
     _trimming: _Trimming | None = field(default=None, repr=False)
@@ -430,6 +437,7 @@ class FrameNames:
             self.comms.pop(tgid, None)
             self.parents.pop(tgid, None)
             self.learned.pop(tgid, None)
+            self.placed.pop(tgid, None)
         self._drop_names(tgids)
 
     def _drop_names(self, tgids: set[int]) -> None:
@@ -505,19 +513,37 @@ class FrameNames:
         if tgid not in self.symbols:
             self.remember(tgid)
         found = self._lookup(tgid, address - 1)
-        if found is None:
+        if found is None and in_file(address) is None:  # (a file's frame needs no maps)
             self.remember(tgid)
             found = self._lookup(tgid, address - 1)
         if found is not None and found.function is not None:
             found = replace(found, offset=found.offset + 1)
-        self._names[key] = found
+        if found is not None or in_file(address) is None:  # (a file's number may be named later)
+            self._names[key] = found
         return found
 
     def _lookup(self, tgid: int, address: int) -> Symbol | None:
+        placed = in_file(address)
+        if placed is not None and self.files is not None:
+            self.placed.setdefault(tgid, set()).add(placed[0])
+            self.place_files(tgid)
         try:
             return self.symbols[tgid].resolve(address)
         except OSError:  # a file we may no longer read (serve runs unprivileged): unnamed
             return None
+
+    def place_files(self, tgid: int) -> None:
+        """The numbered files of ``tgid``'s frames placed beside its
+        mappings (again, once its maps were read anew)."""
+        symbols = self.symbols.get(tgid)
+        if symbols is None or self.files is None:
+            return
+        for number in self.placed.get(tgid, ()):
+            if number not in symbols.numbers:
+                mappings = self.files.mappings(number)
+                if mappings:  # (else not named yet: placed once it is)
+                    symbols.numbers.add(number)
+                    symbols.add(mappings)
 
     def frame(self, tgid: int, address: int) -> str:
         """``function+0xoff (file:line)`` or ``0xaddr (module)``: one frame, for reading."""

@@ -42,6 +42,7 @@ from mtrace_live.probes.elf.debug import DEBUG_DIRECTORIES, debug_files
 from mtrace_live.probes.elf.file import LoadSegment, build_id, debuglink, load_segments, vaddr_at
 from mtrace_live.probes.elf.maps import Mapping, read_maps
 from mtrace_live.probes.elf.symbols import STT_FUNC, STT_GNU_IFUNC, symbol_table
+from mtrace_live.probes.frame_kinds import frame_kind
 
 PAGE = 4096
 _FUNCTION_TYPES = frozenset({STT_FUNC, STT_GNU_IFUNC})
@@ -334,6 +335,7 @@ class ProcessSymbols:
         where = proc_dir(pid)
         self.root = where / "root"
         self.mappings: list[Mapping] = []
+        self.numbers: set[int] = set()  # the numbered files placed beside (``add``)
         self._file_maps: list[Mapping] = []  # every mapping of a file, executable or not
         if saved is not None:
             self._file_maps = list(saved)
@@ -351,6 +353,18 @@ class ProcessSymbols:
     def modules(self) -> list[Mapping]:
         return list(self.mappings)
 
+    def add(self, mappings: Sequence[Mapping]) -> None:
+        """Mappings placed beside the process's own: the numbered files its
+        frames are in (exporters/data/file_frames.py), above all of its
+        addresses."""
+        fresh = [m for m in mappings if m not in self._file_maps]
+        if not fresh:
+            return
+        self._file_maps += fresh
+        self.mappings = sorted(self.mappings + [m for m in fresh if m.executable],
+                               key=lambda m: m.start)  # fmt: skip
+        self._starts = [m.start for m in self.mappings]
+
     @property
     def file_mappings(self) -> list[Mapping]:
         """Every mapping of a file, executable or not (a module's load base
@@ -362,7 +376,7 @@ class ProcessSymbols:
         if index < 0 or address >= self.mappings[index].end:
             return None
         mapping = self.mappings[index]
-        span = self._span(mapping.path)
+        span = self._span(mapping)
         path = self.root / mapping.path.lstrip("/")
         try:
             reachable = path.exists()
@@ -378,8 +392,12 @@ class ProcessSymbols:
         shown = demangled(function) if function is not None else None
         return Symbol(mapping.path, shown, offset, location, span, function, symbols.build_id)
 
-    def _span(self, path: str) -> tuple[int, int]:
+    def _span(self, mapping: Mapping) -> tuple[int, int]:
         """All of a module's mappings, from its load base (its lowest
-        mapping, which holds file offset 0) to the end of its highest."""
-        mine = [m for m in self._file_maps if m.path == path]
+        mapping, which holds file offset 0) to the end of its highest: those
+        of the same kind of frame as ``mapping`` (the process's own, or its
+        file's place among numbered files)."""
+        kind = frame_kind(mapping.start)
+        mine = [m for m in self._file_maps
+                if m.path == mapping.path and frame_kind(m.start) == kind]  # fmt: skip
         return min(m.start for m in mine), max(m.end for m in mine)

@@ -59,6 +59,7 @@ def user_maps_text(names: FrameNames) -> str:
     the executable ones."""
     lines = []
     for tgid, symbols in sorted(names.symbols.items()):
+        names.place_files(tgid)
         lines += [f"{tgid} {m.start:#x} {m.end:#x} {m.offset:#x} {'x' if m.executable else '-'} "
                   f"{m.path}" for m in symbols.file_mappings]  # fmt: skip
     return "".join(f"{line}\n" for line in lines)

@@ -350,7 +350,8 @@ struct unwind_row {
  * (count 0: no rows, the frame pointers are followed there). Its file's
  * page index: unwind_pages[pages + k] is the row (from first) in force at
  * link-time address page_base + k * 4096, for k < page_count, so that a
- * search starts within one page's rows. */
+ * search starts within one page's rows. file: the file's number (0: none
+ * yet), which its frames carry (FRAME_KIND_FILE below). */
 struct unwind_map {
     u64 start;
     u64 end;
@@ -361,7 +362,26 @@ struct unwind_map {
     u32 page_count;
     u32 page_base;
     u32 pad;
+    u32 file;
+    u32 spare;
 };
+
+/* ---- frame kinds --------------------------------------------------------------
+ * A frame of a user stack walked by CFI is a u64 whose top bits give its
+ * kind. FRAME_KIND_ADDRESS (0): an address in its process (named by the
+ * process's mappings; what a frame found by frame pointers, or in a file
+ * with no number, is). FRAME_KIND_FILE: a return address in a file, by the
+ * file's number (user space's, never reused in a trace; unwind_map.file)
+ * and its link-time address there: it names itself, whatever became of
+ * its process, and is the same in every process (one stored stack for a
+ * program run a thousand times). Other kinds are free for frames of other
+ * sorts (an interpreter's). */
+#define FRAME_KIND_SHIFT 60
+#define FRAME_KIND_ADDRESS 0
+#define FRAME_KIND_FILE 1
+#define FRAME_FILE_SHIFT 36 /* the file's number above, its link-time address below */
+#define FRAME_FILE_NUMBERS (1 << 24)
+#define FRAME_KERNEL_NUMBERS (1 << 23) /* numbers below: given at a walk's ask (unwind_vma.bpf.c) */
 
 /* A process's mappings: unwind_maps[first, first + count), by start.
  * inherited: 1 while they are its parent's (parent), given at its fork in
@@ -379,7 +399,7 @@ struct unwind_proc {
  * asked for and not written yet (its frames are stepped by frame pointers
  * meanwhile); then its rows (count 0: none) and its executable segment:
  * file offsets [seg_start, seg_end), at link-time addresses seg_start +
- * seg_delta on. */
+ * seg_delta on; its number, once the trace gave it one. */
 struct unwind_file_key {
     u64 dev;
     u64 ino;
@@ -394,6 +414,8 @@ struct unwind_file {
     u64 seg_start;
     u64 seg_end;
     u64 seg_delta;
+    u32 number; /* the file's number (unwind_map.file; 0: none yet) */
+    u32 pad;
 };
 
 /* A process's mappings found in the kernel, the last UNWIND_VMA_SLOTS

@@ -95,6 +95,7 @@ struct unwind_state {
     u32 vma_frames, unwritten_frames; /* frames by mappings from the kernel, and of them in
                                        * files whose rows were not written yet */
     u32 files_gen;  /* unwind_files_gen when the step began */
+    u32 mixed;      /* frames in the hash so far: each once its kind is known */
     u64 vma_fp;     /* a PC whose VMA could not be looked up: its frame by frame pointers */
     /* Return addresses the kernel replaced with its uretprobe trampoline:
      * where each was on the stack, and what it was. */
@@ -176,8 +177,9 @@ static __always_inline struct unwind_state *unwind_begin(u32 tgid, u64 pc, u64 s
     st->sp = sp;
     st->bp = bp;
     st->top = sp + MAX_STACK_BYTES;
-    st->hash = (0x84222325cbf29ce4ull ^ pc) * 0x9e3779b97f4a7c15ull;
+    st->hash = 0x84222325cbf29ce4ull;
     st->n = 1;
+    st->mixed = 0;
     st->maps_first = first;
     st->last_map = first;
     st->maps_count = count;
@@ -524,6 +526,27 @@ static __always_inline struct unwind_map *unwind_vma_of(struct unwind_state *st,
 }
 #endif
 
+/* The last frame as stored, now that its mapping `m` (or none) is known: in
+ * a file (FRAME_KIND_FILE) where the mapping names a numbered file with
+ * rows, else its address; and into the stack's hash as stored, so that a
+ * stack of numbered files is one stored stack in every process. */
+static __always_inline void unwind_frame_kind(struct unwind_state *st,
+                                              struct alloc_frames_row *row, struct unwind_map *m)
+{
+    u32 at = (st->n - 1) & (FRAME_DEPTH - 1);
+    u64 frame = row->ip[at];
+    if (m && m->count && m->file && m->file < FRAME_FILE_NUMBERS) {
+        u64 address = st->pc - m->bias;
+        if (address < (1ull << FRAME_FILE_SHIFT)) {
+            frame = ((u64)FRAME_KIND_FILE << FRAME_KIND_SHIFT) |
+                    ((u64)m->file << FRAME_FILE_SHIFT) | address;
+            row->ip[at] = frame;
+        }
+    }
+    st->hash = (st->hash ^ (st->hash >> 29) ^ frame) * 0x9e3779b97f4a7c15ull;
+    st->mixed = st->n;
+}
+
 /* One frame: 1 while the walk goes on, 0 when it ended (st->ended says
  * why), 2 when its PC's mapping is to be looked up in the kernel first. */
 static __always_inline int unwind_frame(struct unwind_state *st, struct alloc_frames_row *row,
@@ -542,6 +565,8 @@ static __always_inline int unwind_frame(struct unwind_state *st, struct alloc_fr
         }
     }
 #endif
+    if (st->mixed < st->n)
+        unwind_frame_kind(st, row, m);
     struct unwind_row *r = m ? unwind_row_of(m, st->pc - 1) : NULL;
     u64 cfa = 0, ra = 0;
     u8 ended;
@@ -570,7 +595,6 @@ static __always_inline int unwind_frame(struct unwind_state *st, struct alloc_fr
     st->sp = cfa;
     st->pc = ra;
     row->ip[st->n & (FRAME_DEPTH - 1)] = ra;
-    st->hash = (st->hash ^ (st->hash >> 29) ^ ra) * 0x9e3779b97f4a7c15ull;
     st->n++;
     return 1;
 }
@@ -587,6 +611,8 @@ static __always_inline void unwind_finish(struct pt_regs *ctx, struct unwind_sta
     unwind_misc_add(UX_UNWRITTEN, st->unwritten_frames);
 #endif
     unwind_misc.increment(st->ended);
+    if (st->mixed < st->n) /* the last frame's mapping was not looked at: its address */
+        unwind_frame_kind(st, row, NULL);
     if (st->n < FRAME_DEPTH)
         row->ip[st->n & (FRAME_DEPTH - 1)] = 0;
     st->stack = store_frames(row, st->hash);

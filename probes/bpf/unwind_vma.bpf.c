@@ -88,7 +88,7 @@ long unwind_vma__callback(void *task)
  * file's rows are wanted; to unwind_found, or (`to_asks`) unwind_asks. 0
  * when the ring had no room. */
 static __always_inline int unwind_vma_event(int to_asks, u32 tgid, struct unwind_vma_found *f,
-                                            int ask)
+                                            int ask, u32 number)
 {
     struct event *e = to_asks ? unwind_asks.ringbuf_reserve(sizeof(struct event))
                               : unwind_found.ringbuf_reserve(sizeof(struct event));
@@ -105,11 +105,16 @@ static __always_inline int unwind_vma_event(int to_asks, u32 tgid, struct unwind
     e->args[2] = f->pgoff;
     e->args[3] = f->dev;
     e->args[4] = f->ino;
-    e->args[5] = ask;
+    e->args[5] = ask ? 1 | (u64)number << 1 : 0; /* an ask, and the number it gave the file */
     e->ustack = e->kstack = -1;
     unwind_found.ringbuf_submit(e, 0); /* (either ring's: the record says which) */
     return 1;
 }
+
+/* The numbers the walks' asks give files (their frames', FRAME_KIND_FILE):
+ * the last given. The file server writes a file's rows with its number;
+ * the trace numbers the files it writes itself from FRAME_KERNEL_NUMBERS on. */
+BPF_ARRAY(unwind_file_numbers, u64, 1);
 
 /* The mapping of `f`, as the walk uses it: its file's rows where they are
  * written (asked for, the first time, where they are not). */
@@ -124,21 +129,34 @@ static __always_inline void unwind_vma_map(u32 tgid, struct unwind_vma_found *f,
     struct unwind_file *file = unwind_files.lookup(&key);
     if (!file) {
         struct unwind_file asked = {};
+        u32 zero = 0;
+        u64 *next = unwind_file_numbers.lookup(&zero);
+        if (next) { /* (a compare-and-swap: bcc's LLVM has no fetching add) */
+            u64 seen = *next;
+            for (int i = 0; i < 4; i++) {
+                u64 was = __sync_val_compare_and_swap(next, seen, seen + 1);
+                if (was == seen) {
+                    asked.number = seen + 1 < FRAME_KERNEL_NUMBERS ? seen + 1 : 0;
+                    break;
+                }
+                seen = was;
+            }
+        }
         /* The first to find it asks (-EEXIST: another walk did; -E2BIG, a
          * full table: the file's frames stay by frame pointers, counted as
          * unwritten). The trace reads every ask from unwind_found, and
          * serves it if the file server, told through its own ring, does
          * not; an ask neither can read is taken back, asked again. */
         int ask = !unwind_files.insert(&key, &asked);
-        int said = unwind_vma_event(0, tgid, f, ask);
+        int said = unwind_vma_event(0, tgid, f, ask, asked.number);
         if (ask && said)
-            unwind_vma_event(1, tgid, f, ask);
+            unwind_vma_event(1, tgid, f, ask, asked.number);
         else if (ask)
             unwind_files.delete(&key);
         m->pad = files_gen + 1;
         return;
     }
-    unwind_vma_event(0, tgid, f, 0);
+    unwind_vma_event(0, tgid, f, 0, 0);
     if (!file->written) {
         m->pad = files_gen + 1;
         return;
@@ -152,6 +170,7 @@ static __always_inline void unwind_vma_map(u32 tgid, struct unwind_vma_found *f,
     m->pages = file->pages;
     m->page_count = file->page_count;
     m->page_base = file->page_base;
+    m->file = file->number;
 }
 
 /* UNWIND_VMA_LOOKUP: the mapping of the walk's PC, found in the kernel's

@@ -9,7 +9,11 @@ mapping in the kernel (unwind_vma.bpf.c: bpf_find_vma) and the file's rows
 by (device, inode); the first walk to meet the program's file asks for its
 rows, written within milliseconds by the file server, so
 only the first few processes of the loop step by frame pointers there. Each
-process's frames are named by the mappings its walks found. Checked, under
+process's frames are stored by file and link-time address (a frame in a
+numbered file, probes/frame_kinds.py), so they are named without its maps,
+and are the same in every process (checked against nm's symbols of the
+program); the frames stepped by frame pointers before are named by the
+mappings its walks found. Checked, under
 ``--all``, ``run --follow-forks``, ``serve --comm`` and ``serve``: every
 malloc of the loop's processes counted as bpftrace counts them in the same
 run, and at least 99% of them with the whole chain down to main (from the
@@ -29,6 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from mtrace_live.probes.frame_kinds import in_file
 from mtrace_live.tracer.target import default_libc
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -38,6 +43,7 @@ from .tracing import (
     BPFTRACE_READY,
     Reaper,
     malloc_samples,
+    parsed,
     start_bpftrace,
     wait_for_line,
     wait_until,
@@ -79,6 +85,50 @@ def bpftrace_maps(out: Path) -> dict[str, dict[int, int]]:
             for name, counts in record["data"].items():
                 maps.setdefault(name, {}).update({int(k): int(v) for k, v in counts.items()})
     return maps
+
+
+def nm_spans(program: Path) -> dict[str, tuple[int, int]]:
+    """Each function's [start, end) link-time addresses, as nm reads them."""
+    out = subprocess.run(["nm", "-S", "--defined-only", str(program)], check=True,
+                         capture_output=True, text=True).stdout  # fmt: skip
+    spans = {}
+    for line in out.splitlines():
+        fields = line.split()
+        if len(fields) == 4 and fields[2] in "tT":
+            start = int(fields[0], 16)
+            spans[fields[3]] = (start, start + int(fields[1], 16))
+    return spans
+
+
+def chain_frames(profile: Path) -> set[tuple[int, ...]]:
+    """The location addresses of the program's four frames (inner to
+    main) in each sample whose stack is the whole chain."""
+    prof = parsed(profile.read_bytes())
+    strings = prof.string_table
+    names = {f.id: strings[f.name] for f in prof.function}
+    locations = {loc.id: loc for loc in prof.location}
+    found = set()
+    for sample in prof.sample:
+        stack = [locations[i] for i in sample.location_id]
+        named = [names[line.function_id] for loc in stack for line in loc.line]
+        if named[: len(CHAIN)] == CHAIN:
+            found.add(tuple(loc.address for loc in stack[:4]))
+    return found
+
+
+def assert_named_by_file(profile: Path, program: Path) -> None:
+    """The chain's frames are frames in a file: one set of values in all
+    1,000 processes (addresses in each would differ: each process is
+    placed anew), of the kind FRAME_KIND_FILE, whose link-time addresses
+    lie in the functions nm names."""
+    found = chain_frames(profile)
+    assert len(found) == 1, found
+    spans = nm_spans(program)
+    for value, function in zip(found.pop(), CHAIN, strict=False):
+        placed = in_file(value)
+        assert placed is not None, hex(value)
+        start, end = spans[function]
+        assert start < placed[1] <= end, (function, hex(placed[1]), spans[function])
 
 
 def chains_by_pid(profile: Path) -> tuple[Counter[int], Counter[int]]:
@@ -154,6 +204,8 @@ def test_a_thousand_short_processes_are_whole_from_their_first_allocation(
         tracer.send_signal(signal.SIGINT)
     assert tracer.wait(timeout=300) == 0, err.read_text()
     assert_whole(profile, err.read_text(), bpftrace_counts(bpftrace, out))
+    # AND the program's frames name themselves: by file, the same in every process
+    assert_named_by_file(profile, short_chain)
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

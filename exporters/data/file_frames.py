@@ -1,0 +1,97 @@
+"""The files a trace numbered, for its frames in files (probes/frame_kinds.py).
+
+The tracer numbers each file whose unwind rows it wrote (never a number
+twice in a trace: a file evicted and read again gets a new one), and the
+walks store each frame in such a file as (number, link-time address).
+Those frames are named here, without any process's maps: each numbered
+file is placed, for the tools that read mappings (pprof's, kmemtrace's
+saved maps, sp-rtrace's modules), as if mapped with its link-time address
+0 at ``file_base(number)``, far above any process's addresses.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from mtrace_live.probes.elf.file import ELF_FAILURES, LoadSegment, load_segments, open_elf
+from mtrace_live.probes.elf.maps import Mapping
+from mtrace_live.probes.errors import NotElfError, TargetError
+from mtrace_live.probes.frame_kinds import FILE_NUMBERS, KERNEL_NUMBERS, file_base
+
+
+@dataclass(frozen=True)
+class NumberedFile:
+    path: str  # as a process mapped it (absolute), or "" when none is known
+    inode: tuple[int, int]  # (device, inode) as /proc/PID/maps gives them
+    segments: tuple[LoadSegment, ...]  # its loadable segments (the executable ones at least)
+
+    def mappings(self, number: int) -> list[Mapping]:
+        """The file as if mapped at its number's base: each executable
+        segment, and below the first the part from file offset 0 (where a
+        loader maps it: its load base, which sp-rtrace and pprof count
+        from)."""
+        base = file_base(number)
+        found = []
+        code = [s for s in self.segments if s.executable]
+        if code and code[0].offset:
+            first = code[0]
+            found.append(Mapping(base + first.vaddr - first.offset, base + first.vaddr, 0,
+                                 self.path, False, self.inode, "r--p"))  # fmt: skip
+        found += [Mapping(base + s.vaddr, base + s.vaddr + s.filesz, s.offset, self.path, True,
+                          self.inode, "r-xp") for s in code]  # fmt: skip
+        return found
+
+
+class FileFrames:
+    """Numbers given to files, and each numbered file: the trace's own from
+    KERNEL_NUMBERS on (under a lock: the trace's threads share them), and
+    below those the numbers the walks' asks gave in the kernel, each named
+    once the trace heard the ask (``name``)."""
+
+    def __init__(self) -> None:
+        self.files: dict[int, NumberedFile] = {}
+        self._lock = threading.Lock()
+        self._next = KERNEL_NUMBERS
+        self._segments: dict[int, tuple[LoadSegment, ...]] = {}  # read from the file itself
+
+    def name(self, number: int, file: NumberedFile) -> None:
+        """A number the kernel gave: its file (segments () while unknown;
+        known ones are kept)."""
+        with self._lock:
+            known = self.files.get(number)
+            if known is None or (file.segments and not known.segments):
+                self.files[number] = file
+
+    def number(self, file: NumberedFile) -> int:
+        """A new number for ``file``; 0 once the numbers ran out (its frames
+        are then addresses in their processes)."""
+        with self._lock:
+            if self._next >= FILE_NUMBERS:
+                return 0
+            number = self._next
+            self._next += 1
+            self.files[number] = file
+            return number
+
+    def mappings(self, number: int) -> list[Mapping]:
+        """The numbered file's place ([] while its number is not named):
+        its segments as the trace had them, else read from its path."""
+        file = self.files.get(number)
+        if file is None or not file.path:
+            return []
+        if not file.segments:
+            if number not in self._segments:
+                self._segments[number] = _segments_of(file.path)
+            file = replace(file, segments=self._segments[number])
+        return file.mappings(number)
+
+
+def _segments_of(path: str) -> tuple[LoadSegment, ...]:
+    """The loadable segments of the file at ``path``; () if it cannot be read."""
+    try:
+        with open_elf(Path(path)) as elf:
+            return tuple(load_segments(elf))
+    except (NotElfError, TargetError, OSError, *ELF_FAILURES):
+        return ()
