@@ -20,6 +20,10 @@ without a hold: so a block no process of ours names any more is retired,
 not freed, and freed at a later ``refresh`` once no entry of unwind_procs
 names it. What did not fit (rows of a file, a process's mappings) is
 counted: those frames are walked by frame pointers.
+
+Each file with rows has a number, which its frames carry (probes/
+frame_kinds.py): the one a walk's ask gave it in the kernel, else one of
+the trace's; ``file_frames`` names each (exporters/data/file_frames.py).
 """
 
 from __future__ import annotations
