@@ -58,7 +58,7 @@ def mariadb(tmp: Path, reaper: Reaper) -> Server:
         lambda: bool(subprocess.run(ping, capture_output=True).returncode == 0), "mariadbd up"
     )
     load = ["mariadb-slap", "--no-defaults", f"--socket={sock}", "-uroot", "--concurrency=16",
-            "--iterations=3", "--number-of-queries=4000", "--auto-generate-sql"]  # fmt: skip
+            "--iterations=1", "--number-of-queries=4000", "--auto-generate-sql"]  # fmt: skip
     return Server("mariadbd", server.pid, load, "glibc (libc.so.6)", [default_libc()])
 
 
