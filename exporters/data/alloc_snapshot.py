@@ -487,7 +487,8 @@ class FrameNames:
         if found is None:
             found = frames
             for index in range(1, len(frames)):
-                if self.resolve(tgid, frames[index]) is None:
+                # (a frame in a file is never a cut: unnamed, it shows as itself)
+                if in_file(frames[index]) is None and self.resolve(tgid, frames[index]) is None:
                     found = frames[:index]
                     break
             self._cuts[key] = found
@@ -538,7 +539,7 @@ class FrameNames:
         symbols = self.symbols.get(tgid)
         if symbols is None or self.files is None:
             return
-        for number in self.placed.get(tgid, ()):
+        for number in tuple(self.placed.get(tgid, ())):  # (a scrape's thread may add)
             if number not in symbols.numbers:
                 mappings = self.files.mappings(number)
                 if mappings:  # (else not named yet: placed once it is)

@@ -35,10 +35,12 @@ class NumberedFile:
         base = file_base(number)
         found = []
         code = [s for s in self.segments if s.executable]
-        if code and code[0].offset:
-            first = code[0]
-            found.append(Mapping(base + first.vaddr - first.offset, base + first.vaddr, 0,
-                                 self.path, False, self.inode, "r--p"))  # fmt: skip
+        if code:  # from the lowest segment's file offset 0 (the code's, if it is all known)
+            low = min(self.segments, key=lambda s: s.vaddr)
+            start = base + low.vaddr - low.offset
+            if start < base + code[0].vaddr:
+                found.append(Mapping(start, base + code[0].vaddr, 0, self.path, False,
+                                     self.inode, "r--p"))  # fmt: skip
         found += [Mapping(base + s.vaddr, base + s.vaddr + s.filesz, s.offset, self.path, True,
                           self.inode, "r-xp") for s in code]  # fmt: skip
         return found
@@ -82,7 +84,7 @@ class FileFrames:
         if file is None or not file.path:
             return []
         if not file.segments:
-            if number not in self._segments:
+            if not self._segments.get(number):  # (a failed read is tried again)
                 self._segments[number] = _segments_of(file.path)
             file = replace(file, segments=self._segments[number])
         return file.mappings(number)

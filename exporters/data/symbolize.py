@@ -42,7 +42,7 @@ from mtrace_live.probes.elf.debug import DEBUG_DIRECTORIES, debug_files
 from mtrace_live.probes.elf.file import LoadSegment, build_id, debuglink, load_segments, vaddr_at
 from mtrace_live.probes.elf.maps import Mapping, read_maps
 from mtrace_live.probes.elf.symbols import STT_FUNC, STT_GNU_IFUNC, symbol_table
-from mtrace_live.probes.frame_kinds import frame_kind
+from mtrace_live.probes.frame_kinds import FILE_SHIFT, frame_kind
 
 PAGE = 4096
 _FUNCTION_TYPES = frozenset({STT_FUNC, STT_GNU_IFUNC})
@@ -323,8 +323,15 @@ def module_symbols(
     return found
 
 
+def _place_of(start: int) -> int:
+    """0 for a process's own mapping, else the numbered file's place (its
+    kind and number: probes/frame_kinds.py)."""
+    return start >> FILE_SHIFT if frame_kind(start) else 0
+
+
 class ProcessSymbols:
-    """Symbolizes addresses of one process (a snapshot of its maps)."""
+    """Symbolizes addresses of one process (a snapshot of its maps), and
+    of the numbered files placed beside them (``add``)."""
 
     def __init__(self, pid: int, debug_directories: Sequence[Path] = DEBUG_DIRECTORIES,
                  saved: Sequence[Mapping] | None = None) -> None:  # fmt: skip
@@ -334,21 +341,22 @@ class ProcessSymbols:
         self.debug_directories = debug_directories
         where = proc_dir(pid)
         self.root = where / "root"
-        self.mappings: list[Mapping] = []
+        self.mappings: list[Mapping] = []  # the process's own executable ones
         self.numbers: set[int] = set()  # the numbered files placed beside (``add``)
         self._file_maps: list[Mapping] = []  # every mapping of a file, executable or not
+        self._placed: list[Mapping] = []  # the numbered files' (``add``)
         if saved is not None:
             self._file_maps = list(saved)
             self.mappings = sorted((m for m in saved if m.executable), key=lambda m: m.start)
-            self._starts = [m.start for m in self.mappings]
-            return
-        try:
-            found = read_maps(where)
-        except OSError:
-            found = []
-        self._file_maps = [m for m in found if m.is_file]
-        self.mappings = [m for m in self._file_maps if m.executable]
-        self._starts = [m.start for m in self.mappings]
+        else:
+            try:
+                found = read_maps(where)
+            except OSError:
+                found = []
+            self._file_maps = [m for m in found if m.is_file]
+            self.mappings = [m for m in self._file_maps if m.executable]
+        # (starts, mappings) searched by resolve, replaced whole by add
+        self._index = ([m.start for m in self.mappings], list(self.mappings))
 
     def modules(self) -> list[Mapping]:
         return list(self.mappings)
@@ -356,26 +364,28 @@ class ProcessSymbols:
     def add(self, mappings: Sequence[Mapping]) -> None:
         """Mappings placed beside the process's own: the numbered files its
         frames are in (exporters/data/file_frames.py), above all of its
-        addresses."""
-        fresh = [m for m in mappings if m not in self._file_maps]
+        addresses. (A scrape's thread may resolve meanwhile: the search's
+        lists are replaced in one assignment.)"""
+        fresh = [m for m in mappings if m not in self._placed]
         if not fresh:
             return
-        self._file_maps += fresh
-        self.mappings = sorted(self.mappings + [m for m in fresh if m.executable],
-                               key=lambda m: m.start)  # fmt: skip
-        self._starts = [m.start for m in self.mappings]
+        self._placed = self._placed + fresh
+        searched = sorted(self._index[1] + [m for m in fresh if m.executable],
+                          key=lambda m: m.start)  # fmt: skip
+        self._index = ([m.start for m in searched], searched)
 
     @property
     def file_mappings(self) -> list[Mapping]:
         """Every mapping of a file, executable or not (a module's load base
-        is its lowest)."""
-        return list(self._file_maps)
+        is its lowest), and the numbered files placed beside them."""
+        return self._file_maps + self._placed
 
     def resolve(self, address: int) -> Symbol | None:
-        index = bisect.bisect_right(self._starts, address) - 1
-        if index < 0 or address >= self.mappings[index].end:
+        starts, searched = self._index
+        index = bisect.bisect_right(starts, address) - 1
+        if index < 0 or address >= searched[index].end:
             return None
-        mapping = self.mappings[index]
+        mapping = searched[index]
         span = self._span(mapping)
         path = self.root / mapping.path.lstrip("/")
         try:
@@ -395,9 +405,9 @@ class ProcessSymbols:
     def _span(self, mapping: Mapping) -> tuple[int, int]:
         """All of a module's mappings, from its load base (its lowest
         mapping, which holds file offset 0) to the end of its highest: those
-        of the same kind of frame as ``mapping`` (the process's own, or its
-        file's place among numbered files)."""
-        kind = frame_kind(mapping.start)
-        mine = [m for m in self._file_maps
-                if m.path == mapping.path and frame_kind(m.start) == kind]  # fmt: skip
+        of the same place as ``mapping`` (the process's own, or one numbered
+        file's, by its number)."""
+        place = _place_of(mapping.start)
+        mine = [m for m in self.file_mappings
+                if m.path == mapping.path and _place_of(m.start) == place]  # fmt: skip
         return min(m.start for m in mine), max(m.end for m in mine)

@@ -116,6 +116,24 @@ static __always_inline int unwind_vma_event(int to_asks, u32 tgid, struct unwind
  * the trace numbers the files it writes itself from FRAME_KERNEL_NUMBERS on. */
 BPF_ARRAY(unwind_file_numbers, u64, 1);
 
+/* A new file number (0 once they ran out). A compare-and-swap: bcc's
+ * LLVM 14 has no fetching add. */
+static __always_inline u32 unwind_file_number(void)
+{
+    u32 zero = 0;
+    u64 *next = unwind_file_numbers.lookup(&zero);
+    if (!next)
+        return 0;
+    u64 seen = *next;
+    for (int i = 0; i < 4; i++) {
+        u64 was = __sync_val_compare_and_swap(next, seen, seen + 1);
+        if (was == seen)
+            return seen + 1 < FRAME_KERNEL_NUMBERS ? seen + 1 : 0;
+        seen = was;
+    }
+    return 0;
+}
+
 /* The mapping of `f`, as the walk uses it: its file's rows where they are
  * written (asked for, the first time, where they are not). */
 static __always_inline void unwind_vma_map(u32 tgid, struct unwind_vma_found *f,
@@ -129,25 +147,15 @@ static __always_inline void unwind_vma_map(u32 tgid, struct unwind_vma_found *f,
     struct unwind_file *file = unwind_files.lookup(&key);
     if (!file) {
         struct unwind_file asked = {};
-        u32 zero = 0;
-        u64 *next = unwind_file_numbers.lookup(&zero);
-        if (next) { /* (a compare-and-swap: bcc's LLVM has no fetching add) */
-            u64 seen = *next;
-            for (int i = 0; i < 4; i++) {
-                u64 was = __sync_val_compare_and_swap(next, seen, seen + 1);
-                if (was == seen) {
-                    asked.number = seen + 1 < FRAME_KERNEL_NUMBERS ? seen + 1 : 0;
-                    break;
-                }
-                seen = was;
-            }
-        }
         /* The first to find it asks (-EEXIST: another walk did; -E2BIG, a
          * full table: the file's frames stay by frame pointers, counted as
          * unwritten). The trace reads every ask from unwind_found, and
          * serves it if the file server, told through its own ring, does
          * not; an ask neither can read is taken back, asked again. */
         int ask = !unwind_files.insert(&key, &asked);
+        struct unwind_file *mine = ask ? unwind_files.lookup(&key) : NULL;
+        if (mine && !mine->written) /* the ask's own entry: numbered before anyone hears of it */
+            mine->number = asked.number = unwind_file_number();
         int said = unwind_vma_event(0, tgid, f, ask, asked.number);
         if (ask && said)
             unwind_vma_event(1, tgid, f, ask, asked.number);
