@@ -527,12 +527,13 @@ class UnwindTables:
 
     def _serve_records(self, records: np.ndarray, asks: bool = True) -> None:
         found = found_mappings(records)
-        for one in found:  # the number an ask gave, named from now on (its rows come next)
-            if one.number:
-                self._name_number(one.number, self.path_of(one), user_inode(one.file), ())
+        paths = [self.path_of(one) for one in found]
+        for one, path in zip(found, paths, strict=True):
+            if one.number:  # the number an ask gave, named from now on (its rows come next)
+                self._name_number(one.number, path, user_inode(one.file), ())
         if asks:
             self.files_found(found)
-        self.learned.extend((one, self.path_of(one)) for one in found)
+        self.learned.extend(zip(found, paths, strict=True))
 
     def _asks_first(self) -> None:
         """In the serving thread, between the steps of a file's load: the

@@ -56,7 +56,9 @@ class FileFrames:
         self.files: dict[int, NumberedFile] = {}
         self._lock = threading.Lock()
         self._next = KERNEL_NUMBERS
-        self._segments: dict[int, tuple[LoadSegment, ...]] = {}  # read from the file itself
+        # segments read from the file itself, by number, with the entry read for
+        # (a failed read is tried again only once the number is named anew)
+        self._segments: dict[int, tuple[NumberedFile, tuple[LoadSegment, ...]]] = {}
 
     def name(self, number: int, file: NumberedFile) -> None:
         """A number the kernel gave: its file (segments () while unknown;
@@ -84,9 +86,10 @@ class FileFrames:
         if file is None or not file.path:
             return []
         if not file.segments:
-            if not self._segments.get(number):  # (a failed read is tried again)
-                self._segments[number] = _segments_of(file.path)
-            file = replace(file, segments=self._segments[number])
+            read = self._segments.get(number)
+            if read is None or read[0] is not file:
+                read = self._segments[number] = (file, _segments_of(file.path))
+            file = replace(file, segments=read[1])
         return file.mappings(number)
 
 

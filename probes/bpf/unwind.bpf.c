@@ -379,14 +379,14 @@ int unwind_dlopen_return(struct pt_regs *ctx)
  * RT_DELETE before the change (nothing mapped yet). */
 int unwind_dl_state(struct pt_regs *ctx)
 {
-    u32 zero = 0;
+    u32 zero = 0, tgid = bpf_get_current_pid_tgid() >> 32;
     s64 *delta = unwind_rtld.lookup(&zero);
     int state = 0;
-    if (!delta || !*delta)
-        return 0;
+    if (!delta || !*delta || gate_closed() || !tgid_is_followed(tgid))
+        return 0; /* (every process's loader calls it, under --all and serve) */
     if (bpf_probe_read_user(&state, sizeof(state), (void *)(PT_REGS_IP(ctx) + *delta)) || state)
         return 0;
-    unwind_mapped(bpf_get_current_pid_tgid() >> 32);
+    unwind_mapped(tgid);
     return 0;
 }
 
