@@ -451,8 +451,10 @@ def _heaps(d: _Deriver, p: DerivedPlan) -> list[DerivedProbe]:
             "memory_heap_new",
             EXACT,
             SYSCALL,
-            f"mprotect(PROT_READ|PROT_WRITE) at a {mask}-aligned address: (start, len)",
-            "also counts any other read-write mprotect at such an address",
+            f"mprotect(PROT_READ|PROT_WRITE) at a {mask}-aligned address, by a thread whose "
+            f"last heap reservation (mmap PROT_NONE, MAP_NORESERVE, {mask} or twice that) "
+            "awaits it: (start, len)",
+            "a heap reserved before the trace started, and opened after it, is not seen",
             syscall_args=heap_args("h", "len"),
         ),
         "memory_heap_more": DerivedProbe(

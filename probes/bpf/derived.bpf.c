@@ -5,16 +5,23 @@
  * the offsets of heap_info's size and mprotect_size.
  *
  * Hooks of the shared handlers: derived_fork (task_newtask, common.bpf.h),
- * derived_enter_munmap, derived_enter_brk and derived_exit_brk (vm.bpf.c);
- * empty without DERIVED_SYSCALLS. */
+ * derived_enter_mmap, derived_enter_munmap, derived_enter_brk and
+ * derived_exit_brk (vm.bpf.c); empty without DERIVED_SYSCALLS. */
 #if DERIVED_SYSCALLS
 /* The break each process last had, as its brk calls returned it, and the
  * break each thread's brk call in flight asked for. */
 BPF_HASH(brk_last, u32, u64, 16384);
 BPF_HASH(brk_asked, u32, u64, 16384);
+/* The threads whose last heap-sized reservation (alloc_new_heap's mmap:
+ * PROT_NONE, MAP_NORESERVE, HEAP_MAX or twice that) awaits its first
+ * mprotect. A thread's stack is opened by a read-write mprotect too, from
+ * its guard page's end, which can fall on a HEAP_MAX boundary; its mapping
+ * is not reserved so. */
+BPF_TABLE("lru_hash", u32, u8, heap_reserved, 16384);
 
 #define MTRACE_PROT_WRITE 0x2   /* include/uapi/asm-generic/mman-common.h */
 #define MTRACE_MADV_DONTNEED 4
+#define MTRACE_MAP_NORESERVE 0x4000 /* include/uapi/asm-generic/mman.h */
 
 static __always_inline void derived_event(void *ctx, const s32 probe, const u32 site,
                                           u64 a0, u64 a1)
@@ -91,7 +98,11 @@ TRACEPOINT_PROBE(syscalls, sys_enter_mprotect)
     u64 start = args->start;
     u64 heap = start & ~((u64)HEAP_MAX - 1);
     if (start == heap) { /* alloc_new_heap opens a new heap's first pages */
-        derived_event(args, D_HEAP_NEW, D_HEAP_NEW_SITE, start, args->len);
+        u32 tid = (u32)bpf_get_current_pid_tgid();
+        if (heap_reserved.lookup(&tid)) {
+            heap_reserved.delete(&tid);
+            derived_event(args, D_HEAP_NEW, D_HEAP_NEW_SITE, start, args->len);
+        }
         return 0;
     }
 #if D_HEAP_MORE >= 0
@@ -112,6 +123,16 @@ TRACEPOINT_PROBE(syscalls, sys_enter_madvise)
     if (start != heap && heap + heap_field(heap, HEAP_SIZE_OFF) == start + args->len_in)
         derived_event(args, D_HEAP_LESS, D_HEAP_LESS_SITE, heap, start - heap);
     return 0;
+}
+
+static __always_inline void derived_enter_mmap(u64 len, u64 prot, u64 flags)
+{
+    if (D_HEAP_NEW < 0 || prot || !(flags & MTRACE_MAP_NORESERVE) ||
+        (len != HEAP_MAX && len != 2 * (u64)HEAP_MAX) || !derived_traced())
+        return;
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    u8 reserved = 1;
+    heap_reserved.update(&tid, &reserved);
 }
 
 static __always_inline void derived_enter_munmap(void *args, u64 heap, u64 len)
@@ -137,6 +158,10 @@ static __always_inline void derived_fork(u32 parent, u32 child)
 }
 #else
 static __always_inline void derived_fork(u32 parent, u32 child)
+{
+}
+
+static __always_inline void derived_enter_mmap(u64 len, u64 prot, u64 flags)
 {
 }
 

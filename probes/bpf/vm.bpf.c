@@ -3,9 +3,9 @@
  * at entry), with the allocation functions (WITH_ALLOCS). Only the traced
  * processes; munmap counts what it was asked to unmap, whoever mapped it.
  *
- * munmap's entry and brk's entry and exit are shared with the derived
- * probes (derived.bpf.c): their handlers, at the end, call one hook of each
- * part, and a part switched off has empty hooks. */
+ * mmap's and munmap's entries and brk's entry and exit are shared with the
+ * derived probes (derived.bpf.c): their handlers, at the end, call one hook
+ * of each part, and a part switched off has empty hooks. */
 #if WITH_ALLOCS
 #define MAP_ANONYMOUS_ 0x20
 struct vm_call {
@@ -52,11 +52,6 @@ static __always_inline struct vm_proc *vm_returned(s64 ret, int zero_is_success,
     return vm_proc_of(bpf_get_current_pid_tgid() >> 32);
 }
 
-TRACEPOINT_PROBE(syscalls, sys_enter_mmap)
-{
-    return vm_enter(args->len, args->flags);
-}
-
 TRACEPOINT_PROBE(syscalls, sys_exit_mmap)
 {
     struct vm_call call;
@@ -71,8 +66,8 @@ TRACEPOINT_PROBE(syscalls, sys_exit_mmap)
     return 0;
 }
 
-/* sys_enter_munmap and the brk tracepoints are shared with the derived
- * probes: see the dispatch at the end. */
+/* sys_enter_mmap, sys_enter_munmap and the brk tracepoints are shared with
+ * the derived probes: see the dispatch at the end. */
 
 TRACEPOINT_PROBE(syscalls, sys_exit_munmap)
 {
@@ -147,6 +142,13 @@ static __always_inline int vm_exit_brk(u64 ret)
 
 /* ---- system calls both the allocation tables and the derived probes use --*/
 #if WITH_ALLOCS || DERIVED_SYSCALLS
+TRACEPOINT_PROBE(syscalls, sys_enter_mmap)
+{
+    vm_enter(args->len, args->flags);
+    derived_enter_mmap(args->len, args->prot, args->flags);
+    return 0;
+}
+
 TRACEPOINT_PROBE(syscalls, sys_enter_munmap)
 {
     vm_enter(args->len, 0);
