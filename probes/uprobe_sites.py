@@ -14,7 +14,9 @@ long as, on the way there:
   X itself is a pass through X, and passes it too);
 - nothing writes the registers the probe reads (R) or the stack pointer
   (an entry probe reads the return address at the top of the stack);
-- the code neither returns nor leaves for the kernel.
+- the code neither returns nor leaves for the kernel, nor jumps away by a
+  jump the kernel does not emulate (through a register or memory): what
+  follows such a jump is not on the straight path.
 
 Its callers: the allocation functions' entries (probes/alloc_sites.py),
 the libc's lock-wait slow path (probes/lock_sites.py) and the memory_*
@@ -125,8 +127,8 @@ def first_emulated(insns: Sequence[capstone.CsInsn], start: int, registers: Sequ
                           for asked, now in zip(registers, held, strict=True))  # fmt: skip
             return Site(insn.address, text(insn), True, where)
         wide = written(insn)
-        if "rsp" in wide or insn.mnemonic in _ENDS:
-            break
+        if "rsp" in wide or insn.mnemonic in _ENDS or capstone.CS_GRP_JUMP in set(insn.groups):
+            break  # (a jump here is one not emulated: jmp rax, jmp [rip + x], notrack jmp)
         copy = _register_copy(insn) if follow_moves else None
         for now in held:
             copied = copy is not None and copy[1] in now

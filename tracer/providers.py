@@ -36,6 +36,7 @@ from .target import mapped_glibc
 # Files that may hold a known allocator: read for their symbols when mapped.
 _ALLOCATOR_FILE = re.compile(r"^lib(c|jemalloc|tcmalloc\w*|mimalloc\w*)([.-][\w.-]*)?\.so[\w.]*$")
 _PRELOAD_SPLIT = re.compile(r"[:\s]+")
+_PRELOAD_COMMENT = re.compile(r"#[^\n]*")  # to the line's end, in /etc/ld.so.preload
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,8 @@ def of_process(pid: int) -> Providers:
     if not files:
         return Providers(None, ())
     by_name = _FileNames(files)
-    preload = [(name, path) for name in _preloaded(pid) if (path := by_name.get(name))]
+    preload = [(name, path) for name in _preloaded(proc_dir(pid))
+               if (path := by_name.get(name))]  # fmt: skip
     return resolve(search_order(_exe_of(pid, files), preload, by_name), files)
 
 
@@ -248,12 +250,13 @@ def _exe_of(pid: int, files: Objects) -> tuple[str, Path]:
     return next(((name, path) for name, path in files if file_identity(path) == exe), files[0])
 
 
-def _preloaded(pid: int) -> list[str]:
-    """The names of the libraries the process was started with preloaded:
-    its LD_PRELOAD, then its root's /etc/ld.so.preload."""
+def _preloaded(directory: Path) -> list[str]:
+    """The names of the libraries the process of /proc ``directory`` was
+    started with preloaded: its LD_PRELOAD, then its root's /etc/ld.so.preload
+    (whose ``#`` comments the dynamic linker skips, as its rtld.c does)."""
     names: list[str] = []
     try:
-        environ = (proc_dir(pid) / "environ").read_bytes().split(b"\0")
+        environ = (directory / "environ").read_bytes().split(b"\0")
     except OSError:
         environ = []
     for entry in environ:
@@ -261,7 +264,8 @@ def _preloaded(pid: int) -> list[str]:
             value = entry.split(b"=", 1)[1].decode(errors="replace")
             names += [os.path.basename(p) for p in _PRELOAD_SPLIT.split(value) if p]
     try:
-        text = (proc_dir(pid) / "root" / "etc" / "ld.so.preload").read_text(errors="replace")
+        text = (directory / "root" / "etc" / "ld.so.preload").read_text(errors="replace")
+        text = _PRELOAD_COMMENT.sub(" ", text)
         names += [os.path.basename(p) for p in _PRELOAD_SPLIT.split(text) if p]
     except OSError:
         pass

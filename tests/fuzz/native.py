@@ -65,8 +65,8 @@ def build(directory: Path) -> Path:
 
 
 def environment() -> dict[str, str]:
-    """The harness's environment: the embedded interpreter's own allocations
-    are not the walker's leaks; any error report aborts the input."""
+    """The harness's environment: leaks checked (lsan.supp suppresses none:
+    the interpreter allocates through malloc); any error report aborts the input."""
     return {
         **os.environ,
         "LSAN_OPTIONS": f"suppressions={SUPPRESSIONS}:print_suppressions=0",

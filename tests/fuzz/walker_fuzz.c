@@ -13,6 +13,11 @@
  * An input: one byte of flags (bit 0: big-endian; bits 1-7: the chunk size,
  * 24 + 8 x n bytes), then the cpuN files' contents separated by SEPARATOR,
  * as tests/unit/fuzz_targets.py separates a record set's files.
+ *
+ * The only errors the walker may raise are OSError (a file it cannot read)
+ * and MemoryError: any other aborts, as a crash would. With WALKER_FUZZ_SHOW
+ * set in its environment, the harness writes each input's record counts to
+ * stderr (tests/unit/test_native_fuzz.py checks the seeds' counts).
  */
 #include "../../exporters/kmemtrace/walker.c"
 
@@ -23,24 +28,47 @@
 #define RECORD_MIN 24 /* the smallest record: reader.py's CORE_SIZE */
 #define PROBE_MIN 80  /* the smallest probe record: reader.py's PROBE_SIZE */
 
+static int show;
+
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
     (void)argc;
     (void)argv;
+    show = getenv("WALKER_FUZZ_SHOW") != NULL;
+    /* Every object the interpreter makes comes from malloc, not from
+     * pymalloc's arenas (which LeakSanitizer does not scan): the objects the
+     * interpreter still holds at exit are reachable from its globals, and an
+     * object the walker forgets to release (one the garbage collector does
+     * not track) is a leak found, not hidden (tests/fuzz/lsan.supp). */
+    PyPreConfig pre;
+    PyPreConfig_InitPythonConfig(&pre);
+    pre.allocator = PYMEM_ALLOCATOR_MALLOC;
+    if (PyStatus_Exception(Py_PreInitialize(&pre))) abort();
     Py_InitializeEx(0);
     return 0;
 }
 
-/* The walker's figures must bound themselves by the input: a record is 24
- * bytes at least, so no pass can find more records than that. */
-static void check_records(PyObject *found, size_t bytes) {
+/* The records a pass found, or -1 where it refused the input. A refusal is a
+ * read error (OSError) or no memory (MemoryError); any other error is the
+ * walker's bug, and aborts. The figures must bound themselves by the input: a
+ * record is 24 bytes at least, so no pass can find more records than that. */
+static long long check_records(PyObject *found, size_t bytes) {
     if (!found) {
-        /* A refusal is a Python error (a read error, no memory): never a crash. */
+        if (!PyErr_Occurred()) {
+            fprintf(stderr, "walker: a NULL result without an error\n");
+            abort();
+        }
+        if (!PyErr_ExceptionMatches(PyExc_OSError) && !PyErr_ExceptionMatches(PyExc_MemoryError)) {
+            PyErr_Print();
+            abort();
+        }
         PyErr_Clear();
-        return;
+        return -1;
     }
     PyObject *records = PyDict_GetItemString(found, "records");
-    if (!records || PyLong_AsUnsignedLongLong(records) > bytes / RECORD_MIN) abort();
+    unsigned long long count = records ? PyLong_AsUnsignedLongLong(records) : ~0ULL;
+    if (!records || PyErr_Occurred() || count > bytes / RECORD_MIN) abort();
     Py_DECREF(found);
+    return (long long)count;
 }
 
 /* One cpuN file: scan() into room sized as reader.py sizes it, and the
@@ -118,14 +146,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         Py_DECREF(cpu);
         Py_DECREF(node);
     }
+    Py_ssize_t scanned = PyByteArray_GET_SIZE(all) / (Py_ssize_t)sizeof(rec_t);
     PyObject *call = Py_BuildValue("(OOK)", all, nodes, 4096ULL);
-    check_records(report_records(NULL, call),
-                  (size_t)PyByteArray_GET_SIZE(all) / sizeof(rec_t) * RECORD_MIN);
+    long long decoded = check_records(report_records(NULL, call), (size_t)scanned * RECORD_MIN);
     Py_DECREF(call);
 
     call = Py_BuildValue("(OOOiKK)", paths, cpus, nodes, big, 4096ULL, chunk);
-    check_records(report_pass(NULL, call), size);
+    long long passed = check_records(report_pass(NULL, call), size);
     Py_DECREF(call);
+    if (show)
+        fprintf(stderr, "walker records: scan %zd, report_records %lld, report_pass %lld\n",
+                scanned, decoded, passed);
     for (size_t i = 0; i < n; i++) close(fds[i]);
     Py_DECREF(all);
     Py_DECREF(paths);

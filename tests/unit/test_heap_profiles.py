@@ -509,6 +509,56 @@ def test_a_bounded_profile_keeps_the_largest_stacks_and_every_total() -> None:
     assert len(decoded(answer(heap)[1]).sample) == 65
 
 
+def test_a_bound_below_the_processes_keeps_one_sample_per_process() -> None:
+    # GIVEN 5 processes of 3 stacks each, every stack's values known
+    pids = range(5001, 5006)
+    rows = [stack(pid, 0x401000 + 16 * n, 1 + n, 100 * (pid - 5000) + 8 * n, n % 2)
+            for pid in pids for n in range(3)]  # fmt: skip
+    heap, _ = profiles(tables(*rows))
+    # WHEN the heap profile is asked for with at most 3 samples, fewer than the processes
+    bound = decoded(answer(heap, max_samples=3)[1])
+    # THEN no stack is kept whole: each process is one "(other)" sample (5, more than
+    # the bound, as a profile of more processes than the bound must), holding the sum
+    # of its stacks' four values
+    totals = {pid: [0, 0, 0, 0] for pid in pids}
+    for r in rows:
+        for i, value in enumerate((r.calls, r.bytes, r.calls - r.frees, r.bytes - r.bytes_freed)):
+            totals[r.tgid][i] += value
+    assert {key: values for key, (values, _) in samples(bound).items()} == {
+        (pid, "(other)"): totals[pid] for pid in pids
+    }
+    assert "15 stacks past the bound of 3 samples" in " ".join(
+        bound.string_table[c] for c in bound.comment
+    )
+
+
+def test_a_bounded_delta_keeps_its_largest_changes_freed_ones_too() -> None:
+    # GIVEN APP's stacks, a delta begun on them: one holds 100 blocks of 64 bytes
+    heap, source = profiles(tables(stack(APP, 0x401100, 100, 64, 0),
+                                   *(stack(APP, 0x401200 + 16 * n, 1, 8, 0) for n in range(4)),
+                                   stack(APP, 0x401300, 7, 16, 7)))  # fmt: skip
+    token = heap.answer({"op": "mark"})[1].decode()
+    # WHEN the first frees 90 of its blocks (inuse_space -5,760), the next four each
+    # allocate n + 2 more blocks of 8 bytes (+16 to +40), and the last does nothing
+    source.snapshot = tables(stack(APP, 0x401100, 100, 64, 90),
+                             *(stack(APP, 0x401200 + 16 * n, 3 + n, 8, 0) for n in range(4)),
+                             stack(APP, 0x401300, 7, 16, 7))  # fmt: skip
+    status, body = answer(heap, since=token, max_samples=3)
+    # THEN the 3 samples are the two largest changes by inuse_space's magnitude (the
+    # freed stack's -5,760 and the +40), and "(other)" sums the rest; the stack that
+    # did nothing is no sample and is not counted past the bound
+    assert status == 200
+    delta = decoded(body)
+    assert {key: values for key, (values, _) in samples(delta).items()} == {
+        (APP, "f401100"): [0, 0, -90, -5760],
+        (APP, "f401230"): [5, 40, 5, 40],
+        (APP, "(other)"): [2 + 3 + 4, 8 * (2 + 3 + 4), 2 + 3 + 4, 8 * (2 + 3 + 4)],
+    }
+    assert "3 stacks past the bound of 3 samples" in " ".join(
+        delta.string_table[c] for c in delta.comment
+    )
+
+
 def test_a_profile_s_pid_label_is_a_number_and_the_rest_strings() -> None:
     heap, _ = profiles(tables(replace(stack(APP, 0x401100, 1, 8, 0), function="calloc")))
     profile = decoded(answer(heap)[1])

@@ -30,18 +30,43 @@ def test_a_jump_landing_on_the_way_leaves_the_start() -> None:
     assert site(TEST_RDI + TEST_RSI + PUSH_RBP, "rdi", targets={0x1000}).address == 0x1006
 
 
+# Encodings as objdump -D -b binary -mi386:x86-64 -M intel reads them.
 @pytest.mark.parametrize(("before", "why"), [
     ("4883ec08", "sub rsp, 8: the return address moves"),
     ("0f05", "syscall"),
     ("c3", "ret"),
+    ("f4", "hlt"),
+    ("0f0b", "ud2"),
     ("4889c7", "mov rdi, rax: the register asked for"),
     ("89c7", "mov edi, eax: part of it"),
+    ("ff2500000000", "jmp QWORD PTR [rip+0x0]: away, not emulated"),
+    ("ff20", "jmp QWORD PTR [rax]"),
+    ("ffe0", "jmp rax"),
+    ("3effe0", "notrack jmp rax (a CET jump table's)"),
+    ("ff1500000000", "call QWORD PTR [rip+0x0]: not emulated, and it pushes"),
+    ("ff10", "call QWORD PTR [rax]"),
 ])  # fmt: skip
 def test_a_write_of_the_stack_or_a_register_or_an_end_leaves_the_start(
     before: str, why: str
 ) -> None:
     assert site(before + PUSH_RBP, "rdi").emulated is False, why
     assert site(before + PUSH_RBP, "rdi").address == 0x1000, why
+
+
+def test_a_one_byte_nop_is_emulated_and_a_longer_one_is_passed() -> None:
+    # GIVEN nop (90), and the multi-byte nops a compiler pads with
+    # (66 90: xchg ax,ax; 0f 1f 40 00: nop DWORD PTR [rax+0x0]), before a push
+    # THEN the one-byte nop is the site; the longer ones, single-stepped, are
+    # passed for the push
+    assert site(TEST_RDI + "90" + PUSH_RBP, "rdi") == Site(0x1003, "nop", True, ("rdi",))
+    assert site(TEST_RDI + "6690" + PUSH_RBP, "rdi") == Site(0x1005, "push rbp", True, ("rdi",))
+    assert site(TEST_RDI + "0f1f4000" + PUSH_RBP, "rdi").address == 0x1007
+
+
+def test_a_relative_jump_or_call_is_itself_the_site() -> None:
+    # jmp rel32 (e9) and call rel32 (e8) are emulated, unlike those through memory
+    assert site(TEST_RDI + "e900000000", "rdi") == Site(0x1003, "jmp 0x1008", True, ("rdi",))
+    assert site(TEST_RDI + "e800000000", "rdi") == Site(0x1003, "call 0x1008", True, ("rdi",))
 
 
 def test_a_register_not_asked_for_may_be_written() -> None:
