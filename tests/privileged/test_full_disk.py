@@ -6,6 +6,7 @@ convert: a batch that does not fit is cut off whole."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import MTRACE, built
+from .tracing import wait_for_line
 
 
 @pytest.fixture
@@ -67,6 +69,53 @@ def test_a_full_disk_during_a_record_set_keeps_every_whole_batch_readable(
                             timeout=300)  # fmt: skip
     assert report.returncode == 0, report.stderr
     assert f"ABI 3, {kept[1]} records" in report.stdout, report.stdout
+
+
+CALL = re.compile(r"^\d+\. .*$", re.MULTILINE)  # an sp-rtrace call's first line
+
+
+def test_a_full_disk_during_an_sp_rtrace_report_keeps_it_readable(disk: Path) -> None:
+    # GIVEN an sp-rtrace report of more calls than the disk holds: 4.5 MiB
+    # left, more than one of the trace's batches while it runs (16,384
+    # events of some 200 bytes each), less than the 50,000 calls the
+    # workload makes (gated: it waits before exiting until the report holds
+    # a batch, so that the batches are not all read at its end, as one)
+    fill(disk, 4608 * 1024)
+    report = disk / "trace.txt"
+    out, err = disk.parent / "out", disk.parent / "err"
+    with open(out, "wb") as stdout, open(err, "wb") as stderr:
+        tracer = subprocess.Popen([*MTRACE, "run", "-o", "summary", "--sp-rtrace", str(report),
+                                   "--", str(built("alloc_bench")), "25000", "1", "1"],
+                                  stdin=subprocess.PIPE, stdout=stdout, stderr=stderr,
+                                  env={**os.environ, "GATE": "1"})  # fmt: skip
+    try:
+        assert tracer.stdin is not None
+        tracer.stdin.write(b"g")  # the workload's loop starts
+        tracer.stdin.flush()
+        # (an empty line ends a call's backtrace: one is in the report)
+        wait_for_line(report, "\n\n", tracer, timeout=300)
+    finally:
+        if tracer.stdin is not None:
+            tracer.stdin.close()  # and it exits
+        returncode = tracer.wait(timeout=300)
+    done = subprocess.CompletedProcess(tracer.args, returncode, out.read_text(), err.read_text())
+    # THEN one error line, exit 20, which says the report so far is kept
+    error = one_error(done, f"cannot write {report}: No space left on device")
+    assert error.endswith("the report up to then is kept"), error
+    # AND the report ends after a whole item: a call's backtrace, which the
+    # protocol ends with an empty line, or a comment line ("## ...", an
+    # event that is no call); its calls numbered in order
+    text = report.read_text()
+    calls = CALL.findall(text)
+    numbers = [int(call.split(".")[0]) for call in calls]
+    assert len(calls) > 0 and numbers == sorted(set(numbers)), calls[-5:]
+    last = text.split("\n")[-2]
+    assert text.endswith("\n") and (last == "" or last.startswith("## ")), text[-300:]
+    # AND convert reads every one of those calls back
+    again = subprocess.run([*MTRACE, "convert", str(report)], capture_output=True, text=True,
+                           timeout=300)  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert CALL.findall(again.stdout) == calls
 
 
 @pytest.mark.parametrize("option", ["--pprof", "--folded", "--allocinfo", "--pprof-mutex"])

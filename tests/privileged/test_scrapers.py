@@ -1,13 +1,25 @@
-"""serve's heap profiles as the scrapers really ask for them: the URLs
-Parca and Alloy build from the configurations of docs/heap-profiles.md (as
-their sources build them: Parca's pkg/scrape/target.go, Alloy's
-internal/component/pyroscope/scrape/target.go), go tool pprof's errors,
-the sample bound, and a tracing process held busy. Each is checked by its
-status, its headers and the profile as go tool pprof parses it."""
+"""serve's heap profiles as the scrapers ask for them: the URLs Parca and
+Alloy build from the configurations of docs/heap-profiles.md, go tool
+pprof's errors, the sample bound, and a tracing process held busy. Each is
+checked by its status, its headers and the profile as go tool pprof parses
+it.
+
+No code of Parca's or Alloy's runs here: neither is packaged. What is
+theirs is the configuration, as the page gives it (its YAML and Alloy
+blocks, read from the page). What is not: ``parca_url`` is this test's own
+rewrite of how Parca's pkg/scrape/target.go makes a target's URL (the job's
+params, which its targets share, each adding ``seconds`` of the scrape
+interval for a delta profile; Go's url.Values.Encode order), checked here
+only against the URL the page says Parca asks for; Alloy's URL is the
+memory profile's ``path`` from the page's block, as Alloy asks for a whole
+profile when the component sets no ``params``
+(internal/component/pyroscope/scrape/target.go), which is checked of the
+block."""
 
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import re
 import signal
@@ -16,6 +28,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
@@ -25,12 +38,11 @@ import yaml
 from google.protobuf import empty_pb2
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from .test_heap_profiles import Workload, by_function, go_raw, truth_by_function
+from .test_heap_profiles import DELTA_WINDOWS, Workload, by_function, go_raw, truth_by_function
 from .test_serve import free_port, start_serve, stop
 from .tracing import Reaper, wait_until
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "heap-profiles.md"
-WINDOW = 10  # seconds: the scrape interval the Parca job is given here (15 s on the page)
 
 
 class Got:
@@ -55,25 +67,65 @@ class Got:
         return found
 
 
-def parca_url(base: str, job: dict[str, Any], profile: str, comm: str) -> str:
-    """The URL Parca scrapes for ``profile`` of ``job`` (its interval
-    WINDOW): the job's params, its comm made ``comm``, then, for a delta
-    profile, seconds added once per target to the params all its targets
-    share; url.Values.Encode's order (keys sorted, values in order)."""
+def parca_url(base: str, job: dict[str, Any], profile: str, comm: str, interval: int) -> str:
+    """The URL Parca scrapes for ``profile`` of ``job``, given the scrape
+    interval ``interval`` (seconds): the job's params, its comm made
+    ``comm``, then, for a delta profile, seconds added once per target to
+    the params all its targets share; url.Values.Encode's order (keys
+    sorted, values in order). This test's rewrite, not Parca's code."""
     settings = job["profiling_config"]["pprof_config"][profile]
     params = {key: list(values) for key, values in job["params"].items()}
     params["comm"] = [comm]
     if settings.get("delta"):
         targets = sum(len(group["targets"]) for group in job["static_configs"])
-        params.setdefault("seconds", []).extend([str(WINDOW)] * targets)
+        params.setdefault("seconds", []).extend([str(interval)] * targets)
     return f"{base}{settings['path']}?{urlencode(sorted(params.items()), doseq=True)}"
 
 
-def parca_jobs() -> list[dict[str, Any]]:
+def doc_block(language: str, after: str) -> str:
+    """The first fenced block of ``language`` after the heading ``after``."""
     text = DOC.read_text()
-    body = text[text.index("### Parca") :].split("```yaml\n", 1)[1].split("```", 1)[0]
-    jobs: list[dict[str, Any]] = yaml.safe_load(body)["scrape_configs"]
+    return text[text.index(after) :].split(f"```{language}\n", 1)[1].split("```", 1)[0]
+
+
+def parca_jobs() -> list[dict[str, Any]]:
+    jobs: list[dict[str, Any]] = yaml.safe_load(doc_block("yaml", "### Parca"))["scrape_configs"]
     return jobs
+
+
+def interval_of(job: dict[str, Any]) -> int:
+    """The job's scrape interval, in seconds (Prometheus' durations: 15s, 5m)."""
+    number, unit = re.fullmatch(r"(\d+)([smh])", job["scrape_interval"]).groups()  # type: ignore[union-attr]
+    return int(number) * {"s": 1, "m": 60, "h": 3600}[unit]
+
+
+def alloy_memory_path() -> str:
+    """The path of the Alloy component's memory profile, from the page's
+    block, which must ask for it whole (enabled, no delta) and with no
+    params: then Alloy's URL is that path alone."""
+    component = doc_block("alloy", "### Grafana Alloy and Pyroscope")
+    assert not re.search(r"^\s*params\s*=", component, re.MULTILINE), component
+    memory = re.search(r"^\s*profile\.memory\s*\{\n(.*?)^\s*\}", component,
+                       re.MULTILINE | re.DOTALL)  # fmt: skip
+    assert memory is not None, component
+    settings: dict[str, str] = dict(
+        re.findall(r"^\s*(\w+)\s*=\s*(.+?)\s*$", memory[1], re.MULTILINE)
+    )
+    assert settings.get("enabled") == "true" and settings.get("delta", "false") == "false"
+    path = settings["path"]
+    assert path.startswith('"') and path.endswith('"'), path
+    return path[1:-1]
+
+
+def test_parca_url_is_the_url_the_page_says_parca_asks_for() -> None:
+    # the rewrite of Parca's URL building, on the page's own delta job, gives
+    # the URL the page says Parca sends (from Parca's source)
+    text = " ".join(DOC.read_text().split())
+    said = re.search(r"so the URL above is `(/\S+)`", text)
+    assert said is not None
+    job = parca_jobs()[0]
+    comm = job["params"]["comm"][0]
+    assert parca_url("", job, "memory", comm, interval_of(job)) == said[1]
 
 
 def deltas_begun(base: str) -> int:
@@ -103,56 +155,90 @@ def parsed(got: Got, tmp: Path, name: str) -> Any:
     return go_raw(str(path), tmp)
 
 
+def got_into(url: str, answers: list[Got]) -> None:
+    answers.append(Got(url))
+
+
+@dataclass
+class ParcaDelta:
+    """Parca's delta profile, scraped while a run worked inside its window."""
+
+    got: Got
+    url: str
+    seconds: int  # the window
+    asked: int  # time.time_ns() before it was asked
+    truth: dict[str, Any]  # what the run did
+
+
+def parca_delta(base: str, job: dict[str, Any], runs: list[Workload]) -> tuple[int, ParcaDelta]:
+    """Parca's delta (``job``'s memory profile), its scrape interval each of
+    test_heap_profiles' DELTA_WINDOWS in turn, while the next of ``runs``
+    works once it has begun: the first whose run was done inside its window
+    (its fetch still waiting), and how many were asked before it."""
+    for started, seconds in enumerate(DELTA_WINDOWS):
+        url = parca_url(base, job, "memory", "alloc_workload", seconds)
+        delta: list[Got] = []
+        asked = time.time_ns()
+        fetcher = threading.Thread(target=got_into, args=(url, delta))
+        fetcher.start()
+        wait_until(lambda n=started: deltas_begun(base) > n, "Parca's delta begun")  # type: ignore[misc]
+        truth = runs[started].work()
+        inside = fetcher.is_alive()
+        fetcher.join(timeout=seconds + 300)
+        if inside:
+            (got,) = delta
+            return started, ParcaDelta(got, url, seconds, asked, truth)
+    raise AssertionError(f"the run outlasted every window {DELTA_WINDOWS}")
+
+
 def test_parca_s_and_alloy_s_urls_get_whole_profiles(tmp_path: Path) -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     delta_job, heap_job = parca_jobs()
     with Reaper() as reaper:
-        # GIVEN two runs of the allocation workload, serve tracing both
+        # GIVEN a run of the allocation workload, and one more for each window
+        # a delta may be asked with, serve tracing them all
         first = Workload(reaper, tmp_path / "first.json")
-        second = Workload(reaper, tmp_path / "second.json")
+        runs = [Workload(reaper, tmp_path / f"second{n}.json") for n in range(len(DELTA_WINDOWS))]
         serve, err = start_serve(["--no-kmem", "--exact", "--comm", "alloc_workload",
                                   "--web.listen-address", f"127.0.0.1:{port}"],
                                  tmp_path, reaper)  # fmt: skip
         truth_first = first.work()
         # WHEN Parca's delta job scrapes (its URL carries seconds twice: two targets share
-        # the job's params) while the second works inside the window
-        url = parca_url(base, delta_job, "memory", "alloc_workload")
-        delta: list[Got] = []
-        asked = time.time_ns()
-        fetcher = threading.Thread(target=lambda: delta.append(Got(url)))
-        fetcher.start()
-        wait_until(lambda: deltas_begun(base) > 0, "Parca's delta begun")
-        truth_second = second.work()
-        inside = fetcher.is_alive()
-        fetcher.join(timeout=300)
+        # the job's params) while a second run works inside the window (and, should it
+        # outlast it, the same again with a new run in a longer window)
+        started, delta = parca_delta(base, delta_job, runs)
         # AND Parca's heap job and Alloy's memory profile scrape
-        heap = Got(parca_url(base, heap_job, "memory", "alloc_workload"))
-        alloy = Got(f"{base}/debug/pprof/allocs")
-        for work in (first, second):
+        heap = Got(parca_url(base, heap_job, "memory", "alloc_workload", interval_of(heap_job)))
+        alloy = Got(f"{base}{alloy_memory_path()}")
+        used = runs[: started + 1]
+        for work in (first, *used):
             work.end()
+        for work in runs[started + 1 :]:
+            work.drop()
         assert stop(serve) == 0, err.read_text()
-    assert f"?comm=alloc_workload&seconds={WINDOW}&seconds={WINDOW}" in url
-    assert inside, "the second run outlasted the delta's window"
-    # THEN Parca's delta is a profile of what the second run did in the window, dated at the
+    seconds = delta.seconds
+    assert f"?comm=alloc_workload&seconds={seconds}&seconds={seconds}" in delta.url
+    # THEN Parca's delta is a profile of what the run did in the window, dated at the
     # window's end and lasting it, as Go dates a delta
-    (got,) = delta
+    got = delta.got
     assert got.status == 200 and got.headers["Content-Type"] == "application/octet-stream"
     assert got.headers.get("X-Go-Pprof") is None
     window = got.fields()
     (duration_nanos,), (time_nanos,) = window[10], window[9]
-    assert duration_nanos >= WINDOW * 10**9
-    assert time_nanos >= asked + duration_nanos
+    assert duration_nanos >= seconds * 10**9
+    assert time_nanos >= delta.asked + duration_nanos
     found = by_function(parsed(got, tmp_path, "delta.pb.gz").samples)
-    for function, values in truth_by_function(truth_second).items():
+    for function, values in truth_by_function(delta.truth).items():
         assert found.get(function) == values, (function, found.get(function), values)
-    # AND Parca's heap job and Alloy's memory profile hold both runs, whole
-    both = {f: [a + b for a, b in zip(truth_by_function(truth_first)[f], v, strict=True)]
-            for f, v in truth_by_function(truth_second).items()}  # fmt: skip
+    # AND Parca's heap job and Alloy's memory profile hold every run that worked, whole
+    truths = [truth_by_function(json.loads(w.truth_file.read_text())) for w in used]
+    every = {f: [sum(t) for t in zip(v, *(truth[f] for truth in truths), strict=True)]
+             for f, v in truth_by_function(truth_first).items()}  # fmt: skip
     for answer, name in ((heap, "heap.pb.gz"), (alloy, "allocs.pb.gz")):
         assert answer.status == 200, answer.body
         found = by_function(parsed(answer, tmp_path, name).samples)
-        for function, values in both.items():
+        for function, values in every.items():
             assert found.get(function) == values, (name, function, found.get(function))
 
 
