@@ -40,7 +40,10 @@ WRAPS = 2  # the churn goes on past its minute until its pids wrapped this often
 @pytest.fixture
 def pids_that_wrap() -> Iterator[None]:
     """This machine's pid_max lowered for the test, so that pids are reused
-    within the minute as they are within hours on a machine with the default."""
+    within the minute as they are within hours on a machine with the default
+    (the machine's: a pid namespace's own would not wrap the pids the
+    tracers see, tests/privileged/pid_max.py). Refused at once if the
+    machine's threads are near the lowered value."""
     with pid_max.lowered(WRAPPED_PID_MAX):
         yield
 
@@ -107,3 +110,17 @@ def test_a_killed_run_s_lowered_pid_max_is_restored_by_the_next(tmp_path: Path) 
         assert pid_max.restore_left_over(kept) is None  # and says nothing when all is well
     finally:
         pid_max.PID_MAX.write_text(before)
+
+
+def test_pid_max_is_not_lowered_near_the_threads_in_use(tmp_path: Path) -> None:
+    # GIVEN a bound that the machine's threads exceed (the value asked is the
+    # one in force, so that a lowering let through would change nothing)
+    kept = tmp_path / "pid_max"
+    before = pid_max.PID_MAX.read_text().strip()
+    near = int(before) // max(1, pid_max.threads_in_use() // 2)
+    # WHEN the soak asks to lower pid_max THEN it is refused before anything is written
+    refused = pytest.raises(RuntimeError, match="threads run on this machine")
+    with refused, pid_max.lowered(int(before), kept=kept, near=near):
+        pass
+    assert not kept.exists()
+    assert pid_max.PID_MAX.read_text().strip() == before
