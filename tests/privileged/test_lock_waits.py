@@ -7,6 +7,8 @@ instruction of the same function, entry and return, time the same waits,
 and bpftrace counts the calls (bpftrace 0.17 cannot probe an offset in a
 function: its entry probe is on the first instruction, which the kernel
 single-steps, and which mtrace-live's site is after; docs/contention.md).
+The threads' time is bounded by bpftrace's stamps of each thread's start,
+its process's exec and each thread's exit, in the same run.
 ``stdio_wait`` makes one wait on stdout's lock, which is no arena's, and can
 end its process (or exec) while that wait goes on.
 """
@@ -29,7 +31,7 @@ from mtrace_live.probes.lock_sites import lock_wait_site
 from mtrace_live.tracer import sdt_glibc, target
 
 from .conftest import MTRACE, built
-from .tracing import Reaper, start_bpftrace, wait_for_line
+from .tracing import BPFTRACE_READY, Reaper, start_bpftrace, wait_for_line
 
 STOCK_LIBC = target.mapped_libc(os.getpid())  # Debian's, which this Python maps
 
@@ -217,12 +219,17 @@ def bucket_of(ns: int) -> int:
 
 def test_arenas_made_before_the_attach_are_found_with_their_threads(tmp_path: Path) -> None:
     with Reaper() as reaper:
-        # GIVEN 6 threads over 2 arenas, every arena made before the trace
-        workload = start_workload([str(built("arena_waits")), "6", "2", "2000"], reaper)
+        # GIVEN 6 threads over 2 arenas, every arena made before the trace, the threads kept
+        # until the trace has ended: mtrace-live reads each arena's attached_threads at the
+        # attach and again while it runs (docs/contention.md), and glibc takes a thread off
+        # its arena's count at the thread's exit, so a thread that ended while the trace ran
+        # would make the last reading the count of some moment after the attach
+        argv = [str(built("arena_waits")), "6", "2", "2000", "keep"]
+        workload = start_workload(argv, reaper)
         # WHEN mtrace-live attaches to it, and the threads contend
         proc, out, err = start_mtrace(["--pid", str(workload.pid), "--no-allocs", "-o", "json"],
                                       tmp_path, reaper)  # fmt: skip
-        workload.release("lifetimes")
+        workload.release("worked")
         docs = stop_mtrace(proc, out, err)
         assert workload.end() == 0
     # THEN it found both arenas in memory, each with the threads on it
@@ -299,12 +306,62 @@ def test_wait_times_equal_perf_s_and_the_calls_bpftrace_s(
     assert misc["no_row"] == misc["pending_full"] == misc["lost_events"] == misc["abandoned"] == 0
 
 
+# Each thread's life as the kernel tells it, in the workload that this test's tracer ($1 is
+# this test's pid, the tracer's parent) starts: the tracer forks it (task_newtask, in the
+# tracer), it execs arena_waits, makes its threads and each thread exits.
+LIVES = """
+tracepoint:task:task_newtask /curtask->real_parent->tgid == $1/ { @forked[args->pid] = nsecs; }
+tracepoint:sched:sched_process_exec /@forked[pid] && comm == "arena_waits"/ {
+  @workload = pid; printf("main %d %lld %lld\\n", pid, @forked[pid], nsecs);
+}
+tracepoint:task:task_newtask /pid == @workload/ { printf("thread %d %lld\\n", args->pid, nsecs); }
+tracepoint:sched:sched_process_exit /pid == @workload/ { printf("exit %d %lld\\n", tid, nsecs); }
+END { clear(@forked); }
+"""
+# Between two handlers of one tracepoint's hit, the product's and bpftrace's: microseconds
+STAMP_SLACK_NS = 1_000_000
+
+
+@dataclass
+class Lives:
+    """The workload's threads' lives as bpftrace saw them (nsecs, CLOCK_MONOTONIC)."""
+
+    pid: int = 0
+    forked: int = 0
+    exec: int = 0
+    started: dict[int, int] = field(default_factory=dict)  # each other thread's task_newtask
+    ended: dict[int, int] = field(default_factory=dict)  # each thread's sched_process_exit
+
+
+def stop_bpftrace_lives(proc: subprocess.Popen[bytes], out: Path) -> Lives:
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=120)
+    lives = Lives()
+    for line in out.read_text(errors="replace").splitlines():
+        record = json.loads(line) if line.startswith('{"type": "printf"') else {}
+        words = record.get("data", "").split()
+        if words[:1] == ["main"]:
+            lives.pid, lives.forked, lives.exec = (int(w) for w in words[1:])
+        elif words[:1] == ["thread"]:
+            lives.started[int(words[1])] = int(words[2])
+        elif words[:1] == ["exit"]:
+            lives.ended[int(words[1])] = int(words[2])
+    return lives
+
+
 def test_the_share_of_thread_time_is_the_workloads_own(tmp_path: Path) -> None:
-    # GIVEN 8 threads over 2 arenas, run by mtrace-live from their start
+    # GIVEN 8 threads over 2 arenas, run by mtrace-live from their start, and bpftrace
+    # stamping each thread's start and end
     argv = [*MTRACE, "run", "--no-allocs", "-o", "json", "--",
             str(built("arena_waits")), "8", "2", "20000"]  # fmt: skip
-    run = subprocess.run(argv, input="xy", capture_output=True, text=True, timeout=300)
+    with Reaper() as reaper:
+        bpftrace, bpftrace_out = start_bpftrace(LIVES, os.getpid(), tmp_path, "lives")
+        reaper.add(bpftrace)
+        wait_for_line(bpftrace_out, BPFTRACE_READY, bpftrace, timeout=120)
+        run = subprocess.run(argv, input="xy", capture_output=True, text=True, timeout=300)
+        lives = stop_bpftrace_lives(bpftrace, bpftrace_out)
     assert run.returncode == 0, run.stderr
+    assert lives.pid and lives.ended, f"bpftrace saw no arena_waits exec'd by the tracer: {lives}"
     lines = run.stdout.splitlines()
     said = {
         line.split()[0]: float(line.split()[1])
@@ -313,14 +370,24 @@ def test_the_share_of_thread_time_is_the_workloads_own(tmp_path: Path) -> None:
     }
     lifetimes = said["lifetimes"]
     docs = [json.loads(line) for line in lines if line.startswith("{")]
-    time = next(doc for doc in tables(docs, "thread_time"))
-    # THEN its threads' time is the sum of their lives: at least the workload's timings of
-    # them (the kernel's lives, on the same clock, enclose those), and at most each of its 9
-    # threads living the process's whole life (from its first thread's start to its last
-    # exit), which itself encloses main's life as main timed it. (How much more than the
-    # workload's timings depends on how long the tracer held main before its exec: no bound.)
-    assert time["threads"] == 9 and time["live"] == 0
-    assert lifetimes <= time["thread_ns"] / 1e9 <= 9 * time["wall_ns"] / 1e9, (time, said)
+    time = next(doc for doc in tables(docs, "thread_time") if doc["pid"] == lives.pid)
+    # THEN it saw the threads bpftrace saw, all ended
+    assert time["threads"] == 1 + len(lives.started) == 9 and time["live"] == 0, (time, lives)
+    assert set(lives.ended) == {lives.pid, *lives.started}, lives
+    # AND its threads' time is the sum of their lives as bpftrace stamped them: each worker's
+    # from its task_newtask to its exit; main's from when the tracer followed it, which is
+    # after its fork and before its exec (the tracer holds it between the two), to its exit
+    workers = sum(lives.ended[tid] - born for tid, born in lives.started.items())
+    main_end = lives.ended[lives.pid]
+    slack = 2 * STAMP_SLACK_NS * time["threads"]
+    low, high = workers + main_end - lives.exec, workers + main_end - lives.forked
+    assert low - slack <= time["thread_ns"] <= high + slack, (time, lives)
+    # AND its wall time is main's life, which spans the process's: the thread time beyond it
+    # is the workers' lives
+    assert main_end - lives.exec - slack <= time["wall_ns"] <= main_end - lives.forked + slack
+    assert abs(time["thread_ns"] - time["wall_ns"] - workers) <= slack, (time, workers)
+    # AND those lives enclose the workload's own timings of them, on the same clock
+    assert lifetimes <= time["thread_ns"] / 1e9, (time, said)
     assert time["wall_ns"] / 1e9 >= said["main"], (time, said)
     # AND the share of it spent waiting is the waits over those lives
     share = time["arena_wait_ns"] / 1e9 / lifetimes

@@ -1,6 +1,6 @@
 /* Threads that contend for a few arenas made before a tracer attaches.
  *
- *   arena_waits THREADS ARENAS OPS
+ *   arena_waits THREADS ARENAS OPS [keep]
  *
  * Limits malloc to ARENAS arenas (mallopt M_ARENA_MAX), starts THREADS
  * threads, and has each one allocate once, so that every arena it will use
@@ -24,6 +24,15 @@
  * and waits for another byte (or the end of stdin) before it exits, so that
  * what a tracer counted can be read while it is still attached.
  *
+ * With "keep", the threads stay after their rounds, each still attached to
+ * its arena (glibc takes a thread off its arena's attached_threads only at
+ * its exit), until that byte: main prints
+ *
+ *   worked
+ *
+ * once they are all done, and the lines above only after it has the byte and
+ * has joined them.
+ *
  * A thread's arena is found as glibc lays its chunks out: a chunk of a
  * non-main arena has the NON_MAIN_ARENA bit (4) in its size word, and its
  * heap (the chunk's address rounded down to HEAP_MAX_SIZE, 64 MiB on 64-bit)
@@ -34,6 +43,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -42,7 +52,8 @@
 #define NON_MAIN_ARENA 4UL
 
 static long ops;
-static pthread_barrier_t settled, released;
+static pthread_barrier_t settled, released, worked, leave;
+static int keep;
 static pthread_mutex_t print_lock = PTHREAD_MUTEX_INITIALIZER;
 static double thread_seconds, lifetimes;
 
@@ -84,6 +95,10 @@ static void *worker(void *arg)
     for (int i = 0; i < 64; i++)
         free(blocks[i]);
     double took = now() - start;
+    if (keep) {
+        pthread_barrier_wait(&worked);
+        pthread_barrier_wait(&leave);
+    }
     pthread_mutex_lock(&print_lock);
     thread_seconds += took;
     lifetimes += now() - born;
@@ -97,13 +112,16 @@ int main(int argc, char **argv)
     int threads = argc > 1 ? atoi(argv[1]) : 4;
     int arenas = argc > 2 ? atoi(argv[2]) : 2;
     ops = argc > 3 ? atol(argv[3]) : 10000;
-    if (argc != 4 || threads < 1 || threads > 256 || arenas < 1 || ops < 0) {
-        fprintf(stderr, "usage: %s THREADS ARENAS OPS\n", argv[0]);
+    keep = argc == 5 && strcmp(argv[4], "keep") == 0;
+    if (argc != 4 + keep || threads < 1 || threads > 256 || arenas < 1 || ops < 0) {
+        fprintf(stderr, "usage: %s THREADS ARENAS OPS [keep]\n", argv[0]);
         return 2;
     }
     mallopt(M_ARENA_MAX, arenas);
     pthread_barrier_init(&settled, NULL, threads + 1);
     pthread_barrier_init(&released, NULL, threads + 1);
+    pthread_barrier_init(&worked, NULL, threads + 1);
+    pthread_barrier_init(&leave, NULL, threads + 1);
     pthread_t tid[256];
     for (int t = 0; t < threads; t++)
         pthread_create(&tid[t], NULL, worker, (void *)(unsigned long)(t + 1));
@@ -115,6 +133,14 @@ int main(int argc, char **argv)
         return 1;
     double start = now();
     pthread_barrier_wait(&released);
+    if (keep) {
+        pthread_barrier_wait(&worked);
+        printf("worked\n");
+        fflush(stdout);
+        if (read(0, &byte, 1) != 1)
+            return 1;
+        pthread_barrier_wait(&leave);
+    }
     for (int t = 0; t < threads; t++)
         pthread_join(tid[t], NULL);
     double end = now();
