@@ -81,7 +81,7 @@ def advice(waits: LockWaits, state: ProcessState | None) -> list[Advice]:
     arenas = len(state.arenas)
     strong = share >= ADVICE_MIN_SHARE and arena.count >= ADVICE_MIN_WAITS
     if strong and thread_time is not None and state.arena_limit is not None:
-        threads = max(thread_time.live, _attached(state))
+        threads = max(thread_time.live, state.most_attached)
         if arenas >= state.arena_limit and threads > arenas:
             found.append(Advice("arena-limit", _arena_limit_text(state, threads, arenas, share)))
     other = waits.share(pid, (OTHER,)) or 0.0
@@ -90,10 +90,6 @@ def advice(waits: LockWaits, state: ProcessState | None) -> list[Advice]:
                             "are not arenas (stdio's, the loader's, ...): no malloc setting "
                             "changes that; see the top stacks"))  # fmt: skip
     return found
-
-
-def _attached(state: ProcessState) -> int:
-    return sum(a.attached_threads or 0 for a in state.arenas.values())
 
 
 def _arena_limit_text(state: ProcessState, threads: int, arenas: int, share: float) -> str:

@@ -169,6 +169,9 @@ class AllocatorModel(Sink):
                     state.heaps.setdefault(heap, size)
                 if found.main:
                     state.main_arena_known = True
+            # threads that exited since an earlier reading left their arenas
+            attached = sum(found.attached_threads or 0 for found in scan.arenas)
+            state.most_attached = max(state.most_attached, attached)
 
     def _apply(self, event: Event, site: int) -> None:
         state = self.process(event.pid)

@@ -71,6 +71,7 @@ class ProcessState:
     arena_limit: int | None = None  # the arena limit in force, when known
     arena_limit_source: str = ""  # tunable, environment, mallopt or default (8 x cores)
     arena_problem: str = ""  # why the arenas could not be read from memory
+    most_attached: int = 0  # the most threads its arenas' structs counted at one reading
 
     def arena(self, address: int) -> ArenaState:
         state = self.arenas.get(address)

@@ -22,6 +22,7 @@ from mtrace_live.exporters.contention import (
 from mtrace_live.exporters.contention_view import ContentionPanel
 from mtrace_live.exporters.data.alloc_snapshot import FrameNames
 from mtrace_live.exporters.data.allocator_state import ArenaState, ProcessState
+from mtrace_live.exporters.data.events import EventDecoder
 from mtrace_live.exporters.data.lock_waits import (
     ARENA,
     MAIN,
@@ -34,6 +35,8 @@ from mtrace_live.exporters.data.lock_waits import (
 from mtrace_live.exporters.prometheus import LockFigures, MtraceCollector
 from mtrace_live.probes.malloc_state import X86_64, ArenaLayoutError, walk_arenas
 from mtrace_live.tracer import target
+from mtrace_live.tracer.arena_walk import ArenaScan
+from mtrace_live.tracer.model import AllocatorModel
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
@@ -120,6 +123,7 @@ def process(arenas: int, limit: int, threads: int) -> ProcessState:
     for i in range(arenas):
         state.arenas[0x1000 * (i + 1)] = ArenaState(0x1000 * (i + 1), main=i == 0,
                                                     attached_threads=threads // arenas)  # fmt: skip
+    state.most_attached = threads
     return state
 
 
@@ -151,6 +155,25 @@ def test_no_arena_limit_advice_where_it_is_not_true_or_the_evidence_is_thin(
 ) -> None:
     assert ADVICE_MIN_SHARE > 0.01
     assert advice(waits(*numbers), state) == []
+
+
+def test_the_advice_counts_the_most_threads_its_arenas_held_at_once() -> None:
+    # GIVEN a process read at the attach with 3 + 2 threads on its two arenas
+    # and an arena limit of 2, then read again once all but one had exited
+    model = AllocatorModel(EventDecoder([]), [])
+    memory = two_arenas()
+    model.seed_arenas(os.getpid(), ArenaScan(os.getpid(), walk_arenas(memory.read, MAIN_ARENA), 2),
+                      at_attach=True)  # fmt: skip
+    memory.put(MAIN_ARENA + X86_64.attached_threads, 1)
+    memory.put(ARENA_AT + X86_64.attached_threads, 0)
+    model.seed_arenas(os.getpid(), ArenaScan(os.getpid(), walk_arenas(memory.read, MAIN_ARENA), 2))
+    state = model.processes[os.getpid()]
+    state.pid = PID
+    # WHEN the waits are a third of the thread time of the one thread left
+    found = advice(waits(1000, 300, 1000, 1), state)
+    # THEN the advice is for the 5 threads the arenas held at the attach
+    assert [item.rule for item in found] == ["arena-limit"]
+    assert found[0].text.startswith("5 threads share 2 arenas (arena_max 2"), found[0].text
 
 
 def test_waits_on_other_locks_are_pointed_at_not_blamed_on_arenas() -> None:
