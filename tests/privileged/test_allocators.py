@@ -2,16 +2,20 @@
 each preloaded into the allocation workload (tests/workloads/alloc_workload.c)
 and linked into it, traced by --pid with no library named, against what the
 workload says it did and against bpftrace on the same allocator's functions
-in the same run; an allocator mtrace-live does not know, named and traced by
---allocator-lib; one built into a program; those of programs started later.
+in the same run; each one's own entry points and C++'s operator new and
+delete, called by dlsym (tests/workloads/allocator_entries.c), per call site;
+an allocator mtrace-live does not know, named and traced by --allocator-lib;
+one built into a program; those of programs started later.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +35,14 @@ ALLOCATORS = {
 OUTER = "outer"
 
 
-def outer_calls_script(lib: Path, where: str = "pid == $1") -> str:
+def outer_calls_script(lib: Path, where: str = "pid == $1",
+                       allocating: Sequence[str] = ()) -> str:  # fmt: skip
     """bpftrace counting each standard function's calls made outside every
     other (a thread's depth in them), by the probe that took them, in the
-    processes ``where`` says."""
-    allocating = [name for name in COUNTED if name != "free"]
+    processes ``where`` says; ``allocating``: the allocating functions
+    counted, if not the standard ones (one depth per thread, whatever the
+    library: a script may count several)."""
+    allocating = allocating or [name for name in COUNTED if name != "free"]
     entries = ",".join(f"uprobe:{lib}:{name}" for name in allocating)
     returns = ",".join(f"uretprobe:{lib}:{name}" for name in allocating)
     return (
@@ -115,6 +122,117 @@ def test_calls_of_each_function_equal_bpftraces_on_the_allocator(
     )
 
 
+# The entry points tests/workloads/allocator_entries.c calls in each allocator
+# (beside C++'s operator new and delete), as the libraries' symbols name them.
+CXX_ENTRIES = ("_Znwm", "_ZdlPv", "_ZdlPvm", "_Znam", "_ZdaPv", "_ZnwmSt11align_val_t",
+               "_ZdlPvSt11align_val_t")  # fmt: skip
+OWN_ENTRIES = {
+    "jemalloc": ("mallocx", "rallocx", "sdallocx"),
+    "tcmalloc": ("tc_new", "tc_delete_sized"),
+    "mimalloc": ("mi_zalloc", "mi_heap_malloc", "mi_heap_zalloc", "mi_heap_calloc",
+                 "mi_heap_mallocn", "mi_heap_malloc_aligned", "mi_heap_realloc",
+                 "mi_heap_reallocn", "mi_free", "mi_free_size"),
+}  # fmt: skip
+
+
+def entry_calls_script(lib: Path, names: Sequence[str]) -> str:
+    """bpftrace counting the calls of ``names`` in ``lib`` in process $1, by
+    the name and the address each returns to (at an entry, the stack
+    pointer points at it). Names at one address (tcmalloc's _Znwm, _Znam
+    and tc_new) each count every call of it."""
+    entries = ",".join(f"uprobe:{lib}:{name}" for name in names)
+    return f'{entries} /pid == $1/ {{ @hits[probe, *(uint64 *)reg("sp")] = count(); }}\n'
+
+
+@pytest.fixture(scope="module", params=sorted(OWN_ENTRIES))
+def entry_points(request: pytest.FixtureRequest,
+                 tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Traced]:  # fmt: skip
+    """The entry points' workload with allocator ``name`` preloaded, traced
+    by --pid, and bpftrace on the same entry points in the same run."""
+    name = request.param
+    lib = ALLOCATORS[name]
+    tmp = tmp_path_factory.mktemp(f"entries-{name}")
+    truth = tmp / "truth.json"
+    argv = ["env", f"LD_PRELOAD={lib}", str(built("allocator_entries")), name, "--out",
+            str(truth)]  # fmt: skip
+    names = OWN_ENTRIES[name] + CXX_ENTRIES
+    return name, trace_launched(argv, lambda _: lib, truth, tmp, lib_option=False,
+                                script=lambda path: entry_calls_script(path, names))  # fmt: skip
+
+
+def calls_by_site(traced: Traced) -> dict[str, int]:
+    """bpftrace's calls of each call site's entry point made from the site:
+    those that return into the site's function (its address from the
+    workload, its size from nm). The others (the allocator's calls of its
+    own functions, the libc's of malloc and free) are not the site's."""
+    listed = subprocess.run(["nm", "-S", "--defined-only", str(built("allocator_entries"))],
+                            capture_output=True, text=True, check=True).stdout  # fmt: skip
+    sizes = {fields[3]: int(fields[1], 16) for fields in map(str.split, listed.splitlines())
+             if len(fields) == 4}  # fmt: skip
+    calls: dict[str, int] = defaultdict(int)
+    for key, count in traced.bpftrace.items():
+        name, _, address = key.partition(",")
+        for site in traced.truth["sites"]:
+            at = site["at"]
+            if name == site["entry"] and at <= int(address) < at + sizes[site["function"]]:
+                calls[site["function"]] += count
+    return calls
+
+
+def site_rows(traced: Traced) -> dict[str, list[dict[str, Any]]]:
+    """The trace's stacks of the workload's process, by their first frame's function."""
+    rows: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in traced.tables["alloc_stacks"]:
+        if row["pid"] == traced.truth["pid"]:
+            rows[row["frames"][0]["function"]].append(row)
+    return rows
+
+
+def test_each_call_site_of_an_allocators_own_entry_points_counts_what_it_did(
+    entry_points: tuple[str, Traced],
+) -> None:
+    # GIVEN the workload calling each of the allocator's own entry points,
+    # and C++'s operator new and delete, each from a call site of its own,
+    # and what it says each site did
+    name, traced = entry_points
+    sites = traced.truth["sites"]
+    assert sorted(site["entry"] for site in sites) == sorted(OWN_ENTRIES[name] + CXX_ENTRIES)
+    rows = site_rows(traced)
+    for site in sites:
+        mine = rows.get(site["function"], [])
+        if site["fn"] == "free":
+            assert mine == [], site  # a free allocates nothing
+            continue
+        # THEN each allocating site's calls are of the kind its arguments
+        # make them, in the allocator's library
+        assert {(row["allocator"], row["provider_lib"]) for row in mine} == {
+            (site["fn"], site["lib"])}, site  # fmt: skip
+        # AND its calls, bytes and live blocks (after the frees, sized and
+        # aligned ones included, and reallocations of other sites) are the
+        # workload's, exactly
+        got = [sum(row[key] for row in mine) for key in ("calls", "bytes", "live_objects",
+                                                         "live_bytes")]  # fmt: skip
+        assert got == [site["calls"], site["bytes"], site["leaked_calls"],
+                       site["leaked_bytes"]], site  # fmt: skip
+
+
+def test_each_call_site_of_an_allocators_own_entry_points_equals_bpftraces_count(
+    entry_points: tuple[str, Traced],
+) -> None:
+    # GIVEN bpftrace's count of the calls of the same entry points, by the
+    # call site they return into, in the same run
+    name, traced = entry_points
+    theirs = calls_by_site(traced)
+    rows = site_rows(traced)
+    for site in traced.truth["sites"]:
+        # THEN each site made the calls the workload says it made
+        assert theirs.get(site["function"], 0) == site["calls"], (name, site)
+        # AND the trace counted each allocating call once
+        if site["fn"] != "free":
+            ours = sum(row["calls"] for row in rows[site["function"]])
+            assert ours == theirs[site["function"]], (name, site)
+
+
 def test_a_process_on_an_unknown_allocator_is_named_with_the_option_that_traces_it(
     tmp_path: Path,
 ) -> None:
@@ -143,9 +261,12 @@ def test_a_process_on_an_unknown_allocator_is_named_with_the_option_that_traces_
 def test_all_attaches_an_allocator_first_mapped_by_a_process_started_after_it(
     tmp_path: Path,
 ) -> None:
-    # GIVEN a trace of every process, and then the workload started on
-    # mimalloc (mapped by no process before it, on a fresh machine)
-    lib = ALLOCATORS["mimalloc"]
+    # GIVEN a trace of every process, and then the workload started on a
+    # copy of mimalloc: a file no process mapped before it, whatever runs on
+    # the machine (a process on the installed mimalloc has it attached at
+    # the trace's start, and no later attach to test)
+    lib = tmp_path / ALLOCATORS["mimalloc"].name
+    shutil.copyfile(ALLOCATORS["mimalloc"], lib)
     truth = tmp_path / "truth.json"
     err, out = tmp_path / "trace.err", tmp_path / "trace.out"
     with Reaper() as reaper:
@@ -158,10 +279,9 @@ def test_all_attaches_an_allocator_first_mapped_by_a_process_started_after_it(
         proc = reaper.add(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
         assert proc.stdin is not None and proc.stdout is not None
         assert proc.stdout.readline() == b"ready\n"
-        # WHEN the trace has attached mimalloc (it says so), the workload goes on
-        if "of mimalloc" not in err.read_text():  # else a process mapped it already
-            wait_for_line(err, "allocation functions of mimalloc (libmimalloc.so.2) too",
-                          tracer, timeout=120)  # fmt: skip
+        # WHEN the trace has attached the copy (it says so), the workload goes on
+        wait_for_line(err, "allocation functions of mimalloc (libmimalloc.so.2) too", tracer,
+                      timeout=120)  # fmt: skip
         proc.stdin.write(b"go\n")
         proc.stdin.flush()
         # and ends once the trace has delivered its calls

@@ -180,17 +180,48 @@ def start_bpftrace(body: str, pid: int, tmp: Path,
     return proc, out
 
 
+def interrupt_bpftrace(proc: subprocess.Popen[bytes]) -> None:
+    """Stop bpftrace (SIGINT: it prints its maps) and wait for its exit.
+
+    bpftrace 0.17 can miss the SIGINT: its handler sets a flag that its loop
+    reads only when epoll_wait fails with EINTR, and epoll_wait returns 0
+    instead when its 100 ms had run out before the signal came (the signal
+    came while the loop ran, or while the woken bpftrace waited for a CPU,
+    as on a loaded machine): it then polls until another signal comes.
+    While it still waits there, each second, a SIGUSR1 (which it catches:
+    its maps printed at most) interrupts that wait, and the loop sees the
+    flag. A hung test once took that for a slow bpftrace (over 60 s)."""
+    proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 300  # a guard against a hang, not a measure
+    while True:
+        try:
+            proc.wait(timeout=1)
+            return
+        except subprocess.TimeoutExpired:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise
+        if _polls_with_sigusr1_caught(proc.pid):
+            proc.send_signal(signal.SIGUSR1)
+
+
+def _polls_with_sigusr1_caught(pid: int) -> bool:
+    """Process ``pid`` sleeps in epoll_wait and has a handler for SIGUSR1
+    (a SIGUSR1 sent before bpftrace sets its handlers would end it)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        waits = Path(f"/proc/{pid}/wchan").read_text()
+    except OSError:
+        return False  # gone meanwhile
+    found = re.search(r"^SigCgt:\s*([0-9a-f]+)$", status, re.M)
+    caught = int(found.group(1), 16) if found else 0
+    return waits == "do_epoll_wait" and bool(caught >> (signal.SIGUSR1 - 1) & 1)
+
+
 def stop_bpftrace(proc: subprocess.Popen[bytes], out: Path) -> dict[str, int]:
     """bpftrace's counts at its end: ``@hits[probe]`` by function name, and
     ``@extra[name]`` (a script's other counts) by name."""
-    proc.send_signal(signal.SIGINT)
-    try:
-        # a guard against a hang, not a measure: bpftrace closes each probe's
-        # perf event in turn, and once took more than 60 s to end (cause unknown)
-        proc.wait(timeout=300)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
+    interrupt_bpftrace(proc)
     counts: dict[str, int] = {}
     hits = False
     for line in out.read_text(errors="replace").splitlines():

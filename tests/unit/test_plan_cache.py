@@ -46,6 +46,7 @@ def test_a_plan_is_derived_anew_for_another_debug_file_choice(
     cache: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     # GIVEN a plan kept with the debug file found by build-id
+    searched = debug.DEBUG_ROOT
     with_debug = plan_cache.derived_plan(default_libc())
     # WHEN the debug file is refused (--debug-file none), or none is installed
     without = plan_cache.derived_plan(default_libc(), derived.NO_DEBUG_FILE)
@@ -54,9 +55,13 @@ def test_a_plan_is_derived_anew_for_another_debug_file_choice(
     # THEN each is its own plan, as deriving gives it
     assert without == derived.plan(default_libc(), derived.NO_DEBUG_FILE)
     assert uninstalled == derived.plan(default_libc())
-    if with_debug.debug_file is not None:  # libc6-dbg installed (make setup installs it)
-        assert len(kept(cache)) == 3
-        assert uninstalled.debug_file is None and with_debug != uninstalled
+    # AND the plan with the debug file is a third one, kept apart
+    assert with_debug.debug_file is not None, (
+        f"no debug file found for {default_libc()} by its build-id under {searched}: "
+        "libc6-dbg is missing (scripts/setup.sh installs it)"
+    )
+    assert len(kept(cache)) == 3
+    assert uninstalled.debug_file is None and with_debug != uninstalled
 
 
 def test_a_kept_plan_that_another_user_could_write_or_that_does_not_parse_is_not_used(
