@@ -40,6 +40,7 @@ from .test_short_processes import rendered, scrape, walks
 from .tracing import (
     BPFTRACE_READY,
     Reaper,
+    interrupt_bpftrace,
     malloc_samples,
     start_bpftrace,
     wait_for_line,
@@ -139,8 +140,7 @@ def connections(home: Path) -> subprocess.CompletedProcess[bytes]:
 def ended(bpftrace: subprocess.Popen[bytes], load: subprocess.CompletedProcess[bytes],
           err: Path) -> str:  # fmt: skip
     """bpftrace ended, the load and the tracer checked: the tracer's stderr."""
-    bpftrace.send_signal(signal.SIGINT)
-    bpftrace.wait(timeout=300)
+    interrupt_bpftrace(bpftrace)
     assert load.returncode == 0, load.stderr
     stderr = err.read_text()
     assert "Traceback" not in stderr and "error:" not in stderr, stderr

@@ -31,7 +31,7 @@ from mtrace_live.probes.lock_sites import lock_wait_site
 from mtrace_live.tracer import sdt_glibc, target
 
 from .conftest import MTRACE, built
-from .tracing import BPFTRACE_READY, Reaper, start_bpftrace, wait_for_line
+from .tracing import BPFTRACE_READY, Reaper, interrupt_bpftrace, start_bpftrace, wait_for_line
 
 STOCK_LIBC = target.mapped_libc(os.getpid())  # Debian's, which this Python maps
 
@@ -117,8 +117,7 @@ def start_bpftrace_waits(libc: Path, pid: int, tmp: Path) -> tuple[subprocess.Po
 
 
 def stop_bpftrace_waits(proc: subprocess.Popen[bytes], out: Path) -> tuple[int, int]:
-    proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=60)
+    interrupt_bpftrace(proc)
     found: dict[str, int] = {}
     for line in out.read_text(errors="replace").splitlines():
         if line.startswith('{"type": "map"'):
@@ -334,8 +333,7 @@ class Lives:
 
 
 def stop_bpftrace_lives(proc: subprocess.Popen[bytes], out: Path) -> Lives:
-    proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=120)
+    interrupt_bpftrace(proc)
     lives = Lives()
     for line in out.read_text(errors="replace").splitlines():
         record = json.loads(line) if line.startswith('{"type": "printf"') else {}

@@ -42,6 +42,7 @@ from .test_serve import SERVE_READY, free_port
 from .tracing import (
     BPFTRACE_READY,
     Reaper,
+    interrupt_bpftrace,
     malloc_samples,
     parsed,
     start_bpftrace,
@@ -157,8 +158,7 @@ def counted(tmp_path: Path) -> Iterator[tuple[Reaper, subprocess.Popen[bytes], P
 def bpftrace_counts(bpftrace: subprocess.Popen[bytes], out: Path) -> tuple[dict[int, int], int]:
     """bpftrace's count of each of the loop's processes' mallocs (the
     shell's before the exec too), and of the program's own."""
-    bpftrace.send_signal(signal.SIGINT)
-    bpftrace.wait(timeout=300)
+    interrupt_bpftrace(bpftrace)
     maps = bpftrace_maps(out)
     programs = maps.get("@programs", {})
     assert len(programs) == RUNS and set(programs.values()) == {ALLOCS}, Counter(programs.values())
