@@ -15,6 +15,7 @@ from .data.alloc_snapshot import (
     ProcessAllocs,
     StackRow,
     function_name,
+    unknown_free_origins,
 )
 
 STACK_FRAMES_SHOWN = 4
@@ -73,14 +74,9 @@ def alloc_process_lines(snapshot: AllocSnapshot) -> list[str]:
     called = snapshot.by_provider()
     for proc in sorted(snapshot.processes, key=lambda p: p.tgid):
         blocks, nbytes = live.get(proc.tgid, (0, 0))
-        before = (
-            f" ({proc.unknown_frees} of memory allocated before the trace)"
-            if proc.unknown_frees
-            else ""
-        )
         lines.append(
             f"allocations: pid {proc.tgid}: {proc.calls} calls, {size_text(proc.bytes)}; "
-            f"{proc.frees} frees{before}; {proc.failed} failed; "
+            f"{proc.frees} frees{unknown_frees_text(proc, snapshot)}; {proc.failed} failed; "
             f"live {size_text(nbytes)} in {blocks} blocks"
             + (" (estimated from samples)" if snapshot.sample_bytes else "")
             + (f"; allocator: {proc.allocator_label}" if proc.allocator else "")
@@ -90,6 +86,25 @@ def alloc_process_lines(snapshot: AllocSnapshot) -> list[str]:
         if vm:
             lines.append(f"  outside malloc: {vm_text(vm)}")
     return lines
+
+
+def unknown_frees_text(proc: ProcessAllocs, snapshot: AllocSnapshot) -> str:
+    """What the summary says of a process's frees of blocks not seen
+    allocated: `` (N of memory allocated before the trace)`` only when
+    nothing else can explain them; under ``run`` never, and a full table
+    is said to be full."""
+    if not proc.unknown_frees:
+        return ""
+    origins = unknown_free_origins(proc, snapshot)
+    if origins == ("before_trace",):
+        return f" ({proc.unknown_frees} of memory allocated before the trace)"
+    if not origins:
+        return f" ({proc.unknown_frees} of blocks not seen allocated)"
+    said = {"not_sampled": "not sampled", "before_trace": "allocated before the trace",
+            "untracked": f"the tables were full for {proc.untracked} allocations, "
+                         "see --max-outstanding"}  # fmt: skip
+    return f" ({proc.unknown_frees} of blocks not tracked: " + ", or ".join(
+        said[origin] for origin in origins) + ")"  # fmt: skip
 
 
 def vm_text(vm: Mapping[str, int]) -> str:

@@ -113,7 +113,8 @@ class AllocPanel:
         )
         table = Table(title=f"allocations{sampled}", title_justify="left")
         for column in ("pid", "comm", "live since attach", "Δ live/s", "alloc/s", "frees",
-                       "unknown frees", "live over time", "alloc rate over time"):  # fmt: skip
+                       "unknown frees", "untracked", "live over time",
+                       "alloc rate over time"):  # fmt: skip
             table.add_column(
                 column, justify="left" if column in ("pid", "comm") or "time" in column else "right"
             )
@@ -129,7 +130,7 @@ class AllocPanel:
                 str(proc.tgid), self.names.comms.get(proc.tgid, ""), size_text(live),
                 ("+" if change >= 0 else "-") + size_text(abs(change)) + "/s",
                 size_text(history.rate[-1] if history.rate else 0) + "/s",
-                str(proc.frees), str(proc.unknown_frees),
+                str(proc.frees), str(proc.unknown_frees), str(proc.untracked),
                 sparkline(list(history.live)), sparkline(list(history.rate)),
             )  # fmt: skip
         return table

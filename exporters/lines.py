@@ -14,7 +14,7 @@ from typing import TextIO
 
 from mtrace_live.probes.frame_kinds import in_file
 
-from .data.alloc_snapshot import AllocSnapshot, FrameNames
+from .data.alloc_snapshot import AllocSnapshot, FrameNames, unknown_free_origins
 from .data.allocator_state import Allocators
 from .data.lock_waits import LockWaits
 from .data.sink import EventBatch, Sink, TraceInfo, TraceResult
@@ -136,7 +136,9 @@ def stack_table_json(snapshot: AllocSnapshot, names: FrameNames) -> Iterator[str
                      for name, lib, calls, nbytes in called.get(proc.tgid, [])]  # fmt: skip
         yield json.dumps({"table": "alloc_processes", "pid": proc.tgid, "calls": proc.calls,
                           "bytes": proc.bytes, "frees": proc.frees,
-                          "unknown_frees": proc.unknown_frees, "failed": proc.failed,
+                          "unknown_frees": proc.unknown_frees,
+                          "unknown_frees_of": list(unknown_free_origins(proc, snapshot)),
+                          "untracked": proc.untracked, "failed": proc.failed,
                           "allocator": proc.allocator or None,
                           "allocator_lib": proc.allocator_lib or None,
                           "providers": providers,

@@ -242,7 +242,8 @@ class MtraceCollector(Collector):
 # The per-process allocation counters: family -> key of AllocFigures.processes.
 ALLOC_PROCESS_FAMILIES = {
     "alloc_calls": "calls", "alloc_bytes": "bytes", "free_calls": "frees",
-    "free_unknown_calls": "unknown_frees", "alloc_failed_calls": "failed",
+    "free_unknown_calls": "unknown_frees", "alloc_untracked_calls": "untracked",
+    "alloc_failed_calls": "failed",
     "alloc_live_bytes": "live_bytes", "alloc_live_objects": "live_objects",
 }  # fmt: skip
 # The allocator label of a process whose allocator is not known (gone before

@@ -32,7 +32,10 @@ FAMILIES = {f.name: f for f in (
     Family("free_calls", COUNTER, "free() of a non-NULL pointer, and realloc's release of its "
            "old block.", _PA),
     Family("free_unknown_calls", COUNTER, "Frees of pointers not seen allocated (before the "
-           "trace, or not sampled).", _PA),
+           "trace, not sampled, or not tracked: alloc_untracked_calls).", _PA),
+    Family("alloc_untracked_calls", COUNTER, "Allocations not tracked until freed: the table of "
+           "outstanding blocks (--max-outstanding) or of stacks (--alloc-stacks) had no room; "
+           "their frees are among free_unknown_calls.", _PA),
     Family("alloc_failed_calls", COUNTER, "Allocations that returned NULL.", _PA),
     Family("alloc_live_bytes", GAUGE, "Bytes allocated during the trace and not freed "
            "yet{estimated}.", _PA),

@@ -461,7 +461,8 @@ def _alloc_counts(proc: ProcessAllocs, vm: Mapping[str, int]) -> Counter[str]:
     """A process's counts as the allocation families take them (its live
     blocks apart)."""
     counts = Counter({"calls": proc.calls, "bytes": proc.bytes, "frees": proc.frees,
-                      "unknown_frees": proc.unknown_frees, "failed": proc.failed})  # fmt: skip
+                      "unknown_frees": proc.unknown_frees, "untracked": proc.untracked,
+                      "failed": proc.failed})  # fmt: skip
     counts.update({f"vm_{key}": value for key, value in vm.items()})
     return counts
 

@@ -201,7 +201,8 @@ ALLOC_KEY_DTYPE = np.dtype(
 )
 ALLOC_STATS_FIELDS = ("calls", "bytes", "sizes", "frees", "bytes_freed", "sizes_freed", "last_ts")
 ALLOC_STATS_DTYPE = np.dtype([(name, "<u8") for name in ALLOC_STATS_FIELDS])
-ALLOC_PROC_FIELDS = ("calls", "bytes", "frees", "unknown_frees", "failed", "untracked")
+ALLOC_PROC_FIELDS = ("calls", "bytes", "frees", "unknown_frees", "failed", "untracked",
+                     "booked_freed")  # fmt: skip
 ALLOC_PROC_DTYPE = np.dtype(
     [
         *((name, "<u8") for name in ALLOC_PROC_FIELDS),

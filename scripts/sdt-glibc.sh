@@ -43,7 +43,20 @@ version=$(dpkg-query -W -f='${Version}' libc6 2>/dev/null) \
 # they appear in a probe path, so the directory name keeps only plain ones.
 top="$CACHE/${version//[^A-Za-z0-9._-]/_}"
 build="$top/build"
+# glibc's own malloc tests, built (not run) in the build tree: the
+# privileged tests run them under the trace (tests/privileged/
+# test_glibc_malloc_tests.py). Minutes once, on two cores; then a stamp.
+build_malloc_tests() {
+  [ -f "$build/.mtrace-live-malloc-tests" ] && return 0
+  [ "$(id -u)" = 0 ] || fail 20 "building glibc's malloc tests needs root; try: sudo make sdt-glibc"
+  say "building glibc's malloc tests (log in $build/malloc-tests.log)"
+  (cd "$build" && make -j"$(( $(nproc) + 1 ))" subdirs=malloc check run-built-tests=no \
+     >"$build/malloc-tests.log" 2>&1) || fail 26 "building glibc's malloc tests failed (see $build/malloc-tests.log)"
+  touch "$build/.mtrace-live-malloc-tests"
+}
+
 if [ -f "$build/.mtrace-live-built" ] && [ -x "$build/testrun.sh" ]; then
+  build_malloc_tests
   echo "$build" >"$CACHE/current"
   say "using the cached build of glibc $version in $build"
   exit 0
@@ -99,5 +112,6 @@ say "building with make -j$jobs (about five minutes on two cores; log in $build/
 (cd "$build" && make -j"$jobs" >"$build/make.log" 2>&1) || fail 26 "the glibc build failed (see $build/make.log)"
 has_libc_probes "$build/libc.so.6" || fail 26 "the built libc has no SDT probes"
 touch "$build/.mtrace-live-built"
+build_malloc_tests
 echo "$build" >"$CACHE/current"
 say "built glibc $version with SDT probes in $build"

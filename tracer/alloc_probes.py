@@ -316,18 +316,18 @@ def _processes(tgids: np.ndarray, rows: np.ndarray,
     """Each process's calls. Without sampling (``stacks`` given) the kernel
     counts in alloc_procs only what no alloc_stacks row has, and the rest is
     the sums of the process's rows; an allocation booked as freed because
-    ``outstanding`` was full (``untracked``) is not one of its frees."""
+    ``outstanding`` was full (``booked_freed``) is not one of its frees."""
     sums = (
         {} if stacks is None else stacks.by_process(stacks.values[:, [0, 2, 3]])
     )  # calls, sizes, frees
     out = []
-    for tgid, (calls, nbytes, frees, unknown, failed, untracked, _, _, comm) in zip(
+    for tgid, (calls, nbytes, frees, unknown, failed, untracked, booked, _, _, comm) in zip(
         tgids.tolist(), rows.tolist(), strict=True
     ):
         add_calls, add_bytes, add_frees = sums.get(tgid, [0, 0, 0])
         out.append(ProcessAllocs(int(tgid), calls + add_calls, nbytes + add_bytes,
-                                 frees + add_frees - untracked, unknown, failed,
-                                 comm.decode(errors="replace")))  # fmt: skip
+                                 frees + add_frees - booked, unknown, failed,
+                                 comm.decode(errors="replace"), untracked=untracked))  # fmt: skip
     return out
 
 

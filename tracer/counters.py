@@ -66,6 +66,8 @@ class BpfCounters:
         self.table_counts: Callable[[], Mapping[str, int]] | None = None
         # each process's allocator, as the outputs name it (tracer/providers.py)
         self.allocator_of: Callable[[int], tuple[str, str]] | None = None
+        # every process traced was started under the trace (run's command and its children)
+        self.traced_from_start = False
         self.kmem_delivered = 0
         self.alloc_delivered = 0  # allocation and free events read from the ring
         self.lock_delivered = 0  # lock wait events read from the ring
@@ -148,6 +150,8 @@ class BpfCounters:
         snapshot = alloc_probes.read_snapshot(
             self.program, self.sample_bytes, self.started_ns, outstanding, self.stack_reader
         )
+        if self.traced_from_start:
+            snapshot = replace(snapshot, traced_from_start=True)
         if snapshot.unwind and self.table_counts is not None:  # the tables' own, user space's
             tables = {f"tables_{key}": value for key, value in self.table_counts().items()}
             snapshot = replace(snapshot, unwind={**snapshot.unwind, **tables})

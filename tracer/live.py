@@ -182,6 +182,7 @@ class LiveTrace:
             arenas=self.arenas,
             lock_times=self.lock_plan is not None,
         )
+        self.counters.traced_from_start = request.traced_from_start
         if self.unwind is not None:
             self.counters.table_counts = self.unwind.table_counts
         if self.alloc_plan is not None:

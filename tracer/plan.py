@@ -88,6 +88,12 @@ class TraceRequest:
         return bool(self.command) and self.filtered_by_pid and not self.privileges_dropped
 
     @property
+    def traced_from_start(self) -> bool:
+        """Every process traced is started under the trace (COMMAND, and
+        the children it forks): none holds memory allocated before it."""
+        return bool(self.command) and self.filtered_by_pid and self.comm is None
+
+    @property
     def one_process(self) -> bool:
         """One process is traced, and only it (--pid or COMMAND, without
         --follow-forks): its uprobes can be attached for it alone."""

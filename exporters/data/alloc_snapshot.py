@@ -260,6 +260,10 @@ class ProcessAllocs:
     comm: str = ""  # its name when the kernel first saw it call (it may be gone now)
     allocator: str = ""  # what its malloc binds to (jemalloc); "": not known
     allocator_lib: str = ""  # ... in this file (libjemalloc.so.2)
+    # allocations not tracked until freed: the table of outstanding blocks
+    # (--max-outstanding) or of stacks (--alloc-stacks) was full; each one's
+    # free is among unknown_frees
+    untracked: int = 0
 
     @property
     def allocator_label(self) -> str:
@@ -297,6 +301,9 @@ class AllocSnapshot:
     vm: Mapping[int, Mapping[str, int]] = field(default_factory=dict)
     # how the stacks were walked: probes/records.py UnwindMisc, lower-case ({}: by frame pointers)
     unwind: Mapping[str, int] = field(default_factory=dict)
+    # every process was traced from its start (run's command and the children
+    # it forks): none holds memory allocated before the trace
+    traced_from_start: bool = False
 
     @property
     def live_bytes(self) -> int:
@@ -323,6 +330,20 @@ class AllocSnapshot:
 
     def process(self, tgid: int) -> ProcessAllocs | None:
         return next((p for p in self.processes if p.tgid == tgid), None)
+
+
+def unknown_free_origins(proc: ProcessAllocs, snapshot: AllocSnapshot) -> tuple[str, ...]:
+    """What a process's frees of blocks not seen allocated may be, as far
+    as the trace can know: ``not_sampled`` (sampling keeps some blocks
+    only), ``before_trace`` (the process ran before the trace: not run's
+    command or its children), ``untracked`` (the tables had no room for
+    some of its allocations). None of them: glibc's own frees of blocks no
+    traced call returned (a thread's tcache at its exit, glibc 2.26+), or a
+    forked child's of its parent's blocks."""
+    return tuple(origin for origin, possible in (("not_sampled", snapshot.sample_bytes > 0),
+                                                 ("before_trace", not snapshot.traced_from_start),
+                                                 ("untracked", proc.untracked > 0))
+                 if possible)  # fmt: skip
 
 
 def trimmed(snapshot: AllocSnapshot, names: FrameNames) -> AllocSnapshot:

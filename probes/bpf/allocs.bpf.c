@@ -390,20 +390,29 @@ static __always_inline u64 sample_weight(u64 size)
 }
 
 
+/* A kept allocation not tracked until freed, for want of room: its free
+ * will be unknown. Counted in its process's row, so that the outputs tell
+ * such frees from those of memory allocated before the trace; `booked`:
+ * counted as freed in its stack's row (not a free of the process's). */
+static __always_inline void count_untracked(u32 tgid, int booked)
+{
+    struct alloc_proc *proc = alloc_proc_of(tgid);
+    if (!proc)
+        return;
+    __sync_fetch_and_add(&proc->untracked, 1);
+    if (booked)
+        __sync_fetch_and_add(&proc->booked_freed, 1);
+}
+
 /* An allocation the outstanding table had no room for: never to be
- * matched, so counted as freed at once (live bytes stay right), and, without
- * sampling, as untracked in its process's row (not a free of the process's). */
+ * matched, so counted as freed at once (live bytes stay right). */
 static __always_inline void untracked(struct alloc_stats *s, u32 tgid, u64 size, u64 weight)
 {
     alloc_misc.increment(AX_OUTSTANDING_FULL);
     __sync_fetch_and_add(&s->frees, 1);
     __sync_fetch_and_add(&s->bytes_freed, weight);
     __sync_fetch_and_add(&s->sizes_freed, size);
-    if (EXACT_STACKS) {
-        struct alloc_proc *proc = alloc_proc_of(tgid);
-        if (proc)
-            __sync_fetch_and_add(&proc->untracked, 1);
-    }
+    count_untracked(tgid, EXACT_STACKS);
 }
 
 /* The call of this thread that returns now, taken out of its pending slot
@@ -477,6 +486,7 @@ static __always_inline void keep_allocation(const struct pending_call *call, u32
         alloc_misc.increment(AX_STACKS_FULL);
         if (EXACT_STACKS)
             count_in_process(tgid, call->size); /* counted here, as no row has it */
+        count_untracked(tgid, 0);
     } else {
         __sync_fetch_and_add(&s->calls, 1);
         __sync_fetch_and_add(&s->bytes, weight);

@@ -236,7 +236,9 @@ struct alloc_proc { /* without sampling, only what alloc_stacks rows do not coun
     u64 frees;         /* free() of a non-NULL pointer, and realloc's releases */
     u64 unknown_frees; /* of pointers not seen allocated (before attaching, or not kept) */
     u64 failed;        /* allocations that returned NULL */
-    u64 untracked;     /* without sampling: allocations booked as freed (outstanding full) */
+    u64 untracked;     /* allocations kept but not tracked until freed: no room in outstanding
+                        * (or, without sampling, in alloc_stacks); their frees are unknown */
+    u64 booked_freed;  /* without sampling: of those, booked as freed in their stack's row */
     u32 incarnation;   /* this row's number, never 0: its process's stack rows carry it */
     u32 pad;
     char comm[16];     /* the process's name when its row was made: it may be gone when read */

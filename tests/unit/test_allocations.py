@@ -187,11 +187,44 @@ def test_prometheus_families_by_process_and_top_stacks() -> None:
     assert value("mtrace_alloc_stack_live_bytes", other) == 97 + 96
 
 
+@pytest.mark.parametrize(
+    ("from_start", "sample_bytes", "untracked", "said", "origins"),
+    [
+        (False, 0, 0, "(7 of memory allocated before the trace)", ["before_trace"]),
+        (True, 0, 9, "(7 of blocks not tracked: the tables were full for 9 allocations, "
+                     "see --max-outstanding)", ["untracked"]),
+        (False, 0, 9, "(7 of blocks not tracked: allocated before the trace, or the tables "
+                      "were full for 9 allocations, see --max-outstanding)",
+         ["before_trace", "untracked"]),
+        (True, 0, 0, "(7 of blocks not seen allocated)", []),
+        (True, 4096, 0, "(7 of blocks not tracked: not sampled)", ["not_sampled"]),
+    ],
+    ids=["pid", "run, tables full", "pid, tables full", "run", "run, sampled"],
+)  # fmt: skip
+def test_frees_of_blocks_not_seen_allocated_say_what_they_can_be(
+    from_start: bool, sample_bytes: int, untracked: int, said: str, origins: list[str]
+) -> None:
+    # GIVEN 7 frees of blocks not seen allocated, the process traced from its
+    # start (run) or attached to, sampled or not, with allocations the tables
+    # had no room for or none
+    proc = ProcessAllocs(PID, 1150, 1150 * 64, 1050, 7, 0, untracked=untracked)
+    snap = snapshot(processes=(proc,), traced_from_start=from_start, sample_bytes=sample_bytes)
+    # WHEN the summary and the JSON tables are written
+    (line,) = [x for x in alloc_table.alloc_process_lines(snap) if x.startswith("allocations:")]
+    (table,) = [json.loads(x) for x in stack_table_json(snap, KnownNames())
+                if '"alloc_processes"' in x]  # fmt: skip
+    # THEN each says what those frees can be: before the trace only when the
+    # process ran before it, a full table only when one was
+    assert f"1050 frees {said};" in line
+    assert (table["unknown_frees_of"], table["untracked"]) == (origins, untracked)
+
+
 def test_json_tables_name_every_frame() -> None:
     snap = trimmed(snapshot(), KnownNames())
     lines = [json.loads(x) for x in stack_table_json(snap, KnownNames())]
     assert lines[0] == {"table": "alloc_processes", "pid": PID, "calls": 1150, "bytes": 73600,
-                        "frees": 1050, "unknown_frees": 7, "failed": 0,
+                        "frees": 1050, "unknown_frees": 7,
+                        "unknown_frees_of": ["before_trace"], "untracked": 0, "failed": 0,
                         "allocator": None, "allocator_lib": None,  # not known here
                         "providers": [],  # no stack says which provider it called
                         "syscalls": {}}  # fmt: skip

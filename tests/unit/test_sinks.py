@@ -180,9 +180,10 @@ def test_the_live_view_draws_lock_waits_per_arena_and_the_allocations() -> None:
     # AND the probes' totals, as the counters read
     (waits,) = screen_rows(screen, "lll_lock_wait_private")
     assert waits[2:] == ["3", "0"]
-    # AND the process's allocations: 25,600 bytes live, 607 frees, 7 unknown
-    (process,) = [row for row in screen_rows(screen, str(PID)) if len(row) == 9]
-    assert (process[2], process[5], process[6]) == ("25.0KiB", "607", "7")
+    # AND the process's allocations: 25,600 bytes live, 607 frees, 7 unknown,
+    # none past a full table
+    (process,) = [row for row in screen_rows(screen, str(PID)) if len(row) == 10]
+    assert (process[2], process[5], process[6], process[7]) == ("25.0KiB", "607", "7", "0")
     # AND the stack holding them, in both stack tables: 25,600 bytes live in
     # 400 blocks, of 1,000 calls, allocating (64,000 bytes since the start)
     stacks = [[c.strip() for c in re.split(r"[│┃]", line)[1:-1]]
