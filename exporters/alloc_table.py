@@ -100,9 +100,11 @@ def unknown_frees_text(proc: ProcessAllocs, snapshot: AllocSnapshot) -> str:
         return f" ({proc.unknown_frees} of memory allocated before the trace)"
     if not origins:
         return f" ({proc.unknown_frees} of blocks not seen allocated)"
+    tables = (("outstanding_full", "--max-outstanding"), ("stacks_full", "--alloc-stacks"))
+    options = " and ".join(o for key, o in tables if snapshot.misc.get(key)) or tables[0][1]
     said = {"not_sampled": "not sampled", "before_trace": "allocated before the trace",
             "untracked": f"the tables were full for {proc.untracked} allocations, "
-                         "see --max-outstanding"}  # fmt: skip
+                         f"see {options}"}  # fmt: skip
     return f" ({proc.unknown_frees} of blocks not tracked: " + ", or ".join(
         said[origin] for origin in origins) + ")"  # fmt: skip
 

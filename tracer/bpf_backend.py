@@ -100,8 +100,6 @@ class BpfProgram:
         # the uprobes' perf events (uprobe_attach), each as it was attached
         self._uprobe_events: list[UprobeEvent] = []
         self._generation = 0  # of the uprobes attached for one thread (retarget)
-        # the return probes of the generations before it, open till the end (retarget)
-        self._past_returns: list[int] = []
         # event -> why the kernel refused its BTF-typed handler (its raw one is attached)
         self.typed_refused: dict[str, str] = {}
         text = source.text()
@@ -304,15 +302,9 @@ class BpfProgram:
         generation as their cookie and are all opened before the program's
         generation turns to it (``uprobe_generation``): till then the old
         events count each call, from then on the new ones, never both. The
-        old entry probes are then closed by a detacher child; the old return
-        probes stay open till the trace ends: the kernel runs a return
-        probe's handler only for the calls it saw enter (Linux 6.12's
-        return sessions: a uretprobe's perf event is one), so a call that
-        entered under the old generation returns through its probe alone,
-        and closing it at the turn would lose that call (seen once: 5,953
-        mallocs counted of 5,954). Returns how many moved; AttachFailure
-        when one could not be opened (the old ones stay in force, the new
-        ones opened so far are closed)."""
+        old ones are then closed by a detacher child. Returns how many
+        moved; AttachFailure when one could not be opened (the old ones
+        stay in force, the new ones opened so far are closed)."""
         if self.uprobe_links is not None:
             return 0  # links follow the process: its pthread_exit is not even probed
         generation = self._generation + 1
@@ -334,9 +326,7 @@ class BpfProgram:
         for index, event in moved:
             gone.append(self._uprobe_events[index])
             self._uprobe_events[index] = event
-        fds = [(event.retprobe, fd) for event in gone for fd in (event.link, event.fd) if fd >= 0]
-        self._past_returns += [fd for retprobe, fd in fds if retprobe]
-        self._turn(generation, [fd for retprobe, fd in fds if not retprobe])
+        self._turn(generation, [fd for event in gone for fd in (event.link, event.fd) if fd >= 0])
         return len(moved)
 
     def _turn(self, generation: int, fds: list[int]) -> None:
@@ -596,10 +586,9 @@ class BpfProgram:
         fds = [
             *tracepoints.values(),
             *(fd for event in self._uprobe_events for fd in (event.link, event.fd) if fd >= 0),
-            *self._past_returns,
             *(self.uprobe_links.take_fds() if self.uprobe_links is not None else ()),
         ]
-        self._uprobe_events, self._past_returns = [], []
+        self._uprobe_events = []
         if fds and not detach_in_child(fds):
             for fd in fds:
                 lib.bpf_close_perf_event_fd(fd)

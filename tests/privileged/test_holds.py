@@ -35,7 +35,7 @@ import pytest
 from mtrace_live.tracer.holds import BOUND_S, GUARDIAN_NAME
 
 from .conftest import MTRACE, built
-from .tracing import Reaper, wait_for_line, wait_until
+from .tracing import Reaper, interrupt_bpftrace, wait_for_line, wait_until
 
 READY = "Ctrl-C to stop"
 PEER_READY = "holds-peer-ready"
@@ -288,8 +288,7 @@ def kill_at_random_points(kills: int, tmp: Path) -> list[Seen]:
             if dying is not None:
                 done.append(dying.settled(peer, out))
     finally:
-        peer.send_signal(signal.SIGINT)
-        peer.wait(timeout=300)
+        interrupt_bpftrace(peer)
     events = peer_events(out)
     return [seen_by_peer(kill, events) for kill in done]
 
