@@ -100,6 +100,8 @@ class BpfProgram:
         # the uprobes' perf events (uprobe_attach), each as it was attached
         self._uprobe_events: list[UprobeEvent] = []
         self._generation = 0  # of the uprobes attached for one thread (retarget)
+        # the return probes of generations turned from, kept for the calls they saw enter
+        self._kept_returns: dict[int, list[UprobeEvent]] = {}
         # event -> why the kernel refused its BTF-typed handler (its raw one is attached)
         self.typed_refused: dict[str, str] = {}
         text = source.text()
@@ -302,9 +304,12 @@ class BpfProgram:
         generation as their cookie and are all opened before the program's
         generation turns to it (``uprobe_generation``): till then the old
         events count each call, from then on the new ones, never both. The
-        old ones are then closed by a detacher child. Returns how many
-        moved; AttachFailure when one could not be opened (the old ones
-        stay in force, the new ones opened so far are closed)."""
+        old entry probes are then closed by a detacher child; the old
+        return probes are kept (``kept_returns``) for the calls they saw
+        enter, whose returns no new one gets since Linux 6.12, until
+        ``close_returns``. Returns how many moved; AttachFailure when one
+        could not be opened (the old ones stay in force, the new ones
+        opened so far are closed)."""
         if self.uprobe_links is not None:
             return 0  # links follow the process: its pthread_exit is not even probed
         generation = self._generation + 1
@@ -326,18 +331,23 @@ class BpfProgram:
         for index, event in moved:
             gone.append(self._uprobe_events[index])
             self._uprobe_events[index] = event
-        self._turn(generation, [fd for event in gone for fd in (event.link, event.fd) if fd >= 0])
-        return len(moved)
-
-    def _turn(self, generation: int, fds: list[int]) -> None:
-        """The program's generation turned to the new uprobes', and the old
-        ones (``fds``) closed by a detacher child."""
+        returns = [event for event in gone if event.retprobe]
+        if returns:
+            self._kept_returns[self._generation] = returns
         if self.has_table("uprobe_generation"):
             self.fill_array("uprobe_generation", [generation])
         self._generation = generation
-        if fds and not detach_in_child(fds):
-            for fd in fds:
-                os.close(fd)
+        _close_events([event for event in gone if not event.retprobe])
+        return len(moved)
+
+    @property
+    def kept_returns(self) -> list[int]:
+        """The generations turned from whose return probes are still open."""
+        return sorted(self._kept_returns)
+
+    def close_returns(self, generation: int) -> None:
+        """Close generation ``generation``'s kept return probes (a detacher child)."""
+        _close_events(self._kept_returns.pop(generation, []))
 
     def fill_array(self, table: str, values: Sequence[int]) -> None:
         array = self._bpf[table]
@@ -583,9 +593,12 @@ class BpfProgram:
         # bcc attaches the tracepoints; the uprobes are this program's own
         # perf events (uprobe_attach), made through the perf PMU: none is in tracefs.
         tracepoints = dict(self._bpf.tracepoint_fds)
+        kept = [event for events in self._kept_returns.values() for event in events]
+        self._kept_returns = {}
+        events = [*self._uprobe_events, *kept]
         fds = [
             *tracepoints.values(),
-            *(fd for event in self._uprobe_events for fd in (event.link, event.fd) if fd >= 0),
+            *(fd for event in events for fd in (event.link, event.fd) if fd >= 0),
             *(self.uprobe_links.take_fds() if self.uprobe_links is not None else ()),
         ]
         self._uprobe_events = []
@@ -612,3 +625,12 @@ def _attach_error(uprobe: uprobe_multi.Uprobe, failure: uprobe_attach.AttachFail
     if failure.errno in (errno.EPERM, errno.EACCES):
         return NotPrivilegedError(message)
     return AttachError(message)
+
+
+def _close_events(events: list[UprobeEvent]) -> None:
+    """Close uprobes' perf events (and their links), by a detacher child
+    where one can be started (closing waits for the kernel: BpfProgram.close)."""
+    fds = [fd for event in events for fd in (event.link, event.fd) if fd >= 0]
+    if fds and not detach_in_child(fds):
+        for fd in fds:
+            os.close(fd)

@@ -62,7 +62,7 @@ from .launch import GatedCommand
 from .model import AllocatorModel
 from .plan import ProgramPlan, TraceRequest, choose_probes, program_plan
 from .privileges import require_privileges
-from .retarget import move_uprobes
+from .retarget import close_returned, move_uprobes
 from .ringbuf import RingReader
 from .unwind_tables import (
     RESUME_ALLOC,
@@ -479,6 +479,8 @@ class LiveTrace:
         that its lock waits' stacks can be named after it is gone (the
         allocation probes hold an exiting process for that instead)."""
         now = time.monotonic()
+        if self.program.kept_returns:  # the uprobes moved, calls still in flight
+            close_returned(self.program, self.alloc_pid)
         for line in self.exec_watch.look() if self.exec_watch is not None else ():
             print(f"mtrace-live: warning: {line}", file=sys.stderr, flush=True)
         if self.exec_watch is not None and self.exec_watch.looked:

@@ -10,16 +10,19 @@ exit, and no call of the process would be seen again.
 
 So allocs.bpf.c's ``alloc_thread_exit`` says so when that thread calls
 ``pthread_exit``, and here the uprobes are attached for a thread that stays
-(the oldest), and the old events closed; the new events carry the next
-generation as their BPF cookie, and the program's generation turns to it
-once they are all attached, so each call is counted once while both fire.
-A process mtrace-live started is
-stopped (SIGSTOP) meanwhile and continued after (tracer/holds.py): a call
-another thread was inside when it stopped returns unseen (its entry probe
-was the old event's), and those calls are counted and said. Any other
-process is never stopped: it goes on while the probes move, and what it
-calls after the old thread is gone and before the new events are attached
-is not seen.
+(the oldest), and the old entry probes closed; the new events carry the
+next generation as their BPF cookie, and the program's generation turns to
+it once they are all attached, so each call is counted once while both
+fire. A call entered under the old probes returns after the turn: since
+Linux 6.12 the kernel gives a return only to the return probes that saw
+the call enter, so the old return probes stay open until no thread of the
+process is inside a call they saw enter (``close_returned``, each tick),
+and each return is taken by its call's entry generation alone (before
+6.12 every return probe attached fires). A process mtrace-live started is
+stopped (SIGSTOP) meanwhile and continued after (tracer/holds.py). Any
+other process is never stopped: it goes on while the probes move, and what
+it calls after the old thread is gone and before the new events are
+attached is not seen.
 """
 
 from __future__ import annotations
@@ -45,15 +48,14 @@ class Moved:
     old: int
     new: int
     probes: int  # perf events moved
-    in_flight: int | None  # held: calls the stopped threads were inside, their returns unseen
+    held: bool  # the process was stopped while they moved: no call was missed
 
     def __str__(self) -> str:
-        flight = "; the calls made after it was gone and before the move were not seen"
-        if self.in_flight is not None:
-            flight = f"; {self.in_flight} calls in flight were not seen to return"
+        missed = "" if self.held else (
+            "; the calls made after it was gone and before the move were not seen")  # fmt: skip
         return (f"thread {self.old} of process {self.tgid}, which its probes were attached for, "
                 f"called pthread_exit: they follow thread {self.new} now ({self.probes} "
-                f"moved{flight})")  # fmt: skip
+                f"moved{missed})")  # fmt: skip
 
 
 def move_uprobes(program: BpfProgram, tgid: int, old: int,
@@ -65,11 +67,7 @@ def move_uprobes(program: BpfProgram, tgid: int, old: int,
     stopped, and continued by ``release`` after. Any other process goes on
     meanwhile: what it calls after ``old`` is gone and before the move is
     done is not seen."""
-    try:
-        threads = sorted(int(name) for name in os.listdir(f"/proc/{tgid}/task"))
-    except OSError:
-        threads = []  # gone already
-    threads = [tid for tid in threads if tid != old]
+    threads = [tid for tid in _threads(tgid) if tid != old]
     try:
         if not threads:
             return None
@@ -82,11 +80,26 @@ def move_uprobes(program: BpfProgram, tgid: int, old: int,
                     f"not be attached for thread {threads[0]}: {failure}; the process's "
                     "other threads are no longer traced")  # fmt: skip
         program.fill_array("alloc_target", [threads[0]])
-        in_flight = program.tables.clear_pending(threads) if release is not None else None
-        return Moved(tgid, old, threads[0], probes, in_flight)
+        return Moved(tgid, old, threads[0], probes, release is not None)
     finally:
         if release is not None:
             release(tgid)
+
+
+def close_returned(program: BpfProgram, tgid: int) -> None:
+    """Close the kept return probes of each generation turned from that no
+    thread of process ``tgid`` is inside a call of (all of them once it is gone)."""
+    threads = _threads(tgid)
+    for generation in program.kept_returns:
+        if not threads or not program.tables.calls_in_flight(threads, generation):
+            program.close_returns(generation)
+
+
+def _threads(tgid: int) -> list[int]:
+    try:
+        return sorted(int(name) for name in os.listdir(f"/proc/{tgid}/task"))
+    except OSError:
+        return []  # gone already
 
 
 def _wait_stopped(tgid: int, threads: list[int]) -> None:

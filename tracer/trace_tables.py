@@ -42,26 +42,23 @@ class TraceTables:
         # twice the same, it is whole (a row is written once, when claimed).
         self._frame_rows: dict[int, tuple[tuple[int, ...], bool]] = {}
 
-    def clear_pending(self, tids: Iterable[int]) -> int:
-        """Forget the calls threads ``tids`` were in (their returns will not
-        be seen, their uprobes moved): the allocation functions' pending
-        slots and the lock waits'. Returns how many there were."""
-        cleared = 0
+    def calls_in_flight(self, tids: Iterable[int], generation: int) -> int:
+        """How many calls threads ``tids`` are inside whose entry generation
+        ``generation``'s uprobes saw (tracer/retarget.py): the allocation
+        functions' pending slots and the lock waits'."""
+        count = 0
         if self._maps.has_table("pending"):
             pending = self._maps.table("pending")
             slots = len(pending)
             for tid in tids:
-                key = pending.Key(tid & (slots - 1))
-                if pending[key].depth and pending[key].tid == tid:
-                    pending[key] = pending.Leaf()
-                    cleared += 1
+                call = pending[pending.Key(tid & (slots - 1))]
+                count += bool(call.depth and call.tid == tid and call.uprobe_gen == generation)
         if self._maps.has_table("lock_pending"):
             waits = self._maps.table("lock_pending")
             for tid in tids:
                 with contextlib.suppress(KeyError):
-                    del waits[waits.Key(tid)]
-                    cleared += 1
-        return cleared
+                    count += waits[waits.Key(tid)].uprobe_gen == generation
+        return count
 
     def stack(self, stack_id: int) -> list[int]:
         """The addresses of one stored stack, innermost first: from

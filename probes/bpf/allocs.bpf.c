@@ -82,8 +82,8 @@ struct pending_call {
 #if WITH_UNWIND
     u64 tables_gen;  /* unwind_gen() when this slot's thread last found its process's tables */
     u32 tables_tgid; /* ... that process */
-    u32 pad;
 #endif
+    u32 uprobe_gen; /* the generation of the entry probe that saw the call (common.bpf.h) */
 };
 
 BPF_ARRAY(pending, struct pending_call, PENDING_SLOTS);
@@ -204,6 +204,7 @@ static __always_inline int on_alloc_entry(struct pt_regs *ctx, u32 fn, u64 size,
     slot->provider = cookie >> SITE_PROVIDER_SHIFT;
     slot->tid = tid;
     slot->depth = 1;
+    slot->uprobe_gen = uprobe_generation_of(ctx, ALLOC_ONE_PROCESS);
 #if WITH_UNWIND && LOCK_STACKS
     /* The return probe stands at the site: the kernel replaces the return
      * address after this handler. */
@@ -417,11 +418,18 @@ static __always_inline void untracked(struct alloc_stats *s, u32 tgid, u64 size,
 
 /* The call of this thread that returns now, taken out of its pending slot
  * into *call: 1, or 0 when there is none to account (a nested call's
- * return, or the gate closed). */
-static __always_inline int returning_call(u32 tgid, u32 tid, struct pending_call *call)
+ * return, another generation's return probe, or the gate closed). */
+static __always_inline int returning_call(void *ctx, u32 tgid, u32 tid, struct pending_call *call)
 {
     struct pending_call *p = pending_of(slot_of(tid), tid);
     if (!p)
+        return 0;
+    /* While the uprobes move, the old generation's return probes stay until
+     * the calls they saw enter have returned, and each return is taken by
+     * the generation of the call's entry alone: before Linux 6.12 every
+     * return probe attached fires, since then only those that saw the
+     * entry (tracer/retarget.py). */
+    if (uprobe_generation_of(ctx, ALLOC_ONE_PROCESS) != p->uprobe_gen)
         return 0;
     if (p->depth > 1) {
         p->depth--;
@@ -558,7 +566,7 @@ int alloc_return(struct pt_regs *ctx)
     u32 tid = (u32)id;
     u32 tgid = id >> 32;
     struct pending_call call;
-    if (!returning_call(tgid, tid, &call))
+    if (!returning_call(ctx, tgid, tid, &call))
         return 0;
     u64 ptr = returned_block(ctx, &call);
     u64 call_site = PT_REGS_IP(ctx); /* the return address, restored by the kernel */

@@ -228,11 +228,25 @@ static __always_inline int tgid_is_followed(u32 tgid)
 /* The generation of the uprobes attached for one thread. When that thread
  * ends first (main's pthread_exit), user space attaches them for another
  * with the next generation as their BPF cookie, then turns this to it, then
- * closes the old ones: while both fire, a handler whose cookie is not the
- * current generation returns at once, so each call counts once
+ * closes the old entry probes: while both fire, an entry handler whose
+ * cookie is not the current generation returns at once, so each call
+ * counts once. The old return probes stay until the calls they saw enter
+ * have returned; a return is taken by its call's entry generation alone
  * (tracer/retarget.py). */
 BPF_ARRAY(uprobe_generation, u64, 1);
 #endif
+
+/* The generation of the uprobe that fired: its cookie's low half where the
+ * uprobes may move (0 where they do not; the high half may say where a
+ * site's arguments are, allocs.bpf.c's site_arg). */
+static __always_inline u32 uprobe_generation_of(void *ctx, const int alone)
+{
+#if UPROBE_MOVES
+    if (alone)
+        return (u32)bpf_get_attach_cookie(ctx);
+#endif
+    return 0;
+}
 
 /* A uprobe attached for one process alone (`alone`: a part's *_ONE_PROCESS)
  * fires in no other: the kernel filters, and the followed table need not be
@@ -243,9 +257,7 @@ static __always_inline int uprobe_followed(void *ctx, const int alone, u32 tgid)
     if (alone) {
         u32 zero = 0;
         u64 *generation = uprobe_generation.lookup(&zero);
-        /* the cookie's low half; its high half may say where a site's
-         * arguments are (allocs.bpf.c's site_arg) */
-        return !generation || (u32)bpf_get_attach_cookie(ctx) == (u32)*generation;
+        return !generation || uprobe_generation_of(ctx, alone) == (u32)*generation;
     }
 #endif
     return alone || tgid_is_followed(tgid);

@@ -48,7 +48,7 @@ struct lock_pending {
     u64 futex;
     u64 caller; /* the return address into the code that waits */
     s32 stack;
-    u32 pad;
+    u32 uprobe_gen; /* the generation of the entry probe that saw the wait (common.bpf.h) */
 };
 
 BPF_HASH(lock_pending, u32, struct lock_pending, LOCK_PENDING);
@@ -117,7 +117,8 @@ int lock_wait_enter(struct pt_regs *ctx)
     u32 tid = (u32)id;
     if (gate_closed() || !uprobe_followed(ctx, LOCK_ONE_PROCESS, id >> 32))
         return 0;
-    struct lock_pending p = {.futex = PT_REGS_PARM1(ctx), .stack = -1};
+    struct lock_pending p = {.futex = PT_REGS_PARM1(ctx), .stack = -1,
+                             .uprobe_gen = uprobe_generation_of(ctx, LOCK_ONE_PROCESS)};
     u64 sp = PT_REGS_SP(ctx);
     bpf_probe_read_user(&p.caller, sizeof(p.caller), (void *)sp);
 #if LOCK_STACKS

@@ -23,7 +23,9 @@ from .tracing import (
     Reaper,
     start_bpftrace,
     stop_bpftrace,
+    wait_for_detach,
     wait_for_line,
+    wait_until,
 )
 
 READY = "Ctrl-C to stop"
@@ -37,6 +39,7 @@ class Traced:
     pid: int
     mallocs: int  # the kernel's count of malloc hits, as mtrace-live read it
     bpftrace: int  # bpftrace's, in the same run
+    memaligns: tuple[int, int, int]  # posix_memalign's calls (trace_leader_exit)
     workload: int  # the mallocs the workload made after the attach, by its own count
     stderr: str
     stops: int  # SIGSTOPs the workload took while it was traced, as bpftrace saw them
@@ -53,9 +56,25 @@ def nothing(pid: int) -> None:
 # that called (bpf_send_signal), main or not.
 LEADER_EXIT_BODY = (
     "uprobe:{libc}:malloc /pid == $1/ {{ @hits[probe] = count(); }}\n"
+    "uprobe:{libc}:posix_memalign /pid == $1/ {{ @hits[probe] = count(); }}\n"
     "tracepoint:signal:signal_deliver /args->sig == 19 && pid == $1/ "
     "{{ @hits[probe] = count(); }}\n"
 )
+
+
+def worker_runs_after_main(pid: int, runs: int = 100) -> None:
+    """Until main's thread is gone (the leader a zombie), then until the
+    oldest other thread has run ``runs`` times more (each of its pairs
+    sleeps: the third field of its /proc/PID/task/TID/schedstat)."""
+    wait_until(lambda: Path(f"/proc/{pid}/stat").read_text().rpartition(") ")[2][0] == "Z",
+               "main's thread gone")  # fmt: skip
+    worker = min(int(task) for task in os.listdir(f"/proc/{pid}/task") if int(task) != pid)
+
+    def runs_so_far() -> int:
+        return int(Path(f"/proc/{pid}/task/{worker}/schedstat").read_text().split()[2])
+
+    first = runs_so_far()
+    wait_until(lambda: runs_so_far() >= first + runs, "the worker's pairs after main's end")
 
 
 def trace_leader_exit(tmp: Path, before_attach: Callable[[int], None] = nothing,
@@ -68,10 +87,12 @@ def trace_leader_exit(tmp: Path, before_attach: Callable[[int], None] = nothing,
     process: no wait); "first", main has done so before the tracers attach;
     "busy", another thread makes pairs all along, main lingering in
     pthread_exit until the probes have moved (perf events; links: none
-    waits), then ending."""
+    waits), then ending, and the other thread going on a while after;
+    "inside", a thread is inside posix_memalign when main calls
+    pthread_exit, and returns once the probes have moved."""
     with Reaper() as reaper:
         pipe = subprocess.PIPE
-        argv = [str(built("leader_exit")), "5000", "busy" if mode == "busy" else "wait"]
+        argv = [str(built("leader_exit")), "5000", mode if mode in ("busy", "inside") else "wait"]
         workload = reaper.add(subprocess.Popen(argv, stdin=pipe, stdout=pipe))
         stdin, stdout = workload.stdin, workload.stdout
         assert stdout is not None and stdin is not None
@@ -102,11 +123,15 @@ def trace_leader_exit(tmp: Path, before_attach: Callable[[int], None] = nothing,
             say(b"g")
             if mode == "after":
                 assert stdout.readline() == b"main gone\n"
+            if mode == "inside":
+                assert stdout.readline() == b"inside\n"
             if uprobes == "perf events":
                 wait_for_line(err, "pthread_exit", tracer, timeout=120)  # the probes moved
+                wait_for_detach()  # and the old ones it closes are closed
         if mode == "busy":
             say(b"o")  # main ends now
-        say(b"p")
+            worker_runs_after_main(pid)
+        say(b"p")  # ("inside": the call returns now)
         stdin.close()
         done = stdout.readline().split()
         stdout.close()
@@ -116,7 +141,12 @@ def trace_leader_exit(tmp: Path, before_attach: Callable[[int], None] = nothing,
     tables = [json.loads(line) for line in out.read_text().splitlines() if '"table"' in line]
     (functions,) = [t for t in tables if t["table"] == "alloc_functions"]
     stacks = json.dumps([t for t in tables if t["table"] == "alloc_stacks"])
-    return Traced(pid, functions["calls"]["malloc"], counts["malloc"], int(done[1]),
+    # posix_memalign's calls: their entries as the kernel counted them, the
+    # returns kept in stack rows, and bpftrace's count of their entries
+    kept = sum(t["calls"] for t in tables
+               if t["table"] == "alloc_stacks" and t["allocator"] == "posix_memalign")  # fmt: skip
+    memaligns = (functions["calls"].get("posix_memalign", 0), kept, counts.get("posix_memalign", 0))
+    return Traced(pid, functions["calls"]["malloc"], counts["malloc"], memaligns, int(done[1]),
                   err.read_text(), counts.get("signal_deliver", 0), stacks)  # fmt: skip
 
 
@@ -155,6 +185,23 @@ def test_no_call_is_counted_twice_while_the_probes_move(tmp_path: Path) -> None:
     # AND the probes did move, once
     said = [line for line in traced.stderr.splitlines() if "pthread_exit" in line]
     assert len(said) == 1 and f"thread {traced.pid} of process {traced.pid}" in said[0], said
+
+
+def test_a_call_in_flight_while_the_probes_move_is_counted_once_at_its_return(
+    tmp_path: Path,
+) -> None:
+    # GIVEN leader_exit whose other thread is inside posix_memalign (its
+    # store of the pointer waits for a page userfaultfd keeps missing) when
+    # main calls pthread_exit, and returns only once the probes have moved:
+    # its entry was the old generation's, and since Linux 6.12 the kernel
+    # gives a return only to the return probes that saw the call enter
+    traced = trace_leader_exit(tmp_path, mode="inside", uprobes="perf events")
+    # THEN the probes moved once, and the call is counted once at its
+    # return, as bpftrace counted its entry
+    said = [line for line in traced.stderr.splitlines() if "pthread_exit" in line]
+    assert len(said) == 1 and f"thread {traced.pid} of process {traced.pid}" in said[0], said
+    assert traced.memaligns == (1, 1, 1)
+    assert traced.stops == 0
 
 
 def test_links_count_every_call_made_while_main_exits(tmp_path: Path) -> None:
