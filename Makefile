@@ -8,7 +8,7 @@ SETUP_STAMP := $(VENV)/.mtrace-live-setup
 
 # fixtures is not part of test: the ELF fixtures are committed, and rebuilt
 # only when their sources change.
-.PHONY: fixtures all setup sdt-glibc exercisers bench fuzz soak test test-unit test-privileged lint typecheck vagrant-validate demo clean
+.PHONY: fixtures all setup sdt-glibc glibc-malloc-tests exercisers bench fuzz soak test test-unit test-privileged lint typecheck vagrant-validate demo clean
 
 all: setup exercisers
 
@@ -17,6 +17,11 @@ setup:
 
 sdt-glibc: setup
 	bash scripts/sdt-glibc.sh
+
+# glibc's own malloc tests, built in the SDT glibc's build tree (minutes,
+# once): tests/privileged/test_glibc_malloc_tests.py runs them traced.
+glibc-malloc-tests: setup
+	bash scripts/sdt-glibc.sh --malloc-tests
 
 WORKLOADS := probe_exerciser kmem_exerciser mallopt_loop jmp_loop arena_contention arena_waits stdio_wait lock_wait_calls alloc_workload alloc_bench churn leader_exit stack_fan builtin_alloc hold_blocks allocator_entries
 # Built as distributions build their programs: -O2, no frame pointers, PIE,
@@ -72,7 +77,7 @@ fixtures:
 
 # Everything: set-up, the SDT glibc, the exercisers, lint, and all tests,
 # privileged ones included (they fail, never skip, when BPF cannot run).
-test: sdt-glibc exercisers lint vagrant-validate
+test: sdt-glibc glibc-malloc-tests exercisers lint vagrant-validate
 	$(BIN)/pytest tests
 
 # Needs no root once the set-up has run (as root) once.
@@ -82,7 +87,7 @@ test-unit: $(SETUP_STAMP)
 $(SETUP_STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
 
-test-privileged: sdt-glibc exercisers
+test-privileged: sdt-glibc glibc-malloc-tests exercisers
 	$(BIN)/pytest tests/privileged
 
 # mypy cannot follow setuptools' editable import finder, so it reads the
@@ -131,7 +136,7 @@ bench: sdt-glibc exercisers
 # cases too slow for make test's 20 minutes (a 60-second run of the churn
 # among them).
 SOAK_MINUTES ?= 30
-soak: sdt-glibc exercisers $(SETUP_STAMP)
+soak: sdt-glibc glibc-malloc-tests exercisers $(SETUP_STAMP)
 	$(BIN)/pytest -m soak tests
 	SOAK_MINUTES=$(SOAK_MINUTES) $(BIN)/python -m tests.soak.soak
 

@@ -9,9 +9,21 @@
 # system libc already has probes (Ubuntu, Fedora), in which case nothing is
 # built. scripts/with-sdt-glibc and `mtrace-live --sdt-glibc` read it.
 #
+# With --malloc-tests (make glibc-malloc-tests), glibc's own malloc tests
+# are built in that build tree too (not run): the privileged tests run them
+# under the trace (tests/privileged/test_glibc_malloc_tests.py). Minutes
+# once, on two cores; then a stamp.
+#
 # Exit codes: 20 not root (when a build is needed), 22 packages or sources
-# unavailable, 26 the build failed.
+# unavailable, 26 the build failed, 2 an unknown argument.
 set -euo pipefail
+
+malloc_tests=no
+case "${1:-}" in
+  "") ;;
+  --malloc-tests) malloc_tests=yes ;;
+  *) printf 'sdt-glibc: error: unknown argument %s (only --malloc-tests)\n' "$1" >&2; exit 2 ;;
+esac
 
 CACHE=${MTRACE_SDT_GLIBC_DIR:-/var/cache/mtrace-live/sdt-glibc}
 say() { printf 'sdt-glibc: %s\n' "$*"; }
@@ -34,6 +46,7 @@ if has_libc_probes "$system_libc"; then
   mkdir -p "$CACHE"
   echo / >"$CACHE/current"
   say "the system libc ($system_libc) already carries SDT probes; using it"
+  [ "$malloc_tests" = no ] || say "no glibc build tree here: its malloc tests are not built"
   exit 0
 fi
 
@@ -43,12 +56,11 @@ version=$(dpkg-query -W -f='${Version}' libc6 2>/dev/null) \
 # they appear in a probe path, so the directory name keeps only plain ones.
 top="$CACHE/${version//[^A-Za-z0-9._-]/_}"
 build="$top/build"
-# glibc's own malloc tests, built (not run) in the build tree: the
-# privileged tests run them under the trace (tests/privileged/
-# test_glibc_malloc_tests.py). Minutes once, on two cores; then a stamp.
+# glibc's own malloc tests (--malloc-tests), built in the build tree.
 build_malloc_tests() {
+  [ "$malloc_tests" = yes ] || return 0
   [ -f "$build/.mtrace-live-malloc-tests" ] && return 0
-  [ "$(id -u)" = 0 ] || fail 20 "building glibc's malloc tests needs root; try: sudo make sdt-glibc"
+  [ "$(id -u)" = 0 ] || fail 20 "building glibc's malloc tests needs root; try: sudo make glibc-malloc-tests"
   say "building glibc's malloc tests (log in $build/malloc-tests.log)"
   (cd "$build" && make -j"$(( $(nproc) + 1 ))" subdirs=malloc check run-built-tests=no \
      >"$build/malloc-tests.log" 2>&1) || fail 26 "building glibc's malloc tests failed (see $build/malloc-tests.log)"
