@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import subprocess
 from collections import Counter
@@ -29,12 +30,14 @@ from .tracing import (
 Events = dict[str, Counter[tuple[int, tuple[tuple[str, int | None], ...]]]]
 
 
-def direct(sdt: SdtGlibc, argv: list[str]) -> list[str]:
+def direct(sdt: SdtGlibc, argv: list[str], libc_dir: Path | None = None) -> list[str]:
     """``argv`` under the SDT build's loader, as testrun.sh runs it, but with
     no shell in between: a shell would allocate with the stock libc in the
-    same process, which the syscall-derived probes see and the SDT ones not."""
+    same process, which the syscall-derived probes see and the SDT ones not.
+    ``libc_dir``: a directory whose libc.so.6 comes before the build's."""
     build = sdt.libc.parent
-    paths = ":".join(str(build / d) for d in ("", "math", "elf", "dlfcn", "nss", "nptl", "rt"))
+    dirs = [build / d for d in ("", "math", "elf", "dlfcn", "nss", "nptl", "rt")]
+    paths = ":".join(str(d) for d in ([libc_dir] if libc_dir else []) + dirs)
     return [str(build / "elf" / "ld-linux-x86-64.so.2"), "--library-path", paths, *argv]
 
 
@@ -43,10 +46,16 @@ def side_by_side(
 ) -> tuple[Events, Events, dict[str, int]]:
     """The events of the SDT probes and of the derived ones, from two traces
     of the same run of ``argv`` under the SDT build; with ``bpftrace``,
-    bpftrace counts those SDT probes in the same run (its counts, third)."""
+    bpftrace counts those SDT probes in the same run (its counts, third).
+    The run has a copy of the SDT libc of its own, which the traces (--all)
+    are given: another process on the SDT libc meanwhile (a glibc test, a
+    make soak) is not in them, nor, as it started or ended between the
+    two traces' starts or ends, in one and not the other."""
     peer_counts: dict[str, int] = {}
+    (tmp / "lib").mkdir()
+    libc = Path(shutil.copy2(sdt.libc, tmp / "lib" / sdt.libc.name))
     with Reaper() as reaper:
-        workload = GatedWorkload(direct(sdt, argv), tmp, reaper)
+        workload = GatedWorkload(direct(sdt, argv, libc.parent), tmp, reaper)
         tracers = {}
         for tag, extra in (("sdt", []), ("derived", ["--derived", *derived_options])):
             with open(tmp / f"{tag}.json", "wb") as out, open(tmp / f"{tag}.err", "wb") as err:
@@ -56,7 +65,7 @@ def side_by_side(
                             *MTRACE,
                             "--all",
                             "--lib",
-                            str(sdt.libc),
+                            str(libc),
                             "--no-allocs",
                             "-o",
                             "json",
@@ -73,7 +82,7 @@ def side_by_side(
         for tag, proc in tracers.items():
             wait_for_line(tmp / f"{tag}.err", "tracing", proc, timeout=120)
         if bpftrace:
-            peer, peer_out = bpftrace_counts(sdt.libc, list(bpftrace), workload.pid, tmp)
+            peer, peer_out = bpftrace_counts(libc, list(bpftrace), workload.pid, tmp)
             reaper.add(peer)
             wait_for_line(peer_out, BPFTRACE_READY, peer, timeout=120)
         workload.release()
