@@ -23,7 +23,7 @@ import pytest
 
 from .conftest import MTRACE, built
 from .test_allocations import COUNTED, READY, Traced, by_site, start_workload, trace_launched
-from .tracing import Reaper, end_held_workload, wait_for_line
+from .tracing import Reaper, end_held_workload, nm_symbols, wait_for_line
 
 LIBS = Path("/usr/lib/x86_64-linux-gnu")
 ALLOCATORS = {
@@ -165,10 +165,7 @@ def calls_by_site(traced: Traced) -> dict[str, int]:
     those that return into the site's function (its address from the
     workload, its size from nm). The others (the allocator's calls of its
     own functions, the libc's of malloc and free) are not the site's."""
-    listed = subprocess.run(["nm", "-S", "--defined-only", str(built("allocator_entries"))],
-                            capture_output=True, text=True, check=True).stdout  # fmt: skip
-    sizes = {fields[3]: int(fields[1], 16) for fields in map(str.split, listed.splitlines())
-             if len(fields) == 4}  # fmt: skip
+    sizes = {name: size for name, (_, size, _) in nm_symbols(built("allocator_entries")).items()}
     calls: dict[str, int] = defaultdict(int)
     for key, count in traced.bpftrace.items():
         name, _, address = key.partition(",")

@@ -40,6 +40,7 @@ from .tracing import (
     BPFTRACE_READY,
     Reaper,
     interrupt_bpftrace,
+    nm_symbols,
     start_bpftrace,
     wait_for_line,
     wait_until,
@@ -160,11 +161,7 @@ JEMALLOC = Path("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
 
 def address(lib: Path, name: str) -> int:
     """Where ``nm -D`` says ``lib`` defines ``name``."""
-    listed = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True,
-                            text=True, check=True).stdout  # fmt: skip
-    (found,) = [int(f[0], 16) for f in map(str.split, listed.splitlines())
-                if f[-1].partition("@")[0] == name]  # fmt: skip
-    return found
+    return nm_symbols(lib, dynamic=True)[name][0]
 
 
 def bpftrace_body(libs: list[Path]) -> str:

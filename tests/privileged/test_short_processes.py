@@ -44,6 +44,7 @@ from .tracing import (
     Reaper,
     interrupt_bpftrace,
     malloc_samples,
+    nm_symbols,
     parsed,
     start_bpftrace,
     wait_for_line,
@@ -90,15 +91,8 @@ def bpftrace_maps(out: Path) -> dict[str, dict[int, int]]:
 
 def nm_spans(program: Path) -> dict[str, tuple[int, int]]:
     """Each function's [start, end) link-time addresses, as nm reads them."""
-    out = subprocess.run(["nm", "-S", "--defined-only", str(program)], check=True,
-                         capture_output=True, text=True).stdout  # fmt: skip
-    spans = {}
-    for line in out.splitlines():
-        fields = line.split()
-        if len(fields) == 4 and fields[2] in "tT":
-            start = int(fields[0], 16)
-            spans[fields[3]] = (start, start + int(fields[1], 16))
-    return spans
+    return {name: (start, start + size) for name, (start, size, kind) in nm_symbols(program).items()
+            if kind in "tT" and size}  # fmt: skip
 
 
 def chain_frames(profile: Path) -> set[tuple[int, ...]]:

@@ -17,7 +17,7 @@ from mtrace_live.tracer import uprobe_multi
 from mtrace_live.tracer.target import default_libc
 
 from .conftest import MTRACE
-from .tracing import Reaper, uprobe_links, wait_for_line
+from .tracing import Reaper, nm_symbols, uprobe_links, wait_for_line
 
 READY = "Ctrl-C to stop"
 PERF_EVENTS = {**os.environ, "MTRACE_LIVE_UPROBE_MULTI": "0"}
@@ -34,15 +34,9 @@ def perf_events(pid: int) -> int:
 
 def extents(path: str, names: tuple[str, ...]) -> list[tuple[int, int]]:
     """(address, size) of each named exported function, as nm -D -S gives them."""
-    listed = subprocess.run(["nm", "-D", "-S", path], capture_output=True, text=True,
-                            check=True).stdout  # fmt: skip
-    found = {}
-    for line in listed.splitlines():
-        parts = line.split()
-        if len(parts) == 4 and parts[3].split("@", 1)[0] in names:
-            found[parts[3].split("@", 1)[0]] = (int(parts[0], 16), int(parts[1], 16))
-    assert set(found) == set(names), found
-    return list(found.values())
+    symbols = nm_symbols(Path(path), dynamic=True)
+    assert all(name in symbols and symbols[name][1] for name in names), names
+    return [symbols[name][:2] for name in names]
 
 
 def traced_fds(tmp: Path, env: dict[str, str] | None) -> tuple[int, list[dict[str, Any]], int]:

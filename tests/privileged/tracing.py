@@ -71,6 +71,22 @@ def wait_until(ready: Callable[[], bool], what: str) -> None:
     raise AssertionError(f"never: {what}")
 
 
+def nm_symbols(path: Path, dynamic: bool = False) -> dict[str, tuple[int, int, str]]:
+    """What ``nm -S --defined-only`` lists in ``path`` (``-D``, its dynamic
+    symbols, with ``dynamic``), by name less its version: (address, size,
+    nm's letter for its kind), the size 0 where nm gives none; of a name
+    listed twice (two versions), the first."""
+    option = ["-D"] if dynamic else []
+    listed = subprocess.run(["nm", "-S", "--defined-only", *option, str(path)],
+                            capture_output=True, text=True, check=True).stdout  # fmt: skip
+    found: dict[str, tuple[int, int, str]] = {}
+    for fields in map(str.split, listed.splitlines()):
+        if len(fields) in (3, 4):
+            size = int(fields[1], 16) if len(fields) == 4 else 0
+            found.setdefault(fields[-1].partition("@")[0], (int(fields[0], 16), size, fields[-2]))
+    return found
+
+
 def wait_for_line(path: Path, needle: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
