@@ -14,7 +14,7 @@ import subprocess
 import threading
 import urllib.parse
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -174,23 +174,26 @@ class Delta:
 DELTA_WINDOWS = (10, 40, 160)  # seconds: the next is asked when the work outlasted one
 
 
-def delta_while_working(pair: tuple[Workload, Workload], base: str, metrics: str, tls: Any,
-                        tmp: Path, started: int, seconds: int) -> Delta | None:  # fmt: skip
-    """go tool pprof's delta of ``seconds``, while a workload in the traced
-    cgroup and a decoy outside it (``pair``) work once it has begun; None
-    when the window closed before they were done (the fetch was over: its
-    thread had ended)."""
-    during, decoy = pair
-    delta: list[RawProfile] = []
-    fetcher = threading.Thread(target=lambda: delta.append(
-        go_raw(f"{base}/allocs", tmp, "-seconds", str(seconds), ca=tls.cert)))  # fmt: skip
-    fetcher.start()
-    wait_until(lambda: deltas_started(metrics, tls) > started, "the delta profile begun")
-    truth = during.work()
-    decoy.work()
-    inside = fetcher.is_alive()
-    fetcher.join(timeout=seconds + 300)
-    return Delta(delta[0], during, truth) if inside else None
+def delta_in_windows(
+    fetch: Callable[[int], Any], begun: Callable[[], int], work: Callable[[int], dict[str, Any]]
+) -> tuple[int, Any, dict[str, Any]]:
+    """A delta profile asked with each of DELTA_WINDOWS in turn (``fetch``
+    of the window's seconds, in a thread), and the window's work done once
+    the server says it has begun it (``begun``: the deltas it has begun;
+    ``work`` of the window's number: what the work did), until a window
+    outlasts its work (the fetch still waiting when the work was done):
+    that window's number, its delta, and its work's truth."""
+    for started, seconds in enumerate(DELTA_WINDOWS):
+        delta: list[Any] = []
+        fetcher = threading.Thread(target=lambda s=seconds, d=delta: d.append(fetch(s)))  # type: ignore[misc]
+        fetcher.start()
+        wait_until(lambda n=started: begun() > n, "the delta profile begun")  # type: ignore[misc]
+        truth = work(started)
+        inside = fetcher.is_alive()
+        fetcher.join(timeout=seconds + 300)
+        if inside:
+            return started, delta[0], truth
+    raise AssertionError(f"the work outlasted every window {DELTA_WINDOWS}")
 
 
 def assert_holds(profile: RawProfile, work: Workload, truth: dict[str, Any]) -> None:
@@ -212,13 +215,21 @@ def assert_holds(profile: RawProfile, work: Workload, truth: dict[str, Any]) -> 
 
 def first_delta(pairs: list[tuple[Workload, Workload]], base: str, metrics: str, tls: Any,
                 tmp: Path) -> tuple[int, Delta]:  # fmt: skip
-    """The first delta whose window the work of its pair did not outlast,
-    and its number."""
-    for started, seconds in enumerate(DELTA_WINDOWS):
-        found = delta_while_working(pairs[started], base, metrics, tls, tmp, started, seconds)
-        if found is not None:
-            return started, found
-    raise AssertionError(f"the work outlasted every window {DELTA_WINDOWS}")
+    """go tool pprof's delta, while a workload in the traced cgroup and a
+    decoy outside it (a pair for each window) work once it has begun: the
+    first whose window the work did not outlast, and its number."""
+
+    def work(started: int) -> dict[str, Any]:
+        during, decoy = pairs[started]
+        truth = during.work()
+        decoy.work()
+        return truth
+
+    started, raw, truth = delta_in_windows(
+        lambda seconds: go_raw(f"{base}/allocs", tmp, "-seconds", str(seconds), ca=tls.cert),
+        lambda: deltas_started(metrics, tls), work,
+    )  # fmt: skip
+    return started, Delta(raw, pairs[started][0], truth)
 
 
 def test_go_tool_pprof_reads_a_container_s_delta_profile_over_https_with_basic_auth(

@@ -38,9 +38,16 @@ import yaml
 from google.protobuf import empty_pb2
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from .test_heap_profiles import DELTA_WINDOWS, Workload, by_function, go_raw, truth_by_function
+from .test_heap_profiles import (
+    DELTA_WINDOWS,
+    Workload,
+    by_function,
+    delta_in_windows,
+    go_raw,
+    truth_by_function,
+)
 from .test_serve import free_port, start_serve, stop
-from .tracing import Reaper, wait_until
+from .tracing import Reaper
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "heap-profiles.md"
 
@@ -155,10 +162,6 @@ def parsed(got: Got, tmp: Path, name: str) -> Any:
     return go_raw(str(path), tmp)
 
 
-def got_into(url: str, answers: list[Got]) -> None:
-    answers.append(Got(url))
-
-
 @dataclass
 class ParcaDelta:
     """Parca's delta profile, scraped while a run worked inside its window."""
@@ -175,20 +178,17 @@ def parca_delta(base: str, job: dict[str, Any], runs: list[Workload]) -> tuple[i
     test_heap_profiles' DELTA_WINDOWS in turn, while the next of ``runs``
     works once it has begun: the first whose run was done inside its window
     (its fetch still waiting), and how many were asked before it."""
-    for started, seconds in enumerate(DELTA_WINDOWS):
+    asked: dict[int, tuple[str, int]] = {}  # window -> (its URL, time.time_ns() before it)
+
+    def fetch(seconds: int) -> Got:
         url = parca_url(base, job, "memory", "alloc_workload", seconds)
-        delta: list[Got] = []
-        asked = time.time_ns()
-        fetcher = threading.Thread(target=got_into, args=(url, delta))
-        fetcher.start()
-        wait_until(lambda n=started: deltas_begun(base) > n, "Parca's delta begun")  # type: ignore[misc]
-        truth = runs[started].work()
-        inside = fetcher.is_alive()
-        fetcher.join(timeout=seconds + 300)
-        if inside:
-            (got,) = delta
-            return started, ParcaDelta(got, url, seconds, asked, truth)
-    raise AssertionError(f"the run outlasted every window {DELTA_WINDOWS}")
+        asked[seconds] = (url, time.time_ns())
+        return Got(url)
+
+    started, got, truth = delta_in_windows(fetch, lambda: deltas_begun(base),
+                                           lambda n: runs[n].work())  # fmt: skip
+    seconds = DELTA_WINDOWS[started]
+    return started, ParcaDelta(got, asked[seconds][0], seconds, asked[seconds][1], truth)
 
 
 def test_parca_s_and_alloy_s_urls_get_whole_profiles(tmp_path: Path) -> None:
