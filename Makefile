@@ -20,7 +20,7 @@ sdt-glibc: setup
 
 # glibc's own malloc tests, built in the SDT glibc's build tree (minutes,
 # once): tests/privileged/test_glibc_malloc_tests.py runs them traced.
-glibc-malloc-tests: setup
+glibc-malloc-tests: sdt-glibc
 	bash scripts/sdt-glibc.sh --malloc-tests
 
 WORKLOADS := probe_exerciser kmem_exerciser mallopt_loop jmp_loop arena_contention arena_waits stdio_wait lock_wait_calls alloc_workload alloc_bench churn leader_exit stack_fan builtin_alloc hold_blocks allocator_entries

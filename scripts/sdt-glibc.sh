@@ -19,6 +19,7 @@
 set -euo pipefail
 
 malloc_tests=no
+[ $# -le 1 ] || { printf 'sdt-glibc: error: one argument at most (--malloc-tests)\n' >&2; exit 2; }
 case "${1:-}" in
   "") ;;
   --malloc-tests) malloc_tests=yes ;;

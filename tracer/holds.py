@@ -42,6 +42,7 @@ import os
 import select
 import signal
 import struct
+import sys
 import time
 from pathlib import Path
 
@@ -56,11 +57,16 @@ def _bound_s() -> float:
     or a positive number of seconds in MTRACE_LIVE_HOLD_BOUND_S (a test
     that tells the guardian's continue at a tracer's death from a let-go at
     the bound)."""
+    given = os.environ.get("MTRACE_LIVE_HOLD_BOUND_S", "")
     try:
-        bound = float(os.environ.get("MTRACE_LIVE_HOLD_BOUND_S", ""))
+        bound = float(given) if given else 2.0
     except ValueError:
-        return 2.0
-    return bound if 0 < bound < float("inf") else 2.0
+        bound = -1.0
+    if 0 < bound < float("inf"):
+        return bound
+    print(f"mtrace-live: warning: MTRACE_LIVE_HOLD_BOUND_S={given!r} is not a positive number "
+          "of seconds; holds are bounded at 2 s", file=sys.stderr)  # fmt: skip
+    return 2.0
 
 
 BOUND_S = _bound_s()

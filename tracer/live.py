@@ -62,7 +62,7 @@ from .launch import GatedCommand
 from .model import AllocatorModel
 from .plan import ProgramPlan, TraceRequest, choose_probes, program_plan
 from .privileges import require_privileges
-from .retarget import close_returned, move_uprobes
+from .retarget import KeptReturns, move_uprobes
 from .ringbuf import RingReader
 from .unwind_tables import (
     RESUME_ALLOC,
@@ -469,6 +469,8 @@ class LiveTrace:
     more_waiting = False  # the last read left events in the ring
     _next_allocator_look = 0.0  # when tick looks for processes on allocators not attached
     _next_look = 0.0  # when tick looks at the target again
+    _next_return_look = 0.0  # when tick looks at the calls the moved uprobes' old returns await
+    kept_returns: KeptReturns | None = None  # the process whose uprobes moved
     _next_unwind_look = 0.0  # when tick looks at the traced processes' mappings again
     _looks = 0
 
@@ -479,8 +481,9 @@ class LiveTrace:
         that its lock waits' stacks can be named after it is gone (the
         allocation probes hold an exiting process for that instead)."""
         now = time.monotonic()
-        if self.program.kept_returns:  # the uprobes moved, calls still in flight
-            close_returned(self.program, self.alloc_pid)
+        if self.kept_returns is not None and now >= self._next_return_look:
+            self._next_return_look = now + 0.1  # the uprobes moved, calls may still be in flight
+            self.kept_returns.look(self.program)
         for line in self.exec_watch.look() if self.exec_watch is not None else ():
             print(f"mtrace-live: warning: {line}", file=sys.stderr, flush=True)
         if self.exec_watch is not None and self.exec_watch.looked:
@@ -549,6 +552,7 @@ class LiveTrace:
             held = self.holds is not None and self.holds.is_held(tgid)
             release = self.holds.release if self.holds is not None and held else None
             moved = move_uprobes(self.program, tgid, tid, release)
+            self.kept_returns = KeptReturns(tgid)
             if moved is not None:
                 print(f"mtrace-live: {moved}", file=sys.stderr, flush=True)
 

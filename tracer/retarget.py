@@ -16,7 +16,7 @@ it once they are all attached, so each call is counted once while both
 fire. A call entered under the old probes returns after the turn: since
 Linux 6.12 the kernel gives a return only to the return probes that saw
 the call enter, so the old return probes stay open until no thread of the
-process is inside a call they saw enter (``close_returned``, each tick),
+process is inside a call they saw enter (``KeptReturns``, each tick),
 and each return is taken by its call's entry generation alone (before
 6.12 every return probe attached fires). A process mtrace-live started is
 stopped (SIGSTOP) meanwhile and continued after (tracer/holds.py). Any
@@ -86,13 +86,31 @@ def move_uprobes(program: BpfProgram, tgid: int, old: int,
             release(tgid)
 
 
-def close_returned(program: BpfProgram, tgid: int) -> None:
-    """Close the kept return probes of each generation turned from that no
-    thread of process ``tgid`` is inside a call of (all of them once it is gone)."""
-    threads = _threads(tgid)
-    for generation in program.kept_returns:
-        if not threads or not program.tables.calls_in_flight(threads, generation):
-            program.close_returns(generation)
+class KeptReturns:
+    """The return probes of the generations turned from, kept until no
+    thread of process ``tgid`` is inside a call they saw enter."""
+
+    def __init__(self, tgid: int) -> None:
+        self.tgid = tgid
+        self._empty: set[int] = set()  # generations no call was found in at the last look
+
+    def look(self, program: BpfProgram) -> None:
+        """Close those of each generation no call was found in at this look
+        and the one before (an entry handler that took the old generation
+        just before the turn may not have written its call yet at the
+        first); all of them once the process is gone."""
+        if not program.kept_returns:
+            return
+        threads = _threads(self.tgid)
+        empty = set()
+        for generation in program.kept_returns:
+            if threads and program.tables.calls_in_flight(threads, generation):
+                continue
+            if not threads or generation in self._empty:
+                program.close_returns(generation)
+            else:
+                empty.add(generation)
+        self._empty = empty
 
 
 def _threads(tgid: int) -> list[int]:

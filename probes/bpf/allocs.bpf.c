@@ -428,7 +428,10 @@ static __always_inline int returning_call(void *ctx, u32 tgid, u32 tid, struct p
      * the calls they saw enter have returned, and each return is taken by
      * the generation of the call's entry alone: before Linux 6.12 every
      * return probe attached fires, since then only those that saw the
-     * entry (tracer/retarget.py). */
+     * entry (tracer/retarget.py). A call nested in one entered under the
+     * old generation, entering under the new, is seen to enter by both
+     * generations' return probes (the old ones are kept on every function),
+     * so the old one takes its return off the depth. */
     if (uprobe_generation_of(ctx, ALLOC_ONE_PROCESS) != p->uprobe_gen)
         return 0;
     if (p->depth > 1) {

@@ -12,6 +12,7 @@ import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import pytest
 from mtrace_live.tracer import sdt_glibc
@@ -21,6 +22,7 @@ from .conftest import MTRACE, built
 from .tracing import (
     BPFTRACE_READY,
     Reaper,
+    perf_events,
     start_bpftrace,
     stop_bpftrace,
     wait_for_detach,
@@ -39,11 +41,15 @@ class Traced:
     pid: int
     mallocs: int  # the kernel's count of malloc hits, as mtrace-live read it
     bpftrace: int  # bpftrace's, in the same run
-    memaligns: tuple[int, int, int]  # posix_memalign's calls (trace_leader_exit)
+    in_flight: tuple[int, int, int]  # the calls of the function in flight (trace_leader_exit)
     workload: int  # the mallocs the workload made after the attach, by its own count
     stderr: str
     stops: int  # SIGSTOPs the workload took while it was traced, as bpftrace saw them
     stacks: str  # the alloc_stacks tables, as JSON
+
+
+# leader_exit's modes with a call in flight while the probes move, and its function
+IN_FLIGHT = {"inside": "posix_memalign", "tail": "realloc"}
 
 
 def nothing(pid: int) -> None:
@@ -57,6 +63,7 @@ def nothing(pid: int) -> None:
 LEADER_EXIT_BODY = (
     "uprobe:{libc}:malloc /pid == $1/ {{ @hits[probe] = count(); }}\n"
     "uprobe:{libc}:posix_memalign /pid == $1/ {{ @hits[probe] = count(); }}\n"
+    "uprobe:{libc}:realloc /pid == $1/ {{ @hits[probe] = count(); }}\n"
     "tracepoint:signal:signal_deliver /args->sig == 19 && pid == $1/ "
     "{{ @hits[probe] = count(); }}\n"
 )
@@ -77,6 +84,13 @@ def worker_runs_after_main(pid: int, runs: int = 100) -> None:
     wait_until(lambda: runs_so_far() >= first + runs, "the worker's pairs after main's end")
 
 
+def returned(stdout: IO[bytes], tracer: int, held: int) -> None:
+    """leader_exit's call in flight has returned; then the tracer closes
+    the return probes it kept for it: fewer perf events than it ``held``."""
+    assert stdout.readline() == b"returned\n"
+    wait_until(lambda: perf_events(tracer) < held, "the kept return probes closed")
+
+
 def trace_leader_exit(tmp: Path, before_attach: Callable[[int], None] = nothing,
                       after_attach: Callable[[int], None] = nothing,
                       mode: str = "after", uprobes: str = "links") -> Traced:  # fmt: skip
@@ -89,10 +103,13 @@ def trace_leader_exit(tmp: Path, before_attach: Callable[[int], None] = nothing,
     pthread_exit until the probes have moved (perf events; links: none
     waits), then ending, and the other thread going on a while after;
     "inside", a thread is inside posix_memalign when main calls
-    pthread_exit, and returns once the probes have moved."""
+    pthread_exit, and returns once the probes have moved; "tail", the same
+    with realloc(NULL), which jumps to malloc once the probes have moved."""
     with Reaper() as reaper:
         pipe = subprocess.PIPE
-        argv = [str(built("leader_exit")), "5000", mode if mode in ("busy", "inside") else "wait"]
+        calls = "0" if mode in IN_FLIGHT else "5000"
+        argv = [str(built("leader_exit")), calls,
+                mode if mode == "busy" or mode in IN_FLIGHT else "wait"]  # fmt: skip
         workload = reaper.add(subprocess.Popen(argv, stdin=pipe, stdout=pipe))
         stdin, stdout = workload.stdin, workload.stdout
         assert stdout is not None and stdin is not None
@@ -123,15 +140,19 @@ def trace_leader_exit(tmp: Path, before_attach: Callable[[int], None] = nothing,
             say(b"g")
             if mode == "after":
                 assert stdout.readline() == b"main gone\n"
-            if mode == "inside":
+            if mode in IN_FLIGHT:
                 assert stdout.readline() == b"inside\n"
             if uprobes == "perf events":
                 wait_for_line(err, "pthread_exit", tracer, timeout=120)  # the probes moved
                 wait_for_detach()  # and the old ones it closes are closed
+            held = perf_events(tracer.pid)  # (in flight: the old return probes among them)
         if mode == "busy":
             say(b"o")  # main ends now
             worker_runs_after_main(pid)
-        say(b"p")  # ("inside": the call returns now)
+        say(b"p")  # (in flight: the call returns now)
+        if mode in IN_FLIGHT:
+            returned(stdout, tracer.pid, held)
+            say(b"q")
         stdin.close()
         done = stdout.readline().split()
         stdout.close()
@@ -141,12 +162,13 @@ def trace_leader_exit(tmp: Path, before_attach: Callable[[int], None] = nothing,
     tables = [json.loads(line) for line in out.read_text().splitlines() if '"table"' in line]
     (functions,) = [t for t in tables if t["table"] == "alloc_functions"]
     stacks = json.dumps([t for t in tables if t["table"] == "alloc_stacks"])
-    # posix_memalign's calls: their entries as the kernel counted them, the
-    # returns kept in stack rows, and bpftrace's count of their entries
-    kept = sum(t["calls"] for t in tables
-               if t["table"] == "alloc_stacks" and t["allocator"] == "posix_memalign")  # fmt: skip
-    memaligns = (functions["calls"].get("posix_memalign", 0), kept, counts.get("posix_memalign", 0))
-    return Traced(pid, functions["calls"]["malloc"], counts["malloc"], memaligns, int(done[1]),
+    # the calls of the function in flight: their entries as the kernel
+    # counted them, the returns kept in stack rows, and bpftrace's count of
+    # their entries
+    fn = IN_FLIGHT.get(mode, "posix_memalign")
+    kept = sum(t["calls"] for t in tables if t["table"] == "alloc_stacks" and t["allocator"] == fn)
+    in_flight = (functions["calls"].get(fn, 0), kept, counts.get(fn, 0))
+    return Traced(pid, functions["calls"]["malloc"], counts["malloc"], in_flight, int(done[1]),
                   err.read_text(), counts.get("signal_deliver", 0), stacks)  # fmt: skip
 
 
@@ -187,20 +209,24 @@ def test_no_call_is_counted_twice_while_the_probes_move(tmp_path: Path) -> None:
     assert len(said) == 1 and f"thread {traced.pid} of process {traced.pid}" in said[0], said
 
 
+@pytest.mark.parametrize("mode", list(IN_FLIGHT))
 def test_a_call_in_flight_while_the_probes_move_is_counted_once_at_its_return(
-    tmp_path: Path,
+    tmp_path: Path, mode: str
 ) -> None:
     # GIVEN leader_exit whose other thread is inside posix_memalign (its
-    # store of the pointer waits for a page userfaultfd keeps missing) when
-    # main calls pthread_exit, and returns only once the probes have moved:
-    # its entry was the old generation's, and since Linux 6.12 the kernel
-    # gives a return only to the return probes that saw the call enter
-    traced = trace_leader_exit(tmp_path, mode="inside", uprobes="perf events")
+    # store of the pointer waits for a page userfaultfd keeps missing), or
+    # inside realloc(NULL) (its second push does, and then it jumps to
+    # malloc), when main calls pthread_exit, going on only once the probes
+    # have moved: its entry was the old generation's (malloc's, the new
+    # one's), and since Linux 6.12 the kernel gives a return only to the
+    # return probes that saw the call enter
+    traced = trace_leader_exit(tmp_path, mode=mode, uprobes="perf events")
     # THEN the probes moved once, and the call is counted once at its
-    # return, as bpftrace counted its entry
+    # return, as bpftrace counted its entry (and the return probes kept for
+    # it were closed once it had returned: trace_leader_exit's wait)
     said = [line for line in traced.stderr.splitlines() if "pthread_exit" in line]
     assert len(said) == 1 and f"thread {traced.pid} of process {traced.pid}" in said[0], said
-    assert traced.memaligns == (1, 1, 1)
+    assert traced.in_flight == (1, 1, 1)
     assert traced.stops == 0
 
 

@@ -5,7 +5,6 @@ an older kernel, forced with MTRACE_LIVE_UPROBE_MULTI=0, beside."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import subprocess
@@ -17,19 +16,10 @@ from mtrace_live.tracer import uprobe_multi
 from mtrace_live.tracer.target import default_libc
 
 from .conftest import MTRACE
-from .tracing import Reaper, nm_symbols, uprobe_links, wait_for_line
+from .tracing import Reaper, nm_symbols, perf_events, uprobe_links, wait_for_line
 
 READY = "Ctrl-C to stop"
 PERF_EVENTS = {**os.environ, "MTRACE_LIVE_UPROBE_MULTI": "0"}
-
-
-def perf_events(pid: int) -> int:
-    """How many perf events process ``pid`` holds."""
-    count = 0
-    for entry in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(OSError):
-            count += os.readlink(f"/proc/{pid}/fd/{entry}") == "anon_inode:[perf_event]"
-    return count
 
 
 def extents(path: str, names: tuple[str, ...]) -> list[tuple[int, int]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -71,19 +72,30 @@ def wait_until(ready: Callable[[], bool], what: str) -> None:
     raise AssertionError(f"never: {what}")
 
 
+def perf_events(pid: int) -> int:
+    """How many perf events process ``pid`` holds."""
+    count = 0
+    for entry in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/{pid}/fd/{entry}") == "anon_inode:[perf_event]"
+    return count
+
+
 def nm_symbols(path: Path, dynamic: bool = False) -> dict[str, tuple[int, int, str]]:
     """What ``nm -S --defined-only`` lists in ``path`` (``-D``, its dynamic
     symbols, with ``dynamic``), by name less its version: (address, size,
     nm's letter for its kind), the size 0 where nm gives none; of a name
-    listed twice (two versions), the first."""
+    listed in several versions, its default one (``name@@VERSION``)."""
     option = ["-D"] if dynamic else []
     listed = subprocess.run(["nm", "-S", "--defined-only", *option, str(path)],
                             capture_output=True, text=True, check=True).stdout  # fmt: skip
     found: dict[str, tuple[int, int, str]] = {}
     for fields in map(str.split, listed.splitlines()):
         if len(fields) in (3, 4):
-            size = int(fields[1], 16) if len(fields) == 4 else 0
-            found.setdefault(fields[-1].partition("@")[0], (int(fields[0], 16), size, fields[-2]))
+            name, _, version = fields[-1].partition("@")
+            symbol = (int(fields[0], 16), int(fields[1], 16) if len(fields) == 4 else 0, fields[-2])
+            if version.startswith("@") or name not in found:
+                found[name] = symbol
     return found
 
 

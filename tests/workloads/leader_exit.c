@@ -14,14 +14,20 @@
  * and after, until another byte comes on stdin, then prints "done N" (the
  * pairs of both threads) and exits.
  *
- *   leader_exit 0 inside
+ *   leader_exit CALLS inside
  *
- * A call in flight while the probes move: a worker calls posix_memalign
- * with the place of its result in a page that userfaultfd keeps missing,
- * so the call stays inside, storing the pointer, until the page is filled.
- * Once a thread reading the fault has printed "inside", main calls
- * pthread_exit; at a byte on stdin the page is filled (zeros), the call
- * returns, and the worker frees its block, prints "done 1" and exits. */
+ * A call in flight while the probes move (CALLS unused): a worker calls
+ * posix_memalign with the place of its result in a page that userfaultfd
+ * keeps missing, so the call stays inside, storing the pointer, until the
+ * page is filled. Once a thread reading the fault has printed "inside",
+ * main calls pthread_exit; at a byte on stdin the page is filled (zeros),
+ * the call returns and the worker prints "returned"; at another byte it
+ * frees its block, prints "done 1" and exits.
+ *
+ *   leader_exit CALLS tail
+ *
+ * The same with realloc(NULL, 100) in flight, which jumps to malloc (a
+ * tail call) once its stack, on the missing page, is filled. */
 #include <fcntl.h>
 #include <linux/userfaultfd.h>
 #include <poll.h>
@@ -35,6 +41,10 @@
 #include <unistd.h>
 
 #include "ready.h"
+
+#ifndef UFFD_USER_MODE_ONLY
+#define UFFD_USER_MODE_ONLY 1 /* Linux 5.11 */
+#endif
 
 static long calls;
 static int wait_after_main, busy;
@@ -107,15 +117,52 @@ static void *worker(void *arg)
 }
 
 static int uffd;
-static void **missing; /* the page the worker's posix_memalign stores its pointer in */
+static int tail; /* "tail": realloc(NULL), which jumps to malloc, is the call in flight */
+static char *missing; /* two pages: the first kept missing by userfaultfd */
 static sem_t worker_inside;
+
+/* realloc(NULL, size) called with the stack pointer 16 bytes into the
+ * second page of `missing`: its return address and first push land there,
+ * its second push on the first page, where it waits until that is filled;
+ * then it jumps to malloc (a tail call). */
+static void *realloc_over_missing(size_t size)
+{
+    void *got;
+    char *top = missing + sysconf(_SC_PAGESIZE) + 16;
+    /* realloc's own address, not its PLT entry: a first call through the
+     * PLT would fault in the loader's lazy binding, before realloc */
+    void *(*volatile fn)(void *, size_t) = realloc;
+    __asm__ volatile("mov %%rsp, %%r12\n\t"
+                     "mov %[top], %%rsp\n\t"
+                     "xor %%edi, %%edi\n\t"
+                     "mov %[size], %%rsi\n\t"
+                     "call *%[fn]\n\t"
+                     "mov %%r12, %%rsp"
+                     : "=a"(got)
+                     : [top] "r"(top), [size] "r"(size), [fn] "r"(fn)
+                     : "r12", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11", "memory",
+                       "cc");
+    return got;
+}
 
 static void *inside_worker(void *arg)
 {
     (void)arg;
-    if (posix_memalign(missing, 64, 100) || !*missing)
+    void *block = NULL;
+    if (tail)
+        block = realloc_over_missing(100);
+    else if (posix_memalign((void **)missing, 64, 100))
         abort();
-    free(*missing);
+    else
+        block = *(void **)missing;
+    if (!block)
+        abort();
+    printf("returned\n");
+    fflush(stdout);
+    char byte;
+    if (read(0, &byte, 1) != 1)
+        exit(1);
+    free(block);
     printf("done 1\n");
     fflush(stdout);
     exit(0);
@@ -144,14 +191,16 @@ static void *filler(void *arg)
 static void call_inside(void)
 {
     long page = sysconf(_SC_PAGESIZE);
-    uffd = syscall(SYS_userfaultfd, O_CLOEXEC);
+    /* (faults in user mode only: no privilege needed) */
+    uffd = syscall(SYS_userfaultfd, O_CLOEXEC | UFFD_USER_MODE_ONLY);
     struct uffdio_api api = {.api = UFFD_API};
-    missing = mmap(NULL, page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    missing = mmap(NULL, 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     struct uffdio_register reg = {.range = {.start = (unsigned long)missing, .len = page},
                                   .mode = UFFDIO_REGISTER_MODE_MISSING};
     if (uffd < 0 || ioctl(uffd, UFFDIO_API, &api) || missing == MAP_FAILED ||
         ioctl(uffd, UFFDIO_REGISTER, &reg) || sem_init(&worker_inside, 0, 0))
         exit(1);
+    missing[page] = 1; /* the second page is there */
     pthread_t fill, worker;
     if (pthread_create(&fill, NULL, filler, NULL) ||
         pthread_create(&worker, NULL, inside_worker, NULL))
@@ -169,7 +218,8 @@ int main(int argc, char **argv)
     main_thread = pthread_self();
     pthread_t thread;
     ready_then_wait();
-    if (argc > 2 && argv[2][0] == 'i')
+    tail = argc > 2 && argv[2][0] == 't';
+    if (argc > 2 && (argv[2][0] == 'i' || tail))
         call_inside();
     if (pthread_create(&thread, NULL, worker, NULL))
         return 1;
