@@ -65,8 +65,10 @@ SOAKED = ("tst-malloc-thread-exit", "tst-malloc-thread-fail", "tst-malloc-fork-d
           "tst-malloc_info", "tst-malloc-too-large")  # fmt: skip
 QUICK = tuple(name for name in BASE_TESTS if name not in SOAKED)
 STATIC = {"tst-interpose-static-nothread", "tst-interpose-static-thread"}
-# The uprobes' cost against the tests' own time-outs (support/test-driver.c).
-TIMEOUTFACTOR = "20"
+# The uprobes' cost against the tests' own time-outs (support/test-driver.c):
+# tst-malloc-too-large-malloc-hugetlb2 took over 400 s traced (20 x its
+# 20 s) while a glibc build ran beside it.
+TIMEOUTFACTOR = "40"
 # What the allocation functions are on the libc, for bpftrace: which
 # argument of a realloc is the old block, and how a request of 0 bytes
 # reads (glibc frees the block then); posix_memalign succeeds by returning 0.
@@ -332,6 +334,12 @@ def test_every_glibc_malloc_test_passes_traced_with_bpftraces_counts(
     assert all((build.malloc / name).is_file() for name in programs), programs
     # WHEN each runs traced
     outcomes = run_all(build, programs, tmp_path)
-    # THEN each passes as it did, with bpftrace's counts
+    # THEN each passes as it did, with bpftrace's counts (every one checked,
+    # those that did not said together)
+    failures = {}
     for name, outcome in outcomes.items():
-        assert_as_untraced(name, outcome)
+        try:
+            assert_as_untraced(name, outcome)
+        except AssertionError as failure:
+            failures[name] = str(failure).splitlines()[:3]
+    assert not failures, failures
