@@ -306,7 +306,7 @@ class BpfProgram:
         events count each call, from then on the new ones, never both. The
         old entry probes are then closed by a detacher child; the old
         return probes are kept (``kept_returns``) for the calls they saw
-        enter, whose returns no new one gets since Linux 6.12, until
+        enter, whose returns no new one gets on recent kernels, until
         ``close_returns``. Returns how many moved; AttachFailure when one
         could not be opened (the old ones stay in force, the new ones
         opened so far are closed)."""

@@ -13,12 +13,12 @@ So allocs.bpf.c's ``alloc_thread_exit`` says so when that thread calls
 (the oldest), and the old entry probes closed; the new events carry the
 next generation as their BPF cookie, and the program's generation turns to
 it once they are all attached, so each call is counted once while both
-fire. A call entered under the old probes returns after the turn: since
-Linux 6.12 the kernel gives a return only to the return probes that saw
-the call enter, so the old return probes stay open until no thread of the
+fire. A call entered under the old probes returns after the turn: recent
+kernels (6.18 here) give a return only to the return probes that saw the
+call enter, so the old return probes stay open until no thread of the
 process is inside a call they saw enter (``KeptReturns``, each tick),
-and each return is taken by its call's entry generation alone (before
-6.12 every return probe attached fires). A process mtrace-live started is
+and each return is taken by its call's entry generation alone (older
+kernels give it to every return probe attached). A process mtrace-live started is
 stopped (SIGSTOP) meanwhile and continued after (tracer/holds.py). Any
 other process is never stopped: it goes on while the probes move, and what
 it calls after the old thread is gone and before the new events are

@@ -218,8 +218,8 @@ def test_a_call_in_flight_while_the_probes_move_is_counted_once_at_its_return(
     # inside realloc(NULL) (its second push does, and then it jumps to
     # malloc), when main calls pthread_exit, going on only once the probes
     # have moved: its entry was the old generation's (malloc's, the new
-    # one's), and since Linux 6.12 the kernel gives a return only to the
-    # return probes that saw the call enter
+    # one's), and this kernel gives a return only to the return probes
+    # that saw the call enter
     traced = trace_leader_exit(tmp_path, mode=mode, uprobes="perf events")
     # THEN the probes moved once, and the call is counted once at its
     # return, as bpftrace counted its entry (and the return probes kept for

@@ -28,6 +28,8 @@
  *
  * The same with realloc(NULL, 100) in flight, which jumps to malloc (a
  * tail call) once its stack, on the missing page, is filled. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <linux/userfaultfd.h>
 #include <poll.h>
@@ -118,20 +120,23 @@ static void *worker(void *arg)
 
 static int uffd;
 static int tail; /* "tail": realloc(NULL), which jumps to malloc, is the call in flight */
-static char *missing; /* two pages: the first kept missing by userfaultfd */
+#define STACK_PAGES 8 /* realloc_over_missing's stack: the 7th is kept missing */
+static char *missing; /* the page userfaultfd keeps missing */
 static sem_t worker_inside;
 
 /* realloc(NULL, size) called with the stack pointer 16 bytes into the
- * second page of `missing`: its return address and first push land there,
- * its second push on the first page, where it waits until that is filled;
- * then it jumps to malloc (a tail call). */
+ * page above `missing`: its return address and first push land there, its
+ * second push on `missing`, where it waits until that is filled; then it
+ * jumps to malloc (a tail call), with six pages of stack below. */
 static void *realloc_over_missing(size_t size)
 {
     void *got;
     char *top = missing + sysconf(_SC_PAGESIZE) + 16;
-    /* realloc's own address, not its PLT entry: a first call through the
-     * PLT would fault in the loader's lazy binding, before realloc */
-    void *(*volatile fn)(void *, size_t) = realloc;
+    /* realloc's own address (dlsym), never a PLT entry: a first call
+     * through the PLT would fault in the loader's lazy binding */
+    void *(*fn)(void *, size_t) = (void *(*)(void *, size_t))dlsym(RTLD_DEFAULT, "realloc");
+    if (!fn)
+        abort();
     __asm__ volatile("mov %%rsp, %%r12\n\t"
                      "mov %[top], %%rsp\n\t"
                      "xor %%edi, %%edi\n\t"
@@ -140,8 +145,9 @@ static void *realloc_over_missing(size_t size)
                      "mov %%r12, %%rsp"
                      : "=a"(got)
                      : [top] "r"(top), [size] "r"(size), [fn] "r"(fn)
-                     : "r12", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11", "memory",
-                       "cc");
+                     : "r12", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11", "xmm0",
+                       "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
+                       "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "memory", "cc");
     return got;
 }
 
@@ -194,13 +200,21 @@ static void call_inside(void)
     /* (faults in user mode only: no privilege needed) */
     uffd = syscall(SYS_userfaultfd, O_CLOEXEC | UFFD_USER_MODE_ONLY);
     struct uffdio_api api = {.api = UFFD_API};
-    missing = mmap(NULL, 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    char *stack = mmap(NULL, STACK_PAGES * page, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (stack == MAP_FAILED)
+        exit(1);
+    missing = stack + (STACK_PAGES - 2) * page;
+    for (char *p = stack; p < stack + STACK_PAGES * page; p += page)
+        if (p != missing)
+            *p = 1; /* every other page is there */
     struct uffdio_register reg = {.range = {.start = (unsigned long)missing, .len = page},
                                   .mode = UFFDIO_REGISTER_MODE_MISSING};
-    if (uffd < 0 || ioctl(uffd, UFFDIO_API, &api) || missing == MAP_FAILED ||
-        ioctl(uffd, UFFDIO_REGISTER, &reg) || sem_init(&worker_inside, 0, 0))
+    if (uffd < 0 || ioctl(uffd, UFFDIO_API, &api) || ioctl(uffd, UFFDIO_REGISTER, &reg) ||
+        sem_init(&worker_inside, 0, 0)) {
+        perror("leader_exit: userfaultfd");
         exit(1);
-    missing[page] = 1; /* the second page is there */
+    }
     pthread_t fill, worker;
     if (pthread_create(&fill, NULL, filler, NULL) ||
         pthread_create(&worker, NULL, inside_worker, NULL))
