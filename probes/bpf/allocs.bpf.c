@@ -416,32 +416,18 @@ static __always_inline void untracked(struct alloc_stats *s, u32 tgid, u64 size,
     count_untracked(tgid, EXACT_STACKS);
 }
 
-/* The call of this thread that returns now, taken out of its pending slot
- * into *call: 1, or 0 when there is none to account (a nested call's
- * return, another generation's return probe, or the gate closed). */
-static __always_inline int returning_call(struct pt_regs *ctx, u32 tgid, u32 tid,
-                                          struct pending_call *call)
+/* This thread's returning call into *call: 1, or 0 (a nested return, another generation's, or gated). */
+static __always_inline int returning_call(struct pt_regs *ctx, u32 tgid, u32 tid, struct pending_call *call)
 {
     struct pending_call *p = pending_of(slot_of(tid), tid);
     if (!p)
         return 0;
-    /* While the uprobes move, the old generation's return probes stay until
-     * the calls they saw enter have returned, and each return is taken by
-     * the generation of the call's entry alone: on older kernels every
-     * return probe attached fires, on recent ones (6.18 here) only those
-     * that saw the entry (tracer/retarget.py). */
+    /* Taken by the call's entry generation alone (tracer/retarget.py). Past the call's own return
+     * the stack pointer is its entry's + 8; the first return there (a tail call's too) takes it. */
     if (uprobe_generation_of(ctx, ALLOC_ONE_PROCESS) != p->uprobe_gen)
         return 0;
-    /* The frame tells which call returns, whichever probes saw the nested
-     * entries (those entering after a move may reach the new generation's
-     * probes alone): past the call's own return the stack pointer is its
-     * entry's + 8; a nested call returns at or below the entry's. A call
-     * it jumped to (a tail call: reallocarray's to realloc, realloc(NULL)'s
-     * to malloc) returns at the same moment as the call: the first of
-     * those returns takes it. */
-    if (PT_REGS_SP(ctx) <= p->sp) {
-        if (p->depth > 1)
-            p->depth--;
+    if (PT_REGS_SP(ctx) <= p->sp) { /* a nested call's */
+        p->depth -= p->depth > 1;
         return 0;
     }
     u32 zero = 0;

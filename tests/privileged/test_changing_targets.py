@@ -95,25 +95,20 @@ def trace_leader_exit(tmp: Path, before_attach: Callable[[int], None] = nothing,
                       after_attach: Callable[[int], None] = nothing,
                       mode: str = "after", uprobes: str = "links") -> Traced:  # fmt: skip
     """leader_exit traced by pid beside bpftrace. ``mode``: "after", main
-    makes its 5,000 malloc/free pairs and calls pthread_exit once the
-    tracer is there, then another thread makes its 5,000 once the probes
-    moved (``uprobes`` "perf events", attached for main; "links" follow the
-    process: no wait); "first", main has done so before the tracers attach;
-    "busy", another thread makes pairs all along, main lingering in
-    pthread_exit until the probes have moved (perf events; links: none
-    waits), then ending, and the other thread going on a while after;
-    "inside", a thread is inside posix_memalign when main calls
-    pthread_exit, and returns once the probes have moved; "tail", the same
-    with realloc(NULL), which jumps to malloc once the probes have moved."""
+    makes its 5,000 pairs and calls pthread_exit, then another thread makes
+    its 5,000 once the probes moved (``uprobes`` "perf events"; "links"
+    follow the process: no wait); "first", main has done so before the
+    attach; "busy", another thread makes pairs all along, main lingering in
+    pthread_exit until the probes have moved, the other thread going on a
+    while after main's end; "inside" and "tail" (IN_FLIGHT): a thread is
+    inside posix_memalign, or realloc(NULL), across the move."""
     with Reaper() as reaper:
         pipe = subprocess.PIPE
-        calls = "0" if mode in IN_FLIGHT else "5000"
-        argv = [str(built("leader_exit")), calls,
-                mode if mode == "busy" or mode in IN_FLIGHT else "wait"]  # fmt: skip
+        calls, how = ("0", mode) if mode in IN_FLIGHT else ("5000", mode)
+        argv = [str(built("leader_exit")), calls, how if how in ("busy", *IN_FLIGHT) else "wait"]
         workload = reaper.add(subprocess.Popen(argv, stdin=pipe, stdout=pipe))
         stdin, stdout = workload.stdin, workload.stdout
-        assert stdout is not None and stdin is not None
-        assert stdout.readline() == b"ready\n"
+        assert stdout is not None and stdin is not None and stdout.readline() == b"ready\n"
         pid = workload.pid
 
         def say(byte: bytes) -> None:
@@ -153,12 +148,25 @@ def trace_leader_exit(tmp: Path, before_attach: Callable[[int], None] = nothing,
         if mode in IN_FLIGHT:
             returned(stdout, tracer.pid, held)
             say(b"q")
-        stdin.close()
-        done = stdout.readline().split()
-        stdout.close()
-        assert workload.wait(timeout=120) == 0
-        assert tracer.wait(timeout=120) == 0, err.read_text()
+        done = ended(workload, tracer, err)
         counts = stop_bpftrace(bpftrace, bpftrace_out)
+    return traced_as(pid, mode, out, err, counts, done)
+
+
+def ended(workload: subprocess.Popen[bytes], tracer: subprocess.Popen[bytes], err: Path) -> int:
+    """leader_exit's end (stdin closed), and the tracer's: the pairs it says it made."""
+    assert workload.stdin is not None and workload.stdout is not None
+    workload.stdin.close()
+    done = workload.stdout.readline().split()
+    workload.stdout.close()
+    assert workload.wait(timeout=120) == 0
+    assert tracer.wait(timeout=120) == 0, err.read_text()
+    return int(done[1])
+
+
+def traced_as(pid: int, mode: str, out: Path, err: Path, counts: dict[str, int],
+              workload: int) -> Traced:  # fmt: skip
+    """The trace's tables and bpftrace's counts of one trace_leader_exit."""
     tables = [json.loads(line) for line in out.read_text().splitlines() if '"table"' in line]
     (functions,) = [t for t in tables if t["table"] == "alloc_functions"]
     stacks = json.dumps([t for t in tables if t["table"] == "alloc_stacks"])
@@ -168,7 +176,7 @@ def trace_leader_exit(tmp: Path, before_attach: Callable[[int], None] = nothing,
     fn = IN_FLIGHT.get(mode, "posix_memalign")
     kept = sum(t["calls"] for t in tables if t["table"] == "alloc_stacks" and t["allocator"] == fn)
     in_flight = (functions["calls"].get(fn, 0), kept, counts.get(fn, 0))
-    return Traced(pid, functions["calls"]["malloc"], counts["malloc"], in_flight, int(done[1]),
+    return Traced(pid, functions["calls"]["malloc"], counts["malloc"], in_flight, workload,
                   err.read_text(), counts.get("signal_deliver", 0), stacks)  # fmt: skip
 
 
