@@ -595,10 +595,9 @@ class BpfProgram:
         tracepoints = dict(self._bpf.tracepoint_fds)
         kept = [event for events in self._kept_returns.values() for event in events]
         self._kept_returns = {}
-        events = [*self._uprobe_events, *kept]
         fds = [
             *tracepoints.values(),
-            *(fd for event in events for fd in (event.link, event.fd) if fd >= 0),
+            *_event_fds([*self._uprobe_events, *kept]),
             *(self.uprobe_links.take_fds() if self.uprobe_links is not None else ()),
         ]
         self._uprobe_events = []
@@ -630,7 +629,12 @@ def _attach_error(uprobe: uprobe_multi.Uprobe, failure: uprobe_attach.AttachFail
 def _close_events(events: list[UprobeEvent]) -> None:
     """Close uprobes' perf events (and their links), by a detacher child
     where one can be started (closing waits for the kernel: BpfProgram.close)."""
-    fds = [fd for event in events for fd in (event.link, event.fd) if fd >= 0]
+    fds = _event_fds(events)
     if fds and not detach_in_child(fds):
         for fd in fds:
             os.close(fd)
+
+
+def _event_fds(events: Iterable[UprobeEvent]) -> list[int]:
+    """The descriptors of uprobes' perf events and their links."""
+    return [fd for event in events for fd in (event.link, event.fd) if fd >= 0]

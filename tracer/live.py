@@ -62,7 +62,7 @@ from .launch import GatedCommand
 from .model import AllocatorModel
 from .plan import ProgramPlan, TraceRequest, choose_probes, program_plan
 from .privileges import require_privileges
-from .retarget import KeptReturns, move_uprobes
+from .retarget import KeptReturns, Moved, move_uprobes
 from .ringbuf import RingReader
 from .unwind_tables import (
     RESUME_ALLOC,
@@ -552,7 +552,8 @@ class LiveTrace:
             held = self.holds is not None and self.holds.is_held(tgid)
             release = self.holds.release if self.holds is not None and held else None
             moved = move_uprobes(self.program, tgid, tid, release)
-            self.kept_returns = KeptReturns(tgid)
+            if isinstance(moved, Moved):
+                self.kept_returns = KeptReturns(tgid)
             if moved is not None:
                 print(f"mtrace-live: {moved}", file=sys.stderr, flush=True)
 

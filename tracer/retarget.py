@@ -102,9 +102,10 @@ class KeptReturns:
         if not program.kept_returns:
             return
         threads = _threads(self.tgid)
+        busy = program.tables.generations_in_flight(threads)
         empty = set()
         for generation in program.kept_returns:
-            if threads and program.tables.calls_in_flight(threads, generation):
+            if threads and generation in busy:
                 continue
             if not threads or generation in self._empty:
                 program.close_returns(generation)

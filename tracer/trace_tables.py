@@ -42,23 +42,24 @@ class TraceTables:
         # twice the same, it is whole (a row is written once, when claimed).
         self._frame_rows: dict[int, tuple[tuple[int, ...], bool]] = {}
 
-    def calls_in_flight(self, tids: Iterable[int], generation: int) -> int:
-        """How many calls threads ``tids`` are inside whose entry generation
-        ``generation``'s uprobes saw (tracer/retarget.py): the allocation
-        functions' pending slots and the lock waits'."""
-        count = 0
+    def generations_in_flight(self, tids: Iterable[int]) -> set[int]:
+        """The uprobe generations whose entry probes saw the calls threads
+        ``tids`` are inside (tracer/retarget.py): the allocation functions'
+        pending slots and the lock waits'."""
+        found: set[int] = set()
         if self._maps.has_table("pending"):
             pending = self._maps.table("pending")
             slots = len(pending)
             for tid in tids:
                 call = pending[pending.Key(tid & (slots - 1))]
-                count += bool(call.depth and call.tid == tid and call.uprobe_gen == generation)
+                if call.depth and call.tid == tid:
+                    found.add(int(call.uprobe_gen))
         if self._maps.has_table("lock_pending"):
             waits = self._maps.table("lock_pending")
             for tid in tids:
                 with contextlib.suppress(KeyError):
-                    count += waits[waits.Key(tid)].uprobe_gen == generation
-        return count
+                    found.add(int(waits[waits.Key(tid)].uprobe_gen))
+        return found
 
     def stack(self, stack_id: int) -> list[int]:
         """The addresses of one stored stack, innermost first: from

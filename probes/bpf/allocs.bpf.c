@@ -71,7 +71,7 @@ struct pending_call {
     u64 aux;   /* realloc's old pointer, posix_memalign's pointer's address, the alignment */
     u16 fn;
     u16 provider; /* the site's (its cookie from bit SITE_PROVIDER_SHIFT) */
-    u32 depth; /* 1 + nested calls not yet returned; 0: the slot is free */
+    u32 depth; /* 1: a call in flight; 0: the slot is free (nested ones are not kept) */
     u32 tid;   /* whose call it is */
     u32 proc_tgid; /* the process whose alloc_procs row this slot's thread has made */
     u32 proc_gen;  /* ... while alloc_procs_gen was this (user space takes rows out) */
@@ -191,7 +191,6 @@ static __always_inline int on_alloc_entry(struct pt_regs *ctx, u32 fn, u64 size,
 #endif
     struct pending_call *outer = enclosing(slot, tid, sp);
     if (outer) {
-        outer->depth++;
         alloc_misc.increment(AX_NESTED);
         return 0;
     }
@@ -426,10 +425,8 @@ static __always_inline int returning_call(struct pt_regs *ctx, u32 tgid, u32 tid
      * the stack pointer is its entry's + 8; the first return there (a tail call's too) takes it. */
     if (uprobe_generation_of(ctx, ALLOC_ONE_PROCESS) != p->uprobe_gen)
         return 0;
-    if (PT_REGS_SP(ctx) <= p->sp) { /* a nested call's */
-        p->depth -= p->depth > 1;
+    if (PT_REGS_SP(ctx) <= p->sp) /* a nested call's */
         return 0;
-    }
     u32 zero = 0;
     u64 *gen = alloc_procs_gen.lookup(&zero);
     u32 now_gen = gen ? (u32)*gen : 0;

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import subprocess
 from collections import defaultdict
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from .tracing import (
 )
 
 READY = "Ctrl-C to stop"
+LOADER = "/lib64/ld-linux-x86-64.so.2"
 # The functions bpftrace counts at their entry (aligned_alloc is memalign's
 # address in glibc 2.36, reallocarray jumps to realloc: neither is attached).
 COUNTED = ("malloc", "calloc", "realloc", "free", "memalign", "posix_memalign", "valloc")
@@ -492,12 +494,17 @@ def uprobe_area(pid: int) -> bool:
 
 
 def test_pid_alone_places_no_probe_in_other_processes(tmp_path: Path) -> None:
-    # GIVEN two processes on the same libc, each about to call malloc
+    # GIVEN two processes on the same libc, each about to call malloc: a
+    # copy of the system's of their own (another tracer's return probes on
+    # the system's, a bpftrace left running once, fired in the bystander)
+    (tmp_path / "lib").mkdir()
+    shutil.copy2(default_libc(), tmp_path / "lib" / "libc.so.6")
+    argv = [LOADER, "--library-path", str(tmp_path / "lib"), "/usr/bin/python3", "-c",
+            ALLOCATING_PYTHON]  # fmt: skip
     err = tmp_path / "trace.err"
     with Reaper() as reaper:
         target, bystander = (
-            reaper.add(subprocess.Popen(["/usr/bin/python3", "-c", ALLOCATING_PYTHON],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+            reaper.add(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
             for _ in range(2)
         )  # fmt: skip
         # WHEN mtrace-live traces one of them by --pid, and both allocate

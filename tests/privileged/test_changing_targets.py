@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import IO
 
 import pytest
+from mtrace_live.exporters.data.processes import live_thread
 from mtrace_live.tracer import sdt_glibc
 from mtrace_live.tracer.target import default_libc
 
@@ -69,26 +70,25 @@ LEADER_EXIT_BODY = (
 )
 
 
-def worker_runs_after_main(pid: int, runs: int = 100) -> None:
-    """Until main's thread is gone (the leader a zombie), then until the
-    oldest other thread has run ``runs`` times more (each of its pairs
-    sleeps: the third field of its /proc/PID/task/TID/schedstat)."""
-    wait_until(lambda: Path(f"/proc/{pid}/stat").read_text().rpartition(") ")[2][0] == "Z",
-               "main's thread gone")  # fmt: skip
-    worker = min(int(task) for task in os.listdir(f"/proc/{pid}/task") if int(task) != pid)
+def worker_runs_after_main(pid: int) -> None:
+    """Until main's thread is gone, then until the oldest thread that lives
+    has run 100 times more (each of its pairs sleeps: the third field of
+    its /proc/PID/task/TID/schedstat)."""
+    wait_until(lambda: live_thread(pid) not in (pid, None), "main's thread gone")
+    worker = live_thread(pid)
 
     def runs_so_far() -> int:
         return int(Path(f"/proc/{pid}/task/{worker}/schedstat").read_text().split()[2])
 
     first = runs_so_far()
-    wait_until(lambda: runs_so_far() >= first + runs, "the worker's pairs after main's end")
+    wait_until(lambda: runs_so_far() >= first + 100, "the worker's pairs after main's end")
 
 
-def returned(stdout: IO[bytes], tracer: int, held: int) -> None:
+def returned(stdout: IO[bytes], tracer: int, before: int) -> None:
     """leader_exit's call in flight has returned; then the tracer closes
-    the return probes it kept for it: fewer perf events than it ``held``."""
+    the return probes it kept for it: fewer perf events than ``before``."""
     assert stdout.readline() == b"returned\n"
-    wait_until(lambda: perf_events(tracer) < held, "the kept return probes closed")
+    wait_until(lambda: perf_events(tracer) < before, "the kept return probes closed")
 
 
 def trace_leader_exit(tmp: Path, before_attach: Callable[[int], None] = nothing,
@@ -104,8 +104,8 @@ def trace_leader_exit(tmp: Path, before_attach: Callable[[int], None] = nothing,
     inside posix_memalign, or realloc(NULL), across the move."""
     with Reaper() as reaper:
         pipe = subprocess.PIPE
-        calls, how = ("0", mode) if mode in IN_FLIGHT else ("5000", mode)
-        argv = [str(built("leader_exit")), calls, how if how in ("busy", *IN_FLIGHT) else "wait"]
+        how = mode if mode in ("busy", *IN_FLIGHT) else "wait"  # (CALLS unused in flight)
+        argv = [str(built("leader_exit")), "5000", how]
         workload = reaper.add(subprocess.Popen(argv, stdin=pipe, stdout=pipe))
         stdin, stdout = workload.stdin, workload.stdout
         assert stdout is not None and stdin is not None and stdout.readline() == b"ready\n"
@@ -133,20 +133,19 @@ def trace_leader_exit(tmp: Path, before_attach: Callable[[int], None] = nothing,
         after_attach(pid)
         if mode != "first":
             say(b"g")
-            if mode == "after":
-                assert stdout.readline() == b"main gone\n"
-            if mode in IN_FLIGHT:
-                assert stdout.readline() == b"inside\n"
+            if mode in ("after", *IN_FLIGHT):
+                assert stdout.readline() == (b"main gone\n" if mode == "after" else b"inside\n")
             if uprobes == "perf events":
                 wait_for_line(err, "pthread_exit", tracer, timeout=120)  # the probes moved
                 wait_for_detach()  # and the old ones it closes are closed
-            held = perf_events(tracer.pid)  # (in flight: the old return probes among them)
+            if mode in IN_FLIGHT:  # the tracer's perf events, the kept return probes among them
+                before = perf_events(tracer.pid)
         if mode == "busy":
             say(b"o")  # main ends now
             worker_runs_after_main(pid)
         say(b"p")  # (in flight: the call returns now)
         if mode in IN_FLIGHT:
-            returned(stdout, tracer.pid, held)
+            returned(stdout, tracer.pid, before)
             say(b"q")
         done = ended(workload, tracer, err)
         counts = stop_bpftrace(bpftrace, bpftrace_out)

@@ -16,10 +16,12 @@ from mtrace_live.tracer.detacher import DETACHER_NAME, detach_in_child
 from .tracing import (
     BPFTRACE_READY,
     Reaper,
+    interrupt_bpftrace,
     processes,
     start_bpftrace,
     wait_for_detach,
     wait_for_line,
+    wait_until,
 )
 
 EVENTS = 512  # enough that the closes of both sides would overlap, were they not ordered
@@ -61,15 +63,14 @@ def test_the_child_closes_each_perf_event_after_this_process_closed_its_copy(
         # WHEN the detacher takes them
         assert detach_in_child(events)
         wait_for_detach()
-        bpftrace.send_signal(2)
-        bpftrace.wait(timeout=60)
-    closes: dict[int, list[tuple[int, int]]] = {0: [], 1: []}  # who -> [(ns, fd)]
-    for line in out.read_text().splitlines():
-        if line.startswith("{") and '"printf"' in line:
-            text = json.loads(line)["data"]
-            if text.startswith("close "):
-                _, ns, who, fd = text.split()
-                closes[int(who)].append((int(ns), int(fd)))
+        # (bpftrace drops what it has not printed when it stops: it is
+        # stopped once it has printed a close of each event by each side,
+        # or never did, which fails below)
+        wait_until(lambda: all(set(events) <= {fd for _, fd in side}
+                               for side in closes_in(out).values()),
+                   "bpftrace's lines of both sides' closes")  # fmt: skip
+        interrupt_bpftrace(bpftrace)
+    closes = closes_in(out)
     # THEN this process closed each event once (its first close of each number)
     mine = {fd: min(ns for ns, f in closes[0] if f == fd) for fd in events
             if any(f == fd for _, f in closes[0])}  # fmt: skip
@@ -81,6 +82,18 @@ def test_the_child_closes_each_perf_event_after_this_process_closed_its_copy(
     last_mine = max(mine.values())
     early = [(fd, ns - last_mine) for ns, fd in theirs if ns <= last_mine]
     assert not early, early
+
+
+def closes_in(out: Path) -> dict[int, list[tuple[int, int]]]:
+    """bpftrace's closes, by who (0: this process, 1: the detacher): (ns, fd)."""
+    closes: dict[int, list[tuple[int, int]]] = {0: [], 1: []}
+    for line in out.read_text().splitlines():
+        if line.startswith("{") and '"printf"' in line:
+            text = json.loads(line)["data"]
+            if text.startswith("close "):
+                _, ns, who, fd = text.split()
+                closes[int(who)].append((int(ns), int(fd)))
+    return closes
 
 
 def children(state: bytes) -> list[int]:
