@@ -23,7 +23,7 @@ sdt-glibc: setup
 glibc-malloc-tests: sdt-glibc
 	bash scripts/sdt-glibc.sh --malloc-tests
 
-WORKLOADS := probe_exerciser kmem_exerciser mallopt_loop jmp_loop arena_contention arena_waits stdio_wait lock_wait_calls alloc_workload alloc_bench churn leader_exit stack_fan builtin_alloc hold_blocks allocator_entries
+WORKLOADS := probe_exerciser kmem_exerciser mallopt_loop jmp_loop arena_contention arena_waits stdio_wait lock_wait_calls alloc_workload alloc_bench churn leader_exit stack_fan builtin_alloc hold_blocks allocator_entries probe_moves
 # Built as distributions build their programs: -O2, no frame pointers, PIE,
 # shared libraries (the unwinding by CFI, tests/privileged/test_cfi_stacks.py).
 CFLAGS_DISTRO := -O2 -g -fomit-frame-pointer -Wall -Wextra

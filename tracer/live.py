@@ -288,6 +288,8 @@ class LiveTrace:
             # too), nor its guardian's or endpoint's: before the gate opens
             self.program.tables.exclude_self([target_pid] if target_pid is not None else [])
             self.program.tables.set_gate(True)
+            musts = part_constants("common.bpf.h")["MUSTS_PAGES"] * mmap.PAGESIZE
+            self.musts = RingReader(self.program.map_fd("musts"), musts, EVENT_DTYPE)
             room = request.ring_buffer_pages
             self.reader = RingReader(
                 self.program.map_fd("events"),
@@ -512,8 +514,11 @@ class LiveTrace:
         faster than a sink writes them, and the loop must still get to its
         signals and deadlines soon (a stop then flushes the rest)."""
         while True:
+            musts = self.musts.read()  # (moves, holds, asks: never behind the others)
             records = self.reader.read(LOOP_BATCH if once else None)
             self.more_waiting = len(records) >= LOOP_BATCH
+            if len(musts):
+                records = np.concatenate([musts, records])
             if len(records) == 0:
                 return
             kinds = records["kind"]
@@ -637,6 +642,7 @@ class LiveTrace:
             self.file_server.close()
         self._let_go()
         self.reader.close()
+        self.musts.close()
         self.counters.close()
         self.program.close()
 
@@ -798,7 +804,7 @@ class _Watch:
         self.pidfd = _pidfd(target_pid) if target_pid is not None else None
         self.poller = select.poll()
         # (the mappings the walks found are read by the tables' serving thread)
-        for fd in (trace.reader.fd, stop.fd, self.pidfd):
+        for fd in (trace.reader.fd, trace.musts.fd, stop.fd, self.pidfd):
             if fd is not None:
                 self.poller.register(fd, select.POLLIN)
         self.deadline: float | None = None

@@ -10,7 +10,7 @@ exit, and no call of the process would be seen again.
 
 So allocs.bpf.c's ``alloc_thread_exit`` says so when that thread calls
 ``pthread_exit``, and here the uprobes are attached for a thread that stays
-(the oldest), and the old entry probes closed; the new events carry the
+(the oldest that lives), and the old entry probes closed; the new events carry the
 next generation as their BPF cookie, and the program's generation turns to
 it once they are all attached, so each call is counted once while both
 fire. A call entered under the old probes returns after the turn: recent
@@ -67,7 +67,8 @@ def move_uprobes(program: BpfProgram, tgid: int, old: int,
     stopped, and continued by ``release`` after. Any other process goes on
     meanwhile: what it calls after ``old`` is gone and before the move is
     done is not seen."""
-    threads = [tid for tid in _threads(tgid) if tid != old]
+    # (an ended leader stays listed, a zombie, till the process ends)
+    threads = [tid for tid in _threads(tgid) if tid != old and _state(tgid, tid) not in b"ZX"]
     try:
         if not threads:
             return None

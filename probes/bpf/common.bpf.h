@@ -138,6 +138,14 @@ BPF_PERCPU_ARRAY(proc_hits_dropped, u64, 1);      /* hits proc_hits had no room 
  * everything, and only then detaches. */
 BPF_ARRAY(control, u32, 1);
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
+/* The records a trace cannot do without, in a ring of their own, which the
+ * records that come by the thousand (allocations, probe hits, kmem events,
+ * lock waits) cannot fill: a move of a process's uprobes (EV_RETARGET), a
+ * hold (EV_HELD), an ask for unwind tables (EV_UNWIND). User space reads
+ * it first. In the events ring, a thread allocating without a pause left
+ * no room for a move: it was lost, and with it every later call. */
+#define MUSTS_PAGES 16
+BPF_RINGBUF_OUTPUT(musts, MUSTS_PAGES);
 BPF_PERCPU_ARRAY(lost, u64, MAX_PROBES);          /* hits the ring buffer had no room for */
 BPF_PERCPU_ARRAY(lost_lifecycle, u64, 1);         /* exec/exit events without room */
 #endif
@@ -234,6 +242,20 @@ static __always_inline int tgid_is_followed(u32 tgid)
  * have returned; a return is taken by its call's entry generation alone
  * (tracer/retarget.py). */
 BPF_ARRAY(uprobe_generation, u64, 1);
+/* While both generations fire, the kernel runs a call's newer probe first
+ * (the consumer attached last), and each handler reads the generation: had
+ * it turned between the two reads, neither would count the call. So the
+ * first handler of a trap says what it read, and an older generation's
+ * handler at the same thread, address and stack pointer (the same trap)
+ * takes that instead of reading again. */
+struct turn_read {
+    u64 id; /* bpf_get_current_pid_tgid, 0: taken */
+    u64 ip;
+    u64 sp;
+    u32 cookie_gen; /* the generation of the probe that read */
+    u32 read;
+};
+BPF_PERCPU_ARRAY(uprobe_turn_read, struct turn_read, 1);
 #endif
 
 /* The generation of the uprobe that fired: its cookie's low half where the
@@ -255,9 +277,24 @@ static __always_inline int uprobe_followed(void *ctx, const int alone, u32 tgid)
 {
 #if UPROBE_MOVES
     if (alone) {
-        u32 zero = 0;
+        u32 zero = 0, mine = uprobe_generation_of(ctx, alone);
         u64 *generation = uprobe_generation.lookup(&zero);
-        return !generation || uprobe_generation_of(ctx, alone) == (u32)*generation;
+        struct turn_read *last = uprobe_turn_read.lookup(&zero);
+        if (!generation || !last)
+            return 1;
+        u64 id = bpf_get_current_pid_tgid();
+        u64 ip = PT_REGS_IP((struct pt_regs *)ctx), sp = PT_REGS_SP((struct pt_regs *)ctx);
+        if (last->id == id && last->ip == ip && last->sp == sp && last->cookie_gen > mine) {
+            last->id = 0;
+            return last->read == mine; /* the trap's newer probe read it */
+        }
+        u32 read = *generation;
+        last->id = id;
+        last->ip = ip;
+        last->sp = sp;
+        last->cookie_gen = mine;
+        last->read = read;
+        return mine == read;
     }
 #endif
     return alone || tgid_is_followed(tgid);

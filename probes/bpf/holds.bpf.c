@@ -11,11 +11,11 @@
  *     (tracer/retarget.py). */
 #if WITH_ALLOCS && WITH_EVENTS
 
-/* Say `kind` in the ring, stopping the calling process first if
+/* Say `kind` in the musts ring, stopping the calling process first if
  * mtrace-live started it. Nothing is stopped without room to say so. */
 static __always_inline void stop_and_say(u32 kind)
 {
-    struct event *e = events.ringbuf_reserve(sizeof(struct event));
+    struct event *e = musts.ringbuf_reserve(sizeof(struct event));
     if (!e)
         return;
     u64 id = bpf_get_current_pid_tgid();
@@ -26,7 +26,7 @@ static __always_inline void stop_and_say(u32 kind)
     e->kind = kind;
     e->ustack = e->kstack = -1;
     hold_process(id >> 32);
-    events.ringbuf_submit(e, 0);
+    musts.ringbuf_submit(e, 0);
 }
 
 #if ALLOC_ONE_PROCESS

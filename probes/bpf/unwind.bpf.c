@@ -300,7 +300,7 @@ static __always_inline void unwind_fork(u32 parent, u32 child)
 static __always_inline int unwind_ask(u32 tgid, int hold, u32 parent)
 {
 #if WITH_EVENTS
-    struct event *e = events.ringbuf_reserve(sizeof(struct event));
+    struct event *e = musts.ringbuf_reserve(sizeof(struct event));
     if (!e)
         return 0; /* no room to say so: not stopped */
     __builtin_memset(e, 0, sizeof(*e));
@@ -313,7 +313,7 @@ static __always_inline int unwind_ask(u32 tgid, int hold, u32 parent)
     e->ustack = e->kstack = -1;
     if (hold)
         hold_process(tgid); /* a process mtrace-live started (HOLDS) */
-    events.ringbuf_submit(e, 0);
+    musts.ringbuf_submit(e, 0);
 #endif
     return 1;
 }

@@ -237,6 +237,52 @@ def test_a_call_in_flight_while_the_probes_move_is_counted_once_at_its_return(
     assert traced.stops == 0
 
 
+MOVES = 10  # probe_moves's: each move has one turn of the probes' generation
+
+
+def test_no_call_is_lost_while_the_probes_move_again_and_again(tmp_path: Path) -> None:
+    # GIVEN probe_moves, whose thread the probes are attached for ends 10
+    # times in turn (main first, then each thread they moved to), while
+    # another thread makes pairs without a pause: at each move both
+    # generations fire for each call, the newer probe's handler first
+    # (the kernel runs the latest consumer first), and the generation may
+    # turn between the two
+    argv = [str(built("probe_moves")), str(MOVES)]
+    err, out = tmp_path / "trace.err", tmp_path / "trace.out"
+    with Reaper() as reaper:
+        pipe = subprocess.PIPE
+        workload = reaper.add(subprocess.Popen(argv, stdin=pipe, stdout=pipe))
+        assert workload.stdin is not None and workload.stdout is not None
+        assert workload.stdout.readline() == b"ready\n"
+        body = LEADER_EXIT_BODY.format(libc=default_libc())
+        bpftrace, bpftrace_out = start_bpftrace(body, workload.pid, tmp_path)
+        reaper.add(bpftrace)
+        wait_for_line(bpftrace_out, BPFTRACE_READY, bpftrace, timeout=120)
+        with open(err, "wb") as errors, open(out, "wb") as lines:
+            tracer = reaper.add(subprocess.Popen(
+                [*MTRACE, "--pid", str(workload.pid), "-o", "json"], stdout=lines,
+                stderr=errors, env=UPROBES["perf events"]))  # fmt: skip
+        wait_for_line(err, READY, tracer, timeout=120)
+        for move in range(1, MOVES + 1):  # WHEN each byte ends the thread they are attached for
+            workload.stdin.write(b"m")
+            workload.stdin.flush()
+            wait_until(lambda: err.read_text().count("called pthread_exit") >= move,  # noqa: B023
+                       f"move {move}")  # fmt: skip
+            workload.stdin.write(b"l")  # (it lingered in pthread_exit till they moved)
+            workload.stdin.flush()
+        workload.stdin.write(b"s")  # (the hammer stops)
+        done = ended(workload, tracer, err)
+        counts = stop_bpftrace(bpftrace, bpftrace_out)
+    traced = traced_as(workload.pid, "moves", out, err, counts, done)
+    # THEN each move was made, each to a thread that lived
+    said = [line for line in traced.stderr.splitlines() if "pthread_exit" in line]
+    assert len(said) == MOVES and all("they follow thread" in line for line in said), said
+    # AND every malloc is counted once: as bpftrace counted, and at least
+    # the hammer's own
+    assert traced.mallocs == traced.bpftrace >= traced.workload
+    assert traced.stops == 0
+
+
 def test_links_count_every_call_made_while_main_exits(tmp_path: Path) -> None:
     # GIVEN the same, traced in uprobe links: they are attached for the
     # process, not for its main thread, and follow it when main ends
