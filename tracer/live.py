@@ -153,6 +153,7 @@ class LiveTrace:
         self.exec_watch = ExecWatch(traced) if followed and uprobes and traced else None
         require_privileges()
         self.frame_names = FrameNames()
+        self.ended_threads: set[int] = set()  # the threads uprobes moved off (pthread_exit)
         self.kmem = request.with_kmem
         self.sites = tuple(self.selection.site_infos(load_catalog()))
         self.decoder = EventDecoder(self.sites)
@@ -288,8 +289,6 @@ class LiveTrace:
             # too), nor its guardian's or endpoint's: before the gate opens
             self.program.tables.exclude_self([target_pid] if target_pid is not None else [])
             self.program.tables.set_gate(True)
-            musts = part_constants("common.bpf.h")["MUSTS_PAGES"] * mmap.PAGESIZE
-            self.musts = RingReader(self.program.map_fd("musts"), musts, EVENT_DTYPE)
             room = request.ring_buffer_pages
             self.reader = RingReader(
                 self.program.map_fd("events"),
@@ -297,7 +296,12 @@ class LiveTrace:
                 EVENT_DTYPE,
                 room * mmap.PAGESIZE if room > plan.ring_pages else None,
             )
+            musts = part_constants("common.bpf.h")["MUSTS_PAGES"] * mmap.PAGESIZE
+            self.musts = RingReader(self.program.map_fd("musts"), musts, EVENT_DTYPE)
         except BaseException:
+            events = getattr(self, "reader", None)  # (the musts ring's failed after it)
+            if events is not None:
+                events.close()
             if self.unwind is not None:
                 self.unwind.stop_serving(rest=False)
             if self.file_server is not None:
@@ -514,9 +518,11 @@ class LiveTrace:
         faster than a sink writes them, and the loop must still get to its
         signals and deadlines soon (a stop then flushes the rest)."""
         while True:
-            musts = self.musts.read()  # (moves, holds, asks: never behind the others)
             records = self.reader.read(LOOP_BATCH if once else None)
             self.more_waiting = len(records) >= LOOP_BATCH
+            # moves, holds, asks: read after the others (all made before them
+            # are in), handled before them
+            musts = self.musts.read()
             if len(musts):
                 records = np.concatenate([musts, records])
             if len(records) == 0:
@@ -556,7 +562,8 @@ class LiveTrace:
         for tgid, tid in sorted(set(pairs)):
             held = self.holds is not None and self.holds.is_held(tgid)
             release = self.holds.release if self.holds is not None and held else None
-            moved = move_uprobes(self.program, tgid, tid, release)
+            self.ended_threads.add(tid)
+            moved = move_uprobes(self.program, tgid, tid, release, self.ended_threads)
             if isinstance(moved, Moved):
                 self.kept_returns = KeptReturns(tgid)
             if moved is not None:
@@ -592,6 +599,11 @@ class LiveTrace:
             self.unwind.stop_serving()
             self._mappings_learned()
         counters = self.counters.read(kmem=self.kmem, runs=True)
+        lost_musts = self.program.percpu_array_totals("lost_musts")[0]
+        if lost_musts:
+            print(f"mtrace-live: warning: {lost_musts} records the trace needed (moves of "
+                  "uprobes, holds, asks for unwind tables) found no room in their ring: "
+                  "what followed them may be missing", file=sys.stderr, flush=True)  # fmt: skip
         names = self.selection.probes
         kmem = None
         if counters.kmem is not None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,28 +59,33 @@ class Moved:
 
 
 def move_uprobes(program: BpfProgram, tgid: int, old: int,
-                 release: Callable[[int], None] | None = None) -> Moved | str | None:  # fmt: skip
-    """Move process ``tgid``'s uprobes off thread ``old``, which is ending:
-    what was moved, a line saying why nothing could be, or None when the
-    process has no other thread (it ends with it). ``release``: the process
-    is held (one mtrace-live started): it is moved once every thread has
-    stopped, and continued by ``release`` after. Any other process goes on
-    meanwhile: what it calls after ``old`` is gone and before the move is
-    done is not seen."""
-    # (an ended leader stays listed, a zombie, till the process ends)
-    threads = [tid for tid in _threads(tgid) if tid != old and _state(tgid, tid) not in b"ZX"]
+                 release: Callable[[int], None] | None = None,
+                 ended: Collection[int] = ()) -> Moved | str | None:  # fmt: skip
+    """Move process ``tgid``'s uprobes off thread ``old``, which is ending,
+    to its oldest thread that lives and has not called pthread_exit (not
+    in ``ended``, the threads the probes moved off before): what was moved,
+    a line saying why nothing could be, or None when the process has no
+    such thread (it ends with it). ``release``: the process is held (one
+    mtrace-live started): it is moved once every thread has stopped, and
+    continued by ``release`` after. Any other process goes on meanwhile:
+    what it calls after ``old`` is gone and before the move is done is not
+    seen."""
+    threads = [tid for tid in _threads(tgid) if tid != old and tid not in ended
+               and _lives(tgid, tid)]  # fmt: skip
     try:
         if not threads:
             return None
         if release is not None:
             _wait_stopped(tgid, threads)
+        # named first: the new thread's own pthread_exit may come as soon as
+        # the generation turns
+        program.fill_array("alloc_target", [threads[0]])
         try:
             probes = program.retarget(old, threads[0])
         except AttachFailure as failure:
             return (f"thread {old} of process {tgid} called pthread_exit, and its probes could "
                     f"not be attached for thread {threads[0]}: {failure}; the process's "
                     "other threads are no longer traced")  # fmt: skip
-        program.fill_array("alloc_target", [threads[0]])
         return Moved(tgid, old, threads[0], probes, release is not None)
     finally:
         if release is not None:
@@ -130,6 +135,19 @@ def _wait_stopped(tgid: int, threads: list[int]) -> None:
         if all(_state(tgid, tid) in STOPPED_STATES for tid in threads):
             return
         time.sleep(0.001)
+
+
+PF_EXITING = 0x4  # the kernel's task flag: in do_exit
+
+
+def _lives(tgid: int, tid: int) -> bool:
+    """Thread ``tid`` is not exiting: neither a zombie (an ended leader
+    stays listed so till the process ends) nor in the kernel's exit."""
+    try:
+        fields = Path(f"/proc/{tgid}/task/{tid}/stat").read_bytes().rpartition(b") ")[2].split()
+    except OSError:
+        return False
+    return fields[0] not in (b"Z", b"X") and not int(fields[6]) & PF_EXITING
 
 
 def _state(tgid: int, tid: int) -> int:

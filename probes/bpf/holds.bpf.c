@@ -16,8 +16,10 @@
 static __always_inline void stop_and_say(u32 kind)
 {
     struct event *e = musts.ringbuf_reserve(sizeof(struct event));
-    if (!e)
+    if (!e) {
+        lost_musts.increment(0);
         return;
+    }
     u64 id = bpf_get_current_pid_tgid();
     __builtin_memset(e, 0, sizeof(*e));
     e->ts = bpf_ktime_get_ns();

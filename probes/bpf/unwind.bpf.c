@@ -301,8 +301,10 @@ static __always_inline int unwind_ask(u32 tgid, int hold, u32 parent)
 {
 #if WITH_EVENTS
     struct event *e = musts.ringbuf_reserve(sizeof(struct event));
-    if (!e)
+    if (!e) {
+        lost_musts.increment(0);
         return 0; /* no room to say so: not stopped */
+    }
     __builtin_memset(e, 0, sizeof(*e));
     e->ts = bpf_ktime_get_ns();
     e->tgid = tgid;

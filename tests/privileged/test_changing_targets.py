@@ -237,16 +237,15 @@ def test_a_call_in_flight_while_the_probes_move_is_counted_once_at_its_return(
     assert traced.stops == 0
 
 
-MOVES = 10  # probe_moves's: each move has one turn of the probes' generation
+MOVES = 10  # probe_moves's threads that end in turn, main first
 
 
 def test_no_call_is_lost_while_the_probes_move_again_and_again(tmp_path: Path) -> None:
     # GIVEN probe_moves, whose thread the probes are attached for ends 10
-    # times in turn (main first, then each thread they moved to), while
-    # another thread makes pairs without a pause: at each move both
-    # generations fire for each call, the newer probe's handler first
-    # (the kernel runs the latest consumer first), and the generation may
-    # turn between the two
+    # times in turn (main first, then each thread they moved to, the one
+    # before it maybe not gone yet), while another thread makes pairs
+    # without a pause (the events ring fills), each ending thread lingering
+    # in pthread_exit until its probes have moved
     argv = [str(built("probe_moves")), str(MOVES)]
     err, out = tmp_path / "trace.err", tmp_path / "trace.out"
     with Reaper() as reaper:

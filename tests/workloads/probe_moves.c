@@ -3,15 +3,18 @@
  *
  *   probe_moves MOVES
  *
- * Starts MOVES threads that wait their turn, then a hammer thread that
+ * Starts MOVES - 1 threads that wait their turn, then a hammer thread that
  * makes malloc/free pairs without a pause, then a reader thread; prints
  * "ready" and waits for a byte on stdin (a tracer attaches meanwhile, by
- * pid, its probes for main's thread). At that byte the hammer starts; at each byte the oldest thread left
- * calls pthread_exit, main first, then the waiting threads in the order
- * they were made (a tracer moves its probes to the oldest thread left each
- * time; the hammer is that thread after the last). At the byte after the
- * last move the reader stops the hammer, which prints "done N" (its pairs)
- * and ends the process. */
+ * pid, its probes for main's thread). At that byte the hammer starts and
+ * main calls pthread_exit, then the waiting threads in the order they were
+ * made, each at its byte: the oldest thread left each time (a tracer moves
+ * its probes to the next oldest; the hammer is that thread after the
+ * last). Each lingers in pthread_exit (a thread-specific value's
+ * destructor) until one more byte, so that the thread the probes are
+ * attached for lives until they have moved: two bytes per move. At the
+ * byte after the last move the reader stops the hammer, which prints
+ * "done N" (its pairs) and ends the process. */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <semaphore.h>
@@ -23,7 +26,7 @@
 
 #define MAX_MOVES 256
 
-static sem_t turn[MAX_MOVES + 1]; /* turn[i]: the i-th waiting thread's (turn[moves]: the reader's) */
+static sem_t turn[MAX_MOVES]; /* turn[i]: the i-th waiting thread's (turn[MOVES - 1]: the reader's) */
 static sem_t go; /* the hammer's start, at main's byte */
 static volatile int stop;
 
@@ -94,7 +97,7 @@ int main(int argc, char **argv)
     if (moves < 1 || moves > MAX_MOVES)
         return 2;
     pthread_t thread;
-    for (long i = 0; i <= moves; i++)
+    for (long i = 0; i < moves; i++)
         if (sem_init(&turn[i], 0, 0))
             return 1;
     if (sem_init(&go, 0, 0) || pthread_key_create(&lingers, linger))
