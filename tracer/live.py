@@ -128,6 +128,7 @@ class LiveTrace:
     unwind: UnwindTables | None = None
     found_ring: RingReader | None = None
     file_server: FileServer | None = None
+    ended_threads: set[int]  # the threads the uprobes moved off (pthread_exit)
 
     def __init__(
         self,
@@ -152,8 +153,7 @@ class LiveTrace:
         uprobes = self.alloc_plan is not None or bool(self.sdt)
         self.exec_watch = ExecWatch(traced) if followed and uprobes and traced else None
         require_privileges()
-        self.frame_names = FrameNames()
-        self.ended_threads: set[int] = set()  # the threads uprobes moved off (pthread_exit)
+        self.frame_names, self.ended_threads = FrameNames(), set()
         self.kmem = request.with_kmem
         self.sites = tuple(self.selection.site_infos(load_catalog()))
         self.decoder = EventDecoder(self.sites)
