@@ -57,7 +57,7 @@ FLOOR = Path(__file__).with_name("alloc_floor.py")
 
 
 def libc() -> Path:
-    from mtrace_live.tracer.target import default_libc
+    from mtrace_live.tracer.processes.target import default_libc
 
     return default_libc()
 
@@ -241,8 +241,8 @@ def _allocator_lines(by_allocator: dict) -> list[str]:
         "### By allocator",
         "",
         "The same malloc(32)/free loop with each allocator preloaded (Debian's packages); "
-        "mtrace-live finds it (tracer/providers.py) and traces its entry points; the floor "
-        "is the empty programs on that allocator's own sites. ns per call.",
+        "mtrace-live finds it (tracer/processes/providers.py) and traces its entry points; the "
+        "floor is the empty programs on that allocator's own sites. ns per call.",
         "",
         "| allocator | untraced | mtrace-live | floor | mtrace-live over the floor |",
         "|---|---:|---:|---:|---:|",

@@ -5,7 +5,7 @@ mtrace-live attaches them for --pid alone), so that what remains is the
 kernel's own cost of the probes. With --every-process, attached for every
 process mapping the libc, as for --all and --follow-forks; with
 --allocator, on the sites of the allocator the process's malloc binds to
-(jemalloc, tcmalloc, mimalloc: tracer/providers.py) instead of the libc's.
+(jemalloc, tcmalloc, mimalloc: tracer/processes/providers.py) instead of the libc's.
 Prints "ready" once attached; runs until SIGINT or SIGTERM.
 
     python bench/alloc_floor.py PID [--every-process] [--allocator]
@@ -17,10 +17,10 @@ import signal
 import sys
 
 from common import floor_source
-from mtrace_live.tracer.alloc_probes import RETURNS_POINTER, plan_sites
-from mtrace_live.tracer.bpf_backend import BpfProgram
-from mtrace_live.tracer.providers import of_process
-from mtrace_live.tracer.target import mapped_libc
+from mtrace_live.tracer.bpf.bpf_backend import BpfProgram
+from mtrace_live.tracer.loop.alloc_probes import RETURNS_POINTER, plan_sites
+from mtrace_live.tracer.processes.providers import of_process
+from mtrace_live.tracer.processes.target import mapped_libc
 
 
 def main(pid: int, every_process: bool, allocator: bool) -> None:

@@ -3,8 +3,8 @@ a program that returns 0 attached to the libc's allocation functions and
 to tracepoints, each kind timed around its own system calls.
 
 - uprobes, one perf event each (perf_event_open, PERF_EVENT_IOC_SET_BPF,
-  ENABLE), as tracer/uprobe_attach.py makes them, then closed;
-- the same uprobes in one uprobe_multi link (tracer/uprobe_multi.py);
+  ENABLE), as tracer/bpf/uprobe_attach.py makes them, then closed;
+- the same uprobes in one uprobe_multi link (tracer/bpf/uprobe_multi.py);
 - tracepoints, one perf event each (as bcc attaches a tracepoint program);
 - the raw tracepoints beneath them as links (BPF_RAW_TRACEPOINT_OPEN): the
   system calls' are the two of sys_enter and sys_exit.
@@ -25,9 +25,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from mtrace_live.tracer import bpf_syscalls, uprobe_attach, uprobe_multi
-from mtrace_live.tracer.target import default_libc
-from mtrace_live.tracer.tracefs import tracefs_root
+from mtrace_live.tracer.bpf import bpf_syscalls, uprobe_attach, uprobe_multi
+from mtrace_live.tracer.bpf.tracefs import tracefs_root
+from mtrace_live.tracer.processes.target import default_libc
 
 PROG_TYPE_TRACEPOINT, PROG_TYPE_RAW_TRACEPOINT = 5, 17
 PERF_TYPE_TRACEPOINT = 2

@@ -49,7 +49,7 @@ def say(text: str) -> None:
 
 
 def sdt():  # type: ignore[no-untyped-def]
-    from mtrace_live.tracer import sdt_glibc
+    from mtrace_live.tracer.processes import sdt_glibc
 
     return sdt_glibc.locate()
 

@@ -159,7 +159,7 @@ def run(tmp: Path, peers: dict[str, str | None]) -> dict[str, object]:
     try:
         time.sleep(0.5)
         pid = target.pid
-        # The compiled-program cache (tracer/bpf_cache.py) in a directory of
+        # The compiled-program cache (tracer/bpf/bpf_cache.py) in a directory of
         # the bench's own: filled by one unmeasured start of each command,
         # then measured warm; the cold row compiles at every start.
         cached = {"MTRACE_LIVE_BPF_CACHE": str(tmp / "bpf-cache")}
@@ -245,7 +245,7 @@ def _floor_text(floor: float) -> str:
         "bcc's import, and clang parsing the kernel headers for even an empty program. "
         "mtrace-live pays it once per program: the first start with a given program "
         "(its C, the constants chosen for the sites, the kernel, bcc) compiles it and keeps "
-        "its byte code and map definitions (`tracer/bpf_cache.py`); later starts create "
+        "its byte code and map definitions (`tracer/bpf/bpf_cache.py`); later starts create "
         "the maps, write their descriptors into the code and load it, with no clang. The "
         "first two rows are such starts; the cold row compiles every time. The pid is a "
         "value written once loaded, not a constant, so any pid shares a program. What "

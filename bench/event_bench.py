@@ -55,8 +55,8 @@ def synthetic_throughput(records: int = 2_000_000) -> dict[str, float]:
     from mtrace_live.probes.locations import ArgKind, ArgLocation, SiteLayout
     from mtrace_live.probes.records import EVENT_DTYPE
     from mtrace_live.probes.sdt_notes import SdtSite
-    from mtrace_live.tracer.model import AllocatorModel
-    from mtrace_live.tracer.ringbuf import RingReader, record_stride
+    from mtrace_live.tracer.bpf.ringbuf import RingReader, record_stride
+    from mtrace_live.tracer.loop.model import AllocatorModel
 
     page = mmap.PAGESIZE
     data = 1 << 24

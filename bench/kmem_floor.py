@@ -23,8 +23,8 @@ import sys
 import bcc
 from common import FLOORS
 from mtrace_live.probes.program import bpf_directory
-from mtrace_live.tracer.kmem_attach import kmem_attach
-from mtrace_live.tracer.tracefs import kmem_defines, tracepoint_format
+from mtrace_live.tracer.bpf.kmem_attach import kmem_attach
+from mtrace_live.tracer.bpf.tracefs import kmem_defines, tracepoint_format
 
 SLAB_EVENTS = ("KMALLOC", "KFREE", "CACHE_ALLOC", "CACHE_FREE")
 

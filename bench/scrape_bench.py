@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from common import BUILD, MTRACE, QUICK, say, verdict
-from mtrace_live.tracer import sdt_glibc
+from mtrace_live.tracer.processes import sdt_glibc
 from prometheus_client.parser import text_string_to_metric_families
 
 SCRAPES = 200 if QUICK else 1000

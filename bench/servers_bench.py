@@ -165,7 +165,7 @@ def _elf_files() -> list[Path]:
 
 
 def _tables(server: MariaDB, tmp: Path) -> dict[str, object]:
-    from mtrace_live.tracer.unwind_tables import exec_mappings, mapped_file
+    from mtrace_live.tracer.unwind.unwind_tables import exec_mappings, mapped_file
 
     pid = server.process.pid
     paths = sorted({p for m in exec_mappings(pid) if (p := mapped_file(pid, m)) is not None})

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import attach_costs
 from common import MTRACE, QUICK, detached, say, time_to_line
-from mtrace_live.tracer.target import default_libc
+from mtrace_live.tracer.processes.target import default_libc
 
 RUNS = 3 if QUICK else 20
 COLD_ENV = {"MTRACE_LIVE_BPF_CACHE": "off", "MTRACE_LIVE_PLAN_CACHE": "off",
@@ -184,7 +184,7 @@ KERNEL_TEXT = [
     "8 tracepoints' perf events took 78 ms to attach instead of 1.3 ms; a profile of traces "
     "started one after the other, before links, found 48 ms per uprobe and 144 ms per "
     "tracepoint. "
-    "Since uprobes are attached in links (tracer/uprobe_multi.py), a trace's detach is one "
+    "Since uprobes are attached in links (tracer/bpf/uprobe_multi.py), a trace's detach is one "
     "link per handler and file (25 links for a `--pid` trace of the system libc, against "
     "34 perf events) plus the tracepoints' perf events, which are still one each.",
     "",

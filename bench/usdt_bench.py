@@ -50,7 +50,7 @@ from common import (
     sdt,
     summarise,
 )  # fmt: skip
-from mtrace_live.tracer import bpf_syscalls
+from mtrace_live.tracer.bpf import bpf_syscalls
 
 JMP_PROBES = ["setjmp", "longjmp", "longjmp_target"]
 DEFAULT_PROBES = ["memory_*", "lll_lock_wait_private"]
@@ -218,7 +218,7 @@ def trace_counts(out: str) -> dict[str, float]:
 
 def programs_run() -> tuple[int, int]:
     """Run time (ns) and runs of every loaded BPF program, summed."""
-    from mtrace_live.tracer import bpf_syscalls
+    from mtrace_live.tracer.bpf import bpf_syscalls
 
     total_ns = total_runs = 0
     for prog_id in bpf_syscalls.program_ids():
@@ -501,7 +501,7 @@ _NOTES = [
     "MiB ring costs 469 ns a hit against 433 with 1 MiB (by hand, 5 alternating runs "
     "each). So mtrace-live's kernel ring is 2 MiB, and its slack (`--buffer-pages`, 8 MiB"
     " by default) is in user memory: the ring copier, a thread in C that never takes the "
-    "interpreter lock (tracer/ring_copy.c), moves the committed records there, every "
+    "interpreter lock (tracer/bpf/ring_copy.c), moves the committed records there, every "
     "millisecond while they come fast (docs/live-tracing.md). By hand, 8 alternating "
     "runs of 3 M hits on jmp_loop: 1.400 s with the "
     "8 MiB ring read by the interpreter, 1.307 s with the copier and a 2 MiB ring, "

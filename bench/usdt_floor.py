@@ -5,7 +5,7 @@ record of RECORD_BYTES a hit and nothing else (bench/bpf/ring_floor.bpf.c).
 
 The least an event stream can pay: the records are read, on another CPU, by
 a thread that copies everything committed every millisecond (mtrace-live's
-own bulk reader, tracer/ringbuf.py) and does nothing else; the ring (1 MiB)
+own bulk reader, tracer/bpf/ringbuf.py) and does nothing else; the ring (1 MiB)
 fits in the CPU's L2; a commit wakes no one. Prints "ready" once attached;
 at SIGINT or SIGTERM, how many records the ring refused, then exits.
 
@@ -22,9 +22,9 @@ import threading
 import numpy as np
 from common import floor_source
 from mtrace_live.probes.sdt_notes import read_sites
-from mtrace_live.tracer import sdt_glibc
-from mtrace_live.tracer.bpf_backend import BpfProgram
-from mtrace_live.tracer.ringbuf import RingReader
+from mtrace_live.tracer.bpf.bpf_backend import BpfProgram
+from mtrace_live.tracer.bpf.ringbuf import RingReader
+from mtrace_live.tracer.processes import sdt_glibc
 
 RING_PAGES = 256  # 1 MiB: 5 ms of jmp_loop's 96-byte records
 PERIOD_S = 0.001

@@ -9,7 +9,7 @@ events, and a scrape answered there waits its turn for the interpreter
 - the tracing process renders the page (``Renderer``, a thread of its own)
   every ``--read-interval`` while someone scrapes, and publishes each body
   in a shared mapping (``SharedPages``);
-- the serving process (forked before anything is attached, tracer/metrics_endpoint.py)
+- the serving process (forked before anything is attached, tracer/loop/metrics_endpoint.py)
   answers every request from the last body published (``PublishedApp``):
   it copies bytes and never waits for the tracer, so its answer takes the
   same time whatever the tracing does.

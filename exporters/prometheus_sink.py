@@ -362,7 +362,7 @@ class PrometheusSink(Sink):
 
     The page is rendered on a thread of the tracing process into shared
     ``pages`` (exporters/exposition.py). Given ``pages``, another process
-    (tracer/metrics_endpoint.py's fork) answers the scrapes from them; without, the
+    (tracer/loop/metrics_endpoint.py's fork) answers the scrapes from them; without, the
     endpoint answers from this process, on its own threads."""
 
     def __init__(

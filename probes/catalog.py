@@ -50,7 +50,7 @@ TYPE_LAYOUT: Mapping[str, tuple[int, bool]] = {
     "__data_loc char[]": (4, False),  # tracefs: offset and length of a string
 }
 
-# What a probe can change in the allocator model (tracer/model.py has one
+# What a probe can change in the allocator model (tracer/loop/model.py has one
 # handler per effect; "lock_wait" is counted in bulk, per futex).
 EFFECTS = frozenset(
     {"sbrk_more", "sbrk_less", "heap_new", "heap_resize", "heap_free", "arena_new",

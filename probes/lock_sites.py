@@ -3,7 +3,7 @@
 glibc takes its internal locks with ``lll_lock``: an atomic exchange and,
 when the lock was held, a call of ``__lll_lock_wait_private(futex)``, which
 sleeps on the futex until the lock is free and returns holding it. The time
-from its entry to its return is a wait (tracer/lock_waits.py times it).
+from its entry to its return is a wait (tracer/loop/lock_waits.py times it).
 
 Its first instruction loads the lock (``mov (%rdi),%eax``), which the kernel
 would single-step for a uprobe: about 15 us a wait here, measured. The

@@ -3,7 +3,7 @@ malloc_state``, ``heap_info`` and ``struct malloc_par`` on x86-64, and the
 walk of the arena list from ``main_arena``.
 
 Arenas made before a trace attaches sent no ``memory_arena_new``; they are
-found by reading the target's memory (tracer/arena_walk.py reads it through
+found by reading the target's memory (tracer/processes/arena_walk.py reads it through
 /proc/PID/mem and hands ``walk_arenas`` a reader). The layout is glibc's
 since 2.27 (``have_fastchunks`` came in 2.27), the same in every build of
 those versions for x86-64; it is not taken on trust: every arena the walk

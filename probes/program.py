@@ -8,7 +8,7 @@ parts into one file (``main_file``) instead of #including them; the headers besi
 ``ProgramConfig`` holds every switch of the program. The live trace and
 ``count`` both build one, and it gives the parts and the ``-D`` defines;
 the program cache's key covers the joined text, every header and the
-defines (tracer/bpf_cache.py).
+defines (tracer/bpf/bpf_cache.py).
 """
 
 from __future__ import annotations
@@ -107,10 +107,10 @@ class ProgramConfig:
     """Every switch of the trace program (common.bpf.h's settings).
 
     The mappings come from the modules that know them: the SDT sites'
-    handlers (tracer/usdt.py), the derived probes' (probes/derived.py), the
-    kmem tracepoints' variants and raw handlers (tracer/tracefs.py,
-    tracer/kmem_attach.py), the allocation functions' tables
-    (tracer/alloc_probes.py), the lock waits' (tracer/lock_waits.py)."""
+    handlers (tracer/loop/usdt.py), the derived probes' (probes/derived.py), the
+    kmem tracepoints' variants and raw handlers (tracer/bpf/tracefs.py,
+    tracer/bpf/kmem_attach.py), the allocation functions' tables
+    (tracer/loop/alloc_probes.py), the lock waits' (tracer/loop/lock_waits.py)."""
 
     events: bool = True  # stream records through the ring (else: counts only)
     filter_pids: bool = True  # the followed table decides

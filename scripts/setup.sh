@@ -172,7 +172,7 @@ fi
 # python3-bpfcc. A .venv left half-made by an interrupted run is rebuilt.
 # The stamp covers the C that pip compiles (the kmemtrace walker, the ring copier),
 # so a change to it rebuilds the extensions.
-want_stamp=$(cat "$REPO/pyproject.toml" "$REPO"/tracer/*.c "$REPO"/probes/elf/*.c "$REPO"/exporters/kmemtrace/*.c | sha256sum | cut -d' ' -f1)
+want_stamp=$(cat "$REPO/pyproject.toml" "$REPO"/tracer/bpf/*.c "$REPO"/probes/elf/*.c "$REPO"/exporters/kmemtrace/*.c | sha256sum | cut -d' ' -f1)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want_stamp" ] && [ -x "$VENV/bin/pip" ] \
    && "$VENV/bin/python" -c 'import bcc, mtrace_live.tracer.cli' 2>/dev/null; then
   say ".venv is up to date"

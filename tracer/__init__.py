@@ -1,19 +1,11 @@
-"""mtrace-live's tracing: attach (bcc, in ``bpf_backend`` only), read the
-ring (``ringbuf``), run the trace and hand every batch to the outputs
-(``live``), model each process's allocator (``model``), and the commands
-(``cli``, ``commands/``).
+"""mtrace-live's tracing, one room (subpackage) per concern, each importing
+only the rooms below it: ``loop`` (the plan, the trace's loop that hands
+every batch to the outputs, the allocator model, the counters) -> ``unwind``
+(the unwinders' tables) -> ``processes`` (targets, providers, arenas,
+launches, holds, moves) -> ``bpf`` (loading with bcc, in ``bpf_backend``
+only; attaching, maps and rings). The commands (``cli``, ``commands/``) are
+above them all.
 
 The top layer: it imports the outputs (mtrace_live.exporters) and the probes,
 never the reverse. Installed as ``mtrace_live.tracer`` (see pyproject.toml).
 """
-
-
-def package_version() -> str:
-    """mtrace-live's installed version ("unknown" outside an install)."""
-    # imported here: importlib.metadata costs a trace's start 25 ms
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("mtrace-live")
-    except PackageNotFoundError:
-        return "unknown"

@@ -16,8 +16,7 @@ from typing import Any
 
 import click
 from mtrace_live.probes.errors import InternalError, MtraceError
-
-from .commands import options
+from mtrace_live.tracer.commands import options
 
 PROG = "mtrace-live"
 
@@ -70,7 +69,7 @@ def cli(ctx: click.Context, /, pid: int | None, all_processes: bool, **params: A
         return
     if pid is None and not all_processes:
         click.echo(ctx.get_help())
-    from .commands.trace import trace
+    from mtrace_live.tracer.commands.trace import trace
 
     trace("trace", pid=pid, all_processes=all_processes, **params)
 

@@ -3,7 +3,7 @@
  * alone costs to run a BPF program at each event.
  *
  * RAW_SLAB 1: the four slab events as raw tracepoints, as
- * tracer/kmem_attach.py attaches them where the kernel's BTF allows; 0: all
+ * tracer/bpf/kmem_attach.py attaches them where the kernel's BTF allows; 0: all
  * classic. PAGE_FREE_BATCHED 1: this kernel has mm_page_free_batched.
  * PID_FILTER 1: each handler does the least a pid-filtered aggregation does
  * (bench/kmem_floor.py): it compares the event's process with the one in
@@ -17,7 +17,7 @@
  * compare-and-swap, here with no spill to a second bucket and nothing
  * stored beside the pointer. KMALLOC_ARG_PTR, KFREE_ARG_PTR, CACHE_ALLOC_ARG_PTR and
  * CACHE_FREE_ARG_PTR are each event's pointer argument, from the kernel's BTF
- * (tracer/kmem_attach.py). */
+ * (tracer/bpf/kmem_attach.py). */
 #ifndef RAW_SLAB
 #define RAW_SLAB 1
 #endif

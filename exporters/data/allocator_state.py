@@ -1,5 +1,5 @@
 """The allocator model's state, as plain data: what every traced process's
-allocator did, per arena, heap and setting. tracer/model.py builds it from
+allocator did, per arena, heap and setting. tracer/loop/model.py builds it from
 the event stream; the outputs read it (under ``Allocators.lock``)."""
 
 from __future__ import annotations

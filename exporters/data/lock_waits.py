@@ -2,7 +2,7 @@
 lock-wait slow path (``__lll_lock_wait_private``), per process and lock, and
 per process, lock and stack of the waiting thread.
 
-Each lock is a futex address, told apart by the tracer (tracer/arena_walk.py)
+Each lock is a futex address, told apart by the tracer (tracer/processes/arena_walk.py)
 as the main arena's mutex (``main``), another arena's (``arena``), another
 libc-internal lock (``other``: stdio's, the dynamic loader's, ...) checked in
 the process's memory, or ``unknown`` when that memory could not be read.

@@ -71,7 +71,7 @@ class KernelCounters:
 
 
 class CounterSource(Protocol):
-    """How a sink reads the kernel's counters (tracer/counters.py reads
+    """How a sink reads the kernel's counters (tracer/loop/counters.py reads
     them from the BPF maps; tests hand plain values)."""
 
     def read(self, kmem: bool = False, runs: bool = False) -> KernelCounters:

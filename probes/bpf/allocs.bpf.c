@@ -56,7 +56,7 @@
  * process's allocations, bytes and frees of known pointers are the sums of
  * its rows, and alloc_procs counts only what no row has: frees of unknown
  * pointers, failed calls, allocations alloc_stacks had no room for. With
- * sampling alloc_procs counts every call. (tracer/alloc_probes.py adds them up.) */
+ * sampling alloc_procs counts every call. (tracer/loop/alloc_probes.py adds them up.) */
 #define EXACT_STACKS (SAMPLE_BYTES == 0)
 #define SAMPLE_QUANTILES 1024 /* a power of two */
 #define MAX_CROSSINGS 32
@@ -421,7 +421,7 @@ static __always_inline int returning_call(struct pt_regs *ctx, u32 tgid, u32 tid
     struct pending_call *p = pending_of(slot_of(tid), tid);
     if (!p)
         return 0;
-    /* Taken by the call's entry generation alone (tracer/retarget.py). Past the call's own return
+    /* Taken by the call's entry generation alone (tracer/processes/retarget.py). Past the call's own return
      * the stack pointer is its entry's + 8; the first return there (a tail call's too) takes it. */
     if (uprobe_generation_of(ctx, ALLOC_ONE_PROCESS) != p->uprobe_gen)
         return 0;

@@ -90,7 +90,7 @@ BPF_HASH(followed, u32, u8, MAX_FOLLOWED);
 
 /* mtrace-live's own processes (the tracer, its guardian, its metrics
  * endpoint), never traced, whatever the filter: written by user space
- * before anything attaches (tracer/trace_tables.py), 0 in unused slots.
+ * before anything attaches (tracer/bpf/trace_tables.py), 0 in unused slots.
  * One array lookup and SELF_SLOTS compares: --all pays no hash lookup. */
 #define SELF_SLOTS 8
 struct self_set {
@@ -114,7 +114,7 @@ static __always_inline int is_self(u32 tgid)
 #if FIRST_TGID
 /* The process asked for, written by user space once the program is loaded
  * (a value, not a compile-time constant, so that the compiled program does
- * not depend on the pid and can be kept between runs: tracer/bpf_cache.py).
+ * not depend on the pid and can be kept between runs: tracer/bpf/bpf_cache.py).
  * live is 0 until then and once it has exited: its pid may be reused. */
 struct first_target {
     u32 tgid;
@@ -158,7 +158,7 @@ BPF_PERCPU_ARRAY(lost_lifecycle, u64, 1);         /* exec/exit events without ro
  * children the command forks. Every stop is in `holds` (how many, the last
  * one's time); user space writes in `hold_continued` how many of them it
  * has continued, so a process is held while its stops outnumber those.
- * The guardian (tracer/holds.py), a process of its own, reads both: it
+ * The guardian (tracer/processes/holds.py), a process of its own, reads both: it
  * continues a process held longer than its bound, and every held one when
  * the tracer dies, however it dies. */
 struct hold {
@@ -241,7 +241,7 @@ static __always_inline int tgid_is_followed(u32 tgid)
  * cookie is not the current generation returns at once, so each call
  * counts once. The old return probes stay until the calls they saw enter
  * have returned; a return is taken by its call's entry generation alone
- * (tracer/retarget.py). */
+ * (tracer/processes/retarget.py). */
 BPF_ARRAY(uprobe_generation, u64, 1);
 /* While both generations fire, the kernel runs a call's newer probe first
  * (the consumer attached last), and each handler reads the generation: had
@@ -509,7 +509,7 @@ static __always_inline struct proc_hit *process_row(u32 tgid, const u32 probe)
 
 #if WITH_EVENTS
 /* With the event stream, user space counts each process's hits from the
- * records it reads (tracer/counters.py): proc_hits counts only the hits
+ * records it reads (tracer/loop/counters.py): proc_hits counts only the hits
  * whose record the ring had no room for (probe_record), and names each
  * process once, in a row of its first probe. A CPU remembers the process it
  * named last, so a hit costs an array lookup here, not a hash lookup and an

@@ -5,10 +5,10 @@
  * space does what it must while the process cannot change, then continues
  * it (SIGCONT; the guardian does if the tracer cannot):
  *   - at _exit (HOLD_AT_EXIT), user space reads the process's maps, to name
- *     the frames of its stacks after it is gone (tracer/live.py);
+ *     the frames of its stacks after it is gone (tracer/loop/live.py);
  *   - at pthread_exit of the thread one process's uprobes are attached for
  *     (ALLOC_ONE_PROCESS), user space attaches them for a thread that stays
- *     (tracer/retarget.py). */
+ *     (tracer/processes/retarget.py). */
 #if WITH_ALLOCS && WITH_EVENTS
 
 /* Say `kind` in the musts ring, stopping the calling process first if
@@ -58,7 +58,7 @@ int alloc_thread_exit(struct pt_regs *ctx)
 /* _exit: the process's mappings are still there. Only processes mtrace-live
  * started, with allocations seen, and only while the gate is open: a trace
  * that ends stops no one. Any other process is named from the maps read
- * while it ran (tracer/live.py). */
+ * while it ran (tracer/loop/live.py). */
 int alloc_exit(struct pt_regs *ctx)
 {
     if (gate_closed())

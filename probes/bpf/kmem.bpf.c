@@ -17,7 +17,7 @@
 #ifndef KMEM_EVENTS
 #define KMEM_EVENTS 0 /* send kmem events through the ring too (kmemtrace records) */
 #endif
-/* Tracepoint variants, set by user space from tracefs (tracer/tracefs.py). */
+/* Tracepoint variants, set by user space from tracefs (tracer/bpf/tracefs.py). */
 #ifndef KMALLOC_HAS_NODE
 #define KMALLOC_HAS_NODE 0 /* Linux >= 6.1 merged kmalloc_node into kmalloc */
 #endif
@@ -46,7 +46,7 @@
 #define MAX_ORDER_SLOTS 16
 
 #ifndef RAW_KMALLOC
-#define RAW_KMALLOC 0 /* raw tracepoints (tracer/kmem_attach.py), with each argument's index */
+#define RAW_KMALLOC 0 /* raw tracepoints (tracer/bpf/kmem_attach.py), with each argument's index */
 #endif
 #ifndef RAW_KFREE
 #define RAW_KFREE 0
@@ -510,7 +510,7 @@ static __always_inline int cache_alloc(struct bpf_raw_tracepoint_args *ctx, u32 
 
 /* A raw program copies the span of struct kmem_cache that holds the three
  * (CACHE_SPAN_OFF, CACHE_SPAN_LEN) with bpf_probe_read_kernel. Where BTF
- * names the tracepoint's type (BTF_CACHE_ALLOC), tracer/bpf_backend.py
+ * names the tracepoint's type (BTF_CACHE_ALLOC), tracer/bpf/bpf_backend.py
  * loads tp_btf__kmem_cache_alloc instead, as a BTF-typed tracepoint: the
  * verifier knows the argument is a struct kmem_cache and lets the program
  * load its members directly (a fault loads 0), without a helper call; and

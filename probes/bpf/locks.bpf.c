@@ -6,7 +6,7 @@
  * lock_pending; the return adds the wait to the (process, futex) row of
  * lock_times (count, total, maximum and a log2 histogram of nanoseconds)
  * and to its stack's row of lock_stack_times. User space tells the arenas'
- * futexes from the other libc locks (tracer/lock_waits.py).
+ * futexes from the other libc locks (tracer/loop/lock_waits.py).
  *
  * Each handler reads the clock as late (entry) or as early (return) as it
  * can, so that what is measured is the wait, not the probes. A wait that

@@ -42,7 +42,7 @@ enum event_kind {
 };
 
 /* The slots of hold_counts (common.bpf.h), written by the guardian
- * (tracer/holds.py): the processes it continued. */
+ * (tracer/processes/holds.py): the processes it continued. */
 enum hold_count {
     HC_PAST_BOUND = 0, /* held longer than the bound: let go, the tracer still there */
     HC_TRACER_GONE = 1, /* held when the tracer ended without continuing them */
@@ -334,7 +334,7 @@ enum lock_misc {
 
 
 /* The CFI unwinder's tables (unwind.bpf.c), written by user space
- * (tracer/unwind_tables.py). unwind_rows: each mapped file's rows, by
+ * (tracer/unwind/unwind_tables.py). unwind_rows: each mapped file's rows, by
  * link-time address (probes/elf/cfi.py says what the kinds mean). */
 enum unwind_cfa { UC_NONE, UC_RSP, UC_RBP, UC_END, UC_OTHER };
 enum unwind_rbp { UR_SAME, UR_AT, UR_LOST };

@@ -1,6 +1,6 @@
 /* Where an allocation function's uprobe site finds its arguments, and which
  * provider (the allocator's file) it is in: both told by the site's BPF
- * cookie (probes/alloc_sites.py's site_cookie, tracer/alloc_probes.py's
+ * cookie (probes/alloc_sites.py's site_cookie, tracer/loop/alloc_probes.py's
  * attach_allocs). No maps: #included by common.bpf.h. */
 #ifndef MTRACE_SITE_COOKIE_H
 #define MTRACE_SITE_COOKIE_H

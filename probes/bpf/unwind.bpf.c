@@ -3,7 +3,7 @@
  * files' own call-frame information (.eh_frame, .debug_frame), in the kernel.
  * User space turns each file's CFI into rows (probes/elf/cfi.py) and writes
  * them, with each traced process's executable mappings, into the tables of
- * records.h (tracer/unwind_tables.py).
+ * records.h (tracer/unwind/unwind_tables.py).
  *
  * A handler that wants a stack (an allocation's return, a lock wait's
  * entry) starts a walk (unwind_begin) with the registers as they are just
@@ -272,7 +272,7 @@ static __always_inline int unwind_wanted(u32 tgid)
 /* A followed process forked `child`: its mappings are its parent's, so it
  * is unwound by its parent's tables from its first call, the same block of
  * unwind_maps (user space frees a block only once no entry names it,
- * tracer/unwind_tables.py), until its own are written. A child of a process
+ * tracer/unwind/unwind_tables.py), until its own are written. A child of a process
  * with no tables has none (a pid reused since an entry was written). */
 static __always_inline void unwind_fork(u32 parent, u32 child)
 {

@@ -18,7 +18,7 @@
  * file asked for is written within milliseconds, not after the events. */
 #define UNWIND_FOUND_PAGES 64
 BPF_RINGBUF_OUTPUT(unwind_found, UNWIND_FOUND_PAGES);
-/* The asks alone, for the file server (tracer/file_server.py): a process
+/* The asks alone, for the file server (tracer/unwind/file_server.py): a process
  * of its own, which writes a small file's rows within a millisecond or
  * two, never kept waiting by the trace's own work. */
 #define UNWIND_ASKS_PAGES 16
@@ -55,9 +55,9 @@ struct unwind_vma_found {
 };
 
 /* bpf_find_vma's callback (its arguments: the task, the VMA, the context;
- * its code is linked in by user space, tracer/bpf_callbacks.py, as bcc
+ * its code is linked in by user space, tracer/bpf/bpf_callbacks.py, as bcc
  * 0.26 leaves its address 0). The VMA's fields at the running kernel's
- * offsets (its BTF: VMA_*_OFF and the like, tracer/unwind_tables.py). */
+ * offsets (its BTF: VMA_*_OFF and the like, tracer/unwind/unwind_tables.py). */
 long unwind_vma__callback(void *task)
 {
     void *vma;

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
+
+from .file import file_offset, load_segments, open_elf
 
 STT_FUNC = 2
 STT_GNU_IFUNC = 10
@@ -125,3 +128,13 @@ def defined_functions(elf: ELFFile, tables: tuple[str, ...] = (".dynsym",)) -> s
             if shndx != SHN_UNDEF and kind in (STT_FUNC, STT_GNU_IFUNC):
                 names.add(name)
     return names
+
+
+def exported_offset(path: Path, name: str) -> int | None:
+    """Where the exported function ``name`` is in the file at ``path``."""
+    with open_elf(path) as elf:
+        dynsym = symbol_table(elf, ".dynsym")
+        if dynsym is None:
+            return None
+        address = next((s.value for s in dynsym if s.name == name and s.value), None)
+        return None if address is None else file_offset(load_segments(elf), address)

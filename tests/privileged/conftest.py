@@ -11,7 +11,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from mtrace_live.tracer import sdt_glibc
+from mtrace_live.tracer.processes import sdt_glibc
 
 from . import pid_max
 from .tracing import wait_for_detach

@@ -14,8 +14,8 @@ from typing import Any
 
 from mtrace_live.exporters.lines import JsonLines
 from mtrace_live.tracer import cli
-from mtrace_live.tracer.ringbuf import RingReader
-from mtrace_live.tracer.unwind_tables import UnwindTables
+from mtrace_live.tracer.bpf.ringbuf import RingReader
+from mtrace_live.tracer.unwind.unwind_tables import UnwindTables
 
 
 def after(calls: int, method: Any) -> Any:

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mtrace_live.tracer import sdt_glibc
-from mtrace_live.tracer.target import default_libc
+from mtrace_live.tracer.processes import sdt_glibc
+from mtrace_live.tracer.processes.target import default_libc
 
 from .conftest import MTRACE, built
 from .test_serve import Prometheus, fetch, free_port, start_serve, stop

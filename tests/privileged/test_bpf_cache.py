@@ -1,4 +1,4 @@
-"""A trace loaded from the compiled-program cache (tracer/bpf_cache.py)
+"""A trace loaded from the compiled-program cache (tracer/bpf/bpf_cache.py)
 sees exactly what a compiled one sees: the same run twice, the first
 compiling and storing, the second loading what the first stored, both
 checked against what the workloads know they did."""
@@ -12,7 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from mtrace_live.tracer.sdt_glibc import SdtGlibc
+from mtrace_live.tracer.processes.sdt_glibc import SdtGlibc
 
 from .conftest import MTRACE, built
 from .test_allocations import by_site

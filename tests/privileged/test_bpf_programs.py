@@ -8,7 +8,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from mtrace_live.tracer import bpf_syscalls
+from mtrace_live.tracer.bpf import bpf_syscalls
 
 from .tracing import BPFTRACE_READY, Reaper, programs_of, wait_for_line
 

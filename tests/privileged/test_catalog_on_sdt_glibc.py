@@ -9,7 +9,7 @@ from pathlib import Path
 
 from mtrace_live.probes.catalog import compare, load_catalog
 from mtrace_live.probes.sdt_notes import read_sites
-from mtrace_live.tracer.sdt_glibc import SdtGlibc
+from mtrace_live.tracer.processes.sdt_glibc import SdtGlibc
 
 from .conftest import MTRACE
 from .tracing import Reaper

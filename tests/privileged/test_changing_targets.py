@@ -16,8 +16,8 @@ from typing import IO
 
 import pytest
 from mtrace_live.exporters.data.processes import live_thread
-from mtrace_live.tracer import sdt_glibc
-from mtrace_live.tracer.target import default_libc
+from mtrace_live.tracer.processes import sdt_glibc
+from mtrace_live.tracer.processes.target import default_libc
 
 from .conftest import MTRACE, built
 from .tracing import (
@@ -32,7 +32,7 @@ from .tracing import (
 )
 
 READY = "Ctrl-C to stop"
-# How the tracer attaches its uprobes: in links (tracer/uprobe_multi.py),
+# How the tracer attaches its uprobes: in links (tracer/bpf/uprobe_multi.py),
 # or one perf event each, as on a kernel older than 6.6.
 UPROBES = {"links": None, "perf events": {**os.environ, "MTRACE_LIVE_UPROBE_MULTI": "0"}}
 
@@ -285,7 +285,7 @@ def test_no_call_is_lost_while_the_probes_move_again_and_again(tmp_path: Path) -
 def test_links_count_every_call_made_while_main_exits(tmp_path: Path) -> None:
     # GIVEN the same, traced in uprobe links: they are attached for the
     # process, not for its main thread, and follow it when main ends
-    # (tracer/uprobe_multi.py), so nothing moves
+    # (tracer/bpf/uprobe_multi.py), so nothing moves
     traced = trace_leader_exit(tmp_path, mode="busy", uprobes="links")
     # THEN every malloc of the thread that made pairs all along, before,
     # while and after main called pthread_exit and ended, is counted once,

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from mtrace_live.probes import derived
 from mtrace_live.probes.sdt_notes import read_sites
-from mtrace_live.tracer.sdt_glibc import SdtGlibc
-from mtrace_live.tracer.target import default_libc
+from mtrace_live.tracer.processes.sdt_glibc import SdtGlibc
+from mtrace_live.tracer.processes.target import default_libc
 
 from .conftest import MTRACE, built, mtrace_count
 from .tracing import (

@@ -11,7 +11,7 @@ import os
 import struct
 from pathlib import Path
 
-from mtrace_live.tracer.detacher import DETACHER_NAME, detach_in_child
+from mtrace_live.tracer.bpf.detacher import DETACHER_NAME, detach_in_child
 
 from .tracing import (
     BPFTRACE_READY,

@@ -21,7 +21,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from mtrace_live.tracer.target import default_libc
+from mtrace_live.tracer.processes.target import default_libc
 
 from .conftest import MTRACE, built
 from .test_allocators import outer_calls_script

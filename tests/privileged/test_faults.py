@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from mtrace_live.tracer import bpf_syscalls
+from mtrace_live.tracer.bpf import bpf_syscalls
 
 from .conftest import REPO, built
 from .test_holds import CHURN_NAME, READY, own_churn, stopped

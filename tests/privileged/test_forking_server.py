@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from mtrace_live.tracer.target import default_libc
+from mtrace_live.tracer.processes.target import default_libc
 
 from .conftest import MTRACE
 from .test_serve import SERVE_READY, free_port

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from mtrace_live.tracer import sdt_glibc
+from mtrace_live.tracer.processes import sdt_glibc
 
 from .conftest import MTRACE
 from .tracing import (

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mtrace_live.tracer.target import cgroup2_root
+from mtrace_live.tracer.processes.target import cgroup2_root
 
 from .conftest import built
 from .test_serve import fetch, free_port, start_serve, stop

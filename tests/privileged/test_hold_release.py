@@ -1,4 +1,4 @@
-"""Holds.release on real BPF maps (tracer/holds.py): a process is continued
+"""Holds.release on real BPF maps (tracer/processes/holds.py): a process is continued
 only when it is held and every stop counted was made before the work it was
 held for began; one stopped by someone else, or stopped again since (a
 dlopen while its tables were being written without a hold), is left
@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from mtrace_live.tracer import bpf_syscalls
-from mtrace_live.tracer.holds import Holds
+from mtrace_live.tracer.bpf import bpf_syscalls
+from mtrace_live.tracer.processes.holds import Holds
 
 from .tracing import wait_until
 

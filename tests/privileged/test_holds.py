@@ -1,4 +1,4 @@
-"""Holds (tracer/holds.py): only a process the trace started is ever
+"""Holds (tracer/processes/holds.py): only a process the trace started is ever
 stopped, and every stop ends, whatever becomes of the tracer.
 
 - The tracer is killed with SIGKILL, 20 times (100 in ``make soak``), while
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from mtrace_live.tracer.holds import GUARDIAN_NAME, exiting
+from mtrace_live.tracer.processes.holds import GUARDIAN_NAME, exiting
 
 from .conftest import MTRACE, built
 from .tracing import Reaper, interrupt_bpftrace, wait_for_line, wait_until

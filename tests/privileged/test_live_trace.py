@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from mtrace_live.tracer.sdt_glibc import SdtGlibc
+from mtrace_live.tracer.processes.sdt_glibc import SdtGlibc
 
 from .conftest import MTRACE, built
 from .test_usdt_counts import DOCUMENTED_PROBES

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 from mtrace_live.probes.lock_sites import lock_wait_site
-from mtrace_live.tracer import sdt_glibc, target
+from mtrace_live.tracer.processes import sdt_glibc, target
 
 from .conftest import MTRACE, built
 from .tracing import BPFTRACE_READY, Reaper, interrupt_bpftrace, start_bpftrace, wait_for_line

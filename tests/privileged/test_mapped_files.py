@@ -1,5 +1,5 @@
 """The file a process maps, found again when its path no longer names it:
-deleted, or replaced by another file (tracer/unwind_tables.py: mapped_file),
+deleted, or replaced by another file (tracer/unwind/unwind_tables.py: mapped_file),
 as a package upgrade leaves a running server's libraries."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from mtrace_live.tracer.unwind_tables import exec_mappings, mapped_file
+from mtrace_live.tracer.unwind.unwind_tables import exec_mappings, mapped_file
 
 from .conftest import REPO
 

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from mtrace_live.tracer import uprobe_attach
+from mtrace_live.tracer.bpf import uprobe_attach
 
 from .conftest import built
 from .tracing import trace_cxx_stacks

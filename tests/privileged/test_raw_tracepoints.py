@@ -9,9 +9,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from mtrace_live.tracer import bpf_syscalls
-from mtrace_live.tracer.hit_counts import CountRequest, HitCounter, run_count
-from mtrace_live.tracer.kernel_btf import KernelBtf
+from mtrace_live.tracer.bpf import bpf_syscalls
+from mtrace_live.tracer.bpf.kernel_btf import KernelBtf
+from mtrace_live.tracer.loop.hit_counts import CountRequest, HitCounter, run_count
 
 from .conftest import MTRACE
 

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mtrace_live.tracer import sdt_glibc
-from mtrace_live.tracer.target import cgroup2_root
+from mtrace_live.tracer.processes import sdt_glibc
+from mtrace_live.tracer.processes.target import cgroup2_root
 from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import MTRACE, REPO
@@ -36,7 +36,7 @@ from .tracing import Reaper, finish, gate, wait_for_line
 
 DEPLOY = REPO / "exporters" / "deploy"
 SERVE_READY = "serving metrics at"
-FILE_SERVER = "mtrace-live-fs\n"  # the file server's comm (tracer/file_server.py)
+FILE_SERVER = "mtrace-live-fs\n"  # the file server's comm (tracer/unwind/file_server.py)
 SOCKETS = 3000
 RETRY_KINDS = {"memory_malloc_retry": "malloc", "memory_realloc_retry": "realloc",
                "memory_memalign_retry": "memalign", "memory_calloc_retry": "calloc",
@@ -191,7 +191,7 @@ def served(sdt: sdt_glibc.SdtGlibc, probe_exerciser: Path, web_tls: Any,
         url = f"https://127.0.0.1:{port}/metrics"
         status = Path(f"/proc/{serve.pid}/status").read_text()
         children = Path(f"/proc/{serve.pid}/task/{serve.pid}/children").read_text().split()
-        # its serving process (its file server, tracer/file_server.py, is the other)
+        # its serving process (its file server, tracer/unwind/file_server.py, is the other)
         (child,) = [p for p in children if Path(f"/proc/{p}/comm").read_text() != FILE_SERVER]
         server_status = Path(f"/proc/{child}/status").read_text()
         code, scrape = fetch(url, web_tls, web_tls.password)

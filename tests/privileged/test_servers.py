@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from mtrace_live.tracer.target import default_libc
+from mtrace_live.tracer.processes.target import default_libc
 from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import MTRACE
@@ -247,7 +247,7 @@ def built_first(argv: list[str], ready: str, stop: signal.Signals, tmp: Path,
                 reaper: Reaper) -> None:  # fmt: skip
     """The trace ``argv`` run until it says ``ready``, then stopped with
     ``stop``: its BPF program is compiled now and kept in the tracer's
-    cache (tracer/bpf_cache.py), so the trace that is measured loads it.
+    cache (tracer/bpf/bpf_cache.py), so the trace that is measured loads it.
     Compiled under bpftrace, clang's every malloc would stop at bpftrace's
     uprobes in the libc (bpftrace 0.17 places them in every process, the
     pid a test in its programs, -p or not): a minute or more of a test's

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 from mtrace_live.probes.frame_kinds import in_file
-from mtrace_live.tracer.target import default_libc
+from mtrace_live.tracer.processes.target import default_libc
 from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import MTRACE, built

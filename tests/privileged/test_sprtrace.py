@@ -12,7 +12,7 @@ from pathlib import Path
 from mtrace_live.exporters.data.symbolize import ModuleSymbols, ProcessSymbols
 from mtrace_live.exporters.kmemtrace.reader import read_record_set
 from mtrace_live.exporters.sprtrace import text as sprtrace
-from mtrace_live.tracer import sdt_glibc
+from mtrace_live.tracer.processes import sdt_glibc
 
 from .conftest import MTRACE
 from .test_kmemtrace import skipped_runs

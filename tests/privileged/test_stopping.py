@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 from mtrace_live.exporters.kmemtrace.reader import read_record_set
-from mtrace_live.tracer import bpf_syscalls
-from mtrace_live.tracer.sdt_glibc import SdtGlibc
+from mtrace_live.tracer.bpf import bpf_syscalls
+from mtrace_live.tracer.processes.sdt_glibc import SdtGlibc
 
 from .conftest import MTRACE, built
 from .tracing import Reaper, programs_of, uprobe_links, wait_for_detach, wait_until
@@ -143,7 +143,7 @@ def test_a_tracer_killed_with_sigkill_leaves_no_probe_and_the_next_one_starts(
         trace = start_when_ready([*MTRACE, "--pid", str(load.pid), "-o", "summary"], reaper,
                                  "Ctrl-C to stop", stdout=subprocess.DEVNULL)  # fmt: skip
         loaded = programs_of(trace.pid)
-        # (its uprobes are in links on this kernel: tracer/uprobe_multi.py)
+        # (its uprobes are in links on this kernel: tracer/bpf/uprobe_multi.py)
         attached = [link for link in uprobe_links([trace.pid]) if link["prog_id"] in loaded]
         assert any(link["pid"] == load.pid for link in attached), attached
         sites = {(link["path"], offset) for link in attached for offset in link["offsets"]}

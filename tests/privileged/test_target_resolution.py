@@ -7,7 +7,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from mtrace_live.tracer.target import mapped_glibc
+from mtrace_live.tracer.processes.target import mapped_glibc
 
 from .tracing import Reaper
 

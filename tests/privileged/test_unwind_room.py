@@ -1,6 +1,6 @@
 """Room for every file: a file no process maps any more is evicted from
 the unwinder's tables, its rows given to the next file that needs them
-(tracer/unwind_room.py, UnwindTables._evict).
+(tracer/unwind/unwind_room.py, UnwindTables._evict).
 
 Two Pythons of pyenv's, one after the other, under ``run`` with room
 (``--unwind-rows 150000``: 131,250 rows for the trace, the rest the file

@@ -1,4 +1,4 @@
-"""Uprobes attached in one batch (tracer/uprobe_multi.py): what the kernel
+"""Uprobes attached in one batch (tracer/bpf/uprobe_multi.py): what the kernel
 says of the tracer's links, read from its /proc/PID/fdinfo while it traces,
 against what the libc's functions are; and the per-uprobe perf events of
 an older kernel, forced with MTRACE_LIVE_UPROBE_MULTI=0, beside."""
@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mtrace_live.tracer import uprobe_multi
-from mtrace_live.tracer.target import default_libc
+from mtrace_live.tracer.bpf import uprobe_multi
+from mtrace_live.tracer.processes.target import default_libc
 
 from .conftest import MTRACE
 from .tracing import Reaper, nm_symbols, perf_events, uprobe_links, wait_for_line
@@ -95,7 +95,7 @@ def test_without_links_each_uprobe_is_a_perf_event(tmp_path: Path) -> None:
     # THEN it holds no uprobe link, and a perf event for each uprobe the
     # links held (beside the tracepoints' events, which both hold), and one
     # on pthread_exit: events attached for one thread move when it ends
-    # (tracer/retarget.py), where links follow the process
+    # (tracer/processes/retarget.py), where links follow the process
     assert links == []
     uprobes = sum(link["uprobe_cnt"] for link in with_links)
     assert events - events_with_links == uprobes + 1, (events, events_with_links)

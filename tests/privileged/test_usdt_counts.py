@@ -5,7 +5,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from mtrace_live.tracer.sdt_glibc import SdtGlibc
+from mtrace_live.tracer.processes.sdt_glibc import SdtGlibc
 
 from .conftest import MTRACE, mtrace_count
 from .tracing import (

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from mtrace_live.tracer.detacher import DETACHER_NAME
+from mtrace_live.tracer.bpf.detacher import DETACHER_NAME
 
 from tests.unit.profile_proto import parsed
 

@@ -44,7 +44,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mtrace_live.tracer import bpf_syscalls
+from mtrace_live.tracer.bpf import bpf_syscalls
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,9 +12,10 @@ MTRACE = [sys.executable, "-m", "mtrace_live.tracer.cli"]
 _AS_NOBODY = """
 import os, sys
 import mtrace_live.tracer.cli as cli
-import mtrace_live.tracer.hit_counts, mtrace_live.tracer.checks
-import mtrace_live.probes.listing, mtrace_live.tracer.target, mtrace_live.exporters.probe_list
-import mtrace_live.tracer.live, mtrace_live.exporters.live_view
+import mtrace_live.tracer.loop.hit_counts, mtrace_live.tracer.loop.checks
+import mtrace_live.probes.listing, mtrace_live.tracer.processes.target
+import mtrace_live.exporters.probe_list
+import mtrace_live.tracer.loop.live, mtrace_live.exporters.live_view
 import mtrace_live.exporters.lines, mtrace_live.exporters.summary
 import mtrace_live.probes.catalog as catalog
 catalog.load_catalog()

@@ -38,7 +38,7 @@ from mtrace_live.probes.records import (
     AllocFn,
     EventKind,
 )
-from mtrace_live.tracer.alloc_probes import (
+from mtrace_live.tracer.loop.alloc_probes import (
     StackReader,
     plan_sites,
     read_snapshot,

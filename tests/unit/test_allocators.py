@@ -10,8 +10,8 @@ import pytest
 from mtrace_live.probes.allocators import JEMALLOC, KNOWN, MIMALLOC, TCMALLOC, identify
 from mtrace_live.probes.elf.file import open_elf
 from mtrace_live.probes.elf.symbols import defined_functions
-from mtrace_live.tracer.alloc_probes import plan_sites
-from mtrace_live.tracer.providers import resolve, search_order
+from mtrace_live.tracer.loop.alloc_probes import plan_sites
+from mtrace_live.tracer.processes.providers import resolve, search_order
 
 from .cli_runs import assert_one_line, mtrace
 from .needs import needs

@@ -1,4 +1,4 @@
-"""The compiled-program cache's pure parts (tracer/bpf_cache.py): the map
+"""The compiled-program cache's pure parts (tracer/bpf/bpf_cache.py): the map
 descriptors rewritten in BPF code, what is stored and read back, and what
 the key depends on. The load itself is tested against the kernel in
 tests/privileged/test_bpf_cache.py."""
@@ -10,7 +10,7 @@ import struct
 from pathlib import Path
 
 import pytest
-from mtrace_live.tracer import bpf_cache
+from mtrace_live.tracer.bpf import bpf_cache
 
 
 def insn(opcode: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> bytes:

@@ -1,4 +1,4 @@
-"""A program's callback linked in as bcc 0.26 cannot (tracer/bpf_callbacks.py):
+"""A program's callback linked in as bcc 0.26 cannot (tracer/bpf/bpf_callbacks.py):
 the callback's code appended, the one 64-bit load of 0 that bcc left for its
 address made a BPF_PSEUDO_FUNC load of it, and the functions' BTF. The
 kernel's verifier accepting the result is the privileged tests' (every trace
@@ -9,7 +9,7 @@ from __future__ import annotations
 import struct
 
 import pytest
-from mtrace_live.tracer.bpf_callbacks import callback_of, func_btf, has_callback, link
+from mtrace_live.tracer.bpf.bpf_callbacks import callback_of, func_btf, has_callback, link
 
 
 def insn(opcode: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> bytes:

@@ -18,7 +18,7 @@ import pytest
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 from mtrace_live.probes.program import bpf_directory, c_constants
-from mtrace_live.tracer import unwind_rows, unwind_tables
+from mtrace_live.tracer.unwind import unwind_rows, unwind_tables
 
 # unwind.bpf.c's switches under which its slots are defined (unwind_defines()
 # and the frame store turn them on in every program that unwinds by CFI)
@@ -117,8 +117,8 @@ def test_the_unwinder_s_constants_follow_its_c_and_cannot_drift(tmp_path: Path) 
 def test_the_command_line_s_defaults_are_the_request_s_and_the_c_s(tmp_path: Path) -> None:
     # GIVEN every option of every command, the request's defaults and the C's
     import click
-    from mtrace_live.tracer import alloc_probes, plan
     from mtrace_live.tracer.cli import cli
+    from mtrace_live.tracer.loop import alloc_probes, plan
 
     request = plan.TraceRequest
     fields = {"max_outstanding": request.max_outstanding, "alloc_stacks": request.alloc_stacks,

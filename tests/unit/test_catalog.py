@@ -132,7 +132,7 @@ def test_note_arguments_parse(text: str, size: int | None, signed: bool, locatio
 def test_every_effect_has_a_handler_in_the_model_and_each_probe_says_its_own() -> None:
     from mtrace_live.probes.catalog import EFFECTS
     from mtrace_live.probes.meanings import meanings
-    from mtrace_live.tracer.model import _HANDLERS
+    from mtrace_live.tracer.loop.model import _HANDLERS
 
     # GIVEN the meanings the specs give
     known = meanings()

@@ -34,9 +34,9 @@ from mtrace_live.exporters.data.lock_waits import (
 )
 from mtrace_live.exporters.prometheus import LockFigures, MtraceCollector
 from mtrace_live.probes.malloc_state import X86_64, ArenaLayoutError, walk_arenas
-from mtrace_live.tracer import target
-from mtrace_live.tracer.arena_walk import ArenaScan
-from mtrace_live.tracer.model import AllocatorModel
+from mtrace_live.tracer.loop.model import AllocatorModel
+from mtrace_live.tracer.processes import target
+from mtrace_live.tracer.processes.arena_walk import ArenaScan
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
@@ -284,8 +284,8 @@ def test_a_futex_is_told_main_other_or_unknown_from_real_memory() -> None:
     import subprocess
 
     from mtrace_live.exporters.data.lock_waits import MAIN, OTHER, UNKNOWN
-    from mtrace_live.tracer.arena_walk import ArenaFinder, arena_symbols
-    from mtrace_live.tracer.target import default_libc
+    from mtrace_live.tracer.processes.arena_walk import ArenaFinder, arena_symbols
+    from mtrace_live.tracer.processes.target import default_libc
 
     from .needs import needs
 
@@ -322,8 +322,8 @@ def test_the_arena_limit_and_where_it_was_set_are_read_from_the_process(
     import subprocess
     import sys
 
-    from mtrace_live.tracer.arena_walk import ArenaFinder, arena_limit, arena_symbols
-    from mtrace_live.tracer.target import default_libc
+    from mtrace_live.tracer.processes.arena_walk import ArenaFinder, arena_limit, arena_symbols
+    from mtrace_live.tracer.processes.target import default_libc
 
     from .needs import needs
 

@@ -11,7 +11,7 @@ import pytest
 from mtrace_live.probes import derived
 from mtrace_live.probes.elf import debug
 from mtrace_live.probes.errors import DebugInfoError
-from mtrace_live.tracer.target import default_libc
+from mtrace_live.tracer.processes.target import default_libc
 
 
 def test_without_a_debug_file_the_syscall_and_symbol_probes_remain(

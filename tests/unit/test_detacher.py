@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import select
 
-from mtrace_live.tracer.detacher import detach_in_child
+from mtrace_live.tracer.bpf.detacher import detach_in_child
 
 
 def test_this_processs_copies_close_at_once_and_the_childs_after() -> None:

@@ -16,8 +16,8 @@ from mtrace_live.exporters.data.events import EventDecoder, site_info
 from mtrace_live.probes.locations import ArgKind, ArgLocation, SiteLayout
 from mtrace_live.probes.records import EVENT_DTYPE, EventKind
 from mtrace_live.probes.sdt_notes import SdtSite
-from mtrace_live.tracer.model import AllocatorModel
-from mtrace_live.tracer.ringbuf import BUSY_BIT, DISCARD_BIT, RingReader, record_stride
+from mtrace_live.tracer.bpf.ringbuf import BUSY_BIT, DISCARD_BIT, RingReader, record_stride
+from mtrace_live.tracer.loop.model import AllocatorModel
 
 PAGE = mmap.PAGESIZE
 DATA = 4 * PAGE

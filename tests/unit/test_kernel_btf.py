@@ -10,8 +10,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import pytest
-from mtrace_live.tracer.kernel_btf import VMLINUX, KernelBtf
-from mtrace_live.tracer.kmem_attach import _RAW_EVENTS, PAGE_EVENTS_WHY, _raw_plan, kmem_attach
+from mtrace_live.tracer.bpf.kernel_btf import VMLINUX, KernelBtf
+from mtrace_live.tracer.bpf.kmem_attach import _RAW_EVENTS, PAGE_EVENTS_WHY, _raw_plan, kmem_attach
 
 from .needs import needs
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from mtrace_live.exporters.allocinfo import render_allocinfo
 from mtrace_live.exporters.data.kallsyms import KernelSymbols
-from mtrace_live.tracer.tracefs import kmem_defines, parse_format
+from mtrace_live.tracer.bpf.tracefs import kmem_defines, parse_format
 
 from .report_check import same_report
 

@@ -1,7 +1,8 @@
 """The import graph keeps the layers one-way (docs/architecture.md).
 
-From the top: ``mtrace_live.tracer`` (attach, read, decode, model, the
-commands) -> ``mtrace_live.exporters`` (one module per output) ->
+From the top: ``mtrace_live.tracer`` (the commands, then its rooms:
+``loop`` -> ``unwind`` -> ``processes`` -> ``bpf``) ->
+``mtrace_live.exporters`` (one module per output) ->
 ``mtrace_live.exporters.data`` (the plain data every output receives) ->
 ``mtrace_live.probes`` (catalog, ELF notes, BPF C, record layouts) ->
 ``mtrace_live.probes.elf`` (ELF files) -> ``mtrace_live.probes.errors``
@@ -23,7 +24,11 @@ import grimp
 import pytest
 
 LAYERS = (
-    "mtrace_live.tracer",
+    "mtrace_live.tracer",  # the commands
+    "mtrace_live.tracer.loop",  # the tracer's rooms (tracer/__init__.py)
+    "mtrace_live.tracer.unwind",
+    "mtrace_live.tracer.processes",
+    "mtrace_live.tracer.bpf",
     "mtrace_live.exporters",
     "mtrace_live.exporters.data",
     "mtrace_live.probes",
@@ -31,7 +36,7 @@ LAYERS = (
     "mtrace_live.probes.errors",
 )
 PACKAGES = ("mtrace_live.probes", "mtrace_live.exporters", "mtrace_live.tracer")
-BCC_IMPORTER = "mtrace_live.tracer.bpf_backend"
+BCC_IMPORTER = "mtrace_live.tracer.bpf.bpf_backend"
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +60,7 @@ def test_every_module_of_the_package_is_in_a_layer(graph: grimp.ImportGraph) -> 
     # THEN it holds every layer, with the modules the layers are known by
     for name in LAYERS:
         assert name in modules
-    assert {"mtrace_live.tracer.live", "mtrace_live.exporters.kmemtrace",
+    assert {"mtrace_live.tracer.loop.live", "mtrace_live.exporters.kmemtrace",
             "mtrace_live.exporters.data.sink", "mtrace_live.probes.records"} <= modules  # fmt: skip
 
 
@@ -89,8 +94,8 @@ def test_bcc_is_imported_in_one_place(graph: grimp.ImportGraph) -> None:
 def test_the_checks_see_a_violation() -> None:
     # GIVEN a graph where an output imports the tracer and the tracer the output
     toy = grimp.ImportGraph()
-    toy.add_import(importer="mtrace_live.exporters.toy", imported="mtrace_live.tracer.live")
-    toy.add_import(importer="mtrace_live.tracer.live", imported="mtrace_live.exporters.toy")
+    toy.add_import(importer="mtrace_live.exporters.toy", imported="mtrace_live.tracer.loop.live")
+    toy.add_import(importer="mtrace_live.tracer.loop.live", imported="mtrace_live.exporters.toy")
     # THEN the import from exporters up into tracer is the one found going up
     upward = [
         f"{a} -> {b}"
@@ -98,7 +103,7 @@ def test_the_checks_see_a_violation() -> None:
         for b in sorted(toy.find_modules_directly_imported_by(a))
         if layer(b) < layer(a)
     ]
-    assert upward == ["mtrace_live.exporters.toy -> mtrace_live.tracer.live"]
+    assert upward == ["mtrace_live.exporters.toy -> mtrace_live.tracer.loop.live"]
     # AND the two modules form a cycle
     sorter = graphlib.TopologicalSorter(
         {m: toy.find_modules_directly_imported_by(m) for m in toy.modules}
@@ -166,7 +171,7 @@ tracer/                        the tracer layer
 
 ## The BPF program in parts
 
-| `unwind.bpf.c` | the unwinder, with `tracer/live.py`'s tables | `WITH_UNWIND` |
+| `unwind.bpf.c` | the unwinder, with `tracer/loop/live.py`'s tables | `WITH_UNWIND` |
 """
     # THEN each file is named by its folder's path, and a name in one folder
     # places no file of the same name in another (exporters/kmemtrace/sink.py)

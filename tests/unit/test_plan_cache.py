@@ -1,4 +1,4 @@
-"""The derived probes' plan kept between runs (tracer/plan_cache.py), on
+"""The derived probes' plan kept between runs (tracer/loop/plan_cache.py), on
 this machine's libc, without root: what is kept is what deriving gives,
 a plan is derived anew when what it comes from changes, and a file that
 cannot be trusted or read is never used."""
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from mtrace_live.probes import derived
 from mtrace_live.probes.elf import debug
-from mtrace_live.tracer import plan_cache
-from mtrace_live.tracer.target import default_libc
+from mtrace_live.tracer.loop import plan_cache
+from mtrace_live.tracer.processes.target import default_libc
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from fnmatch import fnmatchcase
 from hypothesis import given
 from hypothesis import strategies as st
 from mtrace_live.probes.sdt_notes import SdtSite
-from mtrace_live.tracer.usdt import select_probes
+from mtrace_live.tracer.loop.usdt import select_probes
 
 
 def site(provider: str, name: str) -> SdtSite:
@@ -47,7 +47,7 @@ def test_site_locations_become_compile_time_constants_for_every_compiled_handler
     from pathlib import Path
 
     from mtrace_live.probes.locations import ArgKind, ArgLocation, SiteLayout
-    from mtrace_live.tracer.usdt import ProbeSelection, handlers_compiled, site_defines
+    from mtrace_live.tracer.loop.usdt import ProbeSelection, handlers_compiled, site_defines
 
     assert [handlers_compiled(n) for n in (0, 1, 10, 11, 120, 121, 128)] == [
         0, 10, 10, 20, 120, 128, 128,

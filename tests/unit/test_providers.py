@@ -1,4 +1,4 @@
-"""Which allocator a process or a command will call (tracer/providers.py):
+"""Which allocator a process or a command will call (tracer/processes/providers.py):
 the libraries preloaded by LD_PRELOAD and by /etc/ld.so.preload, as the
 dynamic linker reads them (ld.so(8); glibc's rtld.c: LD_PRELOAD's first,
 names split by white space or ':', a '#' comment to the line's end), and a
@@ -10,7 +10,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from mtrace_live.tracer.providers import _preloaded, of_command, of_process
+from mtrace_live.tracer.processes.providers import _preloaded, of_command, of_process
 
 from .needs import needs
 

@@ -36,8 +36,8 @@ from mtrace_live.exporters.sprtrace.text import parse
 from mtrace_live.exporters.summary import SummarySink
 from mtrace_live.exporters.web import MetricsEndpoint, WebConfig
 from mtrace_live.tracer.commands import options
-from mtrace_live.tracer.live import Fanout
-from mtrace_live.tracer.model import AllocatorModel
+from mtrace_live.tracer.loop.live import Fanout
+from mtrace_live.tracer.loop.model import AllocatorModel
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
@@ -346,7 +346,7 @@ def test_every_registered_output_is_a_sink(entry: object) -> None:
 
 
 def test_event_times_are_exact_exactly_when_an_output_writes_them(tmp_path: Path) -> None:
-    from mtrace_live.tracer.plan import TraceRequest
+    from mtrace_live.tracer.loop.plan import TraceRequest
 
     # outputs that print or write each event's time ask for the exact clock
     for output in ("text", "json"):

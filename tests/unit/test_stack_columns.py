@@ -19,7 +19,7 @@ from mtrace_live.exporters.data.alloc_snapshot import (
 )
 from mtrace_live.exporters.data.symbolize import Symbol
 from mtrace_live.probes.records import ALLOC_FRAMES_BASE, ALLOC_STACK_ROW_DTYPE
-from mtrace_live.tracer.alloc_probes import StackReader
+from mtrace_live.tracer.loop.alloc_probes import StackReader
 
 APP = 300
 SITE, MAIN = 0x401010, 0x401200

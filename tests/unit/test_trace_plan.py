@@ -1,5 +1,5 @@
 """A live trace's plan, without root: which probes, and which program
-switches, each request makes (tracer/plan.py)."""
+switches, each request makes (tracer/loop/plan.py)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from mtrace_live.tracer import alloc_probes
-from mtrace_live.tracer.plan import (
+from mtrace_live.tracer.loop import alloc_probes
+from mtrace_live.tracer.loop.plan import (
     KERNEL_RING_PAGES,
     Probes,
     TraceRequest,
     choose_probes,
     program_plan,
 )
-from mtrace_live.tracer.target import default_libc
-from mtrace_live.tracer.usdt import ProbeSelection
+from mtrace_live.tracer.loop.usdt import ProbeSelection
+from mtrace_live.tracer.processes.target import default_libc
 
 from .needs import needs
 
@@ -163,7 +163,7 @@ def test_a_process_is_shown_with_its_own_pid_where_its_namespace_gives_it_anothe
 
 
 def test_kmem_records_get_room_for_a_burst_unless_told(tmp_path: Path) -> None:
-    from mtrace_live.tracer.plan import DEFAULT_BUFFER_PAGES, RECORD_BUFFER_PAGES
+    from mtrace_live.tracer.loop.plan import DEFAULT_BUFFER_PAGES, RECORD_BUFFER_PAGES
 
     records = (("kmemtrace", tmp_path / "set"),)
     # THEN kmem records through the ring get 128 MiB, other traces 8 MiB, by default

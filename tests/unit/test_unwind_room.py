@@ -1,4 +1,4 @@
-"""The unwinder's tables shared out among files (tracer/unwind_room.py):
+"""The unwinder's tables shared out among files (tracer/unwind/unwind_room.py):
 runs taken never overlap, runs given back are found again (merged with
 their neighbours), and a table with room for a file always gives it."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mtrace_live.tracer.unwind_room import Extents
+from mtrace_live.tracer.unwind.unwind_room import Extents
 
 
 def test_a_run_given_back_is_taken_again_merged_with_its_neighbours() -> None:

@@ -1,4 +1,4 @@
-"""The unwinder's tables as user space makes them (tracer/unwind_tables.py),
+"""The unwinder's tables as user space makes them (tracer/unwind/unwind_tables.py),
 without the kernel: the executable mappings of a live process, the rows
 kept on disk by build-id, and each mapping's bias to link-time addresses,
 checked against the addresses of the functions of this very process."""
@@ -15,8 +15,8 @@ from mtrace_live.probes.elf.cfi import CFA_RSP, ROW, read_cfi, rule_at
 from mtrace_live.probes.elf.file import load_segments, open_elf
 from mtrace_live.probes.elf.symbols import symbol_table
 from mtrace_live.probes.records import UNWIND_FILE_DTYPE
-from mtrace_live.tracer.unwind_rows import CACHE_FORMAT, RowCache, file_key, kernel_file_key
-from mtrace_live.tracer.unwind_tables import UnwindTables, exec_mappings
+from mtrace_live.tracer.unwind.unwind_rows import CACHE_FORMAT, RowCache, file_key, kernel_file_key
+from mtrace_live.tracer.unwind.unwind_tables import UnwindTables, exec_mappings
 
 
 class Recorder:

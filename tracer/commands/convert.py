@@ -38,7 +38,6 @@ def convert(**params: Any) -> None:
       mtrace-live convert out.jsonl --to kmemtrace -o again.d
     """
     from mtrace_live.exporters.conversions import run_convert
-
-    from .. import package_version
+    from mtrace_live.tracer.loop import package_version
 
     run_convert(version=package_version(), **params)

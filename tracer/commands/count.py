@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import click
-
-from . import options
+from mtrace_live.tracer.commands import options
 
 
 @click.command(context_settings={"allow_interspersed_args": False})
@@ -51,7 +50,7 @@ def count(
     mtrace-live exits with the command's exit code.
     """
     options.check("count", {"pid": pid, "command": command, "sdt_glibc": sdt_glibc})
-    from ..hit_counts import CountRequest, run_count
+    from mtrace_live.tracer.loop.hit_counts import CountRequest, run_count
 
     request = CountRequest(
         pid=pid,

@@ -6,8 +6,7 @@ import sys
 from pathlib import Path
 
 import click
-
-from .probes import target_options, targets
+from mtrace_live.tracer.commands.probes import target_options, targets
 
 
 @click.command()
@@ -25,8 +24,7 @@ def doctor(pid: int | None, lib: Path | None) -> None:
         mtrace-live doctor --pid 1234
     """
     from mtrace_live.probes.catalog import load_catalog
-
-    from ..checks import exit_code, run_checks
+    from mtrace_live.tracer.loop.checks import exit_code, run_checks
 
     checks = []
     for check in run_checks(targets("doctor", pid, lib, with_ld_so=False)[0], load_catalog()):

@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import click
-
-from . import options
+from mtrace_live.tracer.commands import options
 
 
 def target_options(command: Any) -> Any:
@@ -18,7 +17,7 @@ def target_options(command: Any) -> Any:
 
 
 def targets(command: str, pid: int | None, lib: Path | None, with_ld_so: bool) -> list[Path]:
-    from .. import target
+    from mtrace_live.tracer.processes import target
 
     options.check(command, {"pid": pid, "lib": lib})
     if lib is not None:
@@ -77,8 +76,7 @@ def probes(
 def _print_json(libc: Path, listings: list[Any], bare: list[tuple[Path, str]], plan: Any,
                 sites: list[dict[str, Any]], debug_file: Path | None) -> None:  # fmt: skip
     from mtrace_live.exporters.probe_list import render_derived_json, render_json
-
-    from ..lock_waits import timing_report
+    from mtrace_live.tracer.loop.lock_waits import timing_report
 
     documents = [render_json(item) for item in listings]
     documents += [{"path": str(path), "probes": [], "catalog": None} for path, _ in bare]
@@ -95,8 +93,7 @@ def _print_json(libc: Path, listings: list[Any], bare: list[tuple[Path, str]], p
 def _print_text(libc: Path, listings: list[Any], bare: list[tuple[Path, str]], plan: Any,
                 sites: list[dict[str, Any]], debug_file: Path | None) -> None:  # fmt: skip
     from mtrace_live.exporters.probe_list import render_derived_text, render_text
-
-    from ..lock_waits import timing_report
+    from mtrace_live.tracer.loop.lock_waits import timing_report
 
     for index, item in enumerate(listings):
         if index:
@@ -133,8 +130,7 @@ def _derived_plan(libc: Path, debug_file: Path | None) -> Any:
 def _alloc_sites(libc: Path) -> list[dict[str, Any]]:
     """Each allocation function the libc exports, and where its probe sits."""
     from mtrace_live.probes.errors import MtraceError
-
-    from ..alloc_probes import plan_sites
+    from mtrace_live.tracer.loop.alloc_probes import plan_sites
 
     try:
         chosen = plan_sites(libc)

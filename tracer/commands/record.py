@@ -5,9 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-
-from . import options
-from .trace import start_trace
+from mtrace_live.tracer.commands import options
+from mtrace_live.tracer.commands.trace import start_trace
 
 
 @click.command(context_settings={"allow_interspersed_args": False})

@@ -7,8 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
-
-from .options import wrappers_option
+from mtrace_live.tracer.commands.options import wrappers_option
 
 if TYPE_CHECKING:
     from mtrace_live.exporters.kmemtrace.analysis import Report

@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import click
-
-from . import options
-from .trace import trace
+from mtrace_live.tracer.commands import options
+from mtrace_live.tracer.commands.trace import trace
 
 
 @click.command(context_settings={"allow_interspersed_args": False})

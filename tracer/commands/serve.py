@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import click
-
-from . import options
+from mtrace_live.tracer.commands import options
 
 # serve samples by bytes unless told --exact: one allocation kept per 512 KiB
 # on average, as Go's heap profiles (runtime.MemProfileRate) do; the cost
@@ -14,8 +13,8 @@ from . import options
 SERVE_SAMPLE_BYTES = 512 * 1024
 
 if TYPE_CHECKING:
-    from ..metrics_endpoint import ExportOptions
-    from ..plan import TraceRequest
+    from mtrace_live.tracer.loop.metrics_endpoint import ExportOptions
+    from mtrace_live.tracer.loop.plan import TraceRequest
 
 
 @click.command(context_settings={"allow_interspersed_args": False})
@@ -96,16 +95,15 @@ def serve(**params: Any) -> None:
     )
     options.check("serve", {key: params[key] for key in checked})
     from mtrace_live.exporters.summary import StopLine
-
-    from ..metrics_endpoint import serve_trace
+    from mtrace_live.tracer.loop.metrics_endpoint import serve_trace
 
     serve_trace(_request(params), _export(params), StopLine())
 
 
 def _request(params: dict[str, Any]) -> TraceRequest:
-    from ..plan import TraceRequest
-    from ..sdt_glibc import locate
-    from ..usdt import DEFAULT_PATTERNS
+    from mtrace_live.tracer.loop.plan import TraceRequest
+    from mtrace_live.tracer.loop.usdt import DEFAULT_PATTERNS
+    from mtrace_live.tracer.processes.sdt_glibc import locate
 
     pid, comm, cgroup = params["pid"], params["comm"], params["cgroup"]
     no_libc = params["no_libc"]
@@ -134,7 +132,7 @@ def _request(params: dict[str, Any]) -> TraceRequest:
 
 
 def _export(params: dict[str, Any]) -> ExportOptions:
-    from ..metrics_endpoint import ExportOptions
+    from mtrace_live.tracer.loop.metrics_endpoint import ExportOptions
 
     return ExportOptions(
         address=params["address"],

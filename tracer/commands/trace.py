@@ -7,21 +7,21 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import options
+from mtrace_live.tracer.commands import options
 
 if TYPE_CHECKING:
-    from ..plan import TraceRequest
+    from mtrace_live.tracer.loop.plan import TraceRequest
 
 
 def start_trace(*, prometheus: str | None = None, web_config: Path | None = None,
                 **params: Any) -> None:  # fmt: skip
     """Trace, then exit with the command's exit code when there is one.
     ``params``: the tracing options (trace_request)."""
-    from ..live import run_trace
+    from mtrace_live.tracer.loop.live import run_trace
 
     request = trace_request(params)
     if prometheus is not None:
-        from ..metrics_endpoint import ExportOptions, serve_trace
+        from mtrace_live.tracer.loop.metrics_endpoint import ExportOptions, serve_trace
 
         result = serve_trace(request, ExportOptions(prometheus, web_config))
     else:
@@ -34,8 +34,8 @@ def trace_request(params: dict[str, Any]) -> TraceRequest:
     """The request of a tracing command's options: the options TraceRequest
     has as fields, plus ``output`` (None: live on a terminal, else text),
     ``kmem_only``, ``stack_map_size`` and the allocation functions' options."""
-    from ..plan import TraceRequest
-    from ..usdt import DEFAULT_PATTERNS
+    from mtrace_live.tracer.loop.plan import TraceRequest
+    from mtrace_live.tracer.loop.usdt import DEFAULT_PATTERNS
 
     rest = dict(params)
     kmem_only = rest.pop("kmem_only", False)
