@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterator
 from typing import TextIO
 
-from mtrace_live.probes.frame_kinds import in_file
+from mtrace_live.probes.frame_kinds import KIND_NAMES, frame_kind
 
 from .data.alloc_snapshot import AllocSnapshot, FrameNames, unknown_free_origins
 from .data.allocator_state import Allocators
@@ -154,7 +154,7 @@ def stack_table_json(snapshot: AllocSnapshot, names: FrameNames) -> Iterator[str
         for address in row.frames:
             symbol = names.resolve(row.tgid, address)
             frames.append({
-                "kind": "file" if in_file(address) else "address",
+                "kind": KIND_NAMES.get(frame_kind(address), "address"),
                 "address": hex(address),
                 "function": symbol.function if symbol else None,
                 "offset": symbol.offset if symbol and symbol.function else None,

@@ -1,8 +1,9 @@
 """The kinds of a stored frame (records.h, "frame kinds"): a u64 whose top
 bits say what it is. An address in its process (kind 0, the frames found
-by frame pointers), or a return address in a file by the file's number
-and its link-time address there (the frames the CFI walk found in a file
-the trace numbered), which names itself without its process's maps.
+by frame pointers), a return address in a file by the file's number and
+its link-time address there (the frames the CFI walk found in a file the
+trace numbered), which names itself without its process's maps, or a
+Python function's frame by its code object and instruction offset.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ _DEFINES = c_constants(header_path().read_text())
 KIND_SHIFT = _DEFINES["FRAME_KIND_SHIFT"]
 KIND_ADDRESS = _DEFINES["FRAME_KIND_ADDRESS"]
 KIND_FILE = _DEFINES["FRAME_KIND_FILE"]
+KIND_PYTHON = _DEFINES["FRAME_KIND_PYTHON"]
+KIND_NAMES = {KIND_ADDRESS: "address", KIND_FILE: "file", KIND_PYTHON: "python"}
+PYTHON_SHIFT = _DEFINES["FRAME_PYTHON_SHIFT"]
 FILE_SHIFT = _DEFINES["FRAME_FILE_SHIFT"]
 FILE_NUMBERS = _DEFINES["FRAME_FILE_NUMBERS"]
 KERNEL_NUMBERS = _DEFINES["FRAME_KERNEL_NUMBERS"]  # the kernel's below, the trace's from here
@@ -40,3 +44,16 @@ def in_file(frame: int) -> tuple[int, int] | None:
     if frame >> KIND_SHIFT != KIND_FILE:
         return None
     return (frame >> FILE_SHIFT) & (FILE_NUMBERS - 1), frame & _ADDRESS_MASK
+
+
+def python_frame(code: int, offset: int) -> int:
+    """The frame of the instruction at ``offset`` (code units) of the code
+    object at ``code`` (8-byte aligned)."""
+    return (KIND_PYTHON << KIND_SHIFT) | (code >> 3 << PYTHON_SHIFT) | offset
+
+
+def in_python(frame: int) -> tuple[int, int] | None:
+    """(code object's address, instruction offset) of a Python frame, else None."""
+    if frame >> KIND_SHIFT != KIND_PYTHON:
+        return None
+    return (frame & ((1 << KIND_SHIFT) - 1)) >> PYTHON_SHIFT << 3, frame & ((1 << PYTHON_SHIFT) - 1)

@@ -19,7 +19,7 @@ from typing import Any, overload
 
 import numpy as np
 from mtrace_live.probes.elf.maps import Mapping as FileMapping
-from mtrace_live.probes.frame_kinds import in_file
+from mtrace_live.probes.frame_kinds import KIND_ADDRESS, KIND_FILE, frame_kind, in_file
 
 from .file_frames import FileFrames
 from .processes import process_name
@@ -373,7 +373,9 @@ class FrameNames:
     before its maps were read, by the mappings its walks found in the
     kernel (``learn``). A frame in a numbered file (probes/frame_kinds.py)
     needs none of that: it is named by its file (``files``), placed beside
-    its process's mappings."""
+    its process's mappings. A frame of any other kind (a Python function's)
+    is named by the resolver of its kind (``resolvers``), or shows as
+    itself; only an address in no mapping ends a stack (``cut``)."""
 
     symbols: dict[int, ProcessSymbols] = field(default_factory=dict)
     comms: dict[int, str] = field(default_factory=dict)  # process names, read with the maps
@@ -385,6 +387,8 @@ class FrameNames:
     # a process -> the mappings its walks found in the kernel, by start
     learned: dict[int, dict[int, FileMapping]] = field(default_factory=dict)
     files: FileFrames | None = None  # the trace's numbered files
+    # a frame kind other than an address or a file's -> the frame's name
+    resolvers: dict[int, Callable[[int, int], Symbol | None]] = field(default_factory=dict)
     # a process -> the numbered files its frames were found in
     placed: dict[int, set[int]] = field(default_factory=dict)
     named: int = 0  # frames named (each once)
@@ -508,8 +512,9 @@ class FrameNames:
         if found is None:
             found = frames
             for index in range(1, len(frames)):
-                # (a frame in a file is never a cut: unnamed, it shows as itself)
-                if in_file(frames[index]) is None and self.resolve(tgid, frames[index]) is None:
+                # (a frame of another kind is never a cut: unnamed, it shows as itself)
+                frame = frames[index]
+                if frame_kind(frame) == KIND_ADDRESS and self.resolve(tgid, frame) is None:
                     found = frames[:index]
                     break
             self._cuts[key] = found
@@ -523,6 +528,10 @@ class FrameNames:
         key = (tgid, address)
         if key in self._names:
             return self._names[key]
+        kind = frame_kind(address)
+        if kind not in (KIND_ADDRESS, KIND_FILE):
+            resolver = self.resolvers.get(kind)
+            return resolver(tgid, address) if resolver is not None else None
         begun = time.monotonic()
         try:
             return self._resolve(tgid, address)

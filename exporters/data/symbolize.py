@@ -42,7 +42,7 @@ from mtrace_live.probes.elf.debug import DEBUG_DIRECTORIES, debug_files
 from mtrace_live.probes.elf.file import LoadSegment, build_id, debuglink, load_segments, vaddr_at
 from mtrace_live.probes.elf.maps import Mapping, read_maps
 from mtrace_live.probes.elf.symbols import STT_FUNC, STT_GNU_IFUNC, symbol_table
-from mtrace_live.probes.frame_kinds import FILE_SHIFT, frame_kind
+from mtrace_live.probes.frame_kinds import FILE_SHIFT, KIND_FILE, frame_kind
 
 PAGE = 4096
 _FUNCTION_TYPES = frozenset({STT_FUNC, STT_GNU_IFUNC})
@@ -326,7 +326,7 @@ def module_symbols(
 def _place_of(start: int) -> int:
     """0 for a process's own mapping, else the numbered file's place (its
     kind and number: probes/frame_kinds.py)."""
-    return start >> FILE_SHIFT if frame_kind(start) else 0
+    return start >> FILE_SHIFT if frame_kind(start) == KIND_FILE else 0
 
 
 class ProcessSymbols:

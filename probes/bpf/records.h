@@ -376,11 +376,17 @@ struct unwind_map {
  * file's number (user space's, never reused in a trace; unwind_map.file)
  * and its link-time address there: it names itself, whatever became of
  * its process, and is the same in every process (one stored stack for a
- * program run a thousand times). Other kinds are free for frames of other
- * sorts (an interpreter's). */
+ * program run a thousand times). FRAME_KIND_PYTHON: a Python function's
+ * frame, by its code object's address (>> 3, from FRAME_PYTHON_SHIFT: the
+ * 47 bits of user space at the objects' 8-byte alignment) and the offset of
+ * its instruction there (in code units, below), named from the code object
+ * (never by the process's mappings, and never a stack's cut). Other kinds
+ * are free for frames of other sorts. */
 #define FRAME_KIND_SHIFT 60
 #define FRAME_KIND_ADDRESS 0
 #define FRAME_KIND_FILE 1
+#define FRAME_KIND_PYTHON 2
+#define FRAME_PYTHON_SHIFT 16 /* the code object above, the instruction's offset below */
 #define FRAME_FILE_SHIFT 36 /* the file's number above, its link-time address below */
 #define FRAME_FILE_NUMBERS (1 << 24)
 #define FRAME_KERNEL_NUMBERS (1 << 23) /* numbers below: given at a walk's ask (unwind_vma.bpf.c) */
