@@ -124,7 +124,7 @@ def test_an_attach_error_names_the_kernel_s_errno_and_its_cause(tmp_path: Path) 
 def test_an_unprivileged_attach_is_refused_with_the_fix_named() -> None:
     # GIVEN the attach made by a user without privileges (nobody)
     script = (
-        "import os; from pathlib import Path; from mtrace_live.tracer import uprobe_attach\n"
+        "import os; from pathlib import Path; from mtrace_live.tracer.bpf import uprobe_attach\n"
         "os.setgid(65534); os.setuid(65534)\n"
         "try:\n"
         f"    uprobe_attach.attach(Path('{LIBC}'), 0x1000, -1, os.getppid())\n"
