@@ -65,6 +65,12 @@ SOAKED = ("tst-malloc-thread-exit", "tst-malloc-thread-fail", "tst-malloc-fork-d
           "tst-malloc_info", "tst-malloc-too-large")  # fmt: skip
 QUICK = tuple(name for name in BASE_TESTS if name not in SOAKED)
 STATIC = {"tst-interpose-static-nothread", "tst-interpose-static-thread"}
+# Run by this harness (MALLOC_TRACE=/dev/null, libc_malloc_debug.so
+# preloaded), tst-mtrace aborts untraced too ("Didn't expect signal from
+# child: got `Aborted'", traced the same, its counts bpftrace's); make
+# check's verdict is its script's (tst-mtrace.sh, the trace written to a
+# file and read back). Left out until it is run as the script runs it.
+SCRIPTED = {"tst-mtrace"}
 # The uprobes' cost against the tests' own time-outs (support/test-driver.c):
 # tst-malloc-too-large-malloc-hugetlb2 took over 400 s traced (20 x its
 # 20 s) while a glibc build ran beside it.
@@ -326,11 +332,12 @@ def test_every_glibc_malloc_test_passes_traced_with_bpftraces_counts(
     # (185 here: the 190 PASS make prints count 5 header checks outside malloc/)
     failed = {test: verdict for test, verdict in verdicts.items() if verdict in ("FAIL", "ERROR")}
     assert len(verdicts) >= 185 and not failed, (failed, checked.stdout[-3000:])
-    # tst-mtrace and the *-mem checks read a trace file afterwards: their
-    # programs run here; the static ones have their own malloc, not the
-    # libc's; the check-* entries check headers and ABI lists, no program
+    # the *-mem checks read a trace file afterwards: their programs run
+    # here; tst-mtrace's verdict is its script's (SCRIPTED); the static ones
+    # have their own malloc, not the libc's; the check-* entries check
+    # headers and ABI lists, no program
     programs = sorted({t.removesuffix("-mem") for t in verdicts if not t.startswith("check-")}
-                      - STATIC)  # fmt: skip
+                      - STATIC - SCRIPTED)  # fmt: skip
     assert all((build.malloc / name).is_file() for name in programs), programs
     # WHEN each runs traced
     outcomes = run_all(build, programs, tmp_path)
