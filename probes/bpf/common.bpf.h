@@ -142,7 +142,7 @@ BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
  * records that come by the thousand (allocations, probe hits, kmem events,
  * lock waits) cannot fill: a move of a process's uprobes (EV_RETARGET), a
  * hold (EV_HELD), an ask for unwind tables (EV_UNWIND). User space reads
- * it first. In the events ring, a thread allocating without a pause left
+ * it after the events ring and handles it first. In the events ring, a thread allocating without a pause left
  * no room for a move: it was lost, and with it every later call. */
 #define MUSTS_PAGES 16
 BPF_RINGBUF_OUTPUT(musts, MUSTS_PAGES);
