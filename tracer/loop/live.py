@@ -522,8 +522,8 @@ class LiveTrace:
         while True:
             records = self.reader.read(LOOP_BATCH if once else None)
             self.more_waiting = len(records) >= LOOP_BATCH
-            # moves, holds, asks: read after the others (all made before them
-            # are in), handled before them
+            # moves, holds, asks: read after the others, handled before them
+            # (with ``once``, older events may still wait in the ring)
             musts = self.musts.read()
             if len(musts):
                 records = np.concatenate([musts, records])
