@@ -13,7 +13,6 @@ uprobes comes last: the kernel takes about 0.1 s per site to unregister one.)
 from __future__ import annotations
 
 import contextlib
-import functools
 import mmap
 import os
 import select
@@ -64,16 +63,8 @@ from mtrace_live.tracer.processes.exec_watch import ExecWatch
 from mtrace_live.tracer.processes.holds import BOUND_S, Guardian, Holds
 from mtrace_live.tracer.processes.launch import GatedCommand
 from mtrace_live.tracer.processes.retarget import KeptReturns, Moved, move_uprobes
-from mtrace_live.tracer.unwind.file_server import MAPS, FileServer, region
-from mtrace_live.tracer.unwind.unwind_tables import (
-    RESUME_ALLOC,
-    RESUME_LOCK,
-    STEP,
-    VMA_LOOKUP,
-    UnwindTables,
-    attach_dlopen,
-    own_loader,
-)
+from mtrace_live.tracer.unwind.native import NativeUnwinder
+from mtrace_live.tracer.unwind.unwinder import Unwinder
 
 # Events handled between two looks at signals and deadlines: about 0.1 s of
 # event lines in the slowest output (text).
@@ -124,11 +115,8 @@ def _pidfd(pid: int) -> int | None:
 class LiveTrace:
     """One attached program, its ring buffer and its sinks."""
 
-    # the CFI unwinder's tables, the ring of the mappings walks found (UNWIND_VMA),
-    # and the file server: made while attaching
-    unwind: UnwindTables | None = None
-    found_ring: RingReader | None = None
-    file_server: FileServer | None = None
+    # the unwinders plugged in (tracer/unwind/unwinder.py), made while attaching
+    unwinders: tuple[Unwinder, ...] = ()
     ended_threads: set[int]  # the threads the uprobes moved off (pthread_exit)
 
     def __init__(
@@ -185,8 +173,8 @@ class LiveTrace:
             lock_times=self.lock_plan is not None,
         )
         self.counters.traced_from_start = request.traced_from_start
-        if self.unwind is not None:
-            self.counters.table_counts = self.unwind.table_counts
+        if self.unwinders:
+            self.counters.table_counts = self._table_counts
         if self.alloc_plan is not None:
             self.counters.allocator_of = self.allocator_names.of
             if bpf_syscalls.attach_cookies():  # the stack rows say which provider was called
@@ -277,16 +265,15 @@ class LiveTrace:
             if plan.config.first_tgid and target_pid is not None:
                 self.program.tables.set_first_target(target_pid)
             with self.program.uprobe_batch():  # in as few links as can be, at its end
-                self.unwind = self._unwinder(plan)
-                if self.unwind is not None:  # their tables before their first traced call
-                    self.frame_names.files = self.unwind.file_frames
-                    for pid in running_targets(request):
-                        self.unwind.load(pid)
+                self.unwinders = self._make_unwinders(plan)
+                for pid in running_targets(request):  # their tables before their first call
+                    for unwinder in self.unwinders:
+                        unwinder.load(pid)
                 usdt.attach_sites(self.program, self.selection)
                 self._attach_allocators()
                 if self.lock_plan is not None:
                     lock_waits.attach_lock_waits(self.program, self.lock_plan, self.alloc_pid)
-            # never its own processes (the file server, forked by _unwinder,
+            # never its own processes (the file server, forked by an unwinder,
             # too), nor its guardian's or endpoint's: before the gate opens
             not_ours = [target_pid] if target_pid is not None else []
             self.program.tables.exclude_self(target.own_processes(not_ours))
@@ -304,10 +291,8 @@ class LiveTrace:
             events = getattr(self, "reader", None)  # (the musts ring's failed after it)
             if events is not None:
                 events.close()
-            if self.unwind is not None:
-                self.unwind.stop_serving(rest=False)
-            if self.file_server is not None:
-                self.file_server.close()
+            for unwinder in self.unwinders:
+                unwinder.close(rest=False)
             self._let_go()
             self.program.close()
             bpf_syscalls.close(stats_fd)
@@ -324,62 +309,26 @@ class LiveTrace:
         for number, more in enumerate(self.provider_plans, 1):
             alloc_probes.attach_allocs(self.program, more, 0, False, self.alloc_pid, number)
 
-    def _unwinder(self, plan: ProgramPlan) -> UnwindTables | None:
-        """The CFI unwinder's tables, its programs in their slots; None when
-        stacks are walked by frame pointers only."""
+    def _make_unwinders(self, plan: ProgramPlan) -> tuple[Unwinder, ...]:
+        """The unwinders the program has, their programs in their slots;
+        none when stacks are walked by frame pointers only."""
         defines = plan.config.defines()
         if not defines.get("WITH_UNWIND"):
-            return None
-        slots = {STEP: "unwind_step"}
-        if defines.get("UNWIND_VMA"):
-            slots[VMA_LOOKUP] = "unwind_vma"
-        if self.alloc_plan is not None:
-            slots[RESUME_ALLOC] = "alloc_resume"
-        if self.lock_plan is not None:
-            slots[RESUME_LOCK] = "lock_resume"
-        self.program.set_tail_calls("unwind_progs", slots)
+            return ()
+        consumers = [name for name, plan_of in (("allocs", self.alloc_plan),
+                                                 ("locks", self.lock_plan)) if plan_of]  # fmt: skip
         libc = self.alloc_plan.libc if self.alloc_plan is not None else self.lock_plan.libc  # type: ignore[union-attr]
-        attach_dlopen(self.program, libc, self.alloc_pid)
-        # the tables' sizes, as the program has them (--unwind-rows)
-        sizes = functools.partial(UnwindTables, rows=defines["UNWIND_ROWS"],
-                                  maps=defines["UNWIND_MAPS"],
-                                  pages=defines["UNWIND_PAGES"])  # fmt: skip
-        # A process's maps are read for its names whenever its tables are
-        # written (its first call, a dlopen, a change seen each second): a
-        # process that was never held is named after it is gone from those.
-        if not defines.get("UNWIND_VMA"):
-            return sizes(self.program, holds=self.holds, written=self._tables_written)
-        pages = part_constants("unwind_vma.bpf.c")["UNWIND_FOUND_PAGES"]
-        self.found_ring = RingReader(self.program.map_fd("unwind_found"),
-                                     pages * mmap.PAGESIZE, EVENT_DTYPE)  # fmt: skip
-        rows, page_entries = region(defines["UNWIND_ROWS"]), region(defines["UNWIND_PAGES"])
-        tables = sizes(self.program, holds=self.holds, written=self._tables_written,
-                       found=self.found_ring.read, server_rows=rows[1] - rows[0],
-                       server_pages=page_entries[1] - page_entries[0])  # fmt: skip
-        for path in (libc, *own_loader()):  # in most stacks: written before any walk asks
-            tables.publish_path(path)
-        try:
-            self.file_server = FileServer({name: self.program.map_fd(name) for name in MAPS},
-                                          rows, page_entries)  # fmt: skip
-            tables.server = self.file_server.alive
-        except OSError as exc:  # the trace's own threads serve every ask, in all the room
-            tables.rows_room.grow(rows[1])
-            tables.pages_room.grow(page_entries[1])
-            self.notices.append(
-                f"the file server could not be started ({exc.strerror}): "
-                "files asked for by stack walks are written by the trace"
-            )
-        tables.serve_in_background(self.found_ring.fd)
-        return tables
+        native = NativeUnwinder(self.program, defines, libc, consumers, self.holds,
+                                self.frame_names, self._tables_written, self.alloc_pid,
+                                self.notices)  # fmt: skip
+        return (native,)
 
-    def _mappings_learned(self) -> None:
-        """The mappings the walks found in the kernel: each names its
-        process's frames there if it is gone before its maps are read."""
-        assert self.unwind is not None
-        learned = self.unwind.learned
-        while learned:
-            found, path = learned.popleft()
-            self.frame_names.learn(found.pid, found.mapping(path))
+    def _table_counts(self) -> dict[str, int]:
+        """The unwinders' own counts, together."""
+        counts: dict[str, int] = {}
+        for unwinder in self.unwinders:
+            counts.update(unwinder.counts())
+        return counts
 
     def _tables_written(self, pid: int) -> None:
         """A process's unwind tables were written (its first traced call, a
@@ -427,8 +376,8 @@ class LiveTrace:
         usdt.seed_break(self.program, self.selection, pid)
         if self.arenas is not None and running:
             self.model.seed_arenas(pid, self.arenas.scan(pid), at_attach=True)
-        if self.unwind is not None and running:
-            self.unwind.load(pid)
+        for unwinder in self.unwinders if running else ():
+            unwinder.load(pid)
         if self.lock_plan is not None:
             self.counters.thread_clock.seed(self.program, pid)
         if running:
@@ -500,9 +449,10 @@ class LiveTrace:
         if now >= self._next_allocator_look:
             self._next_allocator_look = now + 1.0
             self._attach_new_allocators(pid)
-        if self.unwind is not None and now >= self._next_unwind_look:
+        if self.unwinders and now >= self._next_unwind_look:
             self._next_unwind_look = now + 1.0
-            self.unwind.refresh()
+            for unwinder in self.unwinders:
+                unwinder.refresh()
         if pid is None or now < self._next_look:
             return
         self._next_look = now + (0.1 if self._looks == 0 else 1.0)
@@ -530,8 +480,8 @@ class LiveTrace:
             if len(records) == 0:
                 return
             kinds = records["kind"]
-            if self.unwind is not None:
-                self._tables_asked(records, kinds)
+            for unwinder in self.unwinders:
+                unwinder.handle(records, kinds)
             if self.hold:
                 self._continue_held(records[kinds == EventKind.HELD])
             if self.alloc_pid >= 0:
@@ -571,24 +521,6 @@ class LiveTrace:
             if moved is not None:
                 print(f"mtrace-live: {moved}", file=sys.stderr, flush=True)
 
-    def _tables_asked(self, records: np.ndarray, kinds: np.ndarray) -> None:
-        """The processes that asked for their unwind tables: written. One
-        forked with its parent's tables says which parent (named by its maps
-        if it is gone before its own are read); a new program (an exec) asks
-        with none: its maps are its own."""
-        assert self.unwind is not None
-        if self.unwind.failure is not None:  # a serving thread's: the trace ends on it
-            raise self.unwind.failure
-        self._mappings_learned()
-        asks = records[kinds == EventKind.UNWIND]
-        forked = asks[asks["nargs"] > 0]
-        parents = forked["args"][:, 0].tolist()
-        for child, parent in zip(forked["tgid"].tolist(), parents, strict=True):
-            self.frame_names.inherit(child, parent)
-        anew = asks["tgid"][asks["nargs"] == 0].tolist()
-        self.frame_names.disinherit(anew + records["tgid"][kinds == EventKind.EXEC].tolist())
-        self.unwind.tables_wanted(sorted(set(asks["tgid"].tolist())))
-
     def _continue_held(self, held: np.ndarray) -> None:
         """Processes stopped in _exit: read their maps, then let them go."""
         for tgid in sorted(set(held["tgid"].tolist())):
@@ -597,9 +529,8 @@ class LiveTrace:
                 self.holds.release(tgid)
 
     def result(self, started: float, ended_by: str, exit_code: int | None) -> TraceResult:
-        if self.unwind is not None:  # the last mappings found, for the names
-            self.unwind.stop_serving()
-            self._mappings_learned()
+        for unwinder in self.unwinders:  # what is still owed to the names
+            unwinder.settle()
         counters = self.counters.read(kmem=self.kmem, runs=True)
         lost_musts = self.program.percpu_array_totals("lost_musts")[0]
         if lost_musts:
@@ -650,10 +581,8 @@ class LiveTrace:
             self.guardian.close()
 
     def close(self) -> None:
-        if self.unwind is not None:
-            self.unwind.stop_serving()
-        if self.file_server is not None:
-            self.file_server.close()
+        for unwinder in self.unwinders:
+            unwinder.close()
         self._let_go()
         self.reader.close()
         self.musts.close()
@@ -998,11 +927,9 @@ def _debug_costs(trace: LiveTrace) -> None:
     names = trace.frame_names
     print(f"mtrace-live: debug: named {names.named} frames in {names.naming_s:.3f} s",
           file=sys.stderr)  # fmt: skip
-    if trace.unwind is not None:
-        tables = trace.unwind
-        files, rows = tables.counts["files"], tables.rows_room.used
-        print(f"mtrace-live: debug: unwind tables: {files} files, {rows} rows, written in "
-              f"{tables.load_s:.3f} s", file=sys.stderr)  # fmt: skip
+    for unwinder in trace.unwinders:
+        for line in unwinder.debug_lines():
+            print(f"mtrace-live: debug: {line}", file=sys.stderr)
 
 
 def _exec_failure(request: TraceRequest, batch: np.ndarray) -> MtraceError | None:
