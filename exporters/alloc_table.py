@@ -231,6 +231,12 @@ def unwind_lines(unwind: Mapping[str, int]) -> list[str]:
             f"({unwind.get('vma_busy', 0)} refused: the process's mapping lock was taken), "
             f"{unwind.get('vma_frames', 0)} frames in the mappings found",
         ]
+    if "py_frames" in unwind:
+        lines.append(
+            f"  Python frames in the eval loop's place: {unwind['py_frames']}; eval loop frames "
+            f"kept native: {unwind.get('py_no_thread', 0)} (their thread's state unreadable), "
+            f"{unwind.get('py_unreadable', 0)} cut at an unreadable Python frame"
+        )
     return lines + _table_lines(unwind)
 
 

@@ -47,6 +47,13 @@ class DebugInfoError(TargetError):
     """A debug file that cannot be used: unreadable, or for another build."""
 
 
+class UnknownLayoutError(TargetError):
+    """A runtime whose memory layout mtrace-live does not know: a CPython
+    interpreter it has no frame layout for (3.10 or older, a version past
+    its tables, a free-threaded build), or a libc whose thread-specific
+    data it cannot place."""
+
+
 class AttachError(MtraceError):
     """A BPF program failed to compile, load or attach."""
 

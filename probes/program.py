@@ -29,7 +29,9 @@ PARTS = (
     "kmem.bpf.c",  # the kmem tracepoints
     "frames.bpf.c",  # the stacks the handlers walk themselves
     "unwind.bpf.c",  # ... by the mapped files' CFI
+    "unwind_dlopen.bpf.c",  # ... and its tables again when a library is mapped
     "unwind_vma.bpf.c",  # ... where the process's tables lack a mapping: the kernel's VMA
+    "python.bpf.c",  # ... with the Python frames of CPython's eval loop in its place
     "allocs.bpf.c",  # the allocation functions
     "holds.bpf.c",  # processes stopped until user space has done its part
     "locks.bpf.c",  # the waits in the libc's lock-wait slow path, timed

@@ -52,6 +52,7 @@ class EventKind(IntEnum):
     UNWIND = 8  # a process wants its unwind tables (one mtrace-live started: stopped till then)
     RETARGET = 9  # the thread the uprobes are attached for calls pthread_exit
     UNWIND_VMA = 10  # a walk found a mapping in the kernel: args = start, end, pgoff, dev, ino, ask
+    PYTHON_STACK = 11  # a stack with Python frames was stored for the first time: args[0] = its id
 
 
 class HoldCount(IntEnum):
@@ -267,6 +268,14 @@ UNWIND_FILE_DTYPE = np.dtype([("first", "<u4"), ("count", "<u4"), ("pages", "<u4
                               ("page_count", "<u4"), ("page_base", "<u4"), ("written", "<u4"),
                               ("seg_start", "<u8"), ("seg_end", "<u8"),
                               ("seg_delta", "<u8"), ("number", "<u4"), ("pad", "<u4")])  # fmt: skip
+PYTHON_PROC_DTYPE = np.dtype([("eval_lo", "<u8", (2,)), ("eval_hi", "<u8", (2,)),
+                              ("tss_at", "<u8"), ("slot_base", "<u4"),
+                              ("slot_stride", "<u4"), ("tstate_cframe", "<u2"),
+                              ("current_frame", "<u2"), ("frame_code", "<u2"),
+                              ("frame_previous", "<u2"), ("frame_instr", "<u2"),
+                              ("frame_owner", "<u2"), ("frame_is_entry", "<u2"),
+                              ("code_adaptive", "<u2"), ("owner_cstack", "u1"),
+                              ("pad", "u1", (7,))])  # fmt: skip
 UNWIND_VMAS_DTYPE = np.dtype([("maps", UNWIND_MAP_DTYPE, (4,)), ("next", "<u4"), ("pad", "<u4")])
 
 
@@ -289,11 +298,17 @@ class UnwindMisc(IntEnum):
     VMA_BUSY = 13
     UNWRITTEN = 14
     VMA_FRAMES = 15
+    PY_FRAMES = 16
+    PY_NO_THREAD = 17
+    PY_UNREADABLE = 18
 
 
 # How a walk by CFI ends: whole, or cut short of the outermost frame.
 UNWIND_ENDS = (UnwindMisc.COMPLETE, UnwindMisc.DEPTH, UnwindMisc.NO_CFI, UnwindMisc.UNREADABLE,
                UnwindMisc.OUT_OF_STACK, UnwindMisc.BOUNDS, UnwindMisc.LOST)  # fmt: skip
+# The slots counted only where Python frames are walked (WITH_PYTHON).
+UNWIND_PYTHON_COUNTS = frozenset({UnwindMisc.PY_FRAMES, UnwindMisc.PY_NO_THREAD,
+                                  UnwindMisc.PY_UNREADABLE})  # fmt: skip
 # The slots counted only where walks look mappings up in the kernel (UNWIND_VMA).
 UNWIND_VMA_COUNTS = frozenset({UnwindMisc.VMA_LOOKUPS, UnwindMisc.VMA_BUSY,
                                UnwindMisc.UNWRITTEN, UnwindMisc.VMA_FRAMES})  # fmt: skip
@@ -328,6 +343,7 @@ LAYOUTS = {
     "unwind_row": UNWIND_ROW_DTYPE,
     "unwind_map": UNWIND_MAP_DTYPE,
     "unwind_proc": UNWIND_PROC_DTYPE,
+    "python_proc": PYTHON_PROC_DTYPE,
     "unwind_file_key": UNWIND_FILE_KEY_DTYPE,
     "unwind_file": UNWIND_FILE_DTYPE,
     "unwind_vmas": UNWIND_VMAS_DTYPE,

@@ -23,7 +23,7 @@ from mtrace_live.probes.frame_kinds import KIND_ADDRESS, KIND_FILE, frame_kind, 
 
 from .file_frames import FileFrames
 from .processes import process_name
-from .symbolize import ProcessSymbols, Symbol
+from .symbolize import ProcessSymbols, Symbol, is_python
 
 
 @dataclass(frozen=True)
@@ -624,6 +624,8 @@ def frame_text(address: int, symbol: Symbol | None) -> str:
     if symbol is None or symbol.function is None:
         return function_name(symbol, address)
     place = f" ({symbol.location})" if symbol.location else ""
+    if is_python(symbol):  # a line, not an offset
+        return f"{symbol.function}{place}"
     return f"{symbol.function}+{symbol.offset:#x}{place}"
 
 

@@ -42,7 +42,13 @@ from mtrace_live.probes.elf.debug import DEBUG_DIRECTORIES, debug_files
 from mtrace_live.probes.elf.file import LoadSegment, build_id, debuglink, load_segments, vaddr_at
 from mtrace_live.probes.elf.maps import Mapping, read_maps
 from mtrace_live.probes.elf.symbols import STT_FUNC, STT_GNU_IFUNC, symbol_table
-from mtrace_live.probes.frame_kinds import FILE_SHIFT, KIND_FILE, frame_kind
+from mtrace_live.probes.frame_kinds import (
+    FILE_SHIFT,
+    KIND_FILE,
+    KIND_PYTHON,
+    KIND_SHIFT,
+    frame_kind,
+)
 
 PAGE = 4096
 _FUNCTION_TYPES = frozenset({STT_FUNC, STT_GNU_IFUNC})
@@ -60,6 +66,21 @@ class Symbol:
     span: tuple[int, int] | None = None
     system_name: str | None = None  # the function's symbol as the file has it (mangled)
     build_id: str | None = None  # the module's GNU build-id, in hex
+
+
+# The mapping every Python function's frame is placed in (probes/frame_kinds.py:
+# its frames' values are the addresses in it), in every output.
+PYTHON_MODULE = "[python]"
+PYTHON_SPAN = (KIND_PYTHON << KIND_SHIFT, (KIND_PYTHON + 1) << KIND_SHIFT)
+
+
+def python_symbol(qualname: str, filename: str, line: int) -> Symbol:
+    """A Python function's frame: its qualified name, file and line."""
+    return Symbol(PYTHON_MODULE, qualname, 0, f"{filename}:{line}", span=PYTHON_SPAN)
+
+
+def is_python(symbol: Symbol | None) -> bool:
+    return symbol is not None and symbol.module == PYTHON_MODULE and symbol.span == PYTHON_SPAN
 
 
 # Rust's legacy mangling is Itanium's with a last element "h" and 16 hex

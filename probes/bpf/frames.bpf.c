@@ -32,7 +32,16 @@ BPF_PERCPU_ARRAY(alloc_walk, struct alloc_frames_row, 1);
 
 /* The row of alloc_frames that holds `row`'s frames, stored now if new:
  * its id, or FRAMES_NO_ROOM. */
+static __always_inline s32 store_frames_new(struct alloc_frames_row *row, u64 hash, u8 *fresh);
+
 static __always_inline s32 store_frames(struct alloc_frames_row *row, u64 hash)
+{
+    u8 fresh = 0;
+    return store_frames_new(row, hash, &fresh);
+}
+
+/* store_frames, and `fresh` set where this call stored the row. */
+static __always_inline s32 store_frames_new(struct alloc_frames_row *row, u64 hash, u8 *fresh)
 {
     hash |= 1; /* never 0, which marks a free row */
     for (u32 probe = 0; probe < FRAME_PROBES; probe++) {
@@ -53,6 +62,7 @@ static __always_inline s32 store_frames(struct alloc_frames_row *row, u64 hash)
         __builtin_memcpy(slot->ip, row->ip, sizeof(slot->ip));
         asm volatile("" ::: "memory"); /* the frames before the hash that says they are there */
         slot->hash = hash;
+        *fresh = 1;
         return ALLOC_FRAMES_BASE + index;
     }
     return FRAMES_NO_ROOM;

@@ -39,6 +39,9 @@ enum event_kind {
                          * args = its start, end, page offset, its file's device (the
                          * kernel's encoding: major << 20 | minor) and inode (0, 0: no
                          * file), and 1 where the file's rows were never asked for */
+    EV_PYTHON_STACK = 11, /* a stack with Python frames was stored for the first time
+                           * (python.bpf.c): args[0] = its id; user space reads its code
+                           * objects while the process lives */
 };
 
 /* The slots of hold_counts (common.bpf.h), written by the guardian
@@ -437,6 +440,39 @@ struct unwind_vmas {
     u32 pad;
 };
 
+/* A process's CPython interpreter, for its Python frames (python.bpf.c),
+ * written by user space (tracer/unwind/python.py) from the interpreter's
+ * layout (probes/cpython/). eval_lo/eval_hi: the eval loop's code, in the
+ * process, and its cold part's (0, 0: none known). tss_at: the
+ * interpreter's thread-state key (a Py_tss_t: whether it was made, then
+ * the pthread key) in the process; a thread's value of a pthread key k
+ * below PY_KEYS is at its thread pointer + slot_base + k * slot_stride (the
+ * libc's layout). Then the members read, in bytes: PY_NO_FIELD where the
+ * version has none. owner_cstack: the owner of the frame that an eval
+ * loop's entry pushes (3.12 on), PY_NO_OWNER where none is. */
+#define PY_NO_FIELD 65535
+#define PY_NO_OWNER 255
+#define PY_KEYS 32
+#define PY_FRAME_BYTES 80 /* of a _PyInterpreterFrame read at once: every member read is in them */
+#define PY_NO_OFFSET 65535 /* a Python frame's instruction offset, where it is unknown */
+struct python_proc {
+    u64 eval_lo[2];
+    u64 eval_hi[2];
+    u64 tss_at;
+    u32 slot_base;
+    u32 slot_stride;
+    u16 tstate_cframe;  /* PyThreadState -> cframe (3.11, 3.12) */
+    u16 current_frame;  /* the cframe's (or the thread state's, 3.13) current_frame */
+    u16 frame_code;     /* _PyInterpreterFrame -> f_code (f_executable, 3.13) */
+    u16 frame_previous;
+    u16 frame_instr;    /* ... -> prev_instr (3.11, 3.12), instr_ptr (3.13) */
+    u16 frame_owner;
+    u16 frame_is_entry; /* 3.11 */
+    u16 code_adaptive;  /* PyCodeObject -> co_code_adaptive: the instructions */
+    u8 owner_cstack;
+    u8 pad[7];
+};
+
 /* The unwind_misc array. */
 enum unwind_misc {
     UX_STACKS,      /* stacks unwound */
@@ -455,6 +491,9 @@ enum unwind_misc {
     UX_VMA_BUSY,    /* ... where the kernel's lookup could not take the mapping lock */
     UX_UNWRITTEN,   /* frames in a file whose rows were not written yet: by frame pointers */
     UX_VMA_FRAMES,  /* frames whose mapping came from the kernel, not the process's tables */
+    UX_PY_FRAMES,   /* Python frames stored in the place of the eval loop's (WITH_PYTHON) */
+    UX_PY_NO_THREAD,/* eval loop frames whose thread state could not be read: kept native */
+    UX_PY_UNREADABLE, /* ... whose Python frames ended at a read that failed */
     UX_COUNT,
 };
 

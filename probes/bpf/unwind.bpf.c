@@ -72,10 +72,16 @@
 #define UNWIND_RESUME_ALLOC 1
 #define UNWIND_RESUME_LOCK 2
 #define UNWIND_VMA_LOOKUP 3
-#define UNWIND_PROGS 4
+#define UNWIND_PYTHON 4 /* python.bpf.c: the Python frames an eval loop's frame runs */
+#define UNWIND_PROGS 5
 /* Tail calls a walk makes at most, its resumption's included: the kernel's
  * limit (MAX_TAIL_CALL_CNT), less the handler's first call. */
 #define UNWIND_CALLS 32
+
+/* unwind_state.py_state */
+#define PY_NONE 0   /* no Python frames in this walk (no interpreter, or none found) */
+#define PY_UNREAD 1 /* the process has an interpreter: the thread's state not read yet */
+#define PY_READ 2   /* read: py_frame is the next Python frame to store */
 
 struct unwind_state {
     u64 pc, sp, bp; /* the frame being left: its PC and registers */
@@ -100,6 +106,17 @@ struct unwind_state {
     /* Return addresses the kernel replaced with its uretprobe trampoline:
      * where each was on the stack, and what it was. */
     u64 hijack_at[2], hijack_ra[2];
+    /* The process's CPython eval loop, [py_lo, py_hi) and its cold part
+     * (WITH_PYTHON, python.bpf.c): a frame there is replaced by the Python
+     * frames it runs. py_frame: the next of them to store, once read;
+     * py_at: the stack pointer of the eval loop's frame whose Python frames
+     * were stored (then it is stepped natively). */
+    u64 py_lo[2], py_hi[2];
+    u64 py_frame, py_at;
+    u8 py_state;  /* PY_NONE, PY_UNREAD (the thread state not read yet), PY_READ */
+    u8 py_stored; /* Python frames stored for the eval loop's frame at py_at (0: none yet) */
+    u8 py_any;    /* Python frames stored in this walk */
+    u8 py_pad[5];
     u64 payload[13]; /* what the resumption needs (allocs.bpf.c, locks.bpf.c) */
     u64 window[STACK_WINDOW / 8]; /* a copy of the stack, read once for many frames */
 };
@@ -134,6 +151,12 @@ BPF_ARRAY(unwind_files_gen, u32, 2); /* by the trace's process, and by the file 
 BPF_TABLE("lru_hash", u32, struct unwind_vmas, unwind_vmas, MAX_FOLLOWED);
 BPF_PERCPU_ARRAY(unwind_no_vmas, struct unwind_vmas, 1); /* stays empty: a process with none */
 #endif
+
+/* python.bpf.c's, for the walk's start and the processes' forks and ends. */
+static __always_inline void python_begin(struct unwind_state *st, u32 tgid);
+static __always_inline void python_fork(u32 parent, u32 child);
+static __always_inline void python_forget(u32 tgid);
+static __always_inline void python_new_stack(struct unwind_state *st);
 
 static __always_inline void unwind_misc_add(u32 slot, u64 n)
 {
@@ -192,6 +215,7 @@ static __always_inline struct unwind_state *unwind_begin(u32 tgid, u64 pc, u64 s
     st->resume = resume;
     st->ended = 0;
     st->hijack_at[0] = st->hijack_at[1] = 0;
+    python_begin(st, tgid);
     u32 tid = (u32)bpf_get_current_pid_tgid(), slot = tid & (HIJACK_SLOTS - 1);
     struct unwind_hijack *h = unwind_hijacks.lookup(&slot);
     if (h && h->tid == tid && h->at) {
@@ -217,6 +241,7 @@ static __always_inline u64 unwind_gen(void)
 /* A process's mappings are gone (exec, exit): its tables with them. */
 static __always_inline void unwind_forget(u32 tgid)
 {
+    python_forget(tgid);
 #if UNWIND_VMA
     unwind_vmas.delete(&tgid);
 #endif
@@ -276,6 +301,7 @@ static __always_inline int unwind_wanted(u32 tgid)
  * with no tables has none (a pid reused since an entry was written). */
 static __always_inline void unwind_fork(u32 parent, u32 child)
 {
+    python_fork(parent, child);
 #if UNWIND_VMA
     struct unwind_vmas *found = unwind_vmas.lookup(&parent);
     if (found)
@@ -318,78 +344,6 @@ static __always_inline int unwind_ask(u32 tgid, int hold, u32 parent)
     musts.ringbuf_submit(e, 0);
 #endif
     return 1;
-}
-
-/* The entry of dlopen or dlmopen (where its return probe stands: the
- * kernel replaces the return address after the handlers ran). */
-int unwind_dlopen_entry(struct pt_regs *ctx)
-{
-    u32 tid = (u32)bpf_get_current_pid_tgid(), slot = tid & (HIJACK_SLOTS - 1);
-    struct unwind_hijack *h = unwind_hijacks.lookup(&slot);
-    if (!h)
-        return 0;
-    u64 sp = PT_REGS_SP(ctx), ra = 0;
-    if (bpf_probe_read_user(&ra, sizeof(ra), (void *)sp))
-        return 0;
-    h->tid = tid;
-    h->ra = ra;
-    h->at = sp;
-    return 0;
-}
-
-/* The process mapped more files (or unmapped some), whose code may soon
- * call. A process whose tables were written asks for them again (a
- * process mtrace-live started stops until they are): its tables stay in
- * force meanwhile, the new library's frames stepped by frame pointers (or
- * found in the kernel) until they are written. */
-static __always_inline void unwind_mapped(u32 tgid)
-{
-    if (gate_closed() || !tgid_is_followed(tgid))
-        return;
-#if UNWIND_VMA
-    unwind_vmas.delete(&tgid); /* a library closed meanwhile may have left its place to this one */
-#endif
-    struct unwind_proc *proc = unwind_procs.lookup(&tgid);
-    if (!proc || !proc->count)
-        return; /* never asked, or asked and not written yet: its tables will have the library */
-    unwind_ask(tgid, 1, 0);
-}
-
-/* The return of dlopen or dlmopen (after the library's constructors ran):
- * the thread's return address is its own again; and, where the loader's
- * _dl_debug_state has no probe (unwind_rtld not written), the process asks
- * here (once per dlopen: unwind_dl_state asked where it has one). */
-int unwind_dlopen_return(struct pt_regs *ctx)
-{
-    u64 id = bpf_get_current_pid_tgid();
-    u32 tgid = id >> 32, tid = (u32)id, slot = tid & (HIJACK_SLOTS - 1), zero = 0;
-    struct unwind_hijack *h = unwind_hijacks.lookup(&slot);
-    if (h && h->tid == tid)
-        h->at = 0;
-    s64 *delta = unwind_rtld.lookup(&zero);
-    if (!delta || !*delta)
-        unwind_mapped(tgid);
-    return 0;
-}
-
-/* The dynamic loader's _dl_debug_state, the debuggers' breakpoint: called
- * with _r_debug.r_state RT_CONSISTENT (0) once a dlopen's objects are
- * mapped (or a dlclose's unmapped), before their constructors run, which
- * the return of dlopen comes only after: the constructors' calls and the
- * library's first ones are then whole too. Called at a process's start as
- * well, before it has tables (nothing to ask then), and with RT_ADD or
- * RT_DELETE before the change (nothing mapped yet). */
-int unwind_dl_state(struct pt_regs *ctx)
-{
-    u32 zero = 0, tgid = bpf_get_current_pid_tgid() >> 32;
-    s64 *delta = unwind_rtld.lookup(&zero);
-    int state = 0;
-    if (!delta || !*delta || gate_closed() || !tgid_is_followed(tgid))
-        return 0; /* (every process's loader calls it, under --all and serve) */
-    if (bpf_probe_read_user(&state, sizeof(state), (void *)(PT_REGS_IP(ctx) + *delta)) || state)
-        return 0;
-    unwind_mapped(tgid);
-    return 0;
 }
 
 /* The mapping of the state's process that holds `pc`, or NULL. */
@@ -549,8 +503,20 @@ static __always_inline void unwind_frame_kind(struct unwind_state *st,
     st->mixed = st->n;
 }
 
+/* Whether the frame being left is the eval loop's, its Python frames not
+ * stored yet (python.bpf.c stores them in its place). */
+static __always_inline int python_due(struct unwind_state *st)
+{
+    if (st->py_state == PY_NONE || st->sp == st->py_at)
+        return 0;
+    u64 pc = st->pc - 1;
+    return (st->py_lo[0] <= pc && pc < st->py_hi[0]) ||
+           (st->py_lo[1] <= pc && pc < st->py_hi[1]);
+}
+
 /* One frame: 1 while the walk goes on, 0 when it ended (st->ended says
- * why), 2 when its PC's mapping is to be looked up in the kernel first. */
+ * why), 2 when its PC's mapping is to be looked up in the kernel first,
+ * 3 when it is the eval loop's, whose Python frames are to be stored first. */
 static __always_inline int unwind_frame(struct unwind_state *st, struct alloc_frames_row *row,
                                         struct unwind_vmas *vmas)
 {
@@ -567,6 +533,8 @@ static __always_inline int unwind_frame(struct unwind_state *st, struct alloc_fr
         }
     }
 #endif
+    if (st->mixed < st->n && python_due(st))
+        return 3;
     if (st->mixed < st->n)
         unwind_frame_kind(st, row, m);
     struct unwind_row *r = m ? unwind_row_of(m, st->pc - 1) : NULL;
@@ -617,7 +585,10 @@ static __always_inline void unwind_finish(struct pt_regs *ctx, struct unwind_sta
         unwind_frame_kind(st, row, NULL);
     if (st->n < FRAME_DEPTH)
         row->ip[st->n & (FRAME_DEPTH - 1)] = 0;
-    st->stack = store_frames(row, st->hash);
+    u8 fresh = 0;
+    st->stack = store_frames_new(row, st->hash, &fresh);
+    if (fresh && st->py_any)
+        python_new_stack(st);
     unwind_progs.call(ctx, st->resume);
     unwind_misc.increment(UX_LOST);
 }
@@ -663,6 +634,11 @@ int unwind_step(struct pt_regs *ctx)
     if (going == 2) {
         unwind_next(ctx, st, UNWIND_VMA_LOOKUP);
         st->vma_fp = st->pc - 1; /* no lookup: this frame by frame pointers */
+        going = 1;
+    }
+    if (going == 3) {
+        unwind_next(ctx, st, UNWIND_PYTHON);
+        st->py_at = st->sp; /* no call left: this frame as it is */
         going = 1;
     }
     if (going == 1 && !st->ended) {

@@ -308,6 +308,12 @@ TRACE_OPTIONS = [
         "pointers, as distributions build it (docs/allocations.md).",
     ),
     click.option(
+        "--no-python-frames",
+        is_flag=True,
+        help="Keep CPython's eval loop as native frames: do not put the Python functions it "
+        "runs in its place in the stacks (docs/python.md).",
+    ),
+    click.option(
         "--allocator-lib",
         "allocator_libs",
         multiple=True,

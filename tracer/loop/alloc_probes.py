@@ -40,6 +40,7 @@ from mtrace_live.probes.records import (
     OUTSTANDING_FREE_TAGS,
     OUTSTANDING_ROW_DTYPE,
     SITE_PROVIDER_SHIFT,
+    UNWIND_PYTHON_COUNTS,
     UNWIND_VMA_COUNTS,
     VM_PROC_DTYPE,
     VM_PROC_FIELDS,
@@ -296,8 +297,10 @@ def unwind_counts(program: BpfProgram) -> dict[str, int]:
         return {}
     counts = program.percpu_array_totals("unwind_misc")
     looked_up = program.has_table("unwind_files")  # UNWIND_VMA: mappings found in the kernel
+    python = program.has_table("python_procs")  # WITH_PYTHON: Python frames in the walks
     return {m.name.lower(): counts[m] for m in UnwindMisc
-            if looked_up or m not in UNWIND_VMA_COUNTS}  # fmt: skip
+            if (looked_up or m not in UNWIND_VMA_COUNTS)
+            and (python or m not in UNWIND_PYTHON_COUNTS)}  # fmt: skip
 
 
 def _processes(tgids: np.ndarray, rows: np.ndarray,

@@ -64,6 +64,7 @@ from mtrace_live.tracer.processes.holds import BOUND_S, Guardian, Holds
 from mtrace_live.tracer.processes.launch import GatedCommand
 from mtrace_live.tracer.processes.retarget import KeptReturns, Moved, move_uprobes
 from mtrace_live.tracer.unwind.native import NativeUnwinder
+from mtrace_live.tracer.unwind.python import PythonUnwinder
 from mtrace_live.tracer.unwind.unwinder import Unwinder
 
 # Events handled between two looks at signals and deadlines: about 0.1 s of
@@ -321,7 +322,9 @@ class LiveTrace:
         native = NativeUnwinder(self.program, defines, libc, consumers, self.holds,
                                 self.frame_names, self._tables_written, self.alloc_pid,
                                 self.notices)  # fmt: skip
-        return (native,)
+        if not defines.get("WITH_PYTHON"):
+            return (native,)
+        return (PythonUnwinder(self.program, self.frame_names), native)
 
     def _table_counts(self) -> dict[str, int]:
         """The unwinders' own counts, together."""

@@ -19,7 +19,7 @@ from mtrace_live.probes.program import ProgramConfig
 from mtrace_live.tracer.bpf import tracefs
 from mtrace_live.tracer.loop import alloc_probes, lock_waits, usdt
 from mtrace_live.tracer.processes import target
-from mtrace_live.tracer.unwind import unwind_tables
+from mtrace_live.tracer.unwind import python, unwind_tables
 
 DEFAULT_BUFFER_PAGES = ProgramConfig.ring_pages  # 8 MiB: about 87,000 events of slack
 # With kmem records in the ring (record, --kmemtrace, --sp-rtrace): 128 MiB,
@@ -69,6 +69,7 @@ class TraceRequest:
     leaks_older_than: float | None = None  # list what has been outstanding this long (seconds)
     lock_times: bool = True  # time the waits in the libc's lock-wait slow path
     frame_pointers: bool = False  # walk stacks by frame pointers only, not by the CFI
+    no_python_frames: bool = False  # CPython's eval loop stays native in the CFI walk's stacks
     unwind_rows: int = unwind_tables.DEFAULT_ROWS  # the unwinder's rows, all files together
     wrappers: tuple[str, ...] = ()  # --wrappers: allocation wrappers beyond the known ones
     allocator_libs: tuple[Path, ...] = ()  # --allocator-lib: an unknown allocator's files
@@ -283,7 +284,10 @@ def _unwind_defines(request: TraceRequest) -> dict[str, int] | None:
     --frame-pointers."""
     if not unwinds(request):
         return None
-    return unwind_tables.unwind_defines(rows=request.unwind_rows, pages=request.unwind_rows)
+    defines = unwind_tables.unwind_defines(rows=request.unwind_rows, pages=request.unwind_rows)
+    if not request.no_python_frames:
+        defines.update(python.python_defines())
+    return defines
 
 
 def unwinds(request: TraceRequest) -> bool:

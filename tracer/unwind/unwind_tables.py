@@ -89,9 +89,9 @@ from mtrace_live.tracer.unwind.unwind_rows import (
 _UNWIND = part_constants("unwind.bpf.c")
 DEFAULT_ROWS, DEFAULT_MAPS, DEFAULT_PAGES = (
     _UNWIND["UNWIND_ROWS"], _UNWIND["UNWIND_MAPS"], _UNWIND["UNWIND_PAGES"])  # fmt: skip
-STEP, RESUME_ALLOC, RESUME_LOCK, VMA_LOOKUP = (
+STEP, RESUME_ALLOC, RESUME_LOCK, VMA_LOOKUP, PYTHON = (
     _UNWIND[f"UNWIND_{slot}"] for slot in ("STEP", "RESUME_ALLOC", "RESUME_LOCK",
-                                            "VMA_LOOKUP"))  # fmt: skip
+                                            "VMA_LOOKUP", "PYTHON"))  # fmt: skip
 
 
 def unwind_defines(rows: int = DEFAULT_ROWS, maps: int = DEFAULT_MAPS,

@@ -1,0 +1,236 @@
+/* ---- Python frames ---------------------------------------------------------
+ * A CPython process's stacks with its Python functions in them. Where the
+ * CFI walk (unwind.bpf.c) meets a frame of the interpreter's eval loop
+ * (_PyEval_EvalFrameDefault, or its cold part), the walk tail-calls
+ * unwind_python, which stores in that frame's place the Python frames that
+ * call of the eval loop runs, innermost first, down to the one it was
+ * entered with; then the walk goes on natively from the eval loop's frame.
+ *
+ * The thread's state is found through its pthread key's slot (CPython's
+ * thread-state key, read from the interpreter's runtime at each walk that
+ * meets the eval loop, so a process whose interpreter starts after its
+ * entry was written has its Python frames from its first): the thread
+ * pointer (the task's fsbase, which glibc points at the thread's struct
+ * pthread) plus the slot's offset in the libc's layout. A thread reads
+ * its own frames: no lock is needed. Then the thread's current frame (3.11
+ * and 3.12 through its cframe), and each frame's code object, instruction
+ * and previous frame. A frame stored is FRAME_KIND_PYTHON: the code
+ * object's address and the instruction's offset in it (records.h); user
+ * space names it from the process's memory. An eval loop's entry: 3.11
+ * marks its first frame (is_entry); 3.12 on push a frame of their own
+ * (owner FRAME_OWNED_BY_CSTACK), which is not stored.
+ *
+ * A walk reads the thread's state at its first eval loop frame only: a
+ * thread that never ran Python costs nothing more than the lookup of its
+ * process at the walk's start. */
+#ifndef WITH_PYTHON
+#define WITH_PYTHON 0 /* Python frames in the CFI walk's stacks (needs WITH_UNWIND) */
+#endif
+#if WITH_PYTHON && !WITH_UNWIND
+#error "WITH_PYTHON needs the CFI walk (WITH_UNWIND, unwind.bpf.c)"
+#endif
+
+#if WITH_UNWIND
+#if WITH_PYTHON
+#ifndef TASK_FSBASE_OFF
+#error "WITH_PYTHON needs TASK_FSBASE_OFF: task_struct's thread.fsbase, from the kernel's BTF"
+#endif
+/* Python frames one call of unwind_python stores at most; a longer run
+ * of them tail-calls it again. */
+#define PYTHON_STEP_FRAMES 32
+
+BPF_HASH(python_procs, u32, struct python_proc, MAX_FOLLOWED);
+/* a frame's first PY_FRAME_BYTES, read at once (per CPU, as the walk's state) */
+struct python_bytes {
+    u64 words[16];
+};
+BPF_PERCPU_ARRAY(python_frame_bytes, struct python_bytes, 1);
+
+static __always_inline void python_begin(struct unwind_state *st, u32 tgid)
+{
+    struct python_proc *py = python_procs.lookup(&tgid);
+    st->py_state = py ? PY_UNREAD : PY_NONE;
+    st->py_frame = st->py_at = 0;
+    st->py_stored = st->py_any = 0;
+    if (!py)
+        return;
+    st->py_lo[0] = py->eval_lo[0];
+    st->py_hi[0] = py->eval_hi[0];
+    st->py_lo[1] = py->eval_lo[1];
+    st->py_hi[1] = py->eval_hi[1];
+}
+
+/* A forked child runs its parent's interpreter, at the same addresses. */
+static __always_inline void python_fork(u32 parent, u32 child)
+{
+    struct python_proc *py = python_procs.lookup(&parent);
+    if (py)
+        python_procs.update(&child, py);
+    else
+        python_procs.delete(&child);
+}
+
+static __always_inline void python_forget(u32 tgid)
+{
+    python_procs.delete(&tgid);
+}
+
+/* A stack with Python frames stored for the first time: said, so that
+ * user space reads its code objects while they live. (Where the ring has
+ * no room, they are read when the stack is named, if they still are.) */
+static __always_inline void python_new_stack(struct unwind_state *st)
+{
+#if WITH_EVENTS
+    struct event *e = events.ringbuf_reserve(sizeof(struct event));
+    if (!e)
+        return;
+    __builtin_memset(e, 0, sizeof(*e));
+    e->ts = bpf_ktime_get_ns();
+    u64 id = bpf_get_current_pid_tgid();
+    e->tgid = id >> 32;
+    e->tid = (u32)id;
+    e->kind = EV_PYTHON_STACK;
+    e->nargs = 1;
+    e->args[0] = (u64)(s64)st->stack;
+    e->ustack = e->kstack = -1;
+    events.ringbuf_submit(e, 0);
+#endif
+}
+
+/* An 8-byte member of the frame's bytes `b`, or 0 where none is. */
+static __always_inline u64 python_word(u64 *b, u16 at)
+{
+    if (at > PY_FRAME_BYTES - 8 || (at & 7))
+        return 0;
+    return b[(at >> 3) & 15];
+}
+
+static __always_inline u8 python_byte(u64 *b, u16 at)
+{
+    if (at >= PY_FRAME_BYTES)
+        return 0;
+    return ((u8 *)b)[at & 127];
+}
+
+/* The thread's current Python frame, or 0 where its state cannot be read
+ * (the interpreter not started yet, a thread that never ran Python). */
+static __always_inline u64 python_current(struct python_proc *py)
+{
+    u64 task = bpf_get_current_task(), tp = 0, tstate = 0, at = 0, frame = 0;
+    if (bpf_probe_read_kernel(&tp, sizeof(tp), (void *)(task + TASK_FSBASE_OFF)) || !tp)
+        return 0;
+    u32 tss[2] = {}; /* made, and the pthread key */
+    if (bpf_probe_read_user(tss, sizeof(tss), (void *)py->tss_at) || !tss[0] || tss[1] >= PY_KEYS)
+        return 0;
+    u64 slot = tp + py->slot_base + (u64)tss[1] * py->slot_stride;
+    if (bpf_probe_read_user(&tstate, sizeof(tstate), (void *)slot) || !tstate)
+        return 0;
+    at = tstate;
+    if (py->tstate_cframe != PY_NO_FIELD &&
+        (bpf_probe_read_user(&at, sizeof(at), (void *)(tstate + py->tstate_cframe)) || !at))
+        return 0;
+    if (bpf_probe_read_user(&frame, sizeof(frame), (void *)(at + py->current_frame)))
+        return 0;
+    return frame;
+}
+
+/* Store `frame` as the walk's next: in the eval loop's frame's place first. */
+static __always_inline void python_store(struct unwind_state *st, struct alloc_frames_row *row,
+                                         u64 frame)
+{
+    if (st->py_stored) {
+        row->ip[st->n & (FRAME_DEPTH - 1)] = frame;
+        st->n++;
+    } else {
+        row->ip[(st->n - 1) & (FRAME_DEPTH - 1)] = frame;
+    }
+    st->py_stored = st->py_any = 1;
+    st->hash = (st->hash ^ (st->hash >> 29) ^ frame) * 0x9e3779b97f4a7c15ull;
+    st->mixed = st->n;
+}
+
+/* python_frames' outcomes */
+#define PY_ENTRY 0 /* the eval loop's frames are all stored (or none could be read) */
+#define PY_MORE 1  /* more of them than one call stores */
+#define PY_FULL 2  /* the walk is full (FRAME_DEPTH) */
+
+/* The Python frames of the eval loop's frame the walk is at, from the
+ * thread's next one, stored (`stored`: how many) as far as one call goes. */
+static __always_inline int python_frames(struct unwind_state *st, struct alloc_frames_row *row,
+                                         struct python_proc *py, u64 *b, u32 *stored)
+{
+    for (int i = 0; i < PYTHON_STEP_FRAMES; i++) {
+        u64 frame = st->py_frame;
+        if (!frame)
+            return PY_ENTRY;
+        if (bpf_probe_read_user(b, PY_FRAME_BYTES, (void *)frame)) {
+            unwind_misc.increment(UX_PY_UNREADABLE);
+            st->py_frame = 0;
+            return PY_ENTRY;
+        }
+        st->py_frame = python_word(b, py->frame_previous);
+        if (py->owner_cstack != PY_NO_OWNER &&
+            python_byte(b, py->frame_owner) == py->owner_cstack)
+            return PY_ENTRY; /* the eval loop's entry frame: its Python frames end here */
+        if (st->py_stored && st->n >= FRAME_DEPTH)
+            return PY_FULL;
+        u64 code = python_word(b, py->frame_code), instr = python_word(b, py->frame_instr);
+        u64 first = code + py->code_adaptive, units = (instr - first) >> 1;
+        u64 offset = instr >= first && units < PY_NO_OFFSET ? units : PY_NO_OFFSET;
+        python_store(st, row, ((u64)FRAME_KIND_PYTHON << FRAME_KIND_SHIFT) |
+                                  ((code >> 3) << FRAME_PYTHON_SHIFT) | offset);
+        (*stored)++;
+        if (py->frame_is_entry != PY_NO_FIELD && python_byte(b, py->frame_is_entry))
+            return PY_ENTRY; /* 3.11: the frame the eval loop was entered with */
+    }
+    return PY_MORE;
+}
+
+/* UNWIND_PYTHON: the Python frames of the eval loop's frame the walk is
+ * at, stored in its place; then the walk's next step (or its end). */
+int unwind_python(struct pt_regs *ctx)
+{
+    u32 zero = 0, tgid = bpf_get_current_pid_tgid() >> 32, stored = 0;
+    struct unwind_state *st = unwind_state();
+    struct alloc_frames_row *row = alloc_walk.lookup(&zero);
+    struct python_bytes *bytes = python_frame_bytes.lookup(&zero);
+    if (!st || !row || !bytes)
+        return 0;
+    struct python_proc *py = python_procs.lookup(&tgid);
+    int outcome = PY_ENTRY;
+    if (!py) {
+        st->py_state = PY_NONE;
+    } else {
+        if (st->py_state == PY_UNREAD) {
+            st->py_frame = python_current(py);
+            st->py_state = PY_READ;
+            if (!st->py_frame)
+                unwind_misc.increment(UX_PY_NO_THREAD);
+        }
+        if (st->py_at != st->sp) { /* a new eval loop frame (not this one's next part) */
+            st->py_at = st->sp;
+            st->py_stored = 0;
+        }
+        outcome = python_frames(st, row, py, bytes->words, &stored);
+    }
+    unwind_misc_add(UX_PY_FRAMES, stored);
+    if (outcome == PY_FULL) {
+        st->ended = UX_DEPTH;
+    } else {
+        /* the next part of these Python frames, or the native walk's */
+        unwind_next(ctx, st, outcome == PY_MORE ? UNWIND_PYTHON : UNWIND_STEP);
+        st->ended = UX_BOUNDS; /* no more tail calls */
+    }
+    unwind_finish(ctx, st, row);
+    return 0;
+}
+#else
+static __always_inline void python_begin(struct unwind_state *st, u32 tgid)
+{
+    st->py_state = PY_NONE;
+}
+static __always_inline void python_fork(u32 parent, u32 child) {}
+static __always_inline void python_forget(u32 tgid) {}
+static __always_inline void python_new_stack(struct unwind_state *st) {}
+#endif
+#endif

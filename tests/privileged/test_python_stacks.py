@@ -1,0 +1,192 @@
+"""Python frames in allocation stacks, on running CPython processes attached
+afterwards (``--pid``), under each interpreter the project covers: Debian's
+stripped /usr/bin/python3.11 (libpython linked in) and pyenv's 3.11, 3.12
+and 3.13 (a shared libpython).
+
+The workload (tests/workloads/py_chains.py) makes chains of known Python
+calls, each reaching malloc or calloc with a size of its own, and prints its
+ledger: per chain the calls, the bytes, the leaf's line and the Python
+functions on the stack. Per chain, the trace's stacks whose Python frames
+are those functions must hold exactly the ledger's calls and bytes; bpftrace
+counts the same sizes in the same run; and where the workload runs
+tracemalloc, tracemalloc's blocks per line of the workload equal the
+trace's calls whose innermost Python frame is on that line.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mtrace_live.tracer.processes.target import mapped_libc
+
+from .conftest import MTRACE, REPO
+from .tracing import BPFTRACE_READY, Reaper, interrupt_bpftrace, start_bpftrace, wait_for_line
+
+WORKLOAD = REPO / "tests" / "workloads" / "py_chains.py"
+READY = "Ctrl-C to stop"
+PYENV = Path("/root/.pyenv/versions")
+# (interpreter, whether the workload runs tracemalloc as well)
+INTERPRETERS = {
+    "debian-3.11": (Path("/usr/bin/python3.11"), True),
+    "pyenv-3.11.7": (PYENV / "3.11.7/bin/python3.11", False),
+    "pyenv-3.12.1": (PYENV / "3.12.1/bin/python3.12", False),
+    "pyenv-3.13.0": (PYENV / "3.13.0/bin/python3.13", True),
+}
+# the workload's ledger, the trace's stack rows, bpftrace's counts, the trace's stderr
+Traced = tuple[dict[str, Any], list[dict[str, Any]], dict[str, Counter[int]], str]
+DEPTH = 127  # frames a walk keeps
+SIZES = "arg0 >= 41000 && arg0 <= 48000"
+
+
+def bpftrace_sizes(libc: Path) -> str:
+    """malloc and calloc calls of the workload's sizes, by size."""
+    return (f"uprobe:{libc}:malloc /pid == $1 && {SIZES}/ {{ @malloc[arg0] = count(); }}\n"
+            f"uprobe:{libc}:calloc /pid == $1 && arg0 == 1 && arg1 >= 41000 && arg1 <= 48000/ "
+            "{ @calloc[arg1] = count(); }\n")  # fmt: skip
+
+
+def bpftrace_maps(out: Path) -> dict[str, Counter[int]]:
+    maps: dict[str, Counter[int]] = {"malloc": Counter(), "calloc": Counter()}
+    for line in out.read_text(errors="replace").splitlines():
+        record = json.loads(line) if line.startswith("{") else {}
+        if record.get("type") == "map":
+            for name, values in record["data"].items():
+                maps[name.lstrip("@")].update({int(k): int(v) for k, v in values.items()})
+    return maps
+
+
+def same_python_stack(functions: list[str], stack: dict[str, Any],
+                      chain: dict[str, Any]) -> bool:  # fmt: skip
+    """The Python functions of a stack are the chain's: all of them, or,
+    where the walk stopped at its depth (the recursion 120 deep, below its
+    native frames), as many as the walk kept, 100 at least."""
+    expected = chain["python_stack"]
+    if functions == expected:
+        return True
+    cut = len(stack["frames"]) >= DEPTH and len(functions) >= 100
+    return cut and functions == expected[: len(functions)]
+
+
+def python_frames(stack: dict[str, Any]) -> list[dict[str, Any]]:
+    return [frame for frame in stack["frames"] if frame["kind"] == "python"]
+
+
+ALL = pytest.mark.parametrize("traced", sorted(INTERPRETERS), indirect=True)
+# the runs where the workload runs tracemalloc too
+WITH_TRACEMALLOC = pytest.mark.parametrize(
+    "traced", sorted(name for name, (_, with_it) in INTERPRETERS.items() if with_it), indirect=True
+)
+
+
+@pytest.fixture(scope="module")
+def traced(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Traced:
+    """The workload under one interpreter, started first, then traced by
+    mtrace-live (--pid) and bpftrace: its ledger, the trace's stack rows,
+    bpftrace's counts and the trace's stderr."""
+    python, with_tracemalloc = INTERPRETERS[request.param]
+    if not python.is_file():
+        pytest.fail(f"{python} is missing: the Python frames are checked under every "
+                    "interpreter (scripts/setup.sh installs them)")  # fmt: skip
+    tmp = tmp_path_factory.mktemp(f"python-{request.param}")
+    argv = [str(python), str(WORKLOAD), *(["--tracemalloc"] if with_tracemalloc else [])]
+    with Reaper() as reaper, subprocess.Popen(argv, stdin=subprocess.PIPE,
+                                              stdout=subprocess.PIPE) as proc:  # fmt: skip
+        reaper.add(proc)
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline() == b"ready\n"
+        err, out = tmp / "trace.err", tmp / "trace.out"
+        with open(err, "wb") as errors, open(out, "wb") as lines:
+            tracer = reaper.add(subprocess.Popen(
+                [*MTRACE, "--pid", str(proc.pid), "-o", "json"],
+                stdout=lines, stderr=errors))  # fmt: skip
+        wait_for_line(err, READY, tracer, timeout=120)
+        bpftrace, bpftrace_out = start_bpftrace(
+            bpftrace_sizes(mapped_libc(proc.pid)), proc.pid, tmp
+        )
+        reaper.add(bpftrace)
+        wait_for_line(bpftrace_out, BPFTRACE_READY, bpftrace, timeout=120)
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        ledger = json.loads(proc.stdout.readline())
+        interrupt_bpftrace(bpftrace)
+        proc.stdin.write(b"exit\n")
+        proc.stdin.close()
+        assert proc.wait(timeout=120) == 0
+        assert tracer.wait(timeout=120) == 0, err.read_text()
+    stacks = [record for line in out.read_text().splitlines()
+              if (record := json.loads(line)).get("table") == "alloc_stacks"]  # fmt: skip
+    return ledger, stacks, bpftrace_maps(bpftrace_out), err.read_text()
+
+
+@ALL
+def test_each_chain_is_its_python_functions_with_the_ledger_s_calls_and_bytes(
+    traced: Traced,
+) -> None:
+    # GIVEN a Python program's chains, traced after it started
+    ledger, stacks, bpftrace, errors = traced
+    assert "Python frames are not shown" not in errors
+    for chain in ledger["chains"]:
+        # WHEN the stacks of its size whose Python frames are the chain's are summed
+        calls = nbytes = 0
+        for stack in stacks:
+            frames = python_frames(stack)
+            if stack["allocator"] != chain["fn"] or not frames:
+                continue
+            if stack["bytes"] != stack["calls"] * chain["size"]:
+                continue  # the same Python line's other calls (ctypes' own objects)
+            if not same_python_stack([frame["function"] for frame in frames], stack, chain):
+                continue
+            assert frames[0]["location"] == f"{chain['file']}:{chain['line']}", stack
+            calls += stack["calls"]
+            nbytes += stack["bytes"]
+        # THEN they are the ledger's, and bpftrace counted as many of its size
+        assert (calls, nbytes) == (chain["calls"], chain["bytes"]), chain["name"]
+        assert bpftrace[chain["fn"]][chain["size"]] == chain["calls"], chain["name"]
+
+
+@ALL
+def test_native_frames_lie_between_the_python_caller_and_malloc(
+    traced: Traced,
+) -> None:
+    # GIVEN the chain that calls the libc's malloc through ctypes
+    ledger, stacks, _, _ = traced
+    (chain,) = [chain for chain in ledger["chains"] if chain["name"] == "ctypes_malloc"]
+    found = [stack for stack in stacks if python_frames(stack)
+             and python_frames(stack)[0]["function"] == chain["leaf"]]  # fmt: skip
+    assert found
+    for stack in found:
+        kinds = [frame["kind"] for frame in stack["frames"]]
+        first_python = kinds.index("python")
+        # THEN native frames (ctypes, libffi) come before the Python caller,
+        # and native frames (the interpreter, then the program's start) after it
+        assert first_python >= 2 and all(kind != "python" for kind in kinds[:first_python])
+        assert kinds[-1] != "python"
+        assert stack["frames"][-1]["function"] == "_start"
+
+
+@WITH_TRACEMALLOC
+def test_tracemalloc_counts_the_same_blocks_per_line(
+    traced: Traced,
+) -> None:
+    # GIVEN a run where the workload ran tracemalloc too (its blocks over 512
+    # bytes, those the libc served, by line of the workload)
+    ledger, stacks, _, _ = traced
+    # WHEN the trace's calls are counted by their innermost Python frame's
+    # line in the workload, for the stacks of the chains tracemalloc sees
+    sizes = {chain["size"] for chain in ledger["chains"] if chain["tracemalloc"]}
+    ours: Counter[int] = Counter()
+    for stack in stacks:
+        frames = python_frames(stack)
+        if not frames or not stack["calls"] or stack["bytes"] // stack["calls"] not in sizes:
+            continue
+        path, _, line = frames[0]["location"].rpartition(":")
+        if path == str(WORKLOAD):
+            ours[int(line)] += stack["calls"]
+    # THEN tracemalloc's count on each line is the trace's
+    theirs = {entry["line"]: entry["count"] for entry in ledger["tracemalloc"]}
+    assert theirs and dict(ours) == theirs

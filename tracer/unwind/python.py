@@ -1,0 +1,236 @@
+"""The Python unwinder, plugged into the trace (tracer/unwind/unwinder.py):
+CPython's Python frames in the CFI walk's stacks, in the place of its eval
+loop's frames (probes/bpf/python.bpf.c).
+
+For each traced process it finds the interpreter (in the executable or in
+a mapped libpython, probes/cpython/), its layout, and where the process's
+libc keeps a thread's pthread key values, and writes the process's entry
+of python_procs. A running interpreter's layout is checked first by walking
+its threads' frames from user space: every code object must be one. A
+layout that fails gets one line and native stacks, never wrong names. A
+process whose interpreter has not started yet (a command just exec'd) has
+its entry written at once, and is checked once its interpreter runs.
+
+A stored Python frame is a code object's address and an instruction's
+offset (probes/frame_kinds.py); it is named from the process's memory, the
+code object read once (cached by address and checked by its identity).
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+from mtrace_live.exporters.data.alloc_snapshot import FrameNames
+from mtrace_live.exporters.data.processes import proc_dir
+from mtrace_live.exporters.data.symbolize import Symbol, python_symbol
+from mtrace_live.probes import cpython
+from mtrace_live.probes.elf.maps import read_maps
+from mtrace_live.probes.errors import MtraceError
+from mtrace_live.probes.frame_kinds import KIND_PYTHON, in_python
+from mtrace_live.probes.program import c_constants
+from mtrace_live.probes.records import PYTHON_PROC_DTYPE, EventKind, header_path
+from mtrace_live.tracer.bpf.bpf_backend import BpfProgram
+from mtrace_live.tracer.bpf.kernel_btf import BtfUnavailable, KernelBtf
+from mtrace_live.tracer.unwind.unwind_tables import PYTHON as PYTHON_SLOT
+
+_HEADER = c_constants(header_path().read_text())
+NO_FIELD, NO_OWNER = _HEADER["PY_NO_FIELD"], _HEADER["PY_NO_OWNER"]
+NO_OFFSET = _HEADER["PY_NO_OFFSET"]
+
+
+def python_defines() -> dict[str, int]:
+    """WITH_PYTHON, and where the task keeps its thread pointer (its
+    thread.fsbase, from the kernel's BTF); {} where that cannot be read
+    (stacks keep the eval loop's frames)."""
+    try:
+        with KernelBtf() as btf:
+            thread = btf.member("task_struct", "thread")
+            fsbase = btf.member("thread_struct", "fsbase")
+    except BtfUnavailable:
+        return {}
+    if thread is None or fsbase is None or fsbase[1] != 8:
+        return {}
+    return {"WITH_PYTHON": 1, "TASK_FSBASE_OFF": thread[0] + fsbase[0]}
+
+
+@dataclass
+class _Process:
+    view: cpython.ProcessView
+    checked: bool  # its layout held against its running interpreter
+
+
+class PythonUnwinder:
+    """The Python frames of one trace's CPython processes."""
+
+    name = "python"
+
+    def __init__(self, program: BpfProgram, frame_names: FrameNames) -> None:
+        self.program = program
+        program.set_tail_calls("unwind_progs", {PYTHON_SLOT: "unwind_python"})
+        frame_names.resolvers[KIND_PYTHON] = self.resolve
+        self.processes: dict[int, _Process] = {}
+        self.refused: set[int] = set()  # processes whose layout failed: native stacks
+        self._slots: dict[tuple[int, int], tuple[int, int]] = {}  # a libc -> its key slots
+        self._names = cpython.CodeNames()
+        self.counts_: dict[str, int] = {"python_processes": 0, "python_refused": 0}
+
+    def load(self, pid: int) -> None:
+        if pid in self.processes or pid in self.refused:
+            return
+        try:
+            self._load(pid)
+        except (MtraceError, OSError) as exc:
+            self._refuse(pid, str(exc))
+
+    def _load(self, pid: int) -> None:
+        found = cpython.interpreters_of(pid)
+        if not found:
+            return
+        interpreter, bias = found[0]
+        slot = self._slot(pid)
+        if slot is None:
+            self._refuse(pid, "its libc's thread keys are not where mtrace-live reads them")
+            return
+        view = cpython.ProcessView(pid, interpreter, bias)
+        started = view.started()
+        if started:
+            why = view.check(slot)
+            if why is not None:
+                self._refuse(pid, why)
+                return
+        self._write(pid, interpreter, bias, slot)
+        self.processes[pid] = _Process(view, started)
+        self.counts_["python_processes"] += 1
+
+    def _slot(self, pid: int) -> tuple[int, int] | None:
+        """Where the process's libc keeps a thread's pthread key values."""
+        for mapping in read_maps(proc_dir(pid)):
+            if mapping.path.rsplit("/", 1)[-1].startswith("libc.so"):
+                if mapping.inode not in self._slots:
+                    self._slots[mapping.inode] = cpython.thread_slot(
+                        cpython.mapped_path(pid, mapping)
+                    )
+                return self._slots[mapping.inode]
+        return None
+
+    def _write(self, pid: int, interpreter: cpython.Interpreter, bias: int,
+               slot: tuple[int, int]) -> None:  # fmt: skip
+        layout = interpreter.layout
+        entry = np.zeros(1, PYTHON_PROC_DTYPE)
+        ranges = [*interpreter.eval_ranges[:2], (0, 0), (0, 0)][:2]
+        entry["eval_lo"] = [start + bias if start else 0 for start, _ in ranges]
+        entry["eval_hi"] = [end + bias if end else 0 for _, end in ranges]
+        entry["tss_at"] = interpreter.runtime + bias + layout.tss_key - 4
+        entry["slot_base"], entry["slot_stride"] = slot
+        entry["tstate_cframe"] = NO_FIELD if layout.tstate_cframe is None else layout.tstate_cframe
+        entry["current_frame"] = layout.current_frame
+        entry["frame_code"] = layout.frame_code
+        entry["frame_previous"] = layout.frame_previous
+        entry["frame_instr"] = layout.frame_instr
+        entry["frame_owner"] = layout.frame_owner
+        entry["frame_is_entry"] = (NO_FIELD if layout.frame_is_entry is None
+                                   else layout.frame_is_entry)  # fmt: skip
+        entry["code_adaptive"] = layout.code_adaptive
+        entry["owner_cstack"] = NO_OWNER if layout.owner_cstack is None else layout.owner_cstack
+        self.program.set_entry("python_procs", struct.pack("<I", pid), entry.tobytes())
+
+    def _refuse(self, pid: int, why: str) -> None:
+        """One line; the process's stacks stay native."""
+        self.refused.add(pid)
+        self.processes.pop(pid, None)
+        self.program.delete_entry("python_procs", struct.pack("<I", pid))
+        self.counts_["python_refused"] += 1
+        print(f"mtrace-live: warning: process {pid}'s Python frames are not shown: {why}",
+              file=sys.stderr, flush=True)  # fmt: skip
+
+    def refresh(self) -> None:
+        """The processes whose interpreter had not started: checked now it has."""
+        for pid, process in list(self.processes.items()):
+            if process.checked:
+                continue
+            try:
+                if not process.view.started():
+                    continue
+                slot = self._slot(pid)
+                why = process.view.check(slot) if slot is not None else "no libc mapped"
+            except (MtraceError, OSError):
+                self.processes.pop(pid, None)  # gone
+                continue
+            if why is not None:
+                self._refuse(pid, why)
+            else:
+                process.checked = True
+
+    def handle(self, records: np.ndarray, kinds: np.ndarray) -> None:
+        """A process that asked for its own unwind tables (its first traced
+        call, a new program): its interpreter looked for. (A fork's child
+        has its parent's entry, given in the kernel.)"""
+        asks = records[kinds == EventKind.UNWIND]
+        execs = records["tgid"][kinds == EventKind.EXEC].tolist()
+        for pid in execs:  # a new program: its entry is gone in the kernel
+            self.processes.pop(pid, None)
+            self.refused.discard(pid)
+        for pid in sorted(set(asks["tgid"][asks["nargs"] == 0].tolist())):
+            self.load(pid)
+        forked = asks[asks["nargs"] > 0]
+        for child, parent in zip(forked["tgid"].tolist(), forked["args"][:, 0].tolist(),
+                                 strict=True):  # fmt: skip
+            self._inherit(child, parent)
+        new = records[kinds == EventKind.PYTHON_STACK]
+        if len(new):
+            self._read_codes(new["tgid"].tolist(), new["args"][:, 0].astype(np.int64).tolist())
+
+    def _inherit(self, child: int, parent: int) -> None:
+        """A forked child runs its parent's interpreter at the same
+        addresses (its entry was given in the kernel): read as its parent's."""
+        theirs = self.processes.get(parent)
+        if theirs is None or child in self.processes:
+            return
+        view = theirs.view
+        try:
+            bias = view.runtime - view.interpreter.runtime
+            self.processes[child] = _Process(cpython.ProcessView(child, view.interpreter, bias),
+                                             theirs.checked)  # fmt: skip
+        except (MtraceError, OSError):
+            pass  # gone already
+
+    def _read_codes(self, tgids: list[int], stacks: list[int]) -> None:
+        """The code objects of stacks just stored, read while they live."""
+        for tgid, stack in sorted(set(zip(tgids, stacks, strict=True))):
+            process = self.processes.get(tgid)
+            if process is None or stack < 0:
+                continue
+            for frame in self.program.tables.stack(stack):
+                where = in_python(frame)
+                if where is not None:
+                    self._names.get(process.view, where[0])
+
+    def resolve(self, tgid: int, frame: int) -> Symbol | None:
+        """A Python frame's name: its function's qualified name, file and line."""
+        where = in_python(frame)
+        process = self.processes.get(tgid)
+        if where is None or process is None:
+            return None
+        code, offset = where
+        info = self._names.get(process.view, code)
+        if info is None:
+            return None
+        line = info.line(offset) if offset != NO_OFFSET else None
+        return python_symbol(
+            info.qualname, info.filename, line if line is not None else info.firstlineno
+        )
+
+    def settle(self) -> None:
+        pass
+
+    def counts(self) -> dict[str, int]:
+        return dict(self.counts_)
+
+    def debug_lines(self) -> list[str]:
+        return [f"python: {len(self.processes)} processes, {len(self.refused)} refused"]
+
+    def close(self, rest: bool = True) -> None:
+        pass
