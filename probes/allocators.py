@@ -133,6 +133,18 @@ MIMALLOC = Allocator(
 )  # fmt: skip
 KNOWN = (GLIBC, JEMALLOC, TCMALLOC, MIMALLOC)
 
+# CPython's own allocator, traced only when asked (--pymalloc): the object and
+# memory domains' functions, each a standard kind. Blocks of 512 bytes or
+# less are served from its arenas and never reach malloc; larger ones it
+# passes to malloc, which is then nested in its call and counted as its.
+PYMALLOC = Allocator(
+    "pymalloc",
+    ("PyObject_Malloc",),
+    {"PyObject_Malloc": "malloc", "PyObject_Calloc": "calloc", "PyObject_Realloc": "realloc",
+     "PyObject_Free": "free", "PyMem_Malloc": "malloc", "PyMem_Calloc": "calloc",
+     "PyMem_Realloc": "realloc", "PyMem_Free": "free"},
+)  # fmt: skip
+
 
 # An object that provides ``malloc`` and is none of the known allocators (or
 # one given by --allocator-lib): its standard names and C++'s operator new

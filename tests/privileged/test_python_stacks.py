@@ -16,6 +16,7 @@ trace's calls whose innermost Python frame is on that line.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from collections import Counter
 from pathlib import Path
@@ -30,28 +31,39 @@ from .tracing import BPFTRACE_READY, Reaper, interrupt_bpftrace, start_bpftrace,
 WORKLOAD = REPO / "tests" / "workloads" / "py_chains.py"
 READY = "Ctrl-C to stop"
 PYENV = Path("/root/.pyenv/versions")
-# (interpreter, whether the workload runs tracemalloc as well)
+DEBIAN = Path("/usr/bin/python3.11")
+# (interpreter, whether the workload runs tracemalloc as well, the trace's options)
 INTERPRETERS = {
-    "debian-3.11": (Path("/usr/bin/python3.11"), True),
-    "pyenv-3.11.7": (PYENV / "3.11.7/bin/python3.11", False),
-    "pyenv-3.12.1": (PYENV / "3.12.1/bin/python3.12", False),
-    "pyenv-3.13.0": (PYENV / "3.13.0/bin/python3.13", True),
+    "debian-3.11": (DEBIAN, True, ()),
+    "pyenv-3.11.7": (PYENV / "3.11.7/bin/python3.11", False, ()),
+    "pyenv-3.12.1": (PYENV / "3.12.1/bin/python3.12", False, ()),
+    "pyenv-3.13.0": (PYENV / "3.13.0/bin/python3.13", True, ()),
 }
+# with --pymalloc: the interpreter's own allocator traced too
+PYMALLOC_RUNS = {
+    "debian-3.11-pymalloc": (DEBIAN, False, ("--pymalloc",)),
+    "pyenv-3.13.0-pymalloc": (PYENV / "3.13.0/bin/python3.13", False, ("--pymalloc",)),
+}
+RUNS = {**INTERPRETERS, **PYMALLOC_RUNS}
 # the workload's ledger, the trace's stack rows, bpftrace's counts, the trace's stderr
 Traced = tuple[dict[str, Any], list[dict[str, Any]], dict[str, Counter[int]], str]
 DEPTH = 127  # frames a walk keeps
 SIZES = "arg0 >= 41000 && arg0 <= 48000"
 
 
-def bpftrace_sizes(libc: Path) -> str:
-    """malloc and calloc calls of the workload's sizes, by size."""
+def bpftrace_sizes(libc: Path, interpreter: Path) -> str:
+    """malloc and calloc calls of the workload's sizes, by size, and
+    pymalloc's PyObject_Calloc(1, size) of sizes over 300."""
     return (f"uprobe:{libc}:malloc /pid == $1 && {SIZES}/ {{ @malloc[arg0] = count(); }}\n"
             f"uprobe:{libc}:calloc /pid == $1 && arg0 == 1 && arg1 >= 41000 && arg1 <= 48000/ "
-            "{ @calloc[arg1] = count(); }\n")  # fmt: skip
+            "{ @calloc[arg1] = count(); }\n"
+            f"uprobe:{interpreter}:PyObject_Calloc /pid == $1 && arg0 == 1 && arg1 > 300/ "
+            "{ @pymalloc_calloc[arg1] = count(); }\n")  # fmt: skip
 
 
 def bpftrace_maps(out: Path) -> dict[str, Counter[int]]:
-    maps: dict[str, Counter[int]] = {"malloc": Counter(), "calloc": Counter()}
+    maps: dict[str, Counter[int]] = {"malloc": Counter(), "calloc": Counter(),
+                                     "pymalloc_calloc": Counter()}  # fmt: skip
     for line in out.read_text(errors="replace").splitlines():
         record = json.loads(line) if line.startswith("{") else {}
         if record.get("type") == "map":
@@ -72,15 +84,43 @@ def same_python_stack(functions: list[str], stack: dict[str, Any],
     return cut and functions == expected[: len(functions)]
 
 
+def interpreter_file(pid: int) -> Path:
+    """The file of the process's interpreter: its libpython, else its executable."""
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        path = line.split(maxsplit=5)[5:] or [""]
+        if "/libpython3" in path[0]:
+            return Path(path[0])
+    return Path(os.readlink(f"/proc/{pid}/exe"))
+
+
+def chain_calls(stacks: list[dict[str, Any]], chain: dict[str, Any],
+                provider: str) -> tuple[int, int]:  # fmt: skip
+    """(calls, bytes) of the stacks of ``provider`` and the chain's size
+    whose Python frames are the chain's; each one's leaf on the chain's line."""
+    calls = nbytes = 0
+    for stack in stacks:
+        frames = python_frames(stack)
+        if stack["allocator"] != chain["fn"] or stack["provider"] != provider or not frames:
+            continue
+        if stack["bytes"] != stack["calls"] * chain["size"]:
+            continue  # the same Python line's other calls (ctypes' own objects)
+        if not same_python_stack([frame["function"] for frame in frames], stack, chain):
+            continue
+        assert frames[0]["location"] == f"{chain['file']}:{chain['line']}", stack
+        calls += stack["calls"]
+        nbytes += stack["bytes"]
+    return calls, nbytes
+
+
 def python_frames(stack: dict[str, Any]) -> list[dict[str, Any]]:
     return [frame for frame in stack["frames"] if frame["kind"] == "python"]
 
 
 ALL = pytest.mark.parametrize("traced", sorted(INTERPRETERS), indirect=True)
+PYMALLOC = pytest.mark.parametrize("traced", sorted(PYMALLOC_RUNS), indirect=True)
 # the runs where the workload runs tracemalloc too
-WITH_TRACEMALLOC = pytest.mark.parametrize(
-    "traced", sorted(name for name, (_, with_it) in INTERPRETERS.items() if with_it), indirect=True
-)
+TRACEMALLOC_RUNS = sorted(name for name, (_, with_it, _) in INTERPRETERS.items() if with_it)
+WITH_TRACEMALLOC = pytest.mark.parametrize("traced", TRACEMALLOC_RUNS, indirect=True)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +128,7 @@ def traced(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     """The workload under one interpreter, started first, then traced by
     mtrace-live (--pid) and bpftrace: its ledger, the trace's stack rows,
     bpftrace's counts and the trace's stderr."""
-    python, with_tracemalloc = INTERPRETERS[request.param]
+    python, with_tracemalloc, options = RUNS[request.param]
     if not python.is_file():
         pytest.fail(f"{python} is missing: the Python frames are checked under every "
                     "interpreter (scripts/setup.sh installs them)")  # fmt: skip
@@ -102,11 +142,11 @@ def traced(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         err, out = tmp / "trace.err", tmp / "trace.out"
         with open(err, "wb") as errors, open(out, "wb") as lines:
             tracer = reaper.add(subprocess.Popen(
-                [*MTRACE, "--pid", str(proc.pid), "-o", "json"],
+                [*MTRACE, "--pid", str(proc.pid), "-o", "json", *options],
                 stdout=lines, stderr=errors))  # fmt: skip
         wait_for_line(err, READY, tracer, timeout=120)
         bpftrace, bpftrace_out = start_bpftrace(
-            bpftrace_sizes(mapped_libc(proc.pid)), proc.pid, tmp
+            bpftrace_sizes(mapped_libc(proc.pid), interpreter_file(proc.pid)), proc.pid, tmp
         )
         reaper.add(bpftrace)
         wait_for_line(bpftrace_out, BPFTRACE_READY, bpftrace, timeout=120)
@@ -132,21 +172,30 @@ def test_each_chain_is_its_python_functions_with_the_ledger_s_calls_and_bytes(
     assert "Python frames are not shown" not in errors
     for chain in ledger["chains"]:
         # WHEN the stacks of its size whose Python frames are the chain's are summed
-        calls = nbytes = 0
-        for stack in stacks:
-            frames = python_frames(stack)
-            if stack["allocator"] != chain["fn"] or not frames:
-                continue
-            if stack["bytes"] != stack["calls"] * chain["size"]:
-                continue  # the same Python line's other calls (ctypes' own objects)
-            if not same_python_stack([frame["function"] for frame in frames], stack, chain):
-                continue
-            assert frames[0]["location"] == f"{chain['file']}:{chain['line']}", stack
-            calls += stack["calls"]
-            nbytes += stack["bytes"]
+        calls, nbytes = chain_calls(stacks, chain, "glibc")
+        if chain["provider"] == "pymalloc":  # served by pymalloc: not traced by default
+            assert (calls, nbytes) == (0, 0), chain["name"]
+            assert bpftrace["pymalloc_calloc"][chain["size"]] == chain["calls"], chain["name"]
+            continue
         # THEN they are the ledger's, and bpftrace counted as many of its size
         assert (calls, nbytes) == (chain["calls"], chain["bytes"]), chain["name"]
         assert bpftrace[chain["fn"]][chain["size"]] == chain["calls"], chain["name"]
+
+
+@PYMALLOC
+def test_pymalloc_s_own_blocks_are_counted_exactly_by_the_option(traced: Traced) -> None:
+    # GIVEN the workload traced with --pymalloc
+    ledger, stacks, bpftrace, _ = traced
+    for chain in ledger["chains"]:
+        # WHEN its pymalloc chain (blocks of 333 bytes, which never reach the
+        # libc) and its ctypes chains (the libc's own) are summed
+        if chain["provider"] == "pymalloc":
+            # THEN pymalloc's calls are the ledger's, named pymalloc, and
+            # bpftrace's on PyObject_Calloc too
+            assert chain_calls(stacks, chain, "pymalloc") == (chain["calls"], chain["bytes"])
+            assert bpftrace["pymalloc_calloc"][chain["size"]] == chain["calls"]
+        elif chain["native_frames"]:
+            assert chain_calls(stacks, chain, "glibc") == (chain["calls"], chain["bytes"])
 
 
 @ALL

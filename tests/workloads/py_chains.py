@@ -40,6 +40,9 @@ constants below):
                         malloc through ctypes (which lets go of the interpreter
                         lock for the call) again and again, while the main
                         thread spins in Python code (spin_until).
+  pymalloc_bytes        small_blocks: bytes(300), which pymalloc serves
+                        itself (PyObject_Calloc(1, 333)): the libc never
+                        sees it; a tracer of pymalloc (--pymalloc) does.
 
 How CPython 3.11-3.13 (default build, pymalloc) turns these into libc calls:
 
@@ -59,7 +62,8 @@ How CPython 3.11-3.13 (default build, pymalloc) turns these into libc calls:
 
 Every size in the libc call is odd and between 41000 and 48000, a range the
 interpreter's own allocations during the chains do not reach, so that a
-tracer can pick each chain's calls by (function, size) alone.
+tracer can pick each chain's calls by (function, size) alone (but
+pymalloc_bytes's, 333, in pymalloc's PyObject_Calloc).
 
 The ledger (one line of JSON):
 
@@ -83,6 +87,9 @@ The ledger (one line of JSON):
                  recorded from the frames themselves during the warm-up: in the
                  main thread down to "<module>", in a second thread down to
                  "Thread._bootstrap". The recursion's lists "descend" 120 times.
+  provider       the allocator that serves the call: "glibc" (the libc's
+                 malloc or calloc), or "pymalloc" (PyObject_Calloc, never
+                 reaching the libc).
   native_frames  whether native code lies between the leaf and the libc call
                  other than the interpreter's own (ctypes and libffi do).
   tracemalloc    (per chain) whether tracemalloc can see the chain's blocks:
@@ -136,6 +143,9 @@ GENERATOR = 44_411
 CLASSMETHOD = 45_513
 INSTANCE_METHOD = 46_611
 GIL_RELEASED = 47_711
+# pymalloc's own: bytes(300) is PyObject_Calloc(1, 333), served by pymalloc
+# (at most 512 bytes): the libc never sees it. Seen with --pymalloc alone.
+SMALL_BYTES = 333
 
 CALLS = {
     "ctypes_malloc": 31,
@@ -146,6 +156,7 @@ CALLS = {
     "classmethod": 13,
     "instance_method": 11,
     "gil_released_thread": 41,
+    "pymalloc_bytes": 37,
 }
 
 THREAD_NAMES = {
@@ -224,6 +235,11 @@ def malloc_without_gil(out, tids, done):
     done[0] = True
 
 
+def small_blocks(out):
+    for i in range(len(out)):
+        out[i] = bytes(SMALL_BYTES - BYTES_HEADER)  # alloc: pymalloc_bytes
+
+
 def spin_until(done):
     """Python work in the main thread, without allocating above pymalloc's
     limit, until the other thread is done; the number of rounds."""
@@ -255,6 +271,7 @@ def run_chains(keep, tids):
     drain_generator(keep["generator"])
     BlockPool.make(keep["classmethod"])
     BlockPool(keep["instance_method"]).grow()
+    small_blocks(keep["pymalloc_bytes"])
     return run_gil_released(keep["gil_released_thread"], tids)
 
 
@@ -278,7 +295,11 @@ CHAINS = {
                         f"bytearray({INSTANCE_METHOD - BYTEARRAY_EXTRA})", False, True),
     "gil_released_thread": ("malloc_without_gil", "malloc", GIL_RELEASED,
                             f"malloc({GIL_RELEASED})", True, False),
+    "pymalloc_bytes": ("small_blocks", "calloc", SMALL_BYTES,
+                       f"bytes({SMALL_BYTES - BYTES_HEADER})", False, False),
 }  # fmt: skip
+# the chains whose calls pymalloc serves itself (the libc sees none of them)
+PYMALLOC_CHAINS = {"pymalloc_bytes"}
 
 THIS_FILE = native_malloc.__code__.co_filename
 MARK = "# alloc: "
@@ -383,6 +404,7 @@ def ledger(lines, stacks, repeat, tids, spins):
             "native_frames": native,
             "tracemalloc": seen,
             "python_stack": stacks[name],
+            "provider": "pymalloc" if name in PYMALLOC_CHAINS else "glibc",
         }
         if name == "gil_released_thread":
             chain["main_spins"] = spins

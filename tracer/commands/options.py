@@ -308,6 +308,13 @@ TRACE_OPTIONS = [
         "pointers, as distributions build it (docs/allocations.md).",
     ),
     click.option(
+        "--pymalloc",
+        is_flag=True,
+        help="Also trace CPython's own allocator (PyObject_Malloc, PyObject_Calloc, "
+        "PyObject_Realloc, PyObject_Free and the PyMem_ ones) as allocator pymalloc: the "
+        "objects of 512 bytes or less, which never reach malloc (docs/python.md).",
+    ),
+    click.option(
         "--no-python-frames",
         is_flag=True,
         help="Keep CPython's eval loop as native frames: do not put the Python functions it "

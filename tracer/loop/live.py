@@ -217,7 +217,8 @@ class LiveTrace:
             return providers.TraceProviders({}, ())
         command = (target_pid, argv) if argv is not None and target_pid is not None else None
         found = providers.for_trace(libc, running_targets(request), command,
-                                    request.all_processes, request.allocator_libs)  # fmt: skip
+                                    request.all_processes, request.allocator_libs,
+                                    request.pymalloc)  # fmt: skip
         given = {provider.key for provider in found.extra if not provider.allocator.known}
         for pid, theirs in found.per_process.items():
             stranger = theirs.unknown_binding
@@ -405,7 +406,7 @@ class LiveTrace:
         changed = [each for each, program in programs.items()
                    if program is not None and self._programs.get(each) != program]  # fmt: skip
         self._programs = {**self._programs, **programs} if execs else programs
-        for found in providers.mapped_by(changed):
+        for found in providers.mapped_by(changed, self.request.pymalloc):
             if found.key in self._files_attached:
                 continue
             self._files_attached.add(found.key)

@@ -70,6 +70,7 @@ class TraceRequest:
     lock_times: bool = True  # time the waits in the libc's lock-wait slow path
     frame_pointers: bool = False  # walk stacks by frame pointers only, not by the CFI
     no_python_frames: bool = False  # CPython's eval loop stays native in the CFI walk's stacks
+    pymalloc: bool = False  # CPython's own allocator traced too (allocator pymalloc)
     unwind_rows: int = unwind_tables.DEFAULT_ROWS  # the unwinder's rows, all files together
     wrappers: tuple[str, ...] = ()  # --wrappers: allocation wrappers beyond the known ones
     allocator_libs: tuple[Path, ...] = ()  # --allocator-lib: an unknown allocator's files

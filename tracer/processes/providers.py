@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mtrace_live.exporters.data.processes import proc_dir
-from mtrace_live.probes.allocators import UNKNOWN, Allocator, identify
+from mtrace_live.probes.allocators import PYMALLOC, UNKNOWN, Allocator, identify
 from mtrace_live.probes.elf.file import ELF_FAILURES, needed, open_elf, soname
 from mtrace_live.probes.elf.maps import Mapping as ProcessMapping
 from mtrace_live.probes.elf.maps import read_maps
@@ -137,9 +137,10 @@ def search_order(exe: tuple[str, Path], preload: Objects, find: Mapping[str, Pat
     return order
 
 
-def resolve(order: Objects, mapped: Objects) -> Providers:
+def resolve(order: Objects, mapped: Objects, pymalloc: bool = False) -> Providers:
     """The providers of a process whose objects, in search order, are
-    ``order``, and which maps ``mapped`` besides."""
+    ``order``, and which maps ``mapped`` besides; with ``pymalloc``, each
+    CPython interpreter among them too (--pymalloc)."""
     binding = None
     for name, path in order:
         names = _defines(path)
@@ -157,7 +158,23 @@ def resolve(order: Objects, mapped: Objects) -> Providers:
             allocator = identify(_defines(path))
             if allocator is not None:
                 found.append(Provider(allocator, path, soname_or(name, path)))
+    if pymalloc:
+        found += _interpreters([*order, *mapped], {p.key for p in found})
     return Providers(binding, tuple(found))
+
+
+def _interpreters(files: Objects, known: set[tuple[int, int]]) -> list[Provider]:
+    """pymalloc in each file of ``files`` that holds a CPython interpreter
+    (it defines its object allocator), once per file."""
+    found: list[Provider] = []
+    for name, path in files:
+        key = file_identity(path)
+        if key in known or key == (0, 0):
+            continue
+        if {"PyObject_Malloc", "PyObject_Free"} <= _defines(path):
+            known.add(key)
+            found.append(Provider(PYMALLOC, path, soname_or(name, path)))
+    return found
 
 
 def file_identity(path: Path) -> tuple[int, int]:
@@ -168,7 +185,7 @@ def file_identity(path: Path) -> tuple[int, int]:
     return stat.st_dev, stat.st_ino
 
 
-def of_process(pid: int) -> Providers:
+def of_process(pid: int, pymalloc: bool = False) -> Providers:
     """The providers of running process ``pid`` (none when its maps cannot
     be read: it is gone)."""
     files = _mapped_files(pid)
@@ -177,7 +194,7 @@ def of_process(pid: int) -> Providers:
     by_name = _FileNames(files)
     preload = [(name, path) for name in _preloaded(proc_dir(pid))
                if (path := by_name.get(name))]  # fmt: skip
-    return resolve(search_order(_exe_of(pid, files), preload, by_name), files)
+    return resolve(search_order(_exe_of(pid, files), preload, by_name), files, pymalloc)
 
 
 class _FileNames(dict[str, Path]):
@@ -194,7 +211,7 @@ class _FileNames(dict[str, Path]):
                     default)  # fmt: skip
 
 
-def of_command(argv: Sequence[str], ld_so: Path | None) -> Providers:
+def of_command(argv: Sequence[str], ld_so: Path | None, pymalloc: bool = False) -> Providers:
     """The providers the command ``argv`` will have, asked of the dynamic
     linker ``ld_so`` with this environment (its LD_PRELOAD included)."""
     exe = Path(argv[0])
@@ -208,7 +225,7 @@ def of_command(argv: Sequence[str], ld_so: Path | None) -> Providers:
                                              re.MULTILINE)]  # fmt: skip
         except (OSError, subprocess.SubprocessError):
             listed = []
-    return resolve([(exe.name, exe), *listed], listed)
+    return resolve([(exe.name, exe), *listed], listed, pymalloc)
 
 
 def _mapped_files(pid: int) -> Objects:
@@ -288,18 +305,20 @@ class TraceProviders:
 
 
 def for_trace(libc: Path, pids: Sequence[int], command: tuple[int, Sequence[str]] | None,
-              everywhere: bool, given: Sequence[Path]) -> TraceProviders:  # fmt: skip
+              everywhere: bool, given: Sequence[Path],
+              pymalloc: bool = False) -> TraceProviders:  # fmt: skip
     """The providers of the processes ``pids`` (or of ``command``: its pid
     and argv, not yet run), with every allocator any process maps when the
-    trace covers ``everywhere``, and the files ``given`` (--allocator-lib)."""
+    trace covers ``everywhere``, and the files ``given`` (--allocator-lib);
+    with ``pymalloc``, the CPython interpreters' own allocator too."""
     if command is not None:
         ld_so = mapped_glibc(os.getpid()).ld_so
-        per_process = {command[0]: of_command(command[1], ld_so)}
+        per_process = {command[0]: of_command(command[1], ld_so, pymalloc)}
     else:
-        per_process = {pid: of_process(pid) for pid in pids}
+        per_process = {pid: of_process(pid, pymalloc) for pid in pids}
     found = [p for providers in per_process.values() for p in providers.all]
     if everywhere:
-        found += mapped_anywhere()
+        found += mapped_by(every_pid(), pymalloc)
     found += [unknown_provider(path) for path in given]
     extra: dict[tuple[int, int], Provider] = {}
     for provider in found:
@@ -317,14 +336,18 @@ def every_pid() -> set[int]:
     return {int(entry) for entry in os.listdir("/proc") if entry.isdigit()}
 
 
-def mapped_by(pids: Iterable[int]) -> list[Provider]:
+def mapped_by(pids: Iterable[int], pymalloc: bool = False) -> list[Provider]:
     """Every known allocator but glibc the processes ``pids`` map, once per
-    file. The libc a trace of many processes attaches is the one it chose
-    (--lib, or this machine's): a process on another glibc (a container's)
-    is said by the exec watch, not attached behind the user's back."""
+    file (with ``pymalloc``, each CPython interpreter's too). The libc a
+    trace of many processes attaches is the one it chose (--lib, or this
+    machine's): a process on another glibc (a container's) is said by the
+    exec watch, not attached behind the user's back."""
     found: dict[tuple[int, int], Provider] = {}
     for pid in pids:
-        for name, path in _mapped_files(pid):
+        files = _mapped_files(pid)
+        if pymalloc:
+            found |= {p.key: p for p in _interpreters(files, set(found))}
+        for name, path in files:
             if not _ALLOCATOR_FILE.match(name) or name.startswith("libc"):
                 continue
             key = file_identity(path)
