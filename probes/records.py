@@ -52,7 +52,6 @@ class EventKind(IntEnum):
     UNWIND = 8  # a process wants its unwind tables (one mtrace-live started: stopped till then)
     RETARGET = 9  # the thread the uprobes are attached for calls pthread_exit
     UNWIND_VMA = 10  # a walk found a mapping in the kernel: args = start, end, pgoff, dev, ino, ask
-    PYTHON_STACK = 11  # a stack with Python frames was stored for the first time: args[0] = its id
 
 
 class HoldCount(IntEnum):
@@ -268,6 +267,7 @@ UNWIND_FILE_DTYPE = np.dtype([("first", "<u4"), ("count", "<u4"), ("pages", "<u4
                               ("page_count", "<u4"), ("page_base", "<u4"), ("written", "<u4"),
                               ("seg_start", "<u8"), ("seg_end", "<u8"),
                               ("seg_delta", "<u8"), ("number", "<u4"), ("pad", "<u4")])  # fmt: skip
+PYTHON_STACK_DTYPE = np.dtype([("tgid", "<u4"), ("stack", "<i4")])
 PYTHON_PROC_DTYPE = np.dtype([("eval_lo", "<u8", (2,)), ("eval_hi", "<u8", (2,)),
                               ("tss_at", "<u8"), ("slot_base", "<u4"),
                               ("slot_stride", "<u4"), ("tstate_cframe", "<u2"),
@@ -301,6 +301,7 @@ class UnwindMisc(IntEnum):
     PY_FRAMES = 16
     PY_NO_THREAD = 17
     PY_UNREADABLE = 18
+    PY_STACKS_LOST = 19
 
 
 # How a walk by CFI ends: whole, or cut short of the outermost frame.
@@ -308,7 +309,7 @@ UNWIND_ENDS = (UnwindMisc.COMPLETE, UnwindMisc.DEPTH, UnwindMisc.NO_CFI, UnwindM
                UnwindMisc.OUT_OF_STACK, UnwindMisc.BOUNDS, UnwindMisc.LOST)  # fmt: skip
 # The slots counted only where Python frames are walked (WITH_PYTHON).
 UNWIND_PYTHON_COUNTS = frozenset({UnwindMisc.PY_FRAMES, UnwindMisc.PY_NO_THREAD,
-                                  UnwindMisc.PY_UNREADABLE})  # fmt: skip
+                                  UnwindMisc.PY_UNREADABLE, UnwindMisc.PY_STACKS_LOST})  # fmt: skip
 # The slots counted only where walks look mappings up in the kernel (UNWIND_VMA).
 UNWIND_VMA_COUNTS = frozenset({UnwindMisc.VMA_LOOKUPS, UnwindMisc.VMA_BUSY,
                                UnwindMisc.UNWRITTEN, UnwindMisc.VMA_FRAMES})  # fmt: skip
@@ -344,6 +345,7 @@ LAYOUTS = {
     "unwind_map": UNWIND_MAP_DTYPE,
     "unwind_proc": UNWIND_PROC_DTYPE,
     "python_proc": PYTHON_PROC_DTYPE,
+    "python_stack": PYTHON_STACK_DTYPE,
     "unwind_file_key": UNWIND_FILE_KEY_DTYPE,
     "unwind_file": UNWIND_FILE_DTYPE,
     "unwind_vmas": UNWIND_VMAS_DTYPE,

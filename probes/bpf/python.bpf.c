@@ -40,6 +40,10 @@
 #define PYTHON_STEP_FRAMES 32
 
 BPF_HASH(python_procs, u32, struct python_proc, MAX_FOLLOWED);
+/* New stacks with Python frames, said to user space (a ring of their own:
+ * the events ring may be full of allocations when a burst of them comes). */
+#define PYTHON_STACKS_PAGES 32
+BPF_RINGBUF_OUTPUT(python_stacks, PYTHON_STACKS_PAGES);
 /* a frame's first PY_FRAME_BYTES, read at once (per CPU, as the walk's state) */
 struct python_bytes {
     u64 words[16];
@@ -77,24 +81,18 @@ static __always_inline void python_forget(u32 tgid)
 
 /* A stack with Python frames stored for the first time: said, so that
  * user space reads its code objects while they live. (Where the ring has
- * no room, they are read when the stack is named, if they still are.) */
+ * no room, counted; they are read when the stack is named, if they still
+ * are.) */
 static __always_inline void python_new_stack(struct unwind_state *st)
 {
-#if WITH_EVENTS
-    struct event *e = events.ringbuf_reserve(sizeof(struct event));
-    if (!e)
+    struct python_stack *e = python_stacks.ringbuf_reserve(sizeof(struct python_stack));
+    if (!e) {
+        unwind_misc.increment(UX_PY_STACKS_LOST);
         return;
-    __builtin_memset(e, 0, sizeof(*e));
-    e->ts = bpf_ktime_get_ns();
-    u64 id = bpf_get_current_pid_tgid();
-    e->tgid = id >> 32;
-    e->tid = (u32)id;
-    e->kind = EV_PYTHON_STACK;
-    e->nargs = 1;
-    e->args[0] = (u64)(s64)st->stack;
-    e->ustack = e->kstack = -1;
-    events.ringbuf_submit(e, 0);
-#endif
+    }
+    e->tgid = bpf_get_current_pid_tgid() >> 32;
+    e->stack = st->stack;
+    python_stacks.ringbuf_submit(e, 0);
 }
 
 /* An 8-byte member of the frame's bytes `b`, or 0 where none is. */

@@ -39,9 +39,6 @@ enum event_kind {
                          * args = its start, end, page offset, its file's device (the
                          * kernel's encoding: major << 20 | minor) and inode (0, 0: no
                          * file), and 1 where the file's rows were never asked for */
-    EV_PYTHON_STACK = 11, /* a stack with Python frames was stored for the first time
-                           * (python.bpf.c): args[0] = its id; user space reads its code
-                           * objects while the process lives */
 };
 
 /* The slots of hold_counts (common.bpf.h), written by the guardian
@@ -473,6 +470,14 @@ struct python_proc {
     u8 pad[7];
 };
 
+/* A record of the python_stacks ring (python.bpf.c): a stack with Python
+ * frames stored for the first time, for user space to read its code objects
+ * while its process lives. */
+struct python_stack {
+    u32 tgid;
+    s32 stack; /* its id */
+};
+
 /* The unwind_misc array. */
 enum unwind_misc {
     UX_STACKS,      /* stacks unwound */
@@ -494,6 +499,7 @@ enum unwind_misc {
     UX_PY_FRAMES,   /* Python frames stored in the place of the eval loop's (WITH_PYTHON) */
     UX_PY_NO_THREAD,/* eval loop frames whose thread state could not be read: kept native */
     UX_PY_UNREADABLE, /* ... whose Python frames ended at a read that failed */
+    UX_PY_STACKS_LOST, /* new stacks with Python frames the python_stacks ring had no room for */
     UX_COUNT,
 };
 

@@ -120,22 +120,45 @@ def interpreters_of(pid: int) -> list[tuple[Interpreter, int]]:
                 firsts[mapping.inode] = mapping
     found = []
     for mapping in firsts.values():
-        opened = mapped_path(pid, mapping)
-        try:
-            interpreter = find_interpreter(opened)
-        except NotElfError:
-            continue
-        except TargetError as exc:
-            if isinstance(exc, UnknownLayoutError):
-                raise
-            continue  # it cannot be opened
+        known = _FILES.get(mapping.inode)
+        if known is None:
+            try:
+                known = _FILES[mapping.inode] = _file_interpreter(mapped_path(pid, mapping))
+            except TargetError:
+                continue  # it cannot be opened (looked at again next time)
+        interpreter, segments = known
+        if isinstance(interpreter, UnknownLayoutError):
+            raise interpreter
         if interpreter is None:
             continue
-        with open_elf(opened) as elf:
-            bias = load_bias(load_segments(elf), mapping)
+        bias = load_bias(segments, mapping)
         if bias is not None:
             found.append((replace(interpreter, path=Path(mapping.path)), bias))
     return found
+
+
+# Each mapped file looked at, by its (device, inode): whether it holds an
+# interpreter (or one whose layout is refused), and its load segments.
+# Every process of a machine maps much the same files: each is read once.
+_FILES: dict[tuple[int, int], tuple[Interpreter | UnknownLayoutError | None,
+                                    list[LoadSegment]]] = {}  # fmt: skip
+
+
+def _file_interpreter(
+    opened: Path,
+) -> tuple[Interpreter | UnknownLayoutError | None, list[LoadSegment]]:
+    """The interpreter in a mapped file (or why its layout is refused, or
+    None) and its load segments. TargetError when it cannot be opened."""
+    try:
+        interpreter = find_interpreter(opened)
+    except UnknownLayoutError as exc:
+        return exc, []
+    except NotElfError:
+        return None, []
+    if interpreter is None:
+        return None, []
+    with open_elf(opened) as elf:
+        return interpreter, load_segments(elf)
 
 
 def load_bias(segments: list[LoadSegment], mapping: Mapping, page: int = 4096) -> int | None:

@@ -144,7 +144,10 @@ class ProcessView:
             seen.add(frame)
             data = self.read(frame, size)
             if data[layout.frame_owner] != layout.owner_cstack:
-                code, instr = (_pointer_in(data, layout.frame_code), _pointer_in(data, layout.frame_instr))
+                code, instr = (
+                    _pointer_in(data, layout.frame_code),
+                    _pointer_in(data, layout.frame_instr),
+                )
                 found.append((code, (instr - code - layout.code_adaptive) // 2))
             frame = _pointer_in(data, layout.frame_previous)
         return found, None
@@ -266,12 +269,14 @@ class CodeNames:
         self.limit = limit
         self._kept: dict[tuple[int, int], tuple[tuple[int, ...], CodeInfo]] = {}
 
-    def get(self, view: ProcessView, address: int) -> CodeInfo | None:
+    def get(self, view: ProcessView, address: int, space: int | None = None) -> CodeInfo | None:
         """The code object at ``address`` in ``view``'s process, named; as
         named before where it cannot be read now (the process ended, or
-        the object was freed since its frames were stored)."""
+        the object was freed since its frames were stored). ``space``: the
+        process whose names it shares (a forked child's code objects are
+        its parent's, at the same addresses), else its own."""
         identity = view.identity(address)
-        key = (view.pid, address)
+        key = (view.pid if space is None else space, address)
         kept = self._kept.get(key)
         if kept is not None and (identity is None or kept[0] == identity):
             return kept[1]

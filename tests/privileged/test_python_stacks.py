@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,11 @@ from typing import Any
 import pytest
 from mtrace_live.tracer.processes.target import mapped_libc
 
+from tests.unit.profile_proto import parsed
+
 from .conftest import MTRACE, REPO
+from .test_cfi_stacks import go_traces
+from .test_serve import free_port, start_serve, stop
 from .tracing import BPFTRACE_READY, Reaper, interrupt_bpftrace, start_bpftrace, wait_for_line
 
 WORKLOAD = REPO / "tests" / "workloads" / "py_chains.py"
@@ -44,7 +50,9 @@ PYMALLOC_RUNS = {
     "debian-3.11-pymalloc": (DEBIAN, False, ("--pymalloc",)),
     "pyenv-3.13.0-pymalloc": (PYENV / "3.13.0/bin/python3.13", False, ("--pymalloc",)),
 }
-RUNS = {**INTERPRETERS, **PYMALLOC_RUNS}
+# the process among every process (--all), not by its pid
+TARGET_RUNS = {"debian-3.11-all": (DEBIAN, False, ("--all",))}
+RUNS = {**INTERPRETERS, **PYMALLOC_RUNS, **TARGET_RUNS}
 # the workload's ledger, the trace's stack rows, bpftrace's counts, the trace's stderr
 Traced = tuple[dict[str, Any], list[dict[str, Any]], dict[str, Counter[int]], str]
 DEPTH = 127  # frames a walk keeps
@@ -116,7 +124,8 @@ def python_frames(stack: dict[str, Any]) -> list[dict[str, Any]]:
     return [frame for frame in stack["frames"] if frame["kind"] == "python"]
 
 
-ALL = pytest.mark.parametrize("traced", sorted(INTERPRETERS), indirect=True)
+ALL = pytest.mark.parametrize("traced", sorted(INTERPRETERS) + sorted(TARGET_RUNS),
+                              indirect=True)  # fmt: skip
 PYMALLOC = pytest.mark.parametrize("traced", sorted(PYMALLOC_RUNS), indirect=True)
 # the runs where the workload runs tracemalloc too
 TRACEMALLOC_RUNS = sorted(name for name, (_, with_it, _) in INTERPRETERS.items() if with_it)
@@ -129,6 +138,7 @@ def traced(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     mtrace-live (--pid) and bpftrace: its ledger, the trace's stack rows,
     bpftrace's counts and the trace's stderr."""
     python, with_tracemalloc, options = RUNS[request.param]
+    by_pid = "--all" not in options
     if not python.is_file():
         pytest.fail(f"{python} is missing: the Python frames are checked under every "
                     "interpreter (scripts/setup.sh installs them)")  # fmt: skip
@@ -142,7 +152,8 @@ def traced(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         err, out = tmp / "trace.err", tmp / "trace.out"
         with open(err, "wb") as errors, open(out, "wb") as lines:
             tracer = reaper.add(subprocess.Popen(
-                [*MTRACE, "--pid", str(proc.pid), "-o", "json", *options],
+                [*MTRACE, *(["--pid", str(proc.pid)] if by_pid else []), "-o", "json",
+                 *options],
                 stdout=lines, stderr=errors))  # fmt: skip
         wait_for_line(err, READY, tracer, timeout=120)
         bpftrace, bpftrace_out = start_bpftrace(
@@ -157,9 +168,12 @@ def traced(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         proc.stdin.write(b"exit\n")
         proc.stdin.close()
         assert proc.wait(timeout=120) == 0
+        if not by_pid:  # (it goes on: every process)
+            tracer.send_signal(signal.SIGINT)
         assert tracer.wait(timeout=120) == 0, err.read_text()
     stacks = [record for line in out.read_text().splitlines()
-              if (record := json.loads(line)).get("table") == "alloc_stacks"]  # fmt: skip
+              if (record := json.loads(line)).get("table") == "alloc_stacks"
+              and record["pid"] == proc.pid]  # fmt: skip
     return ledger, stacks, bpftrace_maps(bpftrace_out), err.read_text()
 
 
@@ -239,3 +253,132 @@ def test_tracemalloc_counts_the_same_blocks_per_line(
     # THEN tracemalloc's count on each line is the trace's
     theirs = {entry["line"]: entry["count"] for entry in ledger["tracemalloc"]}
     assert theirs and dict(ours) == theirs
+
+
+FORKER = REPO / "tests" / "workloads" / "py_forker.py"
+
+
+def test_run_shows_the_python_frames_of_a_master_and_its_forked_workers(tmp_path: Path) -> None:
+    # GIVEN a Python master that forks workers, started by the trace (run)
+    python = INTERPRETERS["pyenv-3.12.1"][0]
+    ledger_file = tmp_path / "ledger.json"
+    argv = [*MTRACE, "run", "-o", "json", "--", str(python), str(FORKER), "2", str(ledger_file)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    ledger = json.loads(ledger_file.read_text())
+    stacks = [record for line in done.stdout.splitlines()
+              if (record := json.loads(line)).get("table") == "alloc_stacks"]  # fmt: skip
+    # WHEN each process's stacks of its blocks' size are summed by their Python frames
+    for pids, blocks in ((ledger["workers"], ledger["worker"]),
+                         ([ledger["master"]], ledger["master_blocks"])):  # fmt: skip
+        for pid in pids:
+            calls = 0
+            for stack in stacks:
+                frames = python_frames(stack)
+                if stack["pid"] != pid or stack["bytes"] != stack["calls"] * blocks["size"]:
+                    continue
+                # THEN each is its leaf's line, under the Python functions it ran
+                assert [frame["function"] for frame in frames] == blocks["python_stack"], stack
+                assert frames[0]["location"] == f"{ledger['file']}:{blocks['line']}"
+                calls += stack["calls"]
+            assert calls == blocks["calls"], (pid, blocks)
+
+
+def test_serve_s_profiles_carry_the_python_functions(tmp_path: Path) -> None:
+    # GIVEN the workload under pyenv's 3.13, then serve attached to the
+    # processes of its name (--comm), every allocation kept (--exact)
+    python = INTERPRETERS["pyenv-3.13.0"][0]
+    port = free_port()
+    profile = tmp_path / "allocs.pb.gz"
+    with Reaper() as reaper, subprocess.Popen([str(python), str(WORKLOAD)],
+                                              stdin=subprocess.PIPE,
+                                              stdout=subprocess.PIPE) as proc:  # fmt: skip
+        reaper.add(proc)
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline() == b"ready\n"
+        serve, err = start_serve(["--comm", python.name, "--exact", "--web.listen-address",
+                                  f"127.0.0.1:{port}"], tmp_path, reaper)  # fmt: skip
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        ledger = json.loads(proc.stdout.readline())
+        # WHEN its allocation profile is scraped while the workload lives
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/debug/pprof/allocs",
+                                    timeout=60) as response:  # fmt: skip
+            profile.write_bytes(response.read())
+        proc.stdin.write(b"exit\n")
+        proc.stdin.close()
+        assert proc.wait(timeout=120) == 0
+        assert stop(serve) == 0, err.read_text()
+    # THEN go tool pprof reads it, and every chain the libc served is there,
+    # under its Python functions, with the ledger's calls
+    traces = go_traces(profile)
+    assert traces
+    samples = python_samples(profile)
+    for chain in ledger["chains"]:
+        if chain["provider"] != "glibc" or chain["name"] == "recursion":
+            continue  # (the recursion's stack is cut at the walk's depth)
+        calls = sum(objects for functions, objects, nbytes in samples
+                    if functions == chain["python_stack"]
+                    and nbytes == objects * chain["size"])  # fmt: skip
+        assert calls == chain["calls"], chain["name"]
+        # (go tool pprof shows a name in angle brackets, <module>, as its mapping's)
+        shown = [name for name in chain["python_stack"] if not name.startswith("<")]
+        assert any(shown == [f for f in frames if f in shown] for _, frames in traces), chain
+
+
+def python_samples(profile: Path) -> list[tuple[list[str], int, int]]:
+    """Each sample's Python functions (the frames of the [python] mapping,
+    leaf first), its calls and its bytes."""
+    prof = parsed(profile.read_bytes())
+    strings = prof.string_table
+    types = [strings[t.type] for t in prof.sample_type]
+    objects, space = types.index("alloc_objects"), types.index("alloc_space")
+    names = {f.id: strings[f.name] for f in prof.function}
+    python = {m.id for m in prof.mapping if strings[m.filename] == "[python]"}
+    located = {loc.id: [names[line.function_id] for line in loc.line]
+               for loc in prof.location if loc.mapping_id in python}  # fmt: skip
+    return [([name for loc in sample.location_id for name in located.get(loc, [])],
+             int(sample.value[objects]), int(sample.value[space]))
+            for sample in prof.sample]  # fmt: skip
+
+
+def test_an_interpreter_whose_layout_is_unknown_gets_one_line_and_native_stacks(
+    tmp_path: Path,
+) -> None:
+    # GIVEN a Python 3.10 process (a layout mtrace-live does not know)
+    python = PYENV / "3.10.13/bin/python3.10"
+    if not python.is_file():
+        pytest.fail(f"{python} is missing: it is the interpreter whose layout is refused")
+    script = "import sys\nprint('ready', flush=True)\nsys.stdin.readline()\n" \
+             "keep = [bytearray(40001) for _ in range(9)]\nprint('done', flush=True)\n" \
+             "sys.stdin.readline()\n"  # fmt: skip
+    with Reaper() as reaper, subprocess.Popen([str(python), "-c", script], stdin=subprocess.PIPE,
+                                              stdout=subprocess.PIPE) as proc:  # fmt: skip
+        reaper.add(proc)
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline() == b"ready\n"
+        err, out = tmp_path / "trace.err", tmp_path / "trace.out"
+        with open(err, "wb") as errors, open(out, "wb") as lines:
+            tracer = reaper.add(subprocess.Popen([*MTRACE, "--pid", str(proc.pid), "-o", "json"],
+                                                 stdout=lines, stderr=errors))  # fmt: skip
+        wait_for_line(err, READY, tracer, timeout=120)
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline() == b"done\n"
+        proc.stdin.write(b"exit\n")
+        proc.stdin.close()
+        assert proc.wait(timeout=120) == 0
+        # WHEN the trace ends with it
+        assert tracer.wait(timeout=120) == 0, err.read_text()
+    # THEN one line says why its Python frames are not shown
+    said = [line for line in err.read_text().splitlines() if "Python frames are not shown" in line]
+    assert len(said) == 1 and "3.10" in said[0], said
+    # AND its stacks are native, whole, through the eval loop, with its 9 blocks
+    stacks = [record for line in out.read_text().splitlines()
+              if (record := json.loads(line)).get("table") == "alloc_stacks"]  # fmt: skip
+    blocks = [stack for stack in stacks if stack["bytes"] == stack["calls"] * 40002]
+    assert sum(stack["calls"] for stack in blocks) == 9
+    for stack in blocks:
+        functions = [frame["function"] for frame in stack["frames"]]
+        assert not python_frames(stack) and "_PyEval_EvalFrameDefault" in functions
+        assert functions[-1] == "_start"

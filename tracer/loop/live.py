@@ -325,7 +325,10 @@ class LiveTrace:
                                 self.notices)  # fmt: skip
         if not defines.get("WITH_PYTHON"):
             return (native,)
-        return (PythonUnwinder(self.program, self.frame_names), native)
+        python = PythonUnwinder(self.program, self.frame_names, self.request.all_processes)
+        if self.request.all_processes:
+            python.look_around()
+        return (python, native)
 
     def _table_counts(self) -> dict[str, int]:
         """The unwinders' own counts, together."""
@@ -442,6 +445,8 @@ class LiveTrace:
         that its lock waits' stacks can be named after it is gone (the
         allocation probes hold an exiting process for that instead)."""
         now = time.monotonic()
+        for unwinder in self.unwinders:  # what came in the rings of their own
+            unwinder.pump()
         if self.kept_returns is not None and now >= self._next_return_look:
             self._next_return_look = now + 0.1  # the uprobes moved, calls may still be in flight
             self.kept_returns.look(self.program)
@@ -751,7 +756,8 @@ class _Watch:
         self.pidfd = _pidfd(target_pid) if target_pid is not None else None
         self.poller = select.poll()
         # (the mappings the walks found are read by the tables' serving thread)
-        for fd in (trace.reader.fd, trace.musts.fd, stop.fd, self.pidfd):
+        unwinders = [fd for unwinder in trace.unwinders for fd in unwinder.fds()]
+        for fd in (trace.reader.fd, trace.musts.fd, *unwinders, stop.fd, self.pidfd):
             if fd is not None:
                 self.poller.register(fd, select.POLLIN)
         self.deadline: float | None = None

@@ -131,6 +131,12 @@ class NativeUnwinder:
         self.frame_names.disinherit(anew + records["tgid"][kinds == EventKind.EXEC].tolist())
         self.tables.tables_wanted(sorted(set(asks["tgid"].tolist())))
 
+    def fds(self) -> list[int]:
+        return []  # (its ring is read by the tables' serving thread)
+
+    def pump(self) -> None:
+        pass
+
     def _mappings_learned(self) -> None:
         """The mappings the walks found in the kernel: each names its
         process's frames there if it is gone before its maps are read."""

@@ -18,6 +18,8 @@ code object read once (cached by address and checked by its identity).
 
 from __future__ import annotations
 
+import mmap
+import os
 import struct
 import sys
 from dataclasses import dataclass
@@ -28,12 +30,18 @@ from mtrace_live.exporters.data.processes import proc_dir
 from mtrace_live.exporters.data.symbolize import Symbol, python_symbol
 from mtrace_live.probes import cpython
 from mtrace_live.probes.elf.maps import read_maps
-from mtrace_live.probes.errors import MtraceError
+from mtrace_live.probes.errors import MtraceError, UnknownLayoutError
 from mtrace_live.probes.frame_kinds import KIND_PYTHON, in_python
-from mtrace_live.probes.program import c_constants
-from mtrace_live.probes.records import PYTHON_PROC_DTYPE, EventKind, header_path
+from mtrace_live.probes.program import c_constants, part_constants
+from mtrace_live.probes.records import (
+    PYTHON_PROC_DTYPE,
+    PYTHON_STACK_DTYPE,
+    EventKind,
+    header_path,
+)
 from mtrace_live.tracer.bpf.bpf_backend import BpfProgram
 from mtrace_live.tracer.bpf.kernel_btf import BtfUnavailable, KernelBtf
+from mtrace_live.tracer.bpf.ringbuf import RingReader
 from mtrace_live.tracer.unwind.unwind_tables import PYTHON as PYTHON_SLOT
 
 _HEADER = c_constants(header_path().read_text())
@@ -56,10 +64,20 @@ def python_defines() -> dict[str, int]:
     return {"WITH_PYTHON": 1, "TASK_FSBASE_OFF": thread[0] + fsbase[0]}
 
 
+def parent_of(pid: int) -> int | None:
+    """The parent of process ``pid``, from its stat; None when it is gone."""
+    try:
+        stat = (proc_dir(pid) / "stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rpartition(")")[2].split()[1])
+
+
 @dataclass
 class _Process:
     view: cpython.ProcessView
     checked: bool  # its layout held against its running interpreter
+    space: int  # the process whose code objects' names it shares: its own, or its parent's
 
 
 class PythonUnwinder:
@@ -67,23 +85,35 @@ class PythonUnwinder:
 
     name = "python"
 
-    def __init__(self, program: BpfProgram, frame_names: FrameNames) -> None:
+    def __init__(self, program: BpfProgram, frame_names: FrameNames,
+                 every_process: bool = False) -> None:  # fmt: skip
+        """``every_process``: the trace covers every process (--all), whose
+        walks may never ask for tables: each one is looked at as it appears
+        (at the start, then once a second)."""
         self.program = program
+        self.every_process = every_process
+        pages = part_constants("python.bpf.c")["PYTHON_STACKS_PAGES"]
+        self.stacks = RingReader(program.map_fd("python_stacks"), pages * mmap.PAGESIZE,
+                                 PYTHON_STACK_DTYPE)  # fmt: skip
         program.set_tail_calls("unwind_progs", {PYTHON_SLOT: "unwind_python"})
         frame_names.resolvers[KIND_PYTHON] = self.resolve
         self.processes: dict[int, _Process] = {}
         self.refused: set[int] = set()  # processes whose layout failed: native stacks
+        self.considered: set[int] = set()  # processes looked at (each program once)
         self._slots: dict[tuple[int, int], tuple[int, int]] = {}  # a libc -> its key slots
         self._names = cpython.CodeNames()
         self.counts_: dict[str, int] = {"python_processes": 0, "python_refused": 0}
 
     def load(self, pid: int) -> None:
-        if pid in self.processes or pid in self.refused:
+        if pid in self.considered:
             return
+        self.considered.add(pid)
         try:
             self._load(pid)
-        except (MtraceError, OSError) as exc:
+        except UnknownLayoutError as exc:
             self._refuse(pid, str(exc))
+        except (MtraceError, OSError):
+            pass  # gone already, or not ours to read: its stacks stay native
 
     def _load(self, pid: int) -> None:
         found = cpython.interpreters_of(pid)
@@ -102,7 +132,7 @@ class PythonUnwinder:
                 self._refuse(pid, why)
                 return
         self._write(pid, interpreter, bias, slot)
-        self.processes[pid] = _Process(view, started)
+        self.processes[pid] = _Process(view, started, pid)
         self.counts_["python_processes"] += 1
 
     def _slot(self, pid: int) -> tuple[int, int] | None:
@@ -146,8 +176,17 @@ class PythonUnwinder:
         print(f"mtrace-live: warning: process {pid}'s Python frames are not shown: {why}",
               file=sys.stderr, flush=True)  # fmt: skip
 
+    def look_around(self) -> None:
+        """Every process not looked at yet (--all)."""
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) not in self.considered:
+                self.load(int(entry))
+
     def refresh(self) -> None:
-        """The processes whose interpreter had not started: checked now it has."""
+        """The processes whose interpreter had not started: checked now it
+        has; with --all, the processes started since the last look."""
+        if self.every_process:
+            self.look_around()
         for pid, process in list(self.processes.items()):
             if process.checked:
                 continue
@@ -156,8 +195,8 @@ class PythonUnwinder:
                     continue
                 slot = self._slot(pid)
                 why = process.view.check(slot) if slot is not None else "no libc mapped"
-            except (MtraceError, OSError):
-                self.processes.pop(pid, None)  # gone
+            except (MtraceError, OSError):  # gone: its names stay as they were read
+                process.checked = True
                 continue
             if why is not None:
                 self._refuse(pid, why)
@@ -165,23 +204,35 @@ class PythonUnwinder:
                 process.checked = True
 
     def handle(self, records: np.ndarray, kinds: np.ndarray) -> None:
-        """A process that asked for its own unwind tables (its first traced
-        call, a new program): its interpreter looked for. (A fork's child
-        has its parent's entry, given in the kernel.)"""
+        """Each process the records come from, its interpreter looked for
+        once per program (a process that asks for its tables, or, where
+        the walks find mappings in the kernel and do not ask, one seen
+        first): a fork's child is read as its parent (its entry was given
+        in the kernel)."""
         asks = records[kinds == EventKind.UNWIND]
         execs = records["tgid"][kinds == EventKind.EXEC].tolist()
         for pid in execs:  # a new program: its entry is gone in the kernel
             self.processes.pop(pid, None)
             self.refused.discard(pid)
-        for pid in sorted(set(asks["tgid"][asks["nargs"] == 0].tolist())):
-            self.load(pid)
+            self.considered.discard(pid)
         forked = asks[asks["nargs"] > 0]
         for child, parent in zip(forked["tgid"].tolist(), forked["args"][:, 0].tolist(),
                                  strict=True):  # fmt: skip
             self._inherit(child, parent)
-        new = records[kinds == EventKind.PYTHON_STACK]
+        for pid in np.unique(records["tgid"]).tolist():
+            if pid not in self.considered:
+                self.load(pid)
+        self.pump()  # (before a process held at its exit is let go)
+
+    def fds(self) -> list[int]:
+        return [self.stacks.fd]
+
+    def pump(self) -> None:
+        """The stacks with Python frames stored since: their code objects
+        read while they live."""
+        new = self.stacks.read()
         if len(new):
-            self._read_codes(new["tgid"].tolist(), new["args"][:, 0].astype(np.int64).tolist())
+            self._read_codes(new["tgid"].tolist(), new["stack"].tolist())
 
     def _inherit(self, child: int, parent: int) -> None:
         """A forked child runs its parent's interpreter at the same
@@ -189,24 +240,38 @@ class PythonUnwinder:
         theirs = self.processes.get(parent)
         if theirs is None or child in self.processes:
             return
+        self.considered.add(child)
         view = theirs.view
         try:
             bias = view.runtime - view.interpreter.runtime
             self.processes[child] = _Process(cpython.ProcessView(child, view.interpreter, bias),
-                                             theirs.checked)  # fmt: skip
+                                             theirs.checked, theirs.space)  # fmt: skip
         except (MtraceError, OSError):
             pass  # gone already
+
+    def _discovered(self, pid: int) -> _Process | None:
+        """A process whose stacks came before its ask (or with none): read
+        as its parent if that is a known interpreter's (a fork), else looked
+        at as any other."""
+        if pid in self.considered:
+            return None
+        parent = parent_of(pid)
+        if parent in self.processes:
+            self._inherit(pid, parent)
+        else:
+            self.load(pid)
+        return self.processes.get(pid)
 
     def _read_codes(self, tgids: list[int], stacks: list[int]) -> None:
         """The code objects of stacks just stored, read while they live."""
         for tgid, stack in sorted(set(zip(tgids, stacks, strict=True))):
-            process = self.processes.get(tgid)
+            process = self.processes.get(tgid) or self._discovered(tgid)
             if process is None or stack < 0:
                 continue
             for frame in self.program.tables.stack(stack):
                 where = in_python(frame)
                 if where is not None:
-                    self._names.get(process.view, where[0])
+                    self._names.get(process.view, where[0], process.space)
 
     def resolve(self, tgid: int, frame: int) -> Symbol | None:
         """A Python frame's name: its function's qualified name, file and line."""
@@ -215,7 +280,7 @@ class PythonUnwinder:
         if where is None or process is None:
             return None
         code, offset = where
-        info = self._names.get(process.view, code)
+        info = self._names.get(process.view, code, process.space)
         if info is None:
             return None
         line = info.line(offset) if offset != NO_OFFSET else None
@@ -224,7 +289,8 @@ class PythonUnwinder:
         )
 
     def settle(self) -> None:
-        pass
+        """The last stacks said: their code objects read, if they still can be."""
+        self.pump()
 
     def counts(self) -> dict[str, int]:
         return dict(self.counts_)
@@ -233,4 +299,4 @@ class PythonUnwinder:
         return [f"python: {len(self.processes)} processes, {len(self.refused)} refused"]
 
     def close(self, rest: bool = True) -> None:
-        pass
+        self.stacks.close()

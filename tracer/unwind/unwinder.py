@@ -14,6 +14,8 @@ calls, in order, and special-cases none:
 - ``handle(records, kinds)``: each batch of records read, before the
   sinks get it: the asks among them (a process that wants its tables, a
   fork, an exec);
+- ``fds()`` and ``pump()``: the rings of its own the loop waits on too,
+  and what it reads of them at each wake-up (after the batches);
 - ``settle()``: at the trace's end, before the counters are read: what is
   still owed to the names;
 - ``counts()``: user space's own counts, beside the program's, for the
@@ -38,6 +40,10 @@ class Unwinder(Protocol):
     def refresh(self) -> None: ...
 
     def handle(self, records: np.ndarray, kinds: np.ndarray) -> None: ...
+
+    def fds(self) -> list[int]: ...
+
+    def pump(self) -> None: ...
 
     def settle(self) -> None: ...
 
