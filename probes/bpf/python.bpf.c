@@ -55,7 +55,7 @@ static __always_inline void python_begin(struct unwind_state *st, u32 tgid)
     struct python_proc *py = python_procs.lookup(&tgid);
     st->py_state = py ? PY_UNREAD : PY_NONE;
     st->py_frame = st->py_at = 0;
-    st->py_stored = st->py_any = 0;
+    st->py_stored = st->py_any = st->py_rest = 0;
     if (!py)
         return;
     st->py_lo[0] = py->eval_lo[0];
@@ -147,6 +147,18 @@ static __always_inline void python_store(struct unwind_state *st, struct alloc_f
     st->mixed = st->n;
 }
 
+/* The walk has one tail call left and the thread Python frames it has not
+ * stored: they go in it (the native frames between them left out), not a
+ * few more native frames. */
+static __always_inline int python_rest_due(struct unwind_state *st)
+{
+    if (st->py_state != PY_READ || !st->py_frame || st->calls + 2 < UNWIND_CALLS)
+        return 0;
+    st->py_rest = 1;
+    st->py_stored = 1; /* after the frames stored: none replaced */
+    return 1;
+}
+
 /* python_frames' outcomes */
 #define PY_ENTRY 0 /* the eval loop's frames are all stored (or none could be read) */
 #define PY_MORE 1  /* more of them than one call stores */
@@ -168,8 +180,11 @@ static __always_inline int python_frames(struct unwind_state *st, struct alloc_f
         }
         st->py_frame = python_word(b, py->frame_previous);
         if (py->owner_cstack != PY_NO_OWNER &&
-            python_byte(b, py->frame_owner) == py->owner_cstack)
+            python_byte(b, py->frame_owner) == py->owner_cstack) {
+            if (st->py_rest)
+                continue; /* (an outer eval loop's frames follow) */
             return PY_ENTRY; /* the eval loop's entry frame: its Python frames end here */
+        }
         if (st->py_stored && st->n >= FRAME_DEPTH)
             return PY_FULL;
         u64 code = python_word(b, py->frame_code), instr = python_word(b, py->frame_instr);
@@ -178,7 +193,8 @@ static __always_inline int python_frames(struct unwind_state *st, struct alloc_f
         python_store(st, row, ((u64)FRAME_KIND_PYTHON << FRAME_KIND_SHIFT) |
                                   ((code >> 3) << FRAME_PYTHON_SHIFT) | offset);
         (*stored)++;
-        if (py->frame_is_entry != PY_NO_FIELD && python_byte(b, py->frame_is_entry))
+        if (!st->py_rest && py->frame_is_entry != PY_NO_FIELD &&
+            python_byte(b, py->frame_is_entry))
             return PY_ENTRY; /* 3.11: the frame the eval loop was entered with */
     }
     return PY_MORE;
@@ -205,7 +221,7 @@ int unwind_python(struct pt_regs *ctx)
             if (!st->py_frame)
                 unwind_misc.increment(UX_PY_NO_THREAD);
         }
-        if (st->py_at != st->sp) { /* a new eval loop frame (not this one's next part) */
+        if (!st->py_rest && st->py_at != st->sp) { /* a new eval loop frame, not a next part */
             st->py_at = st->sp;
             st->py_stored = 0;
         }
@@ -214,7 +230,13 @@ int unwind_python(struct pt_regs *ctx)
     unwind_misc_add(UX_PY_FRAMES, stored);
     if (outcome == PY_FULL) {
         st->ended = UX_DEPTH;
+    } else if (st->py_rest) {
+        if (outcome == PY_MORE)
+            unwind_next(ctx, st, UNWIND_PYTHON);
+        st->ended = UX_BOUNDS; /* the native frames between left out: cut */
     } else {
+        if (python_rest_due(st)) /* (no native call would come back) */
+            unwind_next(ctx, st, UNWIND_PYTHON);
         /* the next part of these Python frames, or the native walk's */
         unwind_next(ctx, st, outcome == PY_MORE ? UNWIND_PYTHON : UNWIND_STEP);
         st->ended = UX_BOUNDS; /* no more tail calls */
@@ -230,5 +252,6 @@ static __always_inline void python_begin(struct unwind_state *st, u32 tgid)
 static __always_inline void python_fork(u32 parent, u32 child) {}
 static __always_inline void python_forget(u32 tgid) {}
 static __always_inline void python_new_stack(struct unwind_state *st) {}
+static __always_inline int python_rest_due(struct unwind_state *st) { return 0; }
 #endif
 #endif

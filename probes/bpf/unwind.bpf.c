@@ -116,7 +116,8 @@ struct unwind_state {
     u8 py_state;  /* PY_NONE, PY_UNREAD (the thread state not read yet), PY_READ */
     u8 py_stored; /* Python frames stored for the eval loop's frame at py_at (0: none yet) */
     u8 py_any;    /* Python frames stored in this walk */
-    u8 py_pad[5];
+    u8 py_rest;   /* the walk's calls run out: the rest of its Python frames, the native ones between left out */
+    u8 py_pad[4];
     u64 payload[13]; /* what the resumption needs (allocs.bpf.c, locks.bpf.c) */
     u64 window[STACK_WINDOW / 8]; /* a copy of the stack, read once for many frames */
 };
@@ -157,6 +158,7 @@ static __always_inline void python_begin(struct unwind_state *st, u32 tgid);
 static __always_inline void python_fork(u32 parent, u32 child);
 static __always_inline void python_forget(u32 tgid);
 static __always_inline void python_new_stack(struct unwind_state *st);
+static __always_inline int python_rest_due(struct unwind_state *st);
 
 static __always_inline void unwind_misc_add(u32 slot, u64 n)
 {
@@ -642,6 +644,13 @@ int unwind_step(struct pt_regs *ctx)
         going = 1;
     }
     if (going == 1 && !st->ended) {
+        /* the last call left: the thread's Python frames not stored yet
+         * rather than a few more native ones (python.bpf.c) */
+        if (python_rest_due(st)) {
+            if (st->mixed < st->n)
+                unwind_frame_kind(st, row, NULL); /* (its mapping not looked up: its address) */
+            unwind_next(ctx, st, UNWIND_PYTHON);
+        }
         unwind_next(ctx, st, UNWIND_STEP);
         st->ended = UX_BOUNDS; /* no more tail calls */
     }
