@@ -201,9 +201,10 @@ def alloc_options(command: Any) -> Any:
         click.option(
             "--alloc-stacks",
             type=click.IntRange(1),
-            default=16384,
-            show_default=True,
-            help="(process, call stack) rows the kernel aggregates; calls beyond are counted.",
+            default=None,
+            help="(process, call stack) rows the kernel aggregates; calls beyond are counted "
+            "[default: 16384; 32768 when a target runs CPython, whose Python frames make "
+            "many more stacks].",
         ),
         click.option(
             "--no-allocs",
@@ -226,7 +227,7 @@ def alloc_options(command: Any) -> Any:
 
 
 def alloc_settings(
-    no_allocs: bool, sample_bytes: int | None, max_outstanding: int, alloc_stacks: int
+    no_allocs: bool, sample_bytes: int | None, max_outstanding: int, alloc_stacks: int | None
 ) -> dict[str, Any]:
     """The TraceRequest fields of ``alloc_options``."""
     return {"allocs": not no_allocs, "sample_bytes": sample_bytes or 0,

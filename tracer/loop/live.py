@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
@@ -56,7 +57,13 @@ from mtrace_live.tracer.bpf.ringbuf import RingReader
 from mtrace_live.tracer.loop import alloc_probes, lock_waits, package_version, usdt
 from mtrace_live.tracer.loop.counters import BpfCounters
 from mtrace_live.tracer.loop.model import AllocatorModel
-from mtrace_live.tracer.loop.plan import ProgramPlan, TraceRequest, choose_probes, program_plan
+from mtrace_live.tracer.loop.plan import (
+    PYTHON_ALLOC_STACKS,
+    ProgramPlan,
+    TraceRequest,
+    choose_probes,
+    program_plan,
+)
 from mtrace_live.tracer.processes import providers, target
 from mtrace_live.tracer.processes.arena_walk import ArenaFinder, arena_symbols
 from mtrace_live.tracer.processes.exec_watch import ExecWatch
@@ -64,7 +71,7 @@ from mtrace_live.tracer.processes.holds import BOUND_S, Guardian, Holds
 from mtrace_live.tracer.processes.launch import GatedCommand
 from mtrace_live.tracer.processes.retarget import KeptReturns, Moved, move_uprobes
 from mtrace_live.tracer.unwind.native import NativeUnwinder
-from mtrace_live.tracer.unwind.python import PythonUnwinder
+from mtrace_live.tracer.unwind.python import PythonUnwinder, runs_python
 from mtrace_live.tracer.unwind.unwinder import Unwinder
 
 # Events handled between two looks at signals and deadlines: about 0.1 s of
@@ -153,6 +160,8 @@ class LiveTrace:
                        if request.libc_probes else None)  # fmt: skip
         self.sinks: list[Sink] = [self.model, *make_sinks()]
         switches = kmem_switches(request.classic_tracepoints) if self.kmem else None
+        if request.alloc_stacks is None and runs_python(running_targets(request), argv):
+            request = self.request = replace(request, alloc_stacks=PYTHON_ALLOC_STACKS)
         plan = program_plan(request, probes, target_pid, switches)
         self.hold, self.alloc_pid = plan.hold, plan.alloc_pid
         stats_fd = bpf_syscalls.enable_run_time_stats() if request.bpf_stats else None

@@ -36,6 +36,10 @@ RECORD_BUFFER_PAGES = 32768
 KERNEL_RING_PAGES = 512
 
 
+ALLOC_STACKS = 16384  # --alloc-stacks' default
+PYTHON_ALLOC_STACKS = 32768  # ... where a target runs CPython: each line of Python is a frame
+
+
 @dataclass(frozen=True)
 class TraceRequest:
     pid: int | None = None
@@ -65,7 +69,9 @@ class TraceRequest:
     allocs: bool = True  # the allocation functions (malloc, free, ...)
     sample_bytes: int = 0  # > 0: keep one allocation per this many bytes, on average
     max_outstanding: int = 262144  # allocations tracked until freed
-    alloc_stacks: int = 16384  # (process, stack) rows aggregated
+    # (process, stack) rows aggregated; None: ALLOC_STACKS, or PYTHON_ALLOC_STACKS
+    # when a target runs CPython (tracer/unwind/python.py: python_targets)
+    alloc_stacks: int | None = None
     leaks_older_than: float | None = None  # list what has been outstanding this long (seconds)
     lock_times: bool = True  # time the waits in the libc's lock-wait slow path
     frame_pointers: bool = False  # walk stacks by frame pointers only, not by the CFI
@@ -243,7 +249,8 @@ def program_plan(request: TraceRequest, probes: Probes, target_pid: int | None,
         hold = request.holds and probes.alloc_plan.exit_offset is not None
         alloc_defines = alloc_probes.defines(request.sample_bytes, request.alloc_events, walk=True,
                                        outstanding=request.max_outstanding,
-                                       stacks=request.alloc_stacks, hold=hold,
+                                       stacks=request.alloc_stacks or ALLOC_STACKS,
+                                       hold=hold,
                                        one_process=alloc_pid >= 0)  # fmt: skip
     config = ProgramConfig(
         filter_pids=request.filtered_by_pid,

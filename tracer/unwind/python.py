@@ -20,15 +20,19 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 import struct
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from mtrace_live.exporters.data.alloc_snapshot import FrameNames
 from mtrace_live.exporters.data.processes import proc_dir
 from mtrace_live.exporters.data.symbolize import Symbol, python_symbol
 from mtrace_live.probes import cpython
+from mtrace_live.probes.elf.file import ELF_FAILURES, needed, open_elf
 from mtrace_live.probes.elf.maps import read_maps
 from mtrace_live.probes.errors import MtraceError, UnknownLayoutError
 from mtrace_live.probes.frame_kinds import KIND_PYTHON, in_python
@@ -62,6 +66,28 @@ def python_defines() -> dict[str, int]:
     if thread is None or fsbase is None or fsbase[1] != 8:
         return {}
     return {"WITH_PYTHON": 1, "TASK_FSBASE_OFF": thread[0] + fsbase[0]}
+
+
+def runs_python(pids: Sequence[int], argv: Sequence[str] | None) -> bool:
+    """Whether one of the processes ``pids``, or the command ``argv``,
+    runs a CPython interpreter (in its executable or a libpython it needs):
+    its Python frames make many more distinct stacks."""
+    for pid in pids:
+        try:
+            if cpython.interpreters_of(pid):
+                return True
+        except (MtraceError, OSError):
+            continue
+    found = shutil.which(argv[0]) if argv else None
+    if found is None:
+        return False
+    try:
+        with open_elf(found) as elf:
+            if any(name.startswith("libpython3") for name in needed(elf)):
+                return True
+        return cpython.find_interpreter(Path(found)) is not None
+    except (MtraceError, OSError, *ELF_FAILURES):  # a script, a damaged file
+        return False
 
 
 def parent_of(pid: int) -> int | None:
