@@ -139,7 +139,7 @@ class LiveTrace:
         confirmed, before the program is built: an output that cannot be
         written fails there, before anything attaches. ``target_pid``: the
         process of --pid or COMMAND, known before anything attaches."""
-        self.request = request
+        self.request = request = _sized_for_python(request, argv)
         probes = choose_probes(request, libc)  # before root
         self.selection, self.sdt, self.alloc_plan = probes.selection, probes.sdt, probes.alloc_plan
         self.lock_plan = probes.lock_plan
@@ -160,8 +160,6 @@ class LiveTrace:
                        if request.libc_probes else None)  # fmt: skip
         self.sinks: list[Sink] = [self.model, *make_sinks()]
         switches = kmem_switches(request.classic_tracepoints) if self.kmem else None
-        if request.alloc_stacks is None and runs_python(running_targets(request), argv):
-            request = self.request = replace(request, alloc_stacks=PYTHON_ALLOC_STACKS)
         plan = program_plan(request, probes, target_pid, switches)
         self.hold, self.alloc_pid = plan.hold, plan.alloc_pid
         stats_fd = bpf_syscalls.enable_run_time_stats() if request.bpf_stats else None
@@ -802,6 +800,14 @@ class _Watch:
     def close(self) -> None:
         if self.pidfd is not None:
             os.close(self.pidfd)
+
+
+def _sized_for_python(request: TraceRequest, argv: Sequence[str] | None) -> TraceRequest:
+    """The request, its stack table sized for Python where a target runs
+    CPython and no size was asked for."""
+    if request.alloc_stacks is None and runs_python(running_targets(request), argv):
+        return replace(request, alloc_stacks=PYTHON_ALLOC_STACKS)
+    return request
 
 
 def running_targets(request: TraceRequest) -> list[int]:
