@@ -4,7 +4,9 @@ stack, its frames from the outermost caller to the call site separated by
 ``;``, then a space and a value, the input of flamegraph.pl, inferno and
 speedscope. The value is the live bytes (``inuse_space``) or the bytes
 allocated (``alloc_space``). A native frame is its function; a Python
-function's frame is ``file:qualname:line``."""
+function's frame is ``file:qualname:line``; a frame in JIT code is the name
+its process's perf map gives it, or ``[jit]_0xADDR`` (a name's spaces are
+written as ``_``)."""
 
 from __future__ import annotations
 

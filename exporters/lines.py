@@ -12,9 +12,7 @@ import sys
 from collections.abc import Iterator
 from typing import TextIO
 
-from mtrace_live.probes.frame_kinds import KIND_NAMES, frame_kind
-
-from .data.alloc_snapshot import AllocSnapshot, FrameNames, unknown_free_origins
+from .data.alloc_snapshot import AllocSnapshot, FrameNames, kind_name, unknown_free_origins
 from .data.allocator_state import Allocators
 from .data.lock_waits import LockWaits
 from .data.sink import EventBatch, Sink, TraceInfo, TraceResult
@@ -154,7 +152,7 @@ def stack_table_json(snapshot: AllocSnapshot, names: FrameNames) -> Iterator[str
         for address in row.frames:
             symbol = names.resolve(row.tgid, address)
             frames.append({
-                "kind": KIND_NAMES.get(frame_kind(address), "address"),
+                "kind": kind_name(address, symbol),
                 "address": hex(address),
                 "function": symbol.function if symbol else None,
                 "offset": symbol.offset if symbol and symbol.function else None,

@@ -20,7 +20,9 @@ Each sample is one (process, allocating function, stack) row; its first
 location is the call site (the function that called malloc), then its
 callers, as pprof wants the leaf first. Locations carry the function and
 file:line (from the symbols and DWARF line tables), and the mapping of the
-module holding them; each sample has ``pid`` and ``allocator`` labels.
+module holding them; each sample has ``pid`` and ``allocator`` labels. A
+frame in JIT code is in a mapping named ``[jit]`` (the anonymous mapping's
+span), its function the name the process's perf map gives it.
 
 The contention profile is the one Go's ``/debug/pprof/mutex`` serves: two
 sample types, ``contentions`` (count) and ``delay`` (nanoseconds), a period

@@ -17,6 +17,9 @@ KIND_ADDRESS = _DEFINES["FRAME_KIND_ADDRESS"]
 KIND_FILE = _DEFINES["FRAME_KIND_FILE"]
 KIND_PYTHON = _DEFINES["FRAME_KIND_PYTHON"]
 KIND_NAMES = {KIND_ADDRESS: "address", KIND_FILE: "file", KIND_PYTHON: "python"}
+# An address (kind 0) that lies in anonymous executable memory of its
+# process: JIT code. Not a stored kind: told when the frame is named.
+JIT_NAME = "jit"
 PYTHON_SHIFT = _DEFINES["FRAME_PYTHON_SHIFT"]
 FILE_SHIFT = _DEFINES["FRAME_FILE_SHIFT"]
 FILE_NUMBERS = _DEFINES["FRAME_FILE_NUMBERS"]

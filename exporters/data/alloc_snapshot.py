@@ -19,11 +19,19 @@ from typing import Any, overload
 
 import numpy as np
 from mtrace_live.probes.elf.maps import Mapping as FileMapping
-from mtrace_live.probes.frame_kinds import KIND_ADDRESS, KIND_FILE, frame_kind, in_file
+from mtrace_live.probes.frame_kinds import (
+    JIT_NAME,
+    KIND_ADDRESS,
+    KIND_FILE,
+    KIND_NAMES,
+    frame_kind,
+    in_file,
+)
 
 from .file_frames import FileFrames
+from .perf_map import PerfMap
 from .processes import process_name
-from .symbolize import ProcessSymbols, Symbol, is_python
+from .symbolize import JIT_MODULE, ProcessSymbols, Symbol, is_jit, is_python
 
 
 @dataclass(frozen=True)
@@ -375,7 +383,11 @@ class FrameNames:
     needs none of that: it is named by its file (``files``), placed beside
     its process's mappings. A frame of any other kind (a Python function's)
     is named by the resolver of its kind (``resolvers``), or shows as
-    itself; only an address in no mapping ends a stack (``cut``)."""
+    itself. An address in anonymous executable memory is a frame of JIT
+    code, named by the process's perf map (``perf_maps``: read with its
+    maps, and again for lines written since when it names nothing there),
+    or shown unnamed; only an address in no executable mapping, of a file
+    or anonymous, ends a stack (``cut``)."""
 
     symbols: dict[int, ProcessSymbols] = field(default_factory=dict)
     comms: dict[int, str] = field(default_factory=dict)  # process names, read with the maps
@@ -391,6 +403,13 @@ class FrameNames:
     resolvers: dict[int, Callable[[int, int], Symbol | None]] = field(default_factory=dict)
     # a process -> the numbered files its frames were found in
     placed: dict[int, set[int]] = field(default_factory=dict)
+    # a process -> its perf map, read from where the last read ended (each
+    # ProcessSymbols made for the process is given it)
+    perf_maps: dict[int, PerfMap] = field(default_factory=dict)
+    # a process -> its JIT frames named nothing, and its perf map's reading
+    # when they were last named anew (named again once it took more lines)
+    _unnamed_jit: dict[int, set[int]] = field(default_factory=dict)
+    _jit_read: dict[int, int] = field(default_factory=dict)
     named: int = 0  # frames named (each once)
     naming_s: float = 0.0  # the time that took
     _trimming: _Trimming | None = field(default=None, repr=False)
@@ -411,9 +430,28 @@ class FrameNames:
             return
         if fresh.mappings or tgid not in self.symbols:
             self.symbols[tgid] = fresh
+        self._read_perf_map(tgid)
         name = process_name(tgid)
         if name:
             self.comms[tgid] = name
+
+    def _read_perf_map(self, tgid: int) -> None:
+        """The perf map of a process with JIT code, read for the lines
+        written since: its JIT frames named nothing so far are named anew
+        once it took more."""
+        symbols = self.symbols.get(tgid)
+        if symbols is None or not symbols.jit:
+            return
+        if symbols.perf_map is None:
+            known = self.perf_maps.get(tgid)
+            if known is None:
+                known = self.perf_maps[tgid] = PerfMap.of_process(tgid)
+            symbols.perf_map = known
+        symbols.perf_map.read()
+        if self._jit_read.get(tgid) != symbols.perf_map.reading:
+            self._jit_read[tgid] = symbols.perf_map.reading
+            for address in tuple(self._unnamed_jit.pop(tgid, ())):
+                self._names.pop((tgid, address), None)
 
     def inherit(self, child: int, parent: int) -> None:
         """``child`` was forked from ``parent`` and unwound by its tables:
@@ -463,6 +501,8 @@ class FrameNames:
             self.parents.pop(tgid, None)
             self.learned.pop(tgid, None)
             self.placed.pop(tgid, None)
+            self.perf_maps.pop(tgid, None)
+            self._jit_read.pop(tgid, None)
         self._drop_names(tgids)
 
     def _drop_names(self, tgids: set[int]) -> None:
@@ -472,20 +512,25 @@ class FrameNames:
         self._names = {key: name for key, name in list(self._names.items())
                        if key[0] not in tgids}  # fmt: skip
         self._cuts = {key: cut for key, cut in list(self._cuts.items()) if key[0] not in tgids}
+        for tgid in tgids:
+            self._unnamed_jit.pop(tgid, None)
         if self._trimming is not None:
             self._trimming.drop(tgids)
 
     def refresh(self, tgid: int) -> None:
         """Read the process's maps again, and keep them if they changed (a
-        library loaded, an exec): its frames can then be named after it is
-        gone, without reading its symbols anew while nothing changed."""
+        library loaded, an exec, JIT code placed anew), and its perf map
+        for the lines written since: its frames can then be named after it
+        is gone, without reading its symbols anew while nothing changed."""
         if not self.live:
             return
         fresh = ProcessSymbols(tgid)
         known = self.symbols.get(tgid)
-        if fresh.mappings and (known is None or fresh.mappings != known.mappings):
+        if fresh.mappings and (known is None or fresh.mappings != known.mappings
+                               or fresh.jit != known.jit):  # fmt: skip
             self.symbols[tgid] = fresh
             self._drop_names({tgid})
+        self._read_perf_map(tgid)
 
     def preload(self, tgid: int) -> None:
         """Read the process's maps and every module's symbols now (serve
@@ -505,8 +550,9 @@ class FrameNames:
 
     def cut(self, tgid: int, frames: tuple[int, ...]) -> tuple[int, ...]:
         """``frames`` up to its first frame past the call site that lies in
-        no executable mapping of the process (``trimmed``), each stack's
-        cut kept while its names are."""
+        no executable mapping of the process, of a file or anonymous (JIT
+        code, named or not: ``trimmed``), each stack's cut kept while its
+        names are."""
         key = (tgid, frames)
         found = self._cuts.get(key)
         if found is None:
@@ -550,6 +596,8 @@ class FrameNames:
         if found is not None and found.function is not None:
             found = replace(found, offset=found.offset + 1)
         if found is not None or in_file(address) is None:  # (a file's number may be named later)
+            if is_jit(found) and found is not None and found.function is None:
+                self._unnamed_jit.setdefault(tgid, set()).add(address)
             self._names[key] = found
         return found
 
@@ -620,8 +668,10 @@ class _Trimming:
 def frame_text(address: int, symbol: Symbol | None) -> str:
     """function+offset (file:line); in no function a symbol names,
     module+offset (never the nearest name, which would be another
-    function's); outside every file, the address."""
-    if symbol is None or symbol.function is None:
+    function's); in JIT code, the perf map's name (which says where the
+    code came from itself), or ``[jit] 0xaddr``; outside every file, the
+    address."""
+    if symbol is None or symbol.function is None or is_jit(symbol):
         return function_name(symbol, address)
     place = f" ({symbol.location})" if symbol.location else ""
     if is_python(symbol):  # a line, not an offset
@@ -631,10 +681,21 @@ def frame_text(address: int, symbol: Symbol | None) -> str:
 
 def function_name(symbol: Symbol | None, address: int) -> str:
     """The function, or the module and the offset from its load base: a
-    name for grouping."""
+    name for grouping. JIT code that no perf map names is ``[jit] 0xaddr``
+    (its memory has no base that stays)."""
     if symbol is None:
         return f"{address:#x}"
     if symbol.function is None:
+        if is_jit(symbol):
+            return f"{JIT_MODULE} {address:#x}"
         base = symbol.span[0] if symbol.span else 0
         return f"{symbol.module}+{address - base:#x}"
     return symbol.function
+
+
+def kind_name(address: int, symbol: Symbol | None) -> str:
+    """A frame's kind as the outputs name it: its stored kind's
+    (probes/frame_kinds.py), or ``jit`` for an address in JIT code."""
+    if is_jit(symbol):
+        return JIT_NAME
+    return KIND_NAMES.get(frame_kind(address), KIND_NAMES[KIND_ADDRESS])

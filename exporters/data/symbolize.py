@@ -17,7 +17,9 @@ inode and modification time, so every process mapping a library shares them.
 /proc/PID/maps, reaching the files through /proc/PID/root, so processes in
 other mount namespaces (containers) resolve too. An address no symbol
 covers gives the module only; a module that cannot be read gives nothing.
-Neither is an error.
+Neither is an error. An address in anonymous executable memory (JIT code)
+is named by the process's perf map (``PerfMap``), if it writes one; else it
+is a frame of JIT code unnamed.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import pyderust
 from elftools.common.exceptions import DWARFError, ELFError
 from elftools.dwarf.dwarfinfo import DWARFInfo
 from elftools.elf.elffile import ELFFile
+from mtrace_live.exporters.data.perf_map import PerfMap
 from mtrace_live.exporters.data.processes import proc_dir
 from mtrace_live.probes.elf.debug import DEBUG_DIRECTORIES, debug_files
 from mtrace_live.probes.elf.file import LoadSegment, build_id, debuglink, load_segments, vaddr_at
@@ -81,6 +84,32 @@ def python_symbol(qualname: str, filename: str, line: int) -> Symbol:
 
 def is_python(symbol: Symbol | None) -> bool:
     return symbol is not None and symbol.module == PYTHON_MODULE and symbol.span == PYTHON_SPAN
+
+
+# The mapping every frame in JIT code (anonymous executable memory) is placed
+# in, in every output; its span is the anonymous mapping's.
+JIT_MODULE = "[jit]"
+
+
+def jit_symbol(name: str | None, offset: int, span: tuple[int, int]) -> Symbol:
+    """A frame in JIT code: its name from the process's perf map, and the
+    offset from where the code named starts; unnamed: ``name`` None."""
+    return Symbol(JIT_MODULE, name, offset if name is not None else 0, span=span)
+
+
+def is_jit(symbol: Symbol | None) -> bool:
+    return symbol is not None and symbol.module == JIT_MODULE
+
+
+def is_anonymous(mapping: Mapping) -> bool:
+    """Memory of no file: where JIT code lies when it is executable. Private
+    anonymous memory has no path, or the name a process gave it
+    (``[anon:NAME]``, Linux 5.17); shared anonymous memory is the kernel's
+    ``/dev/zero (deleted)``, and a mapping of /dev/zero is anonymous too."""
+    return not mapping.path or mapping.path.startswith("[anon:") or mapping.path in _ZERO
+
+
+_ZERO = ("/dev/zero", "/dev/zero (deleted)")
 
 
 # Rust's legacy mangling is Itanium's with a last element "h" and 16 hex
@@ -363,19 +392,24 @@ class ProcessSymbols:
         where = proc_dir(pid)
         self.root = where / "root"
         self.mappings: list[Mapping] = []  # the process's own executable ones
+        self.jit: list[Mapping] = []  # its anonymous executable ones (JIT code), by start
+        self.perf_map: PerfMap | None = None  # the names of its JIT code, if it writes them
         self.numbers: set[int] = set()  # the numbered files placed beside (``add``)
         self._file_maps: list[Mapping] = []  # every mapping of a file, executable or not
         self._placed: list[Mapping] = []  # the numbered files' (``add``)
         if saved is not None:
-            self._file_maps = list(saved)
-            self.mappings = sorted((m for m in saved if m.executable), key=lambda m: m.start)
+            self._file_maps = [m for m in saved if not is_anonymous(m)]
+            self.mappings = sorted((m for m in self._file_maps if m.executable),
+                                   key=lambda m: m.start)  # fmt: skip
+            found = sorted(saved, key=lambda m: m.start)
         else:
             try:
                 found = read_maps(where)
             except OSError:
                 found = []
-            self._file_maps = [m for m in found if m.is_file]
+            self._file_maps = [m for m in found if m.is_file and not is_anonymous(m)]
             self.mappings = [m for m in self._file_maps if m.executable]
+        self.jit = [m for m in found if m.executable and is_anonymous(m)]
         # (starts, mappings) searched by resolve, replaced whole by add
         self._index = ([m.start for m in self.mappings], list(self.mappings))
 
@@ -405,7 +439,7 @@ class ProcessSymbols:
         starts, searched = self._index
         index = bisect.bisect_right(starts, address) - 1
         if index < 0 or address >= searched[index].end:
-            return None
+            return self._in_jit(address)
         mapping = searched[index]
         span = self._span(mapping)
         path = self.root / mapping.path.lstrip("/")
@@ -422,6 +456,25 @@ class ProcessSymbols:
         function, offset, location = symbols.lookup(vaddr)
         shown = demangled(function) if function is not None else None
         return Symbol(mapping.path, shown, offset, location, span, function, symbols.build_id)
+
+    def _in_jit(self, address: int) -> Symbol | None:
+        """A frame in the process's JIT code, named by its perf map (read
+        again for lines written since, when it names nothing there); None
+        outside that code."""
+        jit = self.jit
+        index = bisect.bisect_right([m.start for m in jit], address) - 1
+        if index < 0 or address >= jit[index].end:
+            return None
+        span = (jit[index].start, jit[index].end)
+        perf_map = self.perf_map
+        if perf_map is None:
+            return jit_symbol(None, 0, span)
+        found = perf_map.name(address)
+        if found is None and perf_map.read():
+            found = perf_map.name(address)
+        if found is None:
+            return jit_symbol(None, 0, span)
+        return jit_symbol(found[0], address - found[1], span)
 
     def _span(self, mapping: Mapping) -> tuple[int, int]:
         """All of a module's mappings, from its load base (its lowest
