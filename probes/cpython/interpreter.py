@@ -127,8 +127,8 @@ def interpreters_of(pid: int) -> list[tuple[Interpreter, int]]:
             except TargetError:
                 continue  # it cannot be opened (looked at again next time)
         interpreter, segments = known
-        if isinstance(interpreter, UnknownLayoutError):
-            raise interpreter
+        if isinstance(interpreter, UnknownLayoutError):  # said of the file the process maps
+            raise UnknownLayoutError(f"{mapping.path}: {interpreter}")
         if interpreter is None:
             continue
         bias = load_bias(segments, mapping)
@@ -151,8 +151,8 @@ def _file_interpreter(
     None) and its load segments. TargetError when it cannot be opened."""
     try:
         interpreter = find_interpreter(opened)
-    except UnknownLayoutError as exc:
-        return exc, []
+    except UnknownLayoutError as exc:  # (why, without the path it was opened by)
+        return UnknownLayoutError(str(exc).removeprefix(f"{opened}: ")), []
     except NotElfError:
         return None, []
     if interpreter is None:
