@@ -9,8 +9,10 @@ the offset from its load base.
 A user-space line is the first frame of the allocation's stack outside the
 allocation wrappers (exporters/data/wrappers.py, ``--wrappers``): the line
 that asked for the memory, not ``operator new`` or ``g_malloc``, as the
-kernel's alloc_hooks() charge the caller of a wrapper. The kernel's lines
-are their call sites.
+kernel's alloc_hooks() charge the caller of a wrapper. In a stack with
+Python frames (docs/python.md) it is the first Python frame: the line of
+Python above the interpreter's and the extensions' native frames. The
+kernel's lines are their call sites.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from mtrace_live.exporters.data.alloc_snapshot import (
 from mtrace_live.exporters.data.kmem import CallSite, KmemTotals, sorted_sites
 from mtrace_live.exporters.data.sink import FileAtEndSink, TraceInfo, TraceResult
 from mtrace_live.exporters.data.wrappers import Wrappers
+from mtrace_live.probes.frame_kinds import in_python
 
 HEADER = ("allocinfo - version: 1.0", "#     <size>  <calls> <tag info>")
 
@@ -52,7 +55,8 @@ def allocating_line(row: StackRow, names: FrameNames, wrappers: Wrappers) -> str
     location is file:line, else the module and the offset from its load
     base (``libfoo.so.1+0x1a2b``, as addr2line takes them)."""
     chosen = row.frames[-1] if row.frames else row.call_site
-    for address in row.frames:
+    python = [address for address in row.frames if in_python(address) is not None]
+    for address in python or row.frames:
         if not wrappers.wraps(function_name(names.resolve(row.tgid, address), address)):
             chosen = address
             break

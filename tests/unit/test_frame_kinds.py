@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mtrace_live.exporters.data.alloc_snapshot import FrameNames
-from mtrace_live.exporters.data.symbolize import Symbol
+from mtrace_live.exporters.allocinfo import allocating_line
+from mtrace_live.exporters.data.alloc_snapshot import FrameNames, StackRow
+from mtrace_live.exporters.data.symbolize import Symbol, python_symbol
+from mtrace_live.exporters.data.wrappers import Wrappers
 from mtrace_live.probes.frame_kinds import (
     KIND_NAMES,
     KIND_PYTHON,
@@ -61,3 +63,23 @@ def test_a_python_frame_is_never_a_cut_and_is_named_by_its_kinds_resolver() -> N
     symbol = named.resolve(1, frames[1])
     assert symbol is not None and symbol.function == "handler"
     assert seen[-1] == (code, 42)
+
+
+def test_allocinfo_charges_a_python_stack_to_its_first_python_frame() -> None:
+    # GIVEN a stack from malloc's caller up: the interpreter's frames (unnamed
+    # here), then two Python frames, the allocating one first
+    leaf, caller = python_frame(0x7F00_0000_1000, 10), python_frame(0x7F00_0000_2000, 4)
+    frames = (CALL_SITE, CALL_SITE + 0x40, leaf, caller)
+    names = FrameNames(live=False)
+    lines = {leaf: ("Cache.fill", 12), caller: ("main", 31)}
+    names.resolvers[KIND_PYTHON] = lambda tgid, frame: python_symbol(
+        lines[frame][0], "/srv/app.py", lines[frame][1])  # fmt: skip
+    row = StackRow(1, "malloc", CALL_SITE, frames, 1, 64, 64, 0, 0, 0, 0)
+    # WHEN its allocating line is worked out
+    line = allocating_line(row, names, Wrappers())
+    # THEN it is the first Python frame's file:line and qualified name
+    assert line == "/srv/app.py:12 func:Cache.fill"
+    # AND a Python function named as a wrapper is passed over, as a native one is
+    assert allocating_line(row, names, Wrappers().adding(["Cache.fill"])) == (
+        "/srv/app.py:31 func:main"
+    )
