@@ -15,12 +15,14 @@ trace's calls whose innermost Python frame is on that line.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import urllib.request
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +134,27 @@ TRACEMALLOC_RUNS = sorted(name for name, (_, with_it, _) in INTERPRETERS.items()
 WITH_TRACEMALLOC = pytest.mark.parametrize("traced", TRACEMALLOC_RUNS, indirect=True)
 
 
+@contextlib.contextmanager
+def attached(argv: list[str], options: tuple[str, ...], by_pid: bool, tmp: Path,
+             ) -> Iterator[tuple[Reaper, subprocess.Popen[bytes], subprocess.Popen[bytes], Path,
+                                 Path]]:  # fmt: skip
+    """A Python program started first (it says "ready"), then mtrace-live
+    attached (-o json, to its pid where ``by_pid``): the reaper, the
+    program, the tracer, the tracer's stderr and stdout files."""
+    with Reaper() as reaper, subprocess.Popen(argv, stdin=subprocess.PIPE,
+                                              stdout=subprocess.PIPE) as proc:  # fmt: skip
+        reaper.add(proc)
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == b"ready\n"
+        err, out = tmp / "trace.err", tmp / "trace.out"
+        target = ["--pid", str(proc.pid)] if by_pid else []
+        with open(err, "wb") as errors, open(out, "wb") as lines:
+            tracer = reaper.add(subprocess.Popen([*MTRACE, *target, "-o", "json", *options],
+                                                 stdout=lines, stderr=errors))  # fmt: skip
+        wait_for_line(err, READY, tracer, timeout=120)
+        yield reaper, proc, tracer, err, out
+
+
 @pytest.fixture(scope="module")
 def traced(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Traced:
     """The workload under one interpreter, started first, then traced by
@@ -144,18 +167,8 @@ def traced(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
                     "interpreter (scripts/setup.sh installs them)")  # fmt: skip
     tmp = tmp_path_factory.mktemp(f"python-{request.param}")
     argv = [str(python), str(WORKLOAD), *(["--tracemalloc"] if with_tracemalloc else [])]
-    with Reaper() as reaper, subprocess.Popen(argv, stdin=subprocess.PIPE,
-                                              stdout=subprocess.PIPE) as proc:  # fmt: skip
-        reaper.add(proc)
+    with attached(argv, options, by_pid, tmp) as (reaper, proc, tracer, err, out):
         assert proc.stdout is not None and proc.stdin is not None
-        assert proc.stdout.readline() == b"ready\n"
-        err, out = tmp / "trace.err", tmp / "trace.out"
-        with open(err, "wb") as errors, open(out, "wb") as lines:
-            tracer = reaper.add(subprocess.Popen(
-                [*MTRACE, *(["--pid", str(proc.pid)] if by_pid else []), "-o", "json",
-                 *options],
-                stdout=lines, stderr=errors))  # fmt: skip
-        wait_for_line(err, READY, tracer, timeout=120)
         bpftrace, bpftrace_out = start_bpftrace(
             bpftrace_sizes(mapped_libc(proc.pid), interpreter_file(proc.pid)), proc.pid, tmp
         )
@@ -352,16 +365,8 @@ def test_an_interpreter_whose_layout_is_unknown_gets_one_line_and_native_stacks(
     script = "import sys\nprint('ready', flush=True)\nsys.stdin.readline()\n" \
              "keep = [bytearray(40001) for _ in range(9)]\nprint('done', flush=True)\n" \
              "sys.stdin.readline()\n"  # fmt: skip
-    with Reaper() as reaper, subprocess.Popen([str(python), "-c", script], stdin=subprocess.PIPE,
-                                              stdout=subprocess.PIPE) as proc:  # fmt: skip
-        reaper.add(proc)
+    with attached([str(python), "-c", script], (), True, tmp_path) as (_, proc, tracer, err, out):
         assert proc.stdout is not None and proc.stdin is not None
-        assert proc.stdout.readline() == b"ready\n"
-        err, out = tmp_path / "trace.err", tmp_path / "trace.out"
-        with open(err, "wb") as errors, open(out, "wb") as lines:
-            tracer = reaper.add(subprocess.Popen([*MTRACE, "--pid", str(proc.pid), "-o", "json"],
-                                                 stdout=lines, stderr=errors))  # fmt: skip
-        wait_for_line(err, READY, tracer, timeout=120)
         proc.stdin.write(b"go\n")
         proc.stdin.flush()
         assert proc.stdout.readline() == b"done\n"
