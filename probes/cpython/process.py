@@ -60,6 +60,14 @@ class ProcessView:
             raise TargetError(f"process {pid}: its memory cannot be opened "
                               f"({exc.strerror})") from None  # fmt: skip
 
+    def alive(self) -> bool:
+        """Whether the process it was opened on still has its memory (a
+        process that ended reads nothing, whoever has its pid since)."""
+        try:
+            return self._memory >= 0 and len(os.pread(self._memory, 1, self.runtime)) == 1
+        except OSError:
+            return False
+
     def close(self) -> None:
         if self._memory >= 0:
             os.close(self._memory)

@@ -104,6 +104,7 @@ class _Process:
     view: cpython.ProcessView
     checked: bool  # its layout held against its running interpreter
     space: int  # the process whose code objects' names it shares: its own, or its parent's
+    ended: bool = False  # its memory is gone (its view closed): its names are what was read
 
 
 class PythonUnwinder:
@@ -142,6 +143,9 @@ class PythonUnwinder:
             pass  # gone already, or not ours to read: its stacks stay native
 
     def _load(self, pid: int) -> None:
+        gone = self.processes.pop(pid, None)  # (an ended one whose pid is taken again)
+        if gone is not None:
+            gone.view.close()
         found = cpython.interpreters_of(pid)
         if not found:
             return
@@ -214,6 +218,13 @@ class PythonUnwinder:
         if self.every_process:
             self.look_around()
         for pid, process in list(self.processes.items()):
+            if process.ended:
+                continue
+            if not process.view.alive():  # its names stay as they were read
+                process.view.close()
+                process.ended = True
+                self.considered.discard(pid)  # (a process that takes its pid is looked at)
+                continue
             if process.checked:
                 continue
             try:
@@ -326,3 +337,5 @@ class PythonUnwinder:
 
     def close(self, rest: bool = True) -> None:
         self.stacks.close()
+        for process in self.processes.values():
+            process.view.close()
