@@ -234,8 +234,10 @@ def unwind_lines(unwind: Mapping[str, int]) -> list[str]:
     if "py_frames" in unwind:
         lines.append(
             f"  Python frames in the eval loop's place: {unwind['py_frames']}; eval loop frames "
-            f"kept native: {unwind.get('py_no_thread', 0)} (their thread's state unreadable), "
-            f"{unwind.get('py_unreadable', 0)} cut at an unreadable Python frame"
+            f"kept native: {unwind.get('py_no_thread', 0)} (their thread's state unreadable); "
+            f"{unwind.get('py_unreadable', 0)} walks whose Python frames ended at an unreadable "
+            f"one; {unwind.get('py_stacks_lost', 0)} new stacks not said in time for their "
+            "code objects to be read"
         )
     return lines + _table_lines(unwind)
 

@@ -577,7 +577,10 @@ class FrameNames:
         kind = frame_kind(address)
         if kind not in (KIND_ADDRESS, KIND_FILE):
             resolver = self.resolvers.get(kind)
-            return resolver(tgid, address) if resolver is not None else None
+            found = resolver(tgid, address) if resolver is not None else None
+            if found is not None:  # (kept while the process's names are: each read once)
+                self._names[key] = found
+            return found
         begun = time.monotonic()
         try:
             return self._resolve(tgid, address)

@@ -23,9 +23,11 @@ import bisect
 import heapq
 import itertools
 import os
+import stat
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 from .processes import namespace_pid, proc_dir
 
@@ -97,7 +99,7 @@ class PerfMap:
     def _read(self) -> bool:
         for path in self.paths:
             try:
-                with open(path, "rb") as file:
+                with _open_map(path) as file:
                     status = os.fstat(file.fileno())
                     identity = (status.st_dev, status.st_ino)
                     if identity != self._file or status.st_size < self._offset:
@@ -130,6 +132,33 @@ class PerfMap:
         for start, end, name in entries:
             _lay(laid, start, end, name)
         self._index = laid
+
+
+def _open_map(path: Path) -> BinaryIO:
+    """The perf map at ``path``, opened as perf reads one: not through a
+    symbolic link, never blocking (a FIFO planted there), a regular file
+    owned by root or by the owner of the directory's process. OSError
+    otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        status = os.fstat(fd)
+        owner = _owner(path)
+        if not stat.S_ISREG(status.st_mode) or status.st_uid not in (0, owner):
+            raise OSError(f"{path}: not a regular file of root's or the process's owner's")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _owner(path: Path) -> int | None:
+    """The uid of the process whose perf map ``path`` is (by its name)."""
+    pid = path.name.removeprefix("perf-").removesuffix(".map")
+    proc = path.parents[2] if path.parts[:2] == ("/", "proc") else Path(f"/proc/{pid}")
+    try:
+        return proc.stat().st_uid
+    except OSError:
+        return None
 
 
 _FEW = 1024  # entries laid one by one (each moves the ranges after it); more: a sweep

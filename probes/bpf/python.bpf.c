@@ -190,8 +190,11 @@ static __always_inline int python_frames(struct unwind_state *st, struct alloc_f
         u64 code = python_word(b, py->frame_code), instr = python_word(b, py->frame_instr);
         u64 first = code + py->code_adaptive, units = (instr - first) >> 1;
         u64 offset = instr >= first && units < PY_NO_OFFSET ? units : PY_NO_OFFSET;
+        /* (a user-space address: 47 bits, its low 3 zero; a torn read's
+         * higher bits are not let into the kind's) */
+        u64 object = (code >> 3) & ((1ull << (FRAME_KIND_SHIFT - FRAME_PYTHON_SHIFT)) - 1);
         python_store(st, row, ((u64)FRAME_KIND_PYTHON << FRAME_KIND_SHIFT) |
-                                  ((code >> 3) << FRAME_PYTHON_SHIFT) | offset);
+                                  (object << FRAME_PYTHON_SHIFT) | offset);
         (*stored)++;
         if (!st->py_rest && py->frame_is_entry != PY_NO_FIELD &&
             python_byte(b, py->frame_is_entry))
@@ -226,6 +229,8 @@ int unwind_python(struct pt_regs *ctx)
             st->py_stored = 0;
         }
         outcome = python_frames(st, row, py, bytes->words, &stored);
+        if (!st->py_frame && outcome != PY_FULL)
+            st->py_state = PY_NONE; /* none left: the eval loop's further frames stay native */
     }
     unwind_misc_add(UX_PY_FRAMES, stored);
     if (outcome == PY_FULL) {

@@ -9,8 +9,8 @@ pthread key values; ``process`` reads a running process from outside to
 check the layout against it and to walk and name its frames; ``linetable``
 gives an instruction's line; ``image`` and ``symbolic`` read the files'
 data and code. The names below are the package's interface. Installed as
-``mtrace_live.probes.cpython``; it imports only the ELF layer and the
-errors.
+``mtrace_live.probes.cpython``; it imports the ELF layer, the errors and
+the probes layer's disassembler (``uprobe_sites``).
 """
 
 from .interpreter import Interpreter, find_interpreter, interpreters_of, mapped_path

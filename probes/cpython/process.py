@@ -46,7 +46,10 @@ class ProcessView:
     memory cannot be opened (gone, or not ours to read). Close it, or use it
     as a context manager."""
 
-    def __init__(self, pid: int, interpreter: Interpreter, bias: int) -> None:
+    def __init__(self, pid: int, interpreter: Interpreter, bias: int,
+                 required: bool = True) -> None:  # fmt: skip
+        """``required`` False: a process whose memory cannot be opened (it
+        ended) gives a view that reads nothing, not TargetError."""
         self.pid = pid
         self.interpreter = interpreter
         self.layout = interpreter.layout
@@ -57,6 +60,9 @@ class ProcessView:
         try:
             self._memory = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
+            if not required:
+                self._memory = -1
+                return
             raise TargetError(f"process {pid}: its memory cannot be opened "
                               f"({exc.strerror})") from None  # fmt: skip
 
@@ -254,7 +260,10 @@ class ProcessView:
         if encoding is None:
             return None
         text = self.read(address + layout.unicode_compact_data, length * kind)
-        return text.decode(encoding, "surrogatepass")
+        try:
+            return text.decode(encoding, "surrogatepass")
+        except UnicodeDecodeError:  # not a str's text (freed and reused meanwhile)
+            return text.decode(encoding, "replace")
 
     def _bytes(self, address: int) -> bytes | None:
         layout = self.layout

@@ -16,7 +16,7 @@ PYENV_312 = Path("/root/.pyenv/versions/3.12.1/bin/python3.12")
 @pytest.mark.parametrize(
     ("argv", "python"),
     [
-        (["python3.11"], True),  # Debian's: the interpreter linked into the executable
+        (["/usr/bin/python3.11"], True),  # Debian's: the interpreter linked into the executable
         ([str(PYENV_312)], True),  # pyenv's: a libpython it needs
         (["ls", "-l"], False),
         (["/no/such/program"], False),
@@ -28,6 +28,19 @@ def test_a_command_runs_python_by_its_file(argv: list[str], python: bool) -> Non
         pytest.fail(f"{PYENV_312} is missing (scripts/setup.sh installs it)")
     # GIVEN a command not run yet WHEN its file is looked at THEN it is one, or not
     assert runs_python([], argv) is python
+
+
+def test_a_script_runs_python_by_its_interpreter_line(tmp_path: Path) -> None:
+    # GIVEN scripts run by Debian's python3.11, directly and through env, and one by sh
+    direct, through_env, shell = (tmp_path / name for name in ("direct", "env", "shell"))
+    direct.write_text("#!/usr/bin/python3.11 -u\nprint(1)\n")
+    through_env.write_text("#!/usr/bin/env -S /usr/bin/python3.11\nprint(1)\n")
+    shell.write_text("#!/bin/sh\necho 1\n")
+    for script in (direct, through_env, shell):
+        script.chmod(0o755)
+    # THEN the first two run Python (a server's launcher script), the third does not
+    assert runs_python([], [str(direct)]) and runs_python([], [str(through_env)])
+    assert not runs_python([], [str(shell)])
 
 
 def test_a_running_process_runs_python_by_its_mappings() -> None:

@@ -235,6 +235,30 @@ def alloc_settings(
 
 
 # The options of the live trace (--pid/--all) and run, in the order --help lists them.
+# CPython's: every tracing command's, serve's too
+PYTHON_OPTIONS = [
+    click.option(
+        "--pymalloc",
+        is_flag=True,
+        help="Also trace CPython's own allocator (PyObject_Malloc, PyObject_Calloc, "
+        "PyObject_Realloc, PyObject_Free and the PyMem_ ones) as allocator pymalloc: the "
+        "objects of 512 bytes or less, which never reach malloc (docs/python.md).",
+    ),
+    click.option(
+        "--no-python-frames",
+        is_flag=True,
+        help="Keep CPython's eval loop as native frames: do not put the Python functions it "
+        "runs in its place in the stacks (docs/python.md).",
+    ),
+]
+
+
+def python_options(command: Any) -> Any:
+    for option in reversed(PYTHON_OPTIONS):
+        command = option(command)
+    return command
+
+
 TRACE_OPTIONS = [
     lib_option("Attach to this libc (e.g. the SDT build) instead of the target's."),
     derived_options,
@@ -308,19 +332,7 @@ TRACE_OPTIONS = [
         "the binaries' CFI: cheaper, but one frame deep in code built without frame "
         "pointers, as distributions build it (docs/allocations.md).",
     ),
-    click.option(
-        "--pymalloc",
-        is_flag=True,
-        help="Also trace CPython's own allocator (PyObject_Malloc, PyObject_Calloc, "
-        "PyObject_Realloc, PyObject_Free and the PyMem_ ones) as allocator pymalloc: the "
-        "objects of 512 bytes or less, which never reach malloc (docs/python.md).",
-    ),
-    click.option(
-        "--no-python-frames",
-        is_flag=True,
-        help="Keep CPython's eval loop as native frames: do not put the Python functions it "
-        "runs in its place in the stacks (docs/python.md).",
-    ),
+    *PYTHON_OPTIONS,
     click.option(
         "--allocator-lib",
         "allocator_libs",

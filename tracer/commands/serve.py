@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     "A profile's ?max_samples=N overrides it.",
 )
 @options.alloc_options
+@options.python_options
 @click.option("--exact", is_flag=True,
               help="Keep every allocation: exact counts per stack, at a higher cost per call "
               f"(serve samples one per {SERVE_SAMPLE_BYTES} bytes by default).")  # fmt: skip
@@ -127,6 +128,8 @@ def _request(params: dict[str, Any]) -> TraceRequest:
         cgroup=cgroup,
         end_with_target=False,
         unwind_rows=params["unwind_rows"],
+        pymalloc=params["pymalloc"],
+        no_python_frames=params["no_python_frames"],
         **allocs,
     )
 

@@ -332,9 +332,13 @@ class LiveTrace:
                                 self.notices)  # fmt: skip
         if not defines.get("WITH_PYTHON"):
             return (native,)
-        python = PythonUnwinder(self.program, self.frame_names, self.request.all_processes)
-        if self.request.all_processes:
-            python.look_around()
+        try:
+            python = PythonUnwinder(self.program, self.frame_names, self.request.all_processes)
+            if self.request.all_processes:
+                python.look_around()
+        except BaseException:
+            native.close(rest=False)  # (its file server and thread)
+            raise
         return (python, native)
 
     def _table_counts(self) -> dict[str, int]:

@@ -51,6 +51,7 @@ from mtrace_live.tracer.unwind.unwind_tables import PYTHON as PYTHON_SLOT
 _HEADER = c_constants(header_path().read_text())
 NO_FIELD, NO_OWNER = _HEADER["PY_NO_FIELD"], _HEADER["PY_NO_OWNER"]
 NO_OFFSET = _HEADER["PY_NO_OFFSET"]
+MAX_PROCESSES = part_constants("common.bpf.h")["MAX_FOLLOWED"]  # python_procs' entries
 
 
 def python_defines() -> dict[str, int]:
@@ -79,15 +80,31 @@ def runs_python(pids: Sequence[int], argv: Sequence[str] | None) -> bool:
         except (MtraceError, OSError):
             continue
     found = shutil.which(argv[0]) if argv else None
-    if found is None:
-        return False
+    for _ in range(4):  # a script's interpreter, through env and launchers (shims)
+        if found is None:
+            return False
+        try:
+            with open_elf(found) as elf:
+                if any(name.startswith("libpython3") for name in needed(elf)):
+                    return True
+            return cpython.find_interpreter(Path(found)) is not None
+        except (MtraceError, OSError, *ELF_FAILURES):  # not ELF: a script?
+            found = _script_interpreter(found)
+    return False
+
+
+def _script_interpreter(path: str) -> str | None:
+    """The program a script's ``#!`` line runs (``/usr/bin/env python3``:
+    python3 found on PATH), or None."""
     try:
-        with open_elf(found) as elf:
-            if any(name.startswith("libpython3") for name in needed(elf)):
-                return True
-        return cpython.find_interpreter(Path(found)) is not None
-    except (MtraceError, OSError, *ELF_FAILURES):  # a script, a damaged file
-        return False
+        with open(path, "rb") as script:
+            first = script.readline(256)
+    except OSError:
+        return None
+    words = first[2:].decode(errors="replace").split() if first.startswith(b"#!") else []
+    if words and Path(words[0]).name == "env":
+        words = [word for word in words[1:] if not word.startswith("-")]
+    return shutil.which(words[0]) if words else None
 
 
 def parent_of(pid: int) -> int | None:
@@ -127,6 +144,7 @@ class PythonUnwinder:
         self.processes: dict[int, _Process] = {}
         self.refused: set[int] = set()  # processes whose layout failed: native stacks
         self.considered: set[int] = set()  # processes looked at (each program once)
+        self._said: set[str] = set()  # the reasons of the refusals said
         self._slots: dict[tuple[int, int], tuple[int, int]] = {}  # a libc -> its key slots
         self._names = cpython.CodeNames()
         self.counts_: dict[str, int] = {"python_processes": 0, "python_refused": 0}
@@ -139,13 +157,11 @@ class PythonUnwinder:
             self._load(pid)
         except UnknownLayoutError as exc:
             self._refuse(pid, str(exc))
-        except (MtraceError, OSError):
-            pass  # gone already, or not ours to read: its stacks stay native
+        except (MtraceError, OSError):  # gone already, or not ours to read: native stacks
+            self._drop(pid)
 
     def _load(self, pid: int) -> None:
-        gone = self.processes.pop(pid, None)  # (an ended one whose pid is taken again)
-        if gone is not None:
-            gone.view.close()
+        self._drop(pid)  # (an ended one whose pid is taken again)
         found = cpython.interpreters_of(pid)
         if not found:
             return
@@ -155,14 +171,17 @@ class PythonUnwinder:
             self._refuse(pid, "its libc's thread keys are not where mtrace-live reads them")
             return
         view = cpython.ProcessView(pid, interpreter, bias)
+        self.processes[pid] = _Process(view, False, pid)  # (closed with it, whatever comes)
         started = view.started()
         if started:
             why = view.check(slot)
             if why is not None:
                 self._refuse(pid, why)
                 return
-        self._write(pid, interpreter, bias, slot)
-        self.processes[pid] = _Process(view, started, pid)
+        if not self._write(pid, interpreter, bias, slot):
+            self._refuse(pid, f"no room left for it in python_procs ({MAX_PROCESSES} processes)")
+            return
+        self.processes[pid].checked = started
         self.counts_["python_processes"] += 1
 
     def _slot(self, pid: int) -> tuple[int, int] | None:
@@ -177,7 +196,7 @@ class PythonUnwinder:
         return None
 
     def _write(self, pid: int, interpreter: cpython.Interpreter, bias: int,
-               slot: tuple[int, int]) -> None:  # fmt: skip
+               slot: tuple[int, int]) -> bool:  # fmt: skip
         layout = interpreter.layout
         entry = np.zeros(1, PYTHON_PROC_DTYPE)
         ranges = [*interpreter.eval_ranges[:2], (0, 0), (0, 0)][:2]
@@ -195,14 +214,23 @@ class PythonUnwinder:
                                    else layout.frame_is_entry)  # fmt: skip
         entry["code_adaptive"] = layout.code_adaptive
         entry["owner_cstack"] = NO_OWNER if layout.owner_cstack is None else layout.owner_cstack
-        self.program.set_entry("python_procs", struct.pack("<I", pid), entry.tobytes())
+        return self.program.set_entry("python_procs", struct.pack("<I", pid), entry.tobytes())
+
+    def _drop(self, pid: int) -> None:
+        """A process no longer read: its view closed."""
+        gone = self.processes.pop(pid, None)
+        if gone is not None:
+            gone.view.close()
 
     def _refuse(self, pid: int, why: str) -> None:
         """One line; the process's stacks stay native."""
         self.refused.add(pid)
-        self.processes.pop(pid, None)
+        self._drop(pid)
         self.program.delete_entry("python_procs", struct.pack("<I", pid))
         self.counts_["python_refused"] += 1
+        if why in self._said:
+            return
+        self._said.add(why)  # once per reason: a pre-fork server's workers say the same
         print(f"mtrace-live: warning: process {pid}'s Python frames are not shown: {why}",
               file=sys.stderr, flush=True)  # fmt: skip
 
@@ -249,7 +277,7 @@ class PythonUnwinder:
         asks = records[kinds == EventKind.UNWIND]
         execs = records["tgid"][kinds == EventKind.EXEC].tolist()
         for pid in execs:  # a new program: its entry is gone in the kernel
-            self.processes.pop(pid, None)
+            self._drop(pid)
             self.refused.discard(pid)
             self.considered.discard(pid)
         forked = asks[asks["nargs"] > 0]
@@ -279,12 +307,11 @@ class PythonUnwinder:
             return
         self.considered.add(child)
         view = theirs.view
-        try:
-            bias = view.runtime - view.interpreter.runtime
-            self.processes[child] = _Process(cpython.ProcessView(child, view.interpreter, bias),
-                                             theirs.checked, theirs.space)  # fmt: skip
-        except (MtraceError, OSError):
-            pass  # gone already
+        bias = view.runtime - view.interpreter.runtime
+        mine = cpython.ProcessView(child, view.interpreter, bias, required=False)
+        self.processes[child] = _Process(
+            mine, theirs.checked, theirs.space, ended=not mine.alive()
+        )  # (named as its parent)
 
     def _discovered(self, pid: int) -> _Process | None:
         """A process whose stacks came before its ask (or with none): read
