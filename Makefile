@@ -120,8 +120,8 @@ demo: sdt-glibc exercisers
 	@$(BIN)/python scripts/compare-ground-truth $(BUILD)/demo-counts.json $(BUILD)/ground-truth.json
 
 # Every benchmark, side by side with bpftrace, bcc's trace and perf, in one
-# run; writes docs/bench.json and docs/performance.md (root; about 38 minutes
-# on 2 CPUs: 30.7 measured before section 9, which took 7.1). QUICK=1: one
+# run; writes docs/bench.json and docs/performance.md (root; about 45 minutes
+# on 2 CPUs: 30.7 measured before section 9, which took 7.1, and section 8c 7). QUICK=1: one
 # repetition of each, smaller workloads, no probe hit rates (section 7): 6 to 9 minutes.
 # BENCH="--only usdt,kmem" runs some sections; BENCH=--rewrite only rewrites
 # docs/performance.md from docs/bench.json.

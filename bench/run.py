@@ -9,6 +9,8 @@ docs/performance.md written from it.
 Run as root after `make sdt-glibc exercisers`. Sections: usdt (1), kmem (2
 and 4), events (3), scrape (5), cost (6), rates (7: probe hit rates),
 allocs (8: every malloc and free, against bpftrace, memleak and heaptrack),
+stacks (8b: whole stacks, unwound by CFI), python (8c: Python frames in
+allocation stacks, against native frames only and the floor),
 contention (9: lock waits in time, and the tracer's observer effect),
 profiles (10: serve's heap profiles: building them, /metrics beside them,
 serve's default sampling), servers (11: a real server's throughput traced,
@@ -35,6 +37,7 @@ import cost_bench
 import event_bench
 import kmem_bench
 import profile_bench
+import python_bench
 import rates_bench
 import scrape_bench
 import servers_bench
@@ -55,6 +58,7 @@ SECTIONS = (
     "rates",
     "allocs",
     "stacks",
+    "python",
     "contention",
     "profiles",
     "servers",
@@ -71,6 +75,7 @@ PAGE: tuple[tuple[str, Callable[[Any], tuple[list[str], dict[str, bool | None]]]
     ("rates", rates_bench.render),
     ("allocs", alloc_bench.render),
     ("stacks", stacks_bench.render),
+    ("python", python_bench.render),
     ("contention", contention_bench.render),
     ("profiles", profile_bench.render),
     ("servers", servers_bench.render),
@@ -98,6 +103,7 @@ def measure(only: set[str]) -> dict[str, object]:
             "rates": rates_bench.run,
             "allocs": lambda: alloc_bench.run(tmp, peers),
             "stacks": lambda: stacks_bench.run(tmp, peers),
+            "python": lambda: python_bench.run(tmp, peers),
             "contention": lambda: contention_bench.run(tmp, peers),
             "profiles": lambda: profile_bench.run(tmp),
             "servers": lambda: servers_bench.run(tmp, peers),

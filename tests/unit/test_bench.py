@@ -114,7 +114,7 @@ def test_unknown_sections_and_arguments_are_refused() -> None:
     assert unknown.returncode == 2
     assert unknown.stderr.strip().splitlines() == [
         "mtrace-live bench: unknown section 'nonsense'; sections: usdt, kmem, events, scrape, "
-        "cost, rates, allocs, stacks, contention, profiles, servers, startup"
+        "cost, rates, allocs, stacks, python, contention, profiles, servers, startup"
     ]
     bogus = bench("--bogus")
     assert bogus.returncode == 2
