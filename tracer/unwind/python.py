@@ -18,6 +18,7 @@ code object read once (cached by address and checked by its identity).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import shutil
@@ -353,8 +354,11 @@ class PythonUnwinder:
         )
 
     def settle(self) -> None:
-        """The last stacks said: their code objects read, if they still can be."""
-        self.pump()
+        """The last stacks said: their code objects read, if they still can
+        be. (The trace is ending, perhaps on a fault of its own: only these
+        names are lost if this fails, never the outputs.)"""
+        with contextlib.suppress(Exception):
+            self.pump()
 
     def counts(self) -> dict[str, int]:
         return dict(self.counts_)
