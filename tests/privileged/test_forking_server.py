@@ -203,6 +203,7 @@ def test_a_backend_forked_per_connection_is_unwound_whole_from_its_first_allocat
     assert stops == 0
 
 
+@pytest.mark.soak  # (make soak: slower than make test's budget)
 def test_serve_walks_a_backend_forked_per_connection_whole(
     postmaster: tuple[int, Path], tmp_path: Path
 ) -> None:

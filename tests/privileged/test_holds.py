@@ -300,7 +300,7 @@ def kill_at_random_points(kills: int, tmp: Path) -> list[Seen]:
     return [seen_by_peer(kill, events) for kill in done]
 
 
-@pytest.mark.parametrize("kills", [20, pytest.param(100, marks=pytest.mark.soak)])
+@pytest.mark.parametrize("kills", [10, pytest.param(100, marks=pytest.mark.soak)])
 def test_a_tracer_killed_at_any_point_leaves_no_process_stopped(tmp_path: Path,
                                                                 kills: int) -> None:  # fmt: skip
     seen = kill_at_random_points(kills, tmp_path)

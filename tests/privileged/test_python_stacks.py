@@ -48,10 +48,7 @@ INTERPRETERS = {
     "pyenv-3.13.0": (PYENV / "3.13.0/bin/python3.13", True, ()),
 }
 # with --pymalloc: the interpreter's own allocator traced too
-PYMALLOC_RUNS = {
-    "debian-3.11-pymalloc": (DEBIAN, False, ("--pymalloc",)),
-    "pyenv-3.13.0-pymalloc": (PYENV / "3.13.0/bin/python3.13", False, ("--pymalloc",)),
-}
+PYMALLOC_RUNS = {"pyenv-3.13.0-pymalloc": (PYENV / "3.13.0/bin/python3.13", False, ("--pymalloc",))}
 # the process among every process (--all), not by its pid
 TARGET_RUNS = {"debian-3.11-all": (DEBIAN, False, ("--all",))}
 RUNS = {**INTERPRETERS, **PYMALLOC_RUNS, **TARGET_RUNS}

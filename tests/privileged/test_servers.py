@@ -355,6 +355,9 @@ def rendered_from_now(url: str) -> str:
     return pages[-1]
 
 
+# (Redis under serve in make soak: slower than make test's budget, which keeps MariaDB's)
+@pytest.mark.parametrize("server", ["mariadb", pytest.param("redis", marks=pytest.mark.soak)],
+                         indirect=True)  # fmt: skip
 def test_a_server_traced_by_serve_is_never_stopped_and_counted_as_bpftrace_counts(
     server: tuple[Server, Reaper], tmp_path: Path
 ) -> None:

@@ -173,7 +173,8 @@ def assert_whole(profile: Path, stderr: str, counts: tuple[dict[int, int], int])
     assert share >= 0.99, (share, stderr[-3000:])
 
 
-@pytest.mark.parametrize("mode", ["--all", "run"])
+# (--all in make soak: slower than make test's budget, which run's case keeps)
+@pytest.mark.parametrize("mode", [pytest.param("--all", marks=pytest.mark.soak), "run"])
 def test_a_thousand_short_processes_are_whole_from_their_first_allocation(
     mode: str, short_chain: Path, counted: tuple[Reaper, subprocess.Popen[bytes], Path],
     tmp_path: Path,
@@ -224,7 +225,9 @@ def short_chain_calls(metrics: dict[tuple[str, tuple[tuple[str, str], ...]], flo
                    and dict(labels)["process"] == "short_chain"))  # fmt: skip
 
 
-@pytest.mark.parametrize("narrowed", [True, False], ids=["comm", "system-wide"])
+# (system-wide in make soak: slower than make test's budget, which --comm's case keeps)
+@pytest.mark.parametrize("narrowed", [True, pytest.param(False, marks=pytest.mark.soak)],
+                         ids=["comm", "system-wide"])  # fmt: skip
 def test_serve_walks_a_thousand_short_processes_whole(
     narrowed: bool, short_chain: Path, counted: tuple[Reaper, subprocess.Popen[bytes], Path],
     tmp_path: Path,

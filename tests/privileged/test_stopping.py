@@ -83,6 +83,7 @@ def test_record_stops_with_every_record_written_and_detaches(
     assert programs_unloaded(loaded)
 
 
+@pytest.mark.soak  # (make soak: slower than make test's budget)
 def test_a_live_trace_and_serve_stop_on_sigterm_and_detach(sdt: SdtGlibc, tmp_path: Path) -> None:
     with Reaper() as reaper:
         load = reaper.add(subprocess.Popen(sdt.wrap([str(built("arena_contention")), "60"]),

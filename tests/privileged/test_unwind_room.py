@@ -30,6 +30,7 @@ ROWS = 150000
 CODE = "import json; json.dumps([{'k': i} for i in range(1000)])"
 
 
+@pytest.mark.soak  # (make soak: slower than make test's budget)
 def test_a_file_no_process_maps_gives_its_rows_to_the_next(tmp_path: Path) -> None:
     for python in PYTHONS:
         if not python.exists():
