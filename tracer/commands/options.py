@@ -253,10 +253,15 @@ PYTHON_OPTIONS = [
 ]
 
 
-def python_options(command: Any) -> Any:
-    for option in reversed(PYTHON_OPTIONS):
+def _decorated(command: Any, options: list[Any]) -> Any:
+    """``command`` with ``options``, in their order in --help."""
+    for option in reversed(options):
         command = option(command)
     return command
+
+
+def python_options(command: Any) -> Any:
+    return _decorated(command, PYTHON_OPTIONS)
 
 
 TRACE_OPTIONS = [
@@ -357,9 +362,7 @@ TRACE_OPTIONS = [
 
 def trace_options(command: Any) -> Any:
     """Options of the live trace (--pid/--all) and ``run``."""
-    for option in reversed(TRACE_OPTIONS):
-        command = option(command)
-    return command
+    return _decorated(command, TRACE_OPTIONS)
 
 
 # ---- combinations -------------------------------------------------------------
