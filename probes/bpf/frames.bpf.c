@@ -30,18 +30,9 @@ BPF_ARRAY(alloc_frames, struct alloc_frames_row, FRAME_ROWS);
 BPF_HASH(alloc_frame_claims, u32, u64, FRAME_ROWS);
 BPF_PERCPU_ARRAY(alloc_walk, struct alloc_frames_row, 1);
 
-/* The row of alloc_frames that holds `row`'s frames, stored now if new:
- * its id, or FRAMES_NO_ROOM. */
-static __always_inline s32 store_frames_new(struct alloc_frames_row *row, u64 hash, u8 *fresh);
-
-static __always_inline s32 store_frames(struct alloc_frames_row *row, u64 hash)
-{
-    u8 fresh = 0;
-    return store_frames_new(row, hash, &fresh);
-}
-
-/* store_frames, and `fresh` set where this call stored the row. */
-static __always_inline s32 store_frames_new(struct alloc_frames_row *row, u64 hash, u8 *fresh)
+/* The row of alloc_frames that holds `row`'s frames, stored now if new
+ * (then `fresh` is set): its id, or FRAMES_NO_ROOM. */
+static __always_inline s32 store_frames(struct alloc_frames_row *row, u64 hash, u8 *fresh)
 {
     hash |= 1; /* never 0, which marks a free row */
     for (u32 probe = 0; probe < FRAME_PROBES; probe++) {
@@ -101,6 +92,7 @@ static __always_inline s32 walk_frames(u64 ip, u64 fp, u64 below)
     }
     if (n < FRAME_DEPTH)
         row->ip[n & (FRAME_DEPTH - 1)] = 0;
-    return store_frames(row, hash);
+    u8 fresh = 0;
+    return store_frames(row, hash, &fresh);
 }
 #endif

@@ -588,7 +588,7 @@ static __always_inline void unwind_finish(struct pt_regs *ctx, struct unwind_sta
     if (st->n < FRAME_DEPTH)
         row->ip[st->n & (FRAME_DEPTH - 1)] = 0;
     u8 fresh = 0;
-    st->stack = store_frames_new(row, st->hash, &fresh);
+    st->stack = store_frames(row, st->hash, &fresh);
     if (fresh && st->py_any)
         python_new_stack(st);
     unwind_progs.call(ctx, st->resume);

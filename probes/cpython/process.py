@@ -308,10 +308,6 @@ class CodeNames:
         self._kept[key] = (identity, info)
         return info
 
-    def forget(self, pid: int) -> None:
-        """Drop what is kept of process ``pid`` (it ended)."""
-        self._kept = {key: value for key, value in self._kept.items() if key[0] != pid}
-
 
 def _pointer_in(data: bytes, offset: int) -> int:
     value: int = struct.unpack_from("<Q", data, offset)[0]

@@ -327,11 +327,6 @@ def for_trace(libc: Path, pids: Sequence[int], command: tuple[int, Sequence[str]
     return TraceProviders(per_process, tuple(extra.values()))
 
 
-def mapped_anywhere() -> list[Provider]:
-    """Every known allocator but glibc a process on the machine maps, once per file."""
-    return mapped_by(every_pid())
-
-
 def every_pid() -> set[int]:
     return {int(entry) for entry in os.listdir("/proc") if entry.isdigit()}
 

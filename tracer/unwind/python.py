@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-import os
 import shutil
 import struct
 import sys
@@ -47,6 +46,8 @@ from mtrace_live.probes.records import (
 from mtrace_live.tracer.bpf.bpf_backend import BpfProgram
 from mtrace_live.tracer.bpf.kernel_btf import BtfUnavailable, KernelBtf
 from mtrace_live.tracer.bpf.ringbuf import RingReader
+from mtrace_live.tracer.processes.providers import every_pid
+from mtrace_live.tracer.processes.target import process_state
 from mtrace_live.tracer.unwind.unwind_tables import PYTHON as PYTHON_SLOT
 
 _HEADER = c_constants(header_path().read_text())
@@ -106,15 +107,6 @@ def _script_interpreter(path: str) -> str | None:
     if words and Path(words[0]).name == "env":
         words = [word for word in words[1:] if not word.startswith("-")]
     return shutil.which(words[0]) if words else None
-
-
-def parent_of(pid: int) -> int | None:
-    """The parent of process ``pid``, from its stat; None when it is gone."""
-    try:
-        stat = (proc_dir(pid) / "stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rpartition(")")[2].split()[1])
 
 
 @dataclass
@@ -237,9 +229,8 @@ class PythonUnwinder:
 
     def look_around(self) -> None:
         """Every process not looked at yet (--all)."""
-        for entry in os.listdir("/proc"):
-            if entry.isdigit() and int(entry) not in self.considered:
-                self.load(int(entry))
+        for pid in every_pid() - self.considered:
+            self.load(pid)
 
     def refresh(self) -> None:
         """The processes whose interpreter had not started: checked now it
@@ -320,7 +311,8 @@ class PythonUnwinder:
         at as any other."""
         if pid in self.considered:
             return None
-        parent = parent_of(pid)
+        state = process_state(pid)
+        parent = state[1] if state is not None else None
         if parent in self.processes:
             self._inherit(pid, parent)
         else:
