@@ -289,9 +289,12 @@ def _split_lines(interpreters: dict) -> list[str]:
             "over native frames only, by the Python frames its walks stored): once per walk, "
             "the tail call to unwind_python and the thread's state (the thread pointer, the "
             "pthread key, its slot, the cframe, the current frame: five reads); then, per "
-            "Python frame, one 80-byte read (PY_FRAME_BYTES), stored in the row and hashed "
-            "(3.12 also reads the frame its eval loop was entered with, which it does not "
-            "store). " + "; ".join(parts) + ".", ""]  # fmt: skip
+            "Python frame, its first 80 bytes (PY_FRAME_BYTES) taken from a copy of the "
+            "thread's memory below it (PY_WINDOW bytes at most, within its page), read once "
+            "for the frames it holds: its callers' frames lie below it on the thread's frame "
+            "stack; each stored in the row and hashed (3.12 also reads the frame its eval "
+            "loop was entered with, on the C stack, which it does not store). "
+            + "; ".join(parts) + ".", ""]  # fmt: skip
 
 
 def _intro(data: dict) -> list[str]:
@@ -334,8 +337,8 @@ def render(data: dict) -> tuple[list[str], dict[str, bool | None]]:
                   "cost (the costs over untraced), for a kept stack. "
                   + ("Met at every depth measured." if all(met) else
                      "**Not met** where \"Python / native only\" exceeds it: the eval "
-                     "loop's one native frame becomes DEPTH + 2 Python frames, each a read of "
-                     "the process's memory costing about what a native frame costs the CFI "
-                     "walk, so the walk grows with the Python stack, and the goal's margin "
-                     "pays for a few Python frames only (above)."), ""]  # fmt: skip
+                     "loop's one native frame becomes DEPTH + 2 Python frames, each stored "
+                     "and hashed, with a read of the process's memory for every few of them, "
+                     "so the walk grows with the Python stack, and the goal's margin pays for "
+                     "that many Python frames (above)."), ""]  # fmt: skip
     return lines, verdicts

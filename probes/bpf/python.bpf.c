@@ -44,9 +44,13 @@ BPF_HASH(python_procs, u32, struct python_proc, MAX_FOLLOWED);
  * the events ring may be full of allocations when a burst of them comes). */
 #define PYTHON_STACKS_PAGES 32
 BPF_RINGBUF_OUTPUT(python_stacks, PYTHON_STACKS_PAGES);
-/* a frame's first PY_FRAME_BYTES, read at once (per CPU, as the walk's state) */
+/* A copy of the thread's memory up to a frame's first PY_FRAME_BYTES (per
+ * CPU, as the walk's state): its callers' frames lie below it on the
+ * thread's frame stack, so that one read serves several frames. */
+#define PY_WINDOW 4096
+#define PY_C_FRAME 4096 /* the eval loop's own C frame, at most */
 struct python_bytes {
-    u64 words[16];
+    u64 words[PY_WINDOW / 8];
 };
 BPF_PERCPU_ARRAY(python_frame_bytes, struct python_bytes, 1);
 
@@ -54,7 +58,7 @@ static __always_inline void python_begin(struct unwind_state *st, u32 tgid)
 {
     struct python_proc *py = python_procs.lookup(&tgid);
     st->py_state = py ? PY_UNREAD : PY_NONE;
-    st->py_frame = st->py_at = 0;
+    st->py_frame = st->py_at = st->py_win = 0;
     st->py_stored = st->py_any = st->py_rest = 0;
     if (!py)
         return;
@@ -95,19 +99,43 @@ static __always_inline void python_new_stack(struct unwind_state *st)
     python_stacks.ringbuf_submit(e, 0);
 }
 
-/* An 8-byte member of the frame's bytes `b`, or 0 where none is. */
-static __always_inline u64 python_word(u64 *b, u16 at)
+/* An 8-byte member of the frame at `off` in the copy `b`, or 0 where none is. */
+static __always_inline u64 python_word(u64 *b, u32 off, u16 at)
 {
     if (at > PY_FRAME_BYTES - 8 || (at & 7))
         return 0;
-    return b[(at >> 3) & 15];
+    return b[((off + at) >> 3) & (PY_WINDOW / 8 - 1)];
 }
 
-static __always_inline u8 python_byte(u64 *b, u16 at)
+static __always_inline u8 python_byte(u64 *b, u32 off, u16 at)
 {
     if (at >= PY_FRAME_BYTES)
         return 0;
-    return ((u8 *)b)[at & 127];
+    return ((u8 *)b)[(off + at) & (PY_WINDOW - 1)];
+}
+
+/* Where `frame`'s first PY_FRAME_BYTES are in the copy `b`. Where it does
+ * not hold them, it is read again: from as far below them as it holds,
+ * but not below the frame's page (mapped, as the frame is). A frame in
+ * the eval loop's own C frame (3.12's entry frame), above the walk's
+ * stack pointer, has no Python frames below it: its bytes alone are read.
+ * -1: unreadable. */
+static __always_inline long python_window(struct unwind_state *st, u64 *b, u64 frame)
+{
+    u64 end = frame + PY_FRAME_BYTES, lo = frame & ~4095ull;
+    if (st->py_win && frame >= st->py_win && end <= st->py_win + st->py_win_len)
+        return frame - st->py_win;
+    if (frame >= st->sp && frame - st->sp < PY_C_FRAME)
+        lo = frame;
+    else if (end - lo >= PY_WINDOW)
+        lo = end - (PY_WINDOW - 8);
+    u32 len = (end - lo) & (PY_WINDOW - 1); /* (as it is: the verifier's bound) */
+    st->py_win = 0;
+    if (bpf_probe_read_user(b, len, (void *)lo))
+        return -1;
+    st->py_win = lo;
+    st->py_win_len = len;
+    return frame - lo;
 }
 
 /* The thread's current Python frame, or 0 where its state cannot be read
@@ -173,21 +201,23 @@ static __always_inline int python_frames(struct unwind_state *st, struct alloc_f
         u64 frame = st->py_frame;
         if (!frame)
             return PY_ENTRY;
-        if (bpf_probe_read_user(b, PY_FRAME_BYTES, (void *)frame)) {
+        long off = python_window(st, b, frame);
+        if (off < 0) {
             unwind_misc.increment(UX_PY_UNREADABLE);
             st->py_frame = 0;
             return PY_ENTRY;
         }
-        st->py_frame = python_word(b, py->frame_previous);
+        st->py_frame = python_word(b, off, py->frame_previous);
         if (py->owner_cstack != PY_NO_OWNER &&
-            python_byte(b, py->frame_owner) == py->owner_cstack) {
+            python_byte(b, off, py->frame_owner) == py->owner_cstack) {
             if (st->py_rest)
                 continue; /* (an outer eval loop's frames follow) */
             return PY_ENTRY; /* the eval loop's entry frame: its Python frames end here */
         }
         if (st->py_stored && st->n >= FRAME_DEPTH)
             return PY_FULL;
-        u64 code = python_word(b, py->frame_code), instr = python_word(b, py->frame_instr);
+        u64 code = python_word(b, off, py->frame_code);
+        u64 instr = python_word(b, off, py->frame_instr);
         u64 first = code + py->code_adaptive, units = (instr - first) >> 1;
         u64 offset = instr >= first && units < PY_NO_OFFSET ? units : PY_NO_OFFSET;
         /* (a user-space address: 47 bits, its low 3 zero; a torn read's
@@ -197,7 +227,7 @@ static __always_inline int python_frames(struct unwind_state *st, struct alloc_f
                                   (object << FRAME_PYTHON_SHIFT) | offset);
         (*stored)++;
         if (!st->py_rest && py->frame_is_entry != PY_NO_FIELD &&
-            python_byte(b, py->frame_is_entry))
+            python_byte(b, off, py->frame_is_entry))
             return PY_ENTRY; /* 3.11: the frame the eval loop was entered with */
     }
     return PY_MORE;

@@ -113,11 +113,13 @@ struct unwind_state {
      * were stored (then it is stepped natively). */
     u64 py_lo[2], py_hi[2];
     u64 py_frame, py_at;
+    u64 py_win; /* the address python_frame_bytes holds a copy from (0: none) */
     u8 py_state;  /* PY_NONE, PY_UNREAD (the thread state not read yet), PY_READ */
     u8 py_stored; /* Python frames stored for the eval loop's frame at py_at (0: none yet) */
     u8 py_any;    /* Python frames stored in this walk */
     u8 py_rest;   /* the walk's calls run out: the rest of its Python frames, the native ones between left out */
-    u8 py_pad[4];
+    u8 py_pad[2];
+    u16 py_win_len; /* its length */
     u64 payload[13]; /* what the resumption needs (allocs.bpf.c, locks.bpf.c) */
     u64 window[STACK_WINDOW / 8]; /* a copy of the stack, read once for many frames */
 };
