@@ -36,6 +36,8 @@ ARCH=$(dpkg --print-architecture)
 # bpftool reads BTF for the tests, independently of the project's reader;
 # heaptrack is a peer in make bench and the stacks tests; g++ builds their C++ workload; sqlite3 is the bench's real program; libc6-dbg names the frames inside the libc;
 # python3-dev's headers build the compiled parts at install (report's pass, the ring copier, the CFI reader);
+# libdw-dev (elfutils' libdw) is what the reader of DWARF line tables is built on; llvm's llvm-symbolizer is
+# the tests' second opinion on the lines it reads;
 # mariadb-server and redis-server (with their clients and load generators) are the real servers the
 # tests trace under load (tests/privileged/test_servers.py): both link libsystemd, hence libgcrypt.
 # clang and its sanitizer and libFuzzer runtimes fuzz the kmemtrace walker's C code natively (make fuzz,
@@ -46,7 +48,8 @@ ARCH=$(dpkg --print-architecture)
 SERVERS=(mariadb-server mariadb-client redis-server redis-tools postgresql-15 libllvm15)
 ALLOCATORS=(libjemalloc2 libtcmalloc-minimal4 libgoogle-perftools4 libmimalloc2.0)
 packages=(python3-bpfcc libbpfcc bpfcc-tools bpftool bpftrace gcc g++ make libc6-dev libc6-dbg golang-go heaptrack
-          systemtap-sdt-dev python3-venv python3-dev binutils prometheus openssl sqlite3 clang libclang-rt-dev
+          systemtap-sdt-dev python3-venv python3-dev libdw-dev llvm binutils prometheus openssl sqlite3 clang
+          libclang-rt-dev
           "${SERVERS[@]}" "${ALLOCATORS[@]}")
 if [ "${ID}" = ubuntu ]; then
   packages+=(linux-tools-common "linux-tools-$KERNEL")

@@ -1,12 +1,10 @@
-"""User-space addresses to module, function and source line, with pyelftools.
+"""User-space addresses to module, function and source line.
 
 ``ModuleSymbols`` reads one ELF file once: its function symbols (.symtab,
-else .dynsym, read in bulk). Source lines come from DWARF, reading only
-what the addresses asked for need (``LineIndex``): the units' address
-ranges (.debug_aranges), then the line program of each unit that holds one
-of them, once. A libc's debug file has some 2,000 units: reading every line
-program took 5.8 s and 500 MB at the end of a trace; naming a stack's
-frames in it reads a handful.
+else .dynsym, read in bulk with pyelftools). Source lines come from DWARF,
+reading only what the addresses asked for need (``LineIndex``,
+exporters/data/source_lines.py: each unit's line table read with libdw,
+kept on disk by build-id).
 When the file itself is stripped, its separate debug file is looked for the
 way gdb does: by build-id under each debug directory
 (``.build-id/ab/cdef....debug``), then by ``.gnu_debuglink`` name beside the
@@ -29,7 +27,6 @@ import ctypes
 import functools
 import os
 import re
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,10 +34,10 @@ from typing import Any
 
 import pyderust
 from elftools.common.exceptions import DWARFError, ELFError
-from elftools.dwarf.dwarfinfo import DWARFInfo
 from elftools.elf.elffile import ELFFile
 from mtrace_live.exporters.data.perf_map import PerfMap
 from mtrace_live.exporters.data.processes import proc_dir
+from mtrace_live.exporters.data.source_lines import LineIndex, line_key
 from mtrace_live.probes.elf.debug import DEBUG_DIRECTORIES, debug_files
 from mtrace_live.probes.elf.file import LoadSegment, build_id, debuglink, load_segments, vaddr_at
 from mtrace_live.probes.elf.maps import Mapping, read_maps
@@ -165,86 +162,13 @@ def _has_lines(elf: ELFFile) -> bool:
     return elf.get_section_by_name(".debug_line") is not None and elf.has_dwarf_info()
 
 
-class LineIndex:
-    """file:line of link-time addresses in one ELF file's DWARF. The file
-    stays open; each unit's line program is read the first time an address
-    in it is asked for. Without .debug_aranges every line program is read,
-    once, at the first question."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._dwarf: DWARFInfo | None = None
-        self._ranges: list[tuple[int, int, int]] = []  # (start, end, unit offset), by start
-        self._starts: list[int] = []
-        self._units: dict[int, tuple[list[int], list[str | None]]] = {}
-        self._failed = False
-
-    def _open(self) -> DWARFInfo | None:
-        if self._dwarf is None and not self._failed:
-            try:
-                stream = open(self.path, "rb")  # noqa: SIM115 (kept open for the units)
-                weakref.finalize(self, stream.close)
-                self._dwarf = ELFFile(stream).get_dwarf_info()
-                aranges = self._dwarf.get_aranges()
-                if aranges is not None:
-                    self._ranges = sorted((e.begin_addr, e.begin_addr + e.length, e.info_offset)
-                                          for e in aranges.entries if e.length)  # fmt: skip
-                else:
-                    self._ranges = self._every_unit(self._dwarf)
-                self._starts = [r[0] for r in self._ranges]
-            except (OSError, ELFError, DWARFError, ValueError, KeyError, IndexError):
-                self._failed = True
-                return None
-        return self._dwarf
-
-    def _every_unit(self, dwarf: DWARFInfo) -> list[tuple[int, int, int]]:
-        """No address ranges: every unit's line program read now, each unit
-        covering its rows' addresses."""
-        ranges = []
-        for unit in dwarf.iter_CUs():
-            addresses, _ = self._unit_rows(dwarf, unit.cu_offset)
-            if addresses:
-                ranges.append((addresses[0], addresses[-1] + 1, unit.cu_offset))
-        return sorted(ranges)
-
-    def _unit_rows(self, dwarf: DWARFInfo, offset: int) -> tuple[list[int], list[str | None]]:
-        found = self._units.get(offset)
-        if found is not None:
-            return found
-        rows: dict[int, str | None] = {}  # None: a sequence ended here, no line until the next
-        program = dwarf.line_program_for_CU(dwarf.get_CU_at(offset))
-        if program is not None:
-            files = program["file_entry"]
-            base = 1 if program["version"] < 5 else 0
-            for entry in program.get_entries():
-                state = entry.state
-                if state is None:
-                    continue
-                if state.end_sequence:
-                    rows.setdefault(state.address, None)
-                    continue
-                index = state.file - base
-                name = (
-                    files[index].name.decode(errors="replace") if 0 <= index < len(files) else "?"
-                )
-                rows[state.address] = f"{os.path.basename(name)}:{state.line}"  # the last row wins
-        addresses = sorted(rows)
-        found = self._units[offset] = (addresses, [rows[a] for a in addresses])
-        return found
-
-    def location(self, vaddr: int) -> str | None:
-        dwarf = self._open()
-        if dwarf is None:
-            return None
-        index = bisect.bisect_right(self._starts, vaddr) - 1
-        if index < 0 or vaddr >= self._ranges[index][1]:
-            return None
-        try:
-            addresses, places = self._unit_rows(dwarf, self._ranges[index][2])
-        except (ELFError, DWARFError, ValueError, KeyError, IndexError):
-            return None
-        row = bisect.bisect_right(addresses, vaddr) - 1
-        return places[row] if row >= 0 else None
+def _line_index(path: Path, elf: ELFFile, ident: str | None) -> LineIndex:
+    """The lines of ``path`` (open as ``elf``, of build-id ``ident``):
+    units found by .debug_aranges where it has them."""
+    aranges = elf.get_section_by_name(".debug_aranges") is not None
+    info, line = (elf.get_section_by_name(name) for name in (".debug_info", ".debug_line"))
+    sizes = [int(section.header.sh_size) if section is not None else 0 for section in (info, line)]
+    return LineIndex(path, line_key(ident, sizes[0], sizes[1], aranges), aranges)
 
 
 class ModuleSymbols:
@@ -267,7 +191,7 @@ class ModuleSymbols:
                 self.build_id = build_id(elf)
                 self._read_symbols(elf)
                 if _has_lines(elf):
-                    self._lines = LineIndex(path)
+                    self._lines = _line_index(path, elf, self.build_id)
                 link = debuglink(elf)
         except (OSError, ELFError, DWARFError, ValueError):
             return
@@ -290,7 +214,8 @@ class ModuleSymbols:
         try:
             with open(candidate, "rb") as file:
                 elf = ELFFile(file)
-                if self.build_id and build_id(elf) not in (None, self.build_id):
+                own = build_id(elf)
+                if self.build_id and own not in (None, self.build_id):
                     return False
                 if not self._full_symbols:
                     before = (self._starts, self._ends, self._names)
@@ -299,7 +224,7 @@ class ModuleSymbols:
                     if not self._names:  # nothing better there: keep the exported ones
                         self._starts, self._ends, self._names = before
                 if self._lines is None and _has_lines(elf):
-                    self._lines = LineIndex(candidate)
+                    self._lines = _line_index(candidate, elf, own)
         except (OSError, ELFError, DWARFError, ValueError):
             return False
         return bool(self._names or self._lines)
