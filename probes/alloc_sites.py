@@ -28,6 +28,7 @@ from elftools.elf.elffile import ELFFile
 from elftools.elf.relocation import RelocationSection
 from elftools.elf.sections import SymbolTableSection
 
+from .elf.facts import file_fact, kept_type
 from .elf.file import code_at, open_elf
 from .elf.symbols import STT_FUNC, STT_GNU_IFUNC, symbol_table
 from .records import SITE_REG_BITS, SITE_REG_SHIFT, SiteReg
@@ -53,6 +54,7 @@ KIND_ARGUMENTS: Mapping[str, tuple[str, ...]] = {**ALLOC_FUNCTIONS, "xallocx": (
 SCAN_BYTES = 64  # how far from the entry a site is looked for
 
 
+@kept_type
 @dataclass(frozen=True)
 class AllocSite:
     function: str
@@ -105,6 +107,7 @@ def site_cookie(registers: tuple[str, ...], standard: tuple[str, ...]) -> int:
     return cookie << SITE_REG_SHIFT if cookie else 0
 
 
+@file_fact
 def alloc_sites(path: Path, entries: Mapping[str, str] | None = None,
                 tables: tuple[str, ...] = (".dynsym",), follow_moves: bool = False,
                 registers: Mapping[str, tuple[str, ...]] | None = None,

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from .elf.facts import file_fact, kept_type
 from .elf.file import code_at, open_elf
 from .elf.symbols import STT_FUNC, symbols_by_name
 from .uprobe_sites import disassemble, first_emulated, jump_targets
@@ -29,6 +30,7 @@ WAIT_FUNCTION = "__lll_lock_wait_private"
 SCAN_BYTES = 512  # the function's bytes looked at for jumps back (its size, if smaller)
 
 
+@kept_type
 @dataclass(frozen=True)
 class LockWaitSite:
     entry: int  # the function's address
@@ -38,6 +40,7 @@ class LockWaitSite:
     emulated: bool  # False: the entry, single-stepped
 
 
+@file_fact
 def lock_wait_site(path: Path) -> LockWaitSite | None:
     """The site in ``path``, or None when it exports no such function."""
     with open_elf(path) as elf:

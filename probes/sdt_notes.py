@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .elf.facts import file_fact, kept_type
 from .elf.file import ELF_FAILURES, LoadSegment, file_offset, load_segments, not_elf, open_elf
 from .errors import MalformedNoteError, TargetError
 
@@ -23,6 +24,7 @@ NT_STAPSDT = 3
 _OWNER = b"stapsdt\0"
 
 
+@kept_type
 @dataclass(frozen=True)
 class SdtSite:
     """One probe site: where in the file it is and how its arguments are found."""
@@ -40,6 +42,7 @@ class SdtSite:
         return f"{self.provider}:{self.name}"
 
 
+@file_fact
 def read_sites(path: str | Path) -> list[SdtSite]:
     """All SDT probe sites of an ELF file, in note order. Raises TargetError
     (unreadable), NotElfError (exit 9) or MalformedNoteError (exit 10)."""

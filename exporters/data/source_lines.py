@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+from mtrace_live.probes.elf.facts import private_file
 from mtrace_live.probes.elf.line_table import NO_ROWS, RANGES, LineTables, UnitRows
 
 DEFAULT_CACHE = Path("/var/cache/mtrace-live/lines")
@@ -44,12 +45,6 @@ def line_key(build_id: str | None, info_size: int, line_size: int, aranges: bool
     if not build_id:
         return None
     return f"{build_id}-{info_size:x}-{line_size:x}-{'a' if aranges else 'u'}"
-
-
-def _private(path: Path) -> bool:
-    """Owned by this user and writable by no one else."""
-    status = path.stat()
-    return status.st_uid == os.geteuid() and not status.st_mode & 0o022
 
 
 class LineCache:
@@ -74,7 +69,7 @@ class LineCache:
             return {}
         path = folder / name
         try:
-            if not (path.is_file() and _private(path) and _private(folder)):
+            if not (path.is_file() and private_file(path) and private_file(folder)):
                 return {}
             with open(path, "rb") as stream, np.load(stream, allow_pickle=False) as kept:
                 return {key: kept[key] for key in kept.files}

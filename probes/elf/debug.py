@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import DebugInfoError, NotElfError, TargetError
+from .facts import file_fact
 from .file import ELF_FAILURES, build_id_of, open_elf
 
 DEBUG_ROOT = Path("/usr/lib/debug")
@@ -37,6 +38,7 @@ def debug_files(path: Path, build_id: str | None, debuglink: str | None,
     return [candidate for candidate in candidates if candidate.is_file()]
 
 
+@file_fact
 def has_debug_info(path: Path) -> bool:
     try:
         with open_elf(path) as elf:

@@ -23,6 +23,7 @@ from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import NoteSection
 
 from ..errors import NotElfError, TargetError
+from .facts import file_fact
 
 # What pyelftools may raise on a damaged file.
 ELF_FAILURES = (ELFError, DWARFError, ConstructError, struct.error, ValueError, EOFError,
@@ -66,6 +67,7 @@ def build_id(elf: ELFFile) -> str | None:
     return None
 
 
+@file_fact
 def build_id_of(path: Path) -> str | None:
     """The build-id of the file at ``path``; None when it has none or
     cannot be read."""

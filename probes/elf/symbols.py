@@ -17,6 +17,7 @@ import numpy as np
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 
+from .facts import file_fact
 from .file import file_offset, load_segments, open_elf
 
 STT_FUNC = 2
@@ -130,6 +131,7 @@ def defined_functions(elf: ELFFile, tables: tuple[str, ...] = (".dynsym",)) -> s
     return names
 
 
+@file_fact
 def exported_offset(path: Path, name: str) -> int | None:
     """Where the exported function ``name`` is in the file at ``path``."""
     with open_elf(path) as elf:

@@ -123,6 +123,8 @@ class BpfProgram:
         self.from_cache = compiled is not None  # loaded from code a previous run compiled
         made = self._compile(bcc, source, text, cflags, key) if compiled is None else None
         self.uprobe_links = self._links(compiled if compiled is not None else made)
+        if self.uprobe_links is not None:
+            self.uprobe_links.prefetch()
         how = "loaded from the cache" if self.from_cache else "compiled"
         self.origin = f"BPF program {name} {how} in {time.monotonic() - started:.2f} s ({key[:12]})"
         # The BTF-typed handlers' code, with this run's map descriptors in it.

@@ -35,10 +35,10 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from mtrace_live.probes.elf.facts import private_file, write_private_json
 from mtrace_live.tracer.bpf import bpf_syscalls
 
 DEFAULT_DIR = Path("/var/cache/mtrace-live/bpf")
@@ -176,12 +176,6 @@ def load(key: str) -> Compiled | None:
     return compiled
 
 
-def private_file(path: Path) -> bool:
-    """Owned by this user and writable by no one else."""
-    status = path.stat()
-    return status.st_uid == os.geteuid() and not status.st_mode & 0o022
-
-
 def store(key: str, compiled: Compiled) -> None:
     """Keep ``compiled`` under ``key`` (atomically); errors are ignored: the
     cache is only ever a saving."""
@@ -206,10 +200,7 @@ def keep_json(path: Path, document: object, keep: int) -> None:
     there; errors are ignored (a cache is only ever a saving)."""
     directory = path.parent
     with contextlib.suppress(OSError, TypeError, ValueError):
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as tmp:
-            json.dump(document, tmp)
-        os.replace(tmp.name, path)
+        write_private_json(path, document)
         entries = sorted(directory.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
         for stale in entries[keep:]:
             with contextlib.suppress(OSError):

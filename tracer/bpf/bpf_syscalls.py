@@ -87,7 +87,8 @@ _BTF_LOAD = struct.Struct("=QQIII")
 # (5 ms) before the scrape gets it back.
 _LIBC = ctypes.PyDLL(None, use_errno=True)
 # CDLL: the call lets the lock go, for the calls that take long (a file's
-# rows written: milliseconds), so that the other threads run meanwhile.
+# rows written, a map made, a program verified: milliseconds), so that the
+# other threads run meanwhile (programs load from two threads: uprobe_multi).
 _LIBC_RELEASING = ctypes.CDLL(None, use_errno=True)
 
 
@@ -296,7 +297,7 @@ def create_map(info: MapInfo) -> int | None:
     attr = ctypes.create_string_buffer(_MAP_CREATE.size)
     _MAP_CREATE.pack_into(attr, 0, info.type, info.key_size, info.value_size, info.max_entries,
                           info.flags, 0, 0, info.name.encode()[:15])  # fmt: skip
-    fd = _bpf(BPF_MAP_CREATE, attr)
+    fd = _bpf(BPF_MAP_CREATE, attr, long=True)  # (a large map's memory: milliseconds)
     return fd if fd >= 0 else None
 
 
@@ -336,6 +337,9 @@ def load_btf_tracepoint(code: bytes, license_: str, name: str, type_id: int) -> 
     return load_program(code, license_, name, _PROG_TYPE_TRACING, _TRACE_RAW_TP, btf_id=type_id)
 
 
+LOAD_TRIES = 5  # BPF_PROG_LOAD interrupted (EAGAIN): tries in all
+
+
 def load_program(code: bytes, license_: str, name: str, prog_type: int, attach_type: int,
                  kern_version: int = 0, btf_id: int = 0, btf_fd: int = 0,
                  func_info: bytes = b"") -> int:  # fmt: skip
@@ -360,7 +364,12 @@ def load_program(code: bytes, license_: str, name: str, prog_type: int, attach_t
                              name.encode()[:15], 0, attach_type, btf_fd,
                              _FUNC_INFO if func_info else 0, info_at,
                              len(func_info) // _FUNC_INFO, 0, 0, 0, btf_id)  # fmt: skip
-        fd = _bpf(BPF_PROG_LOAD, attr)
+        for _ in range(LOAD_TRIES):
+            fd = _bpf(BPF_PROG_LOAD, attr, long=True)  # the verifier: milliseconds
+            # (EAGAIN: a signal came while the verifier ran, a child's
+            # SIGCHLD to whichever thread; tried again, as libbpf does)
+            if fd >= 0 or ctypes.get_errno() != errno.EAGAIN:
+                break
         if fd >= 0:
             return fd
         error = ctypes.get_errno()
@@ -379,7 +388,7 @@ def load_btf(blob: bytes) -> int:
     attr = ctypes.create_string_buffer(_BTF_LOAD.size + 4)
     _BTF_LOAD.pack_into(attr, 0, ctypes.addressof(data), ctypes.addressof(log), len(blob),
                         len(log), 1)  # fmt: skip
-    fd = _bpf(BPF_BTF_LOAD, attr)
+    fd = _bpf(BPF_BTF_LOAD, attr, long=True)
     if fd >= 0:
         return fd
     error = ctypes.get_errno()

@@ -23,8 +23,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from mtrace_live.probes.elf.facts import file_fact
 
 VMLINUX = Path("/sys/kernel/btf/vmlinux")
 
@@ -177,3 +181,20 @@ class KernelBtf:
                 if found is not None:
                     return found
         return None
+
+
+KernelFacts = tuple[list[tuple[int, int] | None], list[bool]]
+
+
+def kernel_facts(members: Sequence[tuple[str, str]], functions: Sequence[str] = ()) -> KernelFacts:
+    """Each (struct, member)'s (offset, size) or None, and whether the kernel
+    has each function, from its BTF: kept between runs (probes/elf/facts.py)
+    under the BTF's identity and the kernel's release. Raises BtfUnavailable."""
+    return _kernel_facts(VMLINUX, os.uname().release, tuple(members), tuple(functions))
+
+
+@file_fact
+def _kernel_facts(path: Path, release: str, members: tuple[tuple[str, str], ...],
+                  functions: tuple[str, ...]) -> KernelFacts:  # fmt: skip
+    with KernelBtf() as btf:
+        return [btf.member(*wanted) for wanted in members], [btf.has_function(f) for f in functions]

@@ -27,6 +27,7 @@ import functools
 import os
 import struct
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from mtrace_live.tracer.bpf import bpf_callbacks, bpf_syscalls
 from mtrace_live.tracer.bpf.uprobe_attach import TRANSIENT, TRIES, AttachFailure
 
 SINCE = (6, 6)
+LOADERS = 2  # threads loading programs (UprobeLinks.prefetch)
 RETURN = 1  # BPF_F_UPROBE_MULTI_RETURN
 ENVIRONMENT = "MTRACE_LIVE_UPROBE_MULTI"
 # A link for one process finds it by its main thread, and places its
@@ -135,25 +137,39 @@ class UprobeLinks:
         self.programs: dict[str, int] = {}  # loaded, by handler
         self.links: list[Link] = []
         self._batch: list[Uprobe] | None = None
+        self._loading: dict[str, Future[int]] = {}  # by prefetch, not asked for yet
+
+    def prefetch(self) -> None:
+        """Load every program now, the largest first, from LOADERS threads
+        while this one goes on: the verifier's milliseconds (most of a warm
+        start's kernel work) overlap each other and the tracer's own start.
+        (A handler this trace never attaches is loaded too: a few small ones.)"""
+        handlers = sorted((h for h in self._code if not bpf_callbacks.is_callback(h)),
+                          key=lambda h: -len(self._code[h]))  # fmt: skip
+        pool = ThreadPoolExecutor(LOADERS, thread_name_prefix="mtrace-load")
+        self._loading = {h: pool.submit(self._load, h) for h in handlers}
+        pool.shutdown(wait=False)  # (its threads end with the last load)
 
     def program(self, handler: str) -> int:
         """The handler's program fd, loaded on first use. Raises OSError
         (the verifier's words), KeyError for a handler the program does not
         have."""
         if handler not in self.programs:
-            if bpf_callbacks.has_callback(handler, self._code):
-                try:
-                    fd = bpf_callbacks.load_linked(self._code, handler, self._license,
-                                            bpf_syscalls.PROG_TYPE_KPROBE,
-                                            bpf_syscalls.TRACE_UPROBE_MULTI,
-                                            self._kern_version)  # fmt: skip
-                except ValueError as exc:
-                    raise OSError(0, str(exc)) from None
-            else:
-                fd = load_for_links(self._code[handler], self._license, handler,
-                                    self._kern_version)  # fmt: skip
-            self.programs[handler] = fd
+            loading = self._loading.pop(handler, None)
+            self.programs[handler] = (loading.result() if loading is not None
+                                      else self._load(handler))  # fmt: skip
         return self.programs[handler]
+
+    def _load(self, handler: str) -> int:
+        if bpf_callbacks.has_callback(handler, self._code):
+            try:
+                return bpf_callbacks.load_linked(self._code, handler, self._license,
+                                                 bpf_syscalls.PROG_TYPE_KPROBE,
+                                                 bpf_syscalls.TRACE_UPROBE_MULTI,
+                                                 self._kern_version)  # fmt: skip
+            except ValueError as exc:
+                raise OSError(0, str(exc)) from None
+        return load_for_links(self._code[handler], self._license, handler, self._kern_version)
 
     def add(self, uprobe: Uprobe) -> None:
         """Attach ``uprobe``: at the end of the batch when one is open, else
@@ -212,6 +228,10 @@ class UprobeLinks:
         return fds
 
     def close_programs(self) -> None:
+        loading, self._loading = self._loading, {}
+        for future in loading.values():  # loaded and never asked for: waited for, closed
+            with contextlib.suppress(Exception):
+                os.close(future.result())
         for fd in self.programs.values():
             with contextlib.suppress(OSError):
                 os.close(fd)

@@ -38,6 +38,7 @@ from mtrace_live.exporters.data.sink import (
 )
 from mtrace_live.exporters.data.wrappers import Wrappers
 from mtrace_live.probes.catalog import load_catalog
+from mtrace_live.probes.elf import facts
 from mtrace_live.probes.errors import (
     InternalError,
     MtraceError,
@@ -847,6 +848,7 @@ def _release(trace: LiveTrace, request: TraceRequest, sinks: Fanout, child: Gate
     if child is not None:
         child.release()
     announce(trace, target_pid)
+    facts.save()  # what the start read of files, for the next one (probes/elf/facts.py)
     if trace.alloc_plan is not None and target_pid is not None and request.privileges_dropped:
         trace.frame_names.preload(target_pid)
     if before_start is not None:

@@ -27,21 +27,14 @@ from pathlib import Path
 
 from mtrace_live.probes import derived
 from mtrace_live.probes.elf.debug import find_debug_file
+from mtrace_live.probes.elf.facts import ENVIRONMENT, plan_cache_dir, private_file
 from mtrace_live.probes.elf.file import build_id_of
 from mtrace_live.probes.errors import MtraceError
-from mtrace_live.tracer.bpf.bpf_cache import keep_json, private_file
+from mtrace_live.tracer.bpf.bpf_cache import keep_json
 
-DEFAULT_DIR = Path("/var/cache/mtrace-live/derived")
-ENVIRONMENT = "MTRACE_LIVE_PLAN_CACHE"
+__all__ = ["ENVIRONMENT", "derived_plan", "plan_cache_dir"]
 KEEP = 16
 FORMAT = 1
-
-
-def plan_cache_dir() -> Path | None:
-    configured = os.environ.get(ENVIRONMENT, "")
-    if configured == "off":
-        return None
-    return Path(configured) if configured else DEFAULT_DIR
 
 
 def derived_plan(libc: Path, debug_file: Path | None = None) -> derived.DerivedPlan:

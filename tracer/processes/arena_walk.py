@@ -25,6 +25,7 @@ from mtrace_live.exporters.data.lock_waits import ARENA, MAIN, OTHER, UNKNOWN
 from mtrace_live.exporters.data.processes import proc_dir
 from mtrace_live.probes.derived import NO_DEBUG_FILE
 from mtrace_live.probes.elf.debug import find_debug_file
+from mtrace_live.probes.elf.facts import file_fact
 from mtrace_live.probes.elf.file import ELF_FAILURES, open_elf
 from mtrace_live.probes.elf.maps import read_maps
 from mtrace_live.probes.elf.symbols import symbols_by_name
@@ -61,16 +62,26 @@ def arena_symbols(libc: Path, debug_file: Path | None = None) -> LibcArenaSymbol
     if debug is not None and debug != libc:
         candidates.append(debug)
     for path in candidates:
-        try:
-            with open_elf(path) as elf:
-                found = symbols_by_name(elf, (".symtab",))
-        except (MtraceError, *ELF_FAILURES):
-            continue
-        if "main_arena" in found:
-            mp = found.get("mp_")
-            return LibcArenaSymbols(found["main_arena"][0], mp[0] if mp else None, str(path))
+        found = _arena_in(path)
+        if found is not None:
+            return LibcArenaSymbols(found[0], found[1], str(path))
     return LibcArenaSymbols(None, None, f"no main_arena symbol in {libc} or a debug file for it "
                             "(Debian: install libc6-dbg)")  # fmt: skip
+
+
+@file_fact
+def _arena_in(path: Path) -> tuple[int, int | None] | None:
+    """main_arena's and mp_'s addresses in the file's .symtab; None where
+    it names no main_arena (or cannot be read)."""
+    try:
+        with open_elf(path) as elf:
+            found = symbols_by_name(elf, (".symtab",))
+    except (MtraceError, *ELF_FAILURES):
+        return None
+    if "main_arena" not in found:
+        return None
+    mp = found.get("mp_")
+    return found["main_arena"][0], mp[0] if mp else None
 
 
 class ProcessMemory:

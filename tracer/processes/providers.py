@@ -25,6 +25,7 @@ from pathlib import Path
 
 from mtrace_live.exporters.data.processes import proc_dir
 from mtrace_live.probes.allocators import PYMALLOC, UNKNOWN, Allocator, identify
+from mtrace_live.probes.elf.facts import file_fact
 from mtrace_live.probes.elf.file import ELF_FAILURES, needed, open_elf, soname
 from mtrace_live.probes.elf.maps import Mapping as ProcessMapping
 from mtrace_live.probes.elf.maps import read_maps
@@ -103,18 +104,25 @@ def _file_facts(path: Path, tables: tuple[str, ...], what: str) -> frozenset[str
     key = (stat.st_dev, stat.st_ino, stat.st_mtime_ns, tables, what)
     found = _FILE_FACTS.get(key)
     if found is None:
-        try:
-            with open_elf(path) as elf:
-                if what == "defines":
-                    found = frozenset(defined_functions(elf, tables))
-                else:
-                    found = tuple(needed(elf)) if what == "needs" else (soname(elf) or "",)
-        except (OSError, MtraceError, *ELF_FAILURES):  # a script, a damaged file: no facts
+        found = _read_file_facts(path, tables, what)
+        if found is None:  # a script, a damaged file: no facts
             found = empty
         if len(_FILE_FACTS) > 4096:
             _FILE_FACTS.clear()
         _FILE_FACTS[key] = found
     return found
+
+
+@file_fact
+def _read_file_facts(path: Path, tables: tuple[str, ...],
+                     what: str) -> frozenset[str] | tuple[str, ...] | None:  # fmt: skip
+    try:
+        with open_elf(path) as elf:
+            if what == "defines":
+                return frozenset(defined_functions(elf, tables))
+            return tuple(needed(elf)) if what == "needs" else (soname(elf) or "",)
+    except (OSError, MtraceError, *ELF_FAILURES):
+        return None
 
 
 Objects = list[tuple[str, Path]]  # (the file's name as the process sees it, a path from here)

@@ -44,7 +44,7 @@ from mtrace_live.probes.records import (
     header_path,
 )
 from mtrace_live.tracer.bpf.bpf_backend import BpfProgram
-from mtrace_live.tracer.bpf.kernel_btf import BtfUnavailable, KernelBtf
+from mtrace_live.tracer.bpf.kernel_btf import BtfUnavailable, kernel_facts
 from mtrace_live.tracer.bpf.ringbuf import RingReader
 from mtrace_live.tracer.processes.providers import every_pid
 from mtrace_live.tracer.processes.target import process_state
@@ -61,9 +61,7 @@ def python_defines() -> dict[str, int]:
     thread.fsbase, from the kernel's BTF); {} where that cannot be read
     (stacks keep the eval loop's frames)."""
     try:
-        with KernelBtf() as btf:
-            thread = btf.member("task_struct", "thread")
-            fsbase = btf.member("thread_struct", "fsbase")
+        (thread, fsbase), _ = kernel_facts([("task_struct", "thread"), ("thread_struct", "fsbase")])
     except BtfUnavailable:
         return {}
     if thread is None or fsbase is None or fsbase[1] != 8:

@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 from elftools.elf.elffile import ELFFile
 from mtrace_live.probes.elf.cfi import ROW, CfiTable, cfi_of
+from mtrace_live.probes.elf.facts import private_file
 from mtrace_live.probes.elf.file import LoadSegment
 from mtrace_live.probes.program import part_constants
 from mtrace_live.probes.records import UNWIND_FILE_DTYPE, UNWIND_FILE_KEY_DTYPE
-from mtrace_live.tracer.bpf.bpf_cache import private_file
 
 DEFAULT_CACHE = Path("/var/cache/mtrace-live/cfi")
 CACHE_FORMAT = 2  # 2: rows read by probes/elf/cfi_rows.c (malformed entries as CFA_OTHER)
@@ -51,7 +51,8 @@ class RowCache:
         path = self._path(ident) if ident else None
         if path is None:
             return None
-        with contextlib.suppress(OSError, ValueError):
+        # (a damaged header: ValueError, SyntaxError from its literal)
+        with contextlib.suppress(OSError, ValueError, SyntaxError):
             if private_file(path) and private_file(path.parent):
                 rows = np.load(path, allow_pickle=False)
                 if rows.dtype == ROW and rows.ndim == 1:

@@ -45,6 +45,7 @@ import numpy as np
 from mtrace_live.exporters.data.file_frames import FileFrames, NumberedFile
 from mtrace_live.exporters.data.processes import proc_dir
 from mtrace_live.probes.elf.cfi import ROW
+from mtrace_live.probes.elf.facts import file_fact
 from mtrace_live.probes.elf.file import (
     ELF_FAILURES,
     LoadSegment,
@@ -64,7 +65,7 @@ from mtrace_live.probes.records import (
     UNWIND_PROC_DTYPE,
 )
 from mtrace_live.tracer.bpf.bpf_backend import BpfProgram
-from mtrace_live.tracer.bpf.kernel_btf import BtfUnavailable, KernelBtf
+from mtrace_live.tracer.bpf.kernel_btf import BtfUnavailable, kernel_facts
 from mtrace_live.tracer.processes.holds import Holds
 from mtrace_live.tracer.unwind.unwind_room import Extents
 from mtrace_live.tracer.unwind.unwind_rows import (
@@ -123,13 +124,14 @@ def vma_defines() -> dict[str, int]:
     {} (a PC outside a process's tables is walked by frame pointers) where
     not."""
     try:
-        with KernelBtf() as btf:
-            if not btf.has_function("bpf_find_vma"):
-                return {}
-            found = {name: btf.member(struct, member)
-                     for name, (struct, member, _) in _VMA_MEMBERS.items()}  # fmt: skip
+        members, (has_find_vma,) = kernel_facts(
+            [(struct, member) for struct, member, _ in _VMA_MEMBERS.values()], ["bpf_find_vma"]
+        )
     except BtfUnavailable:
         return {}
+    if not has_find_vma:
+        return {}
+    found = dict(zip(_VMA_MEMBERS, members, strict=True))
     if any(found[name] is None or found[name][1] != size  # type: ignore[index]
            for name, (_, _, size) in _VMA_MEMBERS.items()):  # fmt: skip
         return {}
@@ -170,6 +172,7 @@ def loader_beside(libc: Path) -> Path | None:
     return next(iter(sorted(libc.parent.glob("ld-linux*.so*"))), None)
 
 
+@file_fact
 def rtld_state(loader: Path) -> tuple[int, int] | None:
     """_dl_debug_state's file offset in the dynamic loader, and the distance
     from it to _r_debug.r_state (None where either is not exported)."""

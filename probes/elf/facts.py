@@ -1,0 +1,276 @@
+"""Facts of files, kept between runs: what a start reads from ELF files.
+
+A trace's start reads the same files each time for the same answers: the
+libc's allocation functions' sites (its code disassembled), exported
+functions' offsets, the lock-wait site, the loader's state symbol, the
+arena's symbols, each allocator's and interpreter's facts. A function that
+reads such a fact from a file is decorated with ``file_fact``: its answer is
+kept in one JSON document under the file's identity (device, inode, size
+and modification time) and the arguments it was asked with, so that a warm
+start reads that one document instead of parsing ELF files, and a changed
+file is read again alone (the others' facts stay).
+
+The document (``files/facts.json``) is kept in the plan cache's directory
+(``MTRACE_LIVE_PLAN_CACHE``, default /var/cache/mtrace-live/derived; ``off``
+keeps nothing), with the code that read the facts (a digest of the
+sources' sizes and times): a new mtrace-live reads them again. A document
+(or directory) another user owns or could write is ignored, as is one that
+does not parse; a value is only ever decoded into the types registered for
+it (``kept_type``). Writing it is left for ``save``, once the trace is on,
+and errors there are ignored: the cache only ever saves time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+DEFAULT_DIR = Path("/var/cache/mtrace-live/derived")
+ENVIRONMENT = "MTRACE_LIVE_PLAN_CACHE"
+FOLDER, NAME = "files", "facts.json"  # in a folder of its own: the plans' files are pruned
+FORMAT = 1
+LIBRARIES = ("capstone", "elftools")  # what reads the facts beside the project's code
+KEEP_FILES = 256  # the files whose facts are kept, the least recently used dropped first
+
+T = TypeVar("T")
+_TYPES: dict[str, type] = {}
+_MISSING = object()
+
+
+def plan_cache_dir() -> Path | None:
+    """Where start plans are kept; None: not kept (``off``)."""
+    configured = os.environ.get(ENVIRONMENT, "")
+    if configured == "off":
+        return None
+    return Path(configured) if configured else DEFAULT_DIR
+
+
+def private_file(path: Path) -> bool:
+    """Owned by this user and writable by no one else."""
+    status = path.stat()
+    return status.st_uid == os.geteuid() and not status.st_mode & 0o022
+
+
+def write_private_json(path: Path, document: object) -> None:
+    """Write ``document`` to ``path`` atomically, in a directory only this
+    user may write. Raises OSError, TypeError or ValueError."""
+    import tempfile  # (not on a warm start's path: it imports random)
+
+    directory = path.parent
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as tmp:
+        try:
+            json.dump(document, tmp)
+        except BaseException:
+            os.unlink(tmp.name)
+            raise
+    os.replace(tmp.name, path)
+
+
+def kept_type(cls: type[T]) -> type[T]:
+    """Register a dataclass or named tuple as a type facts may hold."""
+    _TYPES[cls.__qualname__] = cls
+    return cls
+
+
+def identity(path: Path) -> str | None:
+    """What tells this file from another, or another version of it; None
+    where it cannot be looked at."""
+    try:
+        status = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return f"{status.st_dev}:{status.st_ino}:{status.st_size}:{status.st_mtime_ns}"
+
+
+def encode(value: Any) -> Any:
+    """``value`` as JSON. Raises TypeError for what it cannot hold."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, Path):
+        return {"~p": str(value)}
+    if isinstance(value, bytes):
+        return {"~b": value.hex()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        members = {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {"~d": type(value).__qualname__, "f": members}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return {"~n": type(value).__qualname__, "f": [encode(item) for item in value]}
+    if isinstance(value, tuple):
+        return {"~t": [encode(item) for item in value]}
+    if isinstance(value, list):
+        return [encode(item) for item in value]
+    if isinstance(value, (set, frozenset)):
+        return {"~s": sorted((encode(item) for item in value), key=json.dumps)}
+    if isinstance(value, Mapping):
+        return {"~m": [[encode(k), encode(v)] for k, v in value.items()]}
+    raise TypeError(f"a fact cannot hold a {type(value).__name__}")
+
+
+def decode(value: Any) -> Any:
+    """What ``encode`` made, made again. Raises TypeError, KeyError or
+    ValueError on what it did not make."""
+    if isinstance(value, list):
+        return [decode(item) for item in value]
+    if not isinstance(value, dict):
+        return value
+    if "~p" in value:
+        return Path(value["~p"])
+    if "~b" in value:
+        return bytes.fromhex(value["~b"])
+    if "~d" in value:
+        cls = _TYPES[value["~d"]]
+        return cls(**{name: decode(item) for name, item in value["f"].items()})
+    if "~n" in value:
+        return _TYPES[value["~n"]](*(decode(item) for item in value["f"]))
+    if "~t" in value:
+        return tuple(decode(item) for item in value["~t"])
+    if "~s" in value:
+        return frozenset(decode(item) for item in value["~s"])
+    if "~m" in value:
+        return {decode(k): decode(v) for k, v in value["~m"]}
+    raise ValueError("not an encoded fact")
+
+
+@functools.cache
+def code_version() -> str:
+    """The code that reads the facts: a digest of the project's sources'
+    and the libraries' names, sizes and times (a stat each; nothing is read
+    or imported)."""
+    here = Path(__file__).resolve().parent  # probes/elf
+    digest = [str(FORMAT)]
+    for library in LIBRARIES:  # their versions: their packages' first files
+        with contextlib.suppress(ImportError, ValueError, OSError, TypeError):
+            spec = importlib.util.find_spec(library)
+            origin = spec.origin if spec is not None else None
+            if origin:
+                status = os.stat(origin)
+                digest.append(f"{origin}:{status.st_size}:{status.st_mtime_ns}")
+    for root in (here.parent, here.parent.parent / "tracer"):
+        for folder, _, names in sorted(os.walk(root)):
+            for name in sorted(names):
+                if name.endswith(".py"):
+                    with contextlib.suppress(OSError):
+                        status = os.stat(os.path.join(folder, name))
+                        digest.append(f"{folder}/{name}:{status.st_size}:{status.st_mtime_ns}")
+    return hashlib.sha256("\n".join(digest).encode()).hexdigest()
+
+
+class FactStore:
+    """The document: file identity -> {"used": when, "facts": {key: value}}."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.files: dict[str, dict[str, Any]] = {}
+        self.dirty = False
+        self.hits = self.misses = 0
+        if path is not None:
+            self._read(path)
+
+    def _read(self, path: Path) -> None:
+        with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+            if not (private_file(path.parent) and private_file(path)):
+                return
+            document = json.loads(path.read_bytes())
+            if document.get("format") == FORMAT and document.get("code") == code_version():
+                files = document["files"]
+                if isinstance(files, dict):
+                    self.files = files
+
+    def get(self, ident: str, key: str) -> Any:
+        entry = self.files.get(ident)
+        if not isinstance(entry, dict) or key not in entry.get("facts", {}):
+            self.misses += 1
+            return _MISSING
+        try:
+            value = decode(entry["facts"][key])
+        except (TypeError, KeyError, ValueError, AttributeError):
+            self.misses += 1
+            return _MISSING
+        entry["used"] = time.time()
+        self.hits += 1
+        return value
+
+    def put(self, ident: str, key: str, value: Any) -> None:
+        try:
+            encoded = encode(value)
+        except TypeError:
+            return
+        entry = self.files.setdefault(ident, {"facts": {}})
+        entry["used"] = time.time()
+        entry.setdefault("facts", {})[key] = encoded
+        self.dirty = True
+
+    def save(self) -> None:
+        """Write the document where a fact was added; errors are ignored."""
+        if self.path is None or not self.dirty:
+            return
+        self.dirty = False
+        kept = sorted(self.files.items(), key=lambda item: -float(item[1].get("used", 0)))
+        document = {"format": FORMAT, "code": code_version(), "files": dict(kept[:KEEP_FILES])}
+        with contextlib.suppress(OSError, TypeError, ValueError):
+            write_private_json(self.path, document)
+
+
+_STORE: FactStore | None = None
+
+
+def store() -> FactStore:
+    """This process's store, read at first use (and again where the plan
+    cache's directory was changed since)."""
+    global _STORE
+    directory = plan_cache_dir()
+    path = directory / FOLDER / NAME if directory is not None else None
+    if _STORE is None or _STORE.path != path:
+        _STORE = FactStore(path)
+    return _STORE
+
+
+def save() -> None:
+    """Keep what this process learned (once the trace is on: the writing
+    is not on the start's path)."""
+    if _STORE is not None:
+        _STORE.save()
+
+
+def _argument(value: Any) -> Any:
+    """An argument as part of a fact's key: a file by its identity too."""
+    if isinstance(value, Path):
+        return {"~p": str(value), "id": identity(value)}
+    return encode(value)
+
+
+def file_fact(function: Callable[..., T]) -> Callable[..., T]:
+    """Keep ``function(path, ...)``'s answers by the file's identity and the
+    arguments: a fact of the file's content, whatever path reaches it.
+    Where it raises, nothing is kept (it raises again the next time)."""
+    name = f"{function.__module__}.{function.__qualname__}"
+
+    @functools.wraps(function)
+    def kept(path: Path, *args: Any, **kwargs: Any) -> T:
+        facts = store()
+        ident = identity(path) if facts.path is not None else None
+        if ident is None:
+            return function(path, *args, **kwargs)
+        try:
+            key = json.dumps([name, [_argument(a) for a in args],
+                              sorted((k, _argument(v)) for k, v in kwargs.items())])  # fmt: skip
+        except TypeError:
+            return function(path, *args, **kwargs)
+        found = facts.get(ident, key)
+        if found is not _MISSING:
+            return found  # type: ignore[no-any-return]
+        value = function(path, *args, **kwargs)
+        facts.put(ident, key, value)
+        return value
+
+    return kept

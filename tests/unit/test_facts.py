@@ -1,0 +1,168 @@
+"""Facts of files kept between runs (probes/elf/facts.py), on this machine's
+libc, without root: a fact read back is the fact the file gives, a changed
+file is read again alone, and a document that cannot be trusted or read is
+never used."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from mtrace_live.probes import alloc_sites as sites_module
+from mtrace_live.probes import lock_sites
+from mtrace_live.probes.alloc_sites import alloc_sites
+from mtrace_live.probes.elf import facts
+from mtrace_live.probes.elf.symbols import exported_offset
+from mtrace_live.probes.lock_sites import lock_wait_site
+from mtrace_live.tracer.processes.target import default_libc
+
+read_sites = inspect.unwrap(alloc_sites)  # the sites read from the file itself, never kept
+
+
+@pytest.fixture
+def cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """The plan cache in a folder of the test's; its document's path."""
+    directory = tmp_path / "plans"
+    monkeypatch.setenv(facts.ENVIRONMENT, str(directory))
+    return directory / facts.FOLDER / facts.NAME
+
+
+@pytest.fixture
+def libc(tmp_path: Path) -> Path:
+    """A copy of this machine's libc, to change."""
+    copy = tmp_path / "libc.so.6"
+    shutil.copyfile(default_libc(), copy)
+    return copy
+
+
+def next_run() -> facts.FactStore:
+    """What the next trace's start reads: the document, anew."""
+    facts.save()
+    facts._STORE = None
+    return facts.store()
+
+
+def unreadable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From here on, reading an ELF file for sites fails: a fact given now
+    comes from the document."""
+
+    def refuse(*_: object, **__: object) -> None:
+        raise AssertionError("the file was read again")
+
+    monkeypatch.setattr(sites_module, "open_elf", refuse)
+    monkeypatch.setattr(lock_sites, "open_elf", refuse)
+
+
+def test_facts_read_back_are_what_the_file_gives(
+    cache: Path, libc: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # GIVEN the libc's sites, lock-wait site and an exported offset, read once and kept
+    sites = alloc_sites(libc)
+    lock = lock_wait_site(libc)
+    offset = exported_offset(libc, "pthread_exit")
+    assert sites and lock is not None and offset is not None
+    store = next_run()
+    assert cache.is_file()
+    assert not cache.stat().st_mode & 0o077 and not cache.parent.stat().st_mode & 0o077
+    # WHEN the next start asks for them, the file unreadable for them
+    unreadable(monkeypatch)
+    # THEN each is given whole from the document, equal to the file's own
+    # (read without the cache before the file was made unreadable)
+    assert alloc_sites(libc) == sites
+    assert lock_wait_site(libc) == lock
+    assert exported_offset(libc, "pthread_exit") == offset
+    assert (store.hits, store.misses) == (3, 0)
+
+
+def test_the_facts_equal_reading_the_file_without_the_cache(cache: Path, libc: Path) -> None:
+    kept = alloc_sites(libc, follow_moves=True)
+    next_run()
+    assert alloc_sites(libc, follow_moves=True) == read_sites(libc, follow_moves=True)
+    assert kept == read_sites(libc, follow_moves=True)
+    # (other arguments are another fact)
+    assert alloc_sites(libc) == read_sites(libc)
+
+
+def test_a_changed_file_is_read_again_alone(cache: Path, libc: Path, tmp_path: Path) -> None:
+    # GIVEN the facts of two files kept
+    other = tmp_path / "other.so"
+    shutil.copyfile(default_libc(), other)
+    alloc_sites(libc)
+    alloc_sites(other)
+    next_run()
+    # WHEN one of them changes (a byte more: another size and time)
+    with open(libc, "ab") as file:
+        file.write(b"\0")
+    store = facts.store()
+    # THEN its facts are read again, from the file as it is now
+    assert alloc_sites(libc) == read_sites(libc)
+    assert (store.hits, store.misses) == (0, 1)
+    # AND the other's are still kept
+    alloc_sites(other)
+    assert (store.hits, store.misses) == (1, 1)
+
+
+@pytest.mark.parametrize("spoil", ["writable", "garbage", "foreign type", "other code"])
+def test_a_document_that_cannot_be_trusted_or_read_is_never_used(
+    cache: Path, libc: Path, monkeypatch: pytest.MonkeyPatch, spoil: str
+) -> None:
+    # GIVEN a kept document, then spoiled
+    alloc_sites(libc)
+    next_run()
+    document = json.loads(cache.read_text())
+    if spoil == "writable":
+        os.chmod(cache, 0o666)  # anyone could have written it
+    elif spoil == "garbage":
+        cache.write_text("{not json")
+    elif spoil == "foreign type":  # a value naming a type never registered
+        for entry in document["files"].values():
+            for key in entry["facts"]:
+                entry["facts"][key] = {"~m": [["malloc", {"~d": "Popen", "f": {"args": "sh"}}]]}
+        cache.write_text(json.dumps(document))
+    else:  # facts read by another version of the code
+        document["code"] = "0" * 64
+        cache.write_text(json.dumps(document))
+    facts._STORE = None
+    # WHEN the next start asks for the sites
+    store = facts.store()
+    found = alloc_sites(libc)
+    # THEN they are read from the file, not the document
+    assert store.hits == 0 and store.misses == 1
+    assert found == read_sites(libc)
+
+
+def test_nothing_is_kept_with_the_cache_off(monkeypatch: pytest.MonkeyPatch, libc: Path,
+                                            tmp_path: Path) -> None:  # fmt: skip
+    monkeypatch.setenv(facts.ENVIRONMENT, "off")
+    facts._STORE = None
+    assert alloc_sites(libc) == read_sites(libc)
+    facts.save()
+    assert facts.store().path is None and not facts.store().files
+
+
+def test_an_unwritable_cache_never_fails_a_start(monkeypatch: pytest.MonkeyPatch, libc: Path,
+                                                 tmp_path: Path) -> None:  # fmt: skip
+    # GIVEN a plan cache whose directory is a file (it cannot be made)
+    blocked = tmp_path / "blocked"
+    blocked.write_text("")
+    monkeypatch.setenv(facts.ENVIRONMENT, str(blocked))
+    facts._STORE = None
+    # WHEN facts are read and kept, THEN they are the file's, and saving says nothing
+    assert alloc_sites(libc) == read_sites(libc)
+    facts.save()
+
+
+@pytest.mark.parametrize("value", [None, 7, "x", (1, "a"), [1, (2, 3)], frozenset({"a", "b"}),
+                                   {"k": (1, None)}, {(1, 2): "tuple key"}, b"\x00\xff",
+                                   Path("/usr/lib")])  # fmt: skip
+def test_plain_values_survive_the_document(value: object) -> None:
+    assert facts.decode(json.loads(json.dumps(facts.encode(value)))) == value
+
+
+def test_a_value_of_an_unknown_kind_is_not_kept() -> None:
+    with pytest.raises(TypeError):
+        facts.encode(object())
