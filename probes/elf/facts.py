@@ -10,10 +10,11 @@ and modification time) and the arguments it was asked with, so that a warm
 start reads that one document instead of parsing ELF files, and a changed
 file is read again alone (the others' facts stay).
 
-The document (``files/facts.json``) is kept in the plan cache's directory
+The document (``files/facts-CODE.json``) is kept in the plan cache's directory
 (``MTRACE_LIVE_PLAN_CACHE``, default /var/cache/mtrace-live/derived; ``off``
-keeps nothing), with the code that read the facts (a digest of the
-sources' sizes and times): a new mtrace-live reads them again. A document
+keeps nothing), one per version of the code that read the facts (a
+digest of the sources' sizes and times): a new mtrace-live reads them
+again, and another install sharing the cache keeps its own. A document
 (or directory) another user owns or could write is ignored, as is one that
 does not parse; a value is only ever decoded into the types registered for
 it (``kept_type``). Writing it is left for ``save``, once the trace is on,
@@ -36,7 +37,8 @@ from typing import Any, TypeVar
 
 DEFAULT_DIR = Path("/var/cache/mtrace-live/derived")
 ENVIRONMENT = "MTRACE_LIVE_PLAN_CACHE"
-FOLDER, NAME = "files", "facts.json"  # in a folder of its own: the plans' files are pruned
+FOLDER = "files"  # in a folder of its own: the plans' files are pruned
+KEEP_VERSIONS = 4  # documents of other code (another install, an upgrade) kept beside
 FORMAT = 1
 LIBRARIES = ("capstone", "elftools")  # what reads the facts beside the project's code
 KEEP_FILES = 256  # the files whose facts are kept, the least recently used dropped first
@@ -92,7 +94,7 @@ def identity(path: Path) -> str | None:
     return f"{status.st_dev}:{status.st_ino}:{status.st_size}:{status.st_mtime_ns}"
 
 
-def encode(value: Any) -> Any:
+def encode_fact(value: Any) -> Any:
     """``value`` as JSON. Raises TypeError for what it cannot hold."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
@@ -101,26 +103,26 @@ def encode(value: Any) -> Any:
     if isinstance(value, bytes):
         return {"~b": value.hex()}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        members = {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        members = {f.name: encode_fact(getattr(value, f.name)) for f in dataclasses.fields(value)}
         return {"~d": type(value).__qualname__, "f": members}
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return {"~n": type(value).__qualname__, "f": [encode(item) for item in value]}
+        return {"~n": type(value).__qualname__, "f": [encode_fact(item) for item in value]}
     if isinstance(value, tuple):
-        return {"~t": [encode(item) for item in value]}
+        return {"~t": [encode_fact(item) for item in value]}
     if isinstance(value, list):
-        return [encode(item) for item in value]
+        return [encode_fact(item) for item in value]
     if isinstance(value, (set, frozenset)):
-        return {"~s": sorted((encode(item) for item in value), key=json.dumps)}
+        return {"~s": sorted((encode_fact(item) for item in value), key=json.dumps)}
     if isinstance(value, Mapping):
-        return {"~m": [[encode(k), encode(v)] for k, v in value.items()]}
+        return {"~m": [[encode_fact(k), encode_fact(v)] for k, v in value.items()]}
     raise TypeError(f"a fact cannot hold a {type(value).__name__}")
 
 
-def decode(value: Any) -> Any:
-    """What ``encode`` made, made again. Raises TypeError, KeyError or
+def decode_fact(value: Any) -> Any:
+    """What ``encode_fact`` made, made again. Raises TypeError, KeyError or
     ValueError on what it did not make."""
     if isinstance(value, list):
-        return [decode(item) for item in value]
+        return [decode_fact(item) for item in value]
     if not isinstance(value, dict):
         return value
     if "~p" in value:
@@ -129,15 +131,15 @@ def decode(value: Any) -> Any:
         return bytes.fromhex(value["~b"])
     if "~d" in value:
         cls = _TYPES[value["~d"]]
-        return cls(**{name: decode(item) for name, item in value["f"].items()})
+        return cls(**{name: decode_fact(item) for name, item in value["f"].items()})
     if "~n" in value:
-        return _TYPES[value["~n"]](*(decode(item) for item in value["f"]))
+        return _TYPES[value["~n"]](*(decode_fact(item) for item in value["f"]))
     if "~t" in value:
-        return tuple(decode(item) for item in value["~t"])
+        return tuple(decode_fact(item) for item in value["~t"])
     if "~s" in value:
-        return frozenset(decode(item) for item in value["~s"])
+        return frozenset(decode_fact(item) for item in value["~s"])
     if "~m" in value:
-        return {decode(k): decode(v) for k, v in value["~m"]}
+        return {decode_fact(k): decode_fact(v) for k, v in value["~m"]}
     raise ValueError("not an encoded fact")
 
 
@@ -192,7 +194,7 @@ class FactStore:
             self.misses += 1
             return _MISSING
         try:
-            value = decode(entry["facts"][key])
+            value = decode_fact(entry["facts"][key])
         except (TypeError, KeyError, ValueError, AttributeError):
             self.misses += 1
             return _MISSING
@@ -202,7 +204,7 @@ class FactStore:
 
     def put(self, ident: str, key: str, value: Any) -> None:
         try:
-            encoded = encode(value)
+            encoded = encode_fact(value)
         except TypeError:
             return
         entry = self.files.setdefault(ident, {"facts": {}})
@@ -219,17 +221,26 @@ class FactStore:
         document = {"format": FORMAT, "code": code_version(), "files": dict(kept[:KEEP_FILES])}
         with contextlib.suppress(OSError, TypeError, ValueError):
             write_private_json(self.path, document)
+            others = sorted(self.path.parent.glob("facts-*.json"), key=lambda p: -p.stat().st_mtime)
+            for stale in others[KEEP_VERSIONS:]:
+                stale.unlink()
+
+
+def document_name() -> str:
+    """This code's document: one per version of the code, so that two
+    installs sharing the cache do not replace each other's facts."""
+    return f"facts-{code_version()[:16]}.json"
 
 
 _STORE: FactStore | None = None
 
 
-def store() -> FactStore:
+def fact_store() -> FactStore:
     """This process's store, read at first use (and again where the plan
     cache's directory was changed since)."""
     global _STORE
     directory = plan_cache_dir()
-    path = directory / FOLDER / NAME if directory is not None else None
+    path = directory / FOLDER / document_name() if directory is not None else None
     if _STORE is None or _STORE.path != path:
         _STORE = FactStore(path)
     return _STORE
@@ -246,7 +257,7 @@ def _argument(value: Any) -> Any:
     """An argument as part of a fact's key: a file by its identity too."""
     if isinstance(value, Path):
         return {"~p": str(value), "id": identity(value)}
-    return encode(value)
+    return encode_fact(value)
 
 
 def file_fact(function: Callable[..., T]) -> Callable[..., T]:
@@ -257,7 +268,7 @@ def file_fact(function: Callable[..., T]) -> Callable[..., T]:
 
     @functools.wraps(function)
     def kept(path: Path, *args: Any, **kwargs: Any) -> T:
-        facts = store()
+        facts = fact_store()
         ident = identity(path) if facts.path is not None else None
         if ident is None:
             return function(path, *args, **kwargs)

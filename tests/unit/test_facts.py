@@ -28,7 +28,7 @@ def cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """The plan cache in a folder of the test's; its document's path."""
     directory = tmp_path / "plans"
     monkeypatch.setenv(facts.ENVIRONMENT, str(directory))
-    return directory / facts.FOLDER / facts.NAME
+    return directory / facts.FOLDER / facts.document_name()
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def next_run() -> facts.FactStore:
     """What the next trace's start reads: the document, anew."""
     facts.save()
     facts._STORE = None
-    return facts.store()
+    return facts.fact_store()
 
 
 def unreadable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -97,7 +97,7 @@ def test_a_changed_file_is_read_again_alone(cache: Path, libc: Path, tmp_path: P
     # WHEN one of them changes (a byte more: another size and time)
     with open(libc, "ab") as file:
         file.write(b"\0")
-    store = facts.store()
+    store = facts.fact_store()
     # THEN its facts are read again, from the file as it is now
     assert alloc_sites(libc) == read_sites(libc)
     assert (store.hits, store.misses) == (0, 1)
@@ -128,7 +128,7 @@ def test_a_document_that_cannot_be_trusted_or_read_is_never_used(
         cache.write_text(json.dumps(document))
     facts._STORE = None
     # WHEN the next start asks for the sites
-    store = facts.store()
+    store = facts.fact_store()
     found = alloc_sites(libc)
     # THEN they are read from the file, not the document
     assert store.hits == 0 and store.misses == 1
@@ -141,7 +141,7 @@ def test_nothing_is_kept_with_the_cache_off(monkeypatch: pytest.MonkeyPatch, lib
     facts._STORE = None
     assert alloc_sites(libc) == read_sites(libc)
     facts.save()
-    assert facts.store().path is None and not facts.store().files
+    assert facts.fact_store().path is None and not facts.fact_store().files
 
 
 def test_an_unwritable_cache_never_fails_a_start(monkeypatch: pytest.MonkeyPatch, libc: Path,
@@ -160,9 +160,9 @@ def test_an_unwritable_cache_never_fails_a_start(monkeypatch: pytest.MonkeyPatch
                                    {"k": (1, None)}, {(1, 2): "tuple key"}, b"\x00\xff",
                                    Path("/usr/lib")])  # fmt: skip
 def test_plain_values_survive_the_document(value: object) -> None:
-    assert facts.decode(json.loads(json.dumps(facts.encode(value)))) == value
+    assert facts.decode_fact(json.loads(json.dumps(facts.encode_fact(value)))) == value
 
 
 def test_a_value_of_an_unknown_kind_is_not_kept() -> None:
     with pytest.raises(TypeError):
-        facts.encode(object())
+        facts.encode_fact(object())
