@@ -296,17 +296,15 @@ KERNEL_TEXT = [
     "link per handler and file (25 links for a `--pid` trace of the system libc, against "
     "34 perf events) plus the tracepoints' perf events, which are still one each.",
     "",
-    "Where a warm `--pid` start goes (one start timed by hand, function by function, on this "
-    "machine): the interpreter and the imports, 0.2 to 0.28 s (Python with numpy, bcc, click "
-    "and pyelftools alone takes 0.20 s); choosing the probes from the kept plan, 0.05 to "
-    "0.08 s; the providers and the arena symbols, 0.05 s; making the program's 45 maps and "
-    "loading its cached code, 0.09 to 0.15 s (the maps 0.03 s, bcc's library 0.03 s); the "
-    "kernel's verifier on the uprobe programs loaded for links, 0.04 s (28 programs; "
-    "`alloc_return` 14 ms of it); the links, 0.02 s. The CFI unwinder's step "
-    "(`unwind_step`) was the largest single cost: the verifier follows every frame it "
-    "unwinds, 144 ms at 32 frames a step. It now unwinds 8 frames a step (40 ms; a whole "
-    "walk is 18 of the kernel's 33 tail calls). The goals are not met: the interpreter and "
-    "the libraries mtrace-live is built on take about two thirds of the 0.3 s before any "
-    "of the work, and the kernel's verification of the programs, one after the other, most "
-    "of the rest.",
+    "Where a warm `--pid` start goes (a profile of one start, this machine, after issue 60's "
+    "first steps): the interpreter and the imports, about 0.2 s (numpy, pyelftools, capstone "
+    "and the project's own modules are still imported on the start's path); the facts the "
+    "start reads of files (sites, offsets, symbols, build-ids, BTF offsets) now come from one "
+    "document (probes/elf/facts.py), about 0.15 s less than parsing and disassembling the "
+    "files; the program's 63 maps, about 0.04 s; the verifier on its uprobe programs, 0.1 to "
+    "0.2 s of CPU, now from two threads that let the interpreter lock go, begun before the "
+    "imports where the start's options were seen before (tracer/bpf/preload.py); bcc's "
+    "library, about 0.03 s, still loaded for the tables and the tracepoints' attaches. The "
+    "goals are not met: the imports alone take most of the 0.25 s, and bcc, the tables' "
+    "writes and one compiled program per set of options are still to go (issue 60).",
 ]
