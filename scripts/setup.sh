@@ -200,4 +200,12 @@ fi
 # from source at every start (about 40 ms). Only stale files are rewritten.
 "$VENV/bin/python" -m compileall -q "$REPO/probes" "$REPO/tracer" "$REPO/exporters" >/dev/null \
   || say "could not byte-compile mtrace-live's modules (start-up is slower, nothing else changes)"
+# ---- the caches a first trace reads ------------------------------------------
+# The BPF programs and the libc's facts of the traces a new user starts
+# first, so that the first one is warm (MTRACE_LIVE_SETUP_WARM=0 skips it).
+if [ "$(id -u)" = 0 ] && [ "${MTRACE_LIVE_SETUP_WARM:-1}" = 1 ]; then
+  say "compiling the BPF programs of a first trace (about 15 s, once)"
+  bash "$REPO/scripts/warm-caches.sh" "$VENV/bin/mtrace-live" \
+    || say "$? of 5 first traces could not be compiled now (see /tmp/mtrace-live-warm.log): each compiles at its first start instead"
+fi
 say "ready: $("$VENV/bin/mtrace-live" --version)"

@@ -10,10 +10,11 @@ and modification time) and the arguments it was asked with, so that a warm
 start reads that one document instead of parsing ELF files, and a changed
 file is read again alone (the others' facts stay).
 
-The document (``files/facts.json``) is kept in the plan cache's directory
+The document (``files/facts-CODE.json``) is kept in the plan cache's directory
 (``MTRACE_LIVE_PLAN_CACHE``, default /var/cache/mtrace-live/derived; ``off``
-keeps nothing), with the code that read the facts (a digest of the
-sources' sizes and times): a new mtrace-live reads them again. A document
+keeps nothing), one per version of the code that read the facts (a
+digest of the sources' sizes and times): a new mtrace-live reads them
+again, and another install sharing the cache keeps its own. A document
 (or directory) another user owns or could write is ignored, as is one that
 does not parse; a value is only ever decoded into the types registered for
 it (``kept_type``). Writing it is left for ``save``, once the trace is on,
@@ -36,7 +37,8 @@ from typing import Any, TypeVar
 
 DEFAULT_DIR = Path("/var/cache/mtrace-live/derived")
 ENVIRONMENT = "MTRACE_LIVE_PLAN_CACHE"
-FOLDER, NAME = "files", "facts.json"  # in a folder of its own: the plans' files are pruned
+FOLDER = "files"  # in a folder of its own: the plans' files are pruned
+KEEP_VERSIONS = 4  # documents of other code (another install, an upgrade) kept beside
 FORMAT = 1
 LIBRARIES = ("capstone", "elftools")  # what reads the facts beside the project's code
 KEEP_FILES = 256  # the files whose facts are kept, the least recently used dropped first
@@ -219,6 +221,15 @@ class FactStore:
         document = {"format": FORMAT, "code": code_version(), "files": dict(kept[:KEEP_FILES])}
         with contextlib.suppress(OSError, TypeError, ValueError):
             write_private_json(self.path, document)
+            others = sorted(self.path.parent.glob("facts-*.json"), key=lambda p: -p.stat().st_mtime)
+            for stale in others[KEEP_VERSIONS:]:
+                stale.unlink()
+
+
+def document_name() -> str:
+    """This code's document: one per version of the code, so that two
+    installs sharing the cache do not replace each other's facts."""
+    return f"facts-{code_version()[:16]}.json"
 
 
 _STORE: FactStore | None = None
@@ -229,7 +240,7 @@ def fact_store() -> FactStore:
     cache's directory was changed since)."""
     global _STORE
     directory = plan_cache_dir()
-    path = directory / FOLDER / NAME if directory is not None else None
+    path = directory / FOLDER / document_name() if directory is not None else None
     if _STORE is None or _STORE.path != path:
         _STORE = FactStore(path)
     return _STORE

@@ -24,10 +24,13 @@ FROM_CACHE = "debug: BPF program trace loaded from the cache in"
 UNUSABLE = "warning: the cached BPF program is unusable, compiled it anew"
 
 
-def traced(cache: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """mtrace-live ARGS with ``cache`` as its program cache, saying in its
-    start-up report where its program came from."""
+def traced(cache: Path, *args: str, plans: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """mtrace-live ARGS with ``cache`` as its program cache (and ``plans``
+    as its plan cache), saying in its start-up report where its program
+    came from."""
     env = {**os.environ, "MTRACE_LIVE_BPF_CACHE": str(cache), "MTRACE_LIVE_DEBUG": "1"}
+    if plans is not None:
+        env["MTRACE_LIVE_PLAN_CACHE"] = str(plans)
     return subprocess.run([*MTRACE, *args], capture_output=True, text=True, timeout=300, env=env)
 
 
@@ -73,30 +76,65 @@ def test_a_live_trace_loaded_from_the_cache_counts_every_probe_and_allocation(
         assert seen == truth
 
 
-def test_allocations_traced_from_the_cache_are_exact_per_call_site(tmp_path: Path) -> None:
-    # GIVEN an empty cache, and the allocation workload run twice under `run`
-    cache = tmp_path / "cache"
-    for attempt, expected in enumerate(["compiled", "cache"]):
-        truth_file = tmp_path / f"truth{attempt}.json"
-        done = traced(cache, "run", "-o", "json", "--", str(built("alloc_workload")),
-                      "--out", str(truth_file))  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        # WHEN the second loads what the first compiled
-        assert origin(done) == expected
-        # THEN each counted every call site's calls, bytes and leaks exactly
-        truth = json.loads(truth_file.read_text())
-        tables: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        for line in done.stdout.splitlines():
-            record = json.loads(line)
-            if "table" in record:
-                tables[record["table"]].append(record)
-        found = by_site(tables["alloc_stacks"])
-        for site in truth["sites"]:
-            got = found[(site["function"], site["fn"])]
-            assert (got["calls"], got["bytes"], got["live_bytes"]) == (
-                site["calls"], site["bytes"], site["leaked_bytes"]), (attempt, site)  # fmt: skip
-        (functions,) = tables["alloc_functions"]
-        assert functions["lost_events"] == 0
+def exact_per_call_site(done: subprocess.CompletedProcess[str], truth_file: Path) -> None:
+    """Every call site's calls, bytes and leaks, as the workload counted
+    them, and no event lost."""
+    assert done.returncode == 0, done.stderr
+    truth = json.loads(truth_file.read_text())
+    tables: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for line in done.stdout.splitlines():
+        record = json.loads(line)
+        if "table" in record:
+            tables[record["table"]].append(record)
+    found = by_site(tables["alloc_stacks"])
+    for site in truth["sites"]:
+        got = found[(site["function"], site["fn"])]
+        assert (got["calls"], got["bytes"], got["live_bytes"]) == (
+            site["calls"], site["bytes"], site["leaked_bytes"]), site  # fmt: skip
+    (functions,) = tables["alloc_functions"]
+    assert functions["lost_events"] == 0
+
+
+EARLY = "its maps and uprobe programs made while the start planned"
+
+
+def test_allocations_from_the_cache_are_exact_and_a_known_start_takes_what_was_made_early(
+    tmp_path: Path,
+) -> None:
+    cache, plans = tmp_path / "cache", tmp_path / "plans"
+
+    def workload(*options: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+        truth_file = tmp_path / "truth.json"
+        done = traced(cache, "run", *options, "-o", "json", "--", str(built("alloc_workload")),
+                      "--out", str(truth_file), plans=plans)  # fmt: skip
+        return done, truth_file
+
+    # GIVEN a start that compiled its program (and counted exactly), its
+    # options kept with its key
+    first = workload()
+    assert origin(first[0]) == "compiled" and EARLY not in first[0].stderr
+    exact_per_call_site(*first)
+    # WHEN a start with the same options comes
+    again = workload()
+    # THEN it loaded the program from the cache, took the maps and programs
+    # made while it planned, and counted exactly
+    assert origin(again[0]) == "cache" and EARLY in again[0].stderr, again[0].stderr
+    exact_per_call_site(*again)
+    # GIVEN a wrong guess: those options kept with another program's key
+    assert origin(workload("--no-lock-times")[0]) == "compiled"
+    (document,) = (plans / "files").glob("facts-*.json")
+    kept = json.loads(document.read_text())
+    starts = {k: v for k, v in kept["files"].items() if k.startswith("start:")}
+    keys = {entry["facts"]["program"] for entry in starts.values()}
+    assert len(starts) == 2 and len(keys) == 2
+    for entry in starts.values():  # each other's
+        entry["facts"]["program"] = (keys - {entry["facts"]["program"]}).pop()
+    document.write_text(json.dumps(kept))
+    # WHEN the first options start again
+    wrong = workload()
+    # THEN what was made is closed, its own program loaded, and it counts exactly
+    assert origin(wrong[0]) == "cache" and EARLY not in wrong[0].stderr, wrong[0].stderr
+    exact_per_call_site(*wrong)
 
 
 def test_kmem_counts_for_one_pid_are_exact_from_the_cache(
@@ -143,3 +181,37 @@ def test_a_cache_that_does_not_parse_is_compiled_over(kmem_exerciser: Path, tmp_
     assert json.loads(damaged.read_text())["functions"]
     again = traced(cache, *argv)
     assert origin(again) == "cache" and UNUSABLE not in again.stderr
+
+
+def at_a_terminal(cache: Path, *args: str) -> str:
+    """What mtrace-live ARGS writes to its stderr when that is a terminal
+    (a pseudo-terminal here), with ``cache`` as its program cache."""
+    import pty
+
+    master, slave = pty.openpty()
+    env = {**os.environ, "MTRACE_LIVE_BPF_CACHE": str(cache)}
+    with subprocess.Popen([*MTRACE, *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                          stderr=slave, env=env) as tracer:  # fmt: skip
+        os.close(slave)
+        said = b""
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the tracer (the terminal's last writer) is gone
+                break
+            if not chunk:
+                break
+            said += chunk
+        assert tracer.wait(timeout=300) == 0, said
+    os.close(master)
+    return said.decode(errors="replace")
+
+
+def test_a_cold_start_says_at_a_terminal_that_it_compiles_and_for_how_long(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    # GIVEN an empty cache: a first start compiles, and says so with the estimate
+    first = at_a_terminal(cache, "run", "-o", "summary", "--", "true")
+    assert "compiling the BPF program for these options (about 3 s, once" in first, first
+    assert float((cache / "last-compile-seconds").read_text()) > 0  # the next one's estimate
+    # WHEN the same start again: loaded from the cache, nothing said
+    assert "compiling" not in at_a_terminal(cache, "run", "-o", "summary", "--", "true")

@@ -237,16 +237,14 @@ def test_a_call_in_flight_while_the_probes_move_is_counted_once_at_its_return(
     assert traced.stops == 0
 
 
-MOVES = 10  # probe_moves's threads that end in turn, main first
-
-
-def test_no_call_is_lost_while_the_probes_move_again_and_again(tmp_path: Path) -> None:
-    # GIVEN probe_moves, whose thread the probes are attached for ends 10
-    # times in turn (main first, then each thread they moved to, the one
+@pytest.mark.parametrize("moves", [4, pytest.param(10, marks=pytest.mark.soak)])
+def test_no_call_is_lost_while_the_probes_move_again_and_again(tmp_path: Path, moves: int) -> None:
+    # GIVEN probe_moves, whose thread the probes are attached for ends
+    # ``moves`` times in turn (main first, then each thread they moved to, the one
     # before it maybe not gone yet), while another thread makes pairs
     # without a pause (the events ring fills), each ending thread lingering
     # in pthread_exit until its probes have moved
-    argv = [str(built("probe_moves")), str(MOVES)]
+    argv = [str(built("probe_moves")), str(moves)]
     err, out = tmp_path / "trace.err", tmp_path / "trace.out"
     with Reaper() as reaper:
         pipe = subprocess.PIPE
@@ -262,7 +260,7 @@ def test_no_call_is_lost_while_the_probes_move_again_and_again(tmp_path: Path) -
                 [*MTRACE, "--pid", str(workload.pid), "-o", "json"], stdout=lines,
                 stderr=errors, env=UPROBES["perf events"]))  # fmt: skip
         wait_for_line(err, READY, tracer, timeout=120)
-        for move in range(1, MOVES + 1):  # WHEN each byte ends the thread they are attached for
+        for move in range(1, moves + 1):  # WHEN each byte ends the thread they are attached for
             workload.stdin.write(b"m")
             workload.stdin.flush()
             wait_until(lambda: err.read_text().count("called pthread_exit") >= move,  # noqa: B023
@@ -275,7 +273,7 @@ def test_no_call_is_lost_while_the_probes_move_again_and_again(tmp_path: Path) -
     traced = traced_as(workload.pid, "moves", out, err, counts, done)
     # THEN each move was made, each to a thread that lived
     said = [line for line in traced.stderr.splitlines() if "pthread_exit" in line]
-    assert len(said) == MOVES and all("they follow thread" in line for line in said), said
+    assert len(said) == moves and all("they follow thread" in line for line in said), said
     # AND every malloc is counted once: as bpftrace counted, and at least
     # the hammer's own
     assert traced.mallocs == traced.bpftrace >= traced.workload

@@ -114,3 +114,21 @@ def test_the_key_follows_the_source_the_constants_and_bcc() -> None:
     assert base != bpf_cache.cache_key([b"int x;", b"struct r;"], ["-DSITE_COUNT=7"], "0.27.0")
     # parts are delimited: moving a byte from one part to the next is another key
     assert base != bpf_cache.cache_key([b"int x;s", b"truct r;"], ["-DSITE_COUNT=7"], "0.26.0")
+
+
+def test_a_cold_start_s_estimate_is_the_last_compile_measured(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("MTRACE_LIVE_BPF_CACHE", str(tmp_path / "bpf"))
+    # GIVEN no compile measured yet: the estimate for this kind of machine
+    assert bpf_cache.compile_estimate() == bpf_cache.COMPILE_ESTIMATE_S
+    # WHEN a compile took 4.4 s, THEN the next estimate is that
+    bpf_cache.note_compile(4.4)
+    assert bpf_cache.compile_estimate() == 4.4
+    # AND a kept figure that does not read as one is not believed
+    (tmp_path / "bpf" / "last-compile-seconds").write_text("soon\n")
+    assert bpf_cache.compile_estimate() == bpf_cache.COMPILE_ESTIMATE_S
+    # AND with the cache off, nothing is kept and the estimate stands
+    monkeypatch.setenv("MTRACE_LIVE_BPF_CACHE", "off")
+    bpf_cache.note_compile(9.0)
+    assert bpf_cache.compile_estimate() == bpf_cache.COMPILE_ESTIMATE_S

@@ -28,7 +28,7 @@ def cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """The plan cache in a folder of the test's; its document's path."""
     directory = tmp_path / "plans"
     monkeypatch.setenv(facts.ENVIRONMENT, str(directory))
-    return directory / facts.FOLDER / facts.NAME
+    return directory / facts.FOLDER / facts.document_name()
 
 
 @pytest.fixture

@@ -127,12 +127,14 @@ def uprobe_code(bcc: Any, functions: Mapping[str, bytes]) -> dict[str, bytes]:
             if not text.startswith(TYPED_PREFIX) and _program_type(bcc, text) == kind}  # fmt: skip
 
 
-def from_cache(bcc: Any, compiled: bpf_cache.Compiled, links: bool) -> Any:
+def from_cache(bcc: Any, compiled: bpf_cache.Compiled, links: bool,
+               map_fds: dict[int, int] | None = None) -> Any:  # fmt: skip
     """A bcc.BPF object made from cached code instead of clang: the maps made
     anew, the code loaded with their descriptors, the tracepoint handlers
     attached as bcc's own start attaches them; with ``links``, the uprobe
-    programs' code kept instead, to load for links. Raises on anything
-    unexpected, with everything made so far closed."""
+    programs' code kept instead, to load for links. ``map_fds``: the maps,
+    made already (tracer/bpf/preload.py). Raises on anything unexpected,
+    with everything made so far closed."""
     BPF = bcc.BPF
     bpf = BPF.__new__(BPF)
     for table in ("kprobe_fds", "uprobe_fds", "tracepoint_fds", "raw_tracepoint_fds",
@@ -142,7 +144,7 @@ def from_cache(bcc: Any, compiled: bpf_cache.Compiled, links: bool) -> Any:
     bpf._ringbuf_manager, bpf.tracefile, bpf.debug, bpf.module = None, None, 0, None
     bpf.mtrace_typed = {}  # BTF-typed handlers: relocated, loaded by BpfProgram
     bpf.mtrace_uprobe_code = {} if links else None  # relocated, loaded for links
-    cached = _CachedParts(bcc, bpf, compiled)
+    cached = _CachedParts(bcc, bpf, compiled, map_fds)
     bpf.close, bpf.load_func, bpf.get_table = cached.close, cached.load_func, cached.get_table
     try:
         cached.load(_libbcc(bcc))
@@ -167,16 +169,18 @@ class _CachedParts:
     module: the maps made anew, the programs loaded, and the three methods
     (close, load_func, get_table) that reach them."""
 
-    def __init__(self, bcc: Any, bpf: Any, compiled: bpf_cache.Compiled) -> None:
+    def __init__(self, bcc: Any, bpf: Any, compiled: bpf_cache.Compiled,
+                 map_fds: dict[int, int] | None = None) -> None:  # fmt: skip
         self.bcc, self.bpf, self.compiled = bcc, bpf, compiled
-        self.map_fds: dict[int, int] = {}
+        self.map_fds: dict[int, int] = dict(map_fds or {})  # (made already: preload)
         self.specs = {spec.name: spec for spec in compiled.maps}
 
     def load(self, lib: Any) -> None:
         """Make the maps, and load every program with their descriptors."""
         compiled, bpf = self.compiled, self.bpf
         for spec in compiled.maps:
-            self.map_fds[spec.fd] = bpf_cache.recreate_map(spec)
+            if spec.fd not in self.map_fds:
+                self.map_fds[spec.fd] = bpf_cache.recreate_map(spec)
         license_ = compiled.license.encode()
         for text, code in compiled.functions.items():
             if text.startswith(TYPED_PREFIX):

@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -29,6 +30,7 @@ from mtrace_live.tracer.bpf import (
     bpf_cache,
     bpf_callbacks,
     bpf_syscalls,
+    preload,
     uprobe_attach,
     uprobe_multi,
 )
@@ -119,14 +121,16 @@ class BpfProgram:
         # Uprobes in links (tracer/bpf/uprobe_multi.py) where the kernel has them:
         # every uprobe program is then loaded here, for them, from its code.
         self.uprobes_apart = uprobe_multi.why_not() if links else uprobe_multi.MAIN_GONE
-        compiled = self._cached(bcc, key)
+        # what the start made of this program meanwhile, if it guessed it (preload)
+        early = preload.take(key)
+        compiled = self._cached(bcc, key, early)
         self.from_cache = compiled is not None  # loaded from code a previous run compiled
         made = self._compile(bcc, source, text, cflags, key) if compiled is None else None
-        self.uprobe_links = self._links(compiled if compiled is not None else made)
-        if self.uprobe_links is not None:
-            self.uprobe_links.prefetch()
+        self.uprobe_links = self._links(compiled if compiled is not None else made, early)
         how = "loaded from the cache" if self.from_cache else "compiled"
         self.origin = f"BPF program {name} {how} in {time.monotonic() - started:.2f} s ({key[:12]})"
+        if early is not None and self.from_cache:
+            self.origin += ", its maps and uprobe programs made while the start planned"
         # The BTF-typed handlers' code, with this run's map descriptors in it.
         if compiled is not None:
             typed, license_ = self._bpf.mtrace_typed, compiled.license
@@ -143,12 +147,18 @@ class BpfProgram:
                  key: str) -> bpf_cache.Compiled | None:  # fmt: skip
         """Compile with bcc, and keep the code under ``key``: what was
         compiled, or None where it could not be read back."""
+        if sys.stderr.isatty():  # a cold start says so to whoever waits at a terminal
+            print(f"mtrace-live: compiling the BPF program for these options (about "
+                  f"{bpf_cache.compile_estimate():.0f} s, once: later starts with them load "
+                  "it from the cache)", file=sys.stderr, flush=True)  # fmt: skip
+        started = time.monotonic()
         try:
             with tempfile.TemporaryDirectory(prefix="mtrace-live-bpf-") as scratch:
                 main = source.main_file(Path(scratch), text)
                 self._bpf = bcc.BPF(src_file=str(main).encode(), cflags=cflags)
         except Exception as exc:
             raise AttachError(f"cannot load BPF program {source.name}: {exc}") from None
+        bpf_cache.note_compile(time.monotonic() - started)
         made = None
         with contextlib.suppress(Exception):  # the cache is only ever a saving
             made = compiled_of(bcc, self._bpf)
@@ -156,9 +166,22 @@ class BpfProgram:
             bpf_cache.store(key, made)
         return made
 
-    def _links(self, compiled: bpf_cache.Compiled | None) -> uprobe_multi.UprobeLinks | None:
-        """The uprobe programs to load for links, where this kernel has them
-        and their code could be read (else uprobes_apart says why not)."""
+    def _links(self, compiled: bpf_cache.Compiled | None,
+               early: preload.Made | None) -> uprobe_multi.UprobeLinks | None:  # fmt: skip
+        """The uprobe programs to load for links (loading from two threads
+        from now on, or since the start began: ``early``), where this kernel
+        has them and their code could be read (else uprobes_apart says why
+        not)."""
+        links = self._links_of(compiled)
+        if early is not None and early.links is not None:
+            if links is not None and self.from_cache:
+                return early.links  # (the same code, relocated to the same maps)
+            early.links.close_programs()
+        if links is not None:
+            links.prefetch()
+        return links
+
+    def _links_of(self, compiled: bpf_cache.Compiled | None) -> uprobe_multi.UprobeLinks | None:
         code = getattr(self._bpf, "mtrace_uprobe_code", None)
         if self.uprobes_apart is None and (code is None or compiled is None):
             self.uprobes_apart = "the compiled code could not be read back"
@@ -166,15 +189,20 @@ class BpfProgram:
             return None
         return uprobe_multi.UprobeLinks(code, compiled.license, compiled.kern_version)
 
-    def _cached(self, bcc: Any, key: str) -> bpf_cache.Compiled | None:
-        """The program stored under ``key``, loaded; None (with a warning
-        where one was stored) to compile it instead."""
+    def _cached(self, bcc: Any, key: str, early: preload.Made | None) -> bpf_cache.Compiled | None:
+        """The program stored under ``key``, loaded (its maps the ones made
+        ``early``, where they were); None (with a warning where one was
+        stored) to compile it instead."""
         try:
-            compiled = bpf_cache.load(key)
+            compiled = early.compiled if early is not None else bpf_cache.load(key)
             if compiled is not None:
-                self._bpf = from_cache(bcc, compiled, self.uprobes_apart is None)
+                self._bpf = from_cache(bcc, compiled, self.uprobes_apart is None,
+                                       early.map_fds if early is not None else None)  # fmt: skip
             return compiled
         except Exception as exc:  # any doubt: compile, as without a cache
+            if early is not None and early.links is not None:  # (its maps: closed with the rest)
+                early.links.close_programs()
+                early.links = None
             self.warnings.append(f"warning: the cached BPF program is unusable, compiled "
                                  f"it anew: {exc}")  # fmt: skip
             return None

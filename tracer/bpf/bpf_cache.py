@@ -194,6 +194,28 @@ def store(key: str, compiled: Compiled) -> None:
     keep_json(directory / f"{key}.json", document, KEEP)
 
 
+COMPILE_ESTIMATE_S = 3.0  # a compile on this kind of machine, until one is measured
+_LAST_COMPILE = "last-compile-seconds"
+
+
+def compile_estimate() -> float:
+    """What a compile will take: the last one measured here, else an estimate."""
+    directory = program_cache_dir()
+    with contextlib.suppress(OSError, ValueError):
+        if directory is not None:
+            return max(float((directory / _LAST_COMPILE).read_text()), 1.0)
+    return COMPILE_ESTIMATE_S
+
+
+def note_compile(seconds: float) -> None:
+    """Keep what a compile took, for the next cold start's estimate."""
+    directory = program_cache_dir()
+    with contextlib.suppress(OSError):
+        if directory is not None:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            (directory / _LAST_COMPILE).write_text(f"{seconds:.2f}\n")
+
+
 def keep_json(path: Path, document: object, keep: int) -> None:
     """Write ``document`` to ``path`` atomically, in a directory only this
     user may write, and leave its ``keep`` most recently used JSON files

@@ -29,9 +29,11 @@ import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-from mtrace_live.exporters.data.sink import RunStats
+if TYPE_CHECKING:  # (imported where used: a start's first calls need neither)
+    import numpy as np
+    from mtrace_live.exporters.data.sink import RunStats
 
 SYS_BPF = {"x86_64": 321, "aarch64": 280, "riscv64": 280, "ppc64le": 361, "s390x": 351}
 BPF_MAP_CREATE = 0
@@ -179,6 +181,8 @@ class BatchReader:
         self.words = (value_size + 7) // 8  # per-CPU values are padded to 8 bytes
         self.cpus = cpus
         self.max_entries = max_entries
+        import numpy as np
+
         self._keys = np.zeros((max_entries, key_size), dtype=np.uint8)
         self._values = np.zeros((max_entries, cpus, self.words), dtype=np.uint64)
         self._batch = ctypes.create_string_buffer(8)
@@ -208,6 +212,8 @@ def update_array(map_fd: int, first: int, values: np.ndarray) -> None:
     """Write ``values`` (a contiguous array of the map's value type) into a
     BPF array at indexes ``first``... in one BPF_MAP_UPDATE_BATCH; OSError
     with the kernel's errno when it refuses."""
+    import numpy as np
+
     count = len(values)
     if count == 0:
         return
@@ -256,8 +262,10 @@ def run_stats(prog_fd: int) -> RunStats | None:
     info = _program_info(prog_fd)
     if info is None:
         return None
-    words = np.frombuffer(info, dtype=np.uint64, count=3, offset=_RUN_TIME_AT)
-    return RunStats(int(words[0]), int(words[1]), int(words[2]))
+    from mtrace_live.exporters.data.sink import RunStats
+
+    words = struct.unpack_from("=QQQ", info, _RUN_TIME_AT)
+    return RunStats(words[0], words[1], words[2])
 
 
 def program_type(prog_fd: int) -> int | None:

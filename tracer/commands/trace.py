@@ -3,6 +3,8 @@ own action, tracer/cli.py), and the common start of ``run`` and ``record``."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,6 +19,7 @@ def start_trace(*, prometheus: str | None = None, web_config: Path | None = None
                 **params: Any) -> None:  # fmt: skip
     """Trace, then exit with the command's exit code when there is one.
     ``params``: the tracing options (trace_request)."""
+    _preload(params, prometheus)
     from mtrace_live.tracer.loop.live import run_trace
 
     request = trace_request(params)
@@ -28,6 +31,24 @@ def start_trace(*, prometheus: str | None = None, web_config: Path | None = None
         result = run_trace(request)
     if result.exit_code is not None:
         sys.exit(result.exit_code)
+
+
+def _preload(params: dict[str, Any], prometheus: str | None) -> None:
+    """The program these options loaded last time, made meanwhile
+    (tracer/bpf/preload.py): before anything else is imported."""
+    from mtrace_live.tracer.bpf import preload
+
+    options = {name: value for name, value in params.items() if name not in ("pid", "command")}
+    options["prometheus"] = prometheus is not None
+    command = params.get("command") or ()
+    pid = params.get("pid")
+    program = None
+    if command:
+        program = os.path.basename(str(command[0]))
+    elif pid:
+        with contextlib.suppress(OSError):
+            program = os.readlink(f"/proc/{pid}/exe")
+    preload.begin(preload.options_key(options, program))
 
 
 def trace_request(params: dict[str, Any]) -> TraceRequest:

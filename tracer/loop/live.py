@@ -276,7 +276,9 @@ class LiveTrace:
                 self.program.tables.set_first_target(target_pid)
             with self.program.uprobe_batch():  # in as few links as can be, at its end
                 self.unwinders = self._make_unwinders(plan)
-                for pid in running_targets(request):  # their tables before their first call
+                # their tables before their first call (a process loaded
+                # already, by the Python unwinder's look, is passed over by it)
+                for pid in [*running_targets(request), *self._running_python()]:
                     for unwinder in self.unwinders:
                         unwinder.load(pid)
                 usdt.attach_sites(self.program, self.selection)
@@ -341,6 +343,18 @@ class LiveTrace:
             native.close(rest=False)  # (its file server and thread)
             raise
         return (python, native)
+
+    def _running_python(self) -> list[int]:
+        """With --all, the running processes whose interpreter the Python
+        unwinder took: their files' tables are written before the line, so
+        that their first stacks reach their Python frames (another running
+        process's files are written at the first walk's ask)."""
+        if not self.request.all_processes:
+            return []
+        found = [u for u in self.unwinders if isinstance(u, PythonUnwinder)]
+        # (never mtrace-live's own: no target, and its files are large)
+        passed = {*running_targets(self.request), *target.own_processes()}
+        return [pid for u in found for pid in sorted(u.processes) if pid not in passed]
 
     def _table_counts(self) -> dict[str, int]:
         """The unwinders' own counts, together."""

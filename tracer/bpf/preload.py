@@ -1,0 +1,134 @@
+"""The program a start is about to load, made while the start plans.
+
+A warm start's kernel work is mostly making the program's maps and the
+verifier's passes over its uprobe programs (docs/performance.md, section
+12), and the start can only ask for them once it has planned: its
+imports, its probes, its program's text and so its cache key. But a start
+with the same options as an earlier one almost always loads the same
+program. So each start's options (and its target's program) are kept with
+the key of the program it loaded (the facts' document, probes/elf/facts.py),
+and the next start with those options begins at once, on a thread of its
+own, to make that program's maps and load its uprobe programs (from two
+threads, uprobe_multi.UprobeLinks.prefetch) while it imports and plans.
+When the start's own key is that one, it takes what was made
+(``take``); otherwise it is closed and the start makes its own (a wasted
+guess costs only the other CPU's time). Nothing is attached here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from mtrace_live.probes.elf import facts
+from mtrace_live.tracer.bpf import bpf_cache, uprobe_multi
+
+TYPED_PREFIX = "tp_btf__"  # (bcc_revive's: loaded by BpfProgram itself)
+_START = "start"  # the facts' entry of a start's options: {"program": key}
+
+
+@dataclass
+class Made:
+    """A program's maps made and its uprobe programs loading."""
+
+    key: str
+    compiled: bpf_cache.Compiled
+    map_fds: dict[int, int]  # the stored map's fd (in its code) -> the map made
+    links: uprobe_multi.UprobeLinks | None
+
+    def close(self) -> None:
+        if self.links is not None:
+            self.links.close_programs()
+        for fd in self.map_fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.map_fds = {}
+
+
+class _Preload:
+    def __init__(self, options: str, key: str) -> None:
+        self.options, self.key = options, key
+        self.made: Made | None = None
+        self._thread = threading.Thread(target=self._make, name="mtrace-preload", daemon=True)
+        self._thread.start()
+
+    def _make(self) -> None:
+        with contextlib.suppress(Exception):  # (any doubt: the start makes its own)
+            compiled = bpf_cache.load(self.key)
+            if compiled is None:
+                return
+            made = Made(self.key, compiled, {}, None)
+            try:
+                for spec in compiled.maps:
+                    made.map_fds[spec.fd] = bpf_cache.recreate_map(spec)
+                if uprobe_multi.why_not() is None:
+                    code = {text: bpf_cache.relocate(code, made.map_fds)
+                            for text, code in compiled.functions.items()
+                            if _uprobe_type(text)}  # fmt: skip
+                    made.links = uprobe_multi.UprobeLinks(code, compiled.license,
+                                                          compiled.kern_version)  # fmt: skip
+                    made.links.prefetch()
+            except BaseException:
+                made.close()
+                raise
+            self.made = made
+
+    def result(self) -> Made | None:
+        self._thread.join()
+        return self.made
+
+
+_PENDING: _Preload | None = None
+
+
+def _uprobe_type(text: str) -> bool:
+    """A uprobe-type program (bcc_revive._program_type's KPROBE), not a
+    tracepoint's nor a BTF-typed one."""
+    return not text.startswith(("tracepoint__", "raw_tracepoint__", "rawtp__", TYPED_PREFIX))
+
+
+def options_key(options: dict[str, Any], program: str | None) -> str:
+    """What a start's program follows from, as known before it plans: its
+    command's options, its target's program, the kernel."""
+    document = json.dumps([options, program, os.uname().release], sort_keys=True, default=str)
+    return hashlib.sha256(document.encode()).hexdigest()
+
+
+def begin(options: str) -> None:
+    """Start making the program the last start with these options loaded,
+    where one is kept (and the programs kept are used: uprobe links)."""
+    global _PENDING
+    if bpf_cache.program_cache_dir() is None or os.geteuid() != 0:
+        return
+    kept = facts.fact_store().get(f"{_START}:{options}", "program")
+    if isinstance(kept, str) and kept.isalnum():
+        _PENDING = _Preload(options, kept)
+    else:
+        _PENDING = None
+        _remembered.add(options)
+
+
+_remembered: set[str] = set()  # options begun without a guess: their key is kept
+
+
+def take(key: str) -> Made | None:
+    """What was made for ``key``, now the start's own; None where nothing
+    was (or something else was: closed). The key is kept for these options."""
+    global _PENDING
+    pending, _PENDING = _PENDING, None
+    options = pending.options if pending is not None else next(iter(_remembered), None)
+    _remembered.clear()
+    if options is not None:
+        facts.fact_store().put(f"{_START}:{options}", "program", key)
+    if pending is None:
+        return None
+    made = pending.result()
+    if made is not None and made.key != key:
+        made.close()
+        return None
+    return made
