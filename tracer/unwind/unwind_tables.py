@@ -279,6 +279,12 @@ def found_mappings(records: np.ndarray) -> list[FoundMapping]:
             for pid, a in zip(records["tgid"].tolist(), args, strict=True)]  # fmt: skip
 
 
+def _code_size(mapping: Mapping) -> tuple[int, int]:
+    """A mapping's bytes (a file's code mapping: its size follows its
+    rows'), then its start."""
+    return mapping.end - mapping.start, mapping.start
+
+
 def _segment_of(segments: tuple[LoadSegment, ...], offset: int) -> LoadSegment | None:
     """The executable segment holding file ``offset``."""
     for segment in segments:
@@ -838,8 +844,12 @@ class UnwindTables:
         pointers there, as it does at a mapping without rows."""
         entries = np.zeros(len(mappings), dtype=UNWIND_MAP_DTYPE)
         kept = np.ones(len(mappings), dtype=bool)
+        # the files read smallest code first: where the rows cannot all fit,
+        # the many small files (a program's own, an interpreter's extensions)
+        # are written, and the few largest step by frame pointers
+        files = {id(m): self._file(pid, m) for m in sorted(mappings, key=_code_size)}
         for i, mapping in enumerate(sorted(mappings, key=lambda m: m.start)):
-            file = self._file(pid, mapping)
+            file = files[id(mapping)]
             entries[i]["start"], entries[i]["end"] = mapping.start, mapping.end
             segment = _segment_of(file.segments, mapping.offset)
             if segment is None or not file.count:
