@@ -21,9 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import capstone
-from capstone import x86
 from elftools.elf.elffile import ELFFile
 from elftools.elf.relocation import RelocationSection
 from elftools.elf.sections import SymbolTableSection
@@ -31,8 +30,15 @@ from elftools.elf.sections import SymbolTableSection
 from .elf.facts import file_fact, kept_type
 from .elf.file import code_at, open_elf
 from .elf.symbols import STT_FUNC, STT_GNU_IFUNC, symbol_table
+from .lazy import lazy_module
 from .records import SITE_REG_BITS, SITE_REG_SHIFT, SiteReg
 from .uprobe_sites import disassemble, first_emulated, jump_targets
+
+if TYPE_CHECKING:
+    import capstone
+    from capstone import x86
+else:  # (imported at the first disassembly: mtrace_live.probes.lazy)
+    capstone, x86 = lazy_module("capstone"), lazy_module("capstone.x86")
 
 # The allocation functions and the registers holding their arguments (SysV
 # x86-64 calling convention), in order.

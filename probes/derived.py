@@ -31,10 +31,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import capstone
-from capstone import x86
 from elftools.elf.elffile import ELFFile
 
 from .debuginfo import Code, DebugInfo
@@ -42,9 +40,16 @@ from .elf.debug import find_debug_file
 from .elf.file import ELF_FAILURES, code_at, file_offset, load_segments
 from .elf.symbols import STT_FUNC, symbols_by_name
 from .errors import DebugInfoError, NotGlibcError
+from .lazy import lazy_module
 from .locations import REGISTERS, ArgKind, ArgLocation, SiteLayout
 from .sdt_notes import SdtSite
 from .uprobe_sites import disassemble, first_emulated, jump_targets, written
+
+if TYPE_CHECKING:
+    import capstone
+    from capstone import x86
+else:  # (imported at the first disassembly: mtrace_live.probes.lazy)
+    capstone, x86 = lazy_module("capstone"), lazy_module("capstone.x86")
 
 EXACT, APPROXIMATE, UNAVAILABLE = "exact", "approximate", "unavailable"
 SYSCALL, SYMBOL, DEBUG = "syscall", "exported symbol", "debug info"

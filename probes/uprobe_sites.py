@@ -27,9 +27,16 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import capstone
-from capstone import x86
+from .lazy import lazy_module
+
+if TYPE_CHECKING:
+    import capstone
+    from capstone import x86
+else:  # (imported at the first disassembly: mtrace_live.probes.lazy)
+    capstone, x86 = lazy_module("capstone"), lazy_module("capstone.x86")
+
 
 # The 64-bit register each narrower name is part of.
 WIDE = {

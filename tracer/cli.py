@@ -10,9 +10,14 @@ and without bcc.
 from __future__ import annotations
 
 import importlib
+import os
 import signal
 import sys
 from typing import Any
+
+# numpy's BLAS (OpenBLAS) starts a pool of threads that spin on the other
+# CPUs; mtrace-live does no linear algebra (set before numpy is imported)
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import click
 from mtrace_live.probes.errors import InternalError, MtraceError

@@ -30,9 +30,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pyderust
 from elftools.common.exceptions import DWARFError, ELFError
 from elftools.elf.elffile import ELFFile
 from mtrace_live.exporters.data.perf_map import PerfMap
@@ -49,6 +48,12 @@ from mtrace_live.probes.frame_kinds import (
     KIND_SHIFT,
     frame_kind,
 )
+from mtrace_live.probes.lazy import lazy_module
+
+if TYPE_CHECKING:
+    import pyderust
+else:  # (imported at the first Rust name: mtrace_live.probes.lazy)
+    pyderust = lazy_module("pyderust")
 
 PAGE = 4096
 _FUNCTION_TYPES = frozenset({STT_FUNC, STT_GNU_IFUNC})

@@ -14,12 +14,17 @@ of a register with itself); any other leaves what it writes unknown.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import capstone
-from capstone import x86
-
+from ..lazy import lazy_module
 from ..uprobe_sites import disassemble
 from .image import Image
+
+if TYPE_CHECKING:
+    import capstone
+    from capstone import x86
+else:  # (imported at the first disassembly: mtrace_live.probes.lazy)
+    capstone, x86 = lazy_module("capstone"), lazy_module("capstone.x86")
 
 MAX_STEPS = 512  # instructions run over all paths of one function
 MAX_PATH = 96  # instructions of one path (a loop ends here)

@@ -1,0 +1,77 @@
+"""What a warm start has imported when it says the trace is on.
+
+A start whose program and facts are kept (the second with the same
+options) must not have imported, by its "Ctrl-C to stop" line, what only a
+cold start or the trace's end needs: the disassembler (capstone: the
+allocation sites, the lock-wait site and the derived probes are kept
+facts), the Rust demangler (pyderust: frames are named after the line), the
+live view (rich: -o json has none) and the DWARF line reader (_lines:
+naming). The tracer runs under a small wrapper that writes the names in
+sys.modules at the moment the line is written to its stderr.
+
+numpy, bcc and pyelftools are still imported before the line
+(docs/performance.md, section 12, says what is left)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from .conftest import REPO
+from .tracing import Reaper, wait_for_line
+
+READY = "Ctrl-C to stop"
+# never imported by a warm start before its line
+NOT_BEFORE_THE_LINE = ("capstone", "pyderust", "rich", "mtrace_live.probes.elf._lines")
+# sys.stderr tapped: at the line, sys.modules' names written to argv[1]
+TAP = """
+import json, runpy, sys
+out, sys.argv = sys.argv[1], ["mtrace-live", *sys.argv[2:]]
+class Tap:
+    def __init__(self, stream):
+        self.stream = stream
+    def write(self, text):
+        if "Ctrl-C to stop" in text:
+            with open(out, "w") as names:
+                json.dump(sorted(sys.modules), names)
+        return self.stream.write(text)
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+sys.stderr = Tap(sys.stderr)
+runpy.run_module("mtrace_live.tracer.cli", run_name="__main__")
+"""
+
+
+def modules_at_the_line(target: int, tmp: Path, run: int) -> list[str]:
+    """A start with --pid ``target`` -o json: the modules loaded at its line."""
+    names, err = tmp / f"modules-{run}.json", tmp / f"trace-{run}.err"
+    with Reaper() as reaper, open(err, "wb") as errors:
+        tracer = reaper.add(subprocess.Popen(
+            [sys.executable, "-c", TAP, str(names), "--pid", str(target), "-o", "json"],
+            stdout=subprocess.DEVNULL, stderr=errors, cwd=REPO))  # fmt: skip
+        wait_for_line(err, READY, tracer, timeout=120)
+        tracer.send_signal(2)  # SIGINT: the trace ends as at Ctrl-C
+        assert tracer.wait(timeout=120) == 0, err.read_text()
+    loaded: list[str] = json.loads(names.read_text())
+    return loaded
+
+
+def test_a_warm_start_imports_no_disassembler_demangler_live_view_or_line_reader(
+    tmp_path: Path,
+) -> None:
+    # GIVEN a sleeping process, traced once (the program and its facts kept)
+    with Reaper() as reaper:
+        sleeper = reaper.add(subprocess.Popen(["sleep", "600"]))
+        first = modules_at_the_line(sleeper.pid, tmp_path, 1)
+        # WHEN it is traced again with the same options
+        loaded = modules_at_the_line(sleeper.pid, tmp_path, 2)
+    # THEN the second start has loaded none of them by its line
+    assert "mtrace_live.tracer.loop.live" in loaded  # (the names are the tracer's own)
+    heavy = [name for name in loaded if name.split(".")[0] in NOT_BEFORE_THE_LINE
+             or name in NOT_BEFORE_THE_LINE]  # fmt: skip
+    assert heavy == [], f"imported before the line: {heavy}"
+    # (the first start is cold where this code's facts were never kept: it
+    # may disassemble; either way it reached its line)
+    assert "mtrace_live.tracer.loop.live" in first
