@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,7 @@ from mtrace_live.probes.elf.line_table import NO_ROWS, RANGES, LineTables, UnitR
 
 DEFAULT_CACHE = Path("/var/cache/mtrace-live/lines")
 CACHE_FORMAT = 1
+KEEP_FILES = 256  # the files whose lines are kept, the least recently written dropped
 
 
 def line_cache_dir() -> Path | None:
@@ -102,20 +104,41 @@ class LineCache:
                                             "names": np.frombuffer(names, np.uint8)})  # fmt: skip
 
     def _keep(self, ident: str | None, name: str, arrays: dict[str, np.ndarray]) -> None:
-        """Write ``name`` in the file's folder atomically; where that fails
-        (a read-only or full disk), the cache goes without it."""
+        """Write ``name`` in the file's folder atomically, only in a folder
+        no other user may write; where that fails (a read-only or full
+        disk), the cache goes without it. A new folder makes room: the
+        KEEP_FILES most recently written are kept."""
+        import tempfile  # (only where lines are written: naming, after the trace)
+
         folder = self._folder(ident)
-        if folder is None:
+        if folder is None or self.directory is None:
             return
-        scratch = folder / f"{name}.{os.getpid()}.tmp"
+        scratch = None
         try:
-            folder.mkdir(mode=0o755, parents=True, exist_ok=True)
-            with open(scratch, "wb") as out:
+            new = not folder.exists()
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not (private_file(self.directory) and private_file(folder)):
+                return
+            with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as out:
+                scratch = Path(out.name)
                 np.savez(out, allow_pickle=False, **arrays)
             os.replace(scratch, folder / name)
+            scratch = None
+            if new:
+                self._prune()
         except OSError:
+            if scratch is not None:
+                with contextlib.suppress(OSError):
+                    scratch.unlink()
+
+    def _prune(self) -> None:
+        """The folders past the KEEP_FILES most recently written removed."""
+        assert self.directory is not None
+        folders = [(entry.stat().st_mtime, entry) for entry in self.directory.iterdir()
+                   if entry.is_dir() and entry.name.endswith(f".v{CACHE_FORMAT}")]  # fmt: skip
+        for _, stale in sorted(folders, key=lambda item: -item[0])[KEEP_FILES:]:
             with contextlib.suppress(OSError):
-                scratch.unlink()
+                shutil.rmtree(stale)
 
 
 class LineIndex:

@@ -167,6 +167,12 @@ def code_version() -> str:
     return hashlib.sha256("\n".join(digest).encode()).hexdigest()
 
 
+def _entry_shape(entry: dict[str, Any]) -> bool:
+    """A file's entry as the store writes it: its facts a map, its time a number."""
+    used = entry.get("used", 0)
+    return isinstance(entry.get("facts"), dict) and isinstance(used, (int, float))
+
+
 class FactStore:
     """The document: file identity -> {"used": when, "facts": {key: value}}."""
 
@@ -185,8 +191,9 @@ class FactStore:
             document = json.loads(path.read_bytes())
             if document.get("format") == FORMAT and document.get("code") == code_version():
                 files = document["files"]
-                if isinstance(files, dict):
-                    self.files = files
+                if isinstance(files, dict):  # (an entry of another shape: not used)
+                    self.files = {ident: entry for ident, entry in files.items()
+                                  if isinstance(entry, dict) and _entry_shape(entry)}  # fmt: skip
 
     def get(self, ident: str, key: str) -> Any:
         entry = self.files.get(ident)

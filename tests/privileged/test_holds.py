@@ -1,7 +1,7 @@
 """Holds (tracer/processes/holds.py): only a process the trace started is ever
 stopped, and every stop ends, whatever becomes of the tracer.
 
-- The tracer is killed with SIGKILL, 20 times (100 in ``make soak``), while
+- The tracer is killed with SIGKILL, 10 times (100 in ``make soak``), while
   its command (the churn: forks, execs, dlopens, exits) is held again and
   again: afterwards none of the churn's processes is stopped. bpftrace, in
   the same run, sees the stops: a real share of the kills landed while a

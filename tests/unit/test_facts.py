@@ -106,7 +106,18 @@ def test_a_changed_file_is_read_again_alone(cache: Path, libc: Path, tmp_path: P
     assert (store.hits, store.misses) == (1, 1)
 
 
-@pytest.mark.parametrize("spoil", ["writable", "garbage", "foreign type", "other code"])
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        "writable",
+        "garbage",
+        "foreign type",
+        "other code",
+        "entry not a map",
+        "facts not a map",
+        "time not a number",
+    ],
+)
 def test_a_document_that_cannot_be_trusted_or_read_is_never_used(
     cache: Path, libc: Path, monkeypatch: pytest.MonkeyPatch, spoil: str
 ) -> None:
@@ -123,16 +134,28 @@ def test_a_document_that_cannot_be_trusted_or_read_is_never_used(
             for key in entry["facts"]:
                 entry["facts"][key] = {"~m": [["malloc", {"~d": "Popen", "f": {"args": "sh"}}]]}
         cache.write_text(json.dumps(document))
-    else:  # facts read by another version of the code
+    elif spoil == "other code":  # facts read by another version of the code
         document["code"] = "0" * 64
+        cache.write_text(json.dumps(document))
+    else:  # JSON, of this code, but not the document's shape
+        for ident, entry in document["files"].items():
+            if spoil == "entry not a map":
+                document["files"][ident] = [entry]
+            elif spoil == "facts not a map":
+                entry["facts"] = list(entry["facts"].items())
+            else:
+                entry["used"] = "yesterday"
         cache.write_text(json.dumps(document))
     facts._STORE = None
     # WHEN the next start asks for the sites
     store = facts.fact_store()
     found = alloc_sites(libc)
-    # THEN they are read from the file, not the document
+    # THEN they are read from the file, not the document, and kept anew
     assert store.hits == 0 and store.misses == 1
     assert found == read_sites(libc)
+    store.save()
+    facts._STORE = None
+    assert alloc_sites(libc) == found and facts.fact_store().hits == 1
 
 
 def test_nothing_is_kept_with_the_cache_off(monkeypatch: pytest.MonkeyPatch, libc: Path,

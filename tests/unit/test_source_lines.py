@@ -18,6 +18,7 @@ from elftools.dwarf.dwarfinfo import DWARFInfo
 from elftools.elf.elffile import ELFFile
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mtrace_live.exporters.data import source_lines
 from mtrace_live.exporters.data.source_lines import LineCache, LineIndex
 from mtrace_live.exporters.data.symbolize import ModuleSymbols
 from mtrace_live.probes.elf.file import build_id_of
@@ -356,3 +357,35 @@ def test_malformed_dwarf_gives_no_line_and_no_error(
         for address in function_addresses(binary, 20):
             found = index.location(address)
             assert found is None or ":" in found
+
+
+def test_nothing_is_written_into_a_folder_another_user_could_write(tmp_path: Path) -> None:
+    # GIVEN a file's folder in the cache made writable by anyone (by whoever
+    # wants the tracer, root, to write through a link planted there)
+    binary = built("probe_exerciser")
+    ident = build_id_of(binary)
+    folder = tmp_path / "lines" / f"{ident}.v1"
+    folder.mkdir(parents=True)
+    folder.chmod(0o777)
+    # WHEN its lines are read through the cache
+    warm_cache(tmp_path, binary, function_addresses(binary, 40))
+    # THEN nothing was written there
+    assert list(folder.iterdir()) == []
+
+
+def test_the_cache_keeps_the_files_most_recently_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # GIVEN a cache that keeps 3 files, holding 4 old ones
+    monkeypatch.setattr(source_lines, "KEEP_FILES", 3)
+    lines = tmp_path / "lines"
+    old = [lines / f"{n:040x}-1-1-a.v1" for n in range(4)]
+    for age, folder in enumerate(old):
+        folder.mkdir(parents=True)
+        os.utime(folder, (1000 + age, 1000 + age))
+    # WHEN a new file's lines are written
+    binary = built("probe_exerciser")
+    warm_cache(tmp_path, binary, function_addresses(binary, 5))
+    # THEN the new one and the 2 most recent old ones are left
+    left = sorted(path.name for path in lines.iterdir())
+    assert left == sorted([f"{build_id_of(binary)}.v1", old[2].name, old[3].name])

@@ -126,22 +126,24 @@ class BpfProgram:
         compiled = self._cached(bcc, key, early)
         self.from_cache = compiled is not None  # loaded from code a previous run compiled
         made = self._compile(bcc, source, text, cflags, key) if compiled is None else None
-        self.uprobe_links = self._links(compiled if compiled is not None else made, early)
-        how = "loaded from the cache" if self.from_cache else "compiled"
-        self.origin = f"BPF program {name} {how} in {time.monotonic() - started:.2f} s ({key[:12]})"
-        if early is not None and self.from_cache:
-            self.origin += ", its maps and uprobe programs made while the start planned"
-        # The BTF-typed handlers' code, with this run's map descriptors in it.
-        if compiled is not None:
-            typed, license_ = self._bpf.mtrace_typed, compiled.license
-        else:
-            typed, license_ = typed_handlers(bcc, self._bpf)
-        if typed:
-            try:
+        self.uprobe_links: uprobe_multi.UprobeLinks | None = None
+        try:  # (from here on, what fails closes what was made: the programs loading too)
+            self.uprobe_links = self._links(compiled if compiled is not None else made, early)
+            how = "loaded from the cache" if self.from_cache else "compiled"
+            self.origin = (f"BPF program {name} {how} in {time.monotonic() - started:.2f} s "
+                           f"({key[:12]})")  # fmt: skip
+            if early is not None and self.from_cache:
+                self.origin += ", its maps and uprobe programs made while the start planned"
+            # The BTF-typed handlers' code, with this run's map descriptors in it.
+            if compiled is not None:
+                typed, license_ = self._bpf.mtrace_typed, compiled.license
+            else:
+                typed, license_ = typed_handlers(bcc, self._bpf)
+            if typed:
                 self._attach_typed(typed, license_)
-            except BaseException:
-                self.close()
-                raise
+        except BaseException:
+            self.close()
+            raise
 
     def _compile(self, bcc: Any, source: ProgramSource, text: str, cflags: list[str],
                  key: str) -> bpf_cache.Compiled | None:  # fmt: skip

@@ -240,8 +240,11 @@ class LiveTrace:
 
     def _load(self, plan: ProgramPlan, stats_fd: int | None) -> None:
         """Load the program; where it may hold processes, start the
-        guardian, forked now, before any thread or uprobe: whatever becomes
-        of this process, no process it held stays stopped (tracer/processes/holds.py)."""
+        guardian, forked now, before any uprobe: whatever becomes of this
+        process, no process it held stays stopped (tracer/processes/holds.py).
+        The program's loader threads may be running (tracer/bpf/preload.py,
+        UprobeLinks.prefetch): the guardian's child makes only system calls
+        and runs only its own Python, taking no lock they could hold."""
         try:
             self.program = BpfProgram(plan.config.source(), links=not plan.main_gone)
         except BaseException:
@@ -338,6 +341,7 @@ class LiveTrace:
         try:
             python = PythonUnwinder(self.program, self.frame_names, self.request.all_processes)
             if self.request.all_processes:
+                python.own = set(target.own_processes())  # (the file server's too: forked)
                 python.look_around()
         except BaseException:
             native.close(rest=False)  # (its file server and thread)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mtrace_live.exporters.data.processes import proc_dir
-from mtrace_live.probes.allocators import PYMALLOC, UNKNOWN, Allocator, identify
+from mtrace_live.probes.allocators import KNOWN, PYMALLOC, UNKNOWN, Allocator, identify
 from mtrace_live.probes.elf.facts import file_fact
 from mtrace_live.probes.elf.file import ELF_FAILURES, needed, open_elf, soname
 from mtrace_live.probes.elf.maps import Mapping as ProcessMapping
@@ -74,7 +74,15 @@ class Providers:
         return None if known else self.binding
 
 
+# The defined names the providers ask about: whether a file defines malloc,
+# a known allocator's marks, pymalloc's functions. A file's facts keep only
+# these (libLLVM defines some 40,000 functions; every process maps libc).
+ASKED = frozenset({"malloc", "PyObject_Malloc", "PyObject_Free",
+                   *(mark for allocator in KNOWN for mark in allocator.marks)})  # fmt: skip
+
+
 def _defines(path: Path, tables: tuple[str, ...] = (".dynsym",)) -> frozenset[str]:
+    """Which of the names ASKED the file defines as functions in ``tables``."""
     return _file_facts(path, tables, "defines")  # type: ignore[return-value]
 
 
@@ -119,7 +127,7 @@ def _read_file_facts(path: Path, tables: tuple[str, ...],
     try:
         with open_elf(path) as elf:
             if what == "defines":
-                return frozenset(defined_functions(elf, tables))
+                return frozenset(defined_functions(elf, tables)) & ASKED
             return tuple(needed(elf)) if what == "needs" else (soname(elf) or "",)
     except (OSError, MtraceError, *ELF_FAILURES):
         return None

@@ -135,6 +135,7 @@ class PythonUnwinder:
         self.processes: dict[int, _Process] = {}
         self.refused: set[int] = set()  # processes whose layout failed: native stacks
         self.considered: set[int] = set()  # processes looked at (each program once)
+        self.own: set[int] = set()  # mtrace-live's own processes: never looked at
         self._said: set[str] = set()  # the reasons of the refusals said
         self._slots: dict[tuple[int, int], tuple[int, int]] = {}  # a libc -> its key slots
         self._names = cpython.CodeNames()
@@ -227,7 +228,7 @@ class PythonUnwinder:
 
     def look_around(self) -> None:
         """Every process not looked at yet (--all)."""
-        for pid in every_pid() - self.considered:
+        for pid in every_pid() - self.considered - self.own:
             self.load(pid)
 
     def refresh(self) -> None:
