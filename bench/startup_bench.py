@@ -297,8 +297,12 @@ KERNEL_TEXT = [
     "34 perf events) plus the tracepoints' perf events, which are still one each.",
     "",
     "Where a warm `--pid` start goes (a profile of one start, this machine, after issue 60's "
-    "first steps): the interpreter and the imports, about 0.2 s (numpy, pyelftools, capstone "
-    "and the project's own modules are still imported on the start's path); the facts the "
+    "first steps): the interpreter and the imports, about 0.2 s (numpy, pyelftools, bcc and "
+    "the project's own modules are still imported on the start's path; capstone and pyderust "
+    "are imported at their first use, `probes/lazy.py`, which a start whose facts are kept "
+    "never reaches: `tests/privileged/test_start_imports.py` holds that a warm start has "
+    "loaded neither, nor rich or the DWARF line reader, by its line; "
+    "`OPENBLAS_NUM_THREADS=1` is set before numpy's import); the facts the "
     "start reads of files (sites, offsets, symbols, build-ids, BTF offsets) now come from one "
     "document (probes/elf/facts.py), about 0.15 s less than parsing and disassembling the "
     "files; the program's 63 maps, about 0.04 s; the verifier on its uprobe programs, 0.1 to "
