@@ -12,6 +12,7 @@ saved maps, sp-rtrace's modules), as if mapped with its link-time address
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -59,6 +60,9 @@ class FileFrames:
         # segments read from the file itself, by number, with the entry read for
         # (a failed read is tried again only once the number is named anew)
         self._segments: dict[int, tuple[NumberedFile, tuple[LoadSegment, ...]]] = {}
+        # numbers heard by a thread that could not find their file's path,
+        # with how to look again (from the thread that names the frames)
+        self._later: dict[int, tuple[tuple[int, int], Callable[[], str]]] = {}
 
     def name(self, number: int, file: NumberedFile) -> None:
         """A number the kernel gave: its file (segments () while unknown;
@@ -79,10 +83,25 @@ class FileFrames:
             self.files[number] = file
             return number
 
+    def name_later(self, number: int, inode: tuple[int, int], path_of: Callable[[], str]) -> None:
+        """A number whose path the thread that heard it could not read (the
+        unwinder's threads have no capabilities once serve gave up root:
+        they are a thread's own): ``path_of`` is asked again by the first
+        frame of that number named, from the thread that names it."""
+        with self._lock:
+            if number not in self.files:
+                self._later[number] = (inode, path_of)
+
     def mappings(self, number: int) -> list[Mapping]:
         """The numbered file's place ([] while its number is not named):
         its segments as the trace had them, else read from its path."""
         file = self.files.get(number)
+        if (file is None or not file.path) and number in self._later:
+            inode, path_of = self._later.pop(number)
+            path = path_of()
+            if path.startswith("/"):
+                self.name(number, NumberedFile(path, inode, ()))
+            file = self.files.get(number)
         if file is None or not file.path:
             return []
         if not file.segments:

@@ -30,6 +30,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -180,6 +181,9 @@ class FactStore:
         self.path = path
         self.files: dict[str, dict[str, Any]] = {}
         self.dirty = False
+        # the unwinder's threads read and keep facts too (elf_layout) while
+        # the trace's thread saves
+        self._lock = threading.Lock()
         self.hits = self.misses = 0
         if path is not None:
             self._read(path)
@@ -196,6 +200,10 @@ class FactStore:
                                   if isinstance(entry, dict) and _entry_shape(entry)}  # fmt: skip
 
     def get(self, ident: str, key: str) -> Any:
+        with self._lock:
+            return self._get(ident, key)
+
+    def _get(self, ident: str, key: str) -> Any:
         entry = self.files.get(ident)
         if not isinstance(entry, dict) or key not in entry.get("facts", {}):
             self.misses += 1
@@ -214,18 +222,22 @@ class FactStore:
             encoded = encode_fact(value)
         except TypeError:
             return
-        entry = self.files.setdefault(ident, {"facts": {}})
-        entry["used"] = time.time()
-        entry.setdefault("facts", {})[key] = encoded
-        self.dirty = True
+        with self._lock:
+            entry = self.files.setdefault(ident, {"facts": {}})
+            entry["used"] = time.time()
+            entry.setdefault("facts", {})[key] = encoded
+            self.dirty = True
 
     def save(self) -> None:
         """Write the document where a fact was added; errors are ignored."""
         if self.path is None or not self.dirty:
             return
-        self.dirty = False
-        kept = sorted(self.files.items(), key=lambda item: -float(item[1].get("used", 0)))
-        document = {"format": FORMAT, "code": code_version(), "files": dict(kept[:KEEP_FILES])}
+        with self._lock:
+            self.dirty = False
+            kept = sorted(self.files.items(), key=lambda item: -float(item[1].get("used", 0)))
+            # (a copy: the entries change under other threads while it is written)
+            files = json.loads(json.dumps(dict(kept[:KEEP_FILES])))
+        document = {"format": FORMAT, "code": code_version(), "files": files}
         with contextlib.suppress(OSError, TypeError, ValueError):
             write_private_json(self.path, document)
             others = sorted(self.path.parent.glob("facts-*.json"), key=lambda p: -p.stat().st_mtime)
@@ -267,23 +279,34 @@ def _argument(value: Any) -> Any:
     return encode_fact(value)
 
 
+def _fact_key(function: Callable[..., Any], path: Path, args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> tuple[FactStore, str, str] | None:  # fmt: skip
+    """Where ``function(path, *args, **kwargs)``'s answer is kept: the store,
+    the file's identity, the key; None where it cannot be kept."""
+    facts = fact_store()
+    ident = identity(path) if facts.path is not None else None
+    if ident is None:
+        return None
+    name = f"{function.__module__}.{function.__qualname__}"
+    try:
+        key = json.dumps([name, [_argument(a) for a in args],
+                          sorted((k, _argument(v)) for k, v in kwargs.items())])  # fmt: skip
+    except TypeError:
+        return None
+    return facts, ident, key
+
+
 def file_fact(function: Callable[..., T]) -> Callable[..., T]:
     """Keep ``function(path, ...)``'s answers by the file's identity and the
     arguments: a fact of the file's content, whatever path reaches it.
     Where it raises, nothing is kept (it raises again the next time)."""
-    name = f"{function.__module__}.{function.__qualname__}"
 
     @functools.wraps(function)
     def kept(path: Path, *args: Any, **kwargs: Any) -> T:
-        facts = fact_store()
-        ident = identity(path) if facts.path is not None else None
-        if ident is None:
+        where = _fact_key(function, path, args, kwargs)
+        if where is None:
             return function(path, *args, **kwargs)
-        try:
-            key = json.dumps([name, [_argument(a) for a in args],
-                              sorted((k, _argument(v)) for k, v in kwargs.items())])  # fmt: skip
-        except TypeError:
-            return function(path, *args, **kwargs)
+        facts, ident, key = where
         found = facts.get(ident, key)
         if found is not _MISSING:
             return found  # type: ignore[no-any-return]
@@ -292,3 +315,24 @@ def file_fact(function: Callable[..., T]) -> Callable[..., T]:
         return value
 
     return kept
+
+
+def peek(fact: Callable[..., T], path: Path, *args: Any) -> T | None:
+    """What ``fact`` (a function decorated ``file_fact``) keeps for the file
+    at ``path``, without calling it: None where nothing is kept. For a
+    caller that reads the fact, on a miss, from a file it has open already
+    for more (and keeps it with ``keep``)."""
+    where = _fact_key(fact.__wrapped__, path, args, {})  # type: ignore[attr-defined]
+    if where is None:
+        return None
+    facts, ident, key = where
+    found = facts.get(ident, key)
+    return None if found is _MISSING else found
+
+
+def keep(fact: Callable[..., T], value: T, path: Path, *args: Any) -> None:
+    """Keep ``value`` as what ``fact(path, *args)`` answers."""
+    where = _fact_key(fact.__wrapped__, path, args, {})  # type: ignore[attr-defined]
+    if where is not None:
+        facts, ident, key = where
+        facts.put(ident, key, value)

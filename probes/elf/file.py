@@ -23,7 +23,7 @@ from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import NoteSection
 
 from ..errors import NotElfError, TargetError
-from .facts import file_fact
+from .facts import file_fact, kept_type
 
 # What pyelftools may raise on a damaged file.
 ELF_FAILURES = (ELFError, DWARFError, ConstructError, struct.error, ValueError, EOFError,
@@ -86,6 +86,7 @@ def debuglink(elf: ELFFile) -> str | None:
     return section.data().split(b"\0", 1)[0].decode(errors="replace") or None
 
 
+@kept_type
 class LoadSegment(NamedTuple):
     """One PT_LOAD segment."""
 
@@ -103,6 +104,21 @@ class LoadSegment(NamedTuple):
 def load_segments(elf: ELFFile) -> list[LoadSegment]:
     return [LoadSegment(s["p_offset"], s["p_vaddr"], s["p_filesz"], s["p_memsz"], s["p_flags"])
             for s in elf.iter_segments() if s["p_type"] == "PT_LOAD"]  # fmt: skip
+
+
+Layout = tuple[str | None, tuple[LoadSegment, ...]]  # (build-id, PT_LOAD segments)
+
+
+def layout_of(elf: ELFFile) -> Layout:
+    return build_id(elf), tuple(load_segments(elf))
+
+
+@file_fact
+def elf_layout(path: Path) -> Layout:
+    """The build-id and PT_LOAD segments of the file at ``path`` (kept:
+    facts.peek finds them without opening it)."""
+    with open_elf(path) as elf:
+        return layout_of(elf)
 
 
 def file_offset(segments: Sequence[LoadSegment], vaddr: int) -> int | None:

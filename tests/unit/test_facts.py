@@ -16,6 +16,8 @@ from mtrace_live.probes import alloc_sites as sites_module
 from mtrace_live.probes import lock_sites
 from mtrace_live.probes.alloc_sites import alloc_sites
 from mtrace_live.probes.elf import facts
+from mtrace_live.probes.elf import file as file_module
+from mtrace_live.probes.elf.file import elf_layout, layout_of, open_elf
 from mtrace_live.probes.elf.symbols import exported_offset
 from mtrace_live.probes.lock_sites import lock_wait_site
 from mtrace_live.tracer.processes.target import default_libc
@@ -189,3 +191,25 @@ def test_plain_values_survive_the_document(value: object) -> None:
 def test_a_value_of_an_unknown_kind_is_not_kept() -> None:
     with pytest.raises(TypeError):
         facts.encode_fact(object())
+
+
+def test_a_layout_kept_is_peeked_without_opening_the_file(
+    cache: Path, libc: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # GIVEN a libc's layout (build-id, PT_LOAD segments) read from the file itself
+    with open_elf(libc) as elf:
+        truth = layout_of(elf)
+    assert truth[0] and truth[1]
+    # THEN nothing is kept for it before it is asked
+    assert facts.peek(elf_layout, libc) is None
+    # WHEN a reader that had it open keeps it, and the next run peeks
+    facts.keep(elf_layout, truth, libc)
+    next_run()
+    monkeypatch.setattr(file_module, "open_elf", None)  # (any open would fail)
+    # THEN the next run has it, as the file gives it, without opening the file
+    assert facts.peek(elf_layout, libc) == truth
+    assert elf_layout(libc) == truth
+    # AND another file (a copy: another inode) has none kept
+    other = tmp_path / "other.so"
+    shutil.copyfile(libc, other)
+    assert facts.peek(elf_layout, other) is None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
 from mtrace_live.exporters.data.alloc_snapshot import FrameNames
 from mtrace_live.exporters.data.file_frames import FileFrames, NumberedFile
 from mtrace_live.exporters.data.symbolize import ProcessSymbols
@@ -92,3 +93,31 @@ def test_placed_files_are_not_the_process_s_own_mappings() -> None:
     assert symbols.mappings == [] and symbols.modules() == []
     assert {m.path for m in symbols.file_mappings} == {str(path)}
     assert all(in_file(m.start) is not None for m in symbols.file_mappings)
+
+
+def test_a_number_its_hearer_could_not_name_is_named_by_the_thread_naming_its_frames() -> None:
+    # GIVEN a number heard by a thread that could not read its file's path
+    # (serve's unwinder threads, without capabilities): its path asked again later
+    path = libc()
+    start, _ = nm_dynamic(path)["malloc"]
+    status = path.stat()
+    files = FileFrames()
+    asked: list[str] = []
+
+    def path_of() -> str:
+        asked.append("asked")
+        return str(path)
+
+    files.name_later(7, (status.st_dev, status.st_ino), path_of)
+    assert asked == []
+    # WHEN a frame of that number is named
+    symbol = FrameNames(live=False, files=files).resolve(GONE, file_frame(7, start + 5))
+    # THEN its path was asked once, from there, and the frame is malloc's
+    assert asked == ["asked"]
+    assert symbol is not None and symbol.module == str(path) and symbol.offset == 5
+    # AND a number whose path cannot be found even then stays unnamed, asked once
+    files.name_later(8, (0, 0), lambda: "")
+    assert files.mappings(8) == [] and files.mappings(8) == []
+    # AND a number named already is not asked about
+    files.name_later(7, (0, 0), lambda: pytest.fail("asked again"))
+    assert files.mappings(7)

@@ -44,13 +44,15 @@ from pathlib import Path
 import numpy as np
 from mtrace_live.exporters.data.file_frames import FileFrames, NumberedFile
 from mtrace_live.exporters.data.processes import proc_dir
+from mtrace_live.probes.elf import facts
 from mtrace_live.probes.elf.cfi import ROW
 from mtrace_live.probes.elf.facts import file_fact
 from mtrace_live.probes.elf.file import (
     ELF_FAILURES,
     LoadSegment,
-    build_id,
+    elf_layout,
     file_offset,
+    layout_of,
     load_segments,
     open_elf,
 )
@@ -428,18 +430,29 @@ class UnwindTables:
         self._asks_first()
         known = rows = None
         problem = ""
-        try:
-            with open_elf(path, in_memory=BIG_FILE) as elf:  # read once: it may be gone next
-                ident, segments = build_id(elf), tuple(load_segments(elf))
-                key: object = ident or mapping.inode
-                known = self.files.get(key)
-                if known is None:
-                    self._asks_first()
-                    rows, problem = rows_of(elf, path, ident, self.cache)
-        except (TargetError, OSError) as exc:  # not kept: it may open later, or elsewhere
-            return MappedFile(0, 0, (), str(exc))
-        except (NotElfError, *ELF_FAILURES) as exc:
-            return self._no_rows(mapping, str(exc))
+        # a file met before (its layout a kept fact) whose rows are here or
+        # in the rows' cache is not opened at all
+        layout = facts.peek(elf_layout, path)
+        if layout is not None:
+            ident, segments = layout
+            key: object = ident or mapping.inode
+            known = self.files.get(key)
+            if known is None:
+                rows = self.cache.load(ident)
+        if known is None and rows is None:
+            try:
+                with open_elf(path, in_memory=BIG_FILE) as elf:  # read once: it may be gone next
+                    ident, segments = layout_of(elf)
+                    facts.keep(elf_layout, (ident, segments), path)
+                    key = ident or mapping.inode
+                    known = self.files.get(key)
+                    if known is None:
+                        self._asks_first()
+                        rows, problem = rows_of(elf, path, ident, self.cache)
+            except (TargetError, OSError) as exc:  # not kept: it may open later, or elsewhere
+                return MappedFile(0, 0, (), str(exc))
+            except (NotElfError, *ELF_FAILURES) as exc:
+                return self._no_rows(mapping, str(exc))
         if known is None:
             try:
                 assert rows is not None
@@ -538,6 +551,9 @@ class UnwindTables:
         for one, path in zip(found, paths, strict=True):
             if one.number:  # the number an ask gave, named from now on (its rows come next)
                 self._name_number(one.number, path, user_inode(one.file), ())
+                if not path:  # (this thread could not read it: the namer's may)
+                    self.file_frames.name_later(one.number, user_inode(one.file),
+                                                functools.partial(self.path_of, one))  # fmt: skip
         if asks:
             self.files_found(found)
         self.learned.extend(zip(found, paths, strict=True))
@@ -721,7 +737,8 @@ class UnwindTables:
 
     def path_of(self, one: FoundMapping) -> str:
         """The path of the file a walk found: its process's link to it while
-        it lives, else where it was seen mapped, else the program the
+        it lives (without root: the path its maps give), else where it was
+        seen mapped, else the program the
         process exec'd ("" if none is known). The first path found for a
         file is kept for it."""
         known = self.paths.get(one.file)
@@ -731,6 +748,13 @@ class UnwindTables:
             path = os.readlink(f"/proc/{one.pid}/map_files/{one.start:x}-{one.end:x}")
             self.paths[one.file] = path
             return path
+        # (map_files' links are root's: serve, having given it up, reads the maps)
+        with contextlib.suppress(OSError, ValueError):
+            inode = user_inode(one.file)
+            for mapping in read_maps(proc_dir(one.pid)):
+                if mapping.inode == inode and mapping.path.startswith("/"):
+                    self.paths[one.file] = mapping.path
+                    return mapping.path
         raw = self.program.row_bytes("unwind_exec_paths", one.pid) if self.vma else None
         executed = exec_path(raw)
         if executed is None or not same_file(executed, one.file):
