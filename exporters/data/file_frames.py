@@ -96,12 +96,14 @@ class FileFrames:
         """The numbered file's place ([] while its number is not named):
         its segments as the trace had them, else read from its path."""
         file = self.files.get(number)
-        if (file is None or not file.path) and number in self._later:
-            inode, path_of = self._later.pop(number)
-            path = path_of()
-            if path.startswith("/"):
-                self.name(number, NumberedFile(path, inode, ()))
-            file = self.files.get(number)
+        if file is None or not file.path:
+            with self._lock:  # (two threads may name frames at once)
+                later = self._later.pop(number, None)
+            if later is not None:
+                path = later[1]()
+                if path.startswith("/"):
+                    self.name(number, NumberedFile(path, later[0], ()))
+                file = self.files.get(number)
         if file is None or not file.path:
             return []
         if not file.segments:

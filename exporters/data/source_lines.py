@@ -116,7 +116,8 @@ class LineCache:
         scratch = None
         try:
             new = not folder.exists()
-            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            folder.mkdir(mode=0o700, exist_ok=True)
             if not (private_file(self.directory) and private_file(folder)):
                 return
             with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as out:

@@ -194,7 +194,7 @@ class FactStore:
                 return
             document = json.loads(path.read_bytes())
             if document.get("format") == FORMAT and document.get("code") == code_version():
-                files = document["files"]
+                files = document.get("files")
                 if isinstance(files, dict):  # (an entry of another shape: not used)
                     self.files = {ident: entry for ident, entry in files.items()
                                   if isinstance(entry, dict) and _entry_shape(entry)}  # fmt: skip
@@ -252,6 +252,7 @@ def document_name() -> str:
 
 
 _STORE: FactStore | None = None
+_STORE_LOCK = threading.Lock()  # (the unwinder's threads ask for it too)
 
 
 def fact_store() -> FactStore:
@@ -260,9 +261,10 @@ def fact_store() -> FactStore:
     global _STORE
     directory = plan_cache_dir()
     path = directory / FOLDER / document_name() if directory is not None else None
-    if _STORE is None or _STORE.path != path:
-        _STORE = FactStore(path)
-    return _STORE
+    with _STORE_LOCK:
+        if _STORE is None or _STORE.path != path:
+            _STORE = FactStore(path)
+        return _STORE
 
 
 def save() -> None:
@@ -319,7 +321,8 @@ def file_fact(function: Callable[..., T]) -> Callable[..., T]:
 
 def peek(fact: Callable[..., T], path: Path, *args: Any) -> T | None:
     """What ``fact`` (a function decorated ``file_fact``) keeps for the file
-    at ``path``, without calling it: None where nothing is kept. For a
+    at ``path``, without calling it: None where nothing is kept (so only for
+    a fact that is never None itself). For a
     caller that reads the fact, on a miss, from a file it has open already
     for more (and keeps it with ``keep``)."""
     where = _fact_key(fact.__wrapped__, path, args, {})  # type: ignore[attr-defined]

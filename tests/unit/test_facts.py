@@ -118,6 +118,7 @@ def test_a_changed_file_is_read_again_alone(cache: Path, libc: Path, tmp_path: P
         "entry not a map",
         "facts not a map",
         "time not a number",
+        "no files",
     ],
 )
 def test_a_document_that_cannot_be_trusted_or_read_is_never_used(
@@ -138,6 +139,9 @@ def test_a_document_that_cannot_be_trusted_or_read_is_never_used(
         cache.write_text(json.dumps(document))
     elif spoil == "other code":  # facts read by another version of the code
         document["code"] = "0" * 64
+        cache.write_text(json.dumps(document))
+    elif spoil == "no files":  # of this code, its files left out
+        del document["files"]
         cache.write_text(json.dumps(document))
     else:  # JSON, of this code, but not the document's shape
         for ident, entry in document["files"].items():

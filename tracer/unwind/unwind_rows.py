@@ -51,8 +51,9 @@ class RowCache:
         path = self._path(ident) if ident else None
         if path is None:
             return None
-        # (a damaged header: ValueError, SyntaxError from its literal)
-        with contextlib.suppress(OSError, ValueError, SyntaxError):
+        # (a damaged header: ValueError, SyntaxError from its literal; an
+        # empty or cut file: EOFError)
+        with contextlib.suppress(OSError, ValueError, SyntaxError, EOFError):
             if private_file(path) and private_file(path.parent):
                 rows = np.load(path, allow_pickle=False)
                 if rows.dtype == ROW and rows.ndim == 1:
