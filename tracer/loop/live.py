@@ -281,7 +281,8 @@ class LiveTrace:
                 self.unwinders = self._make_unwinders(plan)
                 # their tables before their first call (a process loaded
                 # already, by the Python unwinder's look, is passed over by it)
-                for pid in [*running_targets(request), *self._running_python()]:
+                targets = running_targets(request)
+                for pid in [*targets, *self._running_python(targets)]:
                     for unwinder in self.unwinders:
                         unwinder.load(pid)
                 usdt.attach_sites(self.program, self.selection)
@@ -348,7 +349,7 @@ class LiveTrace:
             raise
         return (python, native)
 
-    def _running_python(self) -> list[int]:
+    def _running_python(self, targets: list[int]) -> list[int]:
         """With --all, the running processes whose interpreter the Python
         unwinder took: their files' tables are written before the line, so
         that their first stacks reach their Python frames (another running
@@ -356,8 +357,8 @@ class LiveTrace:
         if not self.request.all_processes:
             return []
         found = [u for u in self.unwinders if isinstance(u, PythonUnwinder)]
-        # (never mtrace-live's own: no target, and its files are large)
-        passed = {*running_targets(self.request), *target.own_processes()}
+        # (mtrace-live's own are never among them: PythonUnwinder.own)
+        passed = set(targets)
         return [pid for u in found for pid in sorted(u.processes) if pid not in passed]
 
     def _table_counts(self) -> dict[str, int]:

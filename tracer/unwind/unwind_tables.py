@@ -443,7 +443,8 @@ class UnwindTables:
             try:
                 with open_elf(path, in_memory=BIG_FILE) as elf:  # read once: it may be gone next
                     ident, segments = layout_of(elf)
-                    facts.keep(elf_layout, (ident, segments), path)
+                    if layout is None:
+                        facts.keep(elf_layout, (ident, segments), path)
                     key = ident or mapping.inode
                     known = self.files.get(key)
                     if known is None:
@@ -551,7 +552,7 @@ class UnwindTables:
         for one, path in zip(found, paths, strict=True):
             if one.number:  # the number an ask gave, named from now on (its rows come next)
                 self._name_number(one.number, path, user_inode(one.file), ())
-                if not path:  # (this thread could not read it: the namer's may)
+                if not path.startswith("/"):  # (this thread could not read it: the namer's may)
                     self.file_frames.name_later(one.number, user_inode(one.file),
                                                 functools.partial(self.path_of, one))  # fmt: skip
         if asks:
