@@ -23,22 +23,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from elftools.elf.elffile import ELFFile
-from elftools.elf.relocation import RelocationSection
-from elftools.elf.sections import SymbolTableSection
-
 from .elf.facts import file_fact, kept_type
 from .elf.file import code_at, open_elf
+from .elf.lazy import lazy_module
 from .elf.symbols import STT_FUNC, STT_GNU_IFUNC, symbol_table
-from .lazy import lazy_module
 from .records import SITE_REG_BITS, SITE_REG_SHIFT, SiteReg
 from .uprobe_sites import disassemble, first_emulated, jump_targets
 
 if TYPE_CHECKING:
     import capstone
     from capstone import x86
-else:  # (imported at the first disassembly: mtrace_live.probes.lazy)
+    from elftools.elf import relocation, sections
+    from elftools.elf.elffile import ELFFile
+else:  # (imported at the first disassembly: mtrace_live.probes.elf.lazy)
     capstone, x86 = lazy_module("capstone"), lazy_module("capstone.x86")
+    relocation = lazy_module("elftools.elf.relocation")  # (pyelftools: at a first read)
+    sections = lazy_module("elftools.elf.sections")
 
 # The allocation functions and the registers holding their arguments (SysV
 # x86-64 calling convention), in order.
@@ -211,15 +211,15 @@ def _plt_targets(elf: ELFFile, kinds: Mapping[str, str]) -> dict[int, str]:
     """PLT stub address -> the allocation function its GOT slot is relocated to."""
     slots: dict[int, str] = {}
     for section in elf.iter_sections():
-        if not isinstance(section, RelocationSection):
+        if not isinstance(section, relocation.RelocationSection):
             continue
         symbols = elf.get_section(section.header["sh_link"])
-        if not isinstance(symbols, SymbolTableSection):
+        if not isinstance(symbols, sections.SymbolTableSection):
             continue
-        for relocation in section.iter_relocations():
-            symbol = symbols.get_symbol(relocation["r_info_sym"])
+        for entry in section.iter_relocations():
+            symbol = symbols.get_symbol(entry["r_info_sym"])
             if symbol is not None and symbol.name in kinds:
-                slots[relocation["r_offset"]] = symbol.name
+                slots[entry["r_offset"]] = symbol.name
     stubs: dict[int, str] = {}
     for name in (".plt", ".plt.sec"):
         plt = elf.get_section_by_name(name)

@@ -17,17 +17,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from elftools.dwarf.compileunit import CompileUnit
-from elftools.dwarf.die import DIE
-from elftools.dwarf.dwarf_expr import DWARFExprParser
-from elftools.dwarf.locationlists import BaseAddressEntry, LocationEntry, LocationParser
-from elftools.dwarf.ranges import RangeEntry
-from elftools.elf.elffile import ELFFile
-
-from .elf.file import ELF_FAILURES
+from .elf.file import elf_failures
+from .elf.lazy import lazy_module
 from .elf.symbols import symbols_by_name
 from .errors import DebugInfoError
+
+if TYPE_CHECKING:
+    from elftools.dwarf import dwarf_expr, locationlists, ranges
+    from elftools.dwarf.compileunit import CompileUnit
+    from elftools.dwarf.die import DIE
+    from elftools.elf import elffile
+else:  # (pyelftools' DWARF reader: at the first debug file read)
+    dwarf_expr = lazy_module("elftools.dwarf.dwarf_expr")
+    ranges = lazy_module("elftools.dwarf.ranges")
+    locationlists = lazy_module("elftools.dwarf.locationlists")
+    elffile = lazy_module("elftools.elf.elffile")
 
 # DWARF register numbers of x86-64 (System V psABI, figure 3.36).
 DWARF_REGISTERS = (
@@ -75,7 +81,7 @@ class DebugInfo:
         self.path = path
         try:
             self._stream = path.open("rb")
-            self.elf = ELFFile(self._stream)
+            self.elf = elffile.ELFFile(self._stream)
             self.symbols = symbols_by_name(self.elf)
             self.dwarf = self.elf.get_dwarf_info()
             malloc = self.symbols.get("__libc_malloc")
@@ -87,7 +93,7 @@ class DebugInfo:
                 raise DebugInfoError(f"{path}: no .debug_aranges entry for __libc_malloc")
             self.cu: CompileUnit = self.dwarf.get_CU_at(offset)
             self._index()
-        except (OSError, *ELF_FAILURES) as exc:
+        except (OSError, *elf_failures()) as exc:
             raise DebugInfoError(f"{path}: unreadable debug information ({exc})") from None
 
     def close(self) -> None:
@@ -130,7 +136,7 @@ class DebugInfo:
             if lists is None:
                 return ()
             for entry in lists.get_range_list_at_offset(attrs["DW_AT_ranges"].value, cu=self.cu):
-                if isinstance(entry, RangeEntry):
+                if isinstance(entry, ranges.RangeEntry):
                     add = 0 if getattr(entry, "is_absolute", False) else base_address
                     spans.append((entry.begin_offset + add, entry.end_offset + add))
                 else:
@@ -176,23 +182,23 @@ class DebugInfo:
         attr = die.attributes.get("DW_AT_location")
         if attr is None:
             return None
-        parser = LocationParser(self.dwarf.location_lists())
+        parser = locationlists.LocationParser(self.dwarf.location_lists())
         location = parser.parse_from_attribute(attr, self.cu.header.version, die)
         if not isinstance(location, list):
             return self._register(location.loc_expr)
         base = self.cu.get_top_DIE().attributes.get("DW_AT_low_pc")
         base_address = base.value if base is not None else 0
         for entry in location:
-            if isinstance(entry, BaseAddressEntry):
+            if isinstance(entry, locationlists.BaseAddressEntry):
                 base_address = entry.base_address
-            elif isinstance(entry, LocationEntry):
+            elif isinstance(entry, locationlists.LocationEntry):
                 add = 0 if getattr(entry, "is_absolute", False) else base_address
                 if entry.begin_offset + add <= pc < entry.end_offset + add:
                     return self._register(entry.loc_expr)
         return None
 
     def _register(self, expression: list[int]) -> str | None:
-        ops = DWARFExprParser(self.cu.structs).parse_expr(expression)
+        ops = dwarf_expr.DWARFExprParser(self.cu.structs).parse_expr(expression)
         if len(ops) != 1:
             return None
         op = ops[0]

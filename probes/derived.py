@@ -33,14 +33,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from elftools.elf.elffile import ELFFile
-
 from .debuginfo import Code, DebugInfo
 from .elf.debug import find_debug_file
-from .elf.file import ELF_FAILURES, code_at, file_offset, load_segments
+from .elf.file import code_at, elf_failures, file_offset, load_segments
+from .elf.lazy import lazy_module
 from .elf.symbols import STT_FUNC, symbols_by_name
 from .errors import DebugInfoError, NotGlibcError
-from .lazy import lazy_module
 from .locations import REGISTERS, ArgKind, ArgLocation, SiteLayout
 from .sdt_notes import SdtSite
 from .uprobe_sites import disassemble, first_emulated, jump_targets, written
@@ -48,8 +46,11 @@ from .uprobe_sites import disassemble, first_emulated, jump_targets, written
 if TYPE_CHECKING:
     import capstone
     from capstone import x86
-else:  # (imported at the first disassembly: mtrace_live.probes.lazy)
+    from elftools.elf import elffile
+    from elftools.elf.elffile import ELFFile
+else:  # (imported at the first disassembly: mtrace_live.probes.elf.lazy)
     capstone, x86 = lazy_module("capstone"), lazy_module("capstone.x86")
+    elffile = lazy_module("elftools.elf.elffile")  # (pyelftools: at a file's first parse)
 
 EXACT, APPROXIMATE, UNAVAILABLE = "exact", "approximate", "unavailable"
 SYSCALL, SYMBOL, DEBUG = "syscall", "exported symbol", "debug info"
@@ -272,8 +273,8 @@ def require_glibc(libc: Path) -> None:
     malloc and mallopt: the system calls alone would then be misread."""
     try:
         with libc.open("rb") as stream:
-            exported = _dynamic_symbols(ELFFile(stream))
-    except (OSError, *ELF_FAILURES) as exc:
+            exported = _dynamic_symbols(elffile.ELFFile(stream))
+    except (OSError, *elf_failures()) as exc:
         raise NotGlibcError(f"{libc} is not a readable ELF file ({exc})") from None
     if not {"malloc", "mallopt"} <= set(exported):
         raise NotGlibcError(f"{libc} is not a glibc: it exports no malloc and mallopt")
@@ -314,7 +315,7 @@ def plan(libc: Path, debug_file: Path | None = None) -> DerivedPlan:
     result = DerivedPlan(libc, found, problem)
     try:
         with libc.open("rb") as stream:
-            deriver = _Deriver(libc, ELFFile(stream), debug)
+            deriver = _Deriver(libc, elffile.ELFFile(stream), debug)
             if debug is not None:
                 for member in ("size", "mprotect_size"):
                     offset = debug.member_offset("_heap_info", member)

@@ -26,10 +26,11 @@ from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
-from elftools.elf.elffile import ELFFile
-
+from .elf.lazy import lazy_module
 from .elf.symbols import symbol_tables
 from .sdt_notes import SdtSite
+
+elffile = lazy_module("elftools.elf.elffile")  # (pyelftools: at a file's first parse)
 
 
 class ArgKind(IntEnum):
@@ -161,7 +162,7 @@ def symbol_addresses(path: str | Path, names: Iterable[str]) -> dict[str, int]:
     if not wanted:
         return found
     with open(path, "rb") as stream:
-        for table in symbol_tables(ELFFile(stream)):
+        for table in symbol_tables(elffile.ELFFile(stream)):
             for sym in table:
                 if sym.name in wanted and sym.name not in found and sym.defined:
                     found[sym.name] = sym.value

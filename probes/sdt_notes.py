@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .elf.facts import file_fact, kept_type
-from .elf.file import ELF_FAILURES, LoadSegment, file_offset, load_segments, not_elf, open_elf
+from .elf.file import LoadSegment, elf_failures, file_offset, load_segments, not_elf, open_elf
 from .errors import MalformedNoteError, TargetError
 
 NT_STAPSDT = 3
@@ -54,7 +54,7 @@ def read_sites(path: str | Path) -> list[SdtSite]:
             actual_base = base_section["sh_addr"] if base_section is not None else None
             loads = load_segments(elf)
             layout = _Layout(elf.little_endian, 8 if elf.elfclass == 64 else 4, actual_base)
-        except ELF_FAILURES as exc:
+        except elf_failures() as exc:
             raise not_elf(path, exc) from None
         except OSError as exc:
             raise TargetError(f"{path}: {exc.strerror}") from None

@@ -29,12 +29,12 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .lazy import lazy_module
+from .elf.lazy import lazy_module
 
 if TYPE_CHECKING:
     import capstone
     from capstone import x86
-else:  # (imported at the first disassembly: mtrace_live.probes.lazy)
+else:  # (imported at the first disassembly: mtrace_live.probes.elf.lazy)
     capstone, x86 = lazy_module("capstone"), lazy_module("capstone.x86")
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from mtrace_live.probes.elf.file import ELF_FAILURES, LoadSegment, load_segments, open_elf
+from mtrace_live.probes.elf.file import LoadSegment, elf_failures, load_segments, open_elf
 from mtrace_live.probes.elf.maps import Mapping
 from mtrace_live.probes.errors import NotElfError, TargetError
 from mtrace_live.probes.frame_kinds import FILE_NUMBERS, KERNEL_NUMBERS, file_base
@@ -119,5 +119,5 @@ def _segments_of(path: str) -> tuple[LoadSegment, ...]:
     try:
         with open_elf(Path(path)) as elf:
             return tuple(load_segments(elf))
-    except (NotElfError, TargetError, OSError, *ELF_FAILURES):
+    except (NotElfError, TargetError, OSError, *elf_failures()):
         return ()

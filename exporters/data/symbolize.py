@@ -33,12 +33,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elftools.common.exceptions import DWARFError, ELFError
-from elftools.elf.elffile import ELFFile
 from mtrace_live.exporters.data.perf_map import PerfMap
 from mtrace_live.exporters.data.processes import proc_dir
 from mtrace_live.exporters.data.source_lines import LineIndex, line_key
 from mtrace_live.probes.elf.debug import DEBUG_DIRECTORIES, debug_files
 from mtrace_live.probes.elf.file import LoadSegment, build_id, debuglink, load_segments, vaddr_at
+from mtrace_live.probes.elf.lazy import lazy_module
 from mtrace_live.probes.elf.maps import Mapping, read_maps
 from mtrace_live.probes.elf.symbols import STT_FUNC, STT_GNU_IFUNC, symbol_table
 from mtrace_live.probes.frame_kinds import (
@@ -48,12 +48,14 @@ from mtrace_live.probes.frame_kinds import (
     KIND_SHIFT,
     frame_kind,
 )
-from mtrace_live.probes.lazy import lazy_module
 
 if TYPE_CHECKING:
     import pyderust
-else:  # (imported at the first Rust name: mtrace_live.probes.lazy)
+    from elftools.elf import elffile
+    from elftools.elf.elffile import ELFFile
+else:  # (imported at the first Rust name: mtrace_live.probes.elf.lazy)
     pyderust = lazy_module("pyderust")
+    elffile = lazy_module("elftools.elf.elffile")  # (pyelftools: at a file's first parse)
 
 PAGE = 4096
 _FUNCTION_TYPES = frozenset({STT_FUNC, STT_GNU_IFUNC})
@@ -191,7 +193,7 @@ class ModuleSymbols:
         self._full_symbols = False  # from a .symtab (static functions too), not .dynsym only
         try:
             with open(path, "rb") as file:
-                elf = ELFFile(file)
+                elf = elffile.ELFFile(file)
                 self.loads = load_segments(elf)
                 self.build_id = build_id(elf)
                 self._read_symbols(elf)
@@ -218,7 +220,7 @@ class ModuleSymbols:
     def _read_debug_file(self, candidate: Path) -> bool:
         try:
             with open(candidate, "rb") as file:
-                elf = ELFFile(file)
+                elf = elffile.ELFFile(file)
                 own = build_id(elf)
                 if self.build_id and own not in (None, self.build_id):
                     return False

@@ -19,17 +19,17 @@ from collections.abc import Iterator
 from typing import IO, TYPE_CHECKING
 
 import numpy as np
-from elftools.elf.elffile import ELFFile
-from elftools.elf.sections import Section
 
 from ..elf.file import LoadSegment, file_offset, load_segments
+from ..elf.lazy import lazy_module
 from ..elf.symbols import STT_FUNC, STT_GNU_IFUNC, SymbolTable, symbol_table
-from ..lazy import lazy_module
 from ..uprobe_sites import disassemble
 
 if TYPE_CHECKING:
     from capstone import x86
-else:  # (imported at the first disassembly: mtrace_live.probes.lazy)
+    from elftools.elf.elffile import ELFFile
+    from elftools.elf.sections import Section
+else:  # (imported at the first disassembly: mtrace_live.probes.elf.lazy)
     x86 = lazy_module("capstone.x86")
 
 R_X86_64_64 = 1

@@ -17,11 +17,10 @@ import os
 import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from elftools.elf.elffile import ELFFile
-
-from ..elf.file import ELF_FAILURES, LoadSegment, load_segments, not_elf, open_elf
+from ..elf.facts import file_fact
+from ..elf.file import LoadSegment, elf_failures, load_segments, needed, not_elf, open_elf
 from ..elf.maps import Mapping, read_maps
 from ..elf.symbols import symbols_by_name
 from ..errors import NotElfError, TargetError, UnknownLayoutError
@@ -46,6 +45,9 @@ from .layout import (
     version_of,
 )
 from .symbolic import Loaded, Sum, Value, explore
+
+if TYPE_CHECKING:
+    from elftools.elf.elffile import ELFFile
 
 EVAL = "_PyEval_EvalFrameDefault"
 NEEDED = ("_PyRuntime", EVAL, "PyCode_Type", "PyGILState_GetThisThreadState")
@@ -83,20 +85,49 @@ def find_interpreter(path: Path) -> Interpreter | None:
     symbols). UnknownLayoutError (one line) when it holds one whose layout is
     not known: 3.10 or older, a version past 3.13, a free-threaded build;
     TargetError when it cannot be opened, NotElfError when it is not ELF."""
+    kind = python_kind(path)  # (a kept fact: most files hold none, and are not opened)
+    if kind == NOT_ELF:
+        raise NotElfError(f"{path}: not a readable ELF file")
+    if kind != INTERPRETER:
+        return None
     with open_elf(path) as elf:
         try:
-            if not _may_hold_interpreter(elf):
-                return None
             symbols = symbols_by_name(elf)
-        except ELF_FAILURES as exc:
+        except elf_failures() as exc:
             raise not_elf(path, exc) from None
-        if "_PyRuntime" not in symbols or EVAL not in symbols:
-            return None
         try:
             return _interpreter(path, elf, symbols)
-        except ELF_FAILURES as exc:  # an address outside the file's data, a damaged table
+        except elf_failures() as exc:  # an address outside the file's data, a damaged table
             raise UnknownLayoutError(f"{path}: its CPython interpreter's data does not read "
                                      f"as CPython's ({exc})") from None  # fmt: skip
+
+
+# What a file is to CPython (python_kind)
+INTERPRETER = "interpreter"  # it has _PyRuntime and the eval loop among its symbols
+LINKS_LIBPYTHON = "libpython"  # it needs a libpython3 (the interpreter is there)
+NO_INTERPRETER = "none"
+NOT_ELF = "not ELF"
+
+
+@file_fact
+def python_kind(path: Path) -> str:
+    """What the file at ``path`` is to CPython (INTERPRETER, LINKS_LIBPYTHON,
+    NO_INTERPRETER or NOT_ELF), kept between runs (probes/elf/facts.py):
+    a warm start that looks for interpreters in a process's files opens
+    none of them. TargetError when the file cannot be opened."""
+    try:
+        with open_elf(path) as elf:
+            if _may_hold_interpreter(elf):
+                symbols = symbols_by_name(elf)
+                if "_PyRuntime" in symbols and EVAL in symbols:
+                    return INTERPRETER
+            if any(name.startswith("libpython3") for name in needed(elf)):
+                return LINKS_LIBPYTHON
+            return NO_INTERPRETER
+    except NotElfError:
+        return NOT_ELF
+    except elf_failures():
+        return NOT_ELF
 
 
 def interpreters_of(pid: int) -> list[tuple[Interpreter, int]]:

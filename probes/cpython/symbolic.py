@@ -16,14 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..lazy import lazy_module
+from ..elf.lazy import lazy_module
 from ..uprobe_sites import disassemble
 from .image import Image
 
 if TYPE_CHECKING:
     import capstone
     from capstone import x86
-else:  # (imported at the first disassembly: mtrace_live.probes.lazy)
+else:  # (imported at the first disassembly: mtrace_live.probes.elf.lazy)
     capstone, x86 = lazy_module("capstone"), lazy_module("capstone.x86")
 
 MAX_STEPS = 512  # instructions run over all paths of one function

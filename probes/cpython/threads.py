@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..elf.file import ELF_FAILURES, not_elf, open_elf
+from ..elf.file import elf_failures, not_elf, open_elf
 from ..elf.symbols import symbols_by_name
 from ..errors import UnknownLayoutError
 from .image import Image
@@ -36,7 +36,7 @@ def thread_slot(libc: Path) -> tuple[int, int]:
                 raise UnknownLayoutError(f"{libc}: no pthread_getspecific among its symbols")
             start, size = symbols["pthread_getspecific"]
             exits = explore(Image(elf), start, start + (size or 256), {"rdi": Sum(key=1)})
-        except (ValueError, *ELF_FAILURES) as exc:
+        except (ValueError, *elf_failures()) as exc:
             raise not_elf(libc, exc) from None
     found = set()
     for exit in exits:

@@ -32,13 +32,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from elftools.elf.elffile import ELFFile
 
 from ..errors import NotElfError, TargetError
 from . import _cfi
-from .file import ELF_FAILURES, build_id, not_elf, open_elf
+from .file import build_id, elf_failures, not_elf, open_elf
+
+if TYPE_CHECKING:
+    from elftools.elf.elffile import ELFFile
 
 # The rows, as struct unwind_row in probes/bpf/unwind.bpf.c.
 ROW = np.dtype([("pc", "<u4"), ("cfa_off", "<i4"), ("rbp_off", "<i2"), ("cfa", "u1"),
@@ -103,7 +106,7 @@ def cfi_of(elf: ELFFile, path: str | Path) -> CfiTable:
     of what the file holds."""
     try:
         return _read(elf)
-    except (*ELF_FAILURES, MemoryError) as exc:
+    except (*elf_failures(), MemoryError) as exc:
         return _no_rows(None, str(not_elf(path, exc)))
 
 
@@ -121,7 +124,7 @@ def _read(elf: ELFFile) -> CfiTable:
     try:
         eh_frame, eh_address = _section(elf, ".eh_frame")
         debug_frame, _ = _section(elf, ".debug_frame")
-    except ELF_FAILURES as exc:
+    except elf_failures() as exc:
         return _no_rows(ident, f"call-frame information damaged: {exc}")
     packed, functions, skipped, malformed = _cfi.rows(eh_frame, eh_address, debug_frame)
     rows = np.frombuffer(packed, dtype=ROW).copy()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..errors import DebugInfoError, NotElfError, TargetError
 from .facts import file_fact
-from .file import ELF_FAILURES, build_id_of, open_elf
+from .file import build_id_of, elf_failures, open_elf
 
 DEBUG_ROOT = Path("/usr/lib/debug")
 DEBUG_DIRECTORIES = (DEBUG_ROOT,)
@@ -43,7 +43,7 @@ def has_debug_info(path: Path) -> bool:
     try:
         with open_elf(path) as elf:
             return elf.get_section_by_name(".debug_info") is not None
-    except (NotElfError, TargetError, *ELF_FAILURES):
+    except (NotElfError, TargetError, *elf_failures()):
         return False
 
 

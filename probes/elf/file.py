@@ -3,7 +3,7 @@ its loadable segments, where a link-time address is in the file, and the
 code at an address.
 
 pyelftools reads the file; what it raises on a damaged one is
-``ELF_FAILURES``, and ``open_elf`` turns it into ``NotElfError`` (exit 9).
+``elf_failures()``, and ``open_elf`` turns it into ``NotElfError`` (exit 9).
 """
 
 from __future__ import annotations
@@ -14,20 +14,36 @@ import os
 import struct
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO, NamedTuple
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
 from elftools.common.exceptions import DWARFError, ELFError
-from elftools.construct import ConstructError
-from elftools.elf.dynamic import DynamicSection
-from elftools.elf.elffile import ELFFile
-from elftools.elf.sections import NoteSection
 
 from ..errors import NotElfError, TargetError
 from .facts import file_fact, kept_type
+from .lazy import lazy_module
 
-# What pyelftools may raise on a damaged file.
-ELF_FAILURES = (ELFError, DWARFError, ConstructError, struct.error, ValueError, EOFError,
-                OverflowError, IndexError, KeyError)  # fmt: skip
+if TYPE_CHECKING:
+    from elftools.elf import dynamic, elffile, sections
+    from elftools.elf.elffile import ELFFile
+else:  # (pyelftools' parser is imported where a file is first opened)
+    dynamic, elffile = lazy_module("elftools.elf.dynamic"), lazy_module("elftools.elf.elffile")
+    sections = lazy_module("elftools.elf.sections")
+
+
+_Failure = type[Exception]
+Failures = tuple[_Failure, _Failure, _Failure, _Failure, _Failure, _Failure, _Failure, _Failure,
+                 _Failure]  # fmt: skip
+
+
+def elf_failures() -> Failures:
+    """What pyelftools may raise on a damaged file (its parser's own error
+    imported only here: an except clause asks for it when something was raised)."""
+    from elftools.construct import ConstructError
+
+    return (ELFError, DWARFError, ConstructError, struct.error, ValueError, EOFError,
+            OverflowError, IndexError, KeyError)  # fmt: skip
+
+
 PF_X = 1
 
 
@@ -51,8 +67,8 @@ def open_elf(path: str | Path, in_memory: int = 0) -> Iterator[ELFFile]:
         raise TargetError(f"{path}: {exc.strerror}") from None
     with stream:
         try:
-            elf = ELFFile(stream)
-        except ELF_FAILURES as exc:
+            elf = elffile.ELFFile(stream)
+        except elf_failures() as exc:
             raise not_elf(path, exc) from None
         yield elf
 
@@ -60,7 +76,7 @@ def open_elf(path: str | Path, in_memory: int = 0) -> Iterator[ELFFile]:
 def build_id(elf: ELFFile) -> str | None:
     """The GNU build-id, in hex, or None."""
     for section in elf.iter_sections():
-        if isinstance(section, NoteSection):
+        if isinstance(section, sections.NoteSection):
             for note in section.iter_notes():
                 if note["n_type"] == "NT_GNU_BUILD_ID":
                     return str(note["n_desc"])
@@ -74,7 +90,7 @@ def build_id_of(path: Path) -> str | None:
     try:
         with open_elf(path) as elf:
             return build_id(elf)
-    except (OSError, NotElfError, TargetError, *ELF_FAILURES):
+    except (OSError, NotElfError, TargetError, *elf_failures()):
         return None
 
 
@@ -168,6 +184,6 @@ def soname(elf: ELFFile) -> str | None:
 
 def _dynamic_tags(elf: ELFFile, kind: str) -> list[Any]:
     for section in elf.iter_sections():
-        if isinstance(section, DynamicSection):
+        if isinstance(section, dynamic.DynamicSection):
             return list(section.iter_tags(kind))
     return []

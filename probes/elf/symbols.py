@@ -11,14 +11,19 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-from elftools.elf.elffile import ELFFile
-from elftools.elf.sections import SymbolTableSection
 
 from .facts import file_fact
 from .file import file_offset, load_segments, open_elf
+from .lazy import lazy_module
+
+if TYPE_CHECKING:
+    from elftools.elf import sections
+    from elftools.elf.elffile import ELFFile
+else:  # (pyelftools: at a file's first parse)
+    sections = lazy_module("elftools.elf.sections")
 
 STT_FUNC = 2
 STT_GNU_IFUNC = 10
@@ -68,7 +73,7 @@ class SymbolTable:
 def symbol_table(elf: ELFFile, section_name: str) -> SymbolTable | None:
     """The table ``section_name`` of ``elf``, or None when it has none."""
     section = elf.get_section_by_name(section_name)
-    if not isinstance(section, SymbolTableSection):
+    if not isinstance(section, sections.SymbolTableSection):
         return None
     dtype = _entry(elf)
     data = section.data()

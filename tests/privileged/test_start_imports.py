@@ -2,15 +2,18 @@
 
 A start whose program and facts are kept (the second with the same
 options) must not have imported, by its "Ctrl-C to stop" line, what only a
-cold start or the trace's end needs: the disassembler (capstone: the
-allocation sites, the lock-wait site and the derived probes are kept
-facts), the Rust demangler (pyderust: frames are named after the line), the
+cold start or the trace's end needs: bcc (it only compiles: a program from
+the cache is loaded, attached and its maps read without it), the ELF and
+DWARF parser (pyelftools: the layouts, symbols and interpreters of the
+files are kept facts; its exceptions' module alone is loaded), the
+disassembler (capstone: the allocation sites, the lock-wait site and the
+derived probes are kept facts), the Rust demangler (pyderust: frames are named after the line), the
 live view (rich: -o json has none) and the DWARF line reader (_lines:
 naming). The tracer runs under a small wrapper that writes the names in
 sys.modules at the moment the line is written to its stderr.
 
-numpy, bcc and pyelftools are still imported before the line
-(docs/performance.md, section 12, says what is left)."""
+numpy is still imported before the line (docs/performance.md, section 12,
+says what is left)."""
 
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ from .tracing import Reaper, wait_for_line
 
 READY = "Ctrl-C to stop"
 # never imported by a warm start before its line
-NOT_BEFORE_THE_LINE = ("capstone", "pyderust", "rich", "mtrace_live.probes.elf._lines")
+NOT_BEFORE_THE_LINE = ("bcc", "capstone", "pyderust", "rich", "mtrace_live.probes.elf._lines",
+                       "elftools.elf", "elftools.dwarf", "elftools.construct")  # fmt: skip
 # sys.stderr tapped: at the line, sys.modules' names written to argv[1]
 TAP = """
 import json, runpy, sys
@@ -69,8 +73,8 @@ def test_a_warm_start_imports_no_disassembler_demangler_live_view_or_line_reader
         loaded = modules_at_the_line(sleeper.pid, tmp_path, 2)
     # THEN the second start has loaded none of them by its line
     assert "mtrace_live.tracer.loop.live" in loaded  # (the names are the tracer's own)
-    heavy = [name for name in loaded if name.split(".")[0] in NOT_BEFORE_THE_LINE
-             or name in NOT_BEFORE_THE_LINE]  # fmt: skip
+    heavy = [name for name in loaded if any(name == top or name.startswith(f"{top}.")
+                                            for top in NOT_BEFORE_THE_LINE)]  # fmt: skip
     assert heavy == [], f"imported before the line: {heavy}"
     # (the first start is cold where this code's facts were never kept: it
     # may disassemble; either way it reached its line)

@@ -15,10 +15,12 @@ import pytest
 from mtrace_live.probes import alloc_sites as sites_module
 from mtrace_live.probes import lock_sites
 from mtrace_live.probes.alloc_sites import alloc_sites
+from mtrace_live.probes.cpython import interpreter
 from mtrace_live.probes.elf import facts
 from mtrace_live.probes.elf import file as file_module
 from mtrace_live.probes.elf.file import elf_layout, layout_of, open_elf
 from mtrace_live.probes.elf.symbols import exported_offset
+from mtrace_live.probes.errors import NotElfError
 from mtrace_live.probes.lock_sites import lock_wait_site
 from mtrace_live.tracer.processes.target import default_libc
 
@@ -217,3 +219,33 @@ def test_a_layout_kept_is_peeked_without_opening_the_file(
     other = tmp_path / "other.so"
     shutil.copyfile(libc, other)
     assert facts.peek(elf_layout, other) is None
+
+
+def test_what_a_file_is_to_cpython_is_kept_and_read_without_opening_it(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # GIVEN files of each kind: an interpreter (Debian's python3.11, libpython
+    # linked in), a program that needs a libpython (pyenv's), one with
+    # neither, and a file that is not ELF
+    pyenv = Path("/root/.pyenv/versions/3.12.1")
+    files = {Path("/usr/bin/python3.11"): interpreter.INTERPRETER,
+             pyenv / "bin/python3.12": interpreter.LINKS_LIBPYTHON,
+             pyenv / "lib/libpython3.12.so.1.0": interpreter.INTERPRETER,
+             Path("/bin/true"): interpreter.NO_INTERPRETER}  # fmt: skip
+    text = tmp_path / "script.py"
+    text.write_text("#!/usr/bin/python3\n")
+    files[text] = interpreter.NOT_ELF
+    # WHEN a run asks what each is, and the next run asks again with no
+    # file able to be opened
+    first = {path: interpreter.python_kind(path) for path in files}
+    next_run()
+    monkeypatch.setattr(interpreter, "open_elf", None)  # (any open would fail)
+    again = {path: interpreter.python_kind(path) for path in files}
+    # THEN the first run found each file's kind, and the next run the same, kept
+    assert first == files
+    assert again == files
+    # AND a file kept as no interpreter, or as not ELF, is answered without
+    # opening it by the interpreter's reader (the one a process's files go through)
+    assert interpreter.find_interpreter(Path("/bin/true")) is None
+    with pytest.raises(NotElfError):
+        interpreter.find_interpreter(text)

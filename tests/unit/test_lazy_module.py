@@ -1,4 +1,4 @@
-"""mtrace_live.probes.lazy: a module imported at its first use."""
+"""mtrace_live.probes.elf.lazy: a module imported at its first use."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from mtrace_live.probes.lazy import lazy_module
+from mtrace_live.probes.elf.lazy import lazy_module
 
 
 @pytest.fixture

@@ -1,25 +1,33 @@
-"""A bcc BPF object made again from the code an earlier run compiled
-(tracer/bpf/bpf_cache.py keeps it), without clang: the maps made anew, the
-programs loaded with their descriptors relocated, the tracepoint handlers
-attached as bcc's own start attaches them; and, the first time, that code
-read out of what bcc compiled.
+"""A program made again from the code an earlier run compiled
+(tracer/bpf/bpf_cache.py keeps it), without clang and without bcc: the maps
+made anew, the programs loaded with their descriptors relocated, the
+tracepoint handlers attached as bcc's own start attaches them, and the
+maps read and written as bcc's tables (tracer/bpf/map_table.py); and, the
+first time, that code read out of what bcc compiled.
 
 bcc is never imported here: its module is handed in by
-tracer/bpf/bpf_backend.py, the one place that imports it.
+tracer/bpf/bpf_backend.py, the one place that imports it, to read out what
+it compiled.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import ctypes
 import json
 import os
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from mtrace_live.tracer.bpf import bpf_cache, bpf_callbacks
+from mtrace_live.tracer.bpf import (
+    bpf_cache,
+    bpf_callbacks,
+    bpf_syscalls,
+    map_table,
+    tracepoint_attach,
+)
 
 # Handlers bcc does not load itself: TYPED_PREFIX + EVENT is a BTF-typed
 # tracepoint handler (tp_btf), loaded and attached by BpfProgram, and
@@ -46,9 +54,6 @@ def _libbcc(bcc: Any) -> ctypes.CDLL:
         ("bpf_table_fd_id", ctypes.c_int, [module, size]),
         ("bpf_table_key_desc_id", text, [module, size]),
         ("bpf_table_leaf_desc_id", text, [module, size]),
-        ("bcc_prog_load", ctypes.c_int, [ctypes.c_int, text, ctypes.c_void_p, ctypes.c_int, text,
-                                         ctypes.c_uint, ctypes.c_int, ctypes.c_void_p,
-                                         ctypes.c_uint]),
     ):  # fmt: skip
         getattr(lib, function).restype = result
         getattr(lib, function).argtypes = arguments
@@ -89,65 +94,36 @@ def compiled_of(bcc: Any, bpf: Any) -> bpf_cache.Compiled:
     return bpf_cache.Compiled(license_, int(lib.bpf_module_kern_version(module)), functions, maps)
 
 
-class _TableFacts:
-    """Stands in for libbcc in bcc.table while one table is made: its type,
-    flags and size come from the cached map, everything else from libbcc."""
-
-    def __init__(self, lib: Any, spec: bpf_cache.MapSpec) -> None:
-        self._lib, self._spec = lib, spec
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._lib, name)
-
-    def bpf_table_type_id(self, module: Any, table_id: int) -> int:
-        return self._spec.type
-
-    def bpf_table_flags_id(self, module: Any, table_id: int) -> int:
-        return self._spec.flags
-
-    def bpf_table_max_entries_id(self, module: Any, table_id: int) -> int:
-        return self._spec.max_entries
+# enum bpf_prog_type
+PROG_KPROBE, PROG_TRACEPOINT, PROG_RAW_TRACEPOINT = 2, 5, 17
 
 
-_TABLE_FACTS_LOCK = threading.Lock()
-
-
-def _program_type(bcc: Any, name: str) -> int:
+def handler_type(name: str) -> int:
+    """A handler's program type, by its name (bcc's naming)."""
     if name.startswith("tracepoint__"):
-        return int(bcc.BPF.TRACEPOINT)
+        return PROG_TRACEPOINT
     if name.startswith(("raw_tracepoint__", FALLBACK_PREFIX)):
-        return int(bcc.BPF.RAW_TRACEPOINT)
-    return int(bcc.BPF.KPROBE)  # the uprobe and uretprobe handlers
+        return PROG_RAW_TRACEPOINT
+    return PROG_KPROBE  # the uprobe and uretprobe handlers
 
 
-def uprobe_code(bcc: Any, functions: Mapping[str, bytes]) -> dict[str, bytes]:
+def uprobe_code(functions: Mapping[str, bytes]) -> dict[str, bytes]:
     """The uprobe-type programs' code, as bcc compiled it in this run."""
-    kind = int(bcc.BPF.KPROBE)
     return {text: code for text, code in functions.items()
-            if not text.startswith(TYPED_PREFIX) and _program_type(bcc, text) == kind}  # fmt: skip
+            if not text.startswith(TYPED_PREFIX) and handler_type(text) == PROG_KPROBE}  # fmt: skip
 
 
-def from_cache(bcc: Any, compiled: bpf_cache.Compiled, links: bool,
-               map_fds: dict[int, int] | None = None) -> Any:  # fmt: skip
-    """A bcc.BPF object made from cached code instead of clang: the maps made
+def from_cache(compiled: bpf_cache.Compiled, links: bool,
+               map_fds: dict[int, int] | None = None) -> CachedBpf:  # fmt: skip
+    """The program made from cached code instead of clang: the maps made
     anew, the code loaded with their descriptors, the tracepoint handlers
     attached as bcc's own start attaches them; with ``links``, the uprobe
     programs' code kept instead, to load for links. ``map_fds``: the maps,
     made already (tracer/bpf/preload.py). Raises on anything unexpected,
     with everything made so far closed."""
-    BPF = bcc.BPF
-    bpf = BPF.__new__(BPF)
-    for table in ("kprobe_fds", "uprobe_fds", "tracepoint_fds", "raw_tracepoint_fds",
-                  "kfunc_entry_fds", "kfunc_exit_fds", "lsm_fds", "perf_buffers",
-                  "open_perf_events", "funcs", "tables"):  # fmt: skip
-        setattr(bpf, table, {})
-    bpf._ringbuf_manager, bpf.tracefile, bpf.debug, bpf.module = None, None, 0, None
-    bpf.mtrace_typed = {}  # BTF-typed handlers: relocated, loaded by BpfProgram
-    bpf.mtrace_uprobe_code = {} if links else None  # relocated, loaded for links
-    cached = _CachedParts(bcc, bpf, compiled, map_fds)
-    bpf.close, bpf.load_func, bpf.get_table = cached.close, cached.load_func, cached.get_table
+    bpf = CachedBpf(compiled, links, map_fds)
     try:
-        cached.load(_libbcc(bcc))
+        bpf.load()
         for text in compiled.functions:  # as bcc's _trace_autoload
             if text.startswith("tracepoint__"):
                 tracepoint = text[len("tracepoint__") :].replace("__", ":")
@@ -156,39 +132,55 @@ def from_cache(bcc: Any, compiled: bpf_cache.Compiled, links: bool,
                 bpf.attach_raw_tracepoint(tp=text[len("raw_tracepoint__") :].encode(),
                                           fn_name=text.encode())  # fmt: skip
     except BaseException:
-        with contextlib.suppress(Exception):
-            bpf.cleanup()
-        cached.close()
+        bpf.cleanup()
         raise
-    atexit.register(bpf.cleanup)
     return bpf
 
 
-class _CachedParts:
-    """What a bcc.BPF object made from cached code holds in place of bcc's
-    module: the maps made anew, the programs loaded, and the three methods
-    (close, load_func, get_table) that reach them."""
+@dataclass(frozen=True)
+class Function:
+    """A loaded program (as bcc.BPF.Function: its name and fd)."""
 
-    def __init__(self, bcc: Any, bpf: Any, compiled: bpf_cache.Compiled,
+    name: bytes
+    fd: int
+
+
+class CachedBpf:
+    """A program loaded from cached code: what BpfProgram reaches of a
+    bcc.BPF object (its tables by name, ``funcs``, ``tracepoint_fds``,
+    ``load_func``, the tracepoint attaches and ``cleanup``), made with the
+    project's own system calls (tracer/bpf/map_table.py for the tables)."""
+
+    def __init__(self, compiled: bpf_cache.Compiled, links: bool,
                  map_fds: dict[int, int] | None = None) -> None:  # fmt: skip
-        self.bcc, self.bpf, self.compiled = bcc, bpf, compiled
+        self.compiled = compiled
+        self.funcs: dict[bytes, Function] = {}
+        self.tracepoint_fds: dict[bytes, int] = {}
+        self.raw_tracepoint_fds: dict[bytes, int] = {}
+        # BTF-typed handlers: relocated, loaded by BpfProgram
+        self.mtrace_typed: dict[str, bytes] = {}
+        # the uprobe programs' code, relocated, loaded for links (None: loaded here)
+        self.mtrace_uprobe_code: dict[str, bytes] | None = {} if links else None
         self.map_fds: dict[int, int] = dict(map_fds or {})  # (made already: preload)
         self.specs = {spec.name: spec for spec in compiled.maps}
+        self._tables: dict[str, map_table.Table] = {}
+        self._lock = threading.Lock()  # (the scrape's thread may make its first table meanwhile)
 
-    def load(self, lib: Any) -> None:
+    def load(self) -> None:
         """Make the maps, and load every program with their descriptors."""
-        compiled, bpf = self.compiled, self.bpf
+        compiled = self.compiled
         for spec in compiled.maps:
             if spec.fd not in self.map_fds:
                 self.map_fds[spec.fd] = bpf_cache.recreate_map(spec)
-        license_ = compiled.license.encode()
+        for spec in compiled.maps:  # (any type unknown: compiled instead, at once)
+            self._tables[spec.name] = self._table(spec)
         for text, code in compiled.functions.items():
             if text.startswith(TYPED_PREFIX):
-                bpf.mtrace_typed[text] = bpf_cache.relocate(code, self.map_fds)
+                self.mtrace_typed[text] = bpf_cache.relocate(code, self.map_fds)
                 continue
-            kind = _program_type(self.bcc, text)
-            if kind == int(self.bcc.BPF.KPROBE) and bpf.mtrace_uprobe_code is not None:
-                bpf.mtrace_uprobe_code[text] = bpf_cache.relocate(code, self.map_fds)
+            kind = handler_type(text)
+            if kind == PROG_KPROBE and self.mtrace_uprobe_code is not None:
+                self.mtrace_uprobe_code[text] = bpf_cache.relocate(code, self.map_fds)
                 continue
             if bpf_callbacks.is_callback(text):
                 continue  # linked into its program's code
@@ -196,47 +188,65 @@ class _CachedParts:
                 both = {name: bpf_cache.relocate(compiled.functions[name], self.map_fds)
                         for name in (text, bpf_callbacks.callback_of(text))}  # fmt: skip
                 fd = bpf_callbacks.load_linked(both, text, compiled.license, kind, 0,
-                                        compiled.kern_version)  # fmt: skip
-                bpf.funcs[text.encode()] = self.bcc.BPF.Function(bpf, text.encode(), fd)
-                continue
-            insns = ctypes.create_string_buffer(bpf_cache.relocate(code, self.map_fds), len(code))
-            fd = lib.bcc_prog_load(kind, text.encode(), insns, len(code),
-                                   license_, compiled.kern_version, 0, None, 0)  # fmt: skip
-            if fd < 0:
-                raise OSError(ctypes.get_errno(), f"cannot load {text}")
-            bpf.funcs[text.encode()] = self.bcc.BPF.Function(bpf, text.encode(), fd)
+                                               compiled.kern_version)  # fmt: skip
+            else:
+                fd = bpf_syscalls.load_program(bpf_cache.relocate(code, self.map_fds),
+                                               compiled.license, text, kind, 0,
+                                               compiled.kern_version)  # fmt: skip
+            self.funcs[text.encode()] = Function(text.encode(), fd)
 
-    def close(self) -> None:
-        for name, function in list(self.bpf.funcs.items()):
+    def __getitem__(self, name: str | bytes) -> map_table.Table:
+        text = name.decode() if isinstance(name, bytes) else str(name)
+        with self._lock:
+            table = self._tables.get(text)
+            if table is None:
+                spec = self.specs.get(text)
+                if spec is None:
+                    raise KeyError(text)
+                table = self._tables[text] = self._table(spec)
+            return table
+
+    def _table(self, spec: bpf_cache.MapSpec) -> map_table.Table:
+        """The table of a map; UnknownType where its types are not the
+        kernel's sizes."""
+        key = map_table.decode_type(json.loads(spec.key_desc))
+        leaf = map_table.decode_type(json.loads(spec.leaf_desc))
+        sizes = (ctypes.sizeof(key), ctypes.sizeof(leaf))
+        if spec.type in map_table.SIZED and sizes != (spec.key_size, spec.value_size):
+            raise map_table.UnknownType(f"map {spec.name}: its types are not the sizes the "
+                                        "kernel has")  # fmt: skip
+        return map_table.Table(self.map_fds[spec.fd], spec.type, spec.max_entries, key, leaf)
+
+    def load_func(self, func_name: str | bytes, prog_type: int) -> Function:
+        name = func_name if isinstance(func_name, bytes) else str(func_name).encode()
+        if name not in self.funcs:
+            raise KeyError(f"unknown program {name.decode()}")
+        return self.funcs[name]
+
+    def attach_tracepoint(self, tp: bytes, fn_name: bytes) -> None:
+        """Attach a tracepoint's handler (``tp``: "category:event")."""
+        category, _, event = tp.decode().partition(":")
+        fd = tracepoint_attach.attach(self.load_func(fn_name, PROG_TRACEPOINT).fd,
+                                      category, event)  # fmt: skip
+        self.tracepoint_fds[tp] = fd
+
+    def attach_raw_tracepoint(self, tp: bytes, fn_name: bytes) -> None:
+        fd = bpf_syscalls.attach_raw_tracepoint(self.load_func(fn_name, PROG_RAW_TRACEPOINT).fd,
+                                                tp.decode())  # fmt: skip
+        self.raw_tracepoint_fds[tp] = fd
+
+    def cleanup(self) -> None:
+        """Close everything still open: attachments, programs, maps."""
+        for fds in (self.tracepoint_fds, self.raw_tracepoint_fds):
+            for fd in fds.values():
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            fds.clear()
+        for function in self.funcs.values():
             with contextlib.suppress(OSError):
                 os.close(function.fd)
-            del self.bpf.funcs[name]
+        self.funcs.clear()
         for fd in self.map_fds.values():
             with contextlib.suppress(OSError):
                 os.close(fd)
         self.map_fds.clear()
-
-    def load_func(self, func_name: Any, prog_type: int, device: Any = None,
-                  attach_type: int = -1) -> Any:  # fmt: skip
-        name = func_name if isinstance(func_name, bytes) else str(func_name).encode()
-        if name not in self.bpf.funcs:
-            raise Exception(f"Unknown program {name.decode()}")
-        return self.bpf.funcs[name]
-
-    def get_table(self, name: Any, keytype: Any = None, leaftype: Any = None,
-                  reducer: Any = None) -> Any:  # fmt: skip
-        bcc, BPF = self.bcc, self.bcc.BPF
-        text = name.decode() if isinstance(name, bytes) else str(name)
-        spec = self.specs.get(text)
-        if spec is None:
-            raise KeyError(text)
-        keytype = keytype or BPF._decode_table_type(json.loads(spec.key_desc))
-        leaftype = leaftype or BPF._decode_table_type(json.loads(spec.leaf_desc))
-        with _TABLE_FACTS_LOCK:  # the scrape's thread may make its first table meanwhile
-            real = bcc.table.lib
-            bcc.table.lib = _TableFacts(real, spec)
-            try:
-                return bcc.table.Table(self.bpf, spec.table_id, self.map_fds[spec.fd], keytype,
-                                       leaftype, text.encode(), reducer=reducer)  # fmt: skip
-            finally:
-                bcc.table.lib = real

@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import importlib.util
 import os
+import re
 import sys
 import tempfile
 import time
@@ -27,6 +29,7 @@ from mtrace_live.probes.errors import (
 )
 from mtrace_live.probes.program import ProgramSource
 from mtrace_live.tracer.bpf import (
+    bcc_revive,
     bpf_cache,
     bpf_callbacks,
     bpf_syscalls,
@@ -37,6 +40,7 @@ from mtrace_live.tracer.bpf import (
 from mtrace_live.tracer.bpf.bcc_revive import (
     FALLBACK_PREFIX,
     TYPED_PREFIX,
+    Function,
     compiled_of,
     from_cache,
     typed_handlers,
@@ -63,12 +67,17 @@ def import_bcc() -> Any:
 
 
 def bcc_version() -> str:
-    """The bcc bindings' version, or "unknown"."""
+    """The bcc bindings' version, or "unknown": read from its version.py,
+    without importing bcc (whose library brings LLVM and clang: a warm
+    start needs neither)."""
     try:
-        import bcc
-    except ImportError:
+        found = importlib.util.find_spec("bcc")
+        places = list(found.submodule_search_locations or []) if found is not None else []
+        text = (Path(places[0]) / "version.py").read_text() if places else ""
+    except (ImportError, ValueError, OSError):
         return "unknown"
-    return str(getattr(bcc, "__version__", "unknown"))
+    match = re.search(r"""__version__\s*=\s*['"]([^'"]+)['"]""", text)
+    return match.group(1) if match else "unknown"
 
 
 @dataclass(frozen=True)
@@ -93,7 +102,6 @@ class BpfProgram:
         where the kernel has them."""
         require_privileges()
         tracefs_root()
-        bcc = import_bcc()
         name = source.name
         # bcc compiles the text as /virtual/main.c: its own headers (records.h)
         # are found through the parts' directory.
@@ -123,9 +131,9 @@ class BpfProgram:
         self.uprobes_apart = uprobe_multi.why_not() if links else uprobe_multi.MAIN_GONE
         # what the start made of this program meanwhile, if it guessed it (preload)
         early = preload.take(key)
-        compiled = self._cached(bcc, key, early)
+        compiled = self._cached(key, early)
         self.from_cache = compiled is not None  # loaded from code a previous run compiled
-        made = self._compile(bcc, source, text, cflags, key) if compiled is None else None
+        made = self._compile(source, text, cflags, key) if compiled is None else None
         self.uprobe_links: uprobe_multi.UprobeLinks | None = None
         try:  # (from here on, what fails closes what was made: the programs loading too)
             self.uprobe_links = self._links(compiled if compiled is not None else made, early)
@@ -138,17 +146,18 @@ class BpfProgram:
             if compiled is not None:
                 typed, license_ = self._bpf.mtrace_typed, compiled.license
             else:
-                typed, license_ = typed_handlers(bcc, self._bpf)
+                typed, license_ = typed_handlers(import_bcc(), self._bpf)
             if typed:
                 self._attach_typed(typed, license_)
         except BaseException:
             self.close()
             raise
 
-    def _compile(self, bcc: Any, source: ProgramSource, text: str, cflags: list[str],
+    def _compile(self, source: ProgramSource, text: str, cflags: list[str],
                  key: str) -> bpf_cache.Compiled | None:  # fmt: skip
         """Compile with bcc, and keep the code under ``key``: what was
         compiled, or None where it could not be read back."""
+        bcc = import_bcc()
         if sys.stderr.isatty():  # a cold start says so to whoever waits at a terminal
             print(f"mtrace-live: compiling the BPF program for these options (about "
                   f"{bpf_cache.compile_estimate():.0f} s, once: later starts with them load "
@@ -164,7 +173,7 @@ class BpfProgram:
         made = None
         with contextlib.suppress(Exception):  # the cache is only ever a saving
             made = compiled_of(bcc, self._bpf)
-            self._bpf.mtrace_uprobe_code = uprobe_code(bcc, made.functions)
+            self._bpf.mtrace_uprobe_code = uprobe_code(made.functions)
             bpf_cache.store(key, made)
         return made
 
@@ -191,14 +200,14 @@ class BpfProgram:
             return None
         return uprobe_multi.UprobeLinks(code, compiled.license, compiled.kern_version)
 
-    def _cached(self, bcc: Any, key: str, early: preload.Made | None) -> bpf_cache.Compiled | None:
+    def _cached(self, key: str, early: preload.Made | None) -> bpf_cache.Compiled | None:
         """The program stored under ``key``, loaded (its maps the ones made
         ``early``, where they were); None (with a warning where one was
         stored) to compile it instead."""
         try:
             compiled = early.compiled if early is not None else bpf_cache.load(key)
             if compiled is not None:
-                self._bpf = from_cache(bcc, compiled, self.uprobes_apart is None,
+                self._bpf = from_cache(compiled, self.uprobes_apart is None,
                                        early.map_fds if early is not None else None)  # fmt: skip
             return compiled
         except Exception as exc:  # any doubt: compile, as without a cache
@@ -325,8 +334,8 @@ class BpfProgram:
                     )
                 except (OSError, ValueError) as exc:
                     raise AttachError(f"cannot load the handler {handler}: {exc}") from None
-                self._bpf.funcs[name] = import_bcc().BPF.Function(self._bpf, name, fd)
-        return int(self._bpf.load_func(name, import_bcc().BPF.KPROBE).fd)
+                self._bpf.funcs[name] = Function(name, fd)
+        return int(self._bpf.load_func(name, bcc_revive.PROG_KPROBE).fd)
 
     @property
     def uprobes_move(self) -> bool:
@@ -626,8 +635,8 @@ class BpfProgram:
         nowhere. The child is named ``DETACHER_NAME``; it is gone within
         about 80 ms per probe site. Where it cannot be started, the events
         are closed here."""
-        lib = import_bcc().libbcc.lib
-        # bcc attaches the tracepoints; the uprobes are this program's own
+        # The tracepoints are attached as bcc's start attaches them (by bcc, or
+        # tracer/bpf/tracepoint_attach.py); the uprobes are this program's own
         # perf events (uprobe_attach), made through the perf PMU: none is in tracefs.
         tracepoints = dict(self._bpf.tracepoint_fds)
         kept = [event for events in self._kept_returns.values() for event in events]
@@ -640,7 +649,8 @@ class BpfProgram:
         self._uprobe_events = []
         if fds and not detach_in_child(fds):
             for fd in fds:
-                lib.bpf_close_perf_event_fd(fd)
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         for name in tracepoints:
             self._bpf.tracepoint_fds.pop(name)
         for program, attachment in self._typed.values():

@@ -103,8 +103,8 @@ def _bpf(cmd: int, attr: ctypes.Array[ctypes.c_char], long: bool = False) -> int
     return int(libc.syscall(number, cmd, ctypes.byref(attr), len(attr)))
 
 
-def _elem(cmd: int, map_fd: int, key: ctypes.Array[ctypes.c_char] | None,
-          value: ctypes.Array[ctypes.c_char], flags: int = 0) -> bool:  # fmt: skip
+def _elem(cmd: int, map_fd: int, key: ctypes._CData | None, value: ctypes._CData,
+          flags: int = 0) -> bool:  # fmt: skip
     """One BPF_MAP_*_ELEM or GET_NEXT_KEY call: map_fd, key, value (or the
     next key), flags."""
     attr = ctypes.create_string_buffer(32)
@@ -156,10 +156,32 @@ def lookup(map_fd: int, key: bytes, value_size: int) -> bytes | None:
 
 def delete(map_fd: int, key: bytes) -> bool:
     """Delete the entry at ``key`` (raw bytes); False where there was none."""
+    return delete_at(map_fd, ctypes.create_string_buffer(key, len(key)))
+
+
+def lookup_into(map_fd: int, key: ctypes._CData, value: ctypes._CData) -> bool:
+    """The value at ``key`` (a ctypes object of the map's key type) read
+    into ``value``; False when there is none."""
+    return _elem(BPF_MAP_LOOKUP_ELEM, map_fd, key, value)
+
+
+def update_from(map_fd: int, key: ctypes._CData, value: ctypes._CData) -> bool:
+    """``value`` written at ``key`` (ctypes objects); False (errno set) when
+    the kernel refuses."""
+    return _elem(BPF_MAP_UPDATE_ELEM, map_fd, key, value)
+
+
+def delete_at(map_fd: int, key: ctypes._CData) -> bool:
+    """The entry at ``key`` (a ctypes object) deleted; False where there was none."""
     attr = ctypes.create_string_buffer(32)
-    raw = ctypes.create_string_buffer(key, len(key))
-    struct.pack_into("=IIQ", attr, 0, map_fd, 0, ctypes.addressof(raw))
+    struct.pack_into("=IIQ", attr, 0, map_fd, 0, ctypes.addressof(key))
     return _bpf(BPF_MAP_DELETE_ELEM, attr) == 0
+
+
+def next_key_into(map_fd: int, key: ctypes._CData | None, following: ctypes._CData) -> bool:
+    """The key after ``key`` (the first: None) read into ``following``;
+    False after the last."""
+    return _elem(BPF_MAP_GET_NEXT_KEY, map_fd, key, following)
 
 
 def _u32(key: int) -> ctypes.Array[ctypes.c_char]:
@@ -404,11 +426,13 @@ def load_btf(blob: bytes) -> int:
     raise OSError(error, f"{os.strerror(error)}{': ' + words[-1] if words else ''}")
 
 
-def attach_raw_tracepoint(prog_fd: int) -> int:
-    """Attach a loaded tp_btf program to its tracepoint: the attachment's
-    fd, which detaches it when closed. Raises OSError."""
+def attach_raw_tracepoint(prog_fd: int, name: str | None = None) -> int:
+    """Attach a loaded raw tracepoint program to tracepoint ``name`` (a
+    tp_btf program: None, its own): the attachment's fd, which detaches it
+    when closed. Raises OSError."""
+    text = ctypes.create_string_buffer(name.encode()) if name is not None else None
     attr = ctypes.create_string_buffer(16)
-    struct.pack_into("=QI", attr, 0, 0, prog_fd)  # name NULL: the program's own
+    struct.pack_into("=QI", attr, 0, ctypes.addressof(text) if text is not None else 0, prog_fd)
     fd = _bpf(BPF_RAW_TRACEPOINT_OPEN, attr)
     if fd < 0:
         error = ctypes.get_errno()

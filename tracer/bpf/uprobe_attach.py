@@ -101,6 +101,28 @@ def _open(path: bytes, offset: int, retprobe: bool, pid: int) -> int:
     return fd
 
 
+def open_event(kind: int, config: int, sample_type: int = 0) -> int:
+    """A perf event of PMU type ``kind`` and ``config`` on CPU 0 for every
+    process (a tracepoint's: it fires on every CPU once a program is set
+    on it): its fd. Raises AttachFailure."""
+    number = SYS_PERF_EVENT_OPEN.get(platform.machine())
+    if number is None:
+        raise AttachFailure(errno.ENOSYS)
+    attr = ctypes.create_string_buffer(ATTR_SIZE)
+    ATTR.pack_into(attr, 0, kind, ATTR_SIZE, config, 1, sample_type, 0, 0, 1, 0, 0, 0)
+    fd = int(_LIBC.syscall(number, attr, -1, 0, -1, PERF_FLAG_FD_CLOEXEC))
+    if fd < 0:
+        raise AttachFailure(ctypes.get_errno())
+    return fd
+
+
+def set_program(fd: int, prog_fd: int) -> None:
+    """Program ``prog_fd`` set on perf event ``fd``, and the event enabled.
+    Raises AttachFailure (``fd`` closed)."""
+    _ioctl(fd, PERF_EVENT_IOC_SET_BPF, prog_fd)
+    _ioctl(fd, PERF_EVENT_IOC_ENABLE, 0)
+
+
 def _ioctl(fd: int, request: int, argument: int) -> None:
     if _LIBC.ioctl(fd, ctypes.c_ulong(request), ctypes.c_int(argument)) < 0:
         error = ctypes.get_errno()
@@ -114,8 +136,7 @@ def attach(path: Path, offset: int, prog_fd: int, pid: int = -1, retprobe: bool 
     (-1) every process: the perf event's fd, which detaches it when closed.
     Raises AttachFailure."""
     fd = _opened(path, offset, retprobe, pid)
-    _ioctl(fd, PERF_EVENT_IOC_SET_BPF, prog_fd)
-    _ioctl(fd, PERF_EVENT_IOC_ENABLE, 0)
+    set_program(fd, prog_fd)
     return fd
 
 

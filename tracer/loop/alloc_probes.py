@@ -27,7 +27,7 @@ from mtrace_live.exporters.data.alloc_snapshot import (
 )
 from mtrace_live.probes.alloc_sites import AllocSite, alloc_sites
 from mtrace_live.probes.allocators import GLIBC, Allocator
-from mtrace_live.probes.elf.file import ELF_FAILURES, not_elf
+from mtrace_live.probes.elf.file import elf_failures, not_elf
 from mtrace_live.probes.elf.symbols import exported_offset
 from mtrace_live.probes.errors import NoProbesError
 from mtrace_live.probes.frame_kinds import in_file
@@ -86,7 +86,7 @@ def plan_sites(libc: Path, allocator: Allocator = GLIBC,
     that is not a readable ELF file."""
     try:
         return _plan_sites(libc, allocator, tables)
-    except ELF_FAILURES as exc:
+    except elf_failures() as exc:
         raise not_elf(libc, exc) from None
 
 

@@ -26,7 +26,7 @@ from mtrace_live.exporters.data.lock_waits import (
     ThreadTime,
     WaitTimes,
 )
-from mtrace_live.probes.elf.file import ELF_FAILURES
+from mtrace_live.probes.elf.file import elf_failures
 from mtrace_live.probes.errors import MtraceError
 from mtrace_live.probes.lock_sites import WAIT_FUNCTION, LockWaitSite, lock_wait_site
 from mtrace_live.probes.program import part_constants
@@ -65,7 +65,7 @@ def plan_lock_waits(libc: Path) -> LockWaitPlan:
     """The slow path's site in ``libc`` (probes/lock_sites.py)."""
     try:
         site = lock_wait_site(libc)
-    except (MtraceError, *ELF_FAILURES) as exc:
+    except (MtraceError, *elf_failures()) as exc:
         return LockWaitPlan(libc, None, f"{libc} cannot be read: {exc}")
     if site is None:
         return LockWaitPlan(libc, None, f"{libc} has no {WAIT_FUNCTION}: lock waits are counted, "

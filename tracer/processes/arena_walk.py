@@ -26,7 +26,7 @@ from mtrace_live.exporters.data.processes import proc_dir
 from mtrace_live.probes.derived import NO_DEBUG_FILE
 from mtrace_live.probes.elf.debug import find_debug_file
 from mtrace_live.probes.elf.facts import file_fact
-from mtrace_live.probes.elf.file import ELF_FAILURES, open_elf
+from mtrace_live.probes.elf.file import elf_failures, open_elf
 from mtrace_live.probes.elf.maps import read_maps
 from mtrace_live.probes.elf.symbols import symbols_by_name
 from mtrace_live.probes.errors import MtraceError
@@ -76,7 +76,7 @@ def _arena_in(path: Path) -> tuple[int, int | None] | None:
     try:
         with open_elf(path) as elf:
             found = symbols_by_name(elf, (".symtab",))
-    except (MtraceError, *ELF_FAILURES):
+    except (MtraceError, *elf_failures()):
         return None
     if "main_arena" not in found:
         return None

@@ -26,7 +26,7 @@ from pathlib import Path
 from mtrace_live.exporters.data.processes import proc_dir
 from mtrace_live.probes.allocators import KNOWN, PYMALLOC, UNKNOWN, Allocator, identify
 from mtrace_live.probes.elf.facts import file_fact
-from mtrace_live.probes.elf.file import ELF_FAILURES, needed, open_elf, soname
+from mtrace_live.probes.elf.file import elf_failures, needed, open_elf, soname
 from mtrace_live.probes.elf.maps import Mapping as ProcessMapping
 from mtrace_live.probes.elf.maps import read_maps
 from mtrace_live.probes.elf.symbols import defined_functions
@@ -129,7 +129,7 @@ def _read_file_facts(path: Path, tables: tuple[str, ...],
             if what == "defines":
                 return frozenset(defined_functions(elf, tables)) & ASKED
             return tuple(needed(elf)) if what == "needs" else (soname(elf) or "",)
-    except (OSError, MtraceError, *ELF_FAILURES):
+    except (OSError, MtraceError, *elf_failures()):
         return None
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from mtrace_live.probes.elf.file import ELF_FAILURES, build_id, load_segments, open_elf
+from mtrace_live.probes.elf.file import build_id, elf_failures, load_segments, open_elf
 from mtrace_live.probes.errors import NotElfError, TargetError
 from mtrace_live.probes.program import part_constants
 from mtrace_live.probes.records import EVENT_DTYPE, UNWIND_FILE_DTYPE
@@ -196,7 +196,7 @@ class _Server:
                 rows, problem = rows_of(elf, path, ident, self.cache)
         except (TargetError, OSError):
             return False  # it cannot be read now: left to the trace
-        except (NotElfError, *ELF_FAILURES):
+        except (NotElfError, *elf_failures()):
             return self._publish(key, file_entry(0, 0, 0, 0, 0, ()))  # no rows there
         if problem or not len(rows):
             return self._publish(key, file_entry(0, 0, 0, 0, 0, segments))

@@ -32,7 +32,12 @@ from mtrace_live.exporters.data.alloc_snapshot import FrameNames
 from mtrace_live.exporters.data.processes import proc_dir
 from mtrace_live.exporters.data.symbolize import Symbol, python_symbol
 from mtrace_live.probes import cpython
-from mtrace_live.probes.elf.file import ELF_FAILURES, needed, open_elf
+from mtrace_live.probes.cpython.interpreter import (
+    INTERPRETER,
+    LINKS_LIBPYTHON,
+    NOT_ELF,
+    python_kind,
+)
 from mtrace_live.probes.elf.maps import read_maps
 from mtrace_live.probes.errors import MtraceError, UnknownLayoutError
 from mtrace_live.probes.frame_kinds import KIND_PYTHON, in_python
@@ -84,12 +89,12 @@ def runs_python(pids: Sequence[int], argv: Sequence[str] | None) -> bool:
         if found is None:
             return False
         try:
-            with open_elf(found) as elf:
-                if any(name.startswith("libpython3") for name in needed(elf)):
-                    return True
-            return cpython.find_interpreter(Path(found)) is not None
-        except (MtraceError, OSError, *ELF_FAILURES):  # not ELF: a script?
-            found = _script_interpreter(found)
+            kind = python_kind(Path(found))  # (a kept fact)
+        except (MtraceError, OSError):
+            kind = NOT_ELF
+        if kind != NOT_ELF:
+            return kind in (INTERPRETER, LINKS_LIBPYTHON)
+        found = _script_interpreter(found)  # not ELF: a script?
     return False
 
 

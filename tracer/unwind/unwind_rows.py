@@ -15,14 +15,17 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from elftools.elf.elffile import ELFFile
 from mtrace_live.probes.elf.cfi import ROW, CfiTable, cfi_of
 from mtrace_live.probes.elf.facts import private_file
 from mtrace_live.probes.elf.file import LoadSegment
 from mtrace_live.probes.program import part_constants
 from mtrace_live.probes.records import UNWIND_FILE_DTYPE, UNWIND_FILE_KEY_DTYPE
+
+if TYPE_CHECKING:
+    from elftools.elf.elffile import ELFFile
 
 DEFAULT_CACHE = Path("/var/cache/mtrace-live/cfi")
 CACHE_FORMAT = 2  # 2: rows read by probes/elf/cfi_rows.c (malformed entries as CFA_OTHER)

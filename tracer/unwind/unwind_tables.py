@@ -48,8 +48,8 @@ from mtrace_live.probes.elf import facts
 from mtrace_live.probes.elf.cfi import ROW
 from mtrace_live.probes.elf.facts import file_fact
 from mtrace_live.probes.elf.file import (
-    ELF_FAILURES,
     LoadSegment,
+    elf_failures,
     elf_layout,
     file_offset,
     layout_of,
@@ -185,7 +185,7 @@ def rtld_state(loader: Path) -> tuple[int, int] | None:
             if DEBUG_STATE not in values or "_r_debug" not in values:
                 return None
             offset = file_offset(load_segments(elf), values[DEBUG_STATE])
-    except (OSError, NotElfError, *ELF_FAILURES):
+    except (OSError, NotElfError, *elf_failures()):
         return None
     if offset is None:
         return None
@@ -452,7 +452,7 @@ class UnwindTables:
                         rows, problem = rows_of(elf, path, ident, self.cache)
             except (TargetError, OSError) as exc:  # not kept: it may open later, or elsewhere
                 return MappedFile(0, 0, (), str(exc))
-            except (NotElfError, *ELF_FAILURES) as exc:
+            except (NotElfError, *elf_failures()) as exc:
                 return self._no_rows(mapping, str(exc))
         if known is None:
             try:

@@ -1,11 +1,12 @@
 """A module imported at its first use, not at its importer's.
 
-capstone (the allocation sites, the lock-wait site, the derived probes, an
-interpreter's layout) and pyderust (Rust names) are needed only where a fact
-is not kept yet, or once the trace names its frames: a start with its facts
-kept never touches them, and imports neither before the trace is on
-(docs/performance.md, section 12). Type checkers see the real module (the
-importers import it under TYPE_CHECKING)."""
+pyelftools' parser (an ELF file opened), capstone (the allocation sites,
+the lock-wait site, the derived probes, an interpreter's layout) and
+pyderust (Rust names) are needed only where a fact is not kept yet, or once
+the trace names its frames: a start with its facts kept never touches them,
+and imports none before the trace is on (docs/performance.md, section 12).
+Type checkers see the real module (the importers import it under
+TYPE_CHECKING)."""
 
 from __future__ import annotations
 
