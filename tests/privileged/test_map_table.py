@@ -1,7 +1,8 @@
 """A cached program's maps, read and written without bcc
 (tracer/bpf/map_table.py), hold what bpftool (the peer) dumps of them:
 real maps made in the kernel, a hash, an array and per-CPU arrays, each
-written through the table and read back by bpftool, and the reverse."""
+written through the table and read back by bpftool, and the reverse; and an
+mmapable array copied from its memory as bpftool dumps it."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from mtrace_live.tracer.bpf import bpf_syscalls, map_table
 from mtrace_live.tracer.bpf.bpf_syscalls import MapInfo
+
+MMAPABLE = 1 << 10  # BPF_F_MMAPABLE
 
 
 class Entry(ctypes.Structure):
@@ -124,3 +128,39 @@ def test_a_per_cpu_array_has_a_value_for_each_possible_cpu(
     possible = Path("/sys/devices/system/cpu/possible").read_text().strip()
     last = int(possible.replace(",", "-").split("-")[-1])
     assert cpus == last + 1
+
+
+def test_an_mmapable_array_is_copied_from_its_memory_with_only_the_rows_in_use(
+    tables: list[map_table.Table],
+) -> None:
+    # GIVEN an array made mmapable (BPF_F_MMAPABLE), of rows whose tag 0 or 1
+    # says unused, some written through the table
+    info = MapInfo(map_table.ARRAY, 4, ctypes.sizeof(Entry), 1024, MMAPABLE, "mtl_mapped")
+    fd = bpf_syscalls.create_map(info)
+    assert fd is not None, os.strerror(ctypes.get_errno())
+    table = map_table.Table(fd, map_table.ARRAY, 1024, ctypes.c_int, Entry)
+    tables.append(table)
+    written = {5: 7, 300: 2, 1023: 99, 17: 1}  # (17: tag 1, unused)
+    for index, count in written.items():
+        table[index] = Entry(count, b"row")
+    rows = np.dtype([("count", "<u8"), ("name", "S8")])
+    # WHEN it is mapped and copied
+    mapped = map_table.MappedArray.of(fd, 1024, rows)
+    assert mapped is not None
+    try:
+        whole, used = mapped.copy(), mapped.copy(("count", (0, 1)))
+    finally:
+        mapped.close()
+    # THEN the whole copy has every row as bpftool dumps it, and the rows in
+    # use are those written with a tag past 1, in index order
+    dumped = [int.from_bytes(raw(e["value"])[:8], "little") for e in dump("mtl_mapped")]
+    assert whole["count"].tolist() == dumped
+    assert [dumped[i] for i in sorted(written)] == [written[i] for i in sorted(written)]
+    assert used["count"].tolist() == [7, 2, 99]
+
+
+def test_an_array_not_made_mmapable_is_not_mapped(tables: list[map_table.Table]) -> None:
+    table = made(map_table.ARRAY, "mtl_not_mapped", ctypes.c_uint, Entry, 16)
+    tables.append(table)
+    rows = np.dtype([("count", "<u8"), ("name", "S8")])
+    assert map_table.MappedArray.of(table.map_fd, 16, rows) is None

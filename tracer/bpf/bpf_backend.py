@@ -33,6 +33,7 @@ from mtrace_live.tracer.bpf import (
     bpf_cache,
     bpf_callbacks,
     bpf_syscalls,
+    map_table,
     preload,
     uprobe_attach,
     uprobe_multi,
@@ -110,6 +111,8 @@ class BpfProgram:
         # they say nothing about mtrace-live's own C.
         cflags += ["-Wno-duplicate-decl-specifier", "-Wno-ignored-attributes"]
         self._readers: dict[str, BatchReader] = {}
+        # the arrays mapped (array_copy); None: one that cannot be
+        self._mapped: dict[str, map_table.MappedArray | None] = {}
         self.tables = TraceTables(self)  # the trace program's own tables, by name
         self._typed: dict[str, tuple[int, int]] = {}  # handler -> (program fd, attachment fd)
         # the uprobes' perf events (uprobe_attach), each as it was attached
@@ -418,6 +421,20 @@ class BpfProgram:
         return (np.frombuffer(b"".join(bytes(k) for k, _ in items), dtype=keys_dt),
                 np.frombuffer(b"".join(bytes(v) for _, v in items), dtype=values_dt))  # fmt: skip
 
+    def array_copy(self, table: str, dtype: Any, unused: tuple[str, Sequence[int]] | None = None
+                   ) -> np.ndarray | None:  # fmt: skip
+        """A copy of an array map of ``dtype`` rows, read through a shared
+        mapping of its memory (an array made BPF_F_MMAPABLE): a copy of
+        memory, where a batched read costs the kernel a lookup per row;
+        ``unused`` (a field, its values in an unused row): only the rows in
+        use are copied (a row may change meanwhile: the caller checks the
+        copy again). None where the map cannot be mapped (the caller reads it)."""
+        if table not in self._mapped:
+            array = self._bpf[table]
+            self._mapped[table] = map_table.MappedArray.of(array.map_fd, array.max_entries, dtype)
+        mapped = self._mapped[table]
+        return None if mapped is None else mapped.copy(unused)
+
     def has_table(self, name: str) -> bool:
         try:
             self._bpf[name]
@@ -659,6 +676,10 @@ class BpfProgram:
         self._typed.clear()
         if self.uprobe_links is not None:
             self.uprobe_links.close_programs()
+        for mapped in self._mapped.values():
+            if mapped is not None:
+                mapped.close()
+        self._mapped.clear()
         self._bpf.cleanup()
 
 

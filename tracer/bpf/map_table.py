@@ -12,18 +12,25 @@ interface the tracer uses: ``Key`` and ``Leaf``, lookups, updates and
 deletes by key (an array's by index), ``items()``, ``len()``, ``map_fd``
 and ``max_entries``; a per-CPU map's ``sLeaf`` and ``total_cpu``. So a
 warm start never loads bcc, whose library brings LLVM and clang with it.
+
+``MappedArray``: an array the program made mmapable, read as memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mtrace_live.tracer.bpf import bpf_syscalls
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # enum bpf_map_type
 HASH, ARRAY, PROG_ARRAY, PERCPU_HASH, PERCPU_ARRAY, LRU_HASH, LRU_PERCPU_HASH = 1, 2, 3, 5, 6, 9, 10
@@ -197,3 +204,47 @@ class Table:
             except KeyError:
                 continue
         return found
+
+
+class MappedArray:
+    """An array map made BPF_F_MMAPABLE, mapped into this process's memory
+    (read-only): read whole with a copy of memory, where a batched read
+    costs the kernel a lookup a row (0.22 s for 524,288 rows of 80 bytes)."""
+
+    def __init__(self, mapped: mmap.mmap, entries: int, rows: np.dtype) -> None:
+        self._mapped, self._entries, self._rows = mapped, entries, rows
+
+    @classmethod
+    def of(cls, map_fd: int, max_entries: int, dtype: Any) -> MappedArray | None:
+        """The array's rows of ``dtype`` (a multiple of 8 bytes, as the
+        kernel lays them out), mapped; None where the map cannot be (not
+        made mmapable)."""
+        import numpy as np
+
+        rows = np.dtype(dtype)
+        size = max_entries * rows.itemsize
+        if rows.itemsize % 8 or not size:
+            return None
+        try:
+            mapped = mmap.mmap(map_fd, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE, mmap.MAP_SHARED,
+                               mmap.PROT_READ)  # fmt: skip
+        except (OSError, ValueError):
+            return None
+        return cls(mapped, max_entries, rows)
+
+    def copy(self, unused: tuple[str, Sequence[int]] | None = None) -> np.ndarray:
+        """The rows now; with ``unused`` (a field, and its values in a row
+        not in use), only the rows in use. A row may change while it is
+        copied: the caller checks what it reads."""
+        import numpy as np
+
+        view = np.frombuffer(self._mapped, dtype=self._rows, count=self._entries)
+        if unused is None:
+            return np.array(view)
+        field, values = unused
+        used: np.ndarray = view[~np.isin(view[field], values)]  # (a mask indexes a copy)
+        return used
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError):  # (a copy being made: unmapped at exit)
+            self._mapped.close()

@@ -266,7 +266,10 @@ def read_snapshot(program: BpfProgram, sample_bytes: int, started_ns: int,
     held: list[Outstanding] = []
     frames_of: dict[int, tuple[int, ...]] = {}
     if outstanding:
-        _, rows = program.read_table("outstanding", "<u4", OUTSTANDING_ROW_DTYPE)
+        rows = program.array_copy("outstanding", OUTSTANDING_ROW_DTYPE,
+                                  ("tag", OUTSTANDING_FREE_TAGS))  # fmt: skip
+        if rows is None:  # (a program kept from before the table was mapped)
+            _, rows = program.read_table("outstanding", "<u4", OUTSTANDING_ROW_DTYPE)
         keys = rows["value"]["key"]
         theirs = np.isin(_incarnations(keys["tgid"], keys["incarnation"]), present)
         rows = rows[~np.isin(rows["tag"], OUTSTANDING_FREE_TAGS) & theirs]
