@@ -117,16 +117,19 @@ def python_kind(path: Path) -> str:
     none of them. TargetError when the file cannot be opened."""
     try:
         with open_elf(path) as elf:
-            if _may_hold_interpreter(elf):
-                symbols = symbols_by_name(elf)
-                if "_PyRuntime" in symbols and EVAL in symbols:
-                    return INTERPRETER
-            if any(name.startswith("libpython3") for name in needed(elf)):
-                return LINKS_LIBPYTHON
-            return NO_INTERPRETER
+            try:
+                if _may_hold_interpreter(elf):
+                    symbols = symbols_by_name(elf)
+                    if "_PyRuntime" in symbols and EVAL in symbols:
+                        return INTERPRETER
+            except elf_failures():
+                return NOT_ELF
+            try:
+                links = any(name.startswith("libpython3") for name in needed(elf))
+            except elf_failures():  # (a damaged dynamic section: no interpreter found)
+                links = False
+            return LINKS_LIBPYTHON if links else NO_INTERPRETER
     except NotElfError:
-        return NOT_ELF
-    except elf_failures():
         return NOT_ELF
 
 

@@ -124,43 +124,63 @@ def test_a_per_cpu_array_has_a_value_for_each_possible_cpu(
     # AND the table reads them back as the value's own type, one per CPU
     assert list(table[1]) == [100 + cpu for cpu in range(cpus)]
     assert table.sLeaf is value and sum(table[1]) == sum(100 + cpu for cpu in range(cpus))
-    # (the CPUs the kernel keeps values for are the possible ones)
-    possible = Path("/sys/devices/system/cpu/possible").read_text().strip()
-    last = int(possible.replace(",", "-").split("-")[-1])
-    assert cpus == last + 1
+    # (the CPUs the kernel keeps values for are the possible ones: "0-1", "0,2-3")
+    possible = Path("/sys/devices/system/cpu/possible").read_text().strip().split(",")
+    ranges = [[int(n) for n in part.split("-")] for part in possible]
+    assert cpus == sum(r[-1] - r[0] + 1 for r in ranges)
+
+
+class Row(ctypes.Structure):  # 80 bytes, as the outstanding table's rows
+    _pack_ = 1
+    _fields_ = [("tag", ctypes.c_ulonglong), ("words", ctypes.c_ulonglong * 9)]
+
+
+ROW = np.dtype([("tag", "<u8"), ("words", "<u8", (9,))])
 
 
 def test_an_mmapable_array_is_copied_from_its_memory_with_only_the_rows_in_use(
     tables: list[map_table.Table],
 ) -> None:
-    # GIVEN an array made mmapable (BPF_F_MMAPABLE), of rows whose tag 0 or 1
-    # says unused, some written through the table
-    info = MapInfo(map_table.ARRAY, 4, ctypes.sizeof(Entry), 1024, MMAPABLE, "mtl_mapped")
+    # GIVEN an array made mmapable (BPF_F_MMAPABLE) of 1000 rows of 80 bytes
+    # (not a whole number of pages), whose tag 0 or 1 says unused, some
+    # written through the table
+    info = MapInfo(map_table.ARRAY, 4, ctypes.sizeof(Row), 1000, MMAPABLE, "mtl_mapped")
     fd = bpf_syscalls.create_map(info)
     assert fd is not None, os.strerror(ctypes.get_errno())
-    table = map_table.Table(fd, map_table.ARRAY, 1024, ctypes.c_int, Entry)
+    table = map_table.Table(fd, map_table.ARRAY, 1000, ctypes.c_int, Row)
     tables.append(table)
-    written = {5: 7, 300: 2, 1023: 99, 17: 1}  # (17: tag 1, unused)
-    for index, count in written.items():
-        table[index] = Entry(count, b"row")
-    rows = np.dtype([("count", "<u8"), ("name", "S8")])
+    written = {5: 7, 300: 2, 999: 99, 17: 1}  # (17: tag 1, unused)
+    for index, tag in written.items():
+        table[index] = Row(tag, (ctypes.c_ulonglong * 9)(*range(index, index + 9)))
     # WHEN it is mapped and copied
-    mapped = map_table.MappedArray.of(fd, 1024, rows)
+    mapped = map_table.MappedArray.of(fd, 1000, ctypes.sizeof(Row), ROW)
     assert mapped is not None
     try:
-        whole, used = mapped.copy(), mapped.copy(("count", (0, 1)))
+        whole, used = mapped.copy(), mapped.copy(("tag", (0, 1)))
     finally:
         mapped.close()
     # THEN the whole copy has every row as bpftool dumps it, and the rows in
     # use are those written with a tag past 1, in index order
-    dumped = [int.from_bytes(raw(e["value"])[:8], "little") for e in dump("mtl_mapped")]
-    assert whole["count"].tolist() == dumped
-    assert [dumped[i] for i in sorted(written)] == [written[i] for i in sorted(written)]
-    assert used["count"].tolist() == [7, 2, 99]
+    dumped = [raw(e["value"]) for e in dump("mtl_mapped")]
+    assert [row.tobytes() for row in whole] == dumped
+    assert [int.from_bytes(dumped[i][:8], "little") for i in sorted(written)] == [
+        written[i] for i in sorted(written)
+    ]
+    assert used["tag"].tolist() == [7, 2, 99]
+    assert used["words"][2].tolist() == list(range(999, 1008))
 
 
-def test_an_array_not_made_mmapable_is_not_mapped(tables: list[map_table.Table]) -> None:
-    table = made(map_table.ARRAY, "mtl_not_mapped", ctypes.c_uint, Entry, 16)
+def test_an_array_not_made_mmapable_or_of_other_rows_is_not_mapped(
+    tables: list[map_table.Table],
+) -> None:
+    # an array made without the flag
+    table = made(map_table.ARRAY, "mtl_not_mapped", ctypes.c_uint, Row, 16)
     tables.append(table)
-    rows = np.dtype([("count", "<u8"), ("name", "S8")])
-    assert map_table.MappedArray.of(table.map_fd, 16, rows) is None
+    assert map_table.MappedArray.of(table.map_fd, 16, ctypes.sizeof(Row), ROW) is None
+    # an mmapable one read as rows of another size (its values would be misread)
+    info = MapInfo(map_table.ARRAY, 4, ctypes.sizeof(Row), 16, MMAPABLE, "mtl_other_rows")
+    fd = bpf_syscalls.create_map(info)
+    assert fd is not None
+    tables.append(map_table.Table(fd, map_table.ARRAY, 16, ctypes.c_int, Row))
+    assert map_table.MappedArray.of(fd, 16, ctypes.sizeof(Row), np.dtype("<u8")) is None
+    assert map_table.MappedArray.of(fd, 16, ctypes.sizeof(Row), ROW) is not None

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from .conftest import REPO
-from .tracing import Reaper, wait_for_line
+from .tracing import Reaper, wait_for_detach, wait_for_line
 
 READY = "Ctrl-C to stop"
 # never imported by a warm start before its line
@@ -79,3 +79,41 @@ def test_a_warm_start_imports_no_disassembler_demangler_live_view_or_line_reader
     # (the first start is cold where this code's facts were never kept: it
     # may disassemble; either way it reached its line)
     assert "mtrace_live.tracer.loop.live" in first
+
+
+def programs_while_tracing(target: int, tmp: Path) -> tuple[list[str], list[int]]:
+    """The names of the BPF programs loaded on this machine (bpftool) while
+    a --pid ``target`` trace is on, and the flags of its maps named
+    ``outstanding``."""
+    err = tmp / "programs.err"
+    with Reaper() as reaper, open(err, "wb") as errors:
+        tracer = reaper.add(subprocess.Popen(
+            [sys.executable, "-m", "mtrace_live.tracer.cli", "--pid", str(target), "-o", "json"],
+            stdout=subprocess.DEVNULL, stderr=errors, cwd=REPO))  # fmt: skip
+        wait_for_line(err, READY, tracer, timeout=120)
+        listed = json.loads(subprocess.run(["bpftool", "-j", "prog", "show"], capture_output=True,
+                                           text=True, check=True).stdout)  # fmt: skip
+        maps = json.loads(subprocess.run(["bpftool", "-j", "map", "show"], capture_output=True,
+                                         text=True, check=True).stdout)  # fmt: skip
+        tracer.send_signal(2)
+        assert tracer.wait(timeout=120) == 0, err.read_text()
+    wait_for_detach()
+    flags = [int(str(m.get("flags", 0)), 0) for m in maps if m.get("name") == "outstanding"]
+    return [str(program.get("name", "")) for program in listed], flags
+
+
+def test_a_start_whose_options_traced_no_python_loads_no_python_walker_and_maps_its_table(
+    tmp_path: Path,
+) -> None:
+    # GIVEN a sleeping process (no interpreter in it), traced once
+    with Reaper() as reaper:
+        sleeper = reaper.add(subprocess.Popen(["sleep", "600"]))
+        programs_while_tracing(sleeper.pid, tmp_path)
+        # WHEN it is traced again with the same options
+        loaded, flags = programs_while_tracing(sleeper.pid, tmp_path)
+    # THEN the trace's own walker is loaded, but not the Python frames'
+    # walker: the last start with these options never asked for it
+    assert "unwind_step" in loaded
+    assert "unwind_python" not in loaded
+    # AND its outstanding allocations' table is one it can map (BPF_F_MMAPABLE)
+    assert len(flags) == 1 and flags[0] & 1 << 10

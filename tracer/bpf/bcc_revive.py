@@ -137,6 +137,20 @@ def from_cache(compiled: bpf_cache.Compiled, links: bool,
     return bpf
 
 
+# the prefixes bcc leaves out of a program's name for the kernel (libbpf.c)
+BCC_DROPPED_PREFIXES = ("kprobe__", "kretprobe__", "raw_tracepoint__", "kfunc__", "kmod_ret__",
+                        "kretfunc__", "lsm__", "bpf_iter__")  # fmt: skip
+
+
+def kernel_name(text: str) -> str:
+    """A handler's name as bcc gives it to the kernel (``bpftool prog`` shows
+    it, cut to 15 bytes): those prefixes left out."""
+    for prefix in BCC_DROPPED_PREFIXES:
+        if text.startswith(prefix):
+            return text[len(prefix) :]
+    return text
+
+
 @dataclass(frozen=True)
 class Function:
     """A loaded program (as bcc.BPF.Function: its name and fd)."""
@@ -191,7 +205,7 @@ class CachedBpf:
                                                compiled.kern_version)  # fmt: skip
             else:
                 fd = bpf_syscalls.load_program(bpf_cache.relocate(code, self.map_fds),
-                                               compiled.license, text, kind, 0,
+                                               compiled.license, kernel_name(text), kind, 0,
                                                compiled.kern_version)  # fmt: skip
             self.funcs[text.encode()] = Function(text.encode(), fd)
 
@@ -225,12 +239,16 @@ class CachedBpf:
 
     def attach_tracepoint(self, tp: bytes, fn_name: bytes) -> None:
         """Attach a tracepoint's handler (``tp``: "category:event")."""
+        if tp in self.tracepoint_fds:
+            raise ValueError(f"tracepoint {tp.decode()} is attached already")
         category, _, event = tp.decode().partition(":")
-        fd = tracepoint_attach.attach(self.load_func(fn_name, PROG_TRACEPOINT).fd,
+        fd = tracepoint_attach.attach_tracepoint(self.load_func(fn_name, PROG_TRACEPOINT).fd,
                                       category, event)  # fmt: skip
         self.tracepoint_fds[tp] = fd
 
     def attach_raw_tracepoint(self, tp: bytes, fn_name: bytes) -> None:
+        if tp in self.raw_tracepoint_fds:
+            raise ValueError(f"raw tracepoint {tp.decode()} is attached already")
         fd = bpf_syscalls.attach_raw_tracepoint(self.load_func(fn_name, PROG_RAW_TRACEPOINT).fd,
                                                 tp.decode())  # fmt: skip
         self.raw_tracepoint_fds[tp] = fd

@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -111,8 +112,9 @@ class BpfProgram:
         # they say nothing about mtrace-live's own C.
         cflags += ["-Wno-duplicate-decl-specifier", "-Wno-ignored-attributes"]
         self._readers: dict[str, BatchReader] = {}
-        # the arrays mapped (array_copy); None: one that cannot be
-        self._mapped: dict[str, map_table.MappedArray | None] = {}
+        self._mapped: dict[str, map_table.MappedArray] = {}  # the arrays mapped (array_copy)
+        self._mapping = threading.Lock()  # (a scrape's thread copies while the trace may end)
+        self._mapped_closed = False
         self.tables = TraceTables(self)  # the trace program's own tables, by name
         self._typed: dict[str, tuple[int, int]] = {}  # handler -> (program fd, attachment fd)
         # the uprobes' perf events (uprobe_attach), each as it was attached
@@ -192,7 +194,7 @@ class BpfProgram:
                 return early.links  # (the same code, relocated to the same maps)
             early.links.close_programs()
         if links is not None:
-            links.prefetch()
+            links.prefetch(preload.later())
         return links
 
     def _links_of(self, compiled: bpf_cache.Compiled | None) -> uprobe_multi.UprobeLinks | None:
@@ -429,11 +431,18 @@ class BpfProgram:
         ``unused`` (a field, its values in an unused row): only the rows in
         use are copied (a row may change meanwhile: the caller checks the
         copy again). None where the map cannot be mapped (the caller reads it)."""
-        if table not in self._mapped:
-            array = self._bpf[table]
-            self._mapped[table] = map_table.MappedArray.of(array.map_fd, array.max_entries, dtype)
-        mapped = self._mapped[table]
-        return None if mapped is None else mapped.copy(unused)
+        with self._mapping:
+            mapped = self._mapped.get(table)
+            if mapped is None and self._mapped_closed:
+                return None
+            if mapped is None:  # (tried again each time: a failure may pass)
+                array = self._bpf[table]
+                mapped = map_table.MappedArray.of(array.map_fd, array.max_entries,
+                                                  ctypes.sizeof(array.Leaf), dtype)  # fmt: skip
+                if mapped is None:
+                    return None
+                self._mapped[table] = mapped
+            return mapped.copy(unused)
 
     def has_table(self, name: str) -> bool:
         try:
@@ -675,11 +684,14 @@ class BpfProgram:
             os.close(program)
         self._typed.clear()
         if self.uprobe_links is not None:
+            with contextlib.suppress(Exception):  # (the facts only ever save time)
+                preload.keep_unused(self.uprobe_links.asked())
             self.uprobe_links.close_programs()
-        for mapped in self._mapped.values():
-            if mapped is not None:
+        with self._mapping:
+            for mapped in self._mapped.values():
                 mapped.close()
-        self._mapped.clear()
+            self._mapped.clear()
+            self._mapped_closed = True
         self._bpf.cleanup()
 
 

@@ -102,7 +102,7 @@ def decode_type(desc: Any) -> Any:
 
 
 @functools.cache
-def possible_cpus() -> int:
+def possible_cpu_count() -> int:
     """How many CPUs the kernel keeps a per-CPU map's value for."""
     text = Path("/sys/devices/system/cpu/possible").read_text().strip()
     count = 0
@@ -121,7 +121,7 @@ class Table:
         self._array = kind in _ARRAYS
         self._widened = False  # a per-CPU u32 or int kept in 8 bytes a CPU
         if kind in _PER_CPU:
-            self.sLeaf, self.total_cpu = leaf, possible_cpus()
+            self.sLeaf, self.total_cpu = leaf, possible_cpu_count()
             if ctypes.sizeof(leaf) % 8 == 0:
                 self.Leaf = leaf * self.total_cpu
             elif leaf in (ctypes.c_uint, ctypes.c_int):
@@ -155,6 +155,8 @@ class Table:
 
     def __setitem__(self, key: Any, leaf: Any) -> None:
         key = self._key(key)
+        if self.ttype == PROG_ARRAY and hasattr(leaf, "fd"):  # a loaded program
+            leaf = leaf.fd
         if isinstance(leaf, int):
             leaf = self.Leaf(leaf)
         if not bpf_syscalls.update_from(self.map_fd, key, leaf):
@@ -163,7 +165,7 @@ class Table:
 
     def __delitem__(self, key: Any) -> None:
         key = self._key(key)
-        if self._array:  # an array's entries are never deleted: zeroed
+        if self._array and self.ttype != PROG_ARRAY:  # an array's entries are zeroed
             self[key] = self.Leaf()
         elif not bpf_syscalls.delete_at(self.map_fd, key):
             raise KeyError(key)
@@ -215,15 +217,16 @@ class MappedArray:
         self._mapped, self._entries, self._rows = mapped, entries, rows
 
     @classmethod
-    def of(cls, map_fd: int, max_entries: int, dtype: Any) -> MappedArray | None:
-        """The array's rows of ``dtype`` (a multiple of 8 bytes, as the
-        kernel lays them out), mapped; None where the map cannot be (not
-        made mmapable)."""
+    def of(cls, map_fd: int, max_entries: int, value_size: int,
+           dtype: Any) -> MappedArray | None:  # fmt: skip
+        """The array's rows of ``dtype``, mapped; None where the map cannot
+        be (not made mmapable), or where ``dtype`` is not the map's value of
+        ``value_size`` bytes (a multiple of 8: the kernel pads the others)."""
         import numpy as np
 
         rows = np.dtype(dtype)
         size = max_entries * rows.itemsize
-        if rows.itemsize % 8 or not size:
+        if rows.itemsize != value_size or value_size % 8 or not size:
             return None
         try:
             mapped = mmap.mmap(map_fd, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE, mmap.MAP_SHARED,

@@ -29,7 +29,12 @@ from mtrace_live.probes.elf import facts
 from mtrace_live.tracer.bpf import bpf_cache, uprobe_multi
 
 TYPED_PREFIX = "tp_btf__"  # (bcc_revive's: loaded by BpfProgram itself)
-_START = "start"  # the facts' entry of a start's options: {"program": key}
+_START = "start"  # the facts' entry of a start's options: {"program": key, "unused": [...]}
+# Handlers loaded only when the trace first asks for them, where the last
+# start with the same options never did: unwind_python (a trace with no
+# Python process), whose verification is the longest of all (docs/performance.md,
+# section 12).
+DEFERRABLE = ("unwind_python",)
 
 
 @dataclass
@@ -51,8 +56,8 @@ class Made:
 
 
 class _Preload:
-    def __init__(self, options: str, key: str) -> None:
-        self.options, self.key = options, key
+    def __init__(self, options: str, key: str, later: frozenset[str]) -> None:
+        self.options, self.key, self.later = options, key, later
         self.made: Made | None = None
         self._thread = threading.Thread(target=self._make, name="mtrace-preload", daemon=True)
         self._thread.start()
@@ -72,7 +77,7 @@ class _Preload:
                             if _uprobe_type(text)}  # fmt: skip
                     made.links = uprobe_multi.UprobeLinks(code, compiled.license,
                                                           compiled.kern_version)  # fmt: skip
-                    made.links.prefetch()
+                    made.links.prefetch(self.later)
             except BaseException:
                 made.close()
                 raise
@@ -87,7 +92,7 @@ _PENDING: _Preload | None = None
 
 
 def _uprobe_type(text: str) -> bool:
-    """A uprobe-type program (bcc_revive._program_type's KPROBE), not a
+    """A uprobe-type program (bcc_revive.handler_type's KPROBE), not a
     tracepoint's nor a BTF-typed one."""
     return not text.startswith(("tracepoint__", "raw_tracepoint__", "rawtp__", TYPED_PREFIX))
 
@@ -102,18 +107,40 @@ def options_key(options: dict[str, Any], program: str | None) -> str:
 def begin(options: str) -> None:
     """Start making the program the last start with these options loaded,
     where one is kept (and the programs kept are used: uprobe links)."""
-    global _PENDING
+    global _PENDING, _options, _later
     if bpf_cache.program_cache_dir() is None or os.geteuid() != 0:
         return
+    _options = options
+    unused = facts.fact_store().get(f"{_START}:{options}", "unused")
+    _later = frozenset(h for h in DEFERRABLE if isinstance(unused, list) and h in unused)
     kept = facts.fact_store().get(f"{_START}:{options}", "program")
     if isinstance(kept, str) and kept.isalnum():
-        _PENDING = _Preload(options, kept)
+        _PENDING = _Preload(options, kept, _later)
     else:
         _PENDING = None
         _remembered.add(options)
 
 
 _remembered: set[str] = set()  # options begun without a guess: their key is kept
+_options: str | None = None  # this start's
+_later: frozenset[str] = frozenset()  # its handlers loaded at their first use
+
+
+def later() -> frozenset[str]:
+    """The handlers this start loads only when first asked for (the last
+    start with its options never asked for them)."""
+    return _later
+
+
+def keep_unused(asked: set[str]) -> None:
+    """Keep, for the next start with these options, which of the deferrable
+    handlers this trace never asked for (``asked``: those it did)."""
+    if _options is not None:
+        unused = [h for h in DEFERRABLE if h not in asked]
+        store = facts.fact_store()
+        if store.get(f"{_START}:{_options}", "unused") != unused:
+            store.put(f"{_START}:{_options}", "unused", unused)
+            facts.save()
 
 
 def take(key: str) -> Made | None:

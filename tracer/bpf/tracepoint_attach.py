@@ -14,7 +14,7 @@ PERF_TYPE_TRACEPOINT = 2
 PERF_SAMPLE_RAW = 1 << 10
 
 
-def attach(prog_fd: int, category: str, event: str) -> int:
+def attach_tracepoint(prog_fd: int, category: str, event: str) -> int:
     """Program ``prog_fd`` attached to tracepoint ``category:event``: the
     perf event's fd. Raises OSError (ENOENT: the kernel has no such
     tracepoint)."""

@@ -139,12 +139,14 @@ class UprobeLinks:
         self._batch: list[Uprobe] | None = None
         self._loading: dict[str, Future[int]] = {}  # by prefetch, not asked for yet
 
-    def prefetch(self) -> None:
-        """Load every program now, the largest first, from LOADERS threads
-        while this one goes on: the verifier's milliseconds (most of a warm
-        start's kernel work) overlap each other and the tracer's own start.
-        (A handler this trace never attaches is loaded too: a few small ones.)"""
-        handlers = sorted((h for h in self._code if not bpf_callbacks.is_callback(h)),
+    def prefetch(self, later: frozenset[str] = frozenset()) -> None:
+        """Load every program now but those ``later`` (loaded when first
+        asked for), the largest first, from LOADERS threads while this one
+        goes on: the verifier's milliseconds (most of a warm start's kernel
+        work) overlap each other and the tracer's own start. (A handler this
+        trace never attaches is loaded too: a few small ones.)"""
+        handlers = sorted((h for h in self._code
+                           if not bpf_callbacks.is_callback(h) and h not in later),
                           key=lambda h: -len(self._code[h]))  # fmt: skip
         pool = ThreadPoolExecutor(LOADERS, thread_name_prefix="mtrace-load")
         self._loading = {h: pool.submit(self._load, h) for h in handlers}
@@ -226,6 +228,10 @@ class UprobeLinks:
         fds = [link.fd for link in self.links]
         self.links = []
         return fds
+
+    def asked(self) -> set[str]:
+        """The handlers the trace asked for (``program``)."""
+        return set(self.programs)
 
     def close_programs(self) -> None:
         loading, self._loading = self._loading, {}

@@ -90,10 +90,12 @@ def runs_python(pids: Sequence[int], argv: Sequence[str] | None) -> bool:
             return False
         try:
             kind = python_kind(Path(found))  # (a kept fact)
+            if kind == INTERPRETER:  # (one whose layout is unknown: as if none)
+                return cpython.find_interpreter(Path(found)) is not None
+            if kind != NOT_ELF:
+                return kind == LINKS_LIBPYTHON
         except (MtraceError, OSError):
-            kind = NOT_ELF
-        if kind != NOT_ELF:
-            return kind in (INTERPRETER, LINKS_LIBPYTHON)
+            pass
         found = _script_interpreter(found)  # not ELF: a script?
     return False
 
@@ -135,7 +137,10 @@ class PythonUnwinder:
         pages = part_constants("python.bpf.c")["PYTHON_STACKS_PAGES"]
         self.stacks = RingReader(program.map_fd("python_stacks"), pages * mmap.PAGESIZE,
                                  PYTHON_STACK_DTYPE)  # fmt: skip
-        program.set_tail_calls("unwind_progs", {PYTHON_SLOT: "unwind_python"})
+        # unwind_python's slot is set at the first process written (_write):
+        # a trace of no Python process never asks for the program, which
+        # the verifier takes most of a start's CPU to load (preload.py).
+        self._slot_set = False
         frame_names.resolvers[KIND_PYTHON] = self.resolve
         self.processes: dict[int, _Process] = {}
         self.refused: set[int] = set()  # processes whose layout failed: native stacks
@@ -211,6 +216,9 @@ class PythonUnwinder:
                                    else layout.frame_is_entry)  # fmt: skip
         entry["code_adaptive"] = layout.code_adaptive
         entry["owner_cstack"] = NO_OWNER if layout.owner_cstack is None else layout.owner_cstack
+        if not self._slot_set:  # (before any walk can find a process to tail-call it for)
+            self.program.set_tail_calls("unwind_progs", {PYTHON_SLOT: "unwind_python"})
+            self._slot_set = True
         return self.program.set_entry("python_procs", struct.pack("<I", pid), entry.tobytes())
 
     def _drop(self, pid: int) -> None:

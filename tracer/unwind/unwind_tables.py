@@ -384,6 +384,7 @@ class UnwindTables:
         # file's failure is that file's alone), for the trace's loop to raise
         self.failure: Exception | None = None
         self._stop = threading.Event()
+        self._wake: tuple[int, int] | None = None  # a pipe: the serving thread woken to stop
 
     def _file(self, pid: int, mapping: Mapping) -> MappedFile:
         """The file's rows, written once. Two threads load two files at once
@@ -583,6 +584,7 @@ class UnwindTables:
         and the other files of the processes that asked, are loaded by a
         second thread (the rows are read in C, without the interpreter
         lock), so that no ask waits for them."""
+        self._wake = os.pipe()
         self._thread = threading.Thread(target=self._serve_until_stopped, args=(fd,),
                                         name="mtrace-live-unwind", daemon=True)  # fmt: skip
         self._bulk_thread = threading.Thread(target=self._bulk_until_stopped,
@@ -601,6 +603,8 @@ class UnwindTables:
     def _serve_until_stopped(self, fd: int) -> None:
         poller = select.poll()
         poller.register(fd, select.POLLIN)
+        if self._wake is not None:
+            poller.register(self._wake[0], select.POLLIN)
         try:
             while not self._stop.is_set():
                 poller.poll(int(DEFER_S * 1000) if self._deferred else 100)
@@ -636,10 +640,18 @@ class UnwindTables:
         """End the serving thread, and (``rest``) take the mappings left in
         the ring in this one, for their names."""
         self._stop.set()
+        # (both woken now: a trace's end does not wait for their timeouts)
+        self._bulk.put(lambda: None)
+        if self._wake is not None:
+            os.write(self._wake[1], b"x")
         for thread in (self._thread, self._bulk_thread):
             if thread is not None:
                 thread.join()
         self._thread = self._bulk_thread = None
+        if self._wake is not None:
+            for end in self._wake:
+                os.close(end)
+            self._wake = None
         if rest:
             try:
                 self.serve_found(asks=False)
