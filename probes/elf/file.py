@@ -47,6 +47,17 @@ def elf_failures() -> Failures:
 PF_X = 1
 
 
+def load_parser() -> None:
+    """Import pyelftools' parser now (what ``open_elf`` and the readers here
+    use): for a process about to fork a child that parses files, which must
+    import nothing (a module's import lock may be held, at the fork, by a
+    thread the child does not have)."""
+    for module, name in ((elffile, "ELFFile"), (sections, "NoteSection"),
+                         (dynamic, "DynamicSection")):  # fmt: skip
+        getattr(module, name)
+    elf_failures()
+
+
 def not_elf(path: str | Path, exc: BaseException) -> NotElfError:
     return NotElfError(f"{path}: not a readable ELF file ({exc or 'truncated'})")
 

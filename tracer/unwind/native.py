@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import functools
 import mmap
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 from mtrace_live.exporters.data.alloc_snapshot import FrameNames
+from mtrace_live.probes.elf.file import load_parser
 from mtrace_live.probes.program import part_constants
 from mtrace_live.probes.records import EVENT_DTYPE, EventKind
 from mtrace_live.tracer.bpf.bpf_backend import BpfProgram
@@ -60,7 +62,17 @@ class NativeUnwinder:
         if defines.get("UNWIND_VMA"):
             slots[VMA_LOOKUP] = "unwind_vma"
         slots.update(RESUMPTIONS[each] for each in consumers)
-        program.set_tail_calls("unwind_progs", slots)
+        # The file server (UNWIND_VMA) parses files in a forked child, which
+        # must find pyelftools' parser imported: imported here meanwhile, while
+        # this thread waits for the verifier's passes over the slots' programs.
+        parser = threading.Thread(target=load_parser, name="mtrace-live-parser", daemon=True)
+        if defines.get("UNWIND_VMA"):
+            parser.start()
+        try:
+            program.set_tail_calls("unwind_progs", slots)
+        finally:
+            if parser.is_alive():
+                parser.join()
         attach_dlopen(program, libc, pid)
         # the tables' sizes, as the program has them (--unwind-rows)
         sizes = functools.partial(UnwindTables, program, rows=defines["UNWIND_ROWS"],
