@@ -296,7 +296,8 @@ KERNEL_TEXT = [
     "link per handler and file (25 links for a `--pid` trace of the system libc, against "
     "34 perf events) plus the tracepoints' perf events, which are still one each.",
     "",
-    "Where a warm `--pid` start goes (profiles of starts on this machine, sampled): the "
+    "Where a warm `--pid` start goes (measured by hand on this machine, not by this bench: a "
+    "sampling profile of starts, `-X importtime`, each cached program and map made alone): the "
     "interpreter and the imports, about 0.17 s, of which numpy about 0.04 to 0.06 s, the "
     "standard library about 0.03 s and the project's own modules the rest (bcc is no longer "
     "imported: a program from the cache is loaded, attached and its maps read without it, "

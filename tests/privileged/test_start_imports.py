@@ -18,7 +18,9 @@ docs/performance.md, section 12, says what is left."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -82,9 +84,9 @@ def test_a_warm_start_imports_no_disassembler_demangler_live_view_or_line_reader
 
 
 def programs_while_tracing(target: int, tmp: Path) -> tuple[list[str], list[int]]:
-    """The names of the BPF programs loaded on this machine (bpftool) while
-    a --pid ``target`` trace is on, and the flags of its maps named
-    ``outstanding``."""
+    """The names of the BPF programs a --pid ``target`` trace holds (bpftool,
+    while it is on: those whose ids the tracer's descriptors give), and the
+    flags of its map named ``outstanding``."""
     err = tmp / "programs.err"
     with Reaper() as reaper, open(err, "wb") as errors:
         tracer = reaper.add(subprocess.Popen(
@@ -95,11 +97,26 @@ def programs_while_tracing(target: int, tmp: Path) -> tuple[list[str], list[int]
                                            text=True, check=True).stdout)  # fmt: skip
         maps = json.loads(subprocess.run(["bpftool", "-j", "map", "show"], capture_output=True,
                                          text=True, check=True).stdout)  # fmt: skip
+        programs, map_ids = held_ids(tracer.pid, "prog_id"), held_ids(tracer.pid, "map_id")
         tracer.send_signal(2)
         assert tracer.wait(timeout=120) == 0, err.read_text()
     wait_for_detach()
-    flags = [int(str(m.get("flags", 0)), 0) for m in maps if m.get("name") == "outstanding"]
-    return [str(program.get("name", "")) for program in listed], flags
+    flags = [int(str(m.get("flags", 0)), 0) for m in maps
+             if m.get("name") == "outstanding" and m.get("id") in map_ids]  # fmt: skip
+    names = [str(program.get("name", "")) for program in listed if program.get("id") in programs]
+    return names, flags
+
+
+def held_ids(pid: int, field: str) -> set[int]:
+    """The ids of the BPF objects process ``pid`` holds a descriptor of
+    (``field``: prog_id or map_id in their fdinfo)."""
+    ids = set()
+    for fd in os.listdir(f"/proc/{pid}/fdinfo"):
+        with contextlib.suppress(OSError):  # (closed meanwhile)
+            for line in Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines():
+                if line.startswith(f"{field}:"):
+                    ids.add(int(line.split(":", 1)[1]))
+    return ids
 
 
 def test_a_start_whose_options_traced_no_python_loads_no_python_walker_and_maps_its_table(

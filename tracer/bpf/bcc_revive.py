@@ -16,7 +16,6 @@ import contextlib
 import ctypes
 import json
 import os
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -95,7 +94,7 @@ def compiled_of(bcc: Any, bpf: Any) -> bpf_cache.Compiled:
 
 
 # enum bpf_prog_type
-PROG_KPROBE, PROG_TRACEPOINT, PROG_RAW_TRACEPOINT = 2, 5, 17
+PROG_KPROBE, PROG_TRACEPOINT, PROG_RAW_TRACEPOINT = bpf_syscalls.PROG_TYPE_KPROBE, 5, 17
 
 
 def handler_type(name: str) -> int:
@@ -137,9 +136,9 @@ def from_cache(compiled: bpf_cache.Compiled, links: bool,
     return bpf
 
 
-# the prefixes bcc leaves out of a program's name for the kernel (libbpf.c)
-BCC_DROPPED_PREFIXES = ("kprobe__", "kretprobe__", "raw_tracepoint__", "kfunc__", "kmod_ret__",
-                        "kretfunc__", "lsm__", "bpf_iter__")  # fmt: skip
+# the prefixes of the handlers here that bcc leaves out of a program's name
+# for the kernel (libbpf.c)
+BCC_DROPPED_PREFIXES = ("tracepoint__", "raw_tracepoint__")
 
 
 def kernel_name(text: str) -> str:
@@ -176,9 +175,7 @@ class CachedBpf:
         # the uprobe programs' code, relocated, loaded for links (None: loaded here)
         self.mtrace_uprobe_code: dict[str, bytes] | None = {} if links else None
         self.map_fds: dict[int, int] = dict(map_fds or {})  # (made already: preload)
-        self.specs = {spec.name: spec for spec in compiled.maps}
-        self._tables: dict[str, map_table.Table] = {}
-        self._lock = threading.Lock()  # (the scrape's thread may make its first table meanwhile)
+        self._tables: dict[str, map_table.Table] = {}  # every map's, made at load
 
     def load(self) -> None:
         """Make the maps, and load every program with their descriptors."""
@@ -210,15 +207,8 @@ class CachedBpf:
             self.funcs[text.encode()] = Function(text.encode(), fd)
 
     def __getitem__(self, name: str | bytes) -> map_table.Table:
-        text = name.decode() if isinstance(name, bytes) else str(name)
-        with self._lock:
-            table = self._tables.get(text)
-            if table is None:
-                spec = self.specs.get(text)
-                if spec is None:
-                    raise KeyError(text)
-                table = self._tables[text] = self._table(spec)
-            return table
+        """A map's table (KeyError: the program has no such map)."""
+        return self._tables[name.decode() if isinstance(name, bytes) else str(name)]
 
     def _table(self, spec: bpf_cache.MapSpec) -> map_table.Table:
         """The table of a map; UnknownType where its types are not the

@@ -685,7 +685,7 @@ class BpfProgram:
         self._typed.clear()
         if self.uprobe_links is not None:
             with contextlib.suppress(Exception):  # (the facts only ever save time)
-                preload.keep_unused(self.uprobe_links.asked())
+                preload.keep_unused(set(self.uprobe_links.programs))
             self.uprobe_links.close_programs()
         with self._mapping:
             for mapped in self._mapped.values():

@@ -24,7 +24,6 @@ import functools
 import mmap
 import os
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mtrace_live.tracer.bpf import bpf_syscalls
@@ -104,12 +103,9 @@ def decode_type(desc: Any) -> Any:
 @functools.cache
 def possible_cpu_count() -> int:
     """How many CPUs the kernel keeps a per-CPU map's value for."""
-    text = Path("/sys/devices/system/cpu/possible").read_text().strip()
-    count = 0
-    for part in text.split(","):
-        low, _, high = part.partition("-")
-        count += int(high or low) - int(low) + 1
-    return count
+    from mtrace_live.exporters.kmemtrace.abi import possible_cpus
+
+    return len(possible_cpus())
 
 
 class Table:

@@ -139,8 +139,7 @@ def keep_unused(asked: set[str]) -> None:
         unused = [h for h in DEFERRABLE if h not in asked]
         store = facts.fact_store()
         if store.get(f"{_START}:{_options}", "unused") != unused:
-            store.put(f"{_START}:{_options}", "unused", unused)
-            facts.save()
+            store.put(f"{_START}:{_options}", "unused", unused)  # (saved at the trace's end)
 
 
 def take(key: str) -> Made | None:

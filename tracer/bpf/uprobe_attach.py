@@ -86,31 +86,25 @@ def _pmu() -> tuple[int, int]:
 def _open(path: bytes, offset: int, retprobe: bool, pid: int) -> int:
     kind, bit = _pmu()
     name = ctypes.create_string_buffer(path)
-    attr = ctypes.create_string_buffer(ATTR_SIZE)
-    ATTR.pack_into(attr, 0, kind, ATTR_SIZE, int(retprobe) << bit, 1, 0, 0, 0, 1, 0,
-                   ctypes.addressof(name), offset)  # fmt: skip
-    number = SYS_PERF_EVENT_OPEN.get(platform.machine())
-    if number is None:
-        raise AttachFailure(errno.ENOSYS)
     # A uprobe for one process is a perf event on it, on any CPU; one for
     # every process is a CPU-wide event, which fires on every CPU all the same.
-    cpu = -1 if pid >= 0 else 0
-    fd = int(_LIBC.syscall(number, attr, pid, cpu, -1, PERF_FLAG_FD_CLOEXEC))
-    if fd < 0:
-        raise AttachFailure(ctypes.get_errno())
-    return fd
+    return open_event(kind, int(retprobe) << bit, pid=pid, cpu=-1 if pid >= 0 else 0,
+                      config1=ctypes.addressof(name), config2=offset)  # fmt: skip
 
 
-def open_event(kind: int, config: int, sample_type: int = 0) -> int:
-    """A perf event of PMU type ``kind`` and ``config`` on CPU 0 for every
-    process (a tracepoint's: it fires on every CPU once a program is set
-    on it): its fd. Raises AttachFailure."""
+def open_event(kind: int, config: int, sample_type: int = 0, pid: int = -1, cpu: int = 0,
+               config1: int = 0, config2: int = 0) -> int:  # fmt: skip
+    """A perf event of PMU type ``kind`` and ``config`` (``config1`` and
+    ``config2``: a uprobe's path and offset), for process ``pid`` on ``cpu``;
+    by default on CPU 0 for every process (a tracepoint's: it fires on every
+    CPU once a program is set on it): its fd. Raises AttachFailure."""
     number = SYS_PERF_EVENT_OPEN.get(platform.machine())
     if number is None:
         raise AttachFailure(errno.ENOSYS)
     attr = ctypes.create_string_buffer(ATTR_SIZE)
-    ATTR.pack_into(attr, 0, kind, ATTR_SIZE, config, 1, sample_type, 0, 0, 1, 0, 0, 0)
-    fd = int(_LIBC.syscall(number, attr, -1, 0, -1, PERF_FLAG_FD_CLOEXEC))
+    ATTR.pack_into(attr, 0, kind, ATTR_SIZE, config, 1, sample_type, 0, 0, 1, 0, config1,
+                   config2)  # fmt: skip
+    fd = int(_LIBC.syscall(number, attr, pid, cpu, -1, PERF_FLAG_FD_CLOEXEC))
     if fd < 0:
         raise AttachFailure(ctypes.get_errno())
     return fd

@@ -229,10 +229,6 @@ class UprobeLinks:
         self.links = []
         return fds
 
-    def asked(self) -> set[str]:
-        """The handlers the trace asked for (``program``)."""
-        return set(self.programs)
-
     def close_programs(self) -> None:
         loading, self._loading = self._loading, {}
         for future in loading.values():  # loaded and never asked for: waited for, closed

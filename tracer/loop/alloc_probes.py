@@ -268,7 +268,7 @@ def read_snapshot(program: BpfProgram, sample_bytes: int, started_ns: int,
     if outstanding:
         rows = program.array_copy("outstanding", OUTSTANDING_ROW_DTYPE,
                                   ("tag", OUTSTANDING_FREE_TAGS))  # fmt: skip
-        if rows is None:  # (a program kept from before the table was mapped)
+        if rows is None:  # (a map that cannot be mapped: read through the kernel)
             _, rows = program.read_table("outstanding", "<u4", OUTSTANDING_ROW_DTYPE)
         keys = rows["value"]["key"]
         theirs = np.isin(_incarnations(keys["tgid"], keys["incarnation"]), present)

@@ -628,6 +628,7 @@ class LiveTrace:
         self.musts.close()
         self.counters.close()
         self.program.close()
+        facts.save()  # what was kept since the start (files met later; the handlers used)
 
 
 class Fanout:

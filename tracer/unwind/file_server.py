@@ -36,7 +36,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from mtrace_live.probes.elf.file import build_id, elf_failures, load_segments, open_elf
+from mtrace_live.probes.elf.file import (
+    build_id,
+    elf_failures,
+    load_parser,
+    load_segments,
+    open_elf,
+)
 from mtrace_live.probes.errors import NotElfError, TargetError
 from mtrace_live.probes.program import part_constants
 from mtrace_live.probes.records import EVENT_DTYPE, UNWIND_FILE_DTYPE
@@ -86,6 +92,7 @@ class FileServer:
         ring_pages = part_constants("unwind_vma.bpf.c")["UNWIND_ASKS_PAGES"]
         ring_bytes = ring_pages * os.sysconf("SC_PAGE_SIZE")
         libc = ctypes.CDLL(None)  # looked up here: nothing is loaded in the child
+        load_parser()  # (nor imported: done already where the start overlapped it)
         try:
             pid = os.fork()
         except OSError:

@@ -63,15 +63,17 @@ class NativeUnwinder:
             slots[VMA_LOOKUP] = "unwind_vma"
         slots.update(RESUMPTIONS[each] for each in consumers)
         # The file server (UNWIND_VMA) parses files in a forked child, which
-        # must find pyelftools' parser imported: imported here meanwhile, while
-        # this thread waits for the verifier's passes over the slots' programs.
-        parser = threading.Thread(target=load_parser, name="mtrace-live-parser", daemon=True)
+        # must find pyelftools' parser imported (FileServer imports it before
+        # its fork): imported here first, while this thread waits for the
+        # verifier's passes over the slots' programs.
+        parser = None
         if defines.get("UNWIND_VMA"):
+            parser = threading.Thread(target=load_parser, name="mtrace-live-parser", daemon=True)
             parser.start()
         try:
             program.set_tail_calls("unwind_progs", slots)
         finally:
-            if parser.is_alive():
+            if parser is not None:
                 parser.join()
         attach_dlopen(program, libc, pid)
         # the tables' sizes, as the program has them (--unwind-rows)
