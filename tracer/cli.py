@@ -15,6 +15,11 @@ import signal
 import sys
 from typing import Any
 
+if __name__ == "__main__" and len(sys.argv) > 1:  # python -m: begun as tracer/entry.py does
+    from mtrace_live.tracer.bpf.preload import begin_from_command_line
+
+    begin_from_command_line(sys.argv[1:])
+
 # numpy's BLAS (OpenBLAS) starts a pool of threads that spin on the other
 # CPUs; mtrace-live does no linear algebra (set before numpy is imported)
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")

@@ -192,45 +192,86 @@ static __always_inline int python_rest_due(struct unwind_state *st)
 #define PY_MORE 1  /* more of them than one call stores */
 #define PY_FULL 2  /* the walk is full (FRAME_DEPTH) */
 
+/* The thread's next Python frame, stored if it is one of the eval loop's
+ * frame the walk is at: PY_MORE while more may follow, else the outcome. */
+static __always_inline int python_frame(struct unwind_state *st, struct alloc_frames_row *row,
+                                        struct python_proc *py, u64 *b, u32 *stored)
+{
+    u64 frame = st->py_frame;
+    if (!frame)
+        return PY_ENTRY;
+    long off = python_window(st, b, frame);
+    if (off < 0) {
+        unwind_misc.increment(UX_PY_UNREADABLE);
+        st->py_frame = 0;
+        return PY_ENTRY;
+    }
+    st->py_frame = python_word(b, off, py->frame_previous);
+    if (py->owner_cstack != PY_NO_OWNER &&
+        python_byte(b, off, py->frame_owner) == py->owner_cstack) {
+        if (st->py_rest)
+            return PY_MORE; /* (an outer eval loop's frames follow) */
+        return PY_ENTRY; /* the eval loop's entry frame: its Python frames end here */
+    }
+    if (st->py_stored && st->n >= FRAME_DEPTH)
+        return PY_FULL;
+    u64 code = python_word(b, off, py->frame_code);
+    u64 instr = python_word(b, off, py->frame_instr);
+    u64 first = code + py->code_adaptive, units = (instr - first) >> 1;
+    u64 offset = instr >= first && units < PY_NO_OFFSET ? units : PY_NO_OFFSET;
+    /* (a user-space address: 47 bits, its low 3 zero; a torn read's
+     * higher bits are not let into the kind's) */
+    u64 object = (code >> 3) & ((1ull << (FRAME_KIND_SHIFT - FRAME_PYTHON_SHIFT)) - 1);
+    python_store(st, row, ((u64)FRAME_KIND_PYTHON << FRAME_KIND_SHIFT) |
+                              (object << FRAME_PYTHON_SHIFT) | offset);
+    (*stored)++;
+    if (!st->py_rest && py->frame_is_entry != PY_NO_FIELD &&
+        python_byte(b, off, py->frame_is_entry))
+        return PY_ENTRY; /* 3.11: the frame the eval loop was entered with */
+    return PY_MORE;
+}
+
+#if UNWIND_LOOP
+/* python_frames' frames through bpf_loop (as unwind_step's, unwind.bpf.c):
+ * what they work on, in the program's stack. */
+struct python_loop {
+    struct unwind_state *st;
+    struct alloc_frames_row *row;
+    struct python_proc *py;
+    u64 *b;
+    u32 stored;
+    long outcome; /* python_frame's last answer */
+};
+
+/* bpf_loop's callback (linked in by user space, tracer/bpf/bpf_callbacks.py):
+ * one frame; 1 (no more) unless more may follow. */
+long unwind_python__callback(void *index)
+{
+    struct python_loop *loop;
+    asm volatile("%0 = r2" : "=r"(loop));
+    loop->outcome = python_frame(loop->st, loop->row, loop->py, loop->b, &loop->stored);
+    return loop->outcome != PY_MORE;
+}
+#endif
+
 /* The Python frames of the eval loop's frame the walk is at, from the
  * thread's next one, stored (`stored`: how many) as far as one call goes. */
 static __always_inline int python_frames(struct unwind_state *st, struct alloc_frames_row *row,
                                          struct python_proc *py, u64 *b, u32 *stored)
 {
+#if UNWIND_LOOP
+    struct python_loop loop = {st, row, py, b, 0, PY_MORE};
+    bpf_loop(PYTHON_STEP_FRAMES, unwind_python__callback, &loop, 0);
+    *stored = loop.stored;
+    return loop.outcome;
+#else
     for (int i = 0; i < PYTHON_STEP_FRAMES; i++) {
-        u64 frame = st->py_frame;
-        if (!frame)
-            return PY_ENTRY;
-        long off = python_window(st, b, frame);
-        if (off < 0) {
-            unwind_misc.increment(UX_PY_UNREADABLE);
-            st->py_frame = 0;
-            return PY_ENTRY;
-        }
-        st->py_frame = python_word(b, off, py->frame_previous);
-        if (py->owner_cstack != PY_NO_OWNER &&
-            python_byte(b, off, py->frame_owner) == py->owner_cstack) {
-            if (st->py_rest)
-                continue; /* (an outer eval loop's frames follow) */
-            return PY_ENTRY; /* the eval loop's entry frame: its Python frames end here */
-        }
-        if (st->py_stored && st->n >= FRAME_DEPTH)
-            return PY_FULL;
-        u64 code = python_word(b, off, py->frame_code);
-        u64 instr = python_word(b, off, py->frame_instr);
-        u64 first = code + py->code_adaptive, units = (instr - first) >> 1;
-        u64 offset = instr >= first && units < PY_NO_OFFSET ? units : PY_NO_OFFSET;
-        /* (a user-space address: 47 bits, its low 3 zero; a torn read's
-         * higher bits are not let into the kind's) */
-        u64 object = (code >> 3) & ((1ull << (FRAME_KIND_SHIFT - FRAME_PYTHON_SHIFT)) - 1);
-        python_store(st, row, ((u64)FRAME_KIND_PYTHON << FRAME_KIND_SHIFT) |
-                                  (object << FRAME_PYTHON_SHIFT) | offset);
-        (*stored)++;
-        if (!st->py_rest && py->frame_is_entry != PY_NO_FIELD &&
-            python_byte(b, off, py->frame_is_entry))
-            return PY_ENTRY; /* 3.11: the frame the eval loop was entered with */
+        int outcome = python_frame(st, row, py, b, stored);
+        if (outcome != PY_MORE)
+            return outcome;
     }
     return PY_MORE;
+#endif
 }
 
 /* UNWIND_PYTHON: the Python frames of the eval loop's frame the walk is

@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import json
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -123,13 +124,15 @@ def from_cache(compiled: bpf_cache.Compiled, links: bool,
     bpf = CachedBpf(compiled, links, map_fds)
     try:
         bpf.load()
+        tracepoints = []
         for text in compiled.functions:  # as bcc's _trace_autoload
             if text.startswith("tracepoint__"):
                 tracepoint = text[len("tracepoint__") :].replace("__", ":")
-                bpf.attach_tracepoint(tp=tracepoint.encode(), fn_name=text.encode())
+                tracepoints.append((tracepoint.encode(), text.encode()))
             elif text.startswith("raw_tracepoint__"):
                 bpf.attach_raw_tracepoint(tp=text[len("raw_tracepoint__") :].encode(),
                                           fn_name=text.encode())  # fmt: skip
+        bpf.attach_tracepoints_apart(tracepoints)
     except BaseException:
         bpf.cleanup()
         raise
@@ -176,6 +179,8 @@ class CachedBpf:
         self.mtrace_uprobe_code: dict[str, bytes] | None = {} if links else None
         self.map_fds: dict[int, int] = dict(map_fds or {})  # (made already: preload)
         self._tables: dict[str, map_table.Table] = {}  # every map's, made at load
+        self._attaching: threading.Thread | None = None  # the tracepoints' (attach_tracepoints_apart)
+        self._attach_failure: Exception | None = None
 
     def load(self) -> None:
         """Make the maps, and load every program with their descriptors."""
@@ -236,6 +241,34 @@ class CachedBpf:
                                       category, event)  # fmt: skip
         self.tracepoint_fds[tp] = fd
 
+    def attach_tracepoints_apart(self, tracepoints: list[tuple[bytes, bytes]]) -> None:
+        """Attach these (tracepoint, handler) on a thread of their own: a
+        tracepoint's perf_event_open takes the kernel's event_mutex, which a
+        trace that just ended holds while its detacher closes its own, one
+        RCU grace period each (docs/performance.md, section 12), so the
+        start goes on meanwhile. ``tracepoints_attached`` waits for them."""
+        if tracepoints:
+            self._attaching = threading.Thread(target=self._attach_all, args=(tracepoints,),
+                                               name="mtrace-tracepoints", daemon=True)  # fmt: skip
+            self._attaching.start()
+
+    def _attach_all(self, tracepoints: list[tuple[bytes, bytes]]) -> None:
+        try:
+            for tracepoint, handler in tracepoints:
+                self.attach_tracepoint(tp=tracepoint, fn_name=handler)
+        except Exception as exc:  # (raised by tracepoints_attached)
+            self._attach_failure = exc
+
+    def tracepoints_attached(self) -> None:
+        """Wait until every tracepoint is attached; raises what the first
+        that could not be raised (OSError: the kernel refused it)."""
+        if self._attaching is not None:
+            self._attaching.join()
+            self._attaching = None
+        failure, self._attach_failure = self._attach_failure, None
+        if failure is not None:
+            raise failure
+
     def attach_raw_tracepoint(self, tp: bytes, fn_name: bytes) -> None:
         if tp in self.raw_tracepoint_fds:
             raise ValueError(f"raw tracepoint {tp.decode()} is attached already")
@@ -245,6 +278,8 @@ class CachedBpf:
 
     def cleanup(self) -> None:
         """Close everything still open: attachments, programs, maps."""
+        with contextlib.suppress(Exception):
+            self.tracepoints_attached()
         for fds in (self.tracepoint_fds, self.raw_tracepoint_fds):
             for fd in fds.values():
                 with contextlib.suppress(OSError):

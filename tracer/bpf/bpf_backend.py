@@ -223,6 +223,19 @@ class BpfProgram:
                                  f"it anew: {exc}")  # fmt: skip
             return None
 
+    def tracepoints_attached(self) -> None:
+        """Wait until the program's tracepoints are attached: a cached
+        program attaches them on a thread while the start goes on
+        (CachedBpf.attach_tracepoints_apart); bcc, at its load. Raises
+        AttachError where one could not be."""
+        wait = getattr(self._bpf, "tracepoints_attached", None)
+        if wait is None:
+            return
+        try:
+            wait()
+        except OSError as exc:
+            raise AttachError(exc.strerror or str(exc)) from None
+
     def start_up_notes(self) -> list[str]:
         """What the start-up report says of this program: its warnings, and
         where it came from when MTRACE_LIVE_DEBUG is set."""
@@ -661,6 +674,8 @@ class BpfProgram:
         nowhere. The child is named ``DETACHER_NAME``; it is gone within
         about 80 ms per probe site. Where it cannot be started, the events
         are closed here."""
+        with contextlib.suppress(Exception):
+            self.tracepoints_attached()  # (a cached program's attach thread: done)
         # The tracepoints are attached as bcc's start attaches them (by bcc, or
         # tracer/bpf/tracepoint_attach.py); the uprobes are this program's own
         # perf events (uprobe_attach), made through the perf PMU: none is in tracefs.

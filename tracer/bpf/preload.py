@@ -104,10 +104,78 @@ def options_key(options: dict[str, Any], program: str | None) -> str:
     return hashlib.sha256(document.encode()).hexdigest()
 
 
+# Subcommands that trace (with the group's own --pid and --all), and the
+# options that say the command line is only asking for help or a version.
+TRACING = ("run", "record", "serve")
+_PID = ("--pid", "-p")
+_ASKING = ("--help", "-h", "--version", "-V")
+
+
+def command_line_options(argv: list[str]) -> str | None:
+    """The key of a start's options read from its command line as typed,
+    before anything parses it (tracer/entry.py): each --pid's value replaced
+    by the program the process runs, and the command after ``--`` by its
+    program's name. None where the line starts no trace (nothing then
+    begins). Two lines that mean the same but are typed differently have
+    keys of their own: each is guessed from its own last start."""
+    typed = argv.index("--") if "--" in argv else len(argv)
+    head = argv[:typed]
+    if any(token in _ASKING for token in head):
+        return None
+    tokens: list[str] = []
+    tracing = False
+    replace = False
+    for token in head:
+        if replace:
+            tokens.append(_program_of(token))
+            replace = False
+            continue
+        if token in _PID:
+            replace = tracing = True
+        elif token.startswith("--pid="):
+            token, tracing = "--pid=" + _program_of(token[len("--pid=") :]), True
+        elif token.startswith("-p") and token[2:].isdigit():
+            token, tracing = "-p" + _program_of(token[2:]), True
+        elif token == "--all" or token in TRACING:
+            tracing = True
+        tokens.append(token)
+    if not tracing:
+        return None
+    command = argv[typed + 1 :]
+    if command:
+        tokens += ["--", os.path.basename(command[0])]
+    return "argv:" + options_key({"argv": tokens}, None)
+
+
+def begin_from_command_line(argv: list[str]) -> None:
+    """Begin the program the last start with this command line loaded,
+    where it starts a trace, as root (tracer/entry.py: before click is
+    imported; else the trace's own start begins it after parsing,
+    tracer/commands/trace.py)."""
+    if os.geteuid() != 0:
+        return
+    options = command_line_options(argv)
+    if options is not None:
+        begin(options)
+
+
+def _program_of(pid: str) -> str:
+    try:
+        return os.readlink(f"/proc/{int(pid)}/exe")
+    except (OSError, ValueError):
+        return "?"
+
+
+def begun() -> bool:
+    """A start began already (begin was called in this process)."""
+    return _begun
+
+
 def begin(options: str) -> None:
     """Start making the program the last start with these options loaded,
     where one is kept (and the programs kept are used: uprobe links)."""
-    global _PENDING, _options, _later
+    global _PENDING, _options, _later, _begun
+    _begun = True
     if bpf_cache.program_cache_dir() is None or os.geteuid() != 0:
         return
     _options = options
@@ -121,6 +189,7 @@ def begin(options: str) -> None:
         _remembered.add(options)
 
 
+_begun = False
 _remembered: set[str] = set()  # options begun without a guess: their key is kept
 _options: str | None = None  # this start's
 _later: frozenset[str] = frozenset()  # its handlers loaded at their first use

@@ -38,6 +38,8 @@ def _preload(params: dict[str, Any], prometheus: str | None) -> None:
     (tracer/bpf/preload.py): before anything else is imported."""
     from mtrace_live.tracer.bpf import preload
 
+    if preload.begun():
+        return  # from the command line, before it was parsed (tracer/entry.py)
     options = {name: value for name, value in params.items() if name not in ("pid", "command")}
     options["prometheus"] = prometheus is not None
     command = params.get("command") or ()

@@ -80,6 +80,11 @@ class HitCounter:
         self._program = BpfProgram(config.source())
         if self.selection is not None:
             usdt.attach_sites(self._program, self.selection)
+        try:
+            self._program.tracepoints_attached()
+        except BaseException:
+            self._program.close()
+            raise
 
     def start_up_notes(self) -> list[str]:
         return self._program.start_up_notes()

@@ -279,6 +279,8 @@ class LiveTrace:
                 self.program.tables.set_first_target(target_pid)
             with self.program.uprobe_batch():  # in as few links as can be, at its end
                 self.unwinders = self._make_unwinders(plan)
+                # (attached meanwhile: before any process's maps are read)
+                self.program.tracepoints_attached()
                 # their tables before their first call (a process loaded
                 # already, by the Python unwinder's look, is passed over by it)
                 targets = running_targets(request)

@@ -122,22 +122,25 @@ _VMA_MEMBERS = {
 
 def vma_defines() -> dict[str, int]:
     """UNWIND_VMA and the offsets its lookup reads, where the kernel has
-    ``bpf_find_vma`` (Linux 5.17) and its BTF says where the members are;
-    {} (a PC outside a process's tables is walked by frame pointers) where
-    not."""
+    ``bpf_find_vma`` (Linux 5.17) and its BTF says where the members are
+    (else a PC outside a process's tables is walked by frame pointers);
+    UNWIND_LOOP where it has ``bpf_loop`` (5.17 too: the walks' frames
+    through it, which the verifier checks once, not once per frame). {}
+    where the BTF cannot say."""
     try:
-        members, (has_find_vma,) = kernel_facts(
-            [(struct, member) for struct, member, _ in _VMA_MEMBERS.values()], ["bpf_find_vma"]
+        members, (has_find_vma, has_loop) = kernel_facts(
+            [(struct, member) for struct, member, _ in _VMA_MEMBERS.values()],
+            ["bpf_find_vma", "bpf_loop"],
         )
     except BtfUnavailable:
         return {}
-    if not has_find_vma:
-        return {}
+    loop = {"UNWIND_LOOP": 1} if has_loop else {}
     found = dict(zip(_VMA_MEMBERS, members, strict=True))
-    if any(found[name] is None or found[name][1] != size  # type: ignore[index]
-           for name, (_, _, size) in _VMA_MEMBERS.items()):  # fmt: skip
-        return {}
-    return {"UNWIND_VMA": 1, **{name: at[0] for name, at in found.items() if at is not None}}
+    if not has_find_vma or any(found[name] is None or found[name][1] != size  # type: ignore[index]
+                               for name, (_, _, size) in _VMA_MEMBERS.items()):  # fmt: skip
+        return loop
+    return {"UNWIND_VMA": 1, **loop,
+            **{name: at[0] for name, at in found.items() if at is not None}}  # fmt: skip
 
 
 DLOPEN_FUNCTIONS = ("dlopen", "dlmopen")  # in the libc since glibc 2.34

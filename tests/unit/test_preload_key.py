@@ -1,0 +1,78 @@
+"""The key a start's program is guessed by, read from its command line as
+typed (tracer/bpf/preload.py's command_line_options, used by tracer/entry.py
+before click parses anything)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+
+import pytest
+from mtrace_live.tracer.bpf.preload import command_line_options
+
+
+@pytest.fixture
+def sleepers() -> Iterator[tuple[int, int, int]]:
+    """Two processes running /bin/sleep and one running this Python."""
+    python = [sys.executable, "-c", "import time; time.sleep(600)"]
+    started = [subprocess.Popen(argv) for argv in (["sleep", "600"], ["sleep", "600"], python)]
+    try:
+        yield started[0].pid, started[1].pid, started[2].pid
+    finally:
+        for process in started:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.parametrize("spelled", [
+    lambda pid: ["--pid", pid], lambda pid: ["-p", pid], lambda pid: [f"--pid={pid}"],
+    lambda pid: [f"-p{pid}"],
+])  # fmt: skip
+def test_a_pid_is_keyed_by_the_program_it_runs(
+    sleepers: tuple[int, int, int], spelled: Callable[[str], list[str]]
+) -> None:
+    # GIVEN two processes of one program, and one of another
+    first, second, other = sleepers
+    # WHEN each is traced with the same options
+    keys = [command_line_options([*spelled(str(pid)), "-o", "json"])
+            for pid in (first, second, other)]  # fmt: skip
+    # THEN the two sleeps share a key, and the other program has its own
+    assert keys[0] is not None and keys[0] == keys[1]
+    assert keys[2] is not None and keys[2] != keys[0]
+
+
+def test_options_and_subcommands_make_keys_of_their_own(sleepers: tuple[int, int, int]) -> None:
+    pid = str(sleepers[0])
+    keys = {command_line_options(argv) for argv in (
+        ["--pid", pid], ["--pid", pid, "--contention"], ["--all"], ["run", "--", "true"],
+        ["record", "--", "true"], ["serve", "--pid", pid])}  # fmt: skip
+    assert None not in keys
+    assert len(keys) == 6
+
+
+def test_a_command_is_keyed_by_its_program_name_not_its_arguments() -> None:
+    # GIVEN one command run with other arguments, and by another path
+    same = [command_line_options(["run", "-o", "summary", "--", *command]) for command in (
+        ["true"], ["/bin/true", "--flag"], ["/usr/bin/true", "a", "b"])]  # fmt: skip
+    # THEN one key: what the program is, not what it was given
+    assert same[0] is not None and len(set(same)) == 1
+    assert command_line_options(["run", "-o", "summary", "--", "python3"]) != same[0]
+
+
+@pytest.mark.parametrize("argv", [
+    [], ["--help"], ["-h"], ["--version"], ["-V"], ["run", "--help", "--", "true"],
+    ["report", "trace.json"], ["convert", "in.jsonl"], ["probes"], ["doctor"],
+])  # fmt: skip
+def test_a_line_that_starts_no_trace_begins_nothing(argv: list[str]) -> None:
+    assert command_line_options(argv) is None
+
+
+def test_a_dead_pid_still_has_a_key() -> None:
+    # GIVEN a pid no process has (the trace then fails with its own error)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    # THEN a key, of an unknown program: nothing kept under it to guess from
+    key = command_line_options(["--pid", str(dead.pid)])
+    assert key is not None
+    assert key == command_line_options(["--pid", "not-a-number"])

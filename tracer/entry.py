@@ -1,0 +1,19 @@
+"""The ``mtrace-live`` command's entry: the program the last start with the
+same command line loaded is begun (tracer/bpf/preload.py) before anything
+else is imported, click and the command line's parsing included, so that
+the kernel's verifier has the other CPU from the start's first
+milliseconds. Then the command line is parsed and run (tracer/cli.py)."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> None:
+    if len(sys.argv) > 1:
+        from mtrace_live.tracer.bpf.preload import begin_from_command_line
+
+        begin_from_command_line(sys.argv[1:])
+    from mtrace_live.tracer.cli import main as cli_main
+
+    cli_main()
