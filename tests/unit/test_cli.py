@@ -22,6 +22,19 @@ def test_version_and_help_need_neither_root_nor_bcc(tmp_path: Path) -> None:
     assert "mtrace-live, version" in run("--version").stdout
 
 
+def test_the_version_a_trace_reports_is_the_installed_distributions() -> None:
+    # GIVEN the installed distribution's metadata (the version pip installed)
+    from importlib.metadata import version
+
+    from mtrace_live.tracer.loop import package_version
+
+    installed = version("mtrace-live")
+    # THEN the version a trace writes in its outputs, read without the
+    # metadata, and the one --version prints are that one
+    assert package_version() == installed
+    assert run("--version").stdout.strip() == f"mtrace-live, version {installed}"
+
+
 def test_dead_pid_is_one_line_and_exit_code_6() -> None:
     # pid_max is at most 2^22, so this pid cannot exist
     done = run("count", "--pid", "4194304")

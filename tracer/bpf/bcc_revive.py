@@ -179,7 +179,7 @@ class CachedBpf:
         self.mtrace_uprobe_code: dict[str, bytes] | None = {} if links else None
         self.map_fds: dict[int, int] = dict(map_fds or {})  # (made already: preload)
         self._tables: dict[str, map_table.Table] = {}  # every map's, made at load
-        self._attaching: threading.Thread | None = None  # the tracepoints' (attach_tracepoints_apart)
+        self._attaching: threading.Thread | None = None  # (attach_tracepoints_apart)
         self._attach_failure: Exception | None = None
 
     def load(self) -> None:

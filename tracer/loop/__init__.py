@@ -3,11 +3,8 @@ kernel's counters. The top room: it imports the others, none imports it."""
 
 
 def package_version() -> str:
-    """mtrace-live's installed version ("unknown" outside an install)."""
-    # imported here: importlib.metadata costs a trace's start 25 ms
-    from importlib.metadata import PackageNotFoundError, version
+    """mtrace-live's version (the installed distribution's: pyproject.toml
+    reads it from the same constant)."""
+    from mtrace_live.tracer import VERSION
 
-    try:
-        return version("mtrace-live")
-    except PackageNotFoundError:
-        return "unknown"
+    return VERSION
