@@ -9,8 +9,3 @@ above them all.
 The top layer: it imports the outputs (mtrace_live.exporters) and the probes,
 never the reverse. Installed as ``mtrace_live.tracer`` (see pyproject.toml).
 """
-
-# mtrace-live's version: the one place it is written (pyproject.toml reads it
-# from here, tool.setuptools.dynamic), read by a trace without the 20 ms
-# importlib.metadata takes to find the installed distribution.
-VERSION = "0.1.0"

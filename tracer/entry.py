@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 
-def main() -> None:
+def launch() -> None:
     if len(sys.argv) > 1:
         from mtrace_live.tracer.bpf.preload import begin_from_command_line
 

@@ -105,7 +105,8 @@ BPF_F_TABLE("array", int, struct outstanding_row, outstanding, ALLOC_OUT_ROWS, B
  * names the key (two keys of one hash among some thousands: about one
  * chance in 2^40). Up to STACK_PROBES rows from the one the hash picks. */
 #define STACK_PROBES 8
-BPF_ARRAY(alloc_stacks, struct alloc_stack_row, ALLOC_STACK_ROWS);
+/* Mapped too: a snapshot copies its memory (10 ms a read through the kernel). */
+BPF_F_TABLE("array", int, struct alloc_stack_row, alloc_stacks, ALLOC_STACK_ROWS, BPF_F_MMAPABLE);
 BPF_HASH(alloc_procs, u32, struct alloc_proc, MAX_FOLLOWED);
 /* Bumped by user space each time it takes the rows of processes gone out of
  * alloc_procs: a thread then looks its process's row up again (its pid may

@@ -359,6 +359,9 @@ class TablesOnly:
     def read_table(self, table: str, key_dtype: object, value_dtype: object) -> object:
         return self.tables[table]
 
+    def array_copy(self, table: str, dtype: object) -> None:
+        return None  # (as a map that cannot be mapped: read_table's rows)
+
     def percpu_array_totals(self, table: str) -> list[int]:
         return [0] * 16
 

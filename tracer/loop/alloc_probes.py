@@ -249,7 +249,11 @@ def read_snapshot(program: BpfProgram, sample_bytes: int, started_ns: int,
     out of the stack rows from one read to the next."""
     pkeys, pvalues = program.read_table("alloc_procs", "<u4", ALLOC_PROC_DTYPE)
     present = _incarnations(pkeys, pvalues["incarnation"])
-    slots, table = program.read_table("alloc_stacks", "<u4", ALLOC_STACK_ROW_DTYPE)
+    table = program.array_copy("alloc_stacks", ALLOC_STACK_ROW_DTYPE)  # every row
+    if table is None:  # (a map that cannot be mapped: read through the kernel)
+        slots, table = program.read_table("alloc_stacks", "<u4", ALLOC_STACK_ROW_DTYPE)
+    else:
+        slots = np.arange(len(table), dtype=np.uint32)
     # claimed rows whose key is written (a CPU writes it just after its claim),
     # of the processes whose alloc_procs row they were made under: every one
     # has its row from its first call until serve retires it when it is gone,
