@@ -57,10 +57,10 @@
 #endif
 
 #if WITH_UNWIND
-/* Frames a step unwinds. The verifier's time on unwind_step grows with
- * it, as it follows each frame's searches: 144 ms at 32 frames, 40 ms at 8
- * (this machine), paid at every start. 8 keeps a whole walk (FRAME_DEPTH
- * - 1 frames: 16 steps, with the handler's call and the resumption 18 tail
+/* Frames a step unwinds. Unrolled (no UNWIND_LOOP), the verifier's time on
+ * unwind_step grows with it, as it follows each frame's searches, and every
+ * start pays it (95 ms at 8 here). 8 keeps a whole walk (FRAME_DEPTH - 1
+ * frames: 16 steps, with the handler's call and the resumption 18 tail
  * calls) within the kernel's 33. */
 #define UNWIND_STEP_FRAMES 8
 #define MAP_STEPS 12  /* a process's mappings: at most 4096 searched */

@@ -76,3 +76,13 @@ def test_a_dead_pid_still_has_a_key() -> None:
     key = command_line_options(["--pid", str(dead.pid)])
     assert key is not None
     assert key == command_line_options(["--pid", "not-a-number"])
+
+
+def test_a_duration_does_not_change_the_key(sleepers: tuple[int, int, int]) -> None:
+    # GIVEN make setup's start (ended by --duration) and a user's own
+    pid = str(sleepers[0])
+    setup = command_line_options(["--pid", pid, "-o", "live", "--duration", "0.1"])
+    also = command_line_options(["--pid", pid, "--duration=3", "-o", "live"])
+    users = command_line_options(["--pid", pid, "-o", "live"])
+    # THEN one key: the user's first trace finds what setup's loaded
+    assert users is not None and setup == users == also

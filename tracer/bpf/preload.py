@@ -109,14 +109,17 @@ def options_key(options: dict[str, Any], program: str | None) -> str:
 TRACING = ("run", "record", "serve")
 _PID = ("--pid", "-p")
 _ASKING = ("--help", "-h", "--version", "-V")
+# An option that ends a trace without changing its program (make setup's
+# starts end so: scripts/warm-caches.sh), left out of the key.
+_UNKEYED = "--duration"
 
 
 def command_line_options(argv: list[str]) -> str | None:
     """The key of a start's options read from its command line as typed,
     before anything parses it (tracer/entry.py): each --pid's value replaced
     by the program the process runs, and the command after ``--`` by its
-    program's name. None where the line starts no trace (nothing then
-    begins). Two lines that mean the same but are typed differently have
+    program's name; its --duration left out. None where the line starts no
+    trace (nothing then begins). Two lines that mean the same but are typed differently have
     keys of their own: each is guessed from its own last start."""
     typed = argv.index("--") if "--" in argv else len(argv)
     head = argv[:typed]
@@ -125,10 +128,17 @@ def command_line_options(argv: list[str]) -> str | None:
     tokens: list[str] = []
     tracing = False
     replace = False
+    skip = False
     for token in head:
+        if skip or token.startswith(_UNKEYED + "="):
+            skip = False
+            continue
         if replace:
             tokens.append(_program_of(token))
             replace = False
+            continue
+        if token == _UNKEYED:
+            skip = True
             continue
         if token in _PID:
             replace = tracing = True
@@ -167,31 +177,30 @@ def _program_of(pid: str) -> str:
 
 
 def begun() -> bool:
-    """A start began already (begin was called in this process)."""
-    return _begun
+    """A guess is being made already (begin found a program kept)."""
+    return _PENDING is not None
 
 
 def begin(options: str) -> None:
     """Start making the program the last start with these options loaded,
-    where one is kept (and the programs kept are used: uprobe links)."""
-    global _PENDING, _options, _later, _begun
-    _begun = True
+    where one is kept (and the programs kept are used: uprobe links). A
+    start may begin under two keys (its command line's, then its parsed
+    options', where the first had nothing kept): what it loads is kept
+    under both."""
+    global _PENDING, _later
     if bpf_cache.program_cache_dir() is None or os.geteuid() != 0:
         return
-    _options = options
+    _begun_options.append(options)
+    if _PENDING is not None:
+        return
     unused = facts.fact_store().get(f"{_START}:{options}", "unused")
     _later = frozenset(h for h in DEFERRABLE if isinstance(unused, list) and h in unused)
     kept = facts.fact_store().get(f"{_START}:{options}", "program")
     if isinstance(kept, str) and kept.isalnum():
         _PENDING = _Preload(options, kept, _later)
-    else:
-        _PENDING = None
-        _remembered.add(options)
 
 
-_begun = False
-_remembered: set[str] = set()  # options begun without a guess: their key is kept
-_options: str | None = None  # this start's
+_begun_options: list[str] = []  # this start's keys: the program it loads is kept under each
 _later: frozenset[str] = frozenset()  # its handlers loaded at their first use
 
 
@@ -204,11 +213,11 @@ def later() -> frozenset[str]:
 def keep_unused(asked: set[str]) -> None:
     """Keep, for the next start with these options, which of the deferrable
     handlers this trace never asked for (``asked``: those it did)."""
-    if _options is not None:
-        unused = [h for h in DEFERRABLE if h not in asked]
-        store = facts.fact_store()
-        if store.get(f"{_START}:{_options}", "unused") != unused:
-            store.put(f"{_START}:{_options}", "unused", unused)  # (saved at the trace's end)
+    unused = [h for h in DEFERRABLE if h not in asked]
+    store = facts.fact_store() if _begun_options else None
+    for options in dict.fromkeys(_begun_options):
+        if store is not None and store.get(f"{_START}:{options}", "unused") != unused:
+            store.put(f"{_START}:{options}", "unused", unused)  # (saved at the trace's end)
 
 
 def take(key: str) -> Made | None:
@@ -216,9 +225,7 @@ def take(key: str) -> Made | None:
     was (or something else was: closed). The key is kept for these options."""
     global _PENDING
     pending, _PENDING = _PENDING, None
-    options = pending.options if pending is not None else next(iter(_remembered), None)
-    _remembered.clear()
-    if options is not None:
+    for options in dict.fromkeys(_begun_options):
         facts.fact_store().put(f"{_START}:{options}", "program", key)
     if pending is None:
         return None
