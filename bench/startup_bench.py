@@ -316,8 +316,8 @@ KERNEL_TEXT = [
     "about 0.02 s; pyelftools' parser, imported on a thread meanwhile and waited for before "
     "the file server's fork (its child must find it imported), about 0.015 s; the "
     "unwinders' tables, the uprobes' links and the gate, about 0.04 s. The tracepoints' "
-    "perf events are opened on a thread of their own, waited for before any process's maps "
-    "are read (a trace that just ended holds the kernel's event_mutex while its detacher "
+    "perf events are opened on a thread of their own, waited for before the targets' tables "
+    "are written (a trace that just ended holds the kernel's event_mutex while its detacher "
     "closes its own). The main thread no longer waits for the verifier: what is left "
     "before the line is its own Python under the interpreter lock, on one CPU.",
 ]

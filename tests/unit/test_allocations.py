@@ -234,10 +234,12 @@ def test_json_tables_name_every_frame() -> None:
     assert stacks[0]["frames"][1]["location"] == "prog.c:7"
 
 
-def test_each_stack_row_names_the_provider_its_calls_went_to() -> None:
+@pytest.mark.parametrize("mapped", [False, True], ids=["read", "mapped"])
+def test_each_stack_row_names_the_provider_its_calls_went_to(mapped: bool) -> None:
     # GIVEN one process's malloc rows: one through jemalloc (provider 1, as
-    # its sites' cookies say), two through the libc (provider 0)
-    program = pid_100_tables(b"server", 1, [(1, 1, 1200), (0, 1, 3), (0, 1, 2)])
+    # its sites' cookies say), two through the libc (provider 0), read
+    # through the kernel or copied from the array's memory
+    program = pid_100_tables(b"server", 1, [(1, 1, 1200), (0, 1, 3), (0, 1, 2)], mapped)
     reader = StackReader()
     reader.providers = [("glibc", "libc.so.6"), ("jemalloc", "libjemalloc.so.2")]
     # WHEN the tables are read, the process's malloc bound to jemalloc
@@ -369,8 +371,16 @@ class TablesOnly:
         return False
 
 
-def pid_100_tables(comm: bytes, incarnation: int,
-                   rows: list[tuple[int, int, int]]) -> TablesOnly:  # fmt: skip
+class TablesMapped(TablesOnly):
+    """The same, its arrays copied from their memory (BPF_F_MMAPABLE) as a
+    program whose maps can be mapped hands them over: every row, no keys."""
+
+    def array_copy(self, table: str, dtype: object) -> np.ndarray:
+        return self.tables[table][1].copy()
+
+
+def pid_100_tables(comm: bytes, incarnation: int, rows: list[tuple[int, int, int]],
+                   mapped: bool = False) -> TablesOnly:  # fmt: skip
     """Process 100's alloc_procs row (of ``incarnation``) and its malloc
     rows, each (provider, incarnation, calls) of 32 bytes a call, at a
     call site of its own."""
@@ -382,18 +392,19 @@ def pid_100_tables(comm: bytes, incarnation: int,
         stacks[row]["key"] = (0x401000 + row, 100, -1, 0, provider, made_by)
         stacks[row]["stats"]["calls"] = calls
         stacks[row]["stats"]["bytes"] = stacks[row]["stats"]["sizes"] = 32 * calls
-    return TablesOnly({
+    return (TablesMapped if mapped else TablesOnly)({
         "alloc_procs": (np.array([100], "<u4"), procs),
         "alloc_stacks": (np.arange(len(rows), dtype="<u4"), stacks),
         "vm_procs": (np.zeros(0, "<u4"), np.zeros(0, VM_PROC_DTYPE)),
     })  # fmt: skip
 
 
-def test_a_reused_pid_s_old_stack_rows_are_not_its_new_process_s() -> None:
+@pytest.mark.parametrize("mapped", [False, True], ids=["read", "mapped"])
+def test_a_reused_pid_s_old_stack_rows_are_not_its_new_process_s(mapped: bool) -> None:
     # GIVEN pid 100's stack rows of two incarnations: the first process,
     # retired by serve (its alloc_procs row taken out), and the process that
     # reused its pid (whose row is incarnation 2)
-    program = pid_100_tables(b"new", 2, [(0, 1, 500), (0, 2, 7), (0, 2, 3)])
+    program = pid_100_tables(b"new", 2, [(0, 1, 500), (0, 2, 7), (0, 2, 3)], mapped)
     # WHEN the tables are read
     snapshot = read_snapshot(program, 0, 0)  # type: ignore[arg-type]
     # THEN the new process has its own calls only, and the old rows are not read

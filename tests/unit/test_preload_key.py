@@ -7,8 +7,11 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+from mtrace_live.probes.elf import facts
+from mtrace_live.tracer.bpf import preload
 from mtrace_live.tracer.bpf.preload import command_line_options
 
 
@@ -86,3 +89,34 @@ def test_a_duration_does_not_change_the_key(sleepers: tuple[int, int, int]) -> N
     users = command_line_options(["--pid", pid, "-o", "live"])
     # THEN one key: the user's first trace finds what setup's loaded
     assert users is not None and setup == users == also
+
+
+def test_a_start_keeps_its_program_under_each_key_it_began_under(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # GIVEN the caches in directories of the test's own, a start as root, and
+    # a program kept under the parsed options' key only
+    monkeypatch.setenv("MTRACE_LIVE_PLAN_CACHE", str(tmp_path / "plans"))
+    monkeypatch.setenv("MTRACE_LIVE_BPF_CACHE", str(tmp_path / "bpf"))
+    monkeypatch.setattr(preload.os, "geteuid", lambda: 0)
+    for name, fresh in (("_begun_options", []), ("_taken_options", []), ("_PENDING", None)):
+        monkeypatch.setattr(preload, name, fresh)
+    store = facts.fact_store()
+    store.put("start:parsed", "program", "abc123")
+    # WHEN it begins under its command line's key (nothing kept there), then
+    # under its parsed options' (a guess: made on a thread), and loads a program
+    preload.begin("argv:line")
+    assert not preload.begun()
+    preload.begin("parsed")
+    assert preload.begun()
+    assert preload.take("def456") is None  # (the guess was another program)
+    # THEN both keys name the program it loaded, for the next start either way
+    assert store.get("start:argv:line", "program") == "def456"
+    assert store.get("start:parsed", "program") == "def456"
+    # and what it never asked for is kept under both too
+    preload.keep_unused(set())
+    assert store.get("start:argv:line", "unused") == list(preload.DEFERRABLE)
+    assert store.get("start:parsed", "unused") == list(preload.DEFERRABLE)
+    # and a later program of the same process is not this start's
+    preload.take("other")
+    assert store.get("start:argv:line", "program") == "def456"

@@ -227,7 +227,8 @@ class BpfProgram:
         """Wait until the program's tracepoints are attached: a cached
         program attaches them on a thread while the start goes on
         (CachedBpf.attach_tracepoints_apart); bcc, at its load. Raises
-        AttachError where one could not be."""
+        AttachError where one could not be (as bcc's attach does: a program
+        compiled anew would meet the same kernel)."""
         wait = getattr(self._bpf, "tracepoints_attached", None)
         if wait is None:
             return
@@ -235,6 +236,8 @@ class BpfProgram:
             wait()
         except OSError as exc:
             raise AttachError(exc.strerror or str(exc)) from None
+        except Exception as exc:
+            raise AttachError(f"cannot attach a tracepoint: {exc}") from None
 
     def start_up_notes(self) -> list[str]:
         """What the start-up report says of this program: its warnings, and

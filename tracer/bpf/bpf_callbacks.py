@@ -1,5 +1,5 @@
-"""Programs that hand a callback to a helper (``bpf_find_vma``), loaded
-with the callback's code linked in.
+"""Programs that hand a callback to a helper (``bpf_find_vma``; ``bpf_loop``
+for the unwinders' frames), loaded with the callback's code linked in.
 
 bcc 0.26 compiles the callback as a function of its own, and leaves the
 load of its address in the program as a 64-bit load of 0 (it relocates no
@@ -12,8 +12,8 @@ kernel then wants, a FUNC with its prototype for each function and the
 instruction where each begins (``func_info``).
 
 A program's callback is the function named ``<program>__callback``, with
-one parameter in C (it reads the other two from r2 and r3); the program
-holds exactly one load of it.
+one parameter in C (it reads the others from r2 and r3: bpf_find_vma's VMA
+and context, bpf_loop's context); the program holds exactly one load of it.
 """
 
 from __future__ import annotations

@@ -164,9 +164,10 @@ def begin_from_command_line(argv: list[str]) -> None:
     tracer/commands/trace.py)."""
     if os.geteuid() != 0:
         return
-    options = command_line_options(argv)
-    if options is not None:
-        begin(options)
+    with contextlib.suppress(Exception):  # (only ever a saving: the start makes its own)
+        options = command_line_options(argv)
+        if options is not None:
+            begin(options)
 
 
 def _program_of(pid: str) -> str:
@@ -201,6 +202,7 @@ def begin(options: str) -> None:
 
 
 _begun_options: list[str] = []  # this start's keys: the program it loads is kept under each
+_taken_options: list[str] = []  # (those keys, once take kept it: keep_unused's)
 _later: frozenset[str] = frozenset()  # its handlers loaded at their first use
 
 
@@ -214,8 +216,8 @@ def keep_unused(asked: set[str]) -> None:
     """Keep, for the next start with these options, which of the deferrable
     handlers this trace never asked for (``asked``: those it did)."""
     unused = [h for h in DEFERRABLE if h not in asked]
-    store = facts.fact_store() if _begun_options else None
-    for options in dict.fromkeys(_begun_options):
+    store = facts.fact_store() if _taken_options else None
+    for options in _taken_options:
         if store is not None and store.get(f"{_START}:{options}", "unused") != unused:
             store.put(f"{_START}:{options}", "unused", unused)  # (saved at the trace's end)
 
@@ -225,7 +227,9 @@ def take(key: str) -> Made | None:
     was (or something else was: closed). The key is kept for these options."""
     global _PENDING
     pending, _PENDING = _PENDING, None
-    for options in dict.fromkeys(_begun_options):
+    _taken_options[:] = dict.fromkeys(_begun_options)
+    _begun_options.clear()  # (a later program of this process is not this start's)
+    for options in _taken_options:
         facts.fact_store().put(f"{_START}:{options}", "program", key)
     if pending is None:
         return None

@@ -8,5 +8,6 @@ VERSION = "0.1.0"
 
 
 def package_version() -> str:
-    """mtrace-live's version (the installed distribution's)."""
+    """mtrace-live's version (the one pyproject.toml gives the installed
+    distribution)."""
     return VERSION

@@ -279,7 +279,8 @@ class LiveTrace:
                 self.program.tables.set_first_target(target_pid)
             with self.program.uprobe_batch():  # in as few links as can be, at its end
                 self.unwinders = self._make_unwinders(plan)
-                # (attached meanwhile: before any process's maps are read)
+                # (attached meanwhile: before the targets' tables are written;
+                # the gate, closed until the end, lets no event through before)
                 self.program.tracepoints_attached()
                 # their tables before their first call (a process loaded
                 # already, by the Python unwinder's look, is passed over by it)
