@@ -15,10 +15,10 @@ import signal
 import sys
 from typing import Any
 
-if __name__ == "__main__" and len(sys.argv) > 1:  # python -m: begun as tracer/entry.py does
-    from mtrace_live.tracer.bpf.preload import begin_from_command_line
+if __name__ == "__main__":  # python -m: begun as tracer/entry.py does
+    from mtrace_live.tracer import early
 
-    begin_from_command_line(sys.argv[1:])
+    early.begin(sys.argv[1:])
 
 # numpy's BLAS (OpenBLAS) starts a pool of threads that spin on the other
 # CPUs; mtrace-live does no linear algebra (set before numpy is imported)

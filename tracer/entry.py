@@ -1,8 +1,7 @@
 """The ``mtrace-live`` command's entry: the program the last start with the
-same command line loaded is begun (tracer/bpf/preload.py) before anything
-else is imported, click and the command line's parsing included, so that
-the kernel's verifier has the other CPU from the start's first
-milliseconds. Then the command line is parsed and run (tracer/cli.py)."""
+same command line loaded is begun (tracer/early.py) before anything else
+is imported, click and the command line's parsing included. Then the
+command line is parsed and run (tracer/cli.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +9,9 @@ import sys
 
 
 def launch() -> None:
-    if len(sys.argv) > 1:
-        from mtrace_live.tracer.bpf.preload import begin_from_command_line
+    from mtrace_live.tracer import early
 
-        begin_from_command_line(sys.argv[1:])
+    early.begin(sys.argv[1:])
     from mtrace_live.tracer.cli import main as cli_main
 
     cli_main()

@@ -128,3 +128,55 @@ def test_a_batch_the_kernel_refuses_names_the_uprobe_it_refuses(tmp_path: Path) 
         for fd in links.take_fds():
             os.close(fd)
         links.close_programs()
+
+
+def bpf_programs_of(pid: int) -> dict[int, str]:
+    """The BPF programs a process holds, by fd: their names as the kernel
+    has them (/proc/PID/fdinfo's prog_id, then bpftool prog show)."""
+    ids: dict[int, int] = {}
+    for entry in os.listdir(f"/proc/{pid}/fdinfo"):
+        try:
+            info = Path(f"/proc/{pid}/fdinfo/{entry}").read_text()
+        except OSError:
+            continue
+        for line in info.splitlines():
+            if line.startswith("prog_id:"):
+                ids[int(entry)] = int(line.split()[1])
+    names = {}
+    for fd, prog_id in ids.items():
+        shown = subprocess.run(["bpftool", "prog", "show", "id", str(prog_id)],
+                               capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+        names[fd] = shown.stdout.split()[3]  # "ID: TYPE name NAME ..."
+    return names
+
+
+# r0 = *(u64 *)(r10 + 8): a read above the stack, which the verifier refuses
+REFUSED = bytes([0x79, 0x0A, 0x08, 0x00, 0, 0, 0, 0]) + uprobe_multi.RETURN_ZERO
+
+
+def test_programs_prefetched_on_loader_threads_are_the_ones_asked_for() -> None:
+    # GIVEN a trace's handlers: four the verifier takes, one it refuses, one left for later
+    code = {f"zero_{n}": uprobe_multi.RETURN_ZERO for n in range(4)}
+    handlers = {**code, "refused": REFUSED, "later": uprobe_multi.RETURN_ZERO}
+    links = uprobe_multi.UprobeLinks(handlers, "GPL", 0)
+    before = set(bpf_programs_of(os.getpid()))
+    try:
+        # WHEN they are loaded ahead, but "later"
+        links.prefetch(frozenset({"later"}))
+        # THEN each one asked for is its own program, named for its handler by the kernel
+        fds = {handler: links.program(handler) for handler in code}
+        held = bpf_programs_of(os.getpid())
+        assert len(set(fds.values())) == len(code)
+        assert {held[fd] for fd in fds.values()} == set(code)
+        # AND the refused one raises the verifier's refusal when asked for
+        with pytest.raises(OSError) as refused:
+            links.program("refused")
+        assert refused.value.errno == errno.EACCES, refused.value
+        # AND the one left for later is loaded only when asked for
+        assert "later" not in held.values()
+        later = links.program("later")
+        assert bpf_programs_of(os.getpid())[later] == "later"
+    finally:
+        links.close_programs()
+    # AND closing leaves none of them held
+    assert set(bpf_programs_of(os.getpid())) <= before

@@ -24,7 +24,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import platform
 import struct
 import sys
 from dataclasses import dataclass
@@ -95,7 +94,7 @@ _LIBC_RELEASING = ctypes.CDLL(None, use_errno=True)
 
 
 def _bpf(cmd: int, attr: ctypes.Array[ctypes.c_char], long: bool = False) -> int:
-    number = SYS_BPF.get(platform.machine())
+    number = SYS_BPF.get(os.uname().machine)
     if number is None:
         ctypes.set_errno(errno.ENOSYS)
         return -1

@@ -26,8 +26,8 @@ import errno
 import functools
 import os
 import struct
-from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,6 +128,29 @@ class LinkFailure(Exception):
         self.uprobe, self.failure = uprobe, failure
 
 
+class _Loading:
+    """A program loading on a loader thread: its fd, or what its load raised."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._fd = -1
+        self._raised: BaseException | None = None
+
+    def settle(self, load: Callable[[], int]) -> None:
+        try:
+            self._fd = load()
+        except BaseException as exc:  # (raised again by result)
+            self._raised = exc
+        finally:
+            self._done.set()
+
+    def result(self) -> int:
+        self._done.wait()
+        if self._raised is not None:
+            raise self._raised
+        return self._fd
+
+
 class UprobeLinks:
     """A trace's uprobe programs, loaded for links from their code, and its
     links: one per (file, program, process, entry or return) in a batch."""
@@ -137,7 +160,7 @@ class UprobeLinks:
         self.programs: dict[str, int] = {}  # loaded, by handler
         self.links: list[Link] = []
         self._batch: list[Uprobe] | None = None
-        self._loading: dict[str, Future[int]] = {}  # by prefetch, not asked for yet
+        self._loading: dict[str, _Loading] = {}  # by prefetch, not asked for yet
 
     def prefetch(self, later: frozenset[str] = frozenset()) -> None:
         """Load every program now but those ``later`` (loaded when first
@@ -148,9 +171,15 @@ class UprobeLinks:
         handlers = sorted((h for h in self._code
                            if not bpf_callbacks.is_callback(h) and h not in later),
                           key=lambda h: -len(self._code[h]))  # fmt: skip
-        pool = ThreadPoolExecutor(LOADERS, thread_name_prefix="mtrace-load")
-        self._loading = {h: pool.submit(self._load, h) for h in handlers}
-        pool.shutdown(wait=False)  # (its threads end with the last load)
+        self._loading = {h: _Loading() for h in handlers}
+        queue = iter(list(self._loading.items()))  # (shared: next() on a list's iterator is atomic)
+
+        def loader() -> None:  # each thread ends with the last load
+            for handler, loading in queue:
+                loading.settle(functools.partial(self._load, handler))
+
+        for number in range(LOADERS):
+            threading.Thread(target=loader, name=f"mtrace-load-{number}", daemon=True).start()
 
     def program(self, handler: str) -> int:
         """The handler's program fd, loaded on first use. Raises OSError
@@ -231,9 +260,9 @@ class UprobeLinks:
 
     def close_programs(self) -> None:
         loading, self._loading = self._loading, {}
-        for future in loading.values():  # loaded and never asked for: waited for, closed
+        for pending in loading.values():  # loaded and never asked for: waited for, closed
             with contextlib.suppress(Exception):
-                os.close(future.result())
+                os.close(pending.result())
         for fd in self.programs.values():
             with contextlib.suppress(OSError):
                 os.close(fd)

@@ -9,14 +9,16 @@ probes, the target and this kernel's kmem switches. ``tracer/loop/live.py``'s
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from mtrace_live.exporters import registry
 from mtrace_live.exporters.data.processes import live_thread
+from mtrace_live.probes.elf.facts import file_fact
 from mtrace_live.probes.errors import NoProbesError, NotPrivilegedError, TracepointMissingError
 from mtrace_live.probes.program import ProgramConfig
-from mtrace_live.tracer.bpf import tracefs
+from mtrace_live.tracer.bpf import kernel_btf, tracefs
 from mtrace_live.tracer.loop import alloc_probes, lock_waits, usdt
 from mtrace_live.tracer.processes import target
 from mtrace_live.tracer.unwind import python, unwind_tables
@@ -279,11 +281,23 @@ def program_plan(request: TraceRequest, probes: Probes, target_pid: int | None,
 def exit_says_group_dead() -> bool:
     """sched_process_exit has ``group_dead`` (Linux 6.14 and later): a
     process ends with its last thread, not with main's (which may call
-    pthread_exit while the others go on). Older kernels end it with main's."""
+    pthread_exit while the others go on). Older kernels end it with main's.
+
+    Kept between runs under the kernel's BTF and release, like the kernel's
+    other facts (tracer/bpf/kernel_btf.py): a tracefs format file is read
+    under the kernel's event_mutex, which the start's own tracepoint
+    attaches (on their thread) and the last trace's detacher hold, so
+    reading it at each start waited 10-15 ms for them."""
     try:
-        text = tracefs.tracepoint_format("sched", "sched_process_exit")
+        return _format_has_group_dead(kernel_btf.VMLINUX, os.uname().release)
     except (TracepointMissingError, NotPrivilegedError):
         return False
+
+
+@file_fact
+def _format_has_group_dead(btf: Path, release: str) -> bool:
+    """Raises where the format cannot be read: nothing is kept then."""
+    text = tracefs.tracepoint_format("sched", "sched_process_exit")
     return tracefs.parse_format("sched", "sched_process_exit", text).has("group_dead")
 
 
