@@ -134,6 +134,9 @@ class ProgramConfig:
     unwind: Mapping[str, int] | None = None  # None: stacks are walked by frame pointers only
     holds: bool = False  # processes mtrace-live started may be stopped (HOLDS, common.bpf.h)
     exit_group_dead: bool = False  # sched_process_exit has group_dead (Linux 6.14 and later)
+    # the per-process and per-thread tables' entries allocated as their keys
+    # come, not all at their creation (PROC_TABLES_ON_DEMAND, common.bpf.h)
+    tables_on_demand: bool = False
 
     def defines(self) -> dict[str, int]:
         defines = {
@@ -152,6 +155,7 @@ class ProgramConfig:
             "STACK_ENTRIES": self.stack_entries,
             "HOLDS": int(self.holds and self.filter_pids and self.events),
             "EXIT_GROUP_DEAD": int(self.exit_group_dead),
+            "PROC_TABLES_ON_DEMAND": int(self.tables_on_demand),
         }
         if self.comm is not None:
             defines.update({"FILTER_COMM": 1, "COMM_LO": self.comm[0], "COMM_HI": self.comm[1]})

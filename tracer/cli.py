@@ -18,7 +18,7 @@ from typing import Any
 if __name__ == "__main__":  # python -m: begun as tracer/entry.py does
     from mtrace_live.tracer import early
 
-    early.begin(sys.argv[1:])
+    early.preload_from(sys.argv[1:])
 
 # numpy's BLAS (OpenBLAS) starts a pool of threads that spin on the other
 # CPUs; mtrace-live does no linear algebra (set before numpy is imported)

@@ -8,7 +8,7 @@ kernel's verifier has the other CPU from the start's first milliseconds.
 from __future__ import annotations
 
 
-def begin(argv: list[str]) -> None:
+def preload_from(argv: list[str]) -> None:
     """``argv``: the command line, less the program's name."""
     if argv:
         from mtrace_live.tracer.bpf.preload import begin_from_command_line

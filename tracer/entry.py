@@ -11,7 +11,7 @@ import sys
 def launch() -> None:
     from mtrace_live.tracer import early
 
-    early.begin(sys.argv[1:])
+    early.preload_from(sys.argv[1:])
     from mtrace_live.tracer.cli import main as cli_main
 
     cli_main()

@@ -107,7 +107,7 @@ BPF_F_TABLE("array", int, struct outstanding_row, outstanding, ALLOC_OUT_ROWS, B
 #define STACK_PROBES 8
 /* Mapped too: a snapshot copies its memory (10 ms a read through the kernel). */
 BPF_F_TABLE("array", int, struct alloc_stack_row, alloc_stacks, ALLOC_STACK_ROWS, BPF_F_MMAPABLE);
-BPF_HASH(alloc_procs, u32, struct alloc_proc, MAX_FOLLOWED);
+PROC_TABLE(alloc_procs, u32, struct alloc_proc, MAX_FOLLOWED);
 /* Bumped by user space each time it takes the rows of processes gone out of
  * alloc_procs: a thread then looks its process's row up again (its pid may
  * be a new process's). */

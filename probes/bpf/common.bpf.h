@@ -80,13 +80,27 @@
 #define FIRST_TGID 0 /* 1: user space names the process asked for in first_target (followed without a hash lookup) */
 #endif
 
+#ifndef PROC_TABLES_ON_DEMAND
+#define PROC_TABLES_ON_DEMAND 0
+#endif
+/* A table of MAX_FOLLOWED processes or threads. Preallocated, its creation
+ * zeroes and links every entry (1-3 ms each, at every start, for tables
+ * that hold a few dozen keys). Where tracing programs may use a hash map
+ * allocated as its keys come (Linux 6.1: the BPF memory allocator), it is
+ * made so (PROC_TABLES_ON_DEMAND, probes/program.py). */
+#if PROC_TABLES_ON_DEMAND
+#define PROC_TABLE(name, key, leaf, size) BPF_F_TABLE("hash", key, leaf, name, size, BPF_F_NO_PREALLOC)
+#else
+#define PROC_TABLE(name, key, leaf, size) BPF_HASH(name, key, leaf, size)
+#endif
+
 #define MAX_FOLLOWED 65536
 #define MAX_PROC_COUNTERS 65536
 #define MAX_SITES 128
 #define MAX_PROBES MAX_SITES
 #define MTRACE_CLONE_THREAD 0x00010000 /* include/uapi/linux/sched.h */
 
-BPF_HASH(followed, u32, u8, MAX_FOLLOWED);
+PROC_TABLE(followed, u32, u8, MAX_FOLLOWED);
 
 /* mtrace-live's own processes (the tracer, its guardian, its metrics
  * endpoint), never traced, whatever the filter: written by user space
@@ -130,7 +144,7 @@ BPF_TABLE("stacktrace", int, struct stack_frames, stacks, STACK_ENTRIES);
 BPF_PERCPU_ARRAY(stack_errors, u64, 2);           /* [0] user, [1] kernel: stacks not stored */
 #endif
 BPF_PERCPU_ARRAY(hits, u64, MAX_PROBES);          /* every hit that passed the filter */
-BPF_HASH(proc_hits, struct proc_key, struct proc_hit, MAX_PROC_COUNTERS);
+PROC_TABLE(proc_hits, struct proc_key, struct proc_hit, MAX_PROC_COUNTERS);
 BPF_PERCPU_ARRAY(proc_hits_dropped, u64, 1);      /* hits proc_hits had no room for */
 #if WITH_EVENTS
 /* control[0] != 0 while tracing. Unregistering a uprobe takes the kernel
@@ -165,9 +179,9 @@ struct hold {
     u64 stops;
     u64 since; /* the last stop's time (bpf_ktime_get_ns) */
 };
-BPF_HASH(holdable, u32, u8, MAX_FOLLOWED);
-BPF_HASH(holds, u32, struct hold, MAX_FOLLOWED);
-BPF_HASH(hold_continued, u32, u64, MAX_FOLLOWED);
+PROC_TABLE(holdable, u32, u8, MAX_FOLLOWED);
+PROC_TABLE(holds, u32, struct hold, MAX_FOLLOWED);
+PROC_TABLE(hold_continued, u32, u64, MAX_FOLLOWED);
 BPF_ARRAY(hold_counts, u64, 4); /* written by the guardian: enum hold_count (records.h) */
 
 /* Stop the calling process (SIGSTOP, delivered as the handler returns to

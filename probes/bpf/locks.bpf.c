@@ -56,8 +56,8 @@ BPF_HASH(lock_times, struct lock_key, struct lock_time, LOCK_ROWS);
 BPF_HASH(lock_stack_times, struct lock_key, struct lock_stack_time, LOCK_STACK_ROWS);
 BPF_PERCPU_ARRAY(lock_misc, u64, LX_COUNT);
 BPF_ARRAY(lock_zero, struct lock_time, 1); /* a fresh row of lock_times */
-BPF_HASH(thread_starts, u32, struct thread_start, MAX_FOLLOWED);
-BPF_HASH(thread_times, u32, struct thread_time, MAX_FOLLOWED);
+PROC_TABLE(thread_starts, u32, struct thread_start, MAX_FOLLOWED);
+PROC_TABLE(thread_times, u32, struct thread_time, MAX_FOLLOWED);
 
 /* lock_times' bucket of a wait of `ns` (records.h). */
 static __always_inline u32 lock_bucket(u64 ns)

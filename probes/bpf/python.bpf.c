@@ -39,7 +39,7 @@
  * of them tail-calls it again. */
 #define PYTHON_STEP_FRAMES 32
 
-BPF_HASH(python_procs, u32, struct python_proc, MAX_FOLLOWED);
+PROC_TABLE(python_procs, u32, struct python_proc, MAX_FOLLOWED);
 /* New stacks with Python frames, said to user space (a ring of their own:
  * the events ring may be full of allocations when a burst of them comes). */
 #define PYTHON_STACKS_PAGES 32

@@ -143,7 +143,7 @@ BPF_ARRAY(unwind_rtld, s64, 1);
 BPF_ARRAY(unwind_rows, struct unwind_row, UNWIND_ROWS);
 BPF_ARRAY(unwind_maps, struct unwind_map, UNWIND_MAPS);
 BPF_ARRAY(unwind_pages, u32, UNWIND_PAGES);
-BPF_HASH(unwind_procs, u32, struct unwind_proc, MAX_FOLLOWED);
+PROC_TABLE(unwind_procs, u32, struct unwind_proc, MAX_FOLLOWED);
 BPF_PERCPU_ARRAY(unwind_states, struct unwind_state, 1);
 BPF_PERCPU_ARRAY(unwind_misc, u64, UX_COUNT);
 BPF_PROG_ARRAY(unwind_progs, UNWIND_PROGS);

@@ -13,8 +13,8 @@ struct vm_call {
     u64 other; /* mmap: flags; mremap: the new length; brk: the break asked for */
 };
 BPF_TABLE("lru_hash", u32, struct vm_call, vm_pending, 16384);
-BPF_HASH(vm_procs, u32, struct vm_proc, MAX_FOLLOWED);
-BPF_HASH(vm_brk, u32, u64, MAX_FOLLOWED); /* each process's break as last seen */
+PROC_TABLE(vm_procs, u32, struct vm_proc, MAX_FOLLOWED);
+PROC_TABLE(vm_brk, u32, u64, MAX_FOLLOWED); /* each process's break as last seen */
 
 static __always_inline struct vm_proc *vm_proc_of(u32 tgid)
 {

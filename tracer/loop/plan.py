@@ -18,7 +18,7 @@ from mtrace_live.exporters.data.processes import live_thread
 from mtrace_live.probes.elf.facts import file_fact
 from mtrace_live.probes.errors import NoProbesError, NotPrivilegedError, TracepointMissingError
 from mtrace_live.probes.program import ProgramConfig
-from mtrace_live.tracer.bpf import kernel_btf, tracefs
+from mtrace_live.tracer.bpf import bpf_syscalls, kernel_btf, tracefs
 from mtrace_live.tracer.loop import alloc_probes, lock_waits, usdt
 from mtrace_live.tracer.processes import target
 from mtrace_live.tracer.unwind import python, unwind_tables
@@ -39,6 +39,9 @@ KERNEL_RING_PAGES = 512
 
 
 ALLOC_STACKS = 16384  # --alloc-stacks' default
+# Tracing programs may use hash maps allocated as their keys come, without
+# the kernel's warning, since Linux 6.1 (the BPF memory allocator)
+TABLES_ON_DEMAND_SINCE = (6, 1)
 PYTHON_ALLOC_STACKS = 32768  # ... where a target runs CPython: each line of Python is a frame
 
 
@@ -273,6 +276,7 @@ def program_plan(request: TraceRequest, probes: Probes, target_pid: int | None,
         unwind=_unwind_defines(request),
         holds=request.holds,
         exit_group_dead=exit_says_group_dead(),
+        tables_on_demand=bpf_syscalls.kernel_version() >= TABLES_ON_DEMAND_SINCE,
     )
     main_gone = target_pid is not None and alloc_pid not in (-1, target_pid)
     return ProgramPlan(config, ring_pages, hold, alloc_pid, request.holds, main_gone)
