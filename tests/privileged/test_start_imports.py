@@ -6,15 +6,14 @@ cold start or the trace's end needs: bcc (it only compiles: a program from
 the cache is loaded, attached and its maps read without it), the
 disassembler (capstone: the allocation sites, the lock-wait site and the
 derived probes are kept facts), the Rust demangler (pyderust: frames are named after the line), the
-live view (rich: -o json has none) and the DWARF line reader (_lines:
-naming). The tracer runs under a small wrapper that writes the names in
+live view (rich: -o json has none), the DWARF line reader (_lines:
+naming) and pyelftools' parser (the start opens no ELF file: the file
+server, forked at the start, imports it itself, tracer/unwind/file_server.py).
+The tracer runs under a small wrapper that writes the names in
 sys.modules at the moment the line is written to its stderr.
 
-numpy is still imported before the line, and so is pyelftools' parser
-where the file server is started (the start opens no ELF file, but the
-server's forked child must find the parser imported: it is imported on a
-thread while the start waits for the verifier, tracer/unwind/native.py);
-docs/performance.md, section 12, says what is left."""
+numpy is still imported before the line; docs/performance.md, section 12,
+says what is left."""
 
 from __future__ import annotations
 
@@ -30,7 +29,8 @@ from .tracing import Reaper, wait_for_detach, wait_for_line
 
 READY = "Ctrl-C to stop"
 # never imported by a warm start before its line
-NOT_BEFORE_THE_LINE = ("bcc", "capstone", "pyderust", "rich", "mtrace_live.probes.elf._lines")
+NOT_BEFORE_THE_LINE = ("bcc", "capstone", "pyderust", "rich", "mtrace_live.probes.elf._lines",
+                       "elftools.elf.elffile", "elftools.dwarf.dwarfinfo")  # fmt: skip
 # sys.stderr tapped: at the line, sys.modules' names written to argv[1]
 TAP = """
 import json, runpy, sys

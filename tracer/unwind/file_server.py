@@ -63,6 +63,12 @@ from mtrace_live.tracer.unwind.unwind_rows import (
 )
 
 SERVER_SHARE = 8  # the server's region: the last 1/8 of unwind_rows and unwind_pages
+# The server's own import of pyelftools' parser, after its fork, must end
+# within IMPORT_S, else the server ends (SIGALRM) and the trace serves every
+# ask itself: a module's import lock held at the fork by another thread of
+# the trace would never be let go in the child.
+IMPORT_S = 10
+ENDING_S = 10.0  # the most the trace's close waits for the server's end
 NAME = b"mtrace-live-fs"
 # Its scheduling priority: an ask waits for no busy process (the trace's
 # loop, the workload), and the server's work is a millisecond an ask.
@@ -85,14 +91,13 @@ class FileServer:
                  pages: tuple[int, int]) -> None:  # fmt: skip
         """Fork it, with the maps' descriptors ``fds`` (by name, MAPS) and
         its regions of unwind_rows and unwind_pages: a fork, not a new
-        interpreter, so that it serves from the trace's first event, with
-        what the trace has imported (a new one took 0.3 s to start). Raises
-        OSError."""
+        interpreter, so that it serves within milliseconds, with what the
+        trace has imported (a new one took 0.3 s to start) and pyelftools'
+        parser, which it imports itself. Raises OSError."""
         read, self._write = os.pipe2(os.O_CLOEXEC)
         ring_pages = part_constants("unwind_vma.bpf.c")["UNWIND_ASKS_PAGES"]
         ring_bytes = ring_pages * os.sysconf("SC_PAGE_SIZE")
         libc = ctypes.CDLL(None)  # looked up here: nothing is loaded in the child
-        load_parser()  # (nor imported: done already where the start overlapped it)
         try:
             pid = os.fork()
         except OSError:
@@ -110,10 +115,18 @@ class FileServer:
         return False
 
     def close(self) -> None:
-        """End the server (it finishes the file it is writing)."""
+        """End the server (it finishes the file it is writing, within
+        ENDING_S; else it is killed)."""
         if self._write >= 0:
             os.close(self._write)
             self._write = -1
+        with contextlib.suppress(OSError):
+            ended = os.pidfd_open(self.pid)
+            try:
+                if not select.select([ended], [], [], ENDING_S)[0]:
+                    os.kill(self.pid, signal.SIGKILL)
+            finally:
+                os.close(ended)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(self.pid, 0)
 
@@ -250,8 +263,9 @@ def _serve(libc: ctypes.CDLL, fds: dict[str, int], end: int, rows: tuple[int, in
            pages: tuple[int, int], ring_bytes: int) -> None:  # fmt: skip
     """The server's life, in the forked child, until the trace closes its
     pipe or dies: only system calls and Python of its own from here on (no
-    lock another thread held), and no descriptor of the trace's but its
-    maps' (a probe's stays attached while any process holds it)."""
+    lock another thread held), but for pyelftools' parser, imported within
+    IMPORT_S; and no descriptor of the trace's but its maps' (a probe's
+    stays attached while any process holds it)."""
     try:
         parent = os.getppid()
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -268,6 +282,13 @@ def _serve(libc: ctypes.CDLL, fds: dict[str, int], end: int, rows: tuple[int, in
             if int(entry) not in keep:
                 with contextlib.suppress(OSError):
                     os.close(int(entry))
+        # Imported here, not by the trace before the fork: 15-25 ms of the
+        # start's main thread, under the interpreter lock, where this runs on
+        # the other CPU while the trace goes on (the asks wait in their ring)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(IMPORT_S)
+        load_parser()
+        signal.alarm(0)
         server = _Server(fds, rows, pages)
         ring = server.ring = RingReader(fds["unwind_asks"], ring_bytes, EVENT_DTYPE)
         watch = select.poll()

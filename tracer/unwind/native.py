@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import functools
 import mmap
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 from mtrace_live.exporters.data.alloc_snapshot import FrameNames
-from mtrace_live.probes.elf.file import load_parser
 from mtrace_live.probes.program import part_constants
 from mtrace_live.probes.records import EVENT_DTYPE, EventKind
 from mtrace_live.tracer.bpf.bpf_backend import BpfProgram
@@ -62,19 +60,7 @@ class NativeUnwinder:
         if defines.get("UNWIND_VMA"):
             slots[VMA_LOOKUP] = "unwind_vma"
         slots.update(RESUMPTIONS[each] for each in consumers)
-        # The file server (UNWIND_VMA) parses files in a forked child, which
-        # must find pyelftools' parser imported (FileServer imports it before
-        # its fork): imported here first, while this thread waits for the
-        # verifier's passes over the slots' programs.
-        parser = None
-        if defines.get("UNWIND_VMA"):
-            parser = threading.Thread(target=load_parser, name="mtrace-live-parser", daemon=True)
-            parser.start()
-        try:
-            program.set_tail_calls("unwind_progs", slots)
-        finally:
-            if parser is not None:
-                parser.join()
+        program.set_tail_calls("unwind_progs", slots)
         attach_dlopen(program, libc, pid)
         # the tables' sizes, as the program has them (--unwind-rows)
         sizes = functools.partial(UnwindTables, program, rows=defines["UNWIND_ROWS"],
