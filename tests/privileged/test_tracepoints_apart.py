@@ -69,3 +69,36 @@ def test_a_tracepoint_the_kernel_lacks_is_said_when_waited_for() -> None:
     finally:
         bpf.cleanup()
     assert attached_here() == {}
+
+
+def prog_type(fd: int) -> int:
+    """The program type the kernel has for ``fd`` (its fdinfo)."""
+    with open(f"/proc/self/fdinfo/{fd}") as info:
+        return next(int(line.split()[1]) for line in info if line.startswith("prog_type:"))
+
+
+def test_a_handler_loaded_before_the_start_is_the_one_it_uses() -> None:
+    # GIVEN a cached program of two tracepoint handlers, one of them loaded
+    # already (as the start's preload thread loads them), and one program
+    # loaded for a handler the program does not have
+    names = ["tracepoint__syscalls__sys_enter_getppid", "tracepoint__sched__sched_process_exec"]
+    compiled = bpf_cache.Compiled("GPL", 0, dict.fromkeys(names, RETURN_0), [])
+    assert all(bcc_revive.loaded_here(name) for name in names)
+    early = bcc_revive.load_handler(compiled, names[0], {})
+    stray = bcc_revive.load_handler(compiled, names[0], {})
+    given = {names[0]: early, "tracepoint__gone__gone": stray}
+    bpf = bcc_revive.CachedBpf(compiled, links=True, programs=given)
+    # WHEN the program is loaded
+    bpf.load()
+    # THEN the handler loaded before is used as it is, the other is loaded
+    # now, both tracepoint programs for the kernel
+    assert bpf.funcs[names[0].encode()].fd == early
+    later = bpf.funcs[names[1].encode()].fd
+    assert later not in (early, stray)
+    assert {prog_type(fd) for fd in (early, later)} == {bcc_revive.PROG_TRACEPOINT}
+    # AND its cleanup closes every one, the unused one too
+    bpf.cleanup()
+    for fd in (early, later, stray):
+        with pytest.raises(OSError) as closed:
+            os.fstat(fd)
+        assert closed.value.errno == errno.EBADF

@@ -113,15 +113,16 @@ def uprobe_code(functions: Mapping[str, bytes]) -> dict[str, bytes]:
             if not text.startswith(TYPED_PREFIX) and handler_type(text) == PROG_KPROBE}  # fmt: skip
 
 
-def from_cache(compiled: bpf_cache.Compiled, links: bool,
-               map_fds: dict[int, int] | None = None) -> CachedBpf:  # fmt: skip
+def from_cache(compiled: bpf_cache.Compiled, links: bool, map_fds: dict[int, int] | None = None,
+               programs: dict[str, int] | None = None) -> CachedBpf:  # fmt: skip
     """The program made from cached code instead of clang: the maps made
     anew, the code loaded with their descriptors, the tracepoint handlers
     attached as bcc's own start attaches them; with ``links``, the uprobe
     programs' code kept instead, to load for links. ``map_fds``: the maps,
-    made already (tracer/bpf/preload.py). Raises on anything unexpected,
-    with everything made so far closed."""
-    bpf = CachedBpf(compiled, links, map_fds)
+    made already, and ``programs``: handlers loaded already, now its own
+    (tracer/bpf/preload.py). Raises on anything unexpected, with everything
+    made so far closed."""
+    bpf = CachedBpf(compiled, links, map_fds, programs)
     try:
         bpf.load()
         tracepoints = []
@@ -137,6 +138,28 @@ def from_cache(compiled: bpf_cache.Compiled, links: bool,
         bpf.cleanup()
         raise
     return bpf
+
+
+def loaded_here(text: str) -> bool:
+    """A handler CachedBpf.load loads itself, with links too: a tracepoint's
+    (classic or raw), not a BTF-typed one (BpfProgram's), a uprobe's (for
+    links: uprobe_multi.py) or a callback (linked into its program)."""
+    return (not text.startswith(TYPED_PREFIX) and handler_type(text) != PROG_KPROBE
+            and not bpf_callbacks.is_callback(text))  # fmt: skip
+
+
+def load_handler(compiled: bpf_cache.Compiled, text: str, map_fds: dict[int, int]) -> int:
+    """Load one cached handler with the maps ``map_fds``: its program's fd.
+    Raises OSError (the verifier's words)."""
+    kind = handler_type(text)
+    if bpf_callbacks.has_callback(text, compiled.functions):
+        both = {name: bpf_cache.relocate(compiled.functions[name], map_fds)
+                for name in (text, bpf_callbacks.callback_of(text))}  # fmt: skip
+        return bpf_callbacks.load_linked(both, text, compiled.license, kind, 0,
+                                         compiled.kern_version)  # fmt: skip
+    return bpf_syscalls.load_program(bpf_cache.relocate(compiled.functions[text], map_fds),
+                                     compiled.license, kernel_name(text), kind, 0,
+                                     compiled.kern_version)  # fmt: skip
 
 
 # the prefixes of the handlers here that bcc leaves out of a program's name
@@ -168,9 +191,11 @@ class CachedBpf:
     project's own system calls (tracer/bpf/map_table.py for the tables)."""
 
     def __init__(self, compiled: bpf_cache.Compiled, links: bool,
-                 map_fds: dict[int, int] | None = None) -> None:  # fmt: skip
+                 map_fds: dict[int, int] | None = None,
+                 programs: dict[str, int] | None = None) -> None:  # fmt: skip
         self.compiled = compiled
         self.funcs: dict[bytes, Function] = {}
+        self._loaded = dict(programs or {})  # handlers loaded already (preload): taken at load
         self.tracepoint_fds: dict[bytes, int] = {}
         self.raw_tracepoint_fds: dict[bytes, int] = {}
         # BTF-typed handlers: relocated, loaded by BpfProgram
@@ -194,21 +219,14 @@ class CachedBpf:
             if text.startswith(TYPED_PREFIX):
                 self.mtrace_typed[text] = bpf_cache.relocate(code, self.map_fds)
                 continue
-            kind = handler_type(text)
-            if kind == PROG_KPROBE and self.mtrace_uprobe_code is not None:
+            if handler_type(text) == PROG_KPROBE and self.mtrace_uprobe_code is not None:
                 self.mtrace_uprobe_code[text] = bpf_cache.relocate(code, self.map_fds)
                 continue
             if bpf_callbacks.is_callback(text):
                 continue  # linked into its program's code
-            if bpf_callbacks.has_callback(text, compiled.functions):
-                both = {name: bpf_cache.relocate(compiled.functions[name], self.map_fds)
-                        for name in (text, bpf_callbacks.callback_of(text))}  # fmt: skip
-                fd = bpf_callbacks.load_linked(both, text, compiled.license, kind, 0,
-                                               compiled.kern_version)  # fmt: skip
-            else:
-                fd = bpf_syscalls.load_program(bpf_cache.relocate(code, self.map_fds),
-                                               compiled.license, kernel_name(text), kind, 0,
-                                               compiled.kern_version)  # fmt: skip
+            fd = self._loaded.pop(text, None)
+            if fd is None:
+                fd = load_handler(compiled, text, self.map_fds)
             self.funcs[text.encode()] = Function(text.encode(), fd)
 
     def __getitem__(self, name: str | bytes) -> map_table.Table:
@@ -289,7 +307,8 @@ class CachedBpf:
             with contextlib.suppress(OSError):
                 os.close(function.fd)
         self.funcs.clear()
-        for fd in self.map_fds.values():
+        for fd in [*self.map_fds.values(), *self._loaded.values()]:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self.map_fds.clear()
+        self._loaded.clear()

@@ -213,7 +213,8 @@ class BpfProgram:
             compiled = early.compiled if early is not None else bpf_cache.load(key)
             if compiled is not None:
                 self._bpf = from_cache(compiled, self.uprobes_apart is None,
-                                       early.map_fds if early is not None else None)  # fmt: skip
+                                       early.map_fds if early is not None else None,
+                                       early.programs if early is not None else None)  # fmt: skip
             return compiled
         except Exception as exc:  # any doubt: compile, as without a cache
             if early is not None and early.links is not None:  # (its maps: closed with the rest)

@@ -22,7 +22,7 @@ import hashlib
 import json
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mtrace_live.probes.elf import facts
@@ -45,14 +45,16 @@ class Made:
     compiled: bpf_cache.Compiled
     map_fds: dict[int, int]  # the stored map's fd (in its code) -> the map made
     links: uprobe_multi.UprobeLinks | None
+    # the tracepoints' handlers loaded (bcc_revive.loaded_here), by name
+    programs: dict[str, int] = field(default_factory=dict)
 
     def close(self) -> None:
         if self.links is not None:
             self.links.close_programs()
-        for fd in self.map_fds.values():
+        for fd in [*self.map_fds.values(), *self.programs.values()]:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self.map_fds = {}
+        self.map_fds, self.programs = {}, {}
 
 
 class _Preload:
@@ -78,10 +80,25 @@ class _Preload:
                     made.links = uprobe_multi.UprobeLinks(code, compiled.license,
                                                           compiled.kern_version)  # fmt: skip
                     made.links.prefetch(self.later)
+                self._load_tracepoint_handlers(made)
             except BaseException:
                 made.close()
                 raise
             self.made = made
+
+    @staticmethod
+    def _load_tracepoint_handlers(made: Made) -> None:
+        """The tracepoints' handlers, loaded on this thread while the
+        uprobe programs load on theirs (the start's main thread loaded them
+        itself). One the verifier refuses is left to the start, which says
+        why."""
+        from mtrace_live.tracer.bpf import bcc_revive  # (its import: on this thread)
+
+        for text in made.compiled.functions:
+            if bcc_revive.loaded_here(text):
+                with contextlib.suppress(OSError):
+                    made.programs[text] = bcc_revive.load_handler(made.compiled, text,
+                                                                  made.map_fds)  # fmt: skip
 
     def result(self) -> Made | None:
         self._thread.join()
