@@ -83,9 +83,11 @@
 #ifndef PROC_TABLES_ON_DEMAND
 #define PROC_TABLES_ON_DEMAND 0
 #endif
-/* A table of MAX_FOLLOWED processes or threads. Preallocated, its creation
- * zeroes and links every entry (1-3 ms each, at every start, for tables
- * that hold a few dozen keys). Where tracing programs may use a hash map
+/* A table keyed by process or thread (MAX_FOLLOWED or MAX_PROC_COUNTERS
+ * entries). Preallocated, its creation zeroes and links every entry (1-3 ms
+ * each, at every start, for tables that hold a few dozen keys); allocated as
+ * its keys come, an insert may fail for want of memory before the table is
+ * full, as a full table's does. Where tracing programs may use a hash map
  * allocated as its keys come (Linux 6.1: the BPF memory allocator), it is
  * made so (PROC_TABLES_ON_DEMAND, probes/program.py). */
 #if PROC_TABLES_ON_DEMAND

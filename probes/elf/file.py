@@ -49,9 +49,10 @@ PF_X = 1
 
 def load_parser() -> None:
     """Import pyelftools' parser now (what ``open_elf`` and the readers here
-    use): for a process about to fork a child that parses files, which must
-    import nothing (a module's import lock may be held, at the fork, by a
-    thread the child does not have)."""
+    use): the file server's first work in its forked child
+    (tracer/unwind/file_server.py), bounded there by an alarm, since a
+    module's import lock may be held, at the fork, by a thread the child does
+    not have."""
     for module, name in ((elffile, "ELFFile"), (sections, "NoteSection"),
                          (dynamic, "DynamicSection")):  # fmt: skip
         getattr(module, name)

@@ -51,6 +51,11 @@ def test_the_answer_is_the_kernels_and_is_kept(
 
     monkeypatch.setattr(tracefs, "tracepoint_format", refused)
     assert plan.exit_says_group_dead() is expected
+    # AND so does the next run's, which reads the document this one saved
+    facts.save()
+    monkeypatch.setattr(facts, "_STORE", None)
+    assert facts.fact_store() is not own_store
+    assert plan.exit_says_group_dead() is expected
     assert read == []
 
 

@@ -62,5 +62,6 @@ def test_a_traces_process_tables_are_allocated_as_their_keys_come(tmp_path: Path
     for name in PROC_TABLES:
         assert maps[name]["type"] == "hash", maps[name]
         assert int(maps[name]["flags"]) & BPF_F_NO_PREALLOC, maps[name]
-    # AND the tables of rows (arrays) and the LRU of mappings are not
-    assert not int(maps["unwind_rows"]["flags"]) & BPF_F_NO_PREALLOC
+    # AND a hash map that is not a process table (the files' entries) is preallocated still
+    assert maps["unwind_files"]["type"] == "hash", maps["unwind_files"]
+    assert not int(maps["unwind_files"]["flags"]) & BPF_F_NO_PREALLOC, maps["unwind_files"]

@@ -93,8 +93,11 @@ _LIBC = ctypes.PyDLL(None, use_errno=True)
 _LIBC_RELEASING = ctypes.CDLL(None, use_errno=True)
 
 
+MACHINE = os.uname().machine  # (the system calls' numbers are this machine's)
+
+
 def _bpf(cmd: int, attr: ctypes.Array[ctypes.c_char], long: bool = False) -> int:
-    number = SYS_BPF.get(os.uname().machine)
+    number = SYS_BPF.get(MACHINE)
     if number is None:
         ctypes.set_errno(errno.ENOSYS)
         return -1

@@ -8,8 +8,9 @@ with the same options as an earlier one almost always loads the same
 program. So each start's options (and its target's program) are kept with
 the key of the program it loaded (the facts' document, probes/elf/facts.py),
 and the next start with those options begins at once, on a thread of its
-own, to make that program's maps and load its uprobe programs (from two
-threads, uprobe_multi.UprobeLinks.prefetch) while it imports and plans.
+own, to make that program's maps, load its uprobe programs (from two
+threads, uprobe_multi.UprobeLinks.prefetch) and its tracepoints' handlers,
+while it imports and plans.
 When the start's own key is that one, it takes what was made
 (``take``); otherwise it is closed and the start makes its own (a wasted
 guess costs only the other CPU's time). Nothing is attached here.

@@ -97,7 +97,7 @@ def open_event(kind: int, config: int, sample_type: int = 0, pid: int = -1, cpu:
     ``config2``: a uprobe's path and offset), for process ``pid`` on ``cpu``;
     by default on CPU 0 for every process (a tracepoint's: it fires on every
     CPU once a program is set on it): its fd. Raises AttachFailure."""
-    number = SYS_PERF_EVENT_OPEN.get(os.uname().machine)
+    number = SYS_PERF_EVENT_OPEN.get(bpf_syscalls.MACHINE)
     if number is None:
         raise AttachFailure(errno.ENOSYS)
     attr = ctypes.create_string_buffer(ATTR_SIZE)

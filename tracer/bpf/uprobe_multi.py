@@ -178,8 +178,15 @@ class UprobeLinks:
             for handler, loading in queue:
                 loading.settle(functools.partial(self._load, handler))
 
+        started = 0
         for number in range(LOADERS):
-            threading.Thread(target=loader, name=f"mtrace-load-{number}", daemon=True).start()
+            try:
+                threading.Thread(target=loader, name=f"mtrace-load-{number}", daemon=True).start()
+            except RuntimeError:  # (no thread can be started: the rest load here)
+                break
+            started += 1
+        if not started:
+            loader()  # each one settled: none is waited for in vain
 
     def program(self, handler: str) -> int:
         """The handler's program fd, loaded on first use. Raises OSError

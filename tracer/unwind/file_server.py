@@ -97,7 +97,7 @@ class FileServer:
         read, self._write = os.pipe2(os.O_CLOEXEC)
         ring_pages = part_constants("unwind_vma.bpf.c")["UNWIND_ASKS_PAGES"]
         ring_bytes = ring_pages * os.sysconf("SC_PAGE_SIZE")
-        libc = ctypes.CDLL(None)  # looked up here: nothing is loaded in the child
+        libc = ctypes.CDLL(None)  # looked up here, before the fork
         try:
             pid = os.fork()
         except OSError:
@@ -108,6 +108,10 @@ class FileServer:
             _serve(libc, dict(fds), read, rows, pages, ring_bytes)  # never returns
         os.close(read)
         self.pid = pid
+        # this child, whatever becomes of its pid once alive() has reaped it
+        self._child = -1
+        with contextlib.suppress(OSError):
+            self._child = os.pidfd_open(pid)
 
     def alive(self) -> bool:
         with contextlib.suppress(ChildProcessError):
@@ -120,13 +124,14 @@ class FileServer:
         if self._write >= 0:
             os.close(self._write)
             self._write = -1
-        with contextlib.suppress(OSError):
-            ended = os.pidfd_open(self.pid)
-            try:
-                if not select.select([ended], [], [], ENDING_S)[0]:
-                    os.kill(self.pid, signal.SIGKILL)
-            finally:
-                os.close(ended)
+        if self._child >= 0:
+            with contextlib.suppress(OSError):
+                ended = select.poll()
+                ended.register(self._child, select.POLLIN)
+                if not ended.poll(int(ENDING_S * 1000)):
+                    signal.pidfd_send_signal(self._child, signal.SIGKILL)
+            os.close(self._child)
+            self._child = -1
         with contextlib.suppress(ChildProcessError):
             os.waitpid(self.pid, 0)
 
