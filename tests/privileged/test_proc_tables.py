@@ -6,57 +6,33 @@ by the other tests, which run with them so.)"""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mtrace_live.tracer.bpf import bpf_syscalls
 from mtrace_live.tracer.loop import plan
 
 from .conftest import MTRACE
-from .tracing import Reaper, wait_for_line
+from .tracing import bpf_fdinfo, bpftool_show, tracing_a_sleeper
 
 BPF_F_NO_PREALLOC = 1  # include/uapi/linux/bpf.h
 PROC_TABLES = {"followed", "proc_hits", "alloc_procs", "unwind_procs", "vm_procs"}
 
 
-def maps_of(pid: int) -> dict[str, dict[str, object]]:
+def maps_of(pid: int) -> dict[str, dict[str, Any]]:
     """The BPF maps a process holds, as bpftool shows them, by name."""
-    ids = set()
-    for entry in os.listdir(f"/proc/{pid}/fdinfo"):
-        try:
-            info = Path(f"/proc/{pid}/fdinfo/{entry}").read_text()
-        except OSError:
-            continue
-        ids.update(int(line.split()[1]) for line in info.splitlines() if line.startswith("map_id:"))
-    shown = {}
-    for map_id in ids:
-        done = subprocess.run(["bpftool", "-j", "map", "show", "id", str(map_id)],
-                              capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
-        row = json.loads(done.stdout)
-        shown[row.get("name", "")] = row
-    return shown
+    shown = (bpftool_show("map", int(fields["map_id"]))
+             for fields in bpf_fdinfo(pid, "bpf-map").values())  # fmt: skip
+    return {row.get("name", ""): row for row in shown}
 
 
 @pytest.mark.skipif(bpf_syscalls.kernel_version() < plan.TABLES_ON_DEMAND_SINCE,
                     reason="the kernel preallocates tracing programs' hash maps")  # fmt: skip
 def test_a_traces_process_tables_are_allocated_as_their_keys_come(tmp_path: Path) -> None:
-    err = tmp_path / "trace.err"
-    with Reaper() as reaper:
-        # GIVEN a trace of a sleeping process
-        target = reaper.add(subprocess.Popen(["sleep", "600"]))
-        with open(err, "wb") as errors:
-            tracer = reaper.add(subprocess.Popen(
-                [*MTRACE, "--pid", str(target.pid), "-o", "json"],
-                stdout=subprocess.DEVNULL, stderr=errors,
-            ))  # fmt: skip
-        wait_for_line(err, "Ctrl-C to stop", tracer, timeout=120)
-        # WHEN the kernel is asked what the trace's maps are
-        maps = maps_of(tracer.pid)
-        tracer.send_signal(2)
-        assert tracer.wait(timeout=120) == 0, err.read_text()
+    # GIVEN a trace of a sleeping process
+    # WHEN the kernel is asked what the trace's maps are, while it traces
+    _, maps = tracing_a_sleeper(tmp_path, MTRACE, ["-o", "json"], maps_of)
     # THEN the process tables are hash maps made without preallocation
     assert set(maps) >= PROC_TABLES, sorted(maps)
     for name in PROC_TABLES:

@@ -16,9 +16,15 @@ from mtrace_live.tracer.bpf import uprobe_multi
 from mtrace_live.tracer.processes.target import default_libc
 
 from .conftest import MTRACE
-from .tracing import Reaper, nm_symbols, perf_events, uprobe_links, wait_for_line
+from .tracing import (
+    bpf_fdinfo,
+    bpftool_show,
+    nm_symbols,
+    perf_events,
+    tracing_a_sleeper,
+    uprobe_links,
+)
 
-READY = "Ctrl-C to stop"
 PERF_EVENTS = {**os.environ, "MTRACE_LIVE_UPROBE_MULTI": "0"}
 
 
@@ -32,19 +38,12 @@ def extents(path: str, names: tuple[str, ...]) -> list[tuple[int, int]]:
 def traced_fds(tmp: Path, env: dict[str, str] | None) -> tuple[int, list[dict[str, Any]], int]:
     """A --pid trace of a sleeping process: its pid, and the tracer's links
     and perf events while it traces."""
-    err = tmp / "trace.err"
-    with Reaper() as reaper:
-        target = reaper.add(subprocess.Popen(["sleep", "600"]))
-        with open(err, "wb") as errors:
-            tracer = reaper.add(subprocess.Popen(
-                [*MTRACE, "--pid", str(target.pid), "-o", "summary"],
-                stdout=subprocess.DEVNULL, stderr=errors, env=env,
-            ))  # fmt: skip
-        wait_for_line(err, READY, tracer, timeout=120)
-        links, events = uprobe_links([tracer.pid]), perf_events(tracer.pid)
-        tracer.send_signal(2)
-        assert tracer.wait(timeout=120) == 0, err.read_text()
-    return target.pid, links, events
+
+    def look(tracer: int) -> tuple[list[dict[str, Any]], int]:
+        return uprobe_links([tracer]), perf_events(tracer)
+
+    pid, (links, events) = tracing_a_sleeper(tmp, MTRACE, ["-o", "summary"], look, env)
+    return pid, links, events
 
 
 def test_doctor_says_this_kernel_attaches_uprobes_in_links() -> None:
@@ -132,22 +131,9 @@ def test_a_batch_the_kernel_refuses_names_the_uprobe_it_refuses(tmp_path: Path) 
 
 def bpf_programs_of(pid: int) -> dict[int, str]:
     """The BPF programs a process holds, by fd: their names as the kernel
-    has them (/proc/PID/fdinfo's prog_id, then bpftool prog show)."""
-    ids: dict[int, int] = {}
-    for entry in os.listdir(f"/proc/{pid}/fdinfo"):
-        try:
-            info = Path(f"/proc/{pid}/fdinfo/{entry}").read_text()
-        except OSError:
-            continue
-        for line in info.splitlines():
-            if line.startswith("prog_id:"):
-                ids[int(entry)] = int(line.split()[1])
-    names = {}
-    for fd, prog_id in ids.items():
-        shown = subprocess.run(["bpftool", "prog", "show", "id", str(prog_id)],
-                               capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
-        names[fd] = shown.stdout.split()[3]  # "ID: TYPE name NAME ..."
-    return names
+    has them (fdinfo's prog_id, then bpftool)."""
+    return {fd: bpftool_show("prog", int(fields["prog_id"]))["name"]
+            for fd, fields in bpf_fdinfo(pid).items()}  # fmt: skip
 
 
 # r10 = *(u64 *)(r0 + 8): r0 read before it is set (and r10 written), which the verifier refuses

@@ -11,13 +11,16 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from mtrace_live.tracer.bpf.detacher import DETACHER_NAME
 
 from tests.unit.profile_proto import parsed
 
 BPFTRACE_READY = "mtrace-live-test-ready"
+
+
+T = TypeVar("T")
 
 
 class Reaper:
@@ -265,19 +268,58 @@ def stop_bpftrace(proc: subprocess.Popen[bytes], out: Path) -> dict[str, int]:
     return counts
 
 
-def program_fdinfo(pid: int) -> list[dict[str, str]]:
-    """The fdinfo fields of each BPF program descriptor process ``pid`` holds."""
-    found = []
+def bpf_fdinfo(pid: int, kind: str = "bpf-prog") -> dict[int, dict[str, str]]:
+    """The fdinfo fields of each BPF descriptor of ``kind`` (bpf-prog,
+    bpf-map) process ``pid`` holds, by descriptor."""
+    found = {}
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
-            if os.readlink(fd) != "anon_inode:bpf-prog":
+            if os.readlink(fd) != f"anon_inode:{kind}":
                 continue
             info = Path(f"/proc/{pid}/fdinfo/{fd.name}").read_text()
         except OSError:
             continue
         fields = (line.split(":", 1) for line in info.splitlines() if ":" in line)
-        found.append({key.strip(): value.strip() for key, value in fields})
+        found[int(fd.name)] = {key.strip(): value.strip() for key, value in fields}
     return found
+
+
+def program_fdinfo(pid: int) -> list[dict[str, str]]:
+    """The fdinfo fields of each BPF program descriptor process ``pid`` holds."""
+    return list(bpf_fdinfo(pid).values())
+
+
+def bpftool_show(kind: str, ident: int) -> dict[str, Any]:
+    """What bpftool says of the program or map (``kind``: prog, map) ``ident``."""
+    done = subprocess.run(["bpftool", "-j", kind, "show", "id", str(ident)],
+                          capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    shown: dict[str, Any] = json.loads(done.stdout)
+    return shown
+
+
+def tracing_a_sleeper(
+    tmp: Path,
+    mtrace: list[str],
+    options: list[str],
+    look: Callable[[int], T],
+    env: dict[str, str] | None = None,
+) -> tuple[int, T]:
+    """A --pid trace of a sleeping process, with ``options``: the sleeper's
+    pid, and what ``look`` saw of the tracer (given its pid) once the trace
+    was on; the trace then stopped, and asserted to end well."""
+    err = tmp / "trace.err"
+    with Reaper() as reaper:
+        target = reaper.add(subprocess.Popen(["sleep", "600"]))
+        with open(err, "wb") as errors:
+            tracer = reaper.add(subprocess.Popen(
+                [*mtrace, "--pid", str(target.pid), *options],
+                stdout=subprocess.DEVNULL, stderr=errors, env=env,
+            ))  # fmt: skip
+        wait_for_line(err, "Ctrl-C to stop", tracer, timeout=120)
+        seen = look(tracer.pid)
+        tracer.send_signal(2)
+        assert tracer.wait(timeout=120) == 0, err.read_text()
+    return target.pid, seen
 
 
 def uprobe_links(holders: list[int] | None = None) -> list[dict[str, Any]]:
