@@ -1,14 +1,17 @@
 """Privileged tests: root, bcc, BPF and the SDT-enabled glibc, for real.
 
 They never skip. If BPF cannot run here, the session fails at once with the
-reason, so CI cannot pass by skipping them.
+reason, and a test that skips anyway (a mark, pytest.skip) is reported
+failed, so CI cannot pass by skipping them.
 """
 
 import os
 import subprocess
 import sys
 import warnings
+from collections.abc import Generator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mtrace_live.tracer.processes import sdt_glibc
@@ -25,6 +28,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if Path(str(item.fspath)).is_relative_to(Path(__file__).parent):
             item.add_marker(pytest.mark.privileged)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, Any, None]:
+    """A privileged test that skips (a skip mark, pytest.skip, importorskip)
+    is reported failed, with the reason it gave: here, nothing may pass by
+    not running."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and not hasattr(report, "wasxfail"):
+        report.outcome = "failed"
+        report.longrepr = f"a privileged test skipped, which fails here: {report.longrepr}"
 
 
 @pytest.fixture(scope="session", autouse=True)
