@@ -16,9 +16,9 @@ import sys
 from typing import Any
 
 if __name__ == "__main__":  # python -m: begun as tracer/entry.py does
-    from mtrace_live.tracer import early
+    from mtrace_live.tracer.bpf.preload import begin_from_command_line
 
-    early.preload_from(sys.argv[1:])
+    begin_from_command_line(sys.argv[1:])
 
 # numpy's BLAS (OpenBLAS) starts a pool of threads that spin on the other
 # CPUs; mtrace-live does no linear algebra (set before numpy is imported)

@@ -1,6 +1,6 @@
 """The ``mtrace-live`` command's entry: the program the last start with the
-same command line loaded is begun (tracer/early.py) before anything else
-is imported, click and the command line's parsing included. Then the
+same command line loaded is begun (tracer/bpf/preload.py) before anything
+else is imported, click and the command line's parsing included. Then the
 command line is parsed and run (tracer/cli.py)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import sys
 
 
 def launch() -> None:
-    from mtrace_live.tracer import early
+    from mtrace_live.tracer.bpf.preload import begin_from_command_line
 
-    early.preload_from(sys.argv[1:])
+    begin_from_command_line(sys.argv[1:])
     from mtrace_live.tracer.cli import main as cli_main
 
     cli_main()

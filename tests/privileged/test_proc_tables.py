@@ -15,7 +15,7 @@ from mtrace_live.tracer.loop import plan
 from .conftest import MTRACE
 from .tracing import bpf_fdinfo, bpftool_show, tracing_a_sleeper
 
-BPF_F_NO_PREALLOC = 1  # include/uapi/linux/bpf.h
+BPF_F_NO_PREALLOC, BPF_F_MMAPABLE = 1, 1 << 10  # include/uapi/linux/bpf.h
 PROC_TABLES = {"followed", "proc_hits", "alloc_procs", "unwind_procs", "vm_procs"}
 
 
@@ -37,6 +37,9 @@ def test_a_traces_process_tables_are_allocated_as_their_keys_come(tmp_path: Path
     for name in PROC_TABLES:
         assert maps[name]["type"] == "hash", maps[name]
         assert bool(int(maps[name]["flags"]) & BPF_F_NO_PREALLOC) == on_demand, maps[name]
+    # AND the stack rows are an array mapped into the tracer (read by copy, not through bpf(2))
+    assert maps["alloc_stacks"]["type"] == "array", maps["alloc_stacks"]
+    assert int(maps["alloc_stacks"]["flags"]) & BPF_F_MMAPABLE, maps["alloc_stacks"]
     # AND a hash map that is not a process table (the files' entries) is preallocated still
     assert maps["unwind_files"]["type"] == "hash", maps["unwind_files"]
     assert not int(maps["unwind_files"]["flags"]) & BPF_F_NO_PREALLOC, maps["unwind_files"]

@@ -109,7 +109,7 @@ def test_a_start_keeps_its_program_under_each_key_it_began_under(
     assert not preload.begun()
     preload.begin("parsed")
     assert preload.begun()
-    assert preload.take("def456") is None  # (the guess was another program)
+    assert preload.take("def456") is None  # (nothing stored under the guessed key: none made)
     # THEN both keys name the program it loaded, for the next start either way
     assert store.get("start:argv:line", "program") == "def456"
     assert store.get("start:parsed", "program") == "def456"

@@ -29,7 +29,6 @@ from typing import Any
 from mtrace_live.probes.elf import facts
 from mtrace_live.tracer.bpf import bpf_cache, uprobe_multi
 
-TYPED_PREFIX = "tp_btf__"  # (bcc_revive's: loaded by BpfProgram itself)
 _START = "start"  # the facts' entry of a start's options: {"program": key, "unused": [...]}
 # Handlers loaded only when the trace first asks for them, where the last
 # start with the same options never did: unwind_python (a trace with no
@@ -59,13 +58,15 @@ class Made:
 
 
 class _Preload:
-    def __init__(self, options: str, key: str, later: frozenset[str]) -> None:
-        self.options, self.key, self.later = options, key, later
+    def __init__(self, key: str, later: frozenset[str]) -> None:
+        self.key, self.later = key, later
         self.made: Made | None = None
         self._thread = threading.Thread(target=self._make, name="mtrace-preload", daemon=True)
         self._thread.start()
 
     def _make(self) -> None:
+        from mtrace_live.tracer.bpf import bcc_revive  # (its import: on this thread)
+
         with contextlib.suppress(Exception):  # (any doubt: the start makes its own)
             compiled = bpf_cache.load(self.key)
             if compiled is None:
@@ -75,9 +76,9 @@ class _Preload:
                 for spec in compiled.maps:
                     made.map_fds[spec.fd] = bpf_cache.recreate_map(spec)
                 if uprobe_multi.why_not() is None:
+                    uprobes = bcc_revive.uprobe_code(compiled.functions)
                     code = {text: bpf_cache.relocate(code, made.map_fds)
-                            for text, code in compiled.functions.items()
-                            if _uprobe_type(text)}  # fmt: skip
+                            for text, code in uprobes.items()}  # fmt: skip
                     made.links = uprobe_multi.UprobeLinks(code, compiled.license,
                                                           compiled.kern_version)  # fmt: skip
                     made.links.prefetch(self.later)
@@ -93,7 +94,7 @@ class _Preload:
         uprobe programs load on theirs (the start's main thread loaded them
         itself). One the verifier refuses is left to the start, which says
         why."""
-        from mtrace_live.tracer.bpf import bcc_revive  # (its import: on this thread)
+        from mtrace_live.tracer.bpf import bcc_revive
 
         for text in made.compiled.functions:
             if bcc_revive.loaded_here(text):
@@ -107,12 +108,6 @@ class _Preload:
 
 
 _PENDING: _Preload | None = None
-
-
-def _uprobe_type(text: str) -> bool:
-    """A uprobe-type program (bcc_revive.handler_type's KPROBE), not a
-    tracepoint's nor a BTF-typed one."""
-    return not text.startswith(("tracepoint__", "raw_tracepoint__", "rawtp__", TYPED_PREFIX))
 
 
 def options_key(options: dict[str, Any], program: str | None) -> str:
@@ -216,7 +211,7 @@ def begin(options: str) -> None:
     _later = frozenset(h for h in DEFERRABLE if isinstance(unused, list) and h in unused)
     kept = facts.fact_store().get(f"{_START}:{options}", "program")
     if isinstance(kept, str) and kept.isalnum():
-        _PENDING = _Preload(options, kept, _later)
+        _PENDING = _Preload(kept, _later)
 
 
 _begun_options: list[str] = []  # this start's keys: the program it loads is kept under each
@@ -234,9 +229,9 @@ def keep_unused(asked: set[str]) -> None:
     """Keep, for the next start with these options, which of the deferrable
     handlers this trace never asked for (``asked``: those it did)."""
     unused = [h for h in DEFERRABLE if h not in asked]
-    store = facts.fact_store() if _taken_options else None
     for options in _taken_options:
-        if store is not None and store.get(f"{_START}:{options}", "unused") != unused:
+        store = facts.fact_store()
+        if store.get(f"{_START}:{options}", "unused") != unused:
             store.put(f"{_START}:{options}", "unused", unused)  # (saved at the trace's end)
 
 

@@ -9,13 +9,11 @@ probes, the target and this kernel's kmem switches. ``tracer/loop/live.py``'s
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from mtrace_live.exporters import registry
 from mtrace_live.exporters.data.processes import live_thread
-from mtrace_live.probes.elf.facts import file_fact
 from mtrace_live.probes.errors import NoProbesError, NotPrivilegedError, TracepointMissingError
 from mtrace_live.probes.program import ProgramConfig
 from mtrace_live.tracer.bpf import bpf_syscalls, kernel_btf, tracefs
@@ -39,6 +37,7 @@ KERNEL_RING_PAGES = 512
 
 
 ALLOC_STACKS = 16384  # --alloc-stacks' default
+GROUP_DEAD_RECORD = "trace_event_raw_sched_process_exit"  # the tracepoint's record, in BTF
 # Tracing programs may use hash maps allocated as their keys come, without
 # the kernel's warning, since Linux 6.1 (the BPF memory allocator)
 TABLES_ON_DEMAND_SINCE = (6, 1)
@@ -287,21 +286,20 @@ def exit_says_group_dead() -> bool:
     process ends with its last thread, not with main's (which may call
     pthread_exit while the others go on). Older kernels end it with main's.
 
-    Kept between runs under the kernel's BTF and release, like the kernel's
-    other facts (tracer/bpf/kernel_btf.py): a tracefs format file is read
-    under the kernel's event_mutex, which the start's own tracepoint
-    attaches (on their thread) and the last trace's detacher hold, so
-    reading it at each start waited 10-15 ms for them."""
+    Read from the kernel's BTF (the tracepoint's record, a kernel fact kept
+    between runs: tracer/bpf/kernel_btf.py), and from its tracefs format
+    only without BTF: a format file is read under the kernel's event_mutex,
+    which the start's own tracepoint attaches (on their thread) and the last
+    trace's detacher hold, so reading it at each start waited 10-15 ms."""
     try:
-        return _format_has_group_dead(kernel_btf.VMLINUX, os.uname().release)
+        (member,), _ = kernel_btf.kernel_facts([(GROUP_DEAD_RECORD, "group_dead")])
+        return member is not None
+    except kernel_btf.BtfUnavailable:
+        pass
+    try:
+        text = tracefs.tracepoint_format("sched", "sched_process_exit")
     except (TracepointMissingError, NotPrivilegedError):
         return False
-
-
-@file_fact
-def _format_has_group_dead(btf: Path, release: str) -> bool:
-    """Raises where the format cannot be read: nothing is kept then."""
-    text = tracefs.tracepoint_format("sched", "sched_process_exit")
     return tracefs.parse_format("sched", "sched_process_exit", text).has("group_dead")
 
 

@@ -109,13 +109,18 @@ class FileServer:
         os.close(read)
         self.pid = pid
         # this child, whatever becomes of its pid once alive() has reaped it
+        self._reaped = False
         self._child = -1
         with contextlib.suppress(OSError):
             self._child = os.pidfd_open(pid)
 
     def alive(self) -> bool:
+        if self._reaped:
+            return False
         with contextlib.suppress(ChildProcessError):
-            return os.waitpid(self.pid, os.WNOHANG) == (0, 0)
+            if os.waitpid(self.pid, os.WNOHANG) == (0, 0):
+                return True
+        self._reaped = True  # (its pid is no longer this child's)
         return False
 
     def close(self) -> None:
@@ -132,8 +137,10 @@ class FileServer:
                     signal.pidfd_send_signal(self._child, signal.SIGKILL)
             os.close(self._child)
             self._child = -1
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(self.pid, 0)
+        if not self._reaped:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(self.pid, 0)
+            self._reaped = True
 
 
 @dataclass
