@@ -10,18 +10,29 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import TYPE_CHECKING
 
-from rich.console import Console, Group, RenderableType
-from rich.live import Live
-from rich.table import Table
-from rich.text import Text
+from mtrace_live.probes.elf.lazy import lazy_module
 
 from .alloc_table import not_glibc_line, other_allocators
-from .alloc_view import AllocPanel
-from .contention_view import ContentionPanel
 from .data.allocator_state import Allocators, ProcessState
 from .data.sink import EventBatch, Sink, TraceInfo, TraceResult
 from .summary import print_summary, setting_change
+
+if TYPE_CHECKING:
+    from rich import console as rich_console
+    from rich import live as rich_live
+    from rich import table as rich_table
+    from rich import text as rich_text
+    from rich.console import Console, Group, RenderableType
+    from rich.live import Live
+    from rich.table import Table
+
+    from .alloc_view import AllocPanel
+    from .contention_view import ContentionPanel
+else:  # (rich, about 20 ms: at the view's start, after the line that says the trace is on)
+    rich_console, rich_live = lazy_module("rich.console"), lazy_module("rich.live")
+    rich_table, rich_text = lazy_module("rich.table"), lazy_module("rich.text")
 
 SETTINGS_SHOWN = 8
 ARENAS_SHOWN = 12
@@ -47,14 +58,19 @@ class LiveView(Sink):
         self._others: dict[int, str] = {}  # pid -> its allocator, where it is not glibc's
 
     def start(self, info: TraceInfo) -> None:
+        from .alloc_view import AllocPanel
+        from .contention_view import ContentionPanel
+
         self._info = info
         if info.allocs:
             self._allocs = AllocPanel(info.frame_names, info.leaks_older_than)
         self._contention = ContentionPanel(info.frame_names, inflated=info.allocs)
         self.interval = info.interval
         self._started = self._last = time.monotonic()
-        console = self._console or Console(file=sys.stdout)
-        self._live = Live(self._render({}, {}), console=console, screen=True, auto_refresh=False)
+        console = self._console or rich_console.Console(file=sys.stdout)
+        self._live = rich_live.Live(
+            self._render({}, {}), console=console, screen=True, auto_refresh=False
+        )
         self._live.start(refresh=True)
 
     def consume(self, batch: EventBatch) -> None:
@@ -101,7 +117,7 @@ class LiveView(Sink):
         up = time.monotonic() - self._started
         total_lost = sum(lost.values())
         target = "all processes" if info is None or info.all_processes else f"pid {info.pid}"
-        header = Text.assemble(
+        header = rich_text.Text.assemble(
             ("mtrace-live ", "bold"),
             f"{target}  up {up:.0f}s  events {sum(hits.values())}  ",
             (f"lost {total_lost}", "bold red" if total_lost else ""),
@@ -119,15 +135,15 @@ class LiveView(Sink):
             parts.append(self._arena_table(on_glibc))
             if self._others:
                 said = [not_glibc_line(pid, label) for pid, label in sorted(self._others.items())]
-                parts.append(Text("\n".join(said)))
+                parts.append(rich_text.Text("\n".join(said)))
             if self._contention is not None:
                 parts += self._contention.render(on_glibc)
             parts.append(self._memory_table(processes))
             parts.append(self._settings_table(processes))
-        return Group(*parts)
+        return rich_console.Group(*parts)
 
     def _probe_table(self, hits: dict[str, int], lost: dict[str, int]) -> Table:
-        table = Table(title="probes", title_justify="left", expand=False)
+        table = rich_table.Table(title="probes", title_justify="left", expand=False)
         for column in ("probe", "rate/s", "total", "lost"):
             table.add_column(column, justify="left" if column == "probe" else "right")
         rows = sorted(((n, c) for n, c in hits.items() if c), key=lambda kv: (-kv[1], kv[0]))
@@ -140,7 +156,7 @@ class LiveView(Sink):
         return table
 
     def _arena_table(self, processes: list[ProcessState]) -> Table:
-        table = Table(title="arenas and contention", title_justify="left")
+        table = rich_table.Table(title="arenas and contention", title_justify="left")
         for column in (
             "pid",
             "arena",
@@ -172,7 +188,7 @@ class LiveView(Sink):
         return table
 
     def _memory_table(self, processes: list[ProcessState]) -> Table:
-        table = Table(title="heaps, sbrk, retries, checks", title_justify="left")
+        table = rich_table.Table(title="heaps, sbrk, retries, checks", title_justify="left")
         for column in ("pid", "comm", "heaps", "heap bytes", "sbrk net", "retries",
                        "double-free checks", "setjmp/longjmp"):  # fmt: skip
             table.add_column(column, justify="left" if column in ("pid", "comm") else "right")
@@ -186,7 +202,7 @@ class LiveView(Sink):
         return table
 
     def _settings_table(self, processes: list[ProcessState]) -> Table:
-        table = Table(title="mallopt and tunables (latest)", title_justify="left")
+        table = rich_table.Table(title="mallopt and tunables (latest)", title_justify="left")
         for column in ("pid", "setting", "old -> new"):
             table.add_column(column)
         changes = sorted(

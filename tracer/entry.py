@@ -1,7 +1,8 @@
 """The ``mtrace-live`` command's entry: the program the last start with the
 same command line loaded is begun (tracer/bpf/preload.py) before anything
 else is imported, click and the command line's parsing included. Then the
-command line is parsed and run (tracer/cli.py)."""
+command line is parsed and run (tracer/cli.py), and the process ends as
+soon as it is done (``main_and_leave``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,6 @@ def launch() -> None:
     from mtrace_live.tracer.bpf.preload import begin_from_command_line
 
     begin_from_command_line(sys.argv[1:])
-    from mtrace_live.tracer.cli import main as cli_main
+    from mtrace_live.tracer.cli import main_and_leave
 
-    cli_main()
+    main_and_leave()

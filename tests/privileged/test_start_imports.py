@@ -50,12 +50,12 @@ runpy.run_module("mtrace_live.tracer.cli", run_name="__main__")
 """
 
 
-def modules_at_the_line(target: int, tmp: Path, run: int) -> list[str]:
-    """A start with --pid ``target`` -o json: the modules loaded at its line."""
+def modules_at_the_line(target: int, tmp: Path, run: int, output: str = "json") -> list[str]:
+    """A start with --pid ``target`` -o ``output``: the modules loaded at its line."""
     names, err = tmp / f"modules-{run}.json", tmp / f"trace-{run}.err"
     with Reaper() as reaper, open(err, "wb") as errors:
         tracer = reaper.add(subprocess.Popen(
-            [sys.executable, "-c", TAP, str(names), "--pid", str(target), "-o", "json"],
+            [sys.executable, "-c", TAP, str(names), "--pid", str(target), "-o", output],
             stdout=subprocess.DEVNULL, stderr=errors, cwd=REPO))  # fmt: skip
         wait_for_line(err, READY, tracer, timeout=120)
         tracer.send_signal(2)  # SIGINT: the trace ends as at Ctrl-C
@@ -71,13 +71,17 @@ def test_a_warm_start_imports_no_disassembler_demangler_live_view_or_line_reader
     with Reaper() as reaper:
         sleeper = reaper.add(subprocess.Popen(["sleep", "600"]))
         first = modules_at_the_line(sleeper.pid, tmp_path, 1)
-        # WHEN it is traced again with the same options
+        # WHEN it is traced again with the same options, then with the live
+        # view (the default on a terminal: drawn only once the trace is on)
         loaded = modules_at_the_line(sleeper.pid, tmp_path, 2)
-    # THEN the second start has loaded none of them by its line
-    assert "mtrace_live.tracer.loop.live" in loaded  # (the names are the tracer's own)
-    heavy = [name for name in loaded if any(name == top or name.startswith(f"{top}.")
-                                            for top in NOT_BEFORE_THE_LINE)]  # fmt: skip
-    assert heavy == [], f"imported before the line: {heavy}"
+        in_view = modules_at_the_line(sleeper.pid, tmp_path, 3, "live")
+    # THEN neither start has loaded any of them by its line
+    for names in (loaded, in_view):
+        assert "mtrace_live.tracer.loop.live" in names  # (the names are the tracer's own)
+        heavy = [name for name in names if any(name == top or name.startswith(f"{top}.")
+                                               for top in NOT_BEFORE_THE_LINE)]  # fmt: skip
+        assert heavy == [], f"imported before the line: {heavy}"
+    assert "mtrace_live.exporters.live_view" in in_view  # (its sink made: the module is light)
     # (the first start is cold where this code's facts were never kept: it
     # may disassemble; either way it reached its line)
     assert "mtrace_live.tracer.loop.live" in first

@@ -165,3 +165,43 @@ def test_every_example_in_a_commands_help_stands_on_a_line_of_its_own() -> None:
         assert examples, f"{name}'s help has no example"
         for example in examples:
             assert example in shown, (name, example)
+
+
+# The command line run as the console entry runs it, with an object whose
+# finalizer says when the interpreter tears its modules down, and an exit
+# function; argv[1]: "thread" keeps a non-daemon thread running to the end.
+_LEAVING = """
+import atexit, os, sys, threading
+import mtrace_live.tracer.cli as cli
+class Finalized:
+    def __del__(self):
+        os.write(2, b"torn down\\n")
+kept = Finalized()
+atexit.register(lambda: os.write(2, b"exit function\\n"))
+if sys.argv[1] == "thread":  # (let go as the interpreter's ending begins)
+    gate = threading.Event()
+    threading.Thread(target=gate.wait).start()
+    threading._register_atexit(gate.set)
+sys.argv = ["mtrace-live", *sys.argv[2:]]
+cli.main_and_leave()
+"""
+
+
+def test_the_command_ends_without_the_interpreters_teardown() -> None:
+    # GIVEN the command line as the console entry runs it
+    for args, code in ((["--version"], 0), (["count", "--pid", "4194304"], 6)):
+        # WHEN it ends (an answer, then an error)
+        done = subprocess.run([*MTRACE[:1], "-c", _LEAVING, "plain", *args], capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+        # THEN its exit code and output are whole, its exit functions ran,
+        # and the interpreter freed nothing (no finalizer ran)
+        assert done.returncode == code, done.stderr
+        assert ("mtrace-live, version" in done.stdout) == (code == 0)
+        assert "exit function" in done.stderr
+        assert "torn down" not in done.stderr
+    # AND with a thread still running at the end, the interpreter ends as
+    # usual: the thread waited for, then everything torn down
+    done = subprocess.run([*MTRACE[:1], "-c", _LEAVING, "thread", "--version"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0 and "mtrace-live, version" in done.stdout
+    assert "exit function" in done.stderr and "torn down" in done.stderr

@@ -35,6 +35,7 @@ from mtrace_live.exporters.sprtrace.sink import SpRtraceSink
 from mtrace_live.exporters.sprtrace.text import parse
 from mtrace_live.exporters.summary import SummarySink
 from mtrace_live.exporters.web import MetricsEndpoint, WebConfig
+from mtrace_live.probes.errors import OutputClosedError
 from mtrace_live.tracer.commands import options
 from mtrace_live.tracer.loop.live import Fanout
 from mtrace_live.tracer.loop.model import AllocatorModel
@@ -298,6 +299,32 @@ def test_a_sink_whose_reader_is_gone_stops_getting_batches() -> None:
     assert counting.batches == 3
     assert fanout.open == [counting]
     assert fanout.closed is not None and "after 7 events" in str(fanout.closed)
+
+
+def test_a_reader_gone_before_the_last_lines_is_a_closed_output_not_a_fault() -> None:
+    # GIVEN an output whose reader goes away as the trace writes its last
+    # lines (`run -o json -- true | head -1`: the tables at the end)
+    class LastLinesBroken(Sink):
+        written = 1
+
+        def finish(self, result: object) -> None:
+            raise BrokenPipeError
+
+    class Finishing(Sink):
+        finished = False
+
+        def finish(self, result: object) -> None:
+            self.finished = True
+
+    broken, finishing = LastLinesBroken(), Finishing()
+    fanout = Fanout([broken, finishing])
+    # WHEN the trace ends
+    fanout.finish(result(trace_info(), {}))
+    # THEN it ends as a closed output (exit code 12), not as a fault of its
+    # own, and the outputs after it still finish
+    assert isinstance(fanout.closed, OutputClosedError) and fanout.failed is None
+    assert fanout.closed.exit_code == 12 and "after 1 events" in str(fanout.closed)
+    assert finishing.finished
 
 
 class ToySink(Sink):

@@ -658,16 +658,17 @@ class Fanout:
                 sink.consume(batch)
             except BrokenPipeError:
                 self.open.remove(sink)
-                if self.closed is None:
-                    self.closed = OutputClosedError(
-                        f"the output was closed after {sink.written} events"
-                    )
-                    _silence_stdout()
+                self._reader_gone(sink)
             except OutputError as error:
                 self.open.remove(sink)
                 self.failed = self.failed or error
             except Exception as exc:  # a fault of the sink's own: the others go on
                 self._broke(sink, exc)
+
+    def _reader_gone(self, sink: Sink) -> None:
+        if self.closed is None:
+            self.closed = OutputClosedError(f"the output was closed after {sink.written} events")
+            _silence_stdout()
 
     def _broke(self, sink: Sink, exc: Exception) -> None:
         self.open.remove(sink)
@@ -690,6 +691,8 @@ class Fanout:
                 continue
             try:
                 sink.finish(result)
+            except BrokenPipeError:  # (its last lines: | head had read enough)
+                self._reader_gone(sink)
             except OutputError as error:
                 self.failed = self.failed or error
             except Exception as exc:
