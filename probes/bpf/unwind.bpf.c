@@ -139,10 +139,10 @@ BPF_ARRAY(unwind_hijacks, struct unwind_hijack, HIJACK_SLOTS);
 /* Where the dynamic loader's _r_debug.r_state is from its _dl_debug_state,
  * in bytes (user space writes it from the loader's symbols; 0: not read). */
 BPF_ARRAY(unwind_rtld, s64, 1);
-
-BPF_ARRAY(unwind_rows, struct unwind_row, UNWIND_ROWS);
+/* Rows and page index: user space writes them through a mapping of their pages (Linux 5.5) */
+BPF_F_TABLE("array", int, struct unwind_row, unwind_rows, UNWIND_ROWS, BPF_F_MMAPABLE);
 BPF_ARRAY(unwind_maps, struct unwind_map, UNWIND_MAPS);
-BPF_ARRAY(unwind_pages, u32, UNWIND_PAGES);
+BPF_F_TABLE("array", int, u32, unwind_pages, UNWIND_PAGES, BPF_F_MMAPABLE);
 PROC_TABLE(unwind_procs, u32, struct unwind_proc, MAX_FOLLOWED);
 BPF_PERCPU_ARRAY(unwind_states, struct unwind_state, 1);
 BPF_PERCPU_ARRAY(unwind_misc, u64, UX_COUNT);

@@ -184,3 +184,41 @@ def test_an_array_not_made_mmapable_or_of_other_rows_is_not_mapped(
     tables.append(map_table.Table(fd, map_table.ARRAY, 16, ctypes.c_int, Row))
     assert map_table.MappedArray.of(fd, 16, ctypes.sizeof(Row), np.dtype("<u8")) is None
     assert map_table.MappedArray.of(fd, 16, ctypes.sizeof(Row), ROW) is not None
+
+
+# A row of 12 bytes, as unwind_rows' (the kernel keeps each in 16)
+TWELVE = np.dtype([("pc", "<u4"), ("off", "<i4"), ("a", "<i2"), ("b", "u1"), ("c", "u1")])
+
+
+@pytest.mark.parametrize("flags", [MMAPABLE, 0], ids=["mapped", "not mmapable"])
+def test_a_run_of_rows_written_through_a_mapping_is_what_bpftool_dumps(
+    tables: list[map_table.Table], flags: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # GIVEN an array of 1000 rows of 12 bytes (made mmapable, or not: then
+    # written by the batched update), every row 0
+    name = f"mtl_write_{flags}"
+    info = MapInfo(map_table.ARRAY, 4, TWELVE.itemsize, 1000, flags, name)
+    fd = bpf_syscalls.create_map(info)
+    assert fd is not None, os.strerror(ctypes.get_errno())
+    tables.append(map_table.Table(fd, map_table.ARRAY, 1000, ctypes.c_int, ctypes.c_char * 12))
+    if flags:  # (mapped: the kernel's batched update is never asked)
+
+        def refused(*args: object) -> None:
+            raise AssertionError("written by BPF_MAP_UPDATE_BATCH")
+
+        monkeypatch.setattr(bpf_syscalls, "update_array", refused)
+    # WHEN a run of 300 rows is written from index 250 (its slots cross
+    # pages: 16 bytes each, 256 a page), and one row at the last index
+    run = np.zeros(300, dtype=TWELVE)
+    run["pc"] = np.arange(1000, 1300)
+    run["off"], run["a"], run["b"], run["c"] = -8, -16, 1, 2
+    map_table.write_mapped(fd, 250, run)
+    map_table.write_mapped(fd, 999, run[:1])
+    map_table.write_mapped(fd, 0, run[:0])  # (nothing)
+    # THEN bpftool dumps exactly those rows there, and zeros elsewhere
+    dumped = {int.from_bytes(raw(entry["key"]), "little"): raw(entry["value"])
+              for entry in dump(name)}  # fmt: skip
+    expected = {index: bytes(12) for index in range(1000)}
+    expected.update({250 + i: run[i].tobytes() for i in range(300)})
+    expected[999] = run[0].tobytes()
+    assert dumped == expected

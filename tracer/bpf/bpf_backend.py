@@ -543,6 +543,11 @@ class BpfProgram:
         """``values`` into an array map from index ``first`` on, in one call."""
         bpf_syscalls.update_array(self.map_fd(table), first, values)
 
+    def write_mapped_array(self, table: str, first: int, values: np.ndarray) -> None:
+        """``values`` into an array made BPF_F_MMAPABLE from index ``first``
+        on, through a mapping of its memory (map_table.write_mapped)."""
+        map_table.write_mapped(self.map_fd(table), first, values)
+
     def set_tail_calls(self, table: str, slots: Mapping[int, str]) -> None:
         """Each slot of a program array given the uprobe-type program named."""
         array = self._bpf[table]

@@ -47,6 +47,7 @@ from mtrace_live.probes.errors import NotElfError, TargetError
 from mtrace_live.probes.program import part_constants
 from mtrace_live.probes.records import EVENT_DTYPE, UNWIND_FILE_DTYPE
 from mtrace_live.tracer.bpf import bpf_syscalls
+from mtrace_live.tracer.bpf.map_table import write_mapped
 from mtrace_live.tracer.bpf.ringbuf import RingReader
 from mtrace_live.tracer.unwind.unwind_rows import (
     BIG_FILE,
@@ -237,8 +238,8 @@ class _Server:
         room = self.region
         if room.row + len(rows) > room.row_end or room.page + len(pages) > room.page_end:
             return False  # left to the trace
-        bpf_syscalls.update_array(self.fds["unwind_rows"], room.row, rows)
-        bpf_syscalls.update_array(self.fds["unwind_pages"], room.page, pages)
+        write_mapped(self.fds["unwind_rows"], room.row, rows)
+        write_mapped(self.fds["unwind_pages"], room.page, pages)
         entry = file_entry(room.row, len(rows), room.page, len(pages), base, segments, number)
         room.row += len(rows)
         room.page += len(pages)
