@@ -115,7 +115,8 @@ class AllocatorModel(Sink):
         first = {}
         last = {}
         tgids = batch["tgid"]
-        for pid in np.unique(tgids).tolist():
+        # (with its counts: np.unique alone imports numpy.ma at its first call, 6 ms)
+        for pid in np.unique(tgids, return_counts=True)[0].tolist():
             mask = tgids == pid
             stamps = batch["ts"][mask]
             first[pid], last[pid] = int(stamps.min()), int(stamps.max())
