@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..elf.facts import file_fact
+from ..elf.facts import file_fact, kept_type
 from ..elf.file import LoadSegment, elf_failures, load_segments, needed, not_elf, open_elf
 from ..elf.maps import Mapping, read_maps
 from ..elf.symbols import symbols_by_name
@@ -62,6 +62,7 @@ MAX_MEMBERS = 64
 TSS_TAKERS = ("PyThread_tss_get", "PyThread_tss_is_created")  # take a Py_tss_t *
 
 
+@kept_type
 @dataclass(frozen=True)
 class Interpreter:
     """A CPython interpreter in an ELF file. Addresses are link-time ones:
@@ -85,21 +86,38 @@ def find_interpreter(path: Path) -> Interpreter | None:
     symbols). UnknownLayoutError (one line) when it holds one whose layout is
     not known: 3.10 or older, a version past 3.13, a free-threaded build;
     TargetError when it cannot be opened, NotElfError when it is not ELF."""
+    found, _ = interpreter_facts(path)
+    if isinstance(found, str):
+        raise UnknownLayoutError(f"{path}: {found}")
+    return None if found is None else replace(found, path=path)
+
+
+@file_fact
+def interpreter_facts(path: Path) -> tuple[Interpreter | str | None, list[LoadSegment]]:
+    """What a look for interpreters reads of the ELF file at ``path``, kept
+    between runs (probes/elf/facts.py): a warm start that traces a Python
+    process neither parses its interpreter's file nor disassembles its code.
+    Its interpreter (its ``path`` left empty: the fact is the file's, whatever
+    path reaches it), or why its layout is refused, or None; and its load
+    segments where it has one. TargetError when it cannot be opened,
+    NotElfError when it is not ELF (neither kept)."""
     kind = python_kind(path)  # (a kept fact: most files hold none, and are not opened)
     if kind == NOT_ELF:
         raise NotElfError(f"{path}: not a readable ELF file")
     if kind != INTERPRETER:
-        return None
+        return None, []
     with open_elf(path) as elf:
         try:
             symbols = symbols_by_name(elf)
         except elf_failures() as exc:
             raise not_elf(path, exc) from None
         try:
-            return _interpreter(path, elf, symbols)
+            interpreter = _interpreter(path, elf, symbols)
+        except UnknownLayoutError as exc:  # (why, without the path it was opened by)
+            return str(exc).removeprefix(f"{path}: "), []
         except elf_failures() as exc:  # an address outside the file's data, a damaged table
-            raise UnknownLayoutError(f"{path}: its CPython interpreter's data does not read "
-                                     f"as CPython's ({exc})") from None  # fmt: skip
+            return f"its CPython interpreter's data does not read as CPython's ({exc})", []
+        return replace(interpreter, path=Path()), load_segments(elf)
 
 
 # What a file is to CPython (python_kind)
@@ -184,15 +202,14 @@ def _file_interpreter(
     """The interpreter in a mapped file (or why its layout is refused, or
     None) and its load segments. TargetError when it cannot be opened."""
     try:
-        interpreter = find_interpreter(opened)
-    except UnknownLayoutError as exc:  # (why, without the path it was opened by)
-        return UnknownLayoutError(str(exc).removeprefix(f"{opened}: ")), []
+        found, segments = interpreter_facts(opened)
     except NotElfError:
         return None, []
-    if interpreter is None:
+    if isinstance(found, str):
+        return UnknownLayoutError(found), []
+    if found is None:
         return None, []
-    with open_elf(opened) as elf:
-        return interpreter, load_segments(elf)
+    return replace(found, path=opened), segments
 
 
 def load_bias(segments: list[LoadSegment], mapping: Mapping, page: int = 4096) -> int | None:

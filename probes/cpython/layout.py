@@ -24,6 +24,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from ..elf.facts import kept_type
+
 SUPPORTED = ((3, 11), (3, 12), (3, 13))
 
 # PyTypeObject and PyMemberDef, as Include/cpython/object.h and descrobject.h
@@ -43,6 +45,7 @@ TSS_KEY_FIELD = 4  # offsetof(Py_tss_t, _key): {int _is_initialized; pthread_key
 DEBUG_COOKIE = b"xdebugpy"
 
 
+@kept_type
 @dataclass(frozen=True)
 class Layout:
     """Byte offsets of the fields a frame walk reads, each in the structure

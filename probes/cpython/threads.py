@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..elf.facts import file_fact
 from ..elf.file import elf_failures, not_elf, open_elf
 from ..elf.symbols import symbols_by_name
 from ..errors import UnknownLayoutError
@@ -22,13 +23,14 @@ from .symbolic import Loaded, Sum, explore
 FIRST_BLOCK = 32  # glibc's PTHREAD_KEY_2NDLEVEL_SIZE: keys with a slot in struct pthread
 
 
+@file_fact
 def thread_slot(libc: Path) -> tuple[int, int]:
     """(base, stride): where ``pthread_getspecific(key)`` of the libc at
     ``libc`` finds a key's value for a key below 32, from the thread
     pointer: at ``tp + base + key * stride``. Read from the function's code:
     the value it returns on the path where it checks the key against 31 and
-    loads from the thread pointer. UnknownLayoutError (one line) when the
-    code does not read that way."""
+    loads from the thread pointer, and kept between runs (probes/elf/facts.py).
+    UnknownLayoutError (one line) when the code does not read that way."""
     with open_elf(libc) as elf:
         try:
             symbols = symbols_by_name(elf, (".dynsym", ".symtab"))

@@ -5,6 +5,7 @@ never used."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
@@ -15,12 +16,12 @@ import pytest
 from mtrace_live.probes import alloc_sites as sites_module
 from mtrace_live.probes import lock_sites
 from mtrace_live.probes.alloc_sites import alloc_sites
-from mtrace_live.probes.cpython import interpreter
+from mtrace_live.probes.cpython import interpreter, threads
 from mtrace_live.probes.elf import facts
 from mtrace_live.probes.elf import file as file_module
 from mtrace_live.probes.elf.file import elf_layout, layout_of, open_elf
 from mtrace_live.probes.elf.symbols import exported_offset
-from mtrace_live.probes.errors import NotElfError
+from mtrace_live.probes.errors import NotElfError, UnknownLayoutError
 from mtrace_live.probes.lock_sites import lock_wait_site
 from mtrace_live.tracer.processes.target import default_libc
 
@@ -249,3 +250,38 @@ def test_what_a_file_is_to_cpython_is_kept_and_read_without_opening_it(
     assert interpreter.find_interpreter(Path("/bin/true")) is None
     with pytest.raises(NotElfError):
         interpreter.find_interpreter(text)
+
+
+def test_an_interpreter_and_the_libc_s_key_slot_are_kept_and_read_without_opening_them(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # GIVEN a libpython with an interpreter (pyenv's 3.12, with its symbol
+    # table), Debian's python3.11 (stripped, libpython linked in), this
+    # machine's libc, and Python 3.10's libpython (a layout refused)
+    libpython = Path("/root/.pyenv/versions/3.12.1/lib/libpython3.12.so.1.0")
+    debian = Path("/usr/bin/python3.11")
+    old = Path("/root/.pyenv/versions/3.10.13/lib/libpython3.10.so.1.0")
+    # WHEN a run reads their interpreters and the libc's thread-key slot,
+    # and the next run reads them again with no file able to be opened
+    # (through another path to the same file: a symbolic link)
+    first = {path: interpreter.find_interpreter(path) for path in (libpython, debian)}
+    segments = interpreter.interpreter_facts(libpython)[1]
+    slot = threads.thread_slot(default_libc())
+    with pytest.raises(UnknownLayoutError) as refused:
+        interpreter.find_interpreter(old)
+    next_run()
+    monkeypatch.setattr(interpreter, "open_elf", None)  # (any open would fail)
+    monkeypatch.setattr(threads, "open_elf", None)
+    linked = tmp_path / "libpython-link.so"
+    linked.symlink_to(libpython)
+    again = interpreter.find_interpreter(linked)
+    # THEN each interpreter is the one read, named by the path it was asked by
+    assert all(found is not None for found in first.values())
+    assert again == dataclasses.replace(first[libpython], path=linked)  # type: ignore[arg-type]
+    assert interpreter.find_interpreter(debian) == first[debian]
+    assert interpreter.interpreter_facts(linked)[1] == segments and segments
+    # AND the slot is the one read; the refusal is said again, in the same words
+    assert threads.thread_slot(default_libc()) == slot
+    with pytest.raises(UnknownLayoutError) as again_refused:
+        interpreter.find_interpreter(old)
+    assert str(again_refused.value) == str(refused.value)
