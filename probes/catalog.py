@@ -16,7 +16,7 @@ import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from importlib.resources import files
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -139,9 +139,8 @@ class Catalog:
 def load_catalog() -> Catalog:
     """The bundled catalog, loaded and validated once per process."""
     documents = {}
-    for entry in sorted(
-        files("mtrace_live.probes").joinpath("specs").iterdir(), key=lambda e: e.name
-    ):
+    for entry in sorted((Path(__file__).resolve().parent / "specs").iterdir(),
+                        key=lambda e: e.name):  # fmt: skip
         if entry.name.endswith(".toml"):
             try:
                 documents[entry.name] = tomllib.loads(entry.read_text(encoding="utf-8"))

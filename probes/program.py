@@ -18,7 +18,6 @@ import mmap
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from importlib.resources import files
 from pathlib import Path
 
 # In the order they are joined: the common header first, then each concern.
@@ -41,7 +40,10 @@ PAGE_SHIFT = mmap.PAGESIZE.bit_length() - 1
 
 
 def bpf_directory() -> Path:
-    return Path(str(files("mtrace_live.probes") / "bpf"))
+    # (the package's own directory: importlib.resources, which the package's
+    # files being plain files does not need, imports tempfile and zipfile:
+    # 6 ms of every start)
+    return Path(__file__).resolve().parent / "bpf"
 
 
 # ``#define NAME 12``, ``#define NAME (8 << 20)``, a comment after it or not

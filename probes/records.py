@@ -9,7 +9,6 @@ enumerator, with what is here.
 from __future__ import annotations
 
 from enum import IntEnum
-from importlib.resources import files
 from pathlib import Path
 
 import numpy as np
@@ -353,4 +352,4 @@ LAYOUTS = {
 
 
 def header_path() -> Path:
-    return Path(str(files("mtrace_live.probes") / "bpf" / "records.h"))
+    return Path(__file__).resolve().parent / "bpf" / "records.h"

@@ -20,7 +20,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -134,6 +133,8 @@ class LineCache:
 
     def _prune(self) -> None:
         """The folders past the KEEP_FILES most recently written removed."""
+        import shutil  # (at a trace's end: it imports bz2 and lzma)
+
         assert self.directory is not None
         folders = [(entry.stat().st_mtime, entry) for entry in self.directory.iterdir()
                    if entry.is_dir() and entry.name.endswith(f".v{CACHE_FORMAT}")]  # fmt: skip

@@ -30,7 +30,11 @@ from .tracing import Reaper, wait_for_detach, wait_for_line
 READY = "Ctrl-C to stop"
 # never imported by a warm start before its line
 NOT_BEFORE_THE_LINE = ("bcc", "capstone", "pyderust", "rich", "mtrace_live.probes.elf._lines",
-                       "elftools.elf.elffile", "elftools.dwarf.dwarfinfo")  # fmt: skip
+                       "elftools.elf.elffile", "elftools.dwarf.dwarfinfo",
+                       # the standard library's heavier tools, for cold starts, commands
+                       # and the end: importlib.resources and tempfile bring zipfile,
+                       # shutil, random, bz2 and lzma (about 8 ms in all)
+                       "importlib.resources", "tempfile", "shutil", "subprocess")  # fmt: skip
 # sys.stderr tapped: at the line, sys.modules' names written to argv[1]
 TAP = """
 import json, runpy, sys

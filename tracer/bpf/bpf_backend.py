@@ -13,7 +13,6 @@ import importlib.util
 import os
 import re
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -162,6 +161,8 @@ class BpfProgram:
                  key: str) -> bpf_cache.Compiled | None:  # fmt: skip
         """Compile with bcc, and keep the code under ``key``: what was
         compiled, or None where it could not be read back."""
+        import tempfile  # (a cold start's only: it imports shutil and random)
+
         bcc = import_bcc()
         if sys.stderr.isatty():  # a cold start says so to whoever waits at a terminal
             print(f"mtrace-live: compiling the BPF program for these options (about "

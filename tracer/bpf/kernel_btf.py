@@ -21,7 +21,6 @@ Four facts are read:
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
 from collections.abc import Sequence
@@ -48,6 +47,8 @@ class BtfUnavailable(Exception):
 
 
 def _library() -> ctypes.CDLL:
+    import ctypes.util  # (only where no fact is kept: it imports subprocess and tempfile)
+
     name = ctypes.util.find_library("bpf") or "libbpf.so.1"
     try:
         lib = ctypes.CDLL(name, use_errno=True)

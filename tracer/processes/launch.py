@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import time
 from collections.abc import Sequence
@@ -29,6 +28,8 @@ def resolve_command(argv: Sequence[str]) -> list[str]:
     such executable (before anything is attached or written)."""
     if not argv:
         raise TargetError("no command given to run")
+    import shutil  # (a command's trace only: it imports bz2 and lzma)
+
     program = argv[0]
     resolved = program if "/" in program else shutil.which(program)
     if resolved is None or not os.access(resolved, os.X_OK) or os.path.isdir(resolved):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,6 +229,8 @@ class _FileNames(dict[str, Path]):
 def of_command(argv: Sequence[str], ld_so: Path | None, pymalloc: bool = False) -> Providers:
     """The providers the command ``argv`` will have, asked of the dynamic
     linker ``ld_so`` with this environment (its LD_PRELOAD included)."""
+    import subprocess  # (a command's trace only)
+
     exe = Path(argv[0])
     listed: Objects = []
     if ld_so is not None:

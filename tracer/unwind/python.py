@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-import shutil
 import struct
 import sys
 from collections.abc import Sequence
@@ -84,7 +83,11 @@ def runs_python(pids: Sequence[int], argv: Sequence[str] | None) -> bool:
                 return True
         except (MtraceError, OSError):
             continue
-    found = shutil.which(argv[0]) if argv else None
+    if not argv:
+        return False
+    import shutil  # (a command's trace only: it imports bz2 and lzma)
+
+    found = shutil.which(argv[0])
     for _ in range(4):  # a script's interpreter, through env and launchers (shims)
         if found is None:
             return False
@@ -111,6 +114,8 @@ def _script_interpreter(path: str) -> str | None:
     words = first[2:].decode(errors="replace").split() if first.startswith(b"#!") else []
     if words and Path(words[0]).name == "env":
         words = [word for word in words[1:] if not word.startswith("-")]
+    import shutil
+
     return shutil.which(words[0]) if words else None
 
 
