@@ -4,9 +4,10 @@
 # libc's facts; later starts load both from /var/cache/mtrace-live (or the
 # MTRACE_LIVE_*_CACHE directories). Done for the traces a new user starts
 # first: --pid of a process (the live view, and text), with and without
-# --contention, and run. Called by scripts/setup.sh (as root) and by the
-# start-up bench. Usage: warm-caches.sh MTRACE-LIVE; its exit code is the
-# number of starts that failed (their errors in /tmp/mtrace-live-warm.log).
+# --contention, --pid of a Python process (the live view), and run. Called
+# by scripts/setup.sh (as root) and by the start-up bench. Usage:
+# warm-caches.sh MTRACE-LIVE; its exit code is the number of starts that
+# failed (their errors in /tmp/mtrace-live-warm.log).
 set -u
 mtrace=$1
 log=/tmp/mtrace-live-warm.log
@@ -19,6 +20,13 @@ for options in "-o live" "-o text" "--contention -o live" "--contention -o text"
   timeout 120 "$mtrace" --pid "$target" $options --duration 0.1 >/dev/null 2>>"$log" \
     || failed=$((failed + 1))
 done
+kill "$target" 2>/dev/null
+wait "$target" 2>/dev/null
+# a Python process (its program walks Python frames too: compiled apart)
+python3 -c 'import time; time.sleep(300)' &
+target=$!
+timeout 120 "$mtrace" --pid "$target" -o live --duration 0.1 >/dev/null 2>>"$log" \
+  || failed=$((failed + 1))
 kill "$target" 2>/dev/null
 wait "$target" 2>/dev/null
 timeout 120 "$mtrace" run -o summary -- true >/dev/null 2>>"$log" || failed=$((failed + 1))
