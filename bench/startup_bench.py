@@ -67,7 +67,8 @@ def bpftrace_script(first: str) -> str:
             f"{uprobes},{others} {{ @[probe] = count(); }}")  # fmt: skip
 
 
-def configurations(pid: int, peers: dict[str, str | None]) -> dict[str, Callable[[], float]]:
+def configurations(pid: int, peers: dict[str, str | None],
+                   python_pid: int | None = None) -> dict[str, Callable[[], float]]:  # fmt: skip
     def attached(line: str) -> bool:
         return "Ctrl-C to stop" in line
 
@@ -83,6 +84,9 @@ def configurations(pid: int, peers: dict[str, str | None]) -> dict[str, Callable
         "mtrace-live --pid, to attached": lambda: time_to_line(on_pid, attached, "stderr"),
         "mtrace-live --pid --contention, to attached": lambda: time_to_line(
             [*on_pid, "--contention"], attached, "stderr"),
+        **({"mtrace-live --pid of a Python process, to attached": lambda: time_to_line(
+            [*MTRACE, "--pid", str(python_pid), "-o", "summary"], attached, "stderr")}
+           if python_pid is not None else {}),
         "mtrace-live serve --pid, to serving": lambda: time_to_line(
             serve, lambda line: "serving" in line, "stderr"),
         "mtrace-live --pid as it was: a perf event per uprobe, the plan derived each time":
@@ -155,8 +159,9 @@ def finish(tmp: Path, line_cache: str | None) -> tuple[float, int]:
 def run(tmp: Path, peers: dict[str, str | None]) -> dict[str, object]:
     say("12. start-up ...")
     target = subprocess.Popen(["sleep", "3600"])
+    python = subprocess.Popen(["/usr/bin/python3", "-c", "import time; time.sleep(3600)"])
     try:
-        configs = configurations(target.pid, peers)
+        configs = configurations(target.pid, peers, python.pid)
         for name, start in configs.items():  # the caches filled: one unmeasured start each
             if not name.startswith("cold") and "before" not in name:
                 start()
@@ -171,8 +176,9 @@ def run(tmp: Path, peers: dict[str, str | None]) -> dict[str, object]:
                 samples
             )
     finally:
-        target.kill()
-        target.wait()
+        for sleeper in (target, python):
+            sleeper.kill()
+            sleeper.wait()
     detached()
     if DEBUG_PYTHON.exists():
         finish(tmp, None)  # the lines kept
@@ -206,7 +212,8 @@ def render(data: dict) -> tuple[list[str], dict[str, bool | None]]:
         "program, the derived probes' plan and the CFI rows a previous start kept; cold: every "
         "cache off. The target of `--pid` and `serve` is a sleeping process on the system libc "
         "(derived probes, the allocation functions, the lock waits and the tracepoints "
-        "mtrace-live attaches by default). bpftrace attaches the libc's allocation functions "
+        'mtrace-live attaches by default); "a Python process" is Debian\'s python3 sleeping '
+        "(its trace walks Python frames too). bpftrace attaches the libc's allocation functions "
         f"(entries and returns, {2 * len(ALLOC_FUNCTIONS)} uprobes) and {len(TRACEPOINTS)} "
         "tracepoints, timed to its first event line (`-c /bin/true`) and to its BEGIN line "
         '(`-p`, printed once all are attached) and end to end. The row "as it was" turns off '
@@ -314,14 +321,24 @@ KERNEL_TEXT = [
     "preload.DEFERRABLE). The main thread meanwhile: the interpreter, click and the line's "
     "parsing, about 0.035 s; the trace's imports, about 0.14 s while the other threads work "
     "(numpy about 0.04 s, the project's own modules most of the rest: bcc, capstone, "
-    "pyderust, rich and the DWARF line reader are not imported, "
-    "`tests/privileged/test_start_imports.py`; `OPENBLAS_NUM_THREADS=1` is set before "
-    "numpy's import); the plan, from the facts kept of the files (probes/elf/facts.py), "
+    "pyderust, rich and the DWARF line reader are not imported, nor importlib.resources, "
+    "tempfile, shutil and subprocess, which cold starts, commands and the end use (0.008 s), "
+    "`tests/privileged/test_start_imports.py`; the live view imports rich as it starts, "
+    "after the line, 0.02 s of an `-o live` start before; `OPENBLAS_NUM_THREADS=1` is set "
+    "before numpy's import; numpy imported on a thread of its own from the very start was "
+    "slower, not faster: 0.245 against 0.265 s and 0.253 against 0.267 s, alternated series "
+    "of 15, for its import holds the interpreter lock as the main thread's do); the plan, "
+    "from the facts kept of the files (probes/elf/facts.py), "
     "about 0.02 s (whether sched_process_exit says group_dead is read from the BTF, a "
     "kept fact: reading "
     "its tracefs format waited 0.010-0.015 s for the kernel's event_mutex, held by the "
     "start's own tracepoint attaches and the last trace's detacher); the "
-    "unwinders' tables, the uprobes' links and the gate, about 0.04 s. The file server "
+    "unwinders' tables, the uprobes' links and the gate, about 0.035 s (a file's rows and "
+    "page index are written through a mapping of their arrays, made BPF_F_MMAPABLE: the "
+    "libc's took 0.006 s through BPF_MAP_UPDATE_BATCH, 0.0005 s so). A Python process's "
+    "interpreter (its layout, read from its symbols and from a symbolic walk of "
+    "`_tss_key`'s code) and its libc's thread-key slot (from `pthread_getspecific`'s code) "
+    "are kept facts too: they took 0.05 s of a warm start of a Python process. The file server "
     "imports pyelftools' parser itself, after its fork, on the other CPU (the main thread "
     "imported it and waited 0.015-0.025 s before the fork; a thread of the trace "
     "importing the same module at the fork would leave it locked in the child, so the "
@@ -337,5 +354,10 @@ KERNEL_TEXT = [
     "0.05 s slower (median of 15 each, alternated), and a file server forked at the very "
     "start, to import what it serves with on the other CPU while the trace starts, made it "
     "0.017-0.020 s slower (alternated series of 20 and 30), so it was left out: work taken "
-    "off the main thread helps only where it is also less work.",
+    "off the main thread helps only where it is also less work. "
+    "At the end, the process leaves with os._exit once the command is done, its threads "
+    "waited for, its exit functions run and its output flushed (tracer/cli.py, "
+    "`main_and_leave`): the interpreter's own teardown, freeing every object, took 0.05-0.07 s "
+    "after a trace, much of it copy-on-write faults on pages shared with the trace's forked "
+    "children and the trace's own free() calls passing its uprobes.",
 ]
