@@ -159,8 +159,9 @@ def finish(tmp: Path, line_cache: str | None) -> tuple[float, int]:
 def run(tmp: Path, peers: dict[str, str | None]) -> dict[str, object]:
     say("12. start-up ...")
     target = subprocess.Popen(["sleep", "3600"])
-    python = subprocess.Popen(["/usr/bin/python3", "-c", "import time; time.sleep(3600)"])
+    python: subprocess.Popen[bytes] | None = None
     try:
+        python = subprocess.Popen(["/usr/bin/python3", "-c", "import time; time.sleep(3600)"])
         configs = configurations(target.pid, peers, python.pid)
         for name, start in configs.items():  # the caches filled: one unmeasured start each
             if not name.startswith("cold") and "before" not in name:
@@ -177,8 +178,9 @@ def run(tmp: Path, peers: dict[str, str | None]) -> dict[str, object]:
             )
     finally:
         for sleeper in (target, python):
-            sleeper.kill()
-            sleeper.wait()
+            if sleeper is not None:
+                sleeper.kill()
+                sleeper.wait()
     detached()
     if DEBUG_PYTHON.exists():
         finish(tmp, None)  # the lines kept

@@ -22,8 +22,10 @@ for options in "-o live" "-o text" "--contention -o live" "--contention -o text"
 done
 kill "$target" 2>/dev/null
 wait "$target" 2>/dev/null
-# a Python process (its program walks Python frames too: compiled apart)
-python3 -c 'import time; time.sleep(300)' &
+# a Python process (its program walks Python frames too: compiled apart);
+# the system's python3, exec'd at once (a launcher on PATH, pyenv's shim,
+# would be bash for the first tens of milliseconds)
+/usr/bin/python3 -c 'import time; time.sleep(300)' &
 target=$!
 timeout 120 "$mtrace" --pid "$target" -o live --duration 0.1 >/dev/null 2>>"$log" \
   || failed=$((failed + 1))

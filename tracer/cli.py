@@ -131,12 +131,13 @@ def main_and_leave() -> NoReturn:
            for thread in threading.enumerate()):  # fmt: skip
         sys.exit(code)
     atexit._run_exitfuncs()
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except (OSError, ValueError):
-        sys.exit(code)
-    os._exit(code or 0)
+    for stream in (sys.stdout, sys.stderr):  # (None: started with that descriptor closed)
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            sys.exit(code)
+    os._exit((code or 0) & 0xFF)  # (the status the system keeps, as sys.exit gives it)
 
 
 if __name__ == "__main__":

@@ -205,3 +205,14 @@ def test_the_command_ends_without_the_interpreters_teardown() -> None:
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0 and "mtrace-live, version" in done.stdout
     assert "exit function" in done.stderr and "torn down" in done.stderr
+
+
+def test_a_command_started_with_its_output_or_errors_closed_ends_as_it_should() -> None:
+    # GIVEN the command line started with its standard output closed, then
+    # its standard error (as some service managers start programs)
+    for closed, code in ((">&-", 0), ("2>&-", 0)):
+        done = subprocess.run(["sh", "-c", f'exec "$0" "$@" {closed}', *MTRACE, "--version"],
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        # THEN it ends with its exit code, and no traceback
+        assert done.returncode == code, done.stderr
+        assert "Traceback" not in done.stderr
