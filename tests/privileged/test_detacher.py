@@ -50,12 +50,15 @@ def test_the_child_closes_each_perf_event_after_this_process_closed_its_copy(
     assert all(os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[perf_event]" for fd in events)
     detacher = DETACHER_NAME.decode()
     # (the detacher is this process's grandchild, of that name: bpftrace
-    # follows this process's forks, and no other run's detacher is taken)
+    # follows this process's forks, and no other run's detacher is taken;
+    # nsecs printed whole, %llu: %d keeps its low 32 bits, which wrap every
+    # 4.29 s, and a wrap between the two sides' closes put the child's
+    # 4.29 s before this process's)
     body = ("tracepoint:sched:sched_process_fork /args->parent_pid == $1 || "
             "@ours[args->parent_pid]/ { @ours[args->child_pid] = 1; }\n"
             "tracepoint:syscalls:sys_enter_close /pid == $1 || "
             f'(@ours[pid] && comm == "{detacher}")/ '
-            '{ printf("close %d %d %d\\n", nsecs, pid == $1 ? 0 : 1, args->fd); }\n')  # fmt: skip
+            '{ printf("close %llu %d %d\\n", nsecs, pid == $1 ? 0 : 1, args->fd); }\n')  # fmt: skip
     with Reaper() as reaper:
         bpftrace, out = start_bpftrace(body, os.getpid(), tmp_path, "closes")
         reaper.add(bpftrace)
