@@ -27,6 +27,10 @@ wait "$target" 2>/dev/null
 # would be bash for the first tens of milliseconds)
 /usr/bin/python3 -c 'import time; time.sleep(300)' &
 target=$!
+for _ in $(seq 100); do # (until the forked shell has exec'd python3)
+  [ "$(readlink "/proc/$target/exe")" != "$(readlink /proc/$$/exe)" ] && break
+  sleep 0.01
+done
 timeout 120 "$mtrace" --pid "$target" -o live --duration 0.1 >/dev/null 2>>"$log" \
   || failed=$((failed + 1))
 kill "$target" 2>/dev/null

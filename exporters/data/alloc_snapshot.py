@@ -662,8 +662,7 @@ class _Trimming:
             self.cut_to = np.concatenate([self.cut_to, np.full(grown, -1, np.int64)])
         to = self.cut_to[columns.ids]
         if (to < 0).any():
-            # (with its counts: np.unique alone imports numpy.ma at its first call, 6 ms)
-            for number in np.unique(columns.ids[to < 0], return_counts=True)[0].tolist():
+            for number in np.unique(columns.ids[to < 0]).tolist():
                 key = self.source.keys[number]
                 cut_key = (key[0], key[1], key[2], cut(key[0], key[3]), *key[4:])
                 self.cut_to[number] = self.catalog.number(cut_key)

@@ -164,8 +164,7 @@ class EventDecoder:
         probe_rows = np.flatnonzero(kinds == EventKind.PROBE)
         if len(probe_rows):
             sites = batch["site"][probe_rows]
-            # (with its counts: np.unique alone imports numpy.ma at its first call, 6 ms)
-            for site in np.unique(sites, return_counts=True)[0]:
+            for site in np.unique(sites):
                 rows = probe_rows[sites == site]
                 out.extend(self._decode_site(int(site), batch, rows))
         alloc_rows = np.flatnonzero((kinds == EventKind.ALLOC) | (kinds == EventKind.FREE))

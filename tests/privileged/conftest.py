@@ -34,14 +34,33 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, Any, None]:
-    """A privileged test that skips (a skip mark, pytest.skip, importorskip)
-    is reported failed, with the reason it gave: here, nothing may pass by
-    not running."""
+    """A privileged test that skips (a skip mark, pytest.skip, importorskip,
+    a fixture that skips) or is let fail (an xfail mark, pytest.xfail) is
+    reported failed, with the reason it gave: here, nothing may pass by not
+    running, or by not holding."""
     outcome = yield
     report = outcome.get_result()
-    if report.skipped and not hasattr(report, "wasxfail"):
-        report.outcome = "failed"
-        report.longrepr = f"a privileged test skipped, which fails here: {report.longrepr}"
+    if report.skipped or hasattr(report, "wasxfail"):
+        _failed(report, "a privileged test skipped or was let fail, which fails here")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, Any, None]:
+    """A privileged module that skips as it is collected (a module-level
+    pytest.skip or importorskip) is reported failed too: its tests never
+    reach ``pytest_runtest_makereport``."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and Path(str(collector.path)).is_relative_to(Path(__file__).parent):
+        _failed(report, "a privileged module skipped, which fails here")
+
+
+def _failed(report: pytest.TestReport | pytest.CollectReport, why: str) -> None:
+    report.outcome = "failed"
+    reason = getattr(report, "wasxfail", None) or report.longrepr
+    report.longrepr = f"{why}: {reason}"
+    if hasattr(report, "wasxfail"):
+        del report.wasxfail
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -210,9 +210,11 @@ def test_the_command_ends_without_the_interpreters_teardown() -> None:
 def test_a_command_started_with_its_output_or_errors_closed_ends_as_it_should() -> None:
     # GIVEN the command line started with its standard output closed, then
     # its standard error (as some service managers start programs)
-    for closed, code in ((">&-", 0), ("2>&-", 0)):
+    for closed in (">&-", "2>&-"):
         done = subprocess.run(["sh", "-c", f'exec "$0" "$@" {closed}', *MTRACE, "--version"],
                               capture_output=True, text=True, timeout=120)  # fmt: skip
-        # THEN it ends with its exit code, and no traceback
-        assert done.returncode == code, done.stderr
-        assert "Traceback" not in done.stderr
+        # THEN it ends with its exit code, 0 (and, where its errors are still
+        # open, no traceback on them)
+        assert done.returncode == 0, done.stderr
+        if closed == ">&-":
+            assert "Traceback" not in done.stderr

@@ -53,8 +53,6 @@ class Recorder:
         for i, value in enumerate(values):
             target[first + i] = value
 
-    write_mapped_array = write_array  # (an array written through its mapping: the same rows)
-
     def set_row(self, table: str, key: int, fields: tuple[int, ...],
                 only_existing: bool = False) -> bool:  # fmt: skip
         """As the kernel does: with ``only_existing``, refused where there is none."""

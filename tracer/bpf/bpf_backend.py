@@ -541,12 +541,9 @@ class BpfProgram:
         return bpf_syscalls.lookup_u32(self.map_fd(table), key, ctypes.sizeof(bcc_table.Leaf))
 
     def write_array(self, table: str, first: int, values: np.ndarray) -> None:
-        """``values`` into an array map from index ``first`` on, in one call."""
-        bpf_syscalls.update_array(self.map_fd(table), first, values)
-
-    def write_mapped_array(self, table: str, first: int, values: np.ndarray) -> None:
-        """``values`` into an array made BPF_F_MMAPABLE from index ``first``
-        on, through a mapping of its memory (map_table.write_mapped)."""
+        """``values`` into an array map from index ``first`` on: through a
+        mapping of its memory where it was made BPF_F_MMAPABLE, else in one
+        BPF_MAP_UPDATE_BATCH (map_table.write_mapped)."""
         map_table.write_mapped(self.map_fd(table), first, values)
 
     def set_tail_calls(self, table: str, slots: Mapping[int, str]) -> None:

@@ -124,7 +124,7 @@ _PID = ("--pid", "-p")
 _ASKING = ("--help", "-h", "--version", "-V")
 # An option that ends a trace without changing its program (make setup's
 # starts end so: scripts/warm-caches.sh), left out of the key.
-_UNKEYED = "--duration"
+UNKEYED = "--duration"
 
 
 def command_line_options(argv: list[str]) -> str | None:
@@ -143,14 +143,14 @@ def command_line_options(argv: list[str]) -> str | None:
     replace = False
     skip = False
     for token in head:
-        if skip or token.startswith(_UNKEYED + "="):
+        if skip or token.startswith(UNKEYED + "="):
             skip = False
             continue
         if replace:
             tokens.append(_program_of(token))
             replace = False
             continue
-        if token == _UNKEYED:
+        if token == UNKEYED:
             skip = True
             continue
         if token in _PID:

@@ -40,8 +40,8 @@ def _preload(params: dict[str, Any], prometheus: str | None) -> None:
 
     if preload.begun():
         return  # from the command line, before it was parsed (tracer/entry.py)
-    # (--duration left out, as from the command line's key: preload._UNKEYED)
-    unkeyed = ("pid", "command", "duration")
+    # (--duration left out, as from the command line's key)
+    unkeyed = ("pid", "command", preload.UNKEYED.removeprefix("--"))
     options = {name: value for name, value in params.items() if name not in unkeyed}
     options["prometheus"] = prometheus is not None
     command = params.get("command") or ()

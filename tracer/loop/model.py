@@ -115,8 +115,7 @@ class AllocatorModel(Sink):
         first = {}
         last = {}
         tgids = batch["tgid"]
-        # (with its counts: np.unique alone imports numpy.ma at its first call, 6 ms)
-        for pid in np.unique(tgids, return_counts=True)[0].tolist():
+        for pid in np.unique(tgids).tolist():
             mask = tgids == pid
             stamps = batch["ts"][mask]
             first[pid], last[pid] = int(stamps.min()), int(stamps.max())

@@ -293,8 +293,7 @@ class PythonUnwinder:
         for child, parent in zip(forked["tgid"].tolist(), forked["args"][:, 0].tolist(),
                                  strict=True):  # fmt: skip
             self._inherit(child, parent)
-        # (with its counts: np.unique alone imports numpy.ma at its first call, 6 ms)
-        for pid in np.unique(records["tgid"], return_counts=True)[0].tolist():
+        for pid in np.unique(records["tgid"]).tolist():
             if pid not in self.considered:
                 self.load(pid)
         self.pump()  # (before a process held at its exit is let go)

@@ -795,8 +795,8 @@ class UnwindTables:
                 return MappedFile(0, 0, segments, NO_ROOM)
             first, first_page = room
             self.counts["files"] += 1
-        self.program.write_mapped_array("unwind_rows", first, rows)
-        self.program.write_mapped_array("unwind_pages", first_page, pages)
+        self.program.write_array("unwind_rows", first, rows)
+        self.program.write_array("unwind_pages", first_page, pages)
         return MappedFile(first, len(rows), segments, "", first_page, len(pages), base)
 
     def _room(self, rows: int, pages: int) -> tuple[int, int] | None:
