@@ -10,16 +10,21 @@ from __future__ import annotations
 
 from enum import IntEnum
 from pathlib import Path
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from .elf import cfi
+from .elf.lazy import lazy_dtype, lazy_module
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = lazy_module("numpy")  # (at the first use: probes/elf/lazy.py)
 
 MAX_ARGS = 6  # struct event's args[]
 FRAME_DEPTH = 128  # frames kept of a stack walked by CFI (the call site and 127 callers)
 
 # struct event: one record of the ``events`` ring buffer.
-EVENT_DTYPE = np.dtype(
+EVENT_DTYPE = lazy_dtype(
     [
         ("ts", "<u8"),
         ("ip", "<u8"),
@@ -164,9 +169,9 @@ class AllocMisc(IntEnum):
 
 # struct proc_key and struct proc_hit (proc_hits), struct site_key, struct
 # site_stats (kmem_sites) and struct order_stats (page_orders).
-PROC_KEY_DTYPE = np.dtype([("tgid", "<u4"), ("probe", "<u4")])
-PROC_HIT_DTYPE = np.dtype([("count", "<u8"), ("comm", "S16")])
-SITE_KEY_DTYPE = np.dtype([("call_site", "<u8"), ("type", "<u4"), ("pad", "<u4")])
+PROC_KEY_DTYPE = lazy_dtype([("tgid", "<u4"), ("probe", "<u4")])
+PROC_HIT_DTYPE = lazy_dtype([("count", "<u8"), ("comm", "S16")])
+SITE_KEY_DTYPE = lazy_dtype([("call_site", "<u8"), ("type", "<u4"), ("pad", "<u4")])
 SITE_FIELDS = (
     "allocs",
     "bytes_req",
@@ -179,8 +184,8 @@ SITE_FIELDS = (
     "mismatched_frees",
     "unknown_frees",
 )
-SITE_STATS_DTYPE = np.dtype([(name, "<u8") for name in SITE_FIELDS])
-ORDER_STATS_DTYPE = np.dtype([("allocs", "<u8"), ("frees", "<u8")])
+SITE_STATS_DTYPE = lazy_dtype([(name, "<u8") for name in SITE_FIELDS])
+ORDER_STATS_DTYPE = lazy_dtype([("allocs", "<u8"), ("frees", "<u8")])
 
 # Stack ids of allocations from here on index alloc_frames, not `stacks`.
 ALLOC_FRAMES_BASE = 0x40000000
@@ -188,7 +193,7 @@ ALLOC_FRAMES_BASE = 0x40000000
 # struct alloc_key, struct alloc_stats and struct alloc_stack_row
 # (alloc_stacks), struct alloc_proc (alloc_procs), struct outstanding and
 # struct outstanding_row (outstanding).
-ALLOC_KEY_DTYPE = np.dtype(
+ALLOC_KEY_DTYPE = lazy_dtype(
     [
         ("call_site", "<u8"),
         ("tgid", "<u4"),
@@ -199,10 +204,10 @@ ALLOC_KEY_DTYPE = np.dtype(
     ]
 )
 ALLOC_STATS_FIELDS = ("calls", "bytes", "sizes", "frees", "bytes_freed", "sizes_freed", "last_ts")
-ALLOC_STATS_DTYPE = np.dtype([(name, "<u8") for name in ALLOC_STATS_FIELDS])
+ALLOC_STATS_DTYPE = lazy_dtype([(name, "<u8") for name in ALLOC_STATS_FIELDS])
 ALLOC_PROC_FIELDS = ("calls", "bytes", "frees", "unknown_frees", "failed", "untracked",
                      "booked_freed")  # fmt: skip
-ALLOC_PROC_DTYPE = np.dtype(
+ALLOC_PROC_DTYPE = lazy_dtype(
     [
         *((name, "<u8") for name in ALLOC_PROC_FIELDS),
         ("incarnation", "<u4"),
@@ -213,11 +218,11 @@ ALLOC_PROC_DTYPE = np.dtype(
 VM_PROC_FIELDS = ("mmap_calls", "mmap_bytes", "mmap_file_bytes", "munmap_calls", "munmap_bytes",
                   "mremap_calls", "mremap_grown", "mremap_shrunk", "brk_calls", "brk_grown",
                   "brk_shrunk")  # fmt: skip
-VM_PROC_DTYPE = np.dtype([(name, "<u8") for name in VM_PROC_FIELDS])
-ALLOC_STACK_ROW_DTYPE = np.dtype(
+VM_PROC_DTYPE = lazy_dtype([(name, "<u8") for name in VM_PROC_FIELDS])
+ALLOC_STACK_ROW_DTYPE = lazy_dtype(
     [("tag", "<u8"), ("key", ALLOC_KEY_DTYPE), ("stats", ALLOC_STATS_DTYPE)]
 )
-OUTSTANDING_DTYPE = np.dtype(
+OUTSTANDING_DTYPE = lazy_dtype(
     [
         ("key", ALLOC_KEY_DTYPE),
         ("size", "<u8"),
@@ -227,7 +232,7 @@ OUTSTANDING_DTYPE = np.dtype(
         ("stack_row", "<u4"),
     ]
 )
-OUTSTANDING_ROW_DTYPE = np.dtype(
+OUTSTANDING_ROW_DTYPE = lazy_dtype(
     [("tag", "<u8"), ("ptr", "<u8"), ("tgid", "<u4"), ("pad", "<u4"), ("value", OUTSTANDING_DTYPE)]
 )
 OUTSTANDING_FREE_TAGS = (0, 1)  # a row never used, a row freed since
@@ -235,11 +240,11 @@ OUTSTANDING_FREE_TAGS = (0, 1)  # a row never used, a row freed since
 # struct lock_key, struct lock_time (lock_times) and struct lock_stack_time
 # (lock_stack_times): the lock waits, timed (locks.bpf.c).
 LOCK_BUCKETS = 40
-LOCK_KEY_DTYPE = np.dtype([("futex", "<u8"), ("tgid", "<u4"), ("stack", "<i4")])
-LOCK_TIME_DTYPE = np.dtype(
+LOCK_KEY_DTYPE = lazy_dtype([("futex", "<u8"), ("tgid", "<u4"), ("stack", "<i4")])
+LOCK_TIME_DTYPE = lazy_dtype(
     [("count", "<u8"), ("total_ns", "<u8"), ("max_ns", "<u8"), ("hist", "<u8", (LOCK_BUCKETS,))]
 )
-LOCK_STACK_TIME_DTYPE = np.dtype([("count", "<u8"), ("total_ns", "<u8"), ("max_ns", "<u8")])
+LOCK_STACK_TIME_DTYPE = lazy_dtype([("count", "<u8"), ("total_ns", "<u8"), ("max_ns", "<u8")])
 
 
 class LockMisc(IntEnum):
@@ -255,19 +260,19 @@ class LockMisc(IntEnum):
 
 
 UNWIND_ROW_DTYPE = cfi.ROW  # struct unwind_row: probes/elf/cfi.py makes them
-UNWIND_MAP_DTYPE = np.dtype([("start", "<u8"), ("end", "<u8"), ("bias", "<u8"), ("first", "<u4"),
+UNWIND_MAP_DTYPE = lazy_dtype([("start", "<u8"), ("end", "<u8"), ("bias", "<u8"), ("first", "<u4"),
                              ("count", "<u4"), ("pages", "<u4"), ("page_count", "<u4"),
                              ("page_base", "<u4"), ("pad", "<u4"), ("file", "<u4"),
                              ("spare", "<u4")])  # fmt: skip
-UNWIND_PROC_DTYPE = np.dtype([("first", "<u4"), ("count", "<u4"), ("inherited", "<u4"),
+UNWIND_PROC_DTYPE = lazy_dtype([("first", "<u4"), ("count", "<u4"), ("inherited", "<u4"),
                               ("parent", "<u4")])  # fmt: skip
-UNWIND_FILE_KEY_DTYPE = np.dtype([("dev", "<u8"), ("ino", "<u8")])
-UNWIND_FILE_DTYPE = np.dtype([("first", "<u4"), ("count", "<u4"), ("pages", "<u4"),
+UNWIND_FILE_KEY_DTYPE = lazy_dtype([("dev", "<u8"), ("ino", "<u8")])
+UNWIND_FILE_DTYPE = lazy_dtype([("first", "<u4"), ("count", "<u4"), ("pages", "<u4"),
                               ("page_count", "<u4"), ("page_base", "<u4"), ("written", "<u4"),
                               ("seg_start", "<u8"), ("seg_end", "<u8"),
                               ("seg_delta", "<u8"), ("number", "<u4"), ("pad", "<u4")])  # fmt: skip
-PYTHON_STACK_DTYPE = np.dtype([("tgid", "<u4"), ("stack", "<i4")])
-PYTHON_PROC_DTYPE = np.dtype([("eval_lo", "<u8", (2,)), ("eval_hi", "<u8", (2,)),
+PYTHON_STACK_DTYPE = lazy_dtype([("tgid", "<u4"), ("stack", "<i4")])
+PYTHON_PROC_DTYPE = lazy_dtype([("eval_lo", "<u8", (2,)), ("eval_hi", "<u8", (2,)),
                               ("tss_at", "<u8"), ("slot_base", "<u4"),
                               ("slot_stride", "<u4"), ("tstate_cframe", "<u2"),
                               ("current_frame", "<u2"), ("frame_code", "<u2"),
@@ -275,7 +280,7 @@ PYTHON_PROC_DTYPE = np.dtype([("eval_lo", "<u8", (2,)), ("eval_hi", "<u8", (2,))
                               ("frame_owner", "<u2"), ("frame_is_entry", "<u2"),
                               ("code_adaptive", "<u2"), ("owner_cstack", "u1"),
                               ("pad", "u1", (7,))])  # fmt: skip
-UNWIND_VMAS_DTYPE = np.dtype([("maps", UNWIND_MAP_DTYPE, (4,)), ("next", "<u4"), ("pad", "<u4")])
+UNWIND_VMAS_DTYPE = lazy_dtype([("maps", UNWIND_MAP_DTYPE, (4,)), ("next", "<u4"), ("pad", "<u4")])
 
 
 class UnwindMisc(IntEnum):
@@ -314,8 +319,8 @@ UNWIND_VMA_COUNTS = frozenset({UnwindMisc.VMA_LOOKUPS, UnwindMisc.VMA_BUSY,
                                UnwindMisc.UNWRITTEN, UnwindMisc.VMA_FRAMES})  # fmt: skip
 
 
-THREAD_START_DTYPE = np.dtype([("start", "<u8"), ("tgid", "<u4"), ("pad", "<u4")])
-THREAD_TIME_DTYPE = np.dtype(
+THREAD_START_DTYPE = lazy_dtype([("start", "<u8"), ("tgid", "<u4"), ("pad", "<u4")])
+THREAD_TIME_DTYPE = lazy_dtype(
     [("done_ns", "<u8"), ("exited", "<u8"), ("first_ns", "<u8"), ("last_exit_ns", "<u8")]
 )
 

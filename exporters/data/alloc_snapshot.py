@@ -15,9 +15,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
-import numpy as np
+from mtrace_live.probes.elf.lazy import lazy_module
 from mtrace_live.probes.elf.maps import Mapping as FileMapping
 from mtrace_live.probes.frame_kinds import (
     JIT_NAME,
@@ -32,6 +32,11 @@ from .file_frames import FileFrames
 from .perf_map import PerfMap
 from .processes import process_name
 from .symbolize import JIT_MODULE, ProcessSymbols, Symbol, is_jit, is_python
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = lazy_module("numpy")  # (at the first use: probes/elf/lazy.py)
 
 
 @dataclass(frozen=True)
@@ -97,7 +102,7 @@ class StackCatalog:
         self.functions: dict[tuple[str, ...], int] = {}
         self._tgids: list[int] = []
         self._codes: list[int] = []
-        self._arrays = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = None  # (numpy: at the first read)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -125,7 +130,7 @@ class StackCatalog:
         return self._columns()[1]
 
     def _columns(self) -> tuple[np.ndarray, np.ndarray]:
-        if len(self._arrays[0]) != len(self.keys):
+        if self._arrays is None or len(self._arrays[0]) != len(self.keys):
             self._arrays = (np.array(self._tgids, np.int64), np.array(self._codes, np.int64))
         return self._arrays
 

@@ -12,11 +12,17 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import numpy as np
 from mtrace_live.probes.catalog import ProbeSpec
+from mtrace_live.probes.elf.lazy import lazy_module
 from mtrace_live.probes.locations import SiteLayout
 from mtrace_live.probes.records import ALLOC_FN_NAMES, MAX_ARGS, AllocArg, AllocFn, EventKind
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = lazy_module("numpy")  # (at the first use: probes/elf/lazy.py)
 
 # Roles whose values read best in hex.
 HEX_ROLES = frozenset(

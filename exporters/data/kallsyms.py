@@ -8,8 +8,15 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
+from mtrace_live.probes.elf.lazy import lazy_module
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = lazy_module("numpy")  # (at the first use: probes/elf/lazy.py)
+
 
 KALLSYMS = Path("/proc/kallsyms")
 _TEXT_TYPES = frozenset("tTwW")

@@ -25,9 +25,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-import numpy as np
+from mtrace_live.probes.elf.lazy import lazy_module
 from mtrace_live.probes.errors import OutputError
 from mtrace_live.probes.records import EventKind
 
@@ -37,6 +37,11 @@ from .events import Event, EventDecoder, SiteInfo
 from .kmem import KmemTotals
 from .lock_waits import LockWaits
 from .wrappers import Wrappers
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = lazy_module("numpy")  # (at the first use: probes/elf/lazy.py)
 
 
 class RunStats(NamedTuple):

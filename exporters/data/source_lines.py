@@ -21,10 +21,16 @@ import bisect
 import contextlib
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
 from mtrace_live.probes.elf.facts import private_file
-from mtrace_live.probes.elf.line_table import NO_ROWS, RANGES, LineTables, UnitRows
+from mtrace_live.probes.elf.lazy import lazy_module
+from mtrace_live.probes.elf.line_table import RANGES, LineTables, UnitRows, no_rows
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = lazy_module("numpy")  # (at the first use: probes/elf/lazy.py)
 
 DEFAULT_CACHE = Path("/var/cache/mtrace-live/lines")
 CACHE_FORMAT = 1
@@ -194,7 +200,7 @@ class LineIndex:
             found = self._cache.unit(self.key, unit)
             if found is None:
                 tables = self._open()
-                found = tables.unit(unit) if tables is not None else NO_ROWS
+                found = tables.unit(unit) if tables is not None else no_rows()
                 if tables is not None:
                     self._cache.store_unit(self.key, unit, found)
             self._units[unit] = found

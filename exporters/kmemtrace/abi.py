@@ -16,10 +16,15 @@ import re
 from collections.abc import Sequence
 from enum import IntEnum
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import numpy as np
+from mtrace_live.probes.elf.lazy import lazy_dtype, lazy_module
 from mtrace_live.probes.meanings import meanings
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = lazy_module("numpy")  # (at the first use: probes/elf/lazy.py)
 
 ABI_VERSION = 3
 READABLE_ABI_VERSIONS = (1, 2, 3)
@@ -107,17 +112,15 @@ _USER = [("u_size", "=u2"), ("u_id", "u1"), ("fn", "u1"), ("u_reserved", "=u4"),
 USER_FEATURE_SIZE = 24
 NO_FUNCTION = 0xFF  # DECODED.fn of a record that is not a user-space allocation or free
 
-ALLOC_RECORD = np.dtype(_CORE + _ALLOC)
-FREE_RECORD = np.dtype(_CORE)
-PROBE_RECORD = np.dtype(_CORE + _PROBE)
-ALLOC_TASK_RECORD = np.dtype(_CORE + _ALLOC + _TASK)
-FREE_TASK_RECORD = np.dtype(_CORE + _TASK)
-PROBE_TASK_RECORD = np.dtype(_CORE + _PROBE + _TASK)
-USER_ALLOC_RECORD = np.dtype(_CORE + _ALLOC + _TASK + _USER)
-USER_FREE_RECORD = np.dtype(_CORE + _TASK + _USER)
-assert (USER_ALLOC_RECORD.itemsize, USER_FREE_RECORD.itemsize) == (96, 72)
-assert (FREE_RECORD.itemsize, ALLOC_RECORD.itemsize, PROBE_RECORD.itemsize) == (24, 48, 80)
-assert PROBE_TASK_RECORD.itemsize == PROBE_SIZE + TASK_FEATURE_SIZE
+ALLOC_RECORD = lazy_dtype(_CORE + _ALLOC)
+FREE_RECORD = lazy_dtype(_CORE)
+PROBE_RECORD = lazy_dtype(_CORE + _PROBE)
+ALLOC_TASK_RECORD = lazy_dtype(_CORE + _ALLOC + _TASK)
+FREE_TASK_RECORD = lazy_dtype(_CORE + _TASK)
+PROBE_TASK_RECORD = lazy_dtype(_CORE + _PROBE + _TASK)
+USER_ALLOC_RECORD = lazy_dtype(_CORE + _ALLOC + _TASK + _USER)
+USER_FREE_RECORD = lazy_dtype(_CORE + _TASK + _USER)
+# (their sizes: tests/unit/test_kmemtrace_format.py; made at the first use, numpy)
 
 # Files of a record set besides cpuN.
 ABI_FILE = "abi_version"
@@ -177,7 +180,7 @@ def parse_cpu_list(text: str) -> list[int]:
 # ---- reading ----------------------------------------------------------------
 
 # One decoded record; args only mean something for EventId.PROBE.
-DECODED = np.dtype(
+DECODED = lazy_dtype(
     [
         ("seq", "<i8"),  # unwrapped, then made global across files
         ("call_site", "<u8"),

@@ -18,25 +18,25 @@ import struct
 from collections.abc import Iterator
 from typing import IO, TYPE_CHECKING
 
-import numpy as np
-
 from ..elf.file import LoadSegment, file_offset, load_segments
-from ..elf.lazy import lazy_module
+from ..elf.lazy import lazy_dtype, lazy_module
 from ..elf.symbols import STT_FUNC, STT_GNU_IFUNC, SymbolTable, symbol_table
 from ..uprobe_sites import disassemble
 
 if TYPE_CHECKING:
+    import numpy as np
     from capstone import x86
     from elftools.elf.elffile import ELFFile
     from elftools.elf.sections import Section
 else:  # (imported at the first disassembly: mtrace_live.probes.elf.lazy)
     x86 = lazy_module("capstone.x86")
+    np = lazy_module("numpy")  # (at the first use: probes/elf/lazy.py)
 
 R_X86_64_64 = 1
 R_X86_64_GLOB_DAT = 6
 R_X86_64_JUMP_SLOT = 7
 R_X86_64_RELATIVE = 8
-_RELA = np.dtype([("offset", "<u8"), ("info", "<u8"), ("addend", "<i8")])
+_RELA = lazy_dtype([("offset", "<u8"), ("info", "<u8"), ("addend", "<i8")])
 SHF_ALLOC = 2
 
 

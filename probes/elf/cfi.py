@@ -34,17 +34,19 @@ from enum import IntEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from ..errors import NotElfError, TargetError
 from . import _cfi
 from .file import build_id, elf_failures, not_elf, open_elf
+from .lazy import lazy_dtype, lazy_module
 
 if TYPE_CHECKING:
+    import numpy as np
     from elftools.elf.elffile import ELFFile
+else:
+    np = lazy_module("numpy")  # (at the first use: probes/elf/lazy.py)
 
 # The rows, as struct unwind_row in probes/bpf/unwind.bpf.c.
-ROW = np.dtype([("pc", "<u4"), ("cfa_off", "<i4"), ("rbp_off", "<i2"), ("cfa", "u1"),
+ROW = lazy_dtype([("pc", "<u4"), ("cfa_off", "<i4"), ("rbp_off", "<i2"), ("cfa", "u1"),
                 ("rbp", "u1")])  # fmt: skip
 
 

@@ -17,12 +17,20 @@ rows (from its first row's address to its last's).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
+from .lazy import lazy_dtype, lazy_module
 
-RANGES = np.dtype("<u8")  # (start, end, unit) triples, shape (n, 3)
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = lazy_module("numpy")  # (at the first use: probes/elf/lazy.py)
+
+
+RANGES = lazy_dtype("<u8")  # (start, end, unit) triples, shape (n, 3)
 _LAST = (1 << 64) - 1
 
 
@@ -60,7 +68,10 @@ class UnitRows:
         return not len(names) or (int(names.min()) >= -1 and int(names.max()) < len(self.names))
 
 
-NO_ROWS = UnitRows(np.zeros(0, dtype="<u8"), np.zeros((0, 2), dtype="<i4"), ())
+@functools.cache
+def no_rows() -> UnitRows:
+    """A unit without rows (its arrays made at the first use: numpy)."""
+    return UnitRows(np.zeros(0, dtype="<u8"), np.zeros((0, 2), dtype="<i4"), ())
 
 
 class LineTables:

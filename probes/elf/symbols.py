@@ -13,17 +13,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-import numpy as np
-
 from .facts import file_fact
 from .file import file_offset, load_segments, open_elf
 from .lazy import lazy_module
 
 if TYPE_CHECKING:
+    import numpy as np
     from elftools.elf import sections
     from elftools.elf.elffile import ELFFile
 else:  # (pyelftools: at a file's first parse)
     sections = lazy_module("elftools.elf.sections")
+    np = lazy_module("numpy")  # (at the first use: probes/elf/lazy.py)
 
 STT_FUNC = 2
 STT_GNU_IFUNC = 10

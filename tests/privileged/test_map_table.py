@@ -212,9 +212,9 @@ def test_a_run_of_rows_written_through_a_mapping_is_what_bpftool_dumps(
     run = np.zeros(300, dtype=TWELVE)
     run["pc"] = np.arange(1000, 1300)
     run["off"], run["a"], run["b"], run["c"] = -8, -16, 1, 2
-    map_table.write_mapped(fd, 250, run)
-    map_table.write_mapped(fd, 999, run[:1])
-    map_table.write_mapped(fd, 0, run[:0])  # (nothing)
+    map_table.write_mapped(fd, 250, map_table.slots(run), TWELVE.itemsize)
+    map_table.write_mapped(fd, 999, map_table.slots(run[:1]), TWELVE.itemsize)
+    map_table.write_mapped(fd, 0, map_table.slots(run[:0]), TWELVE.itemsize)  # (nothing)
     # THEN bpftool dumps exactly those rows there, and zeros elsewhere
     dumped = {int.from_bytes(raw(entry["key"]), "little"): raw(entry["value"])
               for entry in dump(name)}  # fmt: skip

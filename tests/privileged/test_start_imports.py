@@ -2,7 +2,9 @@
 
 A start whose program and facts are kept (the second with the same
 options) must not have imported, by its "Ctrl-C to stop" line, what only a
-cold start or the trace's end needs: bcc (it only compiles: a program from
+cold start, the trace's events or its end need: numpy (the trace's
+first events are read after the line: before it, the unwind rows and every
+table are written as raw bytes, probes/elf/lazy.py), bcc (it only compiles: a program from
 the cache is loaded, attached and its maps read without it), the
 disassembler (capstone: the allocation sites, the lock-wait site and the
 derived probes are kept facts), the Rust demangler (pyderust: frames are named after the line), the
@@ -10,10 +12,7 @@ live view (rich: -o json has none), the DWARF line reader (_lines:
 naming) and pyelftools' parser (the start opens no ELF file: the file
 server, forked at the start, imports it itself, tracer/unwind/file_server.py).
 The tracer runs under a small wrapper that writes the names in
-sys.modules at the moment the line is written to its stderr.
-
-numpy is still imported before the line; docs/performance.md, section 12,
-says what is left."""
+sys.modules at the moment the line is written to its stderr."""
 
 from __future__ import annotations
 
@@ -29,7 +28,8 @@ from .tracing import Reaper, wait_for_detach, wait_for_line
 
 READY = "Ctrl-C to stop"
 # never imported by a warm start before its line
-NOT_BEFORE_THE_LINE = ("bcc", "capstone", "pyderust", "rich", "mtrace_live.probes.elf._lines",
+NOT_BEFORE_THE_LINE = ("numpy", "bcc", "capstone", "pyderust", "rich",
+                       "mtrace_live.probes.elf._lines",
                        "elftools.elf.elffile", "elftools.dwarf.dwarfinfo",
                        # the standard library's heavier tools, for cold starts, commands
                        # and the end: importlib.resources and tempfile bring zipfile,
@@ -54,6 +54,10 @@ runpy.run_module("mtrace_live.tracer.cli", run_name="__main__")
 """
 
 
+# a Python process that says it runs, then sleeps
+PYTHON_SLEEPS = "import sys, time; print('sleeping', flush=True); time.sleep(600)"
+
+
 def modules_at_the_line(target: int, tmp: Path, run: int, output: str = "json") -> list[str]:
     """A start with --pid ``target`` -o ``output``: the modules loaded at its line."""
     names, err = tmp / f"modules-{run}.json", tmp / f"trace-{run}.err"
@@ -68,10 +72,11 @@ def modules_at_the_line(target: int, tmp: Path, run: int, output: str = "json") 
     return loaded
 
 
-def test_a_warm_start_imports_no_disassembler_demangler_live_view_or_line_reader(
+def test_a_warm_start_imports_no_numpy_disassembler_demangler_live_view_or_line_reader(
     tmp_path: Path,
 ) -> None:
-    # GIVEN a sleeping process, traced once (the program and its facts kept)
+    # GIVEN a sleeping process, traced once (the program and its facts kept),
+    # and a sleeping Python process (its trace walks Python frames too)
     with Reaper() as reaper:
         sleeper = reaper.add(subprocess.Popen(["sleep", "600"]))
         first = modules_at_the_line(sleeper.pid, tmp_path, 1)
@@ -79,13 +84,21 @@ def test_a_warm_start_imports_no_disassembler_demangler_live_view_or_line_reader
         # view (the default on a terminal: drawn only once the trace is on)
         loaded = modules_at_the_line(sleeper.pid, tmp_path, 2)
         in_view = modules_at_the_line(sleeper.pid, tmp_path, 3, "live")
-    # THEN neither start has loaded any of them by its line
-    for names in (loaded, in_view):
+        # AND the Python process, twice (the first keeps its interpreter's facts)
+        python = reaper.add(subprocess.Popen(["/usr/bin/python3", "-c", PYTHON_SLEEPS],
+                                             stdout=subprocess.PIPE))  # fmt: skip
+        assert python.stdout is not None and python.stdout.readline() == b"sleeping\n"
+        python.stdout.close()
+        modules_at_the_line(python.pid, tmp_path, 4)
+        of_python = modules_at_the_line(python.pid, tmp_path, 5)
+    # THEN none of those starts has loaded any of them by its line
+    for start, names in (("-o json", loaded), ("-o live", in_view), ("Python", of_python)):
         assert "mtrace_live.tracer.loop.live" in names  # (the names are the tracer's own)
         heavy = [name for name in names if any(name == top or name.startswith(f"{top}.")
                                                for top in NOT_BEFORE_THE_LINE)]  # fmt: skip
-        assert heavy == [], f"imported before the line: {heavy}"
+        assert heavy == [], f"{start}: imported before the line: {heavy}"
     assert "mtrace_live.exporters.live_view" in in_view  # (its sink made: the module is light)
+    assert "mtrace_live.tracer.unwind.python" in of_python
     # (the first start is cold where this code's facts were never kept: it
     # may disassemble; either way it reached its line)
     assert "mtrace_live.tracer.loop.live" in first

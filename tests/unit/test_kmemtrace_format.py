@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from mtrace_live.exporters.kmemtrace import abi
 from mtrace_live.exporters.kmemtrace.abi import ABI_VERSION, EventId, TypeId
 from mtrace_live.exporters.kmemtrace.reader import read_record_set
 from mtrace_live.exporters.kmemtrace.writer import KmemtraceWriter, encode
@@ -31,6 +32,22 @@ def event(kind: int, probe: int, site: int, args: list[int], *, cpu: int = 0, ip
     row["probe"], row["site"], row["kind"], row["nargs"] = probe, site, kind, len(args)
     row["args"][0, : len(args)] = args
     return row
+
+
+def test_each_record_type_has_the_size_of_its_blocks() -> None:
+    # GIVEN the ABI's blocks: the core (id 1, type 1, size 2, sequence 4,
+    # caller 8, pointer 8), an allocation's (requested 8, allocated 8, flags 4,
+    # target CPU 4), a probe's (80 with the core), the task and user features (24)
+    core, alloc, task, user = 1 + 1 + 2 + 4 + 8 + 8, 8 + 8 + 4 + 4, 24, 24
+    # THEN each record type is its blocks, byte for byte
+    assert (abi.FREE_RECORD.itemsize, abi.ALLOC_RECORD.itemsize) == (core, core + alloc)
+    assert (abi.PROBE_RECORD.itemsize, abi.PROBE_SIZE) == (80, 80)
+    assert abi.FREE_TASK_RECORD.itemsize == core + task
+    assert abi.ALLOC_TASK_RECORD.itemsize == core + alloc + task
+    assert abi.PROBE_TASK_RECORD.itemsize == 80 + task
+    assert abi.USER_ALLOC_RECORD.itemsize == core + alloc + task + user == 96
+    assert abi.USER_FREE_RECORD.itemsize == core + task + user == 72
+    assert (task, user) == (abi.TASK_FEATURE_SIZE, abi.USER_FEATURE_SIZE)
 
 
 def one_record(row: np.ndarray, seq: int = 7) -> bytes:

@@ -1,7 +1,8 @@
-"""mtrace_live.probes.elf.lazy: a module imported at its first use."""
+"""mtrace_live.probes.elf.lazy: a module imported, or a numpy dtype made, at its first use."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -42,3 +43,28 @@ def test_a_missing_name_raises_attribute_error_and_a_missing_module_import_error
         _ = lazy_module("lazy_probe_module").NOT_THERE
     with pytest.raises(ImportError):
         _ = lazy_module("no_such_module_here").ANYTHING
+
+
+# a fresh interpreter: numpy is not imported by the layouts made, and each
+# is the dtype it stands for wherever numpy takes a dtype
+LAYOUTS_UNUSED = """
+import subprocess
+import sys
+from mtrace_live.probes.elf.lazy import lazy_dtype
+inner = lazy_dtype([("pc", "<u4"), ("off", "<i8")])
+outer = lazy_dtype([("rows", inner, (2,)), ("count", "<u4")])
+assert "numpy" not in sys.modules
+import numpy as np
+real = np.dtype([("pc", "<u4"), ("off", "<i8")])
+assert (inner.itemsize, outer.itemsize, inner.names) == (12, 28, ("pc", "off"))
+assert inner == real and real == inner and np.dtype(inner) == real and hash(inner) == hash(real)
+assert np.zeros(3, inner).dtype == real and np.frombuffer(bytes(24), inner).dtype == real
+assert np.zeros(2, "u1").repeat(12).view(inner).dtype == real
+assert np.zeros(1, outer)["rows"].shape == (1, 2) and inner["off"] == np.dtype("<i8")
+print("ok")
+"""
+
+
+def test_a_lazy_dtype_imports_numpy_at_its_first_use_and_acts_as_the_dtype() -> None:
+    done = subprocess.run([sys.executable, "-c", LAYOUTS_UNUSED], capture_output=True, text=True)
+    assert done.stdout == "ok\n", done.stderr

@@ -15,6 +15,8 @@ import pytest
 from mtrace_live.probes import records
 from mtrace_live.probes.elf import cfi
 from mtrace_live.probes.locations import ArgKind
+from mtrace_live.tracer.unwind import file_server, unwind_rows, unwind_tables
+from mtrace_live.tracer.unwind import python as python_frames
 from pycparser import c_ast, parse_file
 
 # The kernel's fixed-width types, as bcc's headers define them.
@@ -183,3 +185,43 @@ def test_a_changed_field_is_seen() -> None:
     assert offsets == {"tgid": (0, 4), "ts": (8, 8), "cpu": (16, 2)} and size == 24
     dtype = np.dtype([("tgid", "<u8"), ("ts", "<u8"), ("cpu", "<u2")])
     assert offsets != dtype_layout(dtype)
+
+
+def test_the_values_written_and_read_as_raw_bytes_have_their_dtypes_layouts() -> None:
+    # GIVEN the values the trace writes before its line with struct, not
+    # numpy (tracer/unwind), and the asks the file server reads so: a value
+    # for each field, distinct from every other
+    def filled(dtype: np.dtype) -> list[int]:
+        """A distinct value that fits each scalar of ``dtype`` (arrays flattened)."""
+        values = []
+        for name in dtype.names or ():
+            base, shape = dtype[name].base, dtype[name].shape
+            for _ in range(int(np.prod(shape)) if shape else 1):
+                values.append((len(values) + 1) % (1 << (8 * base.itemsize - 1)))
+        return values
+
+    def fields_of(raw: bytes, dtype: np.dtype) -> list[int]:
+        (record,) = np.frombuffer(raw, dtype=dtype)
+        return [int(v) for name in dtype.names or () for v in np.ravel(record[name])]
+
+    # WHEN each is packed with its struct and read back with its dtype
+    packed = {
+        "unwind_file": (unwind_rows._FILE, records.UNWIND_FILE_DTYPE),
+        "unwind_file_key": (unwind_rows._FILE_KEY, records.UNWIND_FILE_KEY_DTYPE),
+        "unwind_map": (unwind_tables._MAP_ENTRY, records.UNWIND_MAP_DTYPE),
+    }
+    for name, (layout_struct, dtype) in packed.items():
+        values = filled(dtype)
+        # THEN every field is where the dtype (and so records.h) has it
+        assert layout_struct.size == dtype.itemsize, name
+        assert fields_of(layout_struct.pack(*values), dtype) == values, name
+    # (python_procs' value: its trailing pad is the struct's own zeros)
+    values = filled(records.PYTHON_PROC_DTYPE)[:-7]
+    raw = python_frames._PYTHON_PROC.pack(*values)
+    assert len(raw) == records.PYTHON_PROC_DTYPE.itemsize
+    assert fields_of(raw, records.PYTHON_PROC_DTYPE) == [*values, *[0] * 7]
+    # AND an ask written as struct event gives the server its tgid and args
+    event = np.zeros(1, dtype=records.EVENT_DTYPE)
+    event["tgid"], event["args"], event["tid"], event["ustack"] = 4321, [[1, 2, 3, 4, 5, 6]], 9, -1
+    tgid, *args = file_server._ASK.unpack(event.tobytes())
+    assert (tgid, args) == (4321, [1, 2, 3, 4, 5, 6])

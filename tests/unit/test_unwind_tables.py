@@ -14,9 +14,19 @@ import pytest
 from mtrace_live.probes.elf.cfi import CFA_RSP, ROW, read_cfi, rule_at
 from mtrace_live.probes.elf.file import load_segments, open_elf
 from mtrace_live.probes.elf.symbols import symbol_table
-from mtrace_live.probes.records import UNWIND_FILE_DTYPE
-from mtrace_live.tracer.unwind.unwind_rows import CACHE_FORMAT, RowCache, file_key, kernel_file_key
+from mtrace_live.probes.records import UNWIND_FILE_DTYPE, UNWIND_MAP_DTYPE
+from mtrace_live.tracer.unwind.unwind_rows import (
+    CACHE_FORMAT,
+    RowCache,
+    file_key,
+    kernel_file_key,
+    packed,
+)
 from mtrace_live.tracer.unwind.unwind_tables import UnwindTables, exec_mappings
+
+# the layout of each array the tables write (records.h, unwind.bpf.c)
+LAYOUTS = {"unwind_rows": ROW, "unwind_pages": "<u4", "unwind_maps": UNWIND_MAP_DTYPE,
+           "unwind_rtld": "<i8", "unwind_files_gen": "<u4"}  # fmt: skip
 
 
 class Recorder:
@@ -47,10 +57,14 @@ class Recorder:
     def row_bytes(self, table: str, key: int) -> bytes | None:
         return None
 
-    def write_array(self, table: str, first: int, values: np.ndarray) -> None:
+    def write_array(self, table: str, first: int, data: bytes) -> None:
+        """Each value of ``data`` (in its array's slots) as a record of its layout."""
         self.writes += 1
+        layout = np.dtype(LAYOUTS[table])
+        slotted = np.dtype({"names": ["value"], "formats": [layout], "offsets": [0],
+                            "itemsize": -(-layout.itemsize // 8) * 8})  # fmt: skip
         target = self.arrays.setdefault(table, {})
-        for i, value in enumerate(values):
+        for i, value in enumerate(np.frombuffer(data, dtype=slotted)["value"]):
             target[first + i] = value
 
     def set_row(self, table: str, key: int, fields: tuple[int, ...],
@@ -90,18 +104,34 @@ def test_the_executable_mappings_of_a_process_are_its_code() -> None:
 
 
 def test_rows_are_kept_by_build_id_and_read_back_only_from_a_private_file(tmp_path: Path) -> None:
+    # GIVEN rows at 0x1010, 0x1020 and 0x3030: pages 0x1000 to 0x3000
     cache = RowCache(tmp_path / "cfi")
     rows = np.zeros(3, dtype=ROW)
-    rows["pc"] = [16, 32, 48]
-    cache.store("ab12", rows)
-    assert np.array_equal(cache.load("ab12"), rows)
+    rows["pc"], rows["cfa_off"], rows["rbp"] = [0x1010, 0x1020, 0x3030], [8, -16, 24], [1, 2, 3]
+    # WHEN they are kept, and read back
+    cache.store("ab12", packed(rows))
+    kept = cache.load("ab12")
+    # THEN they are the same rows, each in its 16 bytes as the kernel's array
+    # holds it, and the page index: the row in force at each page's start
+    assert kept is not None and np.array_equal(kept.row_array(), rows)
+    assert (kept.count, len(kept.rows), kept.page_base) == (3, 48, 0x1000)
+    assert bytes(kept.rows[16:28]) == rows[1].tobytes() and bytes(kept.rows[28:32]) == bytes(4)
+    assert [int.from_bytes(kept.pages[i : i + 4], "little") for i in (0, 8, 16)] == [0, 1, 1]
     assert cache.load("cd34") is None and cache.load(None) is None
+    path = tmp_path / "cfi" / f"ab12.v{CACHE_FORMAT}.rows"
+    # a file cut short, or longer than its header says, is not read
+    whole = path.read_bytes()
+    for damaged in (whole[:-1], whole + bytes(8), whole[:20]):
+        path.write_bytes(damaged)
+        assert cache.load("ab12") is None
+    path.write_bytes(whole)
+    assert cache.load("ab12") is not None
     # a file others could have written is not trusted
-    os.chmod(tmp_path / "cfi" / f"ab12.v{CACHE_FORMAT}.npy", 0o666)
+    os.chmod(path, 0o666)
     assert cache.load("ab12") is None
     # a name that is no build-id makes no path
-    cache.store("../x", rows)
-    assert not (tmp_path / f"x.v{CACHE_FORMAT}.npy").exists()
+    cache.store("../x", packed(rows))
+    assert not (tmp_path / f"x.v{CACHE_FORMAT}.rows").exists()
 
 
 def test_a_mapping_s_bias_turns_a_pc_into_the_address_the_cfi_rows_use(

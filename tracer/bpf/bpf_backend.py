@@ -18,9 +18,9 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+from mtrace_live.probes.elf.lazy import lazy_module
 from mtrace_live.probes.errors import (
     AttachError,
     BccUnavailableError,
@@ -54,6 +54,11 @@ from mtrace_live.tracer.bpf.kernel_btf import BtfUnavailable, KernelBtf
 from mtrace_live.tracer.bpf.privileges import require_privileges
 from mtrace_live.tracer.bpf.trace_tables import TraceTables
 from mtrace_live.tracer.bpf.tracefs import tracefs_root
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = lazy_module("numpy")  # (at the first use: probes/elf/lazy.py)
 
 
 def import_bcc() -> Any:
@@ -540,11 +545,13 @@ class BpfProgram:
         bcc_table = self._bpf[table]
         return bpf_syscalls.lookup_u32(self.map_fd(table), key, ctypes.sizeof(bcc_table.Leaf))
 
-    def write_array(self, table: str, first: int, values: np.ndarray) -> None:
-        """``values`` into an array map from index ``first`` on: through a
-        mapping of its memory where it was made BPF_F_MMAPABLE, else in one
+    def write_array(self, table: str, first: int, data: bytes | memoryview) -> None:
+        """``data``, a run of an array map's values each in its slot
+        (map_table.slots), from index ``first`` on: through a mapping of its
+        memory where it was made BPF_F_MMAPABLE, else in one
         BPF_MAP_UPDATE_BATCH (map_table.write_mapped)."""
-        map_table.write_mapped(self.map_fd(table), first, values)
+        leaf = ctypes.sizeof(self._bpf[table].Leaf)
+        map_table.write_mapped(self.map_fd(table), first, data, leaf)
 
     def set_tail_calls(self, table: str, slots: Mapping[int, str]) -> None:
         """Each slot of a program array given the uprobe-type program named."""

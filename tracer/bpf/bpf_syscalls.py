@@ -21,6 +21,7 @@ little on every program run, so mtrace-live enables them only when asked
 
 from __future__ import annotations
 
+import array
 import ctypes
 import errno
 import os
@@ -232,21 +233,19 @@ class BatchReader:
         return self._keys[:count].copy(), self._values[:count].copy()
 
 
-def update_array(map_fd: int, first: int, values: np.ndarray) -> None:
-    """Write ``values`` (a contiguous array of the map's value type) into a
-    BPF array at indexes ``first``... in one BPF_MAP_UPDATE_BATCH; OSError
-    with the kernel's errno when it refuses."""
-    import numpy as np
-
-    count = len(values)
+def update_array(map_fd: int, first: int, values: bytes | memoryview, count: int) -> None:
+    """Write ``count`` values (``values``: the map's value type, back to
+    back) into a BPF array at indexes ``first``... in one
+    BPF_MAP_UPDATE_BATCH; OSError with the kernel's errno when it refuses."""
     if count == 0:
         return
-    keys = np.arange(first, first + count, dtype=np.uint32)
-    values = np.ascontiguousarray(values)
+    keys = array.array("I", range(first, first + count))
+    key_buffer = (ctypes.c_char * (4 * count)).from_buffer(keys)
+    value_buffer = ctypes.create_string_buffer(bytes(values), len(values))
     attr = ctypes.create_string_buffer(56)
     # in_batch, out_batch (unused), keys, values, count, map_fd, elem_flags, flags
-    struct.pack_into("=QQQQIIQQ", attr, 0, 0, 0, keys.ctypes.data, values.ctypes.data, count,
-                     map_fd, 0, 0)  # fmt: skip
+    struct.pack_into("=QQQQIIQQ", attr, 0, 0, 0, ctypes.addressof(key_buffer),
+                     ctypes.addressof(value_buffer), count, map_fd, 0, 0)  # fmt: skip
     if _bpf(BPF_MAP_UPDATE_BATCH, attr, long=count > 4096) < 0:
         error = ctypes.get_errno()
         raise OSError(error, f"BPF_MAP_UPDATE_BATCH: {os.strerror(error)}")

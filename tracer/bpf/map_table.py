@@ -256,30 +256,49 @@ class MappedArray:
             self._mapped.close()
 
 
-def write_mapped(map_fd: int, first: int, values: np.ndarray) -> None:
-    """``values`` (a run of the array's value type) written at indexes
-    ``first``... of an array made BPF_F_MMAPABLE, through a shared mapping
-    of just the pages they fall in: a copy of memory, where a batched
+def slot_size(value_size: int) -> int:
+    """The bytes an array map keeps a value of ``value_size`` in: whole 8-byte units."""
+    return -(-value_size // 8) * 8
+
+
+def slots(values: np.ndarray) -> bytes:
+    """``values`` laid out as an array map's memory holds them, each in a
+    slot of ``slot_size`` bytes (the input of ``write_mapped``)."""
+    import numpy as np
+
+    size = values.dtype.itemsize
+    if slot_size(size) == size:
+        return np.ascontiguousarray(values).tobytes()
+    pad = f"V{slot_size(size) - size}"
+    padded = np.zeros(len(values), dtype=[("value", values.dtype), ("pad", pad)])
+    padded["value"] = values
+    return padded.tobytes()
+
+
+def write_mapped(map_fd: int, first: int, data: bytes | memoryview, value_size: int) -> None:
+    """``data`` (a run of the array's values of ``value_size`` bytes, each
+    in its slot as ``slots`` lays them out) written at indexes ``first``...
+    of an array made BPF_F_MMAPABLE, through a shared mapping of just the
+    pages they fall in: one copy of memory, with no numpy, where a batched
     update costs the kernel an update a row (5 to 6 ms for a libc's 31,000
     rows and their page index). Where the array cannot be mapped so, by
     BPF_MAP_UPDATE_BATCH. OSError with the kernel's errno when it refuses."""
-    import numpy as np
-
-    count, size = len(values), values.dtype.itemsize
+    slot = slot_size(value_size)
+    count = len(data) // slot
     if count == 0:
         return
-    slot = -(-size // 8) * 8  # (the kernel keeps each value in 8-byte units)
     start = first * slot
     offset = start - start % mmap.PAGESIZE
     try:
         window = mmap.mmap(map_fd, start + count * slot - offset, mmap.MAP_SHARED,
                            mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)  # fmt: skip
     except (OSError, ValueError):
-        bpf_syscalls.update_array(map_fd, first, values)
+        view = memoryview(data)
+        packed = view if slot == value_size else b"".join(
+            view[i : i + value_size] for i in range(0, count * slot, slot))  # fmt: skip
+        bpf_syscalls.update_array(map_fd, first, packed, count)
         return
-    slots = np.dtype({"names": ["value"], "formats": [values.dtype], "offsets": [0],
-                      "itemsize": slot})  # fmt: skip
-    try:  # (the view, a temporary, is gone before the window closes)
-        np.frombuffer(window, dtype=slots, count=count, offset=start - offset)["value"] = values
+    try:
+        window[start - offset : start - offset + count * slot] = data
     finally:
         window.close()

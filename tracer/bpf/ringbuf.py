@@ -23,11 +23,18 @@ while bursts still have the room the user asked for (docs/live-tracing.md).
 
 from __future__ import annotations
 
+import functools
 import mmap
 import struct
+from typing import TYPE_CHECKING
 
-import numpy as np
+from mtrace_live.probes.elf.lazy import lazy_module
 from mtrace_live.tracer.bpf._ring_copy import BUSY_BIT, DISCARD_BIT, HEADER_SIZE, Copier
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = lazy_module("numpy")  # (at the first use: probes/elf/lazy.py)
 
 __all__ = ["BUSY_BIT", "DISCARD_BIT", "HEADER_SIZE", "RingReader", "record_stride"]
 
@@ -39,6 +46,22 @@ def record_stride(size: int) -> int:
 class RingReader:
     """Consumer side of one BPF_MAP_TYPE_RINGBUF map."""
 
+    @functools.cached_property
+    def stride(self) -> int:
+        """A record's bytes in the ring: its header and the event, in 8-byte units."""
+        return record_stride(self.dtype.itemsize)
+
+    @functools.cached_property
+    def _record(self) -> np.dtype:
+        """A record as the ring holds it (made at the first read: numpy)."""
+        record = np.dtype([("len", "<u4"), ("pgoff", "<u4"), ("event", self.dtype)], align=False)
+        if record.itemsize == self.stride:
+            return record
+        pad = self.stride - record.itemsize
+        return np.dtype(
+            [("len", "<u4"), ("pgoff", "<u4"), ("event", self.dtype), ("pad", f"V{pad}")]
+        )
+
     def __init__(
         self, map_fd: int, data_size: int, dtype: np.dtype, buffer_size: int | None = None
     ) -> None:
@@ -47,14 +70,7 @@ class RingReader:
         page = mmap.PAGESIZE
         self.fd = map_fd
         self.dtype = dtype
-        self.stride = record_stride(dtype.itemsize)
         self._mask = data_size - 1
-        self._record = np.dtype([("len", "<u4"), ("pgoff", "<u4"), ("event", dtype)], align=False)
-        if self._record.itemsize != self.stride:
-            pad = self.stride - self._record.itemsize
-            self._record = np.dtype(
-                [("len", "<u4"), ("pgoff", "<u4"), ("event", dtype), ("pad", f"V{pad}")]
-            )
         self._copier: Copier | None = None
         if buffer_size is not None:
             self._copier = Copier(map_fd, data_size, buffer_size)
@@ -82,16 +98,34 @@ class RingReader:
         """Every record committed since the last call, or the first ``limit``."""
         if self._copier is not None:
             return self._decode(self._copier.take(-1 if limit is None else limit * self.stride))[1]
+        raw = self._committed(limit)
+        if not raw:
+            return np.zeros(0, dtype=self.dtype)
+        consumed, events = self._decode(raw)
+        self._advance(self._positions()[0] + consumed)
+        return events
+
+    def read_raw(self, size: int) -> list[bytes]:
+        """Every record of ``size`` bytes committed since the last call, as
+        bytes (no numpy: the file server reads its asks so)."""
+        if self._copier is not None:
+            return self._records(self._copier.take(-1), size)[1]
+        raw = self._committed(None)
+        consumed, events = self._records(raw, size)
+        self._advance(self._positions()[0] + consumed)
+        return events
+
+    def _committed(self, limit: int | None) -> bytes:
+        """The ring's bytes from the consumer's position to the producer's
+        (at most ``limit`` records' strides)."""
         consumer, producer = self._positions()
         available = producer - consumer
         if available <= 0:
-            return np.zeros(0, dtype=self.dtype)
+            return b""
         if limit is not None:
             available = min(available, limit * self.stride)
         start = self._page + (consumer & self._mask)
-        consumed, events = self._decode(bytes(self._producer[start : start + available]))
-        self._advance(consumer + consumed)
-        return events
+        return bytes(self._producer[start : start + available])
 
     def _decode(self, raw: bytes) -> tuple[int, np.ndarray]:
         """The events in ``raw`` and how many of its bytes they took: at a
@@ -102,20 +136,27 @@ class RingReader:
             records["len"] != self.dtype.itemsize
         ):
             return len(raw), records["event"].copy()
+        offset, keep = self._records(raw, self.dtype.itemsize)
+        return offset, np.frombuffer(b"".join(keep), dtype=self.dtype).copy()
+
+    @staticmethod
+    def _records(raw: bytes, size: int) -> tuple[int, list[bytes]]:
+        """The records of ``size`` bytes in ``raw``, and how many of its bytes
+        they took: up to the first busy record, less discarded or foreign ones."""
         offset = 0
         keep: list[bytes] = []
         while offset + HEADER_SIZE <= len(raw):
             (length,) = struct.unpack_from("<I", raw, offset)
             if length & BUSY_BIT:
                 break
-            size = length & ~(BUSY_BIT | DISCARD_BIT)
-            step = record_stride(size)
+            found = length & ~(BUSY_BIT | DISCARD_BIT)
+            step = record_stride(found)
             if offset + step > len(raw):
                 break
-            if not length & DISCARD_BIT and size == self.dtype.itemsize:
-                keep.append(raw[offset + HEADER_SIZE : offset + HEADER_SIZE + size])
+            if not length & DISCARD_BIT and found == size:
+                keep.append(raw[offset + HEADER_SIZE : offset + HEADER_SIZE + found])
             offset += step
-        return offset, np.frombuffer(b"".join(keep), dtype=self.dtype).copy()
+        return offset, keep
 
     def _advance(self, position: int) -> None:
         self._consumer_word[0] = position

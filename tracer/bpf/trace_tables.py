@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
 from mtrace_live.exporters.data.sink import ProcessHits
+from mtrace_live.probes.elf.lazy import lazy_module
 from mtrace_live.probes.program import part_constants
 from mtrace_live.probes.records import ALLOC_FRAMES_BASE
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = lazy_module("numpy")  # (at the first use: probes/elf/lazy.py)
 
 SELF_SLOTS = part_constants("common.bpf.h")["SELF_SLOTS"]
 

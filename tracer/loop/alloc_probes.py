@@ -16,8 +16,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
 from mtrace_live.exporters.data.alloc_snapshot import (
     AllocSnapshot,
     Outstanding,
@@ -28,6 +28,7 @@ from mtrace_live.exporters.data.alloc_snapshot import (
 from mtrace_live.probes.alloc_sites import AllocSite, alloc_sites
 from mtrace_live.probes.allocators import GLIBC, Allocator
 from mtrace_live.probes.elf.file import elf_failures, not_elf
+from mtrace_live.probes.elf.lazy import lazy_module
 from mtrace_live.probes.elf.symbols import exported_offset
 from mtrace_live.probes.errors import NoProbesError
 from mtrace_live.probes.frame_kinds import in_file
@@ -51,6 +52,11 @@ from mtrace_live.probes.records import (
 from mtrace_live.tracer.bpf import bpf_syscalls
 from mtrace_live.tracer.bpf.bpf_backend import BpfProgram
 from mtrace_live.tracer.bpf.trace_tables import TraceTables
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = lazy_module("numpy")  # (at the first use: probes/elf/lazy.py)
 
 # the handlers whose call's end is read (alloc_return): what it returned
 # (xallocx: the size the block has now, which it resized in place)
@@ -198,17 +204,28 @@ class StackReader:
         # each provider's (allocator, file), by the number its sites' cookies
         # carry (0: the libc); the trace appends one as it attaches it
         self.providers: list[tuple[str, str]] = []
-        self._start()
+        self.catalog = StackCatalog()
+        # by slot, made at the first read (numpy): see _slots
+        self._keys: np.ndarray
+        self._numbers: np.ndarray
+        self._settled: np.ndarray
+        self._made = False
 
     def _start(self) -> None:
         self.catalog = StackCatalog()
+        self._slots()
+
+    def _slots(self) -> None:
+        self._made = True
         self._keys = np.zeros(0, ALLOC_STACK_ROW_DTYPE[["tag", "key"]])  # by slot
         self._numbers = np.zeros(0, np.int64)  # by slot: its key's number; -1 none
         self._settled = np.zeros(0, bool)  # by slot: its frames read the same twice
 
     def read(self, tables: TraceTables, slots: np.ndarray, table: np.ndarray) -> StackColumns:
         """The rows ``table`` (alloc_stacks rows at ``slots``) as columns."""
-        if len(self.catalog) > 4 * len(table) + 100_000:
+        if not self._made:
+            self._slots()
+        elif len(self.catalog) > 4 * len(table) + 100_000:
             self._start()
         self._grow(int(slots.max()) + 1 if len(slots) else 0)
         keys = table[["tag", "key"]]

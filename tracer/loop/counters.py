@@ -12,18 +12,24 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
 from mtrace_live.exporters.data.alloc_snapshot import AllocSnapshot, FrameNames, trimmed
 from mtrace_live.exporters.data.kmem import CallSite, KmemTotals
 from mtrace_live.exporters.data.lock_waits import LockWaits
 from mtrace_live.exporters.data.sink import KernelCounters, ProcessHits, RunStats
+from mtrace_live.probes.elf.lazy import lazy_module
 from mtrace_live.probes.records import KMEM_EVENTS, SITE_FIELDS, KmemMisc
 from mtrace_live.tracer.bpf import bpf_syscalls
 from mtrace_live.tracer.bpf.bpf_backend import BpfProgram
 from mtrace_live.tracer.loop import alloc_probes
 from mtrace_live.tracer.loop.lock_waits import ThreadClock, read_lock_waits
 from mtrace_live.tracer.processes.arena_walk import ArenaFinder
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = lazy_module("numpy")  # (at the first use: probes/elf/lazy.py)
 
 # The hash maps keyed by a process's tgid that only the kernel adds to: its
 # calls (alloc_procs), its memory system calls (vm_procs), its threads' time

@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
-import numpy as np
 from mtrace_live.exporters import registry
 from mtrace_live.exporters.data.alloc_snapshot import FrameNames
 from mtrace_live.exporters.data.events import Event, EventDecoder
@@ -39,6 +39,7 @@ from mtrace_live.exporters.data.sink import (
 from mtrace_live.exporters.data.wrappers import Wrappers
 from mtrace_live.probes.catalog import load_catalog
 from mtrace_live.probes.elf import facts
+from mtrace_live.probes.elf.lazy import lazy_module
 from mtrace_live.probes.errors import (
     InternalError,
     MtraceError,
@@ -74,6 +75,11 @@ from mtrace_live.tracer.processes.retarget import KeptReturns, Moved, move_uprob
 from mtrace_live.tracer.unwind.native import NativeUnwinder
 from mtrace_live.tracer.unwind.python import PythonUnwinder, runs_python
 from mtrace_live.tracer.unwind.unwinder import Unwinder
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = lazy_module("numpy")  # (at the first use: probes/elf/lazy.py)
 
 # Events handled between two looks at signals and deadlines: about 0.1 s of
 # event lines in the slowest output (text).

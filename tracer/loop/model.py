@@ -19,9 +19,8 @@ counted in bulk per futex and attributed to the arena.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from mtrace_live.exporters.data.allocator_state import (
     LOG_LIMIT,
     Allocators,
@@ -32,9 +31,15 @@ from mtrace_live.exporters.data.allocator_state import (
 from mtrace_live.exporters.data.events import MALLOPT_PARAMS, Event, EventDecoder
 from mtrace_live.exporters.data.processes import namespace_pid, process_name
 from mtrace_live.exporters.data.sink import EventBatch, Sink
+from mtrace_live.probes.elf.lazy import lazy_module
 from mtrace_live.probes.meanings import Meanings, meanings
 from mtrace_live.probes.records import EventKind
 from mtrace_live.tracer.processes.arena_walk import ArenaScan, arena_limit
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = lazy_module("numpy")  # (at the first use: probes/elf/lazy.py)
 
 
 def _log(entries: list[Any], entry: object) -> None:
@@ -61,11 +66,10 @@ class AllocatorModel(Sink):
         self._main_arena = main_arena
         self._effects = [self.meanings.effects.get(name, "") for name in self.probe_names]
         lock_waits = [slot for slot, e in enumerate(self._effects) if e == "lock_wait"]
-        self._lock_wait_slots = np.array(lock_waits, dtype=np.uint16)
-        self._stateful_slots = np.array(
-            [slot for slot, name in enumerate(self.probe_names) if name in self.meanings.stateful],
-            dtype=np.uint16,
-        )
+        self._lock_wait_slots = lock_waits  # (lists: numpy is not needed yet)
+        self._stateful_slots = [
+            slot for slot, name in enumerate(self.probe_names) if name in self.meanings.stateful
+        ]
 
     # The state's parts, as the outputs name them.
     @property

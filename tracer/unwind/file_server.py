@@ -28,14 +28,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import os
 import select
 import signal
-from collections.abc import Mapping
+import struct
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 from mtrace_live.probes.elf.file import (
     build_id,
     elf_failures,
@@ -45,18 +47,21 @@ from mtrace_live.probes.elf.file import (
 )
 from mtrace_live.probes.errors import NotElfError, TargetError
 from mtrace_live.probes.program import part_constants
-from mtrace_live.probes.records import EVENT_DTYPE, UNWIND_FILE_DTYPE
+from mtrace_live.probes.records import EVENT_DTYPE
 from mtrace_live.tracer.bpf import bpf_syscalls
 from mtrace_live.tracer.bpf.map_table import write_mapped
 from mtrace_live.tracer.bpf.ringbuf import RingReader
 from mtrace_live.tracer.unwind.unwind_rows import (
     BIG_FILE,
     EXEC_PATH,
+    FILE_ENTRY_SIZE,
+    PAGE_SIZE,
+    ROW_SIZE,
+    FileEntry,
     RowCache,
     exec_path,
     file_entry,
     file_key,
-    page_index,
     rows_cache_dir,
     rows_of,
     status_key,
@@ -67,7 +72,9 @@ SERVER_SHARE = 8  # the server's region: the last 1/8 of unwind_rows and unwind_
 # The server's own import of pyelftools' parser, after its fork, must end
 # within IMPORT_S, else the server ends (SIGALRM) and the trace serves every
 # ask itself: a module's import lock held at the fork by another thread of
-# the trace would never be let go in the child.
+# the trace would never be let go in the child. The server reads its asks
+# and writes kept rows without numpy: it imports numpy only to read a file's
+# CFI that no cache keeps (a start imports numpy on no thread before the fork).
 IMPORT_S = 10
 ENDING_S = 10.0  # the most the trace's close waits for the server's end
 NAME = b"mtrace-live-fs"
@@ -75,6 +82,9 @@ NAME = b"mtrace-live-fs"
 # loop, the workload), and the server's work is a millisecond an ask.
 NICE = -10
 _PR_SET_NAME, _PR_SET_PDEATHSIG = 15, 1
+# An ask, as the server reads it (struct event, EVENT_DTYPE): its tgid and its
+# args (start, end, pgoff, device, inode, ask), read without numpy
+_ASK = struct.Struct("<16xI12x6Q8x")
 # The maps the server reads and writes, by their names in the program.
 MAPS = ("unwind_asks", "unwind_files", "unwind_files_gen", "unwind_rows", "unwind_pages",
         "unwind_exec_paths")  # fmt: skip
@@ -168,15 +178,16 @@ class _Server:
         self.ring: RingReader | None = None  # the asks' (read between a file's steps)
         self.nested = False
 
-    def take(self, records: np.ndarray) -> None:
+    def take(self, records: list[bytes]) -> None:
         """New asks (EV_UNWIND_VMA records: start, end, pgoff, device, inode),
         each file opened now, while its process most likely lives: the
         descriptor reads it after the process is gone."""
-        for tgid, args in zip(records["tgid"].tolist(), records["args"].tolist(), strict=True):
-            key = (args[3], args[4])
+        for record in records:
+            tgid, start, end, _, device, inode, _ = _ASK.unpack(record)
+            key = (device, inode)
             if key in self.pending:
                 continue
-            opened = self._open(key, tgid, args[0], args[1])
+            opened = self._open(key, tgid, start, end)
             if opened is not None:
                 self.pending[key] = opened
 
@@ -192,7 +203,7 @@ class _Server:
             if self._serve(key, Path(f"/proc/{os.getpid()}/fd/{fd}"), size):
                 self.gen += 1
                 bpf_syscalls.update_u32(self.fds["unwind_files_gen"], 1,
-                                        np.uint32(self.gen).tobytes())  # fmt: skip
+                                        struct.pack("<I", self.gen))  # fmt: skip
         except OSError:
             pass  # a file it cannot read is left to the trace
         finally:
@@ -206,43 +217,44 @@ class _Server:
             return
         self.nested = True
         try:
-            self.take(self.ring.read())
+            self.take(self.ring.read_raw(_ASK.size))
             while self.serve_one(below=size):
                 pass
         finally:
             self.nested = False
 
     def _serve(self, key: tuple[int, int], path: Path, size: int) -> bool:
-        raw = bpf_syscalls.lookup(self.fds["unwind_files"], file_key(key),
-                                  UNWIND_FILE_DTYPE.itemsize)  # fmt: skip
-        asked = np.frombuffer(raw, dtype=UNWIND_FILE_DTYPE)[0] if raw is not None else None
-        if asked is not None and asked["written"]:
+        raw = bpf_syscalls.lookup(self.fds["unwind_files"], file_key(key), FILE_ENTRY_SIZE)
+        asked = FileEntry.of(raw) if raw is not None else None
+        if asked is not None and asked.written:
             return False  # written meanwhile
         # the number the walk's ask gave it, which its frames carry
-        number = int(asked["number"]) if asked is not None else 0
+        number = asked.number if asked is not None else 0
         try:
             with open_elf(path, in_memory=BIG_FILE) as elf:
                 ident, segments = build_id(elf), tuple(load_segments(elf))
                 if ident is not None and ident in self.by_build_id:
                     return self._publish(key, with_number(self.by_build_id[ident], number))
                 self._between(size)
+                if "numpy" not in sys.modules and self.cache.load(ident) is None:
+                    _bounded(lambda: importlib.import_module("numpy"))  # (its CFI is read so)
                 rows, problem = rows_of(elf, path, ident, self.cache)
         except (TargetError, OSError):
             return False  # it cannot be read now: left to the trace
         except (NotElfError, *elf_failures()):
             return self._publish(key, file_entry(0, 0, 0, 0, 0, ()))  # no rows there
-        if problem or not len(rows):
+        if problem or not rows.count:
             return self._publish(key, file_entry(0, 0, 0, 0, 0, segments))
         self._between(size)
-        base, pages = page_index(rows)
         room = self.region
-        if room.row + len(rows) > room.row_end or room.page + len(pages) > room.page_end:
+        if room.row + rows.count > room.row_end or room.page + rows.page_count > room.page_end:
             return False  # left to the trace
-        write_mapped(self.fds["unwind_rows"], room.row, rows)
-        write_mapped(self.fds["unwind_pages"], room.page, pages)
-        entry = file_entry(room.row, len(rows), room.page, len(pages), base, segments, number)
-        room.row += len(rows)
-        room.page += len(pages)
+        write_mapped(self.fds["unwind_rows"], room.row, rows.rows, ROW_SIZE)
+        write_mapped(self.fds["unwind_pages"], room.page, rows.pages, PAGE_SIZE)
+        entry = file_entry(room.row, rows.count, room.page, rows.page_count, rows.page_base,
+                           segments, number)  # fmt: skip
+        room.row += rows.count
+        room.page += rows.page_count
         if ident is not None:
             self.by_build_id[ident] = entry
         return self._publish(key, entry)
@@ -272,6 +284,13 @@ class _Server:
         return None
 
 
+def _bounded(load: Callable[[], object]) -> None:
+    """An import in the forked server, which must end within IMPORT_S."""
+    signal.alarm(IMPORT_S)
+    load()
+    signal.alarm(0)
+
+
 def _serve(libc: ctypes.CDLL, fds: dict[str, int], end: int, rows: tuple[int, int],
            pages: tuple[int, int], ring_bytes: int) -> None:  # fmt: skip
     """The server's life, in the forked child, until the trace closes its
@@ -299,9 +318,7 @@ def _serve(libc: ctypes.CDLL, fds: dict[str, int], end: int, rows: tuple[int, in
         # start's main thread, under the interpreter lock, where this runs on
         # the other CPU while the trace goes on (the asks wait in their ring)
         signal.signal(signal.SIGALRM, signal.SIG_DFL)
-        signal.alarm(IMPORT_S)
-        load_parser()
-        signal.alarm(0)
+        _bounded(load_parser)
         server = _Server(fds, rows, pages)
         ring = server.ring = RingReader(fds["unwind_asks"], ring_bytes, EVENT_DTYPE)
         watch = select.poll()
@@ -311,7 +328,7 @@ def _serve(libc: ctypes.CDLL, fds: dict[str, int], end: int, rows: tuple[int, in
             ready = {fd for fd, _ in watch.poll(0 if server.pending else 1000)}
             if end in ready:
                 return  # the trace closed its end (or ended)
-            server.take(ring.read())
+            server.take(ring.read_raw(_ASK.size))
             if server.pending:
                 server.serve_one()
     except BaseException:  # the trace serves the asks then (a failure here is not the trace's)

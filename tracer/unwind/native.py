@@ -16,9 +16,10 @@ import functools
 import mmap
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
 from mtrace_live.exporters.data.alloc_snapshot import FrameNames
+from mtrace_live.probes.elf.lazy import lazy_module
 from mtrace_live.probes.program import part_constants
 from mtrace_live.probes.records import EVENT_DTYPE, EventKind
 from mtrace_live.tracer.bpf.bpf_backend import BpfProgram
@@ -34,6 +35,11 @@ from mtrace_live.tracer.unwind.unwind_tables import (
     attach_dlopen,
     own_loader,
 )
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = lazy_module("numpy")  # (at the first use: probes/elf/lazy.py)
 
 # the consumers' resumptions, by the slot unwind.bpf.c resumes them at
 RESUMPTIONS = {"allocs": (RESUME_ALLOC, "alloc_resume"), "locks": (RESUME_LOCK, "lock_resume")}

@@ -25,8 +25,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
 from mtrace_live.exporters.data.alloc_snapshot import FrameNames
 from mtrace_live.exporters.data.processes import proc_dir
 from mtrace_live.exporters.data.symbolize import Symbol, python_symbol
@@ -37,12 +37,12 @@ from mtrace_live.probes.cpython.interpreter import (
     NOT_ELF,
     python_kind,
 )
+from mtrace_live.probes.elf.lazy import lazy_module
 from mtrace_live.probes.elf.maps import read_maps
 from mtrace_live.probes.errors import MtraceError, UnknownLayoutError
 from mtrace_live.probes.frame_kinds import KIND_PYTHON, in_python
 from mtrace_live.probes.program import c_constants, part_constants
 from mtrace_live.probes.records import (
-    PYTHON_PROC_DTYPE,
     PYTHON_STACK_DTYPE,
     EventKind,
     header_path,
@@ -54,10 +54,19 @@ from mtrace_live.tracer.processes.providers import every_pid
 from mtrace_live.tracer.processes.target import process_state
 from mtrace_live.tracer.unwind.unwind_tables import PYTHON as PYTHON_SLOT
 
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = lazy_module("numpy")  # (at the first use: probes/elf/lazy.py)
+
 _HEADER = c_constants(header_path().read_text())
 NO_FIELD, NO_OWNER = _HEADER["PY_NO_FIELD"], _HEADER["PY_NO_OWNER"]
 NO_OFFSET = _HEADER["PY_NO_OFFSET"]
 MAX_PROCESSES = part_constants("common.bpf.h")["MAX_FOLLOWED"]  # python_procs' entries
+# python_procs' value (PYTHON_PROC_DTYPE): eval_lo[2], eval_hi[2], tss_at,
+# slot_base, slot_stride, eight field offsets (tstate_cframe ... code_adaptive),
+# owner_cstack, pad[7]
+_PYTHON_PROC = struct.Struct("<2Q2QQII8HB7x")
 
 
 def python_defines() -> dict[str, int]:
@@ -205,26 +214,21 @@ class PythonUnwinder:
     def _write(self, pid: int, interpreter: cpython.Interpreter, bias: int,
                slot: tuple[int, int]) -> bool:  # fmt: skip
         layout = interpreter.layout
-        entry = np.zeros(1, PYTHON_PROC_DTYPE)
         ranges = [*interpreter.eval_ranges[:2], (0, 0), (0, 0)][:2]
-        entry["eval_lo"] = [start + bias if start else 0 for start, _ in ranges]
-        entry["eval_hi"] = [end + bias if end else 0 for _, end in ranges]
-        entry["tss_at"] = interpreter.runtime + bias + layout.tss_key - 4
-        entry["slot_base"], entry["slot_stride"] = slot
-        entry["tstate_cframe"] = NO_FIELD if layout.tstate_cframe is None else layout.tstate_cframe
-        entry["current_frame"] = layout.current_frame
-        entry["frame_code"] = layout.frame_code
-        entry["frame_previous"] = layout.frame_previous
-        entry["frame_instr"] = layout.frame_instr
-        entry["frame_owner"] = layout.frame_owner
-        entry["frame_is_entry"] = (NO_FIELD if layout.frame_is_entry is None
-                                   else layout.frame_is_entry)  # fmt: skip
-        entry["code_adaptive"] = layout.code_adaptive
-        entry["owner_cstack"] = NO_OWNER if layout.owner_cstack is None else layout.owner_cstack
+        entry = _PYTHON_PROC.pack(
+            *[start + bias if start else 0 for start, _ in ranges],
+            *[end + bias if end else 0 for _, end in ranges],
+            interpreter.runtime + bias + layout.tss_key - 4, *slot,
+            NO_FIELD if layout.tstate_cframe is None else layout.tstate_cframe,
+            layout.current_frame, layout.frame_code, layout.frame_previous, layout.frame_instr,
+            layout.frame_owner,
+            NO_FIELD if layout.frame_is_entry is None else layout.frame_is_entry,
+            layout.code_adaptive, NO_OWNER if layout.owner_cstack is None else layout.owner_cstack,
+        )  # fmt: skip
         if not self._slot_set:  # (before any walk can find a process to tail-call it for)
             self.program.set_tail_calls("unwind_progs", {PYTHON_SLOT: "unwind_python"})
             self._slot_set = True
-        return self.program.set_entry("python_procs", struct.pack("<I", pid), entry.tobytes())
+        return self.program.set_entry("python_procs", struct.pack("<I", pid), entry)
 
     def _drop(self, pid: int) -> None:
         """A process no longer read: its view closed."""

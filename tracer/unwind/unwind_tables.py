@@ -33,6 +33,7 @@ import functools
 import os
 import queue
 import select
+import struct
 import sys
 import threading
 import time
@@ -40,8 +41,8 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
 from mtrace_live.exporters.data.file_frames import FileFrames, NumberedFile
 from mtrace_live.exporters.data.processes import proc_dir
 from mtrace_live.probes.elf import facts
@@ -56,14 +57,13 @@ from mtrace_live.probes.elf.file import (
     load_segments,
     open_elf,
 )
+from mtrace_live.probes.elf.lazy import lazy_module
 from mtrace_live.probes.elf.maps import Mapping, read_maps
 from mtrace_live.probes.elf.symbols import exported_offset, symbol_table
 from mtrace_live.probes.errors import NotElfError, TargetError
 from mtrace_live.probes.program import PAGE_SHIFT, part_constants  # vm_pgoff counts pages
 from mtrace_live.probes.records import (
     FRAME_DEPTH,
-    UNWIND_FILE_DTYPE,
-    UNWIND_MAP_DTYPE,
     UNWIND_PROC_DTYPE,
 )
 from mtrace_live.tracer.bpf.bpf_backend import BpfProgram
@@ -72,18 +72,28 @@ from mtrace_live.tracer.processes.holds import Holds
 from mtrace_live.tracer.unwind.unwind_room import Extents
 from mtrace_live.tracer.unwind.unwind_rows import (
     BIG_FILE,
+    FileEntry,
+    PackedRows,
     RowCache,
     entry_segment,
     exec_path,
     file_entry,
     file_key,
     kernel_file_key,
-    page_index,
     rows_cache_dir,
     rows_of,
     same_file,
     user_inode,
 )
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    np = lazy_module("numpy")  # (at the first use: probes/elf/lazy.py)
+
+# unwind_maps' value (UNWIND_MAP_DTYPE): start, end, bias, first, count,
+# pages, page_count, page_base, pad, file, spare
+_MAP_ENTRY = struct.Struct("<3Q8I")
 
 # The unwinder's constants, as unwind.bpf.c defines them (read from it):
 # its tables' default sizes (unwind_rows 2 Mi rows, 24 MiB: the libc takes
@@ -162,7 +172,7 @@ def attach_dlopen(program: BpfProgram, libc: Path, pid: int = -1) -> list[str]:
     loader = loader_beside(libc)
     state = rtld_state(loader) if loader is not None else None
     if loader is not None and state is not None:
-        program.write_array("unwind_rtld", 0, np.array([state[1]], dtype=np.int64))
+        program.write_array("unwind_rtld", 0, struct.pack("<q", state[1]))
         program.attach_uprobe(loader, state[0], "unwind_dl_state", pid)
         probed.append(DEBUG_STATE)
     return probed
@@ -337,8 +347,7 @@ class UnwindTables:
             Extents(0, pages - server_pages),
         )
         # the tables' room (the file server's share too), and their kernel memory
-        self.rows_total = rows
-        self.memory_bytes = rows * ROW.itemsize + pages * 4 + maps * UNWIND_MAP_DTYPE.itemsize
+        self.rows_total, self._sizes = rows, (rows, pages, maps)
         self.cache = cache if cache is not None else RowCache(rows_cache_dir())
         self.files: dict[object, MappedFile] = {}  # by build-id, else (device, inode)
         self.by_inode: dict[tuple[int, int], MappedFile] = {}
@@ -364,6 +373,12 @@ class UnwindTables:
         # the files numbered, whose frames the walks store as (number, address)
         self.file_frames = FileFrames()
         self._serving_state(found)
+
+    @property
+    def memory_bytes(self) -> int:
+        """The tables' kernel memory (their values' sizes)."""
+        rows, pages, maps = self._sizes
+        return rows * ROW.itemsize + pages * 4 + maps * _MAP_ENTRY.size
 
     def _serving_state(self, found: Callable[[], np.ndarray] | None) -> None:
         """What serves the walks' asks (``serve_in_background``) works with."""
@@ -529,8 +544,7 @@ class UnwindTables:
         did not have are looked up again."""
         with self._lock:
             if self.vma and self.files_gen != self._told_gen:
-                self.program.write_array("unwind_files_gen", 0,
-                                         np.array([self.files_gen], dtype=np.uint32))  # fmt: skip
+                self.program.write_array("unwind_files_gen", 0, struct.pack("<I4x", self.files_gen))
                 self._told_gen = self.files_gen
 
     def serve_found(self, asks: bool = True) -> None:
@@ -632,12 +646,11 @@ class UnwindTables:
         raw = self.program.entry_bytes("unwind_files", file_key(key)) if self.vma else None
         if raw is None:
             return None
-        entry = np.frombuffer(raw, dtype=UNWIND_FILE_DTYPE)[0]
-        if not entry["written"]:
+        entry = FileEntry.of(raw)
+        if not entry.written:
             return None
-        return MappedFile(int(entry["first"]), int(entry["count"]), entry_segment(entry), "",
-                          int(entry["pages"]), int(entry["page_count"]),
-                          int(entry["page_base"]), int(entry["number"]))  # fmt: skip
+        return MappedFile(entry.first, entry.rows, entry_segment(entry), "", entry.pages,
+                          entry.page_count, entry.page_base, entry.number)  # fmt: skip
 
     def stop_serving(self, rest: bool = True) -> None:
         """End the serving thread, and (``rest``) take the mappings left in
@@ -778,26 +791,26 @@ class UnwindTables:
         self.paths[one.file] = os.path.realpath(executed)  # (not through the parent's cwd link)
         return self.paths[one.file]
 
-    def _load(self, rows: np.ndarray, problem: str,
+    def _load(self, rows: PackedRows, problem: str,
               segments: tuple[LoadSegment, ...]) -> MappedFile:  # fmt: skip
         self._asks_first()
-        base, pages = page_index(rows) if not problem and len(rows) else (0, rows[:0])
         with self._lock:  # room taken in one step; written after, outside the lock
-            if problem or len(rows) == 0:
+            if problem or rows.count == 0:
                 self.counts["files_without_cfi"] += 1
                 return MappedFile(0, 0, segments, problem or "no call-frame information")
-            room = self._room(len(rows), len(pages))
+            room = self._room(rows.count, rows.page_count)
             if room is None and self._evict():
-                room = self._room(len(rows), len(pages))
+                room = self._room(rows.count, rows.page_count)
             if room is None:
                 self.counts["files_not_fitting"] += 1
-                self.counts["rows_not_fitting"] += len(rows)
+                self.counts["rows_not_fitting"] += rows.count
                 return MappedFile(0, 0, segments, NO_ROOM)
             first, first_page = room
             self.counts["files"] += 1
-        self.program.write_array("unwind_rows", first, rows)
-        self.program.write_array("unwind_pages", first_page, pages)
-        return MappedFile(first, len(rows), segments, "", first_page, len(pages), base)
+        self.program.write_array("unwind_rows", first, rows.rows)
+        self.program.write_array("unwind_pages", first_page, rows.pages)
+        return MappedFile(first, rows.count, segments, "", first_page, rows.page_count,
+                          rows.page_base)  # fmt: skip
 
     def _room(self, rows: int, pages: int) -> tuple[int, int] | None:
         """Runs of ``rows`` rows and ``pages`` page entries taken, or None."""
@@ -876,32 +889,30 @@ class UnwindTables:
         for key in [key for key, known in self.files.items() if known is file]:
             del self.files[key]
 
-    def _entries(self, pid: int, mappings: list[Mapping]) -> np.ndarray:
-        """The process's mappings as unwind_maps' rows, by start. A mapping
+    def _entries(self, pid: int, mappings: list[Mapping]) -> list[tuple[int, ...]]:
+        """The process's mappings as unwind_maps' rows (UNWIND_MAP_DTYPE's
+        fields), by start. A mapping
         whose file has no rows here (none, or it could not be opened) is
         left out where the kernel looks mappings up itself (UNWIND_VMA): it
         may know the file's rows (the file server's), else it steps by frame
         pointers there, as it does at a mapping without rows."""
-        entries = np.zeros(len(mappings), dtype=UNWIND_MAP_DTYPE)
-        kept = np.ones(len(mappings), dtype=bool)
+        entries: list[tuple[int, ...]] = []
         # the files read smallest code first: where the rows cannot all fit,
         # the many small files (a program's own, an interpreter's extensions)
         # are written, and the few largest step by frame pointers
         files = {id(m): self._file(pid, m) for m in sorted(mappings, key=_code_size)}
-        for i, mapping in enumerate(sorted(mappings, key=lambda m: m.start)):
+        for mapping in sorted(mappings, key=lambda m: m.start):
             file = files[id(mapping)]
-            entries[i]["start"], entries[i]["end"] = mapping.start, mapping.end
             segment = _segment_of(file.segments, mapping.offset)
             if segment is None or not file.count:
-                kept[i] = not self.vma
-                continue  # frame pointers there
+                if not self.vma:  # frame pointers there
+                    entries.append((mapping.start, mapping.end, 0, 0, 0, 0, 0, 0, 0, 0, 0))
+                continue
             bias = mapping.start - mapping.offset + segment.offset - segment.vaddr
-            entries[i]["bias"] = bias % (1 << 64)
-            entries[i]["first"], entries[i]["count"] = file.first, file.count
-            entries[i]["pages"], entries[i]["page_count"] = file.pages, file.page_count
-            entries[i]["page_base"] = file.page_base
-            entries[i]["file"] = file.number
-        return entries[kept]
+            entries.append((mapping.start, mapping.end, bias % (1 << 64), file.first,
+                            file.count, file.pages, file.page_count, file.page_base, 0,
+                            file.number, 0))  # fmt: skip
+        return entries
 
     def load(self, pid: int, new: bool = True) -> bool:
         """Write ``pid``'s mappings (and any file's rows not yet written),
@@ -933,8 +944,9 @@ class UnwindTables:
             if block is None:
                 self.counts["processes_not_fitting"] += 1
                 return False
-            self.program.write_array("unwind_maps", block[0], entries)
-            self.block_rows[block] = frozenset(entries["first"][entries["count"] > 0].tolist())
+            rows = b"".join(_MAP_ENTRY.pack(*entry) for entry in entries)
+            self.program.write_array("unwind_maps", block[0], rows)
+            self.block_rows[block] = frozenset(entry[3] for entry in entries if entry[4])
             if not self.program.set_row("unwind_procs", pid, (block[0], len(entries), 0, 0),
                                         only_existing=not new):  # fmt: skip
                 # its entry is gone (an exit or exec after its maps were read): the
