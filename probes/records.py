@@ -10,15 +10,9 @@ from __future__ import annotations
 
 from enum import IntEnum
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from .elf import cfi
-from .elf.lazy import lazy_dtype, lazy_module
-
-if TYPE_CHECKING:
-    import numpy as np
-else:
-    np = lazy_module("numpy")  # (at the first use: probes/elf/lazy.py)
+from .elf.lazy import lazy_dtype
 
 MAX_ARGS = 6  # struct event's args[]
 FRAME_DEPTH = 128  # frames kept of a stack walked by CFI (the call site and 127 callers)

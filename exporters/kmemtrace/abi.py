@@ -16,15 +16,10 @@ import re
 from collections.abc import Sequence
 from enum import IntEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
-from mtrace_live.probes.elf.lazy import lazy_dtype, lazy_module
+from mtrace_live.probes.elf.lazy import lazy_dtype
 from mtrace_live.probes.meanings import meanings
-
-if TYPE_CHECKING:
-    import numpy as np
-else:
-    np = lazy_module("numpy")  # (at the first use: probes/elf/lazy.py)
 
 ABI_VERSION = 3
 READABLE_ABI_VERSIONS = (1, 2, 3)
