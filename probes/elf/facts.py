@@ -43,6 +43,9 @@ KEEP_VERSIONS = 4  # documents of other code (another install, an upgrade) kept 
 FORMAT = 1
 LIBRARIES = ("capstone", "elftools")  # what reads the facts beside the project's code
 KEEP_FILES = 256  # the files whose facts are kept, the least recently used dropped first
+# A fact read is saved again (its file's last use) where its last saved use is
+# older than this: a start whose facts are all kept writes nothing at its end.
+USED_REFRESH_S = 24 * 3600
 
 T = TypeVar("T")
 _TYPES: dict[str, type] = {}
@@ -213,7 +216,10 @@ class FactStore:
         except (TypeError, KeyError, ValueError, AttributeError):
             self.misses += 1
             return _MISSING
-        entry["used"] = time.time()
+        now = time.time()
+        if now - float(entry.get("used", 0)) > USED_REFRESH_S:
+            self.dirty = True  # (its last use saved again: the least recently used go first)
+        entry["used"] = now
         self.hits += 1
         return value
 

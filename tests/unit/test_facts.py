@@ -285,3 +285,33 @@ def test_an_interpreter_and_the_libc_s_key_slot_are_kept_and_read_without_openin
     with pytest.raises(UnknownLayoutError) as again_refused:
         interpreter.find_interpreter(old)
     assert str(again_refused.value) == str(refused.value)
+
+
+def test_a_run_whose_facts_are_all_kept_writes_nothing_but_a_last_use_a_day_old(
+    cache: Path, libc: Path
+) -> None:
+    # GIVEN a fact kept by a first run, its document written
+    first = elf_layout(libc)
+    next_run()
+    written = cache.read_bytes()
+    os.utime(cache, (1, 1))  # (an mtime that a write would change)
+    # WHEN a second run reads it and ends
+    assert elf_layout(libc) == first and facts.fact_store().hits == 1
+    store = next_run()
+    # THEN the document was not written again
+    assert cache.stat().st_mtime == 1 and cache.read_bytes() == written
+    # AND WHEN its file's last use, as saved, is over a day old, a run that
+    # reads it saves its use again (the least recently used files go first)
+    (entry,) = store.files.values()
+    entry["used"] -= facts.USED_REFRESH_S + 60
+    assert elf_layout(libc) == first
+    next_run()
+    assert cache.stat().st_mtime != 1
+    (saved,) = json.loads(cache.read_text())["files"].values()
+    assert saved["used"] > written_use(written)
+
+
+def written_use(document: bytes) -> float:
+    """The last use a document saved of its one file."""
+    (entry,) = json.loads(document)["files"].values()
+    return float(entry["used"])

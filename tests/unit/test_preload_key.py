@@ -120,3 +120,27 @@ def test_a_start_keeps_its_program_under_each_key_it_began_under(
     # and a later program of the same process is not this start's
     preload.take("other")
     assert store.get("start:argv:line", "program") == "def456"
+
+
+def test_a_start_that_loads_the_program_kept_for_its_key_leaves_nothing_to_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # GIVEN a program kept under a start's key, and saved
+    monkeypatch.setenv("MTRACE_LIVE_PLAN_CACHE", str(tmp_path / "plans"))
+    monkeypatch.setenv("MTRACE_LIVE_BPF_CACHE", str(tmp_path / "bpf"))
+    monkeypatch.setattr(preload.os, "geteuid", lambda: 0)
+    for name, fresh in (("_begun_options", []), ("_taken_options", []), ("_PENDING", None)):
+        monkeypatch.setattr(preload, name, fresh)
+    store = facts.fact_store()
+    store.put("start:same", "program", "abc123")
+    store.save()
+    assert not store.dirty
+    # WHEN a start under that key loads that same program
+    preload.begin("same")
+    preload.take("abc123")
+    # THEN the facts have nothing new to write at its end
+    assert not store.dirty
+    # AND a start that loads another program keeps it
+    preload.begin("same")
+    preload.take("fed987")
+    assert store.dirty and store.get("start:same", "program") == "fed987"

@@ -242,8 +242,10 @@ def take(key: str) -> Made | None:
     pending, _PENDING = _PENDING, None
     _taken_options[:] = dict.fromkeys(_begun_options)
     _begun_options.clear()  # (a later program of this process is not this start's)
+    store = facts.fact_store()
     for options in _taken_options:
-        facts.fact_store().put(f"{_START}:{options}", "program", key)
+        if store.get(f"{_START}:{options}", "program") != key:  # (unchanged: nothing to save)
+            store.put(f"{_START}:{options}", "program", key)
     if pending is None:
         return None
     made = pending.result()
