@@ -91,16 +91,21 @@ def test_a_duration_does_not_change_the_key(sleepers: tuple[int, int, int]) -> N
     assert users is not None and setup == users == also
 
 
-def test_a_start_keeps_its_program_under_each_key_it_began_under(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # GIVEN the caches in directories of the test's own, a start as root, and
-    # a program kept under the parsed options' key only
+@pytest.fixture
+def root_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caches in directories of the test's own, and a start as root
+    that has begun nothing yet."""
     monkeypatch.setenv("MTRACE_LIVE_PLAN_CACHE", str(tmp_path / "plans"))
     monkeypatch.setenv("MTRACE_LIVE_BPF_CACHE", str(tmp_path / "bpf"))
     monkeypatch.setattr(preload.os, "geteuid", lambda: 0)
     for name, fresh in (("_begun_options", []), ("_taken_options", []), ("_PENDING", None)):
         monkeypatch.setattr(preload, name, fresh)
+
+
+@pytest.mark.usefixtures("root_start")
+def test_a_start_keeps_its_program_under_each_key_it_began_under() -> None:
+    # GIVEN the caches in directories of the test's own, a start as root, and
+    # a program kept under the parsed options' key only
     store = facts.fact_store()
     store.put("start:parsed", "program", "abc123")
     # WHEN it begins under its command line's key (nothing kept there), then
@@ -122,15 +127,9 @@ def test_a_start_keeps_its_program_under_each_key_it_began_under(
     assert store.get("start:argv:line", "program") == "def456"
 
 
-def test_a_start_that_loads_the_program_kept_for_its_key_leaves_nothing_to_save(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.usefixtures("root_start")
+def test_a_start_that_loads_the_program_kept_for_its_key_leaves_nothing_to_save() -> None:
     # GIVEN a program kept under a start's key, and saved
-    monkeypatch.setenv("MTRACE_LIVE_PLAN_CACHE", str(tmp_path / "plans"))
-    monkeypatch.setenv("MTRACE_LIVE_BPF_CACHE", str(tmp_path / "bpf"))
-    monkeypatch.setattr(preload.os, "geteuid", lambda: 0)
-    for name, fresh in (("_begun_options", []), ("_taken_options", []), ("_PENDING", None)):
-        monkeypatch.setattr(preload, name, fresh)
     store = facts.fact_store()
     store.put("start:same", "program", "abc123")
     store.save()
