@@ -47,7 +47,8 @@ def layout(kind: Any) -> Any:
 
 @pytest.mark.parametrize("text", DESCRIPTIONS)
 def test_a_type_is_laid_out_as_bccs_decoder_lays_it_out(text: str) -> None:
-    bcc = pytest.importorskip("bcc")  # (pure: bcc imports without root)
+    import bcc  # (pure: bcc imports without root; make setup installs it)
+
     # GIVEN a type description as bcc writes it
     desc = json.loads(text)
     # WHEN it is decoded by mtrace-live and by bcc

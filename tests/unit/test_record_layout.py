@@ -215,6 +215,8 @@ def test_the_values_written_and_read_as_raw_bytes_have_their_dtypes_layouts() ->
         # THEN every field is where the dtype (and so records.h) has it
         assert layout_struct.size == dtype.itemsize, name
         assert fields_of(layout_struct.pack(*values), dtype) == values, name
+    # (the rows' and page entries' sizes the file server writes with)
+    assert (cfi.ROW.itemsize, 4) == (unwind_rows.ROW_SIZE, unwind_rows.PAGE_SIZE)
     # (python_procs' value: its trailing pad is the struct's own zeros)
     values = filled(records.PYTHON_PROC_DTYPE)[:-7]
     raw = python_frames._PYTHON_PROC.pack(*values)

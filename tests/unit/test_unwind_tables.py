@@ -113,7 +113,8 @@ def test_rows_are_kept_by_build_id_and_read_back_only_from_a_private_file(tmp_pa
     kept = cache.load("ab12")
     # THEN they are the same rows, each in its 16 bytes as the kernel's array
     # holds it, and the page index: the row in force at each page's start
-    assert kept is not None and np.array_equal(kept.row_array(), rows)
+    slotted = np.dtype({"names": ["row"], "formats": [ROW], "offsets": [0], "itemsize": 16})
+    assert kept is not None and np.array_equal(np.frombuffer(kept.rows, slotted)["row"], rows)
     assert (kept.count, len(kept.rows), kept.page_base) == (3, 48, 0x1000)
     assert bytes(kept.rows[16:28]) == rows[1].tobytes() and bytes(kept.rows[28:32]) == bytes(4)
     assert [int.from_bytes(kept.pages[i : i + 4], "little") for i in (0, 8, 16)] == [0, 1, 1]

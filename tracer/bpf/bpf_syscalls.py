@@ -241,7 +241,7 @@ def update_array(map_fd: int, first: int, values: bytes | memoryview, count: int
         return
     keys = array.array("I", range(first, first + count))
     key_buffer = (ctypes.c_char * (4 * count)).from_buffer(keys)
-    value_buffer = ctypes.create_string_buffer(bytes(values), len(values))
+    value_buffer = (ctypes.c_char * len(values)).from_buffer_copy(values)
     attr = ctypes.create_string_buffer(56)
     # in_batch, out_batch (unused), keys, values, count, map_fd, elem_flags, flags
     struct.pack_into("=QQQQIIQQ", attr, 0, 0, 0, ctypes.addressof(key_buffer),

@@ -284,7 +284,9 @@ def write_mapped(map_fd: int, first: int, data: bytes | memoryview, value_size: 
     rows and their page index). Where the array cannot be mapped so, by
     BPF_MAP_UPDATE_BATCH. OSError with the kernel's errno when it refuses."""
     slot = slot_size(value_size)
-    count = len(data) // slot
+    count, partial = divmod(len(data), slot)
+    if partial:
+        raise ValueError(f"{len(data)} bytes are no whole number of {slot}-byte slots")
     if count == 0:
         return
     start = first * slot

@@ -98,11 +98,11 @@ class RingReader:
         """Every record committed since the last call, or the first ``limit``."""
         if self._copier is not None:
             return self._decode(self._copier.take(-1 if limit is None else limit * self.stride))[1]
-        raw = self._committed(limit)
+        consumer, raw = self._committed(limit)
         if not raw:
             return np.zeros(0, dtype=self.dtype)
         consumed, events = self._decode(raw)
-        self._advance(self._positions()[0] + consumed)
+        self._advance(consumer + consumed)
         return events
 
     def read_raw(self, size: int) -> list[bytes]:
@@ -110,22 +110,22 @@ class RingReader:
         bytes (no numpy: the file server reads its asks so)."""
         if self._copier is not None:
             return self._records(self._copier.take(-1), size)[1]
-        raw = self._committed(None)
+        consumer, raw = self._committed(None)
         consumed, events = self._records(raw, size)
-        self._advance(self._positions()[0] + consumed)
+        self._advance(consumer + consumed)
         return events
 
-    def _committed(self, limit: int | None) -> bytes:
-        """The ring's bytes from the consumer's position to the producer's
-        (at most ``limit`` records' strides)."""
+    def _committed(self, limit: int | None) -> tuple[int, bytes]:
+        """The consumer's position, and the ring's bytes from it to the
+        producer's (at most ``limit`` records' strides)."""
         consumer, producer = self._positions()
         available = producer - consumer
         if available <= 0:
-            return b""
+            return consumer, b""
         if limit is not None:
             available = min(available, limit * self.stride)
         start = self._page + (consumer & self._mask)
-        return bytes(self._producer[start : start + available])
+        return consumer, bytes(self._producer[start : start + available])
 
     def _decode(self, raw: bytes) -> tuple[int, np.ndarray]:
         """The events in ``raw`` and how many of its bytes they took: at a

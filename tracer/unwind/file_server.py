@@ -73,8 +73,9 @@ SERVER_SHARE = 8  # the server's region: the last 1/8 of unwind_rows and unwind_
 # within IMPORT_S, else the server ends (SIGALRM) and the trace serves every
 # ask itself: a module's import lock held at the fork by another thread of
 # the trace would never be let go in the child. The server reads its asks
-# and writes kept rows without numpy: it imports numpy only to read a file's
-# CFI that no cache keeps (a start imports numpy on no thread before the fork).
+# and writes kept rows without numpy: it imports numpy (within IMPORT_S too)
+# only to read a file's CFI that no cache keeps, where the trace had not
+# imported it before the fork (run and record do, tracer/commands/trace.py).
 IMPORT_S = 10
 ENDING_S = 10.0  # the most the trace's close waits for the server's end
 NAME = b"mtrace-live-fs"
@@ -236,9 +237,11 @@ class _Server:
                 if ident is not None and ident in self.by_build_id:
                     return self._publish(key, with_number(self.by_build_id[ident], number))
                 self._between(size)
-                if "numpy" not in sys.modules and self.cache.load(ident) is None:
-                    _bounded(lambda: importlib.import_module("numpy"))  # (its CFI is read so)
-                rows, problem = rows_of(elf, path, ident, self.cache)
+                rows, problem = self.cache.load(ident), ""
+                if rows is None:  # its CFI read (with numpy)
+                    if "numpy" not in sys.modules:
+                        _bounded(lambda: importlib.import_module("numpy"))
+                    rows, problem = rows_of(elf, path, ident, self.cache)
         except (TargetError, OSError):
             return False  # it cannot be read now: left to the trace
         except (NotElfError, *elf_failures()):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from mtrace_live.probes.elf.cfi import ROW, CfiTable, cfi_of
+from mtrace_live.probes.elf.cfi import CfiTable, cfi_of
 from mtrace_live.probes.elf.facts import private_file
 from mtrace_live.probes.elf.file import LoadSegment
 from mtrace_live.probes.elf.lazy import lazy_module
@@ -66,12 +66,6 @@ class PackedRows:
     @property
     def page_count(self) -> int:
         return len(self.pages) // PAGE_SLOT
-
-    def row_array(self) -> np.ndarray:
-        """The rows as ``ROW`` records."""
-        slots = np.dtype({"names": ["row"], "formats": [ROW], "offsets": [0], "itemsize": ROW_SLOT})
-        rows: np.ndarray = np.frombuffer(self.rows, dtype=slots)["row"].copy()
-        return rows
 
 
 NO_ROWS = PackedRows(b"", b"", 0)

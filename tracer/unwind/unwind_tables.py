@@ -46,7 +46,6 @@ from typing import TYPE_CHECKING
 from mtrace_live.exporters.data.file_frames import FileFrames, NumberedFile
 from mtrace_live.exporters.data.processes import proc_dir
 from mtrace_live.probes.elf import facts
-from mtrace_live.probes.elf.cfi import ROW
 from mtrace_live.probes.elf.facts import file_fact
 from mtrace_live.probes.elf.file import (
     LoadSegment,
@@ -72,6 +71,8 @@ from mtrace_live.tracer.processes.holds import Holds
 from mtrace_live.tracer.unwind.unwind_room import Extents
 from mtrace_live.tracer.unwind.unwind_rows import (
     BIG_FILE,
+    PAGE_SIZE,
+    ROW_SIZE,
     FileEntry,
     PackedRows,
     RowCache,
@@ -347,7 +348,8 @@ class UnwindTables:
             Extents(0, pages - server_pages),
         )
         # the tables' room (the file server's share too), and their kernel memory
-        self.rows_total, self._sizes = rows, (rows, pages, maps)
+        self.rows_total = rows
+        self.memory_bytes = rows * ROW_SIZE + pages * PAGE_SIZE + maps * _MAP_ENTRY.size
         self.cache = cache if cache is not None else RowCache(rows_cache_dir())
         self.files: dict[object, MappedFile] = {}  # by build-id, else (device, inode)
         self.by_inode: dict[tuple[int, int], MappedFile] = {}
@@ -373,12 +375,6 @@ class UnwindTables:
         # the files numbered, whose frames the walks store as (number, address)
         self.file_frames = FileFrames()
         self._serving_state(found)
-
-    @property
-    def memory_bytes(self) -> int:
-        """The tables' kernel memory (their values' sizes)."""
-        rows, pages, maps = self._sizes
-        return rows * ROW.itemsize + pages * 4 + maps * _MAP_ENTRY.size
 
     def _serving_state(self, found: Callable[[], np.ndarray] | None) -> None:
         """What serves the walks' asks (``serve_in_background``) works with."""
