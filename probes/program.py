@@ -6,9 +6,11 @@ parts into one file (``main_file``) instead of #including them; the headers besi
 (``records.h``, ``set_table.h``) hold no maps and are #included.
 
 ``ProgramConfig`` holds every switch of the program. The live trace and
-``count`` both build one, and it gives the parts and the ``-D`` defines;
-the program cache's key covers the joined text, every header and the
-defines (tracer/bpf/bpf_cache.py).
+``count`` both build one, and it gives the parts and the settings. Those
+``runtime.h`` names are run-time values, written into the code at each load
+(``RUNTIME``, tracer/bpf/bpf_cache.py ``specialize``); the others are ``-D``
+defines. The program cache's key covers the joined text, every header and
+the defines, not the run-time values: one compiled program serves them all.
 """
 
 from __future__ import annotations
@@ -69,6 +71,28 @@ def part_constants(part: str) -> dict[str, int]:
     return c_constants((bpf_directory() / part).read_text())
 
 
+# ``#define NAME MTL_RUNTIME(0x6d746c72000000NN, fallback)`` (runtime.h)
+_RUNTIME = re.compile(r"^#define[ \t]+(\w+)[ \t]+MTL_RUNTIME\((0x[0-9a-fA-F]+),[ \t]*(-?\d+)\)",
+                      re.MULTILINE)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """A run-time value of the program: the mark its code loads, and the
+    value where the run gives none."""
+
+    mark: int
+    fallback: int
+
+
+@functools.cache
+def runtime_values() -> dict[str, Runtime]:
+    """The program's run-time values (runtime.h), by name."""
+    text = (bpf_directory() / "runtime.h").read_text()
+    return {name: Runtime(int(mark, 16), int(fallback))
+            for name, mark, fallback in _RUNTIME.findall(text)}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class ProgramSource:
     """A BPF program as bcc gets it: a name, its parts and its defines."""
@@ -99,7 +123,15 @@ class ProgramSource:
         return sorted(self.directory.glob("*.h"))
 
     def cflags(self) -> list[str]:
-        return [f"-D{key}={value}" for key, value in self.defines.items()]
+        """The compile-time defines (the run-time values are not: ``values``)."""
+        runtime = runtime_values()
+        return [f"-D{key}={value}" for key, value in self.defines.items() if key not in runtime]
+
+    def values(self) -> dict[int, int]:
+        """Each run-time value's mark -> this run's value (its fallback
+        where the defines do not give it)."""
+        return {value.mark: int(self.defines.get(name, value.fallback))
+                for name, value in runtime_values().items()}  # fmt: skip
 
 
 # common.bpf.h's defaults of the settings below that user space also names

@@ -25,12 +25,6 @@
 #ifndef WITH_ALLOCS
 #define WITH_ALLOCS 0 /* the allocation functions (malloc, free, ...) */
 #endif
-#ifndef ALLOC_EVENTS
-#define ALLOC_EVENTS 0 /* send each kept allocation and free through the ring */
-#endif
-#ifndef ALLOC_ONE_PROCESS
-#define ALLOC_ONE_PROCESS 0 /* the uprobes are attached for one process: the kernel filters */
-#endif
 #ifndef ALLOC_OUT_ROWS
 #define ALLOC_OUT_ROWS 524288 /* rows of `outstanding` (a power of two): twice --max-outstanding */
 #endif
@@ -42,12 +36,6 @@
 #endif
 #if ALLOC_WALK && !WITH_FRAMES
 #error "ALLOC_WALK needs the frame store (WITH_FRAMES, frames.bpf.c)"
-#endif
-#ifndef SAMPLE_BYTES
-#define SAMPLE_BYTES 0
-#endif
-#ifndef HOLD_AT_EXIT
-#define HOLD_AT_EXIT 0 /* stop a followed process in _exit until user space has read its maps */
 #endif
 
 #if WITH_ALLOCS
@@ -115,21 +103,17 @@ BPF_ARRAY(alloc_procs_gen, u64, 1);
 BPF_ARRAY(alloc_incarnations, u64, 1); /* alloc_procs rows made so far */
 BPF_PERCPU_ARRAY(alloc_calls, u64, AF_COUNT); /* every hit, nested ones included */
 BPF_PERCPU_ARRAY(alloc_misc, u64, AX_COUNT);
-#if SAMPLE_BYTES > 0
 BPF_ARRAY(sample_quantiles, u64, SAMPLE_QUANTILES); /* SAMPLE_BYTES * -ln(1 - (i + 0.5) / N) */
 BPF_PERCPU_ARRAY(sample_left, s64, 1);
-#endif
 
 
 static __always_inline u64 alloc_now(void)
 {
-#if ALLOC_EVENTS
-    return bpf_ktime_get_ns(); /* events show it, and order by it */
-#else
+    if (ALLOC_EVENTS)
+        return bpf_ktime_get_ns(); /* events show it, and order by it */
     /* the ages of live blocks and the stacks' last allocations are read
      * in seconds (docs/allocations.md) */
     return tick_now();
-#endif
 }
 
 /* The process's row, made with its name at its first call. */
@@ -219,7 +203,9 @@ static __always_inline int on_alloc_entry(struct pt_regs *ctx, u32 fn, u64 size,
 static __always_inline void alloc_event(u8 kind, u32 fn, u32 tgid, u32 tid, u64 call_site, u64 ptr,
                                         u64 size, u64 aux, u64 weight, u64 born, u64 site, s32 stack)
 {
-#if WITH_EVENTS && ALLOC_EVENTS
+#if WITH_EVENTS
+    if (!ALLOC_EVENTS)
+        return;
     struct event *e = events.ringbuf_reserve(sizeof(struct event));
     if (!e) {
         alloc_misc.increment(AX_LOST_EVENTS);
@@ -342,9 +328,8 @@ static __always_inline void release(u32 fn, u32 tgid, u32 tid, u64 call_site, u6
     if (!o) {
         if (proc)
             __sync_fetch_and_add(&proc->unknown_frees, 1);
-#if SAMPLE_BYTES == 0
-        alloc_event(EV_FREE, fn, tgid, tid, call_site, ptr, 0, 0, 0, 0, 0, -1);
-#endif
+        if (SAMPLE_BYTES == 0)
+            alloc_event(EV_FREE, fn, tgid, tid, call_site, ptr, 0, 0, 0, 0, 0, -1);
         return;
     }
     struct outstanding known = o->value;
@@ -365,7 +350,8 @@ static __always_inline void release(u32 fn, u32 tgid, u32 tid, u64 call_site, u6
  * sampling; with it, SAMPLE_BYTES per sample point inside it, or 0. */
 static __always_inline u64 sample_weight(u64 size)
 {
-#if SAMPLE_BYTES > 0
+    if (SAMPLE_BYTES == 0)
+        return size;
     u32 zero = 0;
     s64 *left = sample_left.lookup(&zero);
     if (!left)
@@ -387,9 +373,6 @@ static __always_inline u64 sample_weight(u64 size)
     }
     *left = remaining;
     return points * SAMPLE_BYTES;
-#else
-    return size;
-#endif
 }
 
 
@@ -690,9 +673,8 @@ int alloc_free(struct pt_regs *ctx)
         return 0;
     }
     u64 call_site = 0; /* the site is before any push: the return address is at sp */
-#if ALLOC_EVENTS
-    bpf_probe_read_user(&call_site, sizeof(call_site), (void *)sp); /* only events show it */
-#endif
+    if (ALLOC_EVENTS)
+        bpf_probe_read_user(&call_site, sizeof(call_site), (void *)sp); /* only events show it */
     release(AF_FREE, tgid, (u32)id, call_site, ptr);
     return 0;
 }

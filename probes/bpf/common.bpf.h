@@ -29,32 +29,18 @@
 #include <uapi/linux/ptrace.h>
 
 #include "records.h"
+#include "runtime.h"
 #include "set_table.h"
 #include "site_cookie.h"
 
 #ifndef DERIVED_SYSCALLS
 #define DERIVED_SYSCALLS 0 /* derive memory_sbrk_* and memory_heap_* from syscalls (probes/derived.py) */
 #endif
-#ifndef PROBE_EXACT_TIME
-#define PROBE_EXACT_TIME 1 /* 0: no output shows a probe event's time to the ns */
-#endif
-#ifndef FILTER_PIDS
-#define FILTER_PIDS 1
-#endif
-#ifndef FOLLOW_FORKS
-#define FOLLOW_FORKS 1
-#endif
 #ifndef WITH_EVENTS
 #define WITH_EVENTS 1
 #endif
 #ifndef RINGBUF_PAGES
 #define RINGBUF_PAGES 2048 /* 8 MiB with 4 KiB pages; a power of two */
-#endif
-#ifndef FILTER_COMM
-#define FILTER_COMM 0
-#endif
-#ifndef FILTER_CGROUP
-#define FILTER_CGROUP 0
 #endif
 #ifndef WITH_STACKS
 #define WITH_STACKS 0 /* a user (and, for kmem, kernel) stack id on each event */
@@ -69,16 +55,10 @@
 #ifndef PAGE_SHIFT_
 #define PAGE_SHIFT_ 12 /* the kernel's pages: 1 << PAGE_SHIFT_ bytes */
 #endif
-#ifndef HOLDS
-#define HOLDS 0 /* processes mtrace-live started (run's command, its children) may be stopped */
-#endif
 #ifndef EXIT_GROUP_DEAD
 #define EXIT_GROUP_DEAD 0 /* sched_process_exit says when a process's last thread exits */
 #endif
 
-#ifndef FIRST_TGID
-#define FIRST_TGID 0 /* 1: user space names the process asked for in first_target (followed without a hash lookup) */
-#endif
 
 #ifndef PROC_TABLES_ON_DEMAND
 #define PROC_TABLES_ON_DEMAND 0
@@ -127,7 +107,6 @@ static __always_inline int is_self(u32 tgid)
     }
     return 0;
 }
-#if FIRST_TGID
 /* The process asked for, written by user space once the program is loaded
  * (a value, not a compile-time constant, so that the compiled program does
  * not depend on the pid and can be kept between runs: tracer/bpf/bpf_cache.py).
@@ -137,7 +116,6 @@ struct first_target {
     u32 live;
 };
 BPF_ARRAY(first_target, struct first_target, 1);
-#endif
 #if WITH_STACKS
 struct stack_frames {
     u64 ip[STACK_DEPTH];
@@ -167,7 +145,6 @@ BPF_PERCPU_ARRAY(lost, u64, MAX_PROBES);          /* hits the ring buffer had no
 BPF_PERCPU_ARRAY(lost_lifecycle, u64, 1);         /* exec/exit events without room */
 #endif
 
-#if HOLDS
 /* ---- holds: processes stopped until user space has done its part ---------
  * Only a process mtrace-live started is ever stopped: `holdable` holds the
  * command user space launched (it adds it before the exec) and the
@@ -191,7 +168,7 @@ BPF_ARRAY(hold_counts, u64, 4); /* written by the guardian: enum hold_count (rec
  * it was. The stop is written down before the signal is sent. */
 static __always_inline int hold_process(u32 tgid)
 {
-    if (!holdable.lookup(&tgid))
+    if (!HOLDS || !holdable.lookup(&tgid))
         return 0;
     u64 now = bpf_ktime_get_ns();
     struct hold *h = holds.lookup(&tgid);
@@ -209,7 +186,7 @@ static __always_inline int hold_process(u32 tgid)
 
 static __always_inline void holds_fork(u32 parent, u32 child)
 {
-    if (holdable.lookup(&parent)) {
+    if (HOLDS && holdable.lookup(&parent)) {
         u8 one = 1;
         holdable.update(&child, &one);
     }
@@ -217,40 +194,32 @@ static __always_inline void holds_fork(u32 parent, u32 child)
 
 static __always_inline void holds_end(u32 tgid)
 {
+    if (!HOLDS)
+        return;
     holdable.delete(&tgid);
     holds.delete(&tgid);
     hold_continued.delete(&tgid);
 }
-#else
-static __always_inline int hold_process(u32 tgid) { return 0; }
-static __always_inline void holds_fork(u32 parent, u32 child) {}
-static __always_inline void holds_end(u32 tgid) {}
-#endif
 
 static __always_inline int tgid_is_followed(u32 tgid)
 {
-#if FILTER_CGROUP
-    return bpf_get_current_ancestor_cgroup_id(CGROUP_LEVEL) == CGROUP_ID && !is_self(tgid);
-#elif FILTER_PIDS
-#if FIRST_TGID
-    /* Most events of a traced process are its own: a compare instead of a
-     * hash lookup (an array lookup is inlined by the verifier). */
-    u32 first = 0;
-    struct first_target *target = first_target.lookup(&first);
-    if (target && tgid == target->tgid && target->live)
-        return 1;
-#endif
+    if (FILTER_CGROUP)
+        return bpf_get_current_ancestor_cgroup_id(CGROUP_LEVEL) == CGROUP_ID && !is_self(tgid);
+    if (!FILTER_PIDS)
+        return !is_self(tgid);
+    if (FIRST_TGID) {
+        /* Most events of a traced process are its own: a compare instead of a
+         * hash lookup (an array lookup is inlined by the verifier). */
+        u32 first = 0;
+        struct first_target *target = first_target.lookup(&first);
+        if (target && tgid == target->tgid && target->live)
+            return 1;
+    }
     return followed.lookup(&tgid) != NULL;
-#else
-    return !is_self(tgid);
-#endif
 }
 
-#ifndef UPROBE_MOVES
-#define UPROBE_MOVES 0 /* uprobes attached for one thread, which may move to another */
-#endif
-#if UPROBE_MOVES
-/* The generation of the uprobes attached for one thread. When that thread
+/* UPROBE_MOVES: uprobes attached for one thread, which may move to another.
+ * The generation of the uprobes attached for one thread. When that thread
  * ends first (main's pthread_exit), user space attaches them for another
  * with the next generation as their BPF cookie, then turns this to it, then
  * closes the old entry probes: while both fire, an entry handler whose
@@ -276,17 +245,14 @@ struct turn_read {
     u32 read;
 };
 BPF_PERCPU_ARRAY(uprobe_turn_read, struct turn_read, 1);
-#endif
 
 /* The generation of the uprobe that fired: its cookie's low half where the
  * uprobes may move (0 where they do not; the high half may say where a
  * site's arguments are, allocs.bpf.c's site_arg). */
 static __always_inline u32 uprobe_generation_of(void *ctx, const int alone)
 {
-#if UPROBE_MOVES
-    if (alone)
+    if (UPROBE_MOVES && alone)
         return (u32)bpf_get_attach_cookie(ctx);
-#endif
     return 0;
 }
 
@@ -295,8 +261,7 @@ static __always_inline u32 uprobe_generation_of(void *ctx, const int alone)
  * asked; only its generation, while it moves to another thread. */
 static __always_inline int uprobe_followed(void *ctx, const int alone, u32 tgid)
 {
-#if UPROBE_MOVES
-    if (alone) {
+    if (UPROBE_MOVES && alone) {
         u32 zero = 0, mine = uprobe_generation_of(ctx, alone);
         u64 *generation = uprobe_generation.lookup(&zero);
         struct turn_read *last = uprobe_turn_read.lookup(&zero);
@@ -316,7 +281,6 @@ static __always_inline int uprobe_followed(void *ctx, const int alone, u32 tgid)
         last->read = read;
         return mine == read;
     }
-#endif
     return alone || tgid_is_followed(tgid);
 }
 
@@ -340,10 +304,10 @@ static __always_inline void derived_fork(u32 parent, u32 child);
 
 static __always_inline void follow_child(u32 child)
 {
-#if FILTER_PIDS && FOLLOW_FORKS
-    u8 one = 1;
-    followed.update(&child, &one);
-#endif
+    if (FILTER_PIDS && FOLLOW_FORKS) {
+        u8 one = 1;
+        followed.update(&child, &one);
+    }
 }
 
 /* The hook of locks.bpf.c: a thread of a followed process is made. */
@@ -352,8 +316,7 @@ static __always_inline void locks_new_thread(u32 tgid, u32 tid);
  * too (it has its parent's mappings, so its parent's tables). */
 static __always_inline void unwind_fork(u32 parent, u32 child);
 
-#if (FILTER_PIDS && FOLLOW_FORKS) || DERIVED_SYSCALLS || WITH_LOCK_TIMES || \
-    (WITH_UNWIND && (!FILTER_PIDS || FOLLOW_FORKS))
+/* (Attached in every trace: which of its parts act is the run's choice.) */
 TRACEPOINT_PROBE(task, task_newtask)
 {
     u32 parent = bpf_get_current_pid_tgid() >> 32;
@@ -365,27 +328,25 @@ TRACEPOINT_PROBE(task, task_newtask)
     }
     if (!tgid_is_followed(parent))
         return 0;
-#if (FILTER_PIDS && FOLLOW_FORKS) || DERIVED_SYSCALLS
-    follow_child(args->pid);
-    derived_fork(parent, args->pid);
-#endif
-#if FILTER_PIDS && FOLLOW_FORKS
-    holds_fork(parent, args->pid);
-#endif
-#if !FILTER_PIDS || FOLLOW_FORKS
-    locks_new_thread(args->pid, args->pid); /* a process traced from its fork */
-    unwind_fork(parent, args->pid);
-#endif
+    if ((FILTER_PIDS && FOLLOW_FORKS) || DERIVED_SYSCALLS) {
+        follow_child(args->pid);
+        derived_fork(parent, args->pid);
+    }
+    if (FILTER_PIDS && FOLLOW_FORKS)
+        holds_fork(parent, args->pid);
+    if (!FILTER_PIDS || FOLLOW_FORKS) {
+        locks_new_thread(args->pid, args->pid); /* a process traced from its fork */
+        unwind_fork(parent, args->pid);
+    }
     return 0;
 }
-#endif
 
 /* The hooks of unwind.bpf.c: a process's mappings are gone (exec, exit);
  * a followed process exec'd the program at `path` (in kernel memory). */
 static __always_inline void unwind_forget(u32 tgid);
 static __always_inline void unwind_exec(u32 tgid, const void *path);
 
-#if FILTER_PIDS && WITH_EVENTS
+#if WITH_EVENTS
 static __always_inline void lifecycle_event(u32 tgid, u8 kind, u64 arg)
 {
     struct event *e = events.ringbuf_reserve(sizeof(struct event));
@@ -407,25 +368,25 @@ static __always_inline void lifecycle_event(u32 tgid, u8 kind, u64 arg)
 }
 #endif
 
-#if (FILTER_PIDS && WITH_EVENTS) || WITH_UNWIND
+#if WITH_EVENTS || WITH_UNWIND
 TRACEPOINT_PROBE(sched, sched_process_exec)
 {
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     unwind_forget(tgid);
-#if FILTER_PIDS && WITH_EVENTS
-    if (tgid_is_followed(tgid))
+#if WITH_EVENTS
+    if (FILTER_PIDS && tgid_is_followed(tgid))
         lifecycle_event(tgid, EV_EXEC, args->old_pid);
-#if FILTER_COMM
-    /* The comm is the new program's by now (begin_new_exec set it). */
-    u64 comm[2] = {};
-    bpf_get_current_comm(comm, sizeof(comm));
-    if (comm[0] == COMM_LO && comm[1] == COMM_HI) {
-        u8 one = 1;
-        followed.update(&tgid, &one);
-    } else {
-        followed.delete(&tgid);
+    if (FILTER_PIDS && FILTER_COMM) {
+        /* The comm is the new program's by now (begin_new_exec set it). */
+        u64 comm[2] = {};
+        bpf_get_current_comm(comm, sizeof(comm));
+        if (comm[0] == COMM_LO && comm[1] == COMM_HI) {
+            u8 one = 1;
+            followed.update(&tgid, &one);
+        } else {
+            followed.delete(&tgid);
+        }
     }
-#endif
 #endif
     if (tgid_is_followed(tgid)) /* (--comm: once followed by its new name) */
         unwind_exec(tgid, (const void *)args + (args->data_loc_filename & 0xFFFF));
@@ -436,7 +397,6 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
 /* The hook of locks.bpf.c: any thread's exit (a wait it was in is gone). */
 static __always_inline void locks_thread_exit(u32 tid);
 
-#if FILTER_PIDS || WITH_LOCK_TIMES || WITH_UNWIND
 TRACEPOINT_PROBE(sched, sched_process_exit)
 {
     u64 id = bpf_get_current_pid_tgid();
@@ -451,8 +411,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
         unwind_forget(tgid);
         holds_end(tgid);
     }
-#if FILTER_PIDS
-    if (!ends || !tgid_is_followed(tgid))
+    if (!FILTER_PIDS || !ends || !tgid_is_followed(tgid))
         return 0; /* only the last thread's exit ends a process */
 #if WITH_EVENTS
     /* No exit code: task_struct's layout in the build headers need not be
@@ -460,16 +419,14 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
     lifecycle_event(tgid, EV_EXIT, 0);
 #endif
     followed.delete(&tgid); /* the pid may be reused by an unrelated process */
-#if FIRST_TGID
-    u32 first = 0;
-    struct first_target *target = first_target.lookup(&first);
-    if (target && tgid == target->tgid)
-        target->live = 0;
-#endif
-#endif /* FILTER_PIDS */
+    if (FIRST_TGID) {
+        u32 first = 0;
+        struct first_target *target = first_target.lookup(&first);
+        if (target && tgid == target->tgid)
+            target->live = 0;
+    }
     return 0;
 }
-#endif
 
 /* ---- clocks ----------------------------------------------------------------*/
 /* A time that no output shows to the nanosecond: the clock read once a tick

@@ -31,7 +31,7 @@ static __always_inline void stop_and_say(u32 kind)
     musts.ringbuf_submit(e, 0);
 }
 
-#if ALLOC_ONE_PROCESS
+/* (ALLOC_ONE_PROCESS) */
 BPF_ARRAY(alloc_target, u32, 1); /* the thread the uprobes are attached for (user space sets it) */
 
 /* pthread_exit. The uprobes of one process are attached for one of its
@@ -52,16 +52,14 @@ int alloc_thread_exit(struct pt_regs *ctx)
         stop_and_say(EV_RETARGET); /* another thread's: the uprobes stay */
     return 0;
 }
-#endif
 
-#if HOLD_AT_EXIT && HOLDS
-/* _exit: the process's mappings are still there. Only processes mtrace-live
+/* (HOLD_AT_EXIT, HOLDS) _exit: the process's mappings are still there. Only processes mtrace-live
  * started, with allocations seen, and only while the gate is open: a trace
  * that ends stops no one. Any other process is named from the maps read
  * while it ran (tracer/loop/live.py). */
 int alloc_exit(struct pt_regs *ctx)
 {
-    if (gate_closed())
+    if (!HOLD_AT_EXIT || !HOLDS || gate_closed())
         return 0;
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     if (!uprobe_followed(ctx, ALLOC_ONE_PROCESS, tgid))
@@ -70,6 +68,5 @@ int alloc_exit(struct pt_regs *ctx)
         stop_and_say(EV_HELD);
     return 0;
 }
-#endif
 
 #endif /* WITH_ALLOCS && WITH_EVENTS */

@@ -24,12 +24,6 @@
 #ifndef LOCK_STACKS
 #define LOCK_STACKS 0 /* each wait's stack (the frame store, frames.bpf.c) */
 #endif
-#ifndef LOCK_EVENTS
-#define LOCK_EVENTS 0 /* each wait through the ring (EV_LOCK_WAIT) */
-#endif
-#ifndef LOCK_ONE_PROCESS
-#define LOCK_ONE_PROCESS 0 /* the probes are attached for one process: the kernel filters */
-#endif
 #ifndef LOCK_ROWS
 #define LOCK_ROWS 4096 /* (process, futex) rows of lock_times */
 #endif
@@ -162,7 +156,9 @@ static __always_inline void lock_add_stack(struct lock_key *key, u64 ns)
 
 static __always_inline void lock_event(const struct lock_pending *p, u64 id, u64 now, u64 ns)
 {
-#if WITH_EVENTS && LOCK_EVENTS
+#if WITH_EVENTS
+    if (!LOCK_EVENTS)
+        return;
     struct event *e = events.ringbuf_reserve(sizeof(struct event));
     if (!e) {
         lock_misc.increment(LX_LOST_EVENTS);

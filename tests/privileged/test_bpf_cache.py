@@ -217,3 +217,34 @@ def test_a_cold_start_says_at_a_terminal_that_it_compiles_and_for_how_long(tmp_p
     assert float((cache / "last-compile-seconds").read_text()) > 0  # the next one's estimate
     # WHEN the same start again: loaded from the cache, nothing said
     assert "compiling" not in at_a_terminal(cache, "run", "-o", "summary", "--", "true")
+
+
+def test_one_compiled_program_serves_every_choice_of_the_run_time_values(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+
+    def workload(*options: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+        truth_file = tmp_path / "truth.json"
+        done = traced(cache, "run", *options, "-o", "json", "--", str(built("alloc_workload")),
+                      "--out", str(truth_file))  # fmt: skip
+        return done, truth_file
+
+    # GIVEN a start that compiled its program: a command's, its forks followed
+    first = workload()
+    assert origin(first[0]) == "compiled"
+    exact_per_call_site(*first)
+    # WHEN starts come whose options are other run-time values (probes/bpf/runtime.h):
+    # no forks followed; then one process by its pid, and every process
+    apart = workload("--no-follow-forks")
+    with subprocess.Popen(["sleep", "30"]) as sleeper:
+        try:
+            one = traced(cache, "--pid", str(sleeper.pid), "--duration", "0.3", "-o", "summary")
+            every = traced(cache, "--all", "--duration", "0.3", "-o", "summary")
+        finally:
+            sleeper.kill()
+    # THEN each loaded the one program compiled first, and stored none of its own
+    assert [origin(done) for done in (apart[0], one, every)] == ["cache"] * 3, [
+        done.stderr for done in (apart[0], one, every)]  # fmt: skip
+    assert one.returncode == every.returncode == 0, (one.stderr, every.stderr)
+    assert len(stored(cache)) == 1
+    # AND the command's calls are counted exactly with its own values
+    exact_per_call_site(*apart)

@@ -280,7 +280,8 @@ def test_wait_times_equal_perf_s_and_the_calls_bpftrace_s(
     chosen = lock_wait_site(path)
     assert chosen is not None and chosen.address == objdump_site(path), chosen
     assert calls > 100
-    assert sum(row["waits"] for row in rows) == calls == perf_calls == len(events)
+    misc = tables(docs, "lock_misc")[0]
+    assert sum(row["waits"] for row in rows) == calls == perf_calls == len(events), misc
     # AND their time is perf's within 1%, from above and below (perf times
     # from the instruction the disassembly gives); bpftrace's, which starts at
     # the function's first instruction, holds it
@@ -301,7 +302,6 @@ def test_wait_times_equal_perf_s_and_the_calls_bpftrace_s(
     assert summed == buckets
     # AND nothing was left unattributed, lost or abandoned
     assert {row["lock"] for row in rows} <= {"main", "arena"}
-    misc = tables(docs, "lock_misc")[0]
     assert misc["no_row"] == misc["pending_full"] == misc["lost_events"] == misc["abandoned"] == 0
 
 

@@ -132,3 +132,55 @@ def test_a_cold_start_s_estimate_is_the_last_compile_measured(
     monkeypatch.setenv("MTRACE_LIVE_BPF_CACHE", "off")
     bpf_cache.note_compile(9.0)
     assert bpf_cache.compile_estimate() == bpf_cache.COMPILE_ESTIMATE_S
+
+
+def ld_u64(dst: int, value: int) -> bytes:
+    """A 64-bit immediate load of any unsigned 64-bit value."""
+    return (struct.pack("<BBhI", 0x18, dst, 0, value & 0xFFFFFFFF)
+            + struct.pack("<BBhI", 0, 0, 0, value >> 32))  # fmt: skip
+
+
+def test_run_time_values_are_written_over_their_marks_and_nothing_else() -> None:
+    # GIVEN two functions loading run-time values' marks (mark 3 twice), a map,
+    # and a 64-bit constant whose high word is the mark's but through a map load
+    mark = bpf_cache.RUNTIME_MARK << 32
+    first = ld_imm64(1, mark | 3) + ld_map(2, 5) + ld_imm64(3, mark | 3) + MOV_R0_0 + EXIT
+    second = ld_imm64(4, mark | 9) + insn(0x18, 5, 1, 0, 6) + insn(0, imm=bpf_cache.RUNTIME_MARK)
+    compiled = bpf_cache.Compiled("GPL", 0, {"a": first, "b": second + EXIT}, [])
+    # WHEN a run gives mark 3 the value 1 and mark 9 a value of 64 bits
+    given = bpf_cache.specialize(compiled, {mark | 3: 1, mark | 9: 0x1234_5678_9ABC_DEF0})
+    # THEN each load of a mark loads the value; the map loads and the rest are as they were
+    assert given.functions["a"] == (ld_imm64(1, 1) + ld_map(2, 5) + ld_imm64(3, 1)
+                                    + MOV_R0_0 + EXIT)  # fmt: skip
+    assert given.functions["b"] == (ld_u64(4, 0x1234_5678_9ABC_DEF0) + insn(0x18, 5, 1, 0, 6)
+                                    + insn(0, imm=bpf_cache.RUNTIME_MARK) + EXIT)  # fmt: skip
+    # AND the stored program is left as compiled, for the next run's values
+    assert compiled.functions["a"] == first
+    # AND a negative value is its 64-bit two's complement
+    negative = bpf_cache.specialize(compiled, {mark | 3: -1, mark | 9: 0})
+    assert negative.functions["a"].startswith(ld_u64(1, 2**64 - 1))
+    # AND code that loads a mark the run does not give is refused, not loaded with the mark
+    with pytest.raises(ValueError, match="not given"):
+        bpf_cache.specialize(compiled, {mark | 3: 1})
+
+
+def test_every_run_time_value_has_a_mark_of_its_own_and_is_no_define() -> None:
+    from mtrace_live.probes.program import ProgramConfig, runtime_values
+
+    # GIVEN the run-time values runtime.h names
+    values = runtime_values()
+    assert len(values) >= 18
+    # THEN each mark is the runtime mark's, and no two are one
+    assert all(value.mark >> 32 == bpf_cache.RUNTIME_MARK for value in values.values())
+    assert len({value.mark for value in values.values()}) == len(values)
+    # AND a program's source gives each a value, by its mark, and none as a -D
+    # (the compile-time key does not depend on them)
+    source = ProgramConfig(follow_forks=False, exact_times=False).source()
+    flags = source.cflags()
+    assert not [flag for flag in flags if flag[2:].split("=")[0] in values]
+    given = source.values()
+    assert set(given) == {value.mark for value in values.values()}
+    assert given[values["FOLLOW_FORKS"].mark] == 0 and given[values["FILTER_PIDS"].mark] == 1
+    assert given[values["PROBE_EXACT_TIME"].mark] == 0
+    other = ProgramConfig(follow_forks=True, exact_times=True, filter_pids=False).source()
+    assert other.cflags() == flags and other.values() != given

@@ -60,17 +60,6 @@ def _libbcc(bcc: Any) -> ctypes.CDLL:
     return lib
 
 
-def typed_handlers(bcc: Any, bpf: Any) -> tuple[dict[str, bytes], str]:
-    """The BTF-typed handlers bcc compiled (its code has its maps' descriptors
-    in it), and the program's license."""
-    lib = _libbcc(bcc)
-    module = bpf.module
-    names = [lib.bpf_function_name(module, i) for i in range(lib.bpf_num_functions(module))]
-    typed = {name.decode(): bytes(bpf.dump_func(name)) for name in names
-             if name.decode().startswith(TYPED_PREFIX)}  # fmt: skip
-    return typed, lib.bpf_module_license(module).decode()
-
-
 def compiled_of(bcc: Any, bpf: Any) -> bpf_cache.Compiled:
     """What bcc compiled: every function's code and every map's definition."""
     lib = _libbcc(bcc)

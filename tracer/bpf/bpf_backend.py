@@ -44,8 +44,6 @@ from mtrace_live.tracer.bpf.bcc_revive import (
     Function,
     compiled_of,
     from_cache,
-    typed_handlers,
-    uprobe_code,
 )
 from mtrace_live.tracer.bpf.bpf_callbacks import callback_of
 from mtrace_live.tracer.bpf.bpf_syscalls import BatchReader
@@ -59,6 +57,17 @@ if TYPE_CHECKING:
     import numpy as np
 else:
     np = lazy_module("numpy")  # (at the first use: probes/elf/lazy.py)
+
+
+def compile_only(bcc: Any) -> Any:
+    """bcc's BPF class, compiling only: its own start also loads and
+    attaches the tracepoint handlers it finds (``_trace_autoload``)."""
+
+    class CompileOnly(bcc.BPF):  # type: ignore[misc]
+        def _trace_autoload(self) -> None:
+            pass
+
+    return CompileOnly
 
 
 def import_bcc() -> Any:
@@ -138,34 +147,35 @@ class BpfProgram:
         # Uprobes in links (tracer/bpf/uprobe_multi.py) where the kernel has them:
         # every uprobe program is then loaded here, for them, from its code.
         self.uprobes_apart = uprobe_multi.why_not() if links else uprobe_multi.MAIN_GONE
+        # this run's values of the program's run-time settings (probes/bpf/runtime.h)
+        values = source.values()
         # what the start made of this program meanwhile, if it guessed it (preload)
-        early = preload.take(key)
-        compiled = self._cached(key, early)
+        early = preload.take(key, values)
+        compiled = self._cached(key, values, early)
         self.from_cache = compiled is not None  # loaded from code a previous run compiled
-        made = self._compile(source, text, cflags, key) if compiled is None else None
+        if compiled is None:  # compiled here, then loaded as a cached one is
+            compiled = self._loaded(self._compile(source, text, cflags, key), values)
         self.uprobe_links: uprobe_multi.UprobeLinks | None = None
         try:  # (from here on, what fails closes what was made: the programs loading too)
-            self.uprobe_links = self._links(compiled if compiled is not None else made, early)
+            self.uprobe_links = self._links(compiled, early)
             how = "loaded from the cache" if self.from_cache else "compiled"
             self.origin = (f"BPF program {name} {how} in {time.monotonic() - started:.2f} s "
                            f"({key[:12]})")  # fmt: skip
             if early is not None and self.from_cache:
                 self.origin += ", its maps and uprobe programs made while the start planned"
             # The BTF-typed handlers' code, with this run's map descriptors in it.
-            if compiled is not None:
-                typed, license_ = self._bpf.mtrace_typed, compiled.license
-            else:
-                typed, license_ = typed_handlers(import_bcc(), self._bpf)
-            if typed:
-                self._attach_typed(typed, license_)
+            if self._bpf.mtrace_typed:
+                self._attach_typed(self._bpf.mtrace_typed, compiled.license)
         except BaseException:
             self.close()
             raise
 
     def _compile(self, source: ProgramSource, text: str, cflags: list[str],
-                 key: str) -> bpf_cache.Compiled | None:  # fmt: skip
+                 key: str) -> bpf_cache.Compiled:  # fmt: skip
         """Compile with bcc, and keep the code under ``key``: what was
-        compiled, or None where it could not be read back."""
+        compiled. bcc loads and attaches nothing (its code loads the
+        run-time values' marks, not values): the program is loaded from the
+        code read back, as a cached one is."""
         import tempfile  # (a cold start's only: it imports shutil and random)
 
         bcc = import_bcc()
@@ -177,18 +187,34 @@ class BpfProgram:
         try:
             with tempfile.TemporaryDirectory(prefix="mtrace-live-bpf-") as scratch:
                 main = source.main_file(Path(scratch), text)
-                self._bpf = bcc.BPF(src_file=str(main).encode(), cflags=cflags)
+                compiling = compile_only(bcc)(src_file=str(main).encode(), cflags=cflags)
         except Exception as exc:
             raise AttachError(f"cannot load BPF program {source.name}: {exc}") from None
-        bpf_cache.note_compile(time.monotonic() - started)
-        made = None
+        try:
+            bpf_cache.note_compile(time.monotonic() - started)
+            made = compiled_of(bcc, compiling)
+        except Exception as exc:
+            raise AttachError(f"cannot read back the compiled program {source.name}: "
+                              f"{exc}") from None  # fmt: skip
+        finally:
+            compiling.cleanup()  # (its maps: the load makes its own)
         with contextlib.suppress(Exception):  # the cache is only ever a saving
-            made = compiled_of(bcc, self._bpf)
-            self._bpf.mtrace_uprobe_code = uprobe_code(made.functions)
             bpf_cache.store(key, made)
         return made
 
-    def _links(self, compiled: bpf_cache.Compiled | None,
+    def _loaded(
+        self, compiled: bpf_cache.Compiled, values: Mapping[int, int]
+    ) -> bpf_cache.Compiled:
+        """``compiled`` (just compiled) loaded as a cached program is:
+        given ``values``, its maps made and its handlers loaded."""
+        try:
+            given = bpf_cache.specialize(compiled, values)
+            self._bpf = from_cache(given, self.uprobes_apart is None)
+        except Exception as exc:
+            raise AttachError(f"cannot load the compiled program: {exc}") from None
+        return given
+
+    def _links(self, compiled: bpf_cache.Compiled,
                early: preload.Made | None) -> uprobe_multi.UprobeLinks | None:  # fmt: skip
         """The uprobe programs to load for links (loading from two threads
         from now on, or since the start began: ``early``), where this kernel
@@ -203,20 +229,21 @@ class BpfProgram:
             links.prefetch(preload.later())
         return links
 
-    def _links_of(self, compiled: bpf_cache.Compiled | None) -> uprobe_multi.UprobeLinks | None:
-        code = getattr(self._bpf, "mtrace_uprobe_code", None)
-        if self.uprobes_apart is None and (code is None or compiled is None):
-            self.uprobes_apart = "the compiled code could not be read back"
-        if self.uprobes_apart is not None or code is None or compiled is None:
+    def _links_of(self, compiled: bpf_cache.Compiled) -> uprobe_multi.UprobeLinks | None:
+        code = self._bpf.mtrace_uprobe_code
+        if self.uprobes_apart is not None or code is None:
             return None
         return uprobe_multi.UprobeLinks(code, compiled.license, compiled.kern_version)
 
-    def _cached(self, key: str, early: preload.Made | None) -> bpf_cache.Compiled | None:
-        """The program stored under ``key``, loaded (its maps the ones made
-        ``early``, where they were); None (with a warning where one was
-        stored) to compile it instead."""
+    def _cached(self, key: str, values: Mapping[int, int],
+                early: preload.Made | None) -> bpf_cache.Compiled | None:  # fmt: skip
+        """The program stored under ``key``, given ``values`` and loaded (its
+        maps the ones made ``early``, where they were); None (with a warning
+        where one was stored) to compile it instead."""
         try:
             compiled = early.compiled if early is not None else bpf_cache.load(key)
+            if compiled is not None and early is None:
+                compiled = bpf_cache.specialize(compiled, values)
             if compiled is not None:
                 self._bpf = from_cache(compiled, self.uprobes_apart is None,
                                        early.map_fds if early is not None else None,
@@ -594,10 +621,10 @@ class BpfProgram:
             sums = values.sum(axis=1).tolist()
             return [(bcc_table.Key.from_buffer_copy(key.tobytes()), [int(v) for v in row])
                     for key, row in zip(keys, sums, strict=True)]  # fmt: skip
-        values = self._bpf[table]
-        fields = len(values.sLeaf._fields_)
+        entries = self._bpf[table]
+        fields = len(entries.sLeaf._fields_)
         rows = []
-        for key, per_cpu in values.items():
+        for key, per_cpu in entries.items():
             summed = np.frombuffer(bytes(per_cpu), dtype=np.uint64).reshape(-1, fields).sum(axis=0)
             rows.append((key, [int(v) for v in summed]))
         return rows

@@ -35,7 +35,8 @@ import hashlib
 import json
 import os
 import struct
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from mtrace_live.probes.elf.facts import private_file, write_private_json
@@ -140,6 +141,39 @@ def relocate(code: bytes, fds: dict[int, int]) -> bytes:
         else:
             index += 8
     return bytes(out)
+
+
+RUNTIME_MARK = 0x6D746C72  # a run-time value's load: this in its high half (runtime.h)
+
+
+def specialize(compiled: Compiled, values: Mapping[int, int]) -> Compiled:
+    """``compiled`` with each run-time value's load (a 64-bit immediate whose
+    high half is RUNTIME_MARK: probes/bpf/runtime.h) given this run's value,
+    ``values`` by mark; ValueError where the code loads a mark not in it."""
+    return replace(compiled, functions={name: _with_values(code, values)
+                                        for name, code in compiled.functions.items()})  # fmt: skip
+
+
+def _with_values(code: bytes, values: Mapping[int, int]) -> bytes:
+    out: bytearray | None = None
+    index = 0
+    while index + 16 <= len(code):
+        if code[index] == _LD_IMM64 and code[index + 1] >> 4 == 0:
+            low, high = struct.unpack_from("<I", code, index + 4)[0], struct.unpack_from(
+                "<I", code, index + 12)[0]  # fmt: skip
+            if high == RUNTIME_MARK:
+                mark = high << 32 | low
+                if mark not in values:
+                    raise ValueError(f"the code loads run-time value {mark:#x}, which is not given")
+                if out is None:
+                    out = bytearray(code)
+                value = values[mark] & 0xFFFF_FFFF_FFFF_FFFF
+                struct.pack_into("<I", out, index + 4, value & 0xFFFF_FFFF)
+                struct.pack_into("<I", out, index + 12, value >> 32)
+            index += 16
+        else:
+            index += 8
+    return code if out is None else bytes(out)
 
 
 class Unusable(Exception):

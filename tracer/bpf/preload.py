@@ -29,7 +29,9 @@ from typing import Any
 from mtrace_live.probes.elf import facts
 from mtrace_live.tracer.bpf import bpf_cache, uprobe_multi
 
-_START = "start"  # the facts' entry of a start's options: {"program": key, "unused": [...]}
+# the facts' entry of a start's options: {"program": key, "values": [[mark, value], ...],
+# "unused": [...]} (values: its run-time values, probes/bpf/runtime.h)
+_START = "start"
 # Handlers loaded only when the trace first asks for them, where the last
 # start with the same options never did: unwind_python (a trace with no
 # Python process), whose verification is the longest of all (docs/performance.md,
@@ -42,7 +44,8 @@ class Made:
     """A program's maps made and its uprobe programs loading."""
 
     key: str
-    compiled: bpf_cache.Compiled
+    values: dict[int, int]  # the run-time values it was given (probes/bpf/runtime.h)
+    compiled: bpf_cache.Compiled  # (given them)
     map_fds: dict[int, int]  # the stored map's fd (in its code) -> the map made
     links: uprobe_multi.UprobeLinks | None
     # the tracepoints' handlers loaded (bcc_revive.loaded_here), by name
@@ -58,8 +61,8 @@ class Made:
 
 
 class _Preload:
-    def __init__(self, key: str, later: frozenset[str]) -> None:
-        self.key, self.later = key, later
+    def __init__(self, key: str, values: dict[int, int], later: frozenset[str]) -> None:
+        self.key, self.values, self.later = key, values, later
         self.made: Made | None = None
         self._thread = threading.Thread(target=self._make, name="mtrace-preload", daemon=True)
         self._thread.start()
@@ -71,7 +74,8 @@ class _Preload:
             compiled = bpf_cache.load(self.key)
             if compiled is None:
                 return
-            made = Made(self.key, compiled, {}, None)
+            compiled = bpf_cache.specialize(compiled, self.values)
+            made = Made(self.key, self.values, compiled, {}, None)
             try:
                 for spec in compiled.maps:
                     made.map_fds[spec.fd] = bpf_cache.recreate_map(spec)
@@ -210,8 +214,19 @@ def begin(options: str) -> None:
     unused = facts.fact_store().get(f"{_START}:{options}", "unused")
     _later = frozenset(h for h in DEFERRABLE if isinstance(unused, list) and h in unused)
     kept = facts.fact_store().get(f"{_START}:{options}", "program")
-    if isinstance(kept, str) and kept.isalnum():
-        _PENDING = _Preload(kept, _later)
+    values = _values(facts.fact_store().get(f"{_START}:{options}", "values"))
+    if isinstance(kept, str) and kept.isalnum() and values is not None:
+        _PENDING = _Preload(kept, values, _later)
+
+
+def _values(kept: Any) -> dict[int, int] | None:
+    """Run-time values as the facts keep them (pairs), or None where they
+    are not that."""
+    if not isinstance(kept, list):
+        return None
+    pairs = [pair for pair in kept if isinstance(pair, list) and len(pair) == 2
+             and all(isinstance(n, int) for n in pair)]  # fmt: skip
+    return {mark: value for mark, value in pairs} if len(pairs) == len(kept) else None
 
 
 _begun_options: list[str] = []  # this start's keys: the program it loads is kept under each
@@ -235,21 +250,25 @@ def keep_unused(asked: set[str]) -> None:
             store.put(f"{_START}:{options}", "unused", unused)  # (saved at the trace's end)
 
 
-def take(key: str) -> Made | None:
-    """What was made for ``key``, now the start's own; None where nothing
-    was (or something else was: closed). The key is kept for these options."""
+def take(key: str, values: dict[int, int]) -> Made | None:
+    """What was made for ``key`` given ``values``, now the start's own; None
+    where nothing was (or something else was: closed). Both are kept for
+    these options."""
     global _PENDING
     pending, _PENDING = _PENDING, None
     _taken_options[:] = dict.fromkeys(_begun_options)
     _begun_options.clear()  # (a later program of this process is not this start's)
     store = facts.fact_store()
+    pairs = [[mark, value] for mark, value in sorted(values.items())]
     for options in _taken_options:
         if store.get(f"{_START}:{options}", "program") != key:  # (unchanged: nothing to save)
             store.put(f"{_START}:{options}", "program", key)
+        if store.get(f"{_START}:{options}", "values") != pairs:
+            store.put(f"{_START}:{options}", "values", pairs)
     if pending is None:
         return None
     made = pending.result()
-    if made is not None and made.key != key:
+    if made is not None and (made.key != key or made.values != values):
         made.close()
         return None
     return made
