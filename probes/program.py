@@ -8,9 +8,11 @@ parts into one file (``main_file``) instead of #including them; the headers besi
 ``ProgramConfig`` holds every switch of the program. The live trace and
 ``count`` both build one, and it gives the parts and the settings. Those
 ``runtime.h`` names are run-time values, written into the code at each load
-(``RUNTIME``, tracer/bpf/bpf_cache.py ``specialize``); the others are ``-D``
-defines. The program cache's key covers the joined text, every header and
-the defines, not the run-time values: one compiled program serves them all.
+(tracer/bpf/bpf_cache.py ``specialize``), and the tables' sizes
+(``RUNTIME_SIZES``) are the sizes the loader makes the maps at; the others
+are ``-D`` defines. The program cache's key covers the joined text, every
+header and the defines, not the run-time values or sizes: one compiled
+program serves them all.
 """
 
 from __future__ import annotations
@@ -76,6 +78,27 @@ _RUNTIME = re.compile(r"^#define[ \t]+(\w+)[ \t]+MTL_RUNTIME\((0x[0-9a-fA-F]+),[
                       re.MULTILINE)  # fmt: skip
 
 
+# The maps made at the run's size, not the compile's: map -> (the setting
+# that sizes it, the bytes of its unit). bcc declares each at the setting's
+# default in the C; the loader makes it at the run's (max_entries).
+RUNTIME_SIZES = {
+    "events": ("RINGBUF_PAGES", mmap.PAGESIZE),
+    "outstanding": ("ALLOC_OUT_ROWS", 1),
+    "alloc_stacks": ("ALLOC_STACK_ROWS", 1),
+    "alloc_frames": ("FRAME_ROWS", 1),
+    "alloc_frame_claims": ("FRAME_ROWS", 1),
+    "lock_times": ("LOCK_ROWS", 1),
+    "lock_stack_times": ("LOCK_STACK_ROWS", 1),
+    "unwind_rows": ("UNWIND_ROWS", 1),
+    "unwind_maps": ("UNWIND_MAPS", 1),
+    "unwind_pages": ("UNWIND_PAGES", 1),
+}
+# Run-time values that are a sized table's rows less one: the masks of the
+# open-addressed tables' indexes (their rows a power of two)
+RUNTIME_MASKS = {"ALLOC_OUT_MASK": "ALLOC_OUT_ROWS", "ALLOC_STACK_MASK": "ALLOC_STACK_ROWS",
+                 "FRAME_MASK": "FRAME_ROWS"}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Runtime:
     """A run-time value of the program: the mark its code loads, and the
@@ -123,15 +146,25 @@ class ProgramSource:
         return sorted(self.directory.glob("*.h"))
 
     def cflags(self) -> list[str]:
-        """The compile-time defines (the run-time values are not: ``values``)."""
-        runtime = runtime_values()
+        """The compile-time defines (the run-time values and sizes are not:
+        ``values``, ``sizes``)."""
+        runtime = runtime_values().keys() | {setting for setting, _ in RUNTIME_SIZES.values()}
         return [f"-D{key}={value}" for key, value in self.defines.items() if key not in runtime]
 
     def values(self) -> dict[int, int]:
         """Each run-time value's mark -> this run's value (its fallback
         where the defines do not give it)."""
-        return {value.mark: int(self.defines.get(name, value.fallback))
+        masks = {mask: self.defines[rows] - 1
+                 for mask, rows in RUNTIME_MASKS.items() if rows in self.defines}  # fmt: skip
+        given = {**self.defines, **masks}
+        return {value.mark: int(given.get(name, value.fallback))
                 for name, value in runtime_values().items()}  # fmt: skip
+
+    def sizes(self) -> dict[str, int]:
+        """The maps made at this run's size: map -> max_entries (those whose
+        setting the defines give)."""
+        sized = {map_: size for map_, size in RUNTIME_SIZES.items() if size[0] in self.defines}
+        return {name: self.defines[setting] * unit for name, (setting, unit) in sized.items()}
 
 
 # common.bpf.h's defaults of the settings below that user space also names

@@ -25,6 +25,8 @@
 #ifndef WITH_ALLOCS
 #define WITH_ALLOCS 0 /* the allocation functions (malloc, free, ...) */
 #endif
+/* Map sizes as bcc declares them: the run makes each map at its own size
+ * (RUNTIME_SIZES, probes/program.py). */
 #ifndef ALLOC_OUT_ROWS
 #define ALLOC_OUT_ROWS 524288 /* rows of `outstanding` (a power of two): twice --max-outstanding */
 #endif
@@ -241,7 +243,7 @@ static __always_inline u64 outstanding_tag(u64 ptr, u32 tgid)
 
 static __always_inline u32 outstanding_home(u64 tag)
 {
-    return (u32)((tag * 0x9e3779b97f4a7c15ull) >> 32) & (ALLOC_OUT_ROWS - 1);
+    return (u32)((tag * 0x9e3779b97f4a7c15ull) >> 32) & ALLOC_OUT_MASK;
 }
 
 static __always_inline struct outstanding_row *outstanding_find(u64 ptr, u32 tgid)
@@ -249,7 +251,7 @@ static __always_inline struct outstanding_row *outstanding_find(u64 ptr, u32 tgi
     u64 tag = outstanding_tag(ptr, tgid);
     u32 home = outstanding_home(tag);
     for (u32 i = 0; i < OUT_PROBES; i++) {
-        u32 index = (home + i) & (ALLOC_OUT_ROWS - 1);
+        u32 index = (home + i) & ALLOC_OUT_MASK;
         struct outstanding_row *row = outstanding.lookup(&index);
         if (!row || !row->tag)
             return NULL; /* a free row ends the search */
@@ -265,7 +267,7 @@ static __always_inline int outstanding_add(u64 ptr, u32 tgid, struct outstanding
     u64 tag = outstanding_tag(ptr, tgid);
     u32 home = outstanding_home(tag);
     for (u32 i = 0; i < OUT_PROBES; i++) {
-        u32 index = (home + i) & (ALLOC_OUT_ROWS - 1);
+        u32 index = (home + i) & ALLOC_OUT_MASK;
         struct outstanding_row *row = outstanding.lookup(&index);
         if (!row)
             return -1;
@@ -297,7 +299,7 @@ static __always_inline struct alloc_stack_row *stack_row_of(const struct alloc_k
 {
     u64 tag = alloc_key_hash(key);
     for (u32 i = 0; i < STACK_PROBES; i++) {
-        u32 at = (u32)(tag + i) & (ALLOC_STACK_ROWS - 1);
+        u32 at = (u32)(tag + i) & ALLOC_STACK_MASK;
         struct alloc_stack_row *row = alloc_stacks.lookup(&at);
         if (!row)
             return NULL;
@@ -350,7 +352,8 @@ static __always_inline void release(u32 fn, u32 tgid, u32 tid, u64 call_site, u6
  * sampling; with it, SAMPLE_BYTES per sample point inside it, or 0. */
 static __always_inline u64 sample_weight(u64 size)
 {
-    if (SAMPLE_BYTES == 0)
+    const u64 mean = SAMPLE_BYTES;
+    if (mean == 0)
         return size;
     u32 zero = 0;
     s64 *left = sample_left.lookup(&zero);
@@ -358,21 +361,22 @@ static __always_inline u64 sample_weight(u64 size)
         return 0;
     s64 remaining = *left - (s64)size;
     u64 points = 0;
-#pragma unroll
+    /* A bounded loop, which the verifier walks (clang cannot unroll it:
+     * asked to, it said so on every compile with sampling). */
     for (int i = 0; i < MAX_CROSSINGS; i++) {
         if (remaining > 0)
             break;
         u32 q = bpf_get_prandom_u32() & (SAMPLE_QUANTILES - 1);
         u64 *interval = sample_quantiles.lookup(&q);
-        remaining += interval ? (s64)*interval : SAMPLE_BYTES;
+        remaining += interval ? (s64)*interval : (s64)mean;
         points++;
     }
     if (remaining <= 0) { /* larger than MAX_CROSSINGS intervals: kept at its size */
-        *left = SAMPLE_BYTES;
+        *left = mean;
         return size;
     }
     *left = remaining;
-    return points * SAMPLE_BYTES;
+    return points * mean;
 }
 
 

@@ -39,6 +39,8 @@
 #ifndef WITH_EVENTS
 #define WITH_EVENTS 1
 #endif
+/* Map sizes as bcc declares them: the run makes each map at its own size
+ * (RUNTIME_SIZES, probes/program.py). */
 #ifndef RINGBUF_PAGES
 #define RINGBUF_PAGES 2048 /* 8 MiB with 4 KiB pages; a power of two */
 #endif

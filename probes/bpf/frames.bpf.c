@@ -11,6 +11,8 @@
 #ifndef WITH_FRAMES
 #define WITH_FRAMES 0 /* the frame store and its walk */
 #endif
+/* Map sizes as bcc declares them: the run makes each map at its own size
+ * (RUNTIME_SIZES, probes/program.py). */
 #ifndef FRAME_ROWS
 #define FRAME_ROWS 32768 /* rows of alloc_frames (a power of two): twice --alloc-stacks */
 #endif
@@ -36,7 +38,7 @@ static __always_inline s32 store_frames(struct alloc_frames_row *row, u64 hash, 
 {
     hash |= 1; /* never 0, which marks a free row */
     for (u32 probe = 0; probe < FRAME_PROBES; probe++) {
-        u32 index = (u32)(hash + probe) & (FRAME_ROWS - 1);
+        u32 index = (u32)(hash + probe) & FRAME_MASK;
         struct alloc_frames_row *slot = alloc_frames.lookup(&index);
         if (!slot)
             break;

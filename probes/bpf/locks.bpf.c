@@ -24,6 +24,8 @@
 #ifndef LOCK_STACKS
 #define LOCK_STACKS 0 /* each wait's stack (the frame store, frames.bpf.c) */
 #endif
+/* Map sizes as bcc declares them: the run makes each map at its own size
+ * (RUNTIME_SIZES, probes/program.py). */
 #ifndef LOCK_ROWS
 #define LOCK_ROWS 4096 /* (process, futex) rows of lock_times */
 #endif

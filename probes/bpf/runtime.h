@@ -47,5 +47,10 @@
 #define LOCK_EVENTS MTL_RUNTIME(0x6d746c7200000011, 0)
 /* byte-based sampling of the allocations (allocs.bpf.c) */
 #define SAMPLE_BYTES MTL_RUNTIME(0x6d746c7200000012, 0)
+/* the open-addressed tables' index masks: their rows (a power of two) less
+ * one, the rows the run made them with (probes/program.py RUNTIME_SIZES) */
+#define ALLOC_OUT_MASK MTL_RUNTIME(0x6d746c7200000013, 524287)
+#define ALLOC_STACK_MASK MTL_RUNTIME(0x6d746c7200000014, 32767)
+#define FRAME_MASK MTL_RUNTIME(0x6d746c7200000015, 32767)
 
 #endif

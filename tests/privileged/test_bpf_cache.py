@@ -5,8 +5,11 @@ checked against what the workloads know they did."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import signal
 import subprocess
 from collections import defaultdict
 from pathlib import Path
@@ -18,6 +21,7 @@ from .conftest import MTRACE, built
 from .test_allocations import by_site
 from .test_live_trace import events_of, summary_numbers
 from .test_usdt_counts import DOCUMENTED_PROBES
+from .tracing import wait_for_line
 
 COMPILED = "debug: BPF program trace compiled in"
 FROM_CACHE = "debug: BPF program trace loaded from the cache in"
@@ -248,3 +252,49 @@ def test_one_compiled_program_serves_every_choice_of_the_run_time_values(tmp_pat
     assert len(stored(cache)) == 1
     # AND the command's calls are counted exactly with its own values
     exact_per_call_site(*apart)
+
+
+def maps_by_name(pid: int) -> dict[str, dict[str, Any]]:
+    """The maps process ``pid`` holds, as bpftool (the peer) lists them, by name."""
+    listed = json.loads(subprocess.run(["bpftool", "map", "list", "-j"], capture_output=True,
+                                       text=True, check=True).stdout)  # fmt: skip
+    ids = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            info = Path(f"/proc/{pid}/fdinfo/{fd}").read_text()
+            found = re.search(r"(?m)^map_id:\s*(\d+)", info)
+            if found:
+                ids.add(int(found.group(1)))
+    return {entry["name"]: entry for entry in listed if entry["id"] in ids}
+
+
+def test_the_tables_are_made_at_the_run_s_sizes_from_the_one_program(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    with subprocess.Popen(["sleep", "60"]) as sleeper:
+        try:
+            # GIVEN the program compiled by a start with the default sizes
+            first = traced(cache, "--pid", str(sleeper.pid), "--duration", "0.2", "-o", "summary")
+            assert origin(first) == "compiled", first.stderr
+            # WHEN a start asks for other sizes of the ring and the allocations' tables
+            err = tmp_path / "err"
+            env = {**os.environ, "MTRACE_LIVE_BPF_CACHE": str(cache), "MTRACE_LIVE_DEBUG": "1"}
+            with open(err, "wb") as stderr:
+                tracer = subprocess.Popen(
+                    [*MTRACE, "--pid", str(sleeper.pid), "--buffer-pages", "64",
+                     "--max-outstanding", "1000", "--alloc-stacks", "300", "-o", "summary"],
+                    stdout=subprocess.DEVNULL, stderr=stderr, env=env)  # fmt: skip
+            try:
+                wait_for_line(err, "Ctrl-C to stop", tracer, timeout=120)
+                made = maps_by_name(tracer.pid)
+            finally:
+                tracer.send_signal(signal.SIGINT)
+                assert tracer.wait(timeout=120) == 0, err.read_text()
+        finally:
+            sleeper.kill()
+    # THEN it loaded the one program, and bpftool shows its maps at its own sizes:
+    # the ring 64 pages, each open-addressed table twice the entries asked for,
+    # rounded up to a power of two
+    assert FROM_CACHE in err.read_text() and len(stored(cache)) == 1, err.read_text()
+    assert made["events"]["max_entries"] == 64 * os.sysconf("SC_PAGE_SIZE")
+    assert made["outstanding"]["max_entries"] == 2048
+    assert made["alloc_stacks"]["max_entries"] == made["alloc_frames"]["max_entries"] == 1024

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import struct
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -146,22 +147,31 @@ def test_run_time_values_are_written_over_their_marks_and_nothing_else() -> None
     mark = bpf_cache.RUNTIME_MARK << 32
     first = ld_imm64(1, mark | 3) + ld_map(2, 5) + ld_imm64(3, mark | 3) + MOV_R0_0 + EXIT
     second = ld_imm64(4, mark | 9) + insn(0x18, 5, 1, 0, 6) + insn(0, imm=bpf_cache.RUNTIME_MARK)
-    compiled = bpf_cache.Compiled("GPL", 0, {"a": first, "b": second + EXIT}, [])
-    # WHEN a run gives mark 3 the value 1 and mark 9 a value of 64 bits
-    given = bpf_cache.specialize(compiled, {mark | 3: 1, mark | 9: 0x1234_5678_9ABC_DEF0})
+    types = ('"int"', '"int"')
+    maps = [bpf_cache.MapSpec("events", 0, 5, 27, 0, 0, 4096, 0, "events", *types),
+            bpf_cache.MapSpec("rows", 1, 6, 2, 4, 16, 1024, 0, "rows", *types)]  # fmt: skip
+    compiled = bpf_cache.Compiled("GPL", 0, {"a": first, "b": second + EXIT}, maps)
+    # WHEN a run gives mark 3 the value 1 and mark 9 a value of 64 bits, and
+    # makes its events ring 16 pages
+    run = bpf_cache.Given({mark | 3: 1, mark | 9: 0x1234_5678_9ABC_DEF0}, {"events": 65536})
+    given = bpf_cache.specialize(compiled, run)
     # THEN each load of a mark loads the value; the map loads and the rest are as they were
     assert given.functions["a"] == (ld_imm64(1, 1) + ld_map(2, 5) + ld_imm64(3, 1)
                                     + MOV_R0_0 + EXIT)  # fmt: skip
     assert given.functions["b"] == (ld_u64(4, 0x1234_5678_9ABC_DEF0) + insn(0x18, 5, 1, 0, 6)
                                     + insn(0, imm=bpf_cache.RUNTIME_MARK) + EXIT)  # fmt: skip
+    # AND the ring is made at the run's size, the other map at the compiled one
+    assert [spec.max_entries for spec in given.maps] == [65536, 1024]
+    assert [replace(spec, max_entries=0) for spec in given.maps] == [
+        replace(spec, max_entries=0) for spec in maps]  # fmt: skip
     # AND the stored program is left as compiled, for the next run's values
-    assert compiled.functions["a"] == first
+    assert compiled.functions["a"] == first and compiled.maps == maps
     # AND a negative value is its 64-bit two's complement
-    negative = bpf_cache.specialize(compiled, {mark | 3: -1, mark | 9: 0})
+    negative = bpf_cache.specialize(compiled, bpf_cache.Given({mark | 3: -1, mark | 9: 0}))
     assert negative.functions["a"].startswith(ld_u64(1, 2**64 - 1))
     # AND code that loads a mark the run does not give is refused, not loaded with the mark
     with pytest.raises(ValueError, match="not given"):
-        bpf_cache.specialize(compiled, {mark | 3: 1})
+        bpf_cache.specialize(compiled, bpf_cache.Given({mark | 3: 1}))
 
 
 def test_every_run_time_value_has_a_mark_of_its_own_and_is_no_define() -> None:
@@ -184,3 +194,24 @@ def test_every_run_time_value_has_a_mark_of_its_own_and_is_no_define() -> None:
     assert given[values["PROBE_EXACT_TIME"].mark] == 0
     other = ProgramConfig(follow_forks=True, exact_times=True, filter_pids=False).source()
     assert other.cflags() == flags and other.values() != given
+
+
+def test_the_tables_sizes_are_the_run_s_and_their_masks_follow() -> None:
+    from mtrace_live.probes.program import ProgramConfig, runtime_values
+
+    marks = {name: value.mark for name, value in runtime_values().items()}
+    # GIVEN two runs whose tables differ in size, the ring too
+    sizes = {"ALLOC_OUT_ROWS": 1 << 12, "ALLOC_STACK_ROWS": 1 << 10, "FRAME_ROWS": 1 << 10}
+    small = ProgramConfig(ring_pages=64, allocs={"WITH_ALLOCS": 1, **sizes}).source()
+    large = ProgramConfig(ring_pages=4096, allocs={"WITH_ALLOCS": 1, **{
+        name: rows * 8 for name, rows in sizes.items()}}).source()  # fmt: skip
+    # THEN they compile alike
+    assert small.cflags() == large.cflags()
+    # AND each makes its maps at its own sizes (the ring's in bytes)
+    assert small.sizes() == {"events": 64 * 4096, "outstanding": 1 << 12, "alloc_stacks": 1 << 10,
+                             "alloc_frames": 1 << 10, "alloc_frame_claims": 1 << 10}  # fmt: skip
+    assert large.sizes()["outstanding"] == 1 << 15 and large.sizes()["events"] == 4096 * 4096
+    # AND its open-addressed tables' masks are its rows less one
+    values = small.values()
+    assert values[marks["ALLOC_OUT_MASK"]] == (1 << 12) - 1
+    assert values[marks["ALLOC_STACK_MASK"]] == values[marks["FRAME_MASK"]] == (1 << 10) - 1

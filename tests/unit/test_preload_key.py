@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from mtrace_live.probes.elf import facts
 from mtrace_live.tracer.bpf import preload
+from mtrace_live.tracer.bpf.bpf_cache import Given
 from mtrace_live.tracer.bpf.preload import command_line_options
 
 
@@ -108,25 +109,26 @@ def test_a_start_keeps_its_program_under_each_key_it_began_under() -> None:
     # a program kept under the parsed options' key only
     store = facts.fact_store()
     store.put("start:parsed", "program", "abc123")
-    store.put("start:parsed", "values", [[7, 1]])
+    store.put("start:parsed", "given", Given({7: 1}).kept())
     # WHEN it begins under its command line's key (nothing kept there), then
     # under its parsed options' (a guess: made on a thread), and loads a program
     preload.begin("argv:line")
     assert not preload.begun()
     preload.begin("parsed")
     assert preload.begun()
-    assert preload.take("def456", {7: 0}) is None  # (nothing stored under the guessed key)
-    # THEN both keys name the program it loaded and its run-time values, for
-    # the next start either way
+    assert preload.take("def456", Given({7: 0}, {"events": 4096})) is None  # (none stored)
+    # THEN both keys name the program it loaded, its run-time values and its
+    # maps' sizes, for the next start either way
     assert store.get("start:argv:line", "program") == "def456"
     assert store.get("start:parsed", "program") == "def456"
-    assert store.get("start:argv:line", "values") == store.get("start:parsed", "values") == [[7, 0]]
+    for key in ("start:argv:line", "start:parsed"):
+        assert Given.from_kept(store.get(key, "given")) == Given({7: 0}, {"events": 4096})
     # and what it never asked for is kept under both too
     preload.keep_unused(set())
     assert store.get("start:argv:line", "unused") == list(preload.DEFERRABLE)
     assert store.get("start:parsed", "unused") == list(preload.DEFERRABLE)
     # and a later program of the same process is not this start's
-    preload.take("other", {})
+    preload.take("other", Given({}))
     assert store.get("start:argv:line", "program") == "def456"
 
 
@@ -135,19 +137,19 @@ def test_a_start_that_loads_the_program_kept_for_its_key_leaves_nothing_to_save(
     # GIVEN a program kept under a start's key, and saved
     store = facts.fact_store()
     store.put("start:same", "program", "abc123")
-    store.put("start:same", "values", [[1, 0], [2, 5]])
+    store.put("start:same", "given", Given({1: 0, 2: 5}).kept())
     store.save()
     assert not store.dirty
     # WHEN a start under that key loads that same program
     preload.begin("same")
-    preload.take("abc123", {2: 5, 1: 0})
+    preload.take("abc123", Given({2: 5, 1: 0}))
     # THEN the facts have nothing new to write at its end
     assert not store.dirty
     # AND a start that loads the same program with other run-time values keeps them
     preload.begin("same")
-    preload.take("abc123", {1: 1, 2: 5})
-    assert store.dirty and store.get("start:same", "values") == [[1, 1], [2, 5]]
+    preload.take("abc123", Given({1: 1, 2: 5}))
+    assert store.dirty and Given.from_kept(store.get("start:same", "given")) == Given({1: 1, 2: 5})
     # AND a start that loads another program keeps it
     preload.begin("same")
-    preload.take("fed987", {1: 1, 2: 5})
+    preload.take("fed987", Given({1: 1, 2: 5}))
     assert store.get("start:same", "program") == "fed987"

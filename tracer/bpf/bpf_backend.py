@@ -147,14 +147,14 @@ class BpfProgram:
         # Uprobes in links (tracer/bpf/uprobe_multi.py) where the kernel has them:
         # every uprobe program is then loaded here, for them, from its code.
         self.uprobes_apart = uprobe_multi.why_not() if links else uprobe_multi.MAIN_GONE
-        # this run's values of the program's run-time settings (probes/bpf/runtime.h)
-        values = source.values()
+        # this run's run-time values (probes/bpf/runtime.h) and maps' sizes
+        given = bpf_cache.Given(source.values(), source.sizes())
         # what the start made of this program meanwhile, if it guessed it (preload)
-        early = preload.take(key, values)
-        compiled = self._cached(key, values, early)
+        early = preload.take(key, given)
+        compiled = self._cached(key, given, early)
         self.from_cache = compiled is not None  # loaded from code a previous run compiled
         if compiled is None:  # compiled here, then loaded as a cached one is
-            compiled = self._loaded(self._compile(source, text, cflags, key), values)
+            compiled = self._loaded(self._compile(source, text, cflags, key), given)
         self.uprobe_links: uprobe_multi.UprobeLinks | None = None
         try:  # (from here on, what fails closes what was made: the programs loading too)
             self.uprobe_links = self._links(compiled, early)
@@ -202,17 +202,15 @@ class BpfProgram:
             bpf_cache.store(key, made)
         return made
 
-    def _loaded(
-        self, compiled: bpf_cache.Compiled, values: Mapping[int, int]
-    ) -> bpf_cache.Compiled:
+    def _loaded(self, compiled: bpf_cache.Compiled, given: bpf_cache.Given) -> bpf_cache.Compiled:
         """``compiled`` (just compiled) loaded as a cached program is:
-        given ``values``, its maps made and its handlers loaded."""
+        ``given`` its run's values and sizes, its maps made and its handlers loaded."""
         try:
-            given = bpf_cache.specialize(compiled, values)
-            self._bpf = from_cache(given, self.uprobes_apart is None)
+            specialized = bpf_cache.specialize(compiled, given)
+            self._bpf = from_cache(specialized, self.uprobes_apart is None)
         except Exception as exc:
             raise AttachError(f"cannot load the compiled program: {exc}") from None
-        return given
+        return specialized
 
     def _links(self, compiled: bpf_cache.Compiled,
                early: preload.Made | None) -> uprobe_multi.UprobeLinks | None:  # fmt: skip
@@ -235,15 +233,16 @@ class BpfProgram:
             return None
         return uprobe_multi.UprobeLinks(code, compiled.license, compiled.kern_version)
 
-    def _cached(self, key: str, values: Mapping[int, int],
+    def _cached(self, key: str, given: bpf_cache.Given,
                 early: preload.Made | None) -> bpf_cache.Compiled | None:  # fmt: skip
-        """The program stored under ``key``, given ``values`` and loaded (its
-        maps the ones made ``early``, where they were); None (with a warning
-        where one was stored) to compile it instead."""
+        """The program stored under ``key``, ``given`` its run's values and
+        sizes, and loaded (its maps the ones made ``early``, where they
+        were); None (with a warning where one was stored) to compile it
+        instead."""
         try:
             compiled = early.compiled if early is not None else bpf_cache.load(key)
             if compiled is not None and early is None:
-                compiled = bpf_cache.specialize(compiled, values)
+                compiled = bpf_cache.specialize(compiled, given)
             if compiled is not None:
                 self._bpf = from_cache(compiled, self.uprobes_apart is None,
                                        early.map_fds if early is not None else None,

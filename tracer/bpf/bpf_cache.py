@@ -36,8 +36,9 @@ import json
 import os
 import struct
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from mtrace_live.probes.elf.facts import private_file, write_private_json
 from mtrace_live.tracer.bpf import bpf_syscalls
@@ -146,12 +147,46 @@ def relocate(code: bytes, fds: dict[int, int]) -> bytes:
 RUNTIME_MARK = 0x6D746C72  # a run-time value's load: this in its high half (runtime.h)
 
 
-def specialize(compiled: Compiled, values: Mapping[int, int]) -> Compiled:
+@dataclass(frozen=True)
+class Given:
+    """What a run gives a compiled program at its load: its run-time values
+    by mark (probes/bpf/runtime.h), and the sizes (max_entries) of the maps
+    it makes at a size of its own, by name (probes/program.py RUNTIME_SIZES)."""
+
+    values: Mapping[int, int]
+    sizes: Mapping[str, int] = field(default_factory=dict)
+
+    def kept(self) -> dict[str, Any]:
+        """As a JSON document keeps it (the facts: tracer/bpf/preload.py)."""
+        return {"values": [[mark, value] for mark, value in sorted(self.values.items())],
+                "sizes": dict(sorted(self.sizes.items()))}  # fmt: skip
+
+    @staticmethod
+    def from_kept(document: Any) -> Given | None:
+        """What ``kept`` wrote, or None where ``document`` is not that."""
+        if not isinstance(document, dict):
+            return None
+        pairs, sizes = document.get("values"), document.get("sizes")
+        if not isinstance(pairs, list) or not isinstance(sizes, dict):
+            return None
+        if not all(isinstance(pair, list) and len(pair) == 2
+                   and all(isinstance(n, int) for n in pair) for pair in pairs):  # fmt: skip
+            return None
+        if not all(isinstance(n, int) for n in sizes.values()):
+            return None
+        return Given({mark: value for mark, value in pairs}, dict(sizes))
+
+
+def specialize(compiled: Compiled, given: Given) -> Compiled:
     """``compiled`` with each run-time value's load (a 64-bit immediate whose
     high half is RUNTIME_MARK: probes/bpf/runtime.h) given this run's value,
-    ``values`` by mark; ValueError where the code loads a mark not in it."""
-    return replace(compiled, functions={name: _with_values(code, values)
-                                        for name, code in compiled.functions.items()})  # fmt: skip
+    and the maps the run sizes at its sizes; ValueError where the code loads
+    a mark the run does not give."""
+    functions = {name: _with_values(code, given.values)
+                 for name, code in compiled.functions.items()}  # fmt: skip
+    maps = [replace(spec, max_entries=given.sizes[spec.name]) if spec.name in given.sizes else spec
+            for spec in compiled.maps]  # fmt: skip
+    return replace(compiled, functions=functions, maps=maps)
 
 
 def _with_values(code: bytes, values: Mapping[int, int]) -> bytes:

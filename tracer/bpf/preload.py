@@ -29,8 +29,9 @@ from typing import Any
 from mtrace_live.probes.elf import facts
 from mtrace_live.tracer.bpf import bpf_cache, uprobe_multi
 
-# the facts' entry of a start's options: {"program": key, "values": [[mark, value], ...],
-# "unused": [...]} (values: its run-time values, probes/bpf/runtime.h)
+# the facts' entry of a start's options: {"program": key, "given": {"values": [[mark,
+# value], ...], "sizes": {map: entries}}, "unused": [...]} (given: its run-time values,
+# probes/bpf/runtime.h, and maps' sizes: bpf_cache.Given)
 _START = "start"
 # Handlers loaded only when the trace first asks for them, where the last
 # start with the same options never did: unwind_python (a trace with no
@@ -44,7 +45,7 @@ class Made:
     """A program's maps made and its uprobe programs loading."""
 
     key: str
-    values: dict[int, int]  # the run-time values it was given (probes/bpf/runtime.h)
+    given: bpf_cache.Given  # its run-time values and maps' sizes
     compiled: bpf_cache.Compiled  # (given them)
     map_fds: dict[int, int]  # the stored map's fd (in its code) -> the map made
     links: uprobe_multi.UprobeLinks | None
@@ -61,8 +62,8 @@ class Made:
 
 
 class _Preload:
-    def __init__(self, key: str, values: dict[int, int], later: frozenset[str]) -> None:
-        self.key, self.values, self.later = key, values, later
+    def __init__(self, key: str, given: bpf_cache.Given, later: frozenset[str]) -> None:
+        self.key, self.given, self.later = key, given, later
         self.made: Made | None = None
         self._thread = threading.Thread(target=self._make, name="mtrace-preload", daemon=True)
         self._thread.start()
@@ -74,8 +75,8 @@ class _Preload:
             compiled = bpf_cache.load(self.key)
             if compiled is None:
                 return
-            compiled = bpf_cache.specialize(compiled, self.values)
-            made = Made(self.key, self.values, compiled, {}, None)
+            compiled = bpf_cache.specialize(compiled, self.given)
+            made = Made(self.key, self.given, compiled, {}, None)
             try:
                 for spec in compiled.maps:
                     made.map_fds[spec.fd] = bpf_cache.recreate_map(spec)
@@ -214,19 +215,9 @@ def begin(options: str) -> None:
     unused = facts.fact_store().get(f"{_START}:{options}", "unused")
     _later = frozenset(h for h in DEFERRABLE if isinstance(unused, list) and h in unused)
     kept = facts.fact_store().get(f"{_START}:{options}", "program")
-    values = _values(facts.fact_store().get(f"{_START}:{options}", "values"))
-    if isinstance(kept, str) and kept.isalnum() and values is not None:
-        _PENDING = _Preload(kept, values, _later)
-
-
-def _values(kept: Any) -> dict[int, int] | None:
-    """Run-time values as the facts keep them (pairs), or None where they
-    are not that."""
-    if not isinstance(kept, list):
-        return None
-    pairs = [pair for pair in kept if isinstance(pair, list) and len(pair) == 2
-             and all(isinstance(n, int) for n in pair)]  # fmt: skip
-    return {mark: value for mark, value in pairs} if len(pairs) == len(kept) else None
+    given = bpf_cache.Given.from_kept(facts.fact_store().get(f"{_START}:{options}", "given"))
+    if isinstance(kept, str) and kept.isalnum() and given is not None:
+        _PENDING = _Preload(kept, given, _later)
 
 
 _begun_options: list[str] = []  # this start's keys: the program it loads is kept under each
@@ -250,8 +241,8 @@ def keep_unused(asked: set[str]) -> None:
             store.put(f"{_START}:{options}", "unused", unused)  # (saved at the trace's end)
 
 
-def take(key: str, values: dict[int, int]) -> Made | None:
-    """What was made for ``key`` given ``values``, now the start's own; None
+def take(key: str, given: bpf_cache.Given) -> Made | None:
+    """What was made for ``key`` and ``given``, now the start's own; None
     where nothing was (or something else was: closed). Both are kept for
     these options."""
     global _PENDING
@@ -259,16 +250,16 @@ def take(key: str, values: dict[int, int]) -> Made | None:
     _taken_options[:] = dict.fromkeys(_begun_options)
     _begun_options.clear()  # (a later program of this process is not this start's)
     store = facts.fact_store()
-    pairs = [[mark, value] for mark, value in sorted(values.items())]
+    kept = given.kept()
     for options in _taken_options:
         if store.get(f"{_START}:{options}", "program") != key:  # (unchanged: nothing to save)
             store.put(f"{_START}:{options}", "program", key)
-        if store.get(f"{_START}:{options}", "values") != pairs:
-            store.put(f"{_START}:{options}", "values", pairs)
+        if store.get(f"{_START}:{options}", "given") != kept:
+            store.put(f"{_START}:{options}", "given", kept)
     if pending is None:
         return None
     made = pending.result()
-    if made is not None and (made.key != key or made.values != values):
+    if made is not None and (made.key != key or made.given != given):
         made.close()
         return None
     return made
