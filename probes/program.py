@@ -92,11 +92,28 @@ RUNTIME_SIZES = {
     "unwind_rows": ("UNWIND_ROWS", 1),
     "unwind_maps": ("UNWIND_MAPS", 1),
     "unwind_pages": ("UNWIND_PAGES", 1),
+    "pending": ("PENDING_SLOTS", 1),
+    "alloc_procs": ("ALLOC_PROCS", 1),
+    "vm_procs": ("ALLOC_PROCS", 1),
+    "vm_brk": ("ALLOC_PROCS", 1),
+    "vm_pending": ("VM_PENDING", 1),
 }
 # Run-time values that are a sized table's rows less one: the masks of the
 # open-addressed tables' indexes (their rows a power of two)
 RUNTIME_MASKS = {"ALLOC_OUT_MASK": "ALLOC_OUT_ROWS", "ALLOC_STACK_MASK": "ALLOC_STACK_ROWS",
-                 "FRAME_MASK": "FRAME_ROWS"}  # fmt: skip
+                 "FRAME_MASK": "FRAME_ROWS", "PENDING_MASK": "PENDING_SLOTS"}  # fmt: skip
+# The allocation functions' handlers (allocs.bpf.c, holds.bpf.c, and those of
+# vm.bpf.c's system calls it alone uses), left out of the load of a run that
+# does not trace them, with its tables at one entry (ALLOCS_OFF); and the
+# handlers of the system calls it shares with the derived probes, left out
+# where neither is there. A name ending in * stands for every one it begins.
+_SYSCALL = "tracepoint__syscalls__sys_"
+_ALLOC_SYSCALLS = ("exit_mmap", "exit_munmap", "enter_mremap", "exit_mremap")
+ALLOC_HANDLERS = ("alloc_*", *(_SYSCALL + call for call in _ALLOC_SYSCALLS))
+_SHARED_SYSCALLS = ("enter_mmap", "enter_munmap", "enter_brk", "exit_brk")
+SHARED_SYSCALL_HANDLERS = tuple(_SYSCALL + call for call in _SHARED_SYSCALLS)
+ALLOCS_OFF = {"WITH_ALLOCS": 0, "ALLOC_OUT_ROWS": 1, "ALLOC_STACK_ROWS": 1, "PENDING_SLOTS": 1,
+              "ALLOC_PROCS": 1, "VM_PENDING": 1}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -123,6 +140,7 @@ class ProgramSource:
     name: str
     parts: tuple[Path, ...]
     defines: Mapping[str, int] = field(default_factory=dict)
+    absent: tuple[str, ...] = ()  # handlers this run leaves out of the load (ALLOC_HANDLERS)
 
     @property
     def directory(self) -> Path:
@@ -149,7 +167,9 @@ class ProgramSource:
         """The compile-time defines (the run-time values and sizes are not:
         ``values``, ``sizes``)."""
         runtime = runtime_values().keys() | {setting for setting, _ in RUNTIME_SIZES.values()}
-        return [f"-D{key}={value}" for key, value in self.defines.items() if key not in runtime]
+        # (sorted: two runs that set the same defines in another order compile alike)
+        return [f"-D{key}={value}" for key, value in sorted(self.defines.items())
+                if key not in runtime]  # fmt: skip
 
     def values(self) -> dict[int, int]:
         """Each run-time value's mark -> this run's value (its fallback
@@ -204,6 +224,7 @@ class ProgramConfig:
     # the per-process and per-thread tables' entries allocated as their keys
     # come, not all at their creation (PROC_TABLES_ON_DEMAND, common.bpf.h)
     tables_on_demand: bool = False
+    site_registers: bool = False  # a uprobe's cookie reaches its handler (site_cookie.h)
 
     def defines(self) -> dict[str, int]:
         defines = {
@@ -223,6 +244,7 @@ class ProgramConfig:
             "HOLDS": int(self.holds and self.filter_pids and self.events),
             "EXIT_GROUP_DEAD": int(self.exit_group_dead),
             "PROC_TABLES_ON_DEMAND": int(self.tables_on_demand),
+            "SITE_REGISTERS": int(self.site_registers),
         }
         if self.comm is not None:
             defines.update({"FILTER_COMM": 1, "COMM_LO": self.comm[0], "COMM_HI": self.comm[1]})
@@ -232,14 +254,24 @@ class ProgramConfig:
         defines.update(self.kmem or {})
         if self.first_tgid:
             defines["FIRST_TGID"] = 1
-        defines.update(self.allocs or {})
         defines.update(self.locks or {})
         walks = (self.allocs or {}).get("ALLOC_WALK", 0) or (self.locks or {}).get("LOCK_STACKS", 0)
         defines["WITH_FRAMES"] = int(bool(walks))
+        # (without them, the part as a run with them compiles it: its walk where frames are)
+        defines.update(self.allocs if self.allocs is not None
+                       else {**ALLOCS_OFF, "ALLOC_WALK": int(bool(walks))})  # fmt: skip
         if walks and self.unwind is not None:
             defines.update(self.unwind)
         return defines
 
+    def absent(self) -> tuple[str, ...]:
+        """The handlers this run leaves out of the load (ALLOC_HANDLERS)."""
+        if self.allocs is not None:
+            return ()
+        derived = bool(self.derived.get("DERIVED_SYSCALLS", 0))
+        return ALLOC_HANDLERS if derived else (*ALLOC_HANDLERS, *SHARED_SYSCALL_HANDLERS)
+
     def source(self) -> ProgramSource:
         directory = bpf_directory()
-        return ProgramSource("trace", tuple(directory / part for part in PARTS), self.defines())
+        return ProgramSource("trace", tuple(directory / part for part in PARTS), self.defines(),
+                             self.absent())  # fmt: skip

@@ -22,9 +22,6 @@
  * number of times it did: an unbiased estimate of its bytes. Only kept
  * allocations get a stack walk, an outstanding entry and an event. */
 /* This part's settings (ProgramConfig, probes/program.py), and their defaults. */
-#ifndef WITH_ALLOCS
-#define WITH_ALLOCS 0 /* the allocation functions (malloc, free, ...) */
-#endif
 /* Map sizes as bcc declares them: the run makes each map at its own size
  * (RUNTIME_SIZES, probes/program.py). */
 #ifndef ALLOC_OUT_ROWS
@@ -40,7 +37,9 @@
 #error "ALLOC_WALK needs the frame store (WITH_FRAMES, frames.bpf.c)"
 #endif
 
-#if WITH_ALLOCS
+/* The part is in every program; a run without the allocation functions
+ * (WITH_ALLOCS 0, runtime.h) leaves its handlers out of the load and makes
+ * its tables with one entry (probes/program.py ALLOC_HANDLERS, RUNTIME_SIZES). */
 
 /* Without sampling every allocation has its alloc_stacks row, so a
  * process's allocations, bytes and frees of known pointers are the sums of
@@ -53,7 +52,14 @@
 
 /* In a pending call's fn: jemalloc's xallocx, a realloc in place (alloc_return). */
 #define AF_IN_PLACE 0x8000
+/* Map sizes as bcc declares them: the run makes each map at its own size
+ * (RUNTIME_SIZES, probes/program.py). */
+#ifndef PENDING_SLOTS
 #define PENDING_SLOTS 65536 /* a power of two: threads whose ids differ by a multiple share one */
+#endif
+#ifndef ALLOC_PROCS
+#define ALLOC_PROCS MAX_FOLLOWED /* rows of alloc_procs, vm_procs and vm_brk */
+#endif
 
 struct pending_call {
     u64 sp;    /* the stack pointer at the site: deeper calls are nested */
@@ -97,7 +103,7 @@ BPF_F_TABLE("array", int, struct outstanding_row, outstanding, ALLOC_OUT_ROWS, B
 #define STACK_PROBES 8
 /* Mapped too: a snapshot copies its memory (10 ms a read through the kernel). */
 BPF_F_TABLE("array", int, struct alloc_stack_row, alloc_stacks, ALLOC_STACK_ROWS, BPF_F_MMAPABLE);
-PROC_TABLE(alloc_procs, u32, struct alloc_proc, MAX_FOLLOWED);
+PROC_TABLE(alloc_procs, u32, struct alloc_proc, ALLOC_PROCS);
 /* Bumped by user space each time it takes the rows of processes gone out of
  * alloc_procs: a thread then looks its process's row up again (its pid may
  * be a new process's). */
@@ -135,7 +141,7 @@ static __always_inline struct alloc_proc *alloc_proc_of(u32 tgid)
 
 static __always_inline struct pending_call *slot_of(u32 tid)
 {
-    u32 slot = tid & (PENDING_SLOTS - 1);
+    u32 slot = tid & PENDING_MASK;
     return pending.lookup(&slot);
 }
 
@@ -683,4 +689,4 @@ int alloc_free(struct pt_regs *ctx)
     return 0;
 }
 
-#endif /* WITH_ALLOCS */
+

@@ -9,7 +9,7 @@
  *   - at pthread_exit of the thread one process's uprobes are attached for
  *     (ALLOC_ONE_PROCESS), user space attaches them for a thread that stays
  *     (tracer/processes/retarget.py). */
-#if WITH_ALLOCS && WITH_EVENTS
+#if WITH_EVENTS
 
 /* Say `kind` in the musts ring, stopping the calling process first if
  * mtrace-live started it. Nothing is stopped without room to say so. */
@@ -69,4 +69,4 @@ int alloc_exit(struct pt_regs *ctx)
     return 0;
 }
 
-#endif /* WITH_ALLOCS && WITH_EVENTS */
+#endif /* WITH_EVENTS */

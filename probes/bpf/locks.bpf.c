@@ -124,15 +124,13 @@ int lock_wait_enter(struct pt_regs *ctx)
     unwind_wanted(id >> 32);
     struct unwind_state *st = unwind_begin(id >> 32, p.caller, sp + 8, ctx->bp, UNWIND_RESUME_LOCK);
     if (st) {
-#if WITH_ALLOCS
         /* A wait inside an allocation function: its return address is the
          * kernel's trampoline by now, the one it replaced is in its slot. */
-        struct pending_call *call = pending_of(slot_of(tid), tid);
+        struct pending_call *call = WITH_ALLOCS ? pending_of(slot_of(tid), tid) : NULL;
         if (call) {
             st->hijack_at[0] = call->sp;
             st->hijack_ra[0] = call->ret;
         }
-#endif
         __builtin_memcpy(st->payload, &p, sizeof(p));
         unwind_progs.call(ctx, UNWIND_STEP);
     }

@@ -45,6 +45,9 @@
 #define PROBE_EXACT_TIME MTL_RUNTIME(0x6d746c720000000f, 1)
 #define ALLOC_EVENTS MTL_RUNTIME(0x6d746c7200000010, 0)
 #define LOCK_EVENTS MTL_RUNTIME(0x6d746c7200000011, 0)
+/* the allocation functions traced (allocs.bpf.c, vm.bpf.c, holds.bpf.c): a run
+ * without them also leaves their handlers out of the load (probes/program.py) */
+#define WITH_ALLOCS MTL_RUNTIME(0x6d746c7200000016, 0)
 /* byte-based sampling of the allocations (allocs.bpf.c) */
 #define SAMPLE_BYTES MTL_RUNTIME(0x6d746c7200000012, 0)
 /* the open-addressed tables' index masks: their rows (a power of two) less
@@ -52,5 +55,6 @@
 #define ALLOC_OUT_MASK MTL_RUNTIME(0x6d746c7200000013, 524287)
 #define ALLOC_STACK_MASK MTL_RUNTIME(0x6d746c7200000014, 32767)
 #define FRAME_MASK MTL_RUNTIME(0x6d746c7200000015, 32767)
+#define PENDING_MASK MTL_RUNTIME(0x6d746c7200000017, 65535)
 
 #endif

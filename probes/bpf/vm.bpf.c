@@ -1,20 +1,23 @@
 /* ---- memory that bypasses malloc: mmap, munmap, mremap, brk --------------
  * Counted per process when the call returns (its arguments kept per thread
- * at entry), with the allocation functions (WITH_ALLOCS). Only the traced
+ * at entry), with the allocation functions (WITH_ALLOCS: a run without them
+ * leaves this part's own handlers out, and the shared ones call no hook of it). Only the traced
  * processes; munmap counts what it was asked to unmap, whoever mapped it.
  *
  * mmap's and munmap's entries and brk's entry and exit are shared with the
  * derived probes (derived.bpf.c): their handlers, at the end, call one hook
  * of each part, and a part switched off has empty hooks. */
-#if WITH_ALLOCS
 #define MAP_ANONYMOUS_ 0x20
 struct vm_call {
     u64 len;
     u64 other; /* mmap: flags; mremap: the new length; brk: the break asked for */
 };
-BPF_TABLE("lru_hash", u32, struct vm_call, vm_pending, 16384);
-PROC_TABLE(vm_procs, u32, struct vm_proc, MAX_FOLLOWED);
-PROC_TABLE(vm_brk, u32, u64, MAX_FOLLOWED); /* each process's break as last seen */
+#ifndef VM_PENDING
+#define VM_PENDING 16384 /* calls in flight (a map size bcc declares: RUNTIME_SIZES) */
+#endif
+BPF_TABLE("lru_hash", u32, struct vm_call, vm_pending, VM_PENDING);
+PROC_TABLE(vm_procs, u32, struct vm_proc, ALLOC_PROCS);
+PROC_TABLE(vm_brk, u32, u64, ALLOC_PROCS); /* each process's break as last seen */
 
 static __always_inline struct vm_proc *vm_proc_of(u32 tgid)
 {
@@ -24,7 +27,7 @@ static __always_inline struct vm_proc *vm_proc_of(u32 tgid)
 
 static __always_inline int vm_enter(u64 len, u64 other)
 {
-    if (gate_closed())
+    if (!WITH_ALLOCS || gate_closed())
         return 0;
     u64 id = bpf_get_current_pid_tgid();
     if (!tgid_is_followed(id >> 32))
@@ -102,6 +105,8 @@ TRACEPOINT_PROBE(syscalls, sys_exit_mremap)
 /* brk returns the break, moved or not; the first one seen only sets it. */
 static __always_inline int vm_exit_brk(u64 ret)
 {
+    if (!WITH_ALLOCS)
+        return 0;
     u32 tid = (u32)bpf_get_current_pid_tgid();
     if (!vm_pending.lookup(&tid))
         return 0;
@@ -128,20 +133,7 @@ static __always_inline int vm_exit_brk(u64 ret)
     return 0;
 }
 
-#else
-static __always_inline int vm_enter(u64 len, u64 other)
-{
-    return 0;
-}
-
-static __always_inline int vm_exit_brk(u64 ret)
-{
-    return 0;
-}
-#endif /* WITH_ALLOCS */
-
 /* ---- system calls both the allocation tables and the derived probes use --*/
-#if WITH_ALLOCS || DERIVED_SYSCALLS
 TRACEPOINT_PROBE(syscalls, sys_enter_mmap)
 {
     vm_enter(args->len, args->flags);
@@ -169,4 +161,3 @@ TRACEPOINT_PROBE(syscalls, sys_exit_brk)
     derived_exit_brk(args, (u64)args->ret);
     return 0;
 }
-#endif

@@ -254,18 +254,38 @@ def test_one_compiled_program_serves_every_choice_of_the_run_time_values(tmp_pat
     exact_per_call_site(*apart)
 
 
-def maps_by_name(pid: int) -> dict[str, dict[str, Any]]:
-    """The maps process ``pid`` holds, as bpftool (the peer) lists them, by name."""
-    listed = json.loads(subprocess.run(["bpftool", "map", "list", "-j"], capture_output=True,
+def held_by(pid: int, kind: str = "map") -> list[dict[str, Any]]:
+    """The maps (or programs: ``kind`` "prog") process ``pid`` holds, as
+    bpftool (the peer) lists them."""
+    listed = json.loads(subprocess.run(["bpftool", kind, "list", "-j"], capture_output=True,
                                        text=True, check=True).stdout)  # fmt: skip
     ids = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         with contextlib.suppress(OSError):
             info = Path(f"/proc/{pid}/fdinfo/{fd}").read_text()
-            found = re.search(r"(?m)^map_id:\s*(\d+)", info)
+            found = re.search(rf"(?m)^{kind}_id:\s*(\d+)", info)
             if found:
                 ids.add(int(found.group(1)))
-    return {entry["name"]: entry for entry in listed if entry["id"] in ids}
+    return [entry for entry in listed if entry["id"] in ids]
+
+
+def started_held(cache: Path, tmp_path: Path, *args: str) -> tuple[str, dict[str, Any], list[str]]:
+    """A trace with ``args``, stopped once it said its line: what it said,
+    the maps it held meanwhile by name, and its programs' names (bpftool's:
+    the kernel keeps 15 bytes of a name)."""
+    err = tmp_path / "err"
+    env = {**os.environ, "MTRACE_LIVE_BPF_CACHE": str(cache), "MTRACE_LIVE_DEBUG": "1"}
+    with open(err, "wb") as stderr:
+        tracer = subprocess.Popen([*MTRACE, *args], stdout=subprocess.DEVNULL, stderr=stderr,
+                                  env=env)  # fmt: skip
+    try:
+        wait_for_line(err, "Ctrl-C to stop", tracer, timeout=120)
+        maps = {entry["name"]: entry for entry in held_by(tracer.pid)}
+        progs = [entry["name"] for entry in held_by(tracer.pid, "prog")]
+    finally:
+        tracer.send_signal(signal.SIGINT)
+        assert tracer.wait(timeout=120) == 0, err.read_text()
+    return err.read_text(), maps, progs
 
 
 def test_the_tables_are_made_at_the_run_s_sizes_from_the_one_program(tmp_path: Path) -> None:
@@ -276,25 +296,50 @@ def test_the_tables_are_made_at_the_run_s_sizes_from_the_one_program(tmp_path: P
             first = traced(cache, "--pid", str(sleeper.pid), "--duration", "0.2", "-o", "summary")
             assert origin(first) == "compiled", first.stderr
             # WHEN a start asks for other sizes of the ring and the allocations' tables
-            err = tmp_path / "err"
-            env = {**os.environ, "MTRACE_LIVE_BPF_CACHE": str(cache), "MTRACE_LIVE_DEBUG": "1"}
-            with open(err, "wb") as stderr:
-                tracer = subprocess.Popen(
-                    [*MTRACE, "--pid", str(sleeper.pid), "--buffer-pages", "64",
-                     "--max-outstanding", "1000", "--alloc-stacks", "300", "-o", "summary"],
-                    stdout=subprocess.DEVNULL, stderr=stderr, env=env)  # fmt: skip
-            try:
-                wait_for_line(err, "Ctrl-C to stop", tracer, timeout=120)
-                made = maps_by_name(tracer.pid)
-            finally:
-                tracer.send_signal(signal.SIGINT)
-                assert tracer.wait(timeout=120) == 0, err.read_text()
+            said, made, _ = started_held(cache, tmp_path, "--pid", str(sleeper.pid),
+                                         "--buffer-pages", "64", "--max-outstanding", "1000",
+                                         "--alloc-stacks", "300", "-o", "summary")  # fmt: skip
         finally:
             sleeper.kill()
     # THEN it loaded the one program, and bpftool shows its maps at its own sizes:
     # the ring 64 pages, each open-addressed table twice the entries asked for,
     # rounded up to a power of two
-    assert FROM_CACHE in err.read_text() and len(stored(cache)) == 1, err.read_text()
+    assert FROM_CACHE in said and len(stored(cache)) == 1, said
     assert made["events"]["max_entries"] == 64 * os.sysconf("SC_PAGE_SIZE")
     assert made["outstanding"]["max_entries"] == 2048
     assert made["alloc_stacks"]["max_entries"] == made["alloc_frames"]["max_entries"] == 1024
+
+
+def test_a_trace_without_the_allocation_functions_loads_the_program_with_them(
+    tmp_path: Path,
+) -> None:
+    cache = tmp_path / "cache"
+    with subprocess.Popen(["sleep", "60"]) as sleeper:
+        try:
+            # GIVEN the program compiled by a start that traces the allocation functions
+            first = traced(cache, "--pid", str(sleeper.pid), "--duration", "0.2", "-o", "summary")
+            assert origin(first) == "compiled", first.stderr
+            # WHEN a start that does not (--contention: the lock waits alone)
+            # comes, and then one that does again
+            said, maps, progs = started_held(cache, tmp_path, "--pid", str(sleeper.pid),
+                                             "--contention", "-o", "summary")  # fmt: skip
+            _, _, with_allocs = started_held(cache, tmp_path, "--pid", str(sleeper.pid),
+                                             "-o", "summary")  # fmt: skip
+        finally:
+            sleeper.kill()
+    # THEN it loaded that program, with the lock waits' handlers and none of the
+    # allocation functions': no uprobe handler of theirs, and none of the four
+    # system calls' handlers they alone use (mmap's and munmap's exits, mremap's
+    # entry and exit); those it shares with the derived probes stay (the stock
+    # libc's: its heaps seen through mmap, munmap and brk)
+    assert FROM_CACHE in said and len(stored(cache)) == 1, said
+    assert {"lock_wait_enter", "lock_wait_retur"} <= set(progs), sorted(progs)
+    assert not [name for name in progs if name.startswith("alloc_")], progs
+    assert "alloc_malloc" in with_allocs
+
+    def syscalls(names: list[str]) -> int:
+        return len([name for name in names if name.startswith("syscalls__sys_")])
+
+    assert syscalls(with_allocs) - syscalls(progs) == 4 and syscalls(progs) >= 4, progs
+    # AND bpftool shows the allocation functions' tables made with one entry
+    assert maps["outstanding"]["max_entries"] == maps["pending"]["max_entries"] == 1

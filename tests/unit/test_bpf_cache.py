@@ -215,3 +215,40 @@ def test_the_tables_sizes_are_the_run_s_and_their_masks_follow() -> None:
     values = small.values()
     assert values[marks["ALLOC_OUT_MASK"]] == (1 << 12) - 1
     assert values[marks["ALLOC_STACK_MASK"]] == values[marks["FRAME_MASK"]] == (1 << 10) - 1
+
+
+def test_a_run_without_the_allocation_functions_compiles_as_one_with_them() -> None:
+    from mtrace_live.probes.program import ALLOC_HANDLERS, ProgramConfig
+
+    # GIVEN a run with the allocation functions and one without (lock waits in
+    # both, each with its stacks walked), the derived probes' system calls in
+    # both or in neither
+    allocs = {"WITH_ALLOCS": 1, "ALLOC_WALK": 1, "ALLOC_OUT_ROWS": 1 << 12,
+              "ALLOC_STACK_ROWS": 1 << 10, "FRAME_ROWS": 1 << 10}  # fmt: skip
+    locks = {"WITH_LOCK_TIMES": 1, "LOCK_STACKS": 1, "LOCK_ROWS": 4096, "LOCK_STACK_ROWS": 8192}
+    derived = {"DERIVED_SYSCALLS": 1}
+    for syscalls in (derived, {"DERIVED_SYSCALLS": 0}):
+        on = ProgramConfig(allocs=allocs, locks=locks, derived=syscalls).source()
+        off = ProgramConfig(locks=locks, derived=syscalls).source()
+        # THEN both compile alike: one program
+        assert on.cflags() == off.cflags()
+        # AND the run without them leaves their handlers out, and makes their
+        # tables with one entry each
+        assert on.absent == () and set(ALLOC_HANDLERS) <= set(off.absent)
+        shared = [name for name in off.absent if name not in ALLOC_HANDLERS]
+        assert (shared == []) == bool(syscalls["DERIVED_SYSCALLS"])
+        sizes = off.sizes()
+        for table in ("outstanding", "alloc_stacks", "pending", "alloc_procs", "vm_pending"):
+            assert sizes[table] == 1, table
+    # AND defines set in another order compile alike
+    source = ProgramConfig(locks=locks).source()
+    shuffled = replace(source, defines=dict(reversed(list(source.defines.items()))))
+    assert shuffled.cflags() == source.cflags()
+    # AND the handlers left out are those a name or a name's beginning says
+    given = bpf_cache.Given({}, {}, ("alloc_*", "tracepoint__syscalls__sys_exit_mmap"))
+    code = ld_imm64(0, 0) + EXIT
+    mmap = "tracepoint__syscalls__sys_exit_mmap"
+    names = ["alloc_malloc", "alloc_resume", "lock_wait_enter", mmap, mmap + "2", "site_0"]
+    compiled = bpf_cache.Compiled("GPL", 0, dict.fromkeys(names, code), [])
+    kept = bpf_cache.specialize(compiled, given).functions
+    assert sorted(kept) == ["lock_wait_enter", "site_0", "tracepoint__syscalls__sys_exit_mmap2"]

@@ -147,8 +147,9 @@ class BpfProgram:
         # Uprobes in links (tracer/bpf/uprobe_multi.py) where the kernel has them:
         # every uprobe program is then loaded here, for them, from its code.
         self.uprobes_apart = uprobe_multi.why_not() if links else uprobe_multi.MAIN_GONE
-        # this run's run-time values (probes/bpf/runtime.h) and maps' sizes
-        given = bpf_cache.Given(source.values(), source.sizes())
+        # this run's run-time values (probes/bpf/runtime.h), maps' sizes and
+        # handlers left out
+        given = bpf_cache.Given(source.values(), source.sizes(), source.absent)
         # what the start made of this program meanwhile, if it guessed it (preload)
         early = preload.take(key, given)
         compiled = self._cached(key, given, early)

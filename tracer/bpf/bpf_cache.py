@@ -150,40 +150,49 @@ RUNTIME_MARK = 0x6D746C72  # a run-time value's load: this in its high half (run
 @dataclass(frozen=True)
 class Given:
     """What a run gives a compiled program at its load: its run-time values
-    by mark (probes/bpf/runtime.h), and the sizes (max_entries) of the maps
-    it makes at a size of its own, by name (probes/program.py RUNTIME_SIZES)."""
+    by mark (probes/bpf/runtime.h), the sizes (max_entries) of the maps it
+    makes at a size of its own, by name (probes/program.py RUNTIME_SIZES),
+    and the handlers it leaves out (a name ending in * for every one it
+    begins: probes/program.py ALLOC_HANDLERS)."""
 
     values: Mapping[int, int]
     sizes: Mapping[str, int] = field(default_factory=dict)
+    absent: tuple[str, ...] = ()
 
     def kept(self) -> dict[str, Any]:
         """As a JSON document keeps it (the facts: tracer/bpf/preload.py)."""
         return {"values": [[mark, value] for mark, value in sorted(self.values.items())],
-                "sizes": dict(sorted(self.sizes.items()))}  # fmt: skip
+                "sizes": dict(sorted(self.sizes.items())), "absent": list(self.absent)}  # fmt: skip
+
+    def leaves_out(self, handler: str) -> bool:
+        return any(handler == name or (name.endswith("*") and handler.startswith(name[:-1]))
+                   for name in self.absent)  # fmt: skip
 
     @staticmethod
     def from_kept(document: Any) -> Given | None:
         """What ``kept`` wrote, or None where ``document`` is not that."""
         if not isinstance(document, dict):
             return None
-        pairs, sizes = document.get("values"), document.get("sizes")
+        pairs, sizes, absent = document.get("values"), document.get("sizes"), document.get("absent")
         if not isinstance(pairs, list) or not isinstance(sizes, dict):
+            return None
+        if not isinstance(absent, list) or not all(isinstance(name, str) for name in absent):
             return None
         if not all(isinstance(pair, list) and len(pair) == 2
                    and all(isinstance(n, int) for n in pair) for pair in pairs):  # fmt: skip
             return None
         if not all(isinstance(n, int) for n in sizes.values()):
             return None
-        return Given({mark: value for mark, value in pairs}, dict(sizes))
+        return Given({mark: value for mark, value in pairs}, dict(sizes), tuple(absent))
 
 
 def specialize(compiled: Compiled, given: Given) -> Compiled:
     """``compiled`` with each run-time value's load (a 64-bit immediate whose
     high half is RUNTIME_MARK: probes/bpf/runtime.h) given this run's value,
-    and the maps the run sizes at its sizes; ValueError where the code loads
-    a mark the run does not give."""
-    functions = {name: _with_values(code, given.values)
-                 for name, code in compiled.functions.items()}  # fmt: skip
+    the maps the run sizes at its sizes, and without the handlers it leaves
+    out; ValueError where the code loads a mark the run does not give."""
+    kept = {name: code for name, code in compiled.functions.items() if not given.leaves_out(name)}
+    functions = {name: _with_values(code, given.values) for name, code in kept.items()}
     maps = [replace(spec, max_entries=given.sizes[spec.name]) if spec.name in given.sizes else spec
             for spec in compiled.maps]  # fmt: skip
     return replace(compiled, functions=functions, maps=maps)

@@ -276,6 +276,7 @@ def program_plan(request: TraceRequest, probes: Probes, target_pid: int | None,
         holds=request.holds,
         exit_group_dead=exit_says_group_dead(),
         tables_on_demand=bpf_syscalls.kernel_version() >= TABLES_ON_DEMAND_SINCE,
+        site_registers=bpf_syscalls.attach_cookies(),
     )
     main_gone = target_pid is not None and alloc_pid not in (-1, target_pid)
     return ProgramPlan(config, ring_pages, hold, alloc_pid, request.holds, main_gone)
