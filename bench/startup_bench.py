@@ -35,6 +35,10 @@ from mtrace_live.tracer.processes.target import default_libc
 
 RUNS = 3 if QUICK else 20
 SETUP_RUNS = 1 if QUICK else 3  # each a whole warm-up (about 15 s)
+# Options setup's starts never had, each a run-time value or size of the one
+# program (docs/architecture.md, "One program for many options")
+NEW_OPTIONS = ["--sample-bytes", "4096", "--max-outstanding", "100000", "--alloc-stacks", "4096",
+               "--buffer-pages", "1024", "--follow-forks"]  # fmt: skip
 FINISH_RUNS = 1 if QUICK else 5
 COLD_ENV = {"MTRACE_LIVE_BPF_CACHE": "off", "MTRACE_LIVE_PLAN_CACHE": "off",
             "MTRACE_LIVE_CFI_CACHE": "off"}  # fmt: skip
@@ -176,6 +180,9 @@ def run(tmp: Path, peers: dict[str, str | None]) -> dict[str, object]:
             rows[f"the first trace after make setup: mtrace-live --pid{label}, to attached"] = _row(
                 samples
             )
+        samples = [after_setup(target.pid, NEW_OPTIONS) for _ in range(SETUP_RUNS)]
+        rows[f"options no start had, after make setup: mtrace-live --pid {' '.join(NEW_OPTIONS)}, "
+             "to attached"] = _row(samples)  # fmt: skip
     finally:
         for sleeper in (target, python):
             if sleeper is not None:
@@ -224,7 +231,10 @@ def render(data: dict) -> tuple[list[str], dict[str, bool | None]]:
         'program removed" keeps only the compiled program (`MTRACE_LIVE_PLAN_CACHE=off`, '
         '`MTRACE_LIVE_CFI_CACHE=off`). "The first trace after make setup" empties every '
         "cache, fills them as `make setup` does (scripts/warm-caches.sh), then times the "
-        f"first `--pid` start from a terminal's options (`-o live`), {SETUP_RUNS} times. "
+        f"first `--pid` start from a terminal's options (`-o live`), {SETUP_RUNS} times; "
+        '"options no start had" does the same for options none of those starts had: their '
+        "program is the one setup compiled, given other run-time values and sizes, and "
+        "nothing was made for them ahead of the start (no earlier start with them). "
         "The finish: `run -o summary` of pyenv's python3 (its libpython with full debug "
         f"info) importing {len(IMPORTS)} modules, timed from the program's end (the time it "
         f"writes last) to mtrace-live's exit, {FINISH_RUNS} times, with the source lines kept "

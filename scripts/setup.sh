@@ -204,7 +204,7 @@ fi
 # The BPF programs and the libc's facts of the traces a new user starts
 # first, so that the first one is warm (MTRACE_LIVE_SETUP_WARM=0 skips it).
 if [ "$(id -u)" = 0 ] && [ "${MTRACE_LIVE_SETUP_WARM:-1}" = 1 ]; then
-  say "compiling the BPF programs of a first trace (about 20 s, once)"
+  say "compiling the BPF program of a first trace (about 10 s, once)"
   bash "$REPO/scripts/warm-caches.sh" "$VENV/bin/mtrace-live" \
     || say "$? of 6 first traces could not be compiled now (see /tmp/mtrace-live-warm.log): each compiles at its first start instead"
 fi
