@@ -193,22 +193,9 @@ def specialize(compiled: Compiled, given: Given) -> Compiled:
     out; ValueError where the code loads a mark the run does not give."""
     kept = {name: code for name, code in compiled.functions.items() if not given.leaves_out(name)}
     functions = {name: _with_values(code, given.values) for name, code in kept.items()}
-    # the maps only the handlers left out use are not made either
-    theirs = set().union(*(_map_fds(code) for name, code in compiled.functions.items()
-                           if name not in kept))  # fmt: skip
-    unused = theirs - set().union(*(_map_fds(code) for code in kept.values()))
     maps = [replace(spec, max_entries=given.sizes[spec.name]) if spec.name in given.sizes else spec
-            for spec in compiled.maps if spec.fd not in unused]  # fmt: skip
+            for spec in compiled.maps]  # fmt: skip
     return replace(compiled, functions=functions, maps=maps)
-
-
-def _map_fds(code: bytes) -> set[int]:
-    """The map descriptors ``code`` loads (of the run that compiled it)."""
-    found = set()
-    for index in range(0, len(code) - 15, 8):
-        if code[index] == _LD_IMM64 and code[index + 1] >> 4 == _PSEUDO_MAP_FD:
-            found.add(struct.unpack_from("<i", code, index + 4)[0])
-    return found
 
 
 def _with_values(code: bytes, values: Mapping[int, int]) -> bytes:
