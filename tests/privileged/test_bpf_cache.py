@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -288,19 +289,28 @@ def started_held(cache: Path, tmp_path: Path, *args: str) -> tuple[str, dict[str
     return err.read_text(), maps, progs
 
 
-def test_the_tables_are_made_at_the_run_s_sizes_from_the_one_program(tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
+@contextlib.contextmanager
+def compiled_for_a_sleeper(cache: Path) -> Iterator[int]:
+    """A sleeping process, and the program a default --pid start of it
+    compiled into ``cache`` (traced the allocation functions, at the
+    default sizes): the sleeper's pid."""
     with subprocess.Popen(["sleep", "60"]) as sleeper:
         try:
-            # GIVEN the program compiled by a start with the default sizes
             first = traced(cache, "--pid", str(sleeper.pid), "--duration", "0.2", "-o", "summary")
             assert origin(first) == "compiled", first.stderr
-            # WHEN a start asks for other sizes of the ring and the allocations' tables
-            said, made, _ = started_held(cache, tmp_path, "--pid", str(sleeper.pid),
-                                         "--buffer-pages", "64", "--max-outstanding", "1000",
-                                         "--alloc-stacks", "300", "-o", "summary")  # fmt: skip
+            yield sleeper.pid
         finally:
             sleeper.kill()
+
+
+def test_the_tables_are_made_at_the_run_s_sizes_from_the_one_program(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    # GIVEN the program compiled by a start with the default sizes
+    with compiled_for_a_sleeper(cache) as pid:
+        # WHEN a start asks for other sizes of the ring and the allocations' tables
+        said, made, _ = started_held(cache, tmp_path, "--pid", str(pid), "--buffer-pages", "64",
+                                     "--max-outstanding", "1000", "--alloc-stacks", "300",
+                                     "-o", "summary")  # fmt: skip
     # THEN it loaded the one program, and bpftool shows its maps at its own sizes:
     # the ring 64 pages, each open-addressed table twice the entries asked for,
     # rounded up to a power of two
@@ -314,19 +324,13 @@ def test_a_trace_without_the_allocation_functions_loads_the_program_with_them(
     tmp_path: Path,
 ) -> None:
     cache = tmp_path / "cache"
-    with subprocess.Popen(["sleep", "60"]) as sleeper:
-        try:
-            # GIVEN the program compiled by a start that traces the allocation functions
-            first = traced(cache, "--pid", str(sleeper.pid), "--duration", "0.2", "-o", "summary")
-            assert origin(first) == "compiled", first.stderr
-            # WHEN a start that does not (--contention: the lock waits alone)
-            # comes, and then one that does again
-            said, maps, progs = started_held(cache, tmp_path, "--pid", str(sleeper.pid),
-                                             "--contention", "-o", "summary")  # fmt: skip
-            _, _, with_allocs = started_held(cache, tmp_path, "--pid", str(sleeper.pid),
-                                             "-o", "summary")  # fmt: skip
-        finally:
-            sleeper.kill()
+    # GIVEN the program compiled by a start that traces the allocation functions
+    with compiled_for_a_sleeper(cache) as pid:
+        # WHEN a start that does not (--contention: the lock waits alone)
+        # comes, and then one that does again
+        said, maps, progs = started_held(cache, tmp_path, "--pid", str(pid), "--contention",
+                                         "-o", "summary")  # fmt: skip
+        _, _, with_allocs = started_held(cache, tmp_path, "--pid", str(pid), "-o", "summary")
     # THEN it loaded that program, with the lock waits' handlers and none of the
     # allocation functions': no uprobe handler of theirs, and none of the four
     # system calls' handlers they alone use (mmap's and munmap's exits, mremap's
