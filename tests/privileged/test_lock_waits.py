@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 from mtrace_live.probes.lock_sites import lock_wait_site
+from mtrace_live.tracer.loop.plan import RECORD_BUFFER_PAGES
 from mtrace_live.tracer.processes import sdt_glibc, target
 
 from .conftest import MTRACE, built
@@ -262,11 +263,18 @@ def test_wait_times_equal_perf_s_and_the_calls_bpftrace_s(
     path = STOCK_LIBC if libc == "stock" else sdt.libc
     with Reaper() as reaper:
         # GIVEN 8 threads over 2 arenas, timed by perf and mtrace-live, counted
-        # by bpftrace, all at once
+        # by bpftrace, all at once. Every event is compared with the counts, so
+        # the trace has room for all of them (RECORD_BUFFER_PAGES): the SDT
+        # libc's lll_lock_wait_private probe fires at every try, and its events
+        # with the waits' (about 100,000 in a second, 10 MB) fill the default
+        # room (2 MiB in the kernel, 8 MiB copied out) whenever the reader, on
+        # two CPUs the eight threads share, falls a second behind; the waits
+        # then lost are counted (lock_misc's lost_events), not seen.
         workload = start_workload(sdt.wrap(argv) if libc == "sdt" else argv, reaper)
         bpftrace, bpftrace_out = start_bpftrace_waits(path, workload.pid, tmp_path)
         with perf_probes(path, tmp_path, workload.pid) as perf_data:
-            proc, out, err = start_mtrace(["--pid", str(workload.pid), "--no-allocs", "-o", "json"],
+            proc, out, err = start_mtrace(["--pid", str(workload.pid), "--no-allocs", "-o", "json",
+                                           "--buffer-pages", str(RECORD_BUFFER_PAGES)],
                                           tmp_path, reaper)  # fmt: skip
             workload.release("lifetimes")
             calls, bpftrace_total = stop_bpftrace_waits(bpftrace, bpftrace_out)
