@@ -13,11 +13,13 @@ and each map's kernel definition (as the kernel reports it for the map bcc
 made); a later run creates the same maps, writes their new descriptors into
 the code, and loads it: no clang, no kernel headers.
 
-Anything unexpected (a cache file that does not parse, code that refers to
-anything but a map, a map the kernel will not create) makes the caller
-compile as before, with a warning that says why; the cache only ever saves
-time. Where the program came from (the cache, or clang) is a debug line of
-the start-up report (``MTRACE_LIVE_DEBUG=1``).
+Anything unexpected in a stored program (a cache file that does not parse,
+code that refers to anything but a map, a map the kernel will not create)
+makes the caller compile it anew, with a warning that says why. A program
+just compiled is loaded the same way (the run's values written into it:
+``specialize``), so what cannot be loaded so fails the trace with its
+reason. Where the program came from (the cache, or clang) is a debug line
+of the start-up report (``MTRACE_LIVE_DEBUG=1``).
 
 The cache is a directory (``MTRACE_LIVE_BPF_CACHE``, default
 /var/cache/mtrace-live/bpf; ``off`` disables it) of one JSON file per
