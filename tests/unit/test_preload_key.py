@@ -55,6 +55,22 @@ def test_options_and_subcommands_make_keys_of_their_own(sleepers: tuple[int, int
     assert len(keys) == 6
 
 
+def test_options_typed_in_any_order_share_a_key(sleepers: tuple[int, int, int]) -> None:
+    # GIVEN one trace's options typed in three orders (make setup's first)
+    pid = str(sleepers[0])
+    orders = [["--pid", pid, "--contention", "-o", "live"],
+              ["--pid", pid, "-o", "live", "--contention"],
+              ["-o", "live", "--contention", "--pid", pid]]  # fmt: skip
+    # THEN one key
+    keys = {command_line_options(argv) for argv in orders}
+    assert len(keys) == 1 and None not in keys
+    # AND another value, another option or another subcommand is another key
+    others = {command_line_options(argv) for argv in (
+        ["--pid", pid, "--contention", "-o", "text"], ["--pid", pid, "-o", "live"],
+        ["serve", "--pid", pid, "--contention", "-o", "live"])}  # fmt: skip
+    assert len(others) == 3 and not others & keys
+
+
 def test_a_command_is_keyed_by_its_program_name_not_its_arguments() -> None:
     # GIVEN one command run with other arguments, and by another path
     same = [command_line_options(["run", "-o", "summary", "--", *command]) for command in (

@@ -136,9 +136,11 @@ def command_line_options(argv: list[str]) -> str | None:
     """The key of a start's options read from its command line as typed,
     before anything parses it (tracer/entry.py): each --pid's value replaced
     by the program the process runs, and the command after ``--`` by its
-    program's name; its --duration left out. None where the line starts no
-    trace (nothing then begins). Two lines that mean the same but are typed differently have
-    keys of their own: each is guessed from its own last start."""
+    program's name; its --duration left out; its options in one order
+    whatever order they were typed in (``_in_one_order``). None where the
+    line starts no trace (nothing then begins). Two lines that mean the same
+    but are spelled differently (``-o`` and ``--output``) have keys of their
+    own: each is guessed from its own last start."""
     typed = argv.index("--") if "--" in argv else len(argv)
     head = argv[:typed]
     if any(token in _ASKING for token in head):
@@ -169,10 +171,28 @@ def command_line_options(argv: list[str]) -> str | None:
         tokens.append(token)
     if not tracing:
         return None
+    tokens = _in_one_order(tokens)
     command = argv[typed + 1 :]
     if command:
         tokens += ["--", os.path.basename(command[0])]
     return "argv:" + options_key({"argv": tokens}, None)
+
+
+def _in_one_order(tokens: list[str]) -> list[str]:
+    """The words before the first option (a subcommand) first, then each
+    option with the values after it, these groups sorted: make setup's
+    ``--pid N --contention -o live`` is a user's ``--pid N -o live
+    --contention``. (A guess only: preload.take checks what was made.)"""
+    lead: list[str] = []
+    groups: list[list[str]] = []
+    for token in tokens:
+        if token.startswith("-") and token != "-":
+            groups.append([token])
+        elif groups:
+            groups[-1].append(token)
+        else:
+            lead.append(token)
+    return [*lead, *(token for group in sorted(groups) for token in group)]
 
 
 def begin_from_command_line(argv: list[str]) -> None:
