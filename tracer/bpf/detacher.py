@@ -20,13 +20,7 @@ def detach_in_child(perf_fds: list[int], apart: list[int] | None = None) -> bool
     False (nothing closed) if it cannot.
 
     Each of ``apart`` (the uprobe links) is closed by a thread of its own,
-    all at the same time as ``perf_fds``: a link's last close waits for an
-    RCU grace period (30 to 80 ms here) under no lock the others need, so
-    the waits overlap, where one after the other they kept the detacher
-    alive 1.4 s of its 2.4 s, holding the kernel's uprobe locks against the
-    next trace's start (``_close_apart``). The tracepoints' events wait
-    under the kernel's event_mutex, one after the other whoever closes
-    them: those stay in order, in the detacher.
+    at the same time as ``perf_fds`` (``_close_apart``).
 
     The child closes the perf events only once this process has closed its
     copies (it waits for the end of a pipe this process holds open until
@@ -69,29 +63,43 @@ def detach_in_child(perf_fds: list[int], apart: list[int] | None = None) -> bool
         prctl(_PR_SET_NAME, ctypes.c_char_p(DETACHER_NAME), 0, 0, 0)
         if fork() > 0:  # -1: no grandchild, the work is this child's
             os._exit(0)
-        os.setsid()
-        keep = {*perf_fds, *apart, released}
-        for entry in os.listdir("/proc/self/fd"):
-            fd = int(entry)
-            if fd not in keep:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        with contextlib.suppress(OSError):
-            os.read(released, 1)  # end of file: the parent's copies are closed, or it is gone
-        os.close(released)
-        closers = _close_apart(apart)
-        for fd in perf_fds:
-            _close_quietly(fd)
-        for closer in closers:
-            closer.join()
+        _detach(perf_fds, apart, released)
     finally:
         os._exit(0)
+
+
+def _detach(perf_fds: list[int], apart: list[int], released: int) -> None:
+    """The detacher's work: in a session of its own, every descriptor but
+    the events closed; once ``released`` ends (the tracer's copies are
+    closed), ``apart`` on threads and ``perf_fds`` in order."""
+    os.setsid()
+    keep = {*perf_fds, *apart, released}
+    for entry in os.listdir("/proc/self/fd"):
+        fd = int(entry)
+        if fd not in keep:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    with contextlib.suppress(OSError):
+        os.read(released, 1)  # end of file: the parent's copies are closed, or it is gone
+    os.close(released)
+    closers = _close_apart(apart)
+    for fd in perf_fds:
+        _close_quietly(fd)
+    for closer in closers:
+        closer.join()
 
 
 def _close_apart(apart: list[int]) -> list[threading.Thread]:
     """In the detacher: a thread for each of ``apart``, which closes it (the
     last copy: the threads wait for the kernel side by side); the threads,
     to join. A descriptor no thread could take is closed here, in turn.
+
+    A link's last close waits for an RCU grace period (30 to 80 ms here)
+    under no lock another link's needs, so the waits overlap: one after the
+    other, a ``--pid`` trace's 26 links kept the detacher alive 1.4 s of its
+    2.4 s, against the next trace's start. The tracepoints' events wait
+    under the kernel's event_mutex, one after the other whoever closes
+    them: those stay in order.
 
     Threads, where the rest of the detacher makes only system calls: this
     process is a fork of the one-threaded child of ``os.fork``, whose
