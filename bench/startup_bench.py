@@ -316,7 +316,7 @@ KERNEL_TEXT = [
     "34 perf events) plus the tracepoints' perf events, which are still one each. "
     "The detacher closes each link on a thread of its own (tracer/bpf/detacher.py), since a "
     "link's wait takes no lock another link's needs: a `--pid` trace's detacher was at work "
-    "2.3-2.5 s after Ctrl-C with its 26 links closed one after the other, 1.04-1.11 s with "
+    "2.3-2.5 s after Ctrl-C with its links (26 today) closed one after the other, 1.04-1.11 s with "
     "them side by side, what is left being the 13 tracepoints' events (about 60 ms each, "
     "under the kernel's event_mutex, however many threads close them). By hand, "
     "`run -o summary -- true` started right after the last one took 0.435-0.46 s against "

@@ -44,15 +44,17 @@ def detach_in_child(perf_fds: list[int], apart: list[int] | None = None) -> bool
         os.close(holding)
         return False
     if pid:
-        for fd in [*perf_fds, *apart]:
-            os.close(fd)
-        os.close(released)
-        os.close(holding)  # the child reads the end of file: its copies are the last
+        try:
+            for fd in [*perf_fds, *apart]:
+                _close_quietly(fd)
+        finally:
+            os.close(released)
+            os.close(holding)  # the child reads the end of file: its copies are the last
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)  # the first child exits at once: no zombie is left
         return True
-    try:  # the child: only system calls from here on (other threads' locks are not ours),
-        # and the links' closers (_close_apart)
+    try:  # the child: few calls from here on, no library's (other threads' locks are not
+        # ours): system calls, a directory listed, and the links' closers (_close_apart)
         # A grandchild does the work: the first child exits at once and is
         # reaped above, and the grandchild, whose parent is gone, is reaped
         # by init (or the nearest subreaper). A long-lived tracer (serve, a
@@ -101,15 +103,20 @@ def _close_apart(apart: list[int]) -> list[threading.Thread]:
     under the kernel's event_mutex, one after the other whoever closes
     them: those stay in order.
 
-    Threads, where the rest of the detacher makes only system calls: this
-    process is a fork of the one-threaded child of ``os.fork``, whose
-    interpreter's locks Python set free, and a thread's start takes no lock
-    a thread of the tracer could have held (its C libraries' own). Processes
-    of their own did the same in 3 ms each of copying the tracer's page
+    Threads, where the rest of the detacher calls little but the kernel:
+    this process is a fork of the one-threaded child of ``os.fork``, whose
+    interpreter's locks Python set free, and the locks a thread's start
+    takes in glibc (its stacks' cache, the TLS tables, malloc's arenas)
+    glibc's fork set free in the child. (A tracer's thread caught in the
+    middle of a dlopen would leave the TLS tables half made: the tracer
+    opens no library while it stops.) Each thread has the detacher's name,
+    which Python 3.14 gives the thread in the kernel too. Processes of
+    their own did the same in 3 ms each of copying the tracer's page
     tables, 80 ms for a trace's 26 links, the CPU of the next start."""
     threads = []
     for fd in apart:
-        closer = threading.Thread(target=_close_quietly, args=(fd,), daemon=True)
+        closer = threading.Thread(target=_close_quietly, args=(fd,), daemon=True,
+                                  name=DETACHER_NAME.decode())  # fmt: skip
         try:
             closer.start()
         except RuntimeError:  # (no thread could be started)

@@ -182,7 +182,10 @@ def _in_one_order(tokens: list[str]) -> list[str]:
     """The words before the first option (a subcommand) first, then each
     option with the values after it, these groups sorted: make setup's
     ``--pid N --contention -o live`` is a user's ``--pid N -o live
-    --contention``. (A guess only: preload.take checks what was made.)"""
+    --contention``. (A guess only: preload.take checks what was made. Lines
+    it takes for one may mean two things: the words of a command typed
+    without ``--`` move with the option before them, and ``-o a -o b`` is
+    ``-o b -o a``.)"""
     lead: list[str] = []
     groups: list[list[str]] = []
     for token in tokens:
