@@ -713,7 +713,7 @@ class BpfProgram:
         which is instant (the child still holds them), and exits. The handlers
         are gated off by then, so the events of those last seconds go
         nowhere. The child is named ``DETACHER_NAME``; it is gone within
-        about 60 ms per tracepoint, or one link's wait where that is longer:
+        about 80 ms per tracepoint, or one link's wait where that is longer:
         the uprobe links, whose waits need no global lock, are closed side
         by side by threads of their own (detacher.detach_in_child). Where no
         child can be started, the events are closed here."""
