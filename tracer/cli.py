@@ -18,6 +18,9 @@ import threading
 from typing import Any, NoReturn
 
 if __name__ == "__main__":  # python -m: begun as tracer/entry.py does
+    from mtrace_live.probes.elf import kept_code
+
+    kept_code.install()
     from mtrace_live.tracer.bpf.preload import begin_from_command_line
 
     begin_from_command_line(sys.argv[1:])

@@ -46,6 +46,8 @@ KEEP_FILES = 256  # the files whose facts are kept, the least recently used drop
 # A fact read is saved again (its file's last use) where its last saved use is
 # older than this: a start whose facts are all kept writes nothing at its end.
 USED_REFRESH_S = 24 * 3600
+TEMPORARY = ".tmp"  # a document being written, renamed once whole
+STALE_TEMPORARY_S = 3600
 
 T = TypeVar("T")
 _TYPES: dict[str, type] = {}
@@ -69,17 +71,36 @@ def private_file(path: Path) -> bool:
 def write_private_json(path: Path, document: object) -> None:
     """Write ``document`` to ``path`` atomically, in a directory only this
     user may write. Raises OSError, TypeError or ValueError."""
+    write_private_file(path, json.dumps(document).encode())
+
+
+def write_private_file(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically, in a directory only this user
+    may write; a write that fails (a full disk) leaves no file behind.
+    Raises OSError."""
     import tempfile  # (not on a warm start's path: it imports random)
 
     directory = path.parent
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as tmp:
-        try:
-            json.dump(document, tmp)
-        except BaseException:
-            os.unlink(tmp.name)
-            raise
-    os.replace(tmp.name, path)
+    descriptor, name = tempfile.mkstemp(dir=directory, suffix=TEMPORARY)
+    try:
+        with os.fdopen(descriptor, "wb") as tmp:
+            tmp.write(data)
+        os.replace(name, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+        raise
+
+
+def remove_stale_temporaries(directory: Path) -> None:
+    """Remove what writers killed before their rename left in ``directory``
+    (a temporary file older than an hour: no writer takes that long)."""
+    now = time.time()
+    for stale in directory.glob("*" + TEMPORARY):
+        with contextlib.suppress(OSError):
+            if now - stale.stat().st_mtime > STALE_TEMPORARY_S:
+                stale.unlink()
 
 
 def kept_type(cls: type[T]) -> type[T]:
@@ -249,6 +270,7 @@ class FactStore:
             others = sorted(self.path.parent.glob("facts-*.json"), key=lambda p: -p.stat().st_mtime)
             for stale in others[KEEP_VERSIONS:]:
                 stale.unlink()
+            remove_stale_temporaries(self.path.parent)
 
 
 def document_name() -> str:

@@ -167,3 +167,32 @@ def test_programs_prefetched_on_loader_threads_are_the_ones_asked_for() -> None:
         links.close_programs()
     # AND closing leaves none of them held (the one never asked for waited for, and closed)
     assert set(bpf_programs_of(os.getpid())) <= before
+
+
+def test_the_programs_longest_to_load_last_time_are_loaded_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # GIVEN handlers of three sizes, two of them known (from the last start)
+    # to have taken longest to load, and one loader thread, so that the
+    # kernel gives program ids in the order of the loads
+    monkeypatch.setattr(uprobe_multi, "LOADERS", 1)
+    move_zero = bytes.fromhex("b700000000000000")  # r0 = 0
+    handlers = {"small": uprobe_multi.RETURN_ZERO,
+                "large": move_zero * 40 + uprobe_multi.RETURN_ZERO,
+                "medium": move_zero * 20 + uprobe_multi.RETURN_ZERO,
+                "slow_b": uprobe_multi.RETURN_ZERO,
+                "slow_a": move_zero + uprobe_multi.RETURN_ZERO}  # fmt: skip
+    links = uprobe_multi.UprobeLinks(handlers, "GPL", 0)
+    try:
+        # WHEN they are loaded ahead, with those times
+        links.prefetch(frozenset(), {"slow_a": 50.0, "slow_b": 20.0})
+        fds = {handler: links.program(handler) for handler in handlers}
+        ids = {handler: int(bpf_fdinfo(os.getpid())[fd]["prog_id"]) for handler, fd in fds.items()}
+        # THEN the two known to be long go first, longest first, then the rest by size
+        assert sorted(handlers, key=ids.__getitem__) == ["slow_a", "slow_b", "large", "medium",
+                                                         "small"]  # fmt: skip
+        # AND each load's time is kept, for the next start
+        assert set(links.load_ms) == set(handlers)
+        assert all(ms > 0 for ms in links.load_ms.values())
+    finally:
+        links.close_programs()

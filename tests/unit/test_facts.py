@@ -315,3 +315,51 @@ def written_use(document: bytes) -> float:
     """The last use a document saved of its one file."""
     (entry,) = json.loads(document)["files"].values()
     return float(entry["used"])
+
+
+# A process whose files may hold 64 bytes (RLIMIT_FSIZE: a disk that fills
+# under a write), writing a document larger than that.
+FULL_WRITE = """
+import resource, signal, sys
+from pathlib import Path
+from mtrace_live.probes.elf import facts
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))
+try:
+    facts.write_private_json(Path(sys.argv[1]), {"files": "x" * 1000})
+except OSError as exc:
+    print(exc.errno)
+"""
+
+
+def test_a_write_that_fails_midway_leaves_no_file_behind(tmp_path: Path) -> None:
+    # GIVEN a document kept already, and a write of a new one that fails
+    # partway (the file may not grow past 64 bytes)
+    import errno
+    import subprocess
+    import sys
+
+    path = tmp_path / "files" / "facts-x.json"
+    facts.write_private_json(path, {"kept": 1})
+    done = subprocess.run([sys.executable, "-c", FULL_WRITE, str(path)], capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    # THEN the write said so, the document kept is whole, and no partial file is left
+    assert done.stdout.strip() == str(errno.EFBIG)
+    assert json.loads(path.read_text()) == {"kept": 1}
+    assert sorted(p.name for p in path.parent.iterdir()) == ["facts-x.json"]
+
+
+def test_a_save_removes_what_killed_writers_left_an_hour_ago(cache: Path, libc: Path) -> None:
+    # GIVEN a writer's temporary file from two hours ago, and one being written now
+    folder = cache.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    stale, fresh = folder / "tmpold.tmp", folder / "tmpnew.tmp"
+    for path in (stale, fresh):
+        path.write_bytes(b"{")
+    two_hours_ago = os.stat(stale).st_mtime - 7200
+    os.utime(stale, (two_hours_ago, two_hours_ago))
+    # WHEN a start keeps a fact and saves
+    exported_offset(libc, "malloc")
+    facts.save()
+    # THEN the old one is gone and the one being written is left alone
+    assert not stale.exists() and fresh.exists()

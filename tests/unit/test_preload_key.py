@@ -115,7 +115,8 @@ def root_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MTRACE_LIVE_PLAN_CACHE", str(tmp_path / "plans"))
     monkeypatch.setenv("MTRACE_LIVE_BPF_CACHE", str(tmp_path / "bpf"))
     monkeypatch.setattr(preload.os, "geteuid", lambda: 0)
-    for name, fresh in (("_begun_options", []), ("_taken_options", []), ("_PENDING", None)):
+    for name, fresh in (("_begun_options", []), ("_taken_options", []), ("_PENDING", None),
+                        ("_later", frozenset()), ("_times", {})):  # fmt: skip
         monkeypatch.setattr(preload, name, fresh)
 
 
@@ -139,10 +140,13 @@ def test_a_start_keeps_its_program_under_each_key_it_began_under() -> None:
     assert store.get("start:parsed", "program") == "def456"
     for key in ("start:argv:line", "start:parsed"):
         assert Given.from_kept(store.get(key, "given")) == Given({7: 0}, {"events": 4096})
-    # and what it never asked for is kept under both too
-    preload.keep_unused(set())
-    assert store.get("start:argv:line", "unused") == list(preload.DEFERRABLE)
-    assert store.get("start:parsed", "unused") == list(preload.DEFERRABLE)
+    # and the handlers it never asked for, and its handlers' load times, are
+    # kept under both too
+    preload.keep_handlers(["alloc_free", "unwind_python", "alloc_malloc"], {"alloc_malloc"},
+                          {"alloc_malloc": 0.5, "alloc_free": 1.25})  # fmt: skip
+    for key in ("start:argv:line", "start:parsed"):
+        assert store.get(key, "unused") == ["alloc_free", "unwind_python"]
+        assert store.get(key, "load_ms") == {"alloc_free": 1.2, "alloc_malloc": 0.5}
     # and a later program of the same process is not this start's
     preload.take("other", Given({}))
     assert store.get("start:argv:line", "program") == "def456"
@@ -169,3 +173,34 @@ def test_a_start_that_loads_the_program_kept_for_its_key_leaves_nothing_to_save(
     preload.begin("same")
     preload.take("fed987", Given({1: 1, 2: 5}))
     assert store.get("start:same", "program") == "fed987"
+
+
+@pytest.mark.usefixtures("root_start")
+def test_the_next_start_defers_what_the_last_never_asked_for_and_loads_the_longest_first(
+) -> None:  # fmt: skip
+    # GIVEN a start that loaded a program and asked for two of its four
+    # handlers, one of them long to load
+    store = facts.fact_store()
+    preload.begin("options")
+    preload.take("abc123", Given({1: 0}))
+    handlers = ["unwind_step", "alloc_return", "alloc_xallocx", "site_12"]
+    preload.keep_handlers(handlers, {"unwind_step", "alloc_return"},
+                          {"unwind_step": 48.0, "alloc_return": 21.0})  # fmt: skip
+    store.save()
+    # WHEN the next start with the same options begins
+    preload.begin("options")
+    try:
+        # THEN it defers the two never asked for, and knows which loads longest
+        assert preload.later() == {"alloc_xallocx", "site_12"}
+        assert preload.load_times() == {"unwind_step": 48.0, "alloc_return": 21.0}
+    finally:
+        preload.take("abc123", Given({1: 0}))  # (what was begun: closed)
+    # AND times that moved without changing which loads longest are not written again
+    preload.keep_handlers(handlers, {"unwind_step", "alloc_return"},
+                          {"unwind_step": 51.0, "alloc_return": 19.5})  # fmt: skip
+    assert not store.dirty
+    # while an order that changed is
+    preload.keep_handlers(handlers, {"unwind_step", "alloc_return"},
+                          {"unwind_step": 20.0, "alloc_return": 30.0})  # fmt: skip
+    assert store.dirty
+    assert store.get("start:options", "load_ms") == {"unwind_step": 20.0, "alloc_return": 30.0}

@@ -103,15 +103,17 @@ def uprobe_code(functions: Mapping[str, bytes]) -> dict[str, bytes]:
 
 
 def from_cache(compiled: bpf_cache.Compiled, links: bool, map_fds: dict[int, int] | None = None,
-               programs: dict[str, int] | None = None) -> CachedBpf:  # fmt: skip
+               programs: dict[str, int] | None = None,
+               uprobe_code: dict[str, bytes] | None = None) -> CachedBpf:  # fmt: skip
     """The program made from cached code instead of clang: the maps made
     anew, the code loaded with their descriptors, the tracepoint handlers
     attached as bcc's own start attaches them; with ``links``, the uprobe
     programs' code kept instead, to load for links. ``map_fds``: the maps,
     made already, and ``programs``: handlers loaded already, now its own
-    (tracer/bpf/preload.py). Raises on anything unexpected, with everything
-    made so far closed."""
-    bpf = CachedBpf(compiled, links, map_fds, programs)
+    (tracer/bpf/preload.py), with ``uprobe_code``: the uprobe programs'
+    code relocated to those maps already. Raises on anything unexpected,
+    with everything made so far closed."""
+    bpf = CachedBpf(compiled, links, map_fds, programs, uprobe_code)
     try:
         bpf.load()
         tracepoints = []
@@ -181,7 +183,8 @@ class CachedBpf:
 
     def __init__(self, compiled: bpf_cache.Compiled, links: bool,
                  map_fds: dict[int, int] | None = None,
-                 programs: dict[str, int] | None = None) -> None:  # fmt: skip
+                 programs: dict[str, int] | None = None,
+                 uprobe_code: dict[str, bytes] | None = None) -> None:  # fmt: skip
         self.compiled = compiled
         self.funcs: dict[bytes, Function] = {}
         self._loaded = dict(programs or {})  # handlers loaded already (preload): taken at load
@@ -192,6 +195,8 @@ class CachedBpf:
         # the uprobe programs' code, relocated, loaded for links (None: loaded here)
         self.mtrace_uprobe_code: dict[str, bytes] | None = {} if links else None
         self.map_fds: dict[int, int] = dict(map_fds or {})  # (made already: preload)
+        # the uprobe programs' code relocated to those maps already (preload)
+        self._relocated = dict(uprobe_code or {}) if map_fds else {}
         self._tables: dict[str, map_table.Table] = {}  # every map's, made at load
         self._attaching: threading.Thread | None = None  # (attach_tracepoints_apart)
         self._attach_failure: Exception | None = None
@@ -199,9 +204,8 @@ class CachedBpf:
     def load(self) -> None:
         """Make the maps, and load every program with their descriptors."""
         compiled = self.compiled
-        for spec in compiled.maps:
-            if spec.fd not in self.map_fds:
-                self.map_fds[spec.fd] = bpf_cache.recreate_map(spec)
+        self.map_fds.update(bpf_cache.recreate_maps([spec for spec in compiled.maps
+                                                     if spec.fd not in self.map_fds]))  # fmt: skip
         for spec in compiled.maps:  # (any type unknown: compiled instead, at once)
             self._tables[spec.name] = self._table(spec)
         for text, code in compiled.functions.items():
@@ -209,7 +213,10 @@ class CachedBpf:
                 self.mtrace_typed[text] = bpf_cache.relocate(code, self.map_fds)
                 continue
             if handler_type(text) == PROG_KPROBE and self.mtrace_uprobe_code is not None:
-                self.mtrace_uprobe_code[text] = bpf_cache.relocate(code, self.map_fds)
+                relocated = self._relocated.get(text)
+                if relocated is None:
+                    relocated = bpf_cache.relocate(code, self.map_fds)
+                self.mtrace_uprobe_code[text] = relocated
                 continue
             if bpf_callbacks.is_callback(text):
                 continue  # linked into its program's code

@@ -133,6 +133,8 @@ class BpfProgram:
         # the uprobes' perf events (uprobe_attach), each as it was attached
         self._uprobe_events: list[UprobeEvent] = []
         self._generation = 0  # of the uprobes attached for one thread (retarget)
+        # tail calls asked for inside uprobe_batch, set at its end (None: outside one)
+        self._tail_calls: list[tuple[str, dict[int, str]]] | None = None
         # the return probes of generations turned from, kept for the calls they saw enter
         self._kept_returns: dict[int, list[UprobeEvent]] = {}
         # event -> why the kernel refused its BTF-typed handler (its raw one is attached)
@@ -225,7 +227,7 @@ class BpfProgram:
                 return early.links  # (the same code, relocated to the same maps)
             early.links.close_programs()
         if links is not None:
-            links.prefetch(preload.later())
+            links.prefetch(preload.later(), preload.load_times())
         return links
 
     def _links_of(self, compiled: bpf_cache.Compiled) -> uprobe_multi.UprobeLinks | None:
@@ -247,7 +249,9 @@ class BpfProgram:
             if compiled is not None:
                 self._bpf = from_cache(compiled, self.uprobes_apart is None,
                                        early.map_fds if early is not None else None,
-                                       early.programs if early is not None else None)  # fmt: skip
+                                       early.programs if early is not None else None,
+                                       early.links.code if early is not None and early.links
+                                       else None)  # fmt: skip
             return compiled
         except Exception as exc:  # any doubt: compile, as without a cache
             if early is not None and early.links is not None:  # (its maps: closed with the rest)
@@ -358,17 +362,26 @@ class BpfProgram:
     def uprobe_batch(self) -> Iterator[None]:
         """The uprobes attached inside, attached at its end in as few links
         as can be (one per file, handler, process and kind); one perf event
-        each, at once, where the kernel has no links."""
+        each, at once, where the kernel has no links. The tail calls asked
+        for inside are set at its end too, after the links: the trace's gate
+        lets no event through before it opens, after the batch, and the
+        programs they call (the unwinder's step, the verifier's longest)
+        finish loading while the batch attaches."""
         if self.uprobe_links is None:
             yield
             return
+        self._tail_calls = []
         try:
             with self.uprobe_links.batch():
                 yield
+            for table, slots in self._tail_calls:
+                self._set_tail_calls(table, slots)
         except uprobe_multi.LinkFailure as exc:
             raise _attach_error(exc.uprobe, exc.failure) from None
         except OSError as exc:
             raise AttachError(f"cannot load a uprobe handler: {exc.strerror}") from None
+        finally:
+            self._tail_calls = None
 
     def _prog_fd(self, handler: str) -> int:
         """A uprobe-type program's fd (a uprobe's handler, or a step the
@@ -581,7 +594,14 @@ class BpfProgram:
         map_table.write_mapped(self.map_fd(table), first, data, leaf)
 
     def set_tail_calls(self, table: str, slots: Mapping[int, str]) -> None:
-        """Each slot of a program array given the uprobe-type program named."""
+        """Each slot of a program array given the uprobe-type program named
+        (inside uprobe_batch: at its end)."""
+        if self._tail_calls is not None:
+            self._tail_calls.append((table, dict(slots)))
+            return
+        self._set_tail_calls(table, slots)
+
+    def _set_tail_calls(self, table: str, slots: Mapping[int, str]) -> None:
         array = self._bpf[table]
         for slot, name in slots.items():
             array[ctypes.c_int(slot)] = ctypes.c_int(self._prog_fd(name))
@@ -740,7 +760,9 @@ class BpfProgram:
         self._typed.clear()
         if self.uprobe_links is not None:
             with contextlib.suppress(Exception):  # (the facts only ever save time)
-                preload.keep_unused(set(self.uprobe_links.programs))
+                loaded = self.uprobe_links
+                preload.keep_handlers([h for h in loaded.code if not bpf_callbacks.is_callback(h)],
+                                      set(loaded.programs), loaded.load_ms)  # fmt: skip
             self.uprobe_links.close_programs()
         with self._mapping:
             for mapped in self._mapped.values():

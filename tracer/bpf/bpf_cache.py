@@ -112,14 +112,21 @@ def map_spec(fd: int, name: str, table_id: int, key_desc: str, leaf_desc: str) -
                    info.max_entries, info.flags, info.name, key_desc, leaf_desc)  # fmt: skip
 
 
-def recreate_map(spec: MapSpec) -> int:
-    """A new map like ``spec``'s; OSError if the kernel refuses."""
-    fd = bpf_syscalls.create_map(bpf_syscalls.MapInfo(
-        spec.type, spec.key_size, spec.value_size, spec.max_entries, spec.flags,
-        spec.kernel_name))  # fmt: skip
-    if fd is None:
-        raise OSError(ctypes.get_errno(), f"cannot create map {spec.name}")
-    return fd
+def recreate_maps(specs: list[MapSpec]) -> dict[int, int]:
+    """A new map like each of ``specs``, made in one call (the interpreter
+    lock let go once: tracer/bpf/bpf_batch.c), by the spec's descriptor;
+    OSError for the first the kernel refused (none is left made)."""
+    fds = bpf_syscalls.create_maps([
+        bpf_syscalls.MapInfo(spec.type, spec.key_size, spec.value_size, spec.max_entries,
+                             spec.flags, spec.kernel_name) for spec in specs])  # fmt: skip
+    refused = next(((spec, -fd) for spec, fd in zip(specs, fds, strict=True) if fd < 0), None)
+    if refused is not None:
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
+        spec, error = refused
+        raise OSError(error, f"cannot create map {spec.name}: {os.strerror(error)}")
+    return {spec.fd: fd for spec, fd in zip(specs, fds, strict=True)}
 
 
 def relocate(code: bytes, fds: dict[int, int]) -> bytes:

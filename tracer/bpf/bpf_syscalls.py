@@ -27,9 +27,12 @@ import errno
 import os
 import struct
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from mtrace_live.tracer.bpf import _bpf_batch
 
 if TYPE_CHECKING:  # (imported where used: a start's first calls need neither)
     import numpy as np
@@ -325,11 +328,24 @@ def map_info(map_fd: int) -> MapInfo | None:
 
 def create_map(info: MapInfo) -> int | None:
     """A new map of that definition: its fd, or None (errno set)."""
+    fd = _bpf(BPF_MAP_CREATE, _map_create(info), long=True)  # (a large map's memory: milliseconds)
+    return fd if fd >= 0 else None
+
+
+def create_maps(infos: Sequence[MapInfo]) -> list[int]:
+    """A new map of each definition, in one call that lets the interpreter
+    lock go once (tracer/bpf/bpf_batch.c): each one's fd, or minus the
+    errno of its refusal."""
+    if SYS_BPF.get(MACHINE) is None:
+        return [-errno.ENOSYS for _ in infos]
+    return _bpf_batch.calls(BPF_MAP_CREATE, [_map_create(info) for info in infos])
+
+
+def _map_create(info: MapInfo) -> ctypes.Array[ctypes.c_char]:
     attr = ctypes.create_string_buffer(_MAP_CREATE.size)
     _MAP_CREATE.pack_into(attr, 0, info.type, info.key_size, info.value_size, info.max_entries,
                           info.flags, 0, 0, info.name.encode()[:15])  # fmt: skip
-    fd = _bpf(BPF_MAP_CREATE, attr, long=True)  # (a large map's memory: milliseconds)
-    return fd if fd >= 0 else None
+    return attr
 
 
 def program_ids() -> list[int]:

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import threading
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,14 +31,12 @@ from mtrace_live.probes.elf import facts
 from mtrace_live.tracer.bpf import bpf_cache, uprobe_multi
 
 # the facts' entry of a start's options: {"program": key, "given": {"values": [[mark,
-# value], ...], "sizes": {map: entries}}, "unused": [...]} (given: its run-time values,
-# probes/bpf/runtime.h, and maps' sizes: bpf_cache.Given)
+# value], ...], "sizes": {map: entries}}, "unused": [handler, ...], "load_ms": {handler:
+# ms}} (given: its run-time values, probes/bpf/runtime.h, and maps' sizes: bpf_cache.Given;
+# unused: the uprobe handlers that start never asked for, loaded by the next only when
+# first asked for; load_ms: how long each of its handlers took to load, the longest
+# loaded first)
 _START = "start"
-# Handlers loaded only when the trace first asks for them, where the last
-# start with the same options never did: unwind_python (a trace with no
-# Python process), whose verification is the longest of all (docs/performance.md,
-# section 12).
-DEFERRABLE = ("unwind_python",)
 
 
 @dataclass
@@ -62,8 +61,9 @@ class Made:
 
 
 class _Preload:
-    def __init__(self, key: str, given: bpf_cache.Given, later: frozenset[str]) -> None:
-        self.key, self.given, self.later = key, given, later
+    def __init__(self, key: str, given: bpf_cache.Given, later: frozenset[str],
+                 times: dict[str, float]) -> None:  # fmt: skip
+        self.key, self.given, self.later, self.times = key, given, later, times
         self.made: Made | None = None
         self._thread = threading.Thread(target=self._make, name="mtrace-preload", daemon=True)
         self._thread.start()
@@ -78,15 +78,14 @@ class _Preload:
             compiled = bpf_cache.specialize(compiled, self.given)
             made = Made(self.key, self.given, compiled, {}, None)
             try:
-                for spec in compiled.maps:
-                    made.map_fds[spec.fd] = bpf_cache.recreate_map(spec)
+                made.map_fds.update(bpf_cache.recreate_maps(compiled.maps))
                 if uprobe_multi.why_not() is None:
                     uprobes = bcc_revive.uprobe_code(compiled.functions)
                     code = {text: bpf_cache.relocate(code, made.map_fds)
                             for text, code in uprobes.items()}  # fmt: skip
                     made.links = uprobe_multi.UprobeLinks(code, compiled.license,
                                                           compiled.kern_version)  # fmt: skip
-                    made.links.prefetch(self.later)
+                    made.links.prefetch(self.later, self.times)
                 self._load_tracepoint_handlers(made)
             except BaseException:
                 made.close()
@@ -130,6 +129,9 @@ _ASKING = ("--help", "-h", "--version", "-V")
 # An option that ends a trace without changing its program (make setup's
 # starts end so: scripts/warm-caches.sh), left out of the key.
 UNKEYED = "--duration"
+# The handlers whose order is kept: two threads load them, so the order of
+# the first few (the verifier's longest) is what decides when the last one ends.
+LONGEST = 3
 
 
 def command_line_options(argv: list[str]) -> str | None:
@@ -229,39 +231,67 @@ def begin(options: str) -> None:
     start may begin under two keys (its command line's, then its parsed
     options', where the first had nothing kept): what it loads is kept
     under both."""
-    global _PENDING, _later
+    global _PENDING, _later, _times
     if bpf_cache.program_cache_dir() is None or os.geteuid() != 0:
         return
     _begun_options.append(options)
     if _PENDING is not None:
         return
-    unused = facts.fact_store().get(f"{_START}:{options}", "unused")
-    _later = frozenset(h for h in DEFERRABLE if isinstance(unused, list) and h in unused)
-    kept = facts.fact_store().get(f"{_START}:{options}", "program")
-    given = bpf_cache.Given.from_kept(facts.fact_store().get(f"{_START}:{options}", "given"))
+    entry = f"{_START}:{options}"
+    unused = facts.fact_store().get(entry, "unused")
+    if isinstance(unused, list):
+        _later = frozenset(h for h in unused if isinstance(h, str))
+    times = facts.fact_store().get(entry, "load_ms")
+    if isinstance(times, dict):
+        _times = {h: float(ms) for h, ms in times.items()
+                  if isinstance(h, str) and isinstance(ms, (int, float))}  # fmt: skip
+    kept = facts.fact_store().get(entry, "program")
+    given = bpf_cache.Given.from_kept(facts.fact_store().get(entry, "given"))
     if isinstance(kept, str) and kept.isalnum() and given is not None:
-        _PENDING = _Preload(kept, given, _later)
+        _PENDING = _Preload(kept, given, _later, _times)
 
 
 _begun_options: list[str] = []  # this start's keys: the program it loads is kept under each
-_taken_options: list[str] = []  # (those keys, once take kept it: keep_unused's)
+_taken_options: list[str] = []  # (those keys, once take kept it: keep_handlers')
 _later: frozenset[str] = frozenset()  # its handlers loaded at their first use
+_times: dict[str, float] = {}  # its handlers' load times the last time, in ms
 
 
 def later() -> frozenset[str]:
-    """The handlers this start loads only when first asked for (the last
-    start with its options never asked for them)."""
+    """The uprobe handlers this start loads only when first asked for (the
+    last start with its options never asked for them)."""
     return _later
 
 
-def keep_unused(asked: set[str]) -> None:
-    """Keep, for the next start with these options, which of the deferrable
-    handlers this trace never asked for (``asked``: those it did)."""
-    unused = [h for h in DEFERRABLE if h not in asked]
+def load_times() -> dict[str, float]:
+    """How long each handler took to load at the last start with these
+    options, in ms (the longest are loaded first)."""
+    return _times
+
+
+def keep_handlers(handlers: Iterable[str], asked: set[str], times: Mapping[str, float]) -> None:
+    """Keep, for the next start with these options, which of its uprobe
+    ``handlers`` this trace never asked for (``asked``: those it did) and
+    how long each one it loaded took (``times``, in ms)."""
+    unused = sorted(h for h in handlers if h not in asked)
+    loaded = {h: round(ms, 1) for h, ms in sorted(times.items())}
     for options in _taken_options:
         store = facts.fact_store()
         if store.get(f"{_START}:{options}", "unused") != unused:
             store.put(f"{_START}:{options}", "unused", unused)  # (saved at the trace's end)
+        kept = store.get(f"{_START}:{options}", "load_ms")
+        if not isinstance(kept, dict) or _reordered(kept, loaded):
+            store.put(f"{_START}:{options}", "load_ms", loaded)
+
+
+def _reordered(kept: dict[str, Any], loaded: dict[str, float]) -> bool:
+    """The handlers' order by load time changed (a time alone moving is not
+    worth a write at every trace's end)."""
+
+    def order(times: Mapping[str, Any]) -> list[str]:
+        return sorted(times, key=lambda h: (-float(times[h]), h))
+
+    return set(kept) != set(loaded) or order(kept)[:LONGEST] != order(loaded)[:LONGEST]
 
 
 def take(key: str, given: bpf_cache.Given) -> Made | None:

@@ -27,6 +27,7 @@ import functools
 import os
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,16 +162,26 @@ class UprobeLinks:
         self.links: list[Link] = []
         self._batch: list[Uprobe] | None = None
         self._loading: dict[str, _Loading] = {}  # by prefetch, not asked for yet
+        self.load_ms: dict[str, float] = {}  # how long each load took (the verifier's time)
 
-    def prefetch(self, later: frozenset[str] = frozenset()) -> None:
+    @property
+    def code(self) -> dict[str, bytes]:
+        """Each handler's code, as it is loaded (relocated to the trace's maps)."""
+        return self._code
+
+    def prefetch(self, later: frozenset[str] = frozenset(),
+                 times: Mapping[str, float] | None = None) -> None:  # fmt: skip
         """Load every program now but those ``later`` (loaded when first
-        asked for), the largest first, from LOADERS threads while this one
-        goes on: the verifier's milliseconds (most of a warm start's kernel
-        work) overlap each other and the tracer's own start. (A handler this
-        trace never attaches is loaded too: a few small ones.)"""
+        asked for), from LOADERS threads while this one goes on: the
+        verifier's milliseconds (most of a warm start's kernel work) overlap
+        each other and the tracer's own start. The longest to load go first
+        (``times``: each one's last load, in ms; else the largest code), so
+        that the last load ends soonest. (A handler this trace never
+        attaches is loaded too, where it is not ``later``: a few small ones.)"""
+        took = times or {}
         handlers = sorted((h for h in self._code
                            if not bpf_callbacks.is_callback(h) and h not in later),
-                          key=lambda h: -len(self._code[h]))  # fmt: skip
+                          key=lambda h: (-took.get(h, 0.0), -len(self._code[h])))  # fmt: skip
         self._loading = {h: _Loading() for h in handlers}
         queue = iter(list(self._loading.items()))  # (shared: next() on a list's iterator is atomic)
 
@@ -199,6 +210,12 @@ class UprobeLinks:
         return self.programs[handler]
 
     def _load(self, handler: str) -> int:
+        started = time.monotonic()
+        fd = self._load_now(handler)
+        self.load_ms[handler] = (time.monotonic() - started) * 1000
+        return fd
+
+    def _load_now(self, handler: str) -> int:
         if bpf_callbacks.has_callback(handler, self._code):
             try:
                 return bpf_callbacks.load_linked(self._code, handler, self._license,
