@@ -48,7 +48,7 @@ KEEP_TEXTS = 4096
 _kept: dict[str, CodeType] = {}
 _compiled: set[str] = set()  # texts this process compiled (not found kept)
 _unsaved = False  # (one of them not written yet)
-_used: set[str] = set()  # texts this process ran
+_used: set[str] = set()  # texts this process ran (kept alone past KEEP_TEXTS)
 _path: Path | None = None
 
 
@@ -69,20 +69,8 @@ def install() -> None:
     if directory is not None:
         _path = directory / FOLDER / file_name()
         _kept.update(read(_path))
-        atexit.register(save)
+        atexit.register(keep_compiled)
     dataclasses.exec = _exec  # type: ignore[attr-defined]  # (the module's own name shadows the built-in)
-
-
-def uninstall() -> None:
-    """``dataclasses`` compiles as before (the tests' undoing of ``install``)."""
-    global _path, _unsaved
-    with contextlib.suppress(AttributeError):
-        del dataclasses.exec  # type: ignore[attr-defined]
-    atexit.unregister(save)
-    _kept.clear()
-    _compiled.clear()
-    _used.clear()
-    _path, _unsaved = None, False
 
 
 def _exec(source: Any, globals: dict[str, Any] | None = None,
@@ -123,12 +111,13 @@ def read(path: Path) -> dict[str, CodeType]:
     return {}
 
 
-def save() -> None:
+def keep_compiled() -> None:
     """Keep what this process compiled, for the next (at its end)."""
     global _unsaved
     if _path is None or not _unsaved:
         return
-    kept = _kept if len(_kept) <= KEEP_TEXTS else {text: _kept[text] for text in _used}
+    # (copies: a thread may still be making classes)
+    kept = dict(_kept) if len(_kept) <= KEEP_TEXTS else {t: _kept[t] for t in list(_used)}
     body = marshal.dumps(kept)
     with contextlib.suppress(OSError, ValueError):
         write_private_file(_path, MAGIC + _digest(body) + body)

@@ -5,6 +5,7 @@ each start of the command is."""
 from __future__ import annotations
 
 import json
+import marshal
 import os
 import subprocess
 import sys
@@ -50,9 +51,14 @@ print(json.dumps({
 """
 
 
-def run(directory: Path, *, cache: str | None = None) -> dict[str, object]:
+def run(directory: Path, *, cache: str | None = None, keep: int | None = None,
+        extra: str = "") -> dict[str, object]:  # fmt: skip
+    """RUN in a process of its own (``keep``: its KEEP_TEXTS; ``extra``: more
+    of its code, after the install)."""
     environment = {**os.environ, "MTRACE_LIVE_PLAN_CACHE": cache or str(directory)}
-    done = subprocess.run([sys.executable, "-c", RUN], env=environment, capture_output=True,
+    limit = f"kept_code.KEEP_TEXTS = {keep}\n" if keep is not None else ""
+    script = RUN.replace("kept_code.install()\n", f"{limit}kept_code.install()\n{extra}")
+    done = subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True,
                           text=True, check=True)  # fmt: skip
     assert done.stderr == ""
     result: dict[str, object] = json.loads(done.stdout)
@@ -127,3 +133,24 @@ def test_a_directory_another_user_could_write_is_not_read(tmp_path: Path) -> Non
     kept_file(tmp_path).parent.chmod(0o770)
     # THEN nothing in it is read
     assert kept_code.read(kept_file(tmp_path)) == {}
+
+
+def test_texts_past_the_limit_are_dropped_but_those_the_run_used(tmp_path: Path) -> None:
+    # GIVEN a kept file holding a first run's texts and 50 of code no longer made
+    run(tmp_path)
+    path = kept_file(tmp_path)
+    ours = kept_code.read(path)
+    stale = {f"def stale_{n}(): pass": compile(f"def stale_{n}(): pass", "<string>", "exec")
+             for n in range(50)}  # fmt: skip
+    body = marshal.dumps({**ours, **stale})
+    path.write_bytes(kept_code.MAGIC + kept_code._digest(body) + body)
+    # WHEN a run that compiles one text of its own (a class more) keeps what
+    # it compiled, with room for fewer texts than the file holds
+    more = "@dataclasses.dataclass\nclass More:\n    n: int\n"
+    result = run(tmp_path, keep=len(ours) + 10, extra=more)
+    # THEN the file holds the texts that run used, its new ones among them
+    # (More's __init__, __repr__ and __eq__), and no stale one
+    kept = kept_code.read(path)
+    assert result["compiled"] == 3
+    assert set(ours) < set(kept) and len(kept) == len(ours) + 3
+    assert not set(stale) & set(kept)

@@ -239,12 +239,11 @@ def begin(options: str) -> None:
         return
     entry = f"{_START}:{options}"
     unused = facts.fact_store().get(entry, "unused")
-    if isinstance(unused, list):
-        _later = frozenset(h for h in unused if isinstance(h, str))
+    _later = frozenset(h for h in (unused if isinstance(unused, list) else [])
+                       if isinstance(h, str))  # fmt: skip
     times = facts.fact_store().get(entry, "load_ms")
-    if isinstance(times, dict):
-        _times = {h: float(ms) for h, ms in times.items()
-                  if isinstance(h, str) and isinstance(ms, (int, float))}  # fmt: skip
+    _times = {h: float(ms) for h, ms in (times.items() if isinstance(times, dict) else [])
+              if isinstance(h, str) and isinstance(ms, (int, float))}  # fmt: skip
     kept = facts.fact_store().get(entry, "program")
     given = bpf_cache.Given.from_kept(facts.fact_store().get(entry, "given"))
     if isinstance(kept, str) and kept.isalnum() and given is not None:
