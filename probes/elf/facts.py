@@ -64,8 +64,28 @@ def plan_cache_dir() -> Path | None:
 
 def private_file(path: Path) -> bool:
     """Owned by this user and writable by no one else."""
-    status = path.stat()
+    return _private(path.stat())
+
+
+def _private(status: os.stat_result) -> bool:
     return status.st_uid == os.geteuid() and not status.st_mode & 0o022
+
+
+def read_private_file(path: Path) -> bytes | None:
+    """The bytes of ``path`` where it and its directory are this user's
+    alone (``private_file``), else None. Both are checked on the descriptors
+    the bytes are read through, so that no one can put another file or
+    directory in their place between the check and the read. Raises OSError
+    (no such file)."""
+    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        if not _private(os.fstat(directory)):
+            return None
+        descriptor = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=directory)
+        with os.fdopen(descriptor, "rb") as file:
+            return file.read() if _private(os.fstat(file.fileno())) else None
+    finally:
+        os.close(directory)
 
 
 def write_private_json(path: Path, document: object) -> None:
@@ -214,9 +234,10 @@ class FactStore:
 
     def _read(self, path: Path) -> None:
         with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
-            if not (private_file(path.parent) and private_file(path)):
+            data = read_private_file(path)
+            if data is None:
                 return
-            document = json.loads(path.read_bytes())
+            document = json.loads(data)
             if document.get("format") == FORMAT and document.get("code") == code_version():
                 files = document.get("files")
                 if isinstance(files, dict):  # (an entry of another shape: not used)

@@ -36,7 +36,12 @@ from pathlib import Path
 from types import CodeType
 from typing import Any
 
-from mtrace_live.probes.elf.facts import FOLDER, plan_cache_dir, private_file, write_private_file
+from mtrace_live.probes.elf.facts import (
+    FOLDER,
+    plan_cache_dir,
+    read_private_file,
+    write_private_file,
+)
 
 MAGIC = b"mtrace-live class code 1\n"
 DIGEST_SIZE = 32
@@ -97,9 +102,9 @@ def read(path: Path) -> dict[str, CodeType]:
     """The texts and code kept in ``path``; nothing where it is not this
     user's alone, or not whole."""
     with contextlib.suppress(OSError, EOFError, ValueError, TypeError):
-        if not (private_file(path.parent) and private_file(path)):
+        data = read_private_file(path)
+        if data is None:
             return {}
-        data = path.read_bytes()
         body = data[len(MAGIC) + DIGEST_SIZE :]
         if (data[: len(MAGIC)] != MAGIC
                 or data[len(MAGIC) : len(MAGIC) + DIGEST_SIZE] != _digest(body)):  # fmt: skip

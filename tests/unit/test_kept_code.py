@@ -154,3 +154,21 @@ def test_texts_past_the_limit_are_dropped_but_those_the_run_used(tmp_path: Path)
     assert result["compiled"] == 3
     assert set(ours) < set(kept) and len(kept) == len(ours) + 3
     assert not set(stale) & set(kept)
+
+
+@pytest.mark.parametrize("swapped", ["file", "directory"])
+def test_a_link_put_in_the_place_of_the_file_or_its_directory_is_not_followed(
+    tmp_path: Path, swapped: str
+) -> None:
+    # GIVEN code kept by a first run, then the file (or its directory) moved
+    # away and a symbolic link to it put in its place
+    run(tmp_path)
+    path = kept_file(tmp_path)
+    moved = path.parent if swapped == "directory" else path
+    elsewhere = tmp_path / f"moved-{swapped}"
+    moved.rename(elsewhere)
+    moved.symlink_to(elsewhere)
+    # THEN nothing is read through the link, whatever it points to
+    assert kept_code.read(path) == {}
+    result = run(tmp_path)
+    assert isinstance(result["compiled"], int) and result["compiled"] >= 10

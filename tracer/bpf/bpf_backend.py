@@ -133,8 +133,9 @@ class BpfProgram:
         # the uprobes' perf events (uprobe_attach), each as it was attached
         self._uprobe_events: list[UprobeEvent] = []
         self._generation = 0  # of the uprobes attached for one thread (retarget)
-        # tail calls asked for inside uprobe_batch, set at its end (None: outside one)
+        # tail calls asked for inside the first uprobe_batch, set at its end (None: outside it)
         self._tail_calls: list[tuple[str, dict[int, str]]] | None = None
+        self._attached = False  # the first batch attached (what the trace asked for is known)
         # the return probes of generations turned from, kept for the calls they saw enter
         self._kept_returns: dict[int, list[UprobeEvent]] = {}
         # event -> why the kernel refused its BTF-typed handler (its raw one is attached)
@@ -359,29 +360,34 @@ class BpfProgram:
             raise _attach_error(uprobe, failure) from None
 
     @contextlib.contextmanager
-    def uprobe_batch(self) -> Iterator[None]:
+    def uprobe_batch(self, first: bool = False) -> Iterator[None]:
         """The uprobes attached inside, attached at its end in as few links
         as can be (one per file, handler, process and kind); one perf event
-        each, at once, where the kernel has no links. The tail calls asked
-        for inside are set at its end too, after the links: the trace's gate
-        lets no event through before it opens, after the batch, and the
-        programs they call (the unwinder's step, the verifier's longest)
-        finish loading while the batch attaches."""
+        each, at once, where the kernel has no links. ``first``: the trace's
+        first batch, its gate closed until after it: the tail calls asked for
+        inside are set at its end too, after the links, so that the programs
+        they call (the unwinder's step, the verifier's longest) finish
+        loading while the batch attaches."""
         if self.uprobe_links is None:
             yield
             return
-        self._tail_calls = []
+        deferring = first and self._tail_calls is None
+        if deferring:
+            self._tail_calls = []
         try:
             with self.uprobe_links.batch():
                 yield
-            for table, slots in self._tail_calls:
+            for table, slots in self._tail_calls if deferring and self._tail_calls else []:
                 self._set_tail_calls(table, slots)
         except uprobe_multi.LinkFailure as exc:
             raise _attach_error(exc.uprobe, exc.failure) from None
         except OSError as exc:
             raise AttachError(f"cannot load a uprobe handler: {exc.strerror}") from None
         finally:
-            self._tail_calls = None
+            if deferring:
+                self._tail_calls = None
+        if deferring:
+            self._attached = True
 
     def _prog_fd(self, handler: str) -> int:
         """A uprobe-type program's fd (a uprobe's handler, or a step the
@@ -595,7 +601,7 @@ class BpfProgram:
 
     def set_tail_calls(self, table: str, slots: Mapping[int, str]) -> None:
         """Each slot of a program array given the uprobe-type program named
-        (inside uprobe_batch: at its end)."""
+        (inside the trace's first uprobe_batch: at its end)."""
         if self._tail_calls is not None:
             self._tail_calls.append((table, dict(slots)))
             return
@@ -759,10 +765,14 @@ class BpfProgram:
             os.close(program)
         self._typed.clear()
         if self.uprobe_links is not None:
+            # (a start that failed before its first batch ended asked for few
+            # handlers: what it asked for says nothing of the next start's)
             with contextlib.suppress(Exception):  # (the facts only ever save time)
                 loaded = self.uprobe_links
-                preload.keep_handlers([h for h in loaded.code if not bpf_callbacks.is_callback(h)],
-                                      set(loaded.programs), loaded.load_ms)  # fmt: skip
+                if self._attached:
+                    preload.keep_handlers([h for h in loaded.code
+                                           if not bpf_callbacks.is_callback(h)],
+                                          set(loaded.programs), loaded.load_ms)  # fmt: skip
             self.uprobe_links.close_programs()
         with self._mapping:
             for mapped in self._mapped.values():

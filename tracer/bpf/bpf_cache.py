@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from mtrace_live.probes.elf.facts import private_file, write_private_json
+from mtrace_live.probes.elf.facts import read_private_file, write_private_json
 from mtrace_live.tracer.bpf import bpf_syscalls
 
 DEFAULT_DIR = Path("/var/cache/mtrace-live/bpf")
@@ -244,10 +244,11 @@ def load(key: str) -> Compiled | None:
     if not path.is_file():
         return None
     try:
-        if not (private_file(directory) and private_file(path)):
+        data = read_private_file(path)
+        if data is None:
             # code that someone else could have written is never loaded
             raise Unusable(f"{path} could be written by another user")
-        document = json.loads(path.read_bytes())
+        document = json.loads(data)
         compiled = Compiled(
             license=str(document["license"]),
             kern_version=int(document["kern_version"]),

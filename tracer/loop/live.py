@@ -283,7 +283,8 @@ class LiveTrace:
         try:
             if plan.config.first_tgid and target_pid is not None:
                 self.program.tables.set_first_target(target_pid)
-            with self.program.uprobe_batch():  # in as few links as can be, at its end
+            # in as few links as can be, at its end; the tail calls after them
+            with self.program.uprobe_batch(first=True):
                 self.unwinders = self._make_unwinders(plan)
                 # (attached meanwhile: before the targets' tables are written;
                 # the gate, closed until the end, lets no event through before)

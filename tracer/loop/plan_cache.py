@@ -27,7 +27,7 @@ from pathlib import Path
 
 from mtrace_live.probes import derived
 from mtrace_live.probes.elf.debug import find_debug_file
-from mtrace_live.probes.elf.facts import ENVIRONMENT, plan_cache_dir, private_file
+from mtrace_live.probes.elf.facts import ENVIRONMENT, plan_cache_dir, read_private_file
 from mtrace_live.probes.elf.file import build_id_of
 from mtrace_live.probes.errors import MtraceError
 from mtrace_live.tracer.bpf.bpf_cache import keep_json
@@ -89,9 +89,10 @@ def _key(libc: Path, debug_file: Path | None) -> str | None:
 
 def _read_kept(path: Path) -> derived.DerivedPlan | None:
     try:
-        if not (private_file(path.parent) and private_file(path)):
+        data = read_private_file(path)
+        if data is None:
             return None
-        plan = derived.plan_from_document(json.loads(path.read_bytes()))
+        plan = derived.plan_from_document(json.loads(data))
     except (OSError, ValueError, KeyError, TypeError):
         return None
     with contextlib.suppress(OSError):
