@@ -112,6 +112,10 @@ class UprobeEvent:
 class BpfProgram:
     """A compiled and attached bcc program, built from its bundled parts."""
 
+    # tail calls asked for inside the first uprobe_batch, set at its end (None: outside it)
+    _tail_calls: list[tuple[str, dict[int, str]]] | None = None
+    _attached = False  # the first batch attached (what the trace asked for is known)
+
     def __init__(self, source: ProgramSource, links: bool = True) -> None:
         """``links``: the uprobes may be attached in links (tracer/bpf/uprobe_multi.py),
         where the kernel has them."""
@@ -133,9 +137,6 @@ class BpfProgram:
         # the uprobes' perf events (uprobe_attach), each as it was attached
         self._uprobe_events: list[UprobeEvent] = []
         self._generation = 0  # of the uprobes attached for one thread (retarget)
-        # tail calls asked for inside the first uprobe_batch, set at its end (None: outside it)
-        self._tail_calls: list[tuple[str, dict[int, str]]] | None = None
-        self._attached = False  # the first batch attached (what the trace asked for is known)
         # the return probes of generations turned from, kept for the calls they saw enter
         self._kept_returns: dict[int, list[UprobeEvent]] = {}
         # event -> why the kernel refused its BTF-typed handler (its raw one is attached)
