@@ -206,3 +206,9 @@ def test_the_next_start_defers_what_the_last_never_asked_for_and_loads_the_longe
                           {"unwind_step": 20.0, "alloc_return": 30.0})  # fmt: skip
     assert store.dirty
     assert store.get("start:options", "load_ms") == {"unwind_step": 20.0, "alloc_return": 30.0}
+    # AND of many handlers' times, those of the three longest alone are kept
+    preload.keep_handlers(handlers, set(handlers), {"unwind_step": 50.0, "alloc_return": 16.0,
+                                                    "alloc_xallocx": 0.4, "site_12": 0.3,
+                                                    "lock_wait_enter": 7.5})  # fmt: skip
+    assert store.get("start:options", "load_ms") == {"unwind_step": 50.0, "alloc_return": 16.0,
+                                                     "lock_wait_enter": 7.5}  # fmt: skip

@@ -34,8 +34,8 @@ from mtrace_live.tracer.bpf import bpf_cache, uprobe_multi
 # value], ...], "sizes": {map: entries}}, "unused": [handler, ...], "load_ms": {handler:
 # ms}} (given: its run-time values, probes/bpf/runtime.h, and maps' sizes: bpf_cache.Given;
 # unused: the uprobe handlers that start never asked for, loaded by the next only when
-# first asked for; load_ms: how long each of its handlers took to load, the longest
-# loaded first)
+# first asked for; load_ms: how long its LONGEST longest handlers took to load, loaded
+# first by the next)
 _START = "start"
 
 
@@ -129,8 +129,8 @@ _ASKING = ("--help", "-h", "--version", "-V")
 # An option that ends a trace without changing its program (make setup's
 # starts end so: scripts/warm-caches.sh), left out of the key.
 UNKEYED = "--duration"
-# The handlers whose order is kept: two threads load them, so the order of
-# the first few (the verifier's longest) is what decides when the last one ends.
+# The handlers whose load times are kept: two threads load them, so the order
+# of the first few (the verifier's longest) is what decides when the last ends.
 LONGEST = 3
 
 
@@ -271,26 +271,23 @@ def load_times() -> dict[str, float]:
 def keep_handlers(handlers: Iterable[str], asked: set[str], times: Mapping[str, float]) -> None:
     """Keep, for the next start with these options, which of its uprobe
     ``handlers`` this trace never asked for (``asked``: those it did) and
-    how long each one it loaded took (``times``, in ms)."""
+    the load times (``times``, in ms) of the LONGEST that took longest (the
+    rest go by size: the facts' document is read at every start)."""
     unused = sorted(h for h in handlers if h not in asked)
-    loaded = {h: round(ms, 1) for h, ms in sorted(times.items())}
+    loaded = {h: round(times[h], 1) for h in _by_time(times)[:LONGEST]}
     for options in _taken_options:
         store = facts.fact_store()
         if store.get(f"{_START}:{options}", "unused") != unused:
             store.put(f"{_START}:{options}", "unused", unused)  # (saved at the trace's end)
         kept = store.get(f"{_START}:{options}", "load_ms")
-        if not isinstance(kept, dict) or _reordered(kept, loaded):
+        # (a time alone moving is not worth a write at every trace's end)
+        if not isinstance(kept, dict) or _by_time(kept) != _by_time(loaded):
             store.put(f"{_START}:{options}", "load_ms", loaded)
 
 
-def _reordered(kept: dict[str, Any], loaded: dict[str, float]) -> bool:
-    """The handlers' order by load time changed (a time alone moving is not
-    worth a write at every trace's end)."""
-
-    def order(times: Mapping[str, Any]) -> list[str]:
-        return sorted(times, key=lambda h: (-float(times[h]), h))
-
-    return set(kept) != set(loaded) or order(kept)[:LONGEST] != order(loaded)[:LONGEST]
+def _by_time(times: Mapping[str, Any]) -> list[str]:
+    """The handlers, the longest to load first."""
+    return sorted(times, key=lambda h: (-float(times[h]), h))
 
 
 def take(key: str, given: bpf_cache.Given) -> Made | None:
