@@ -52,7 +52,6 @@ KEEP_TEXTS = 4096
 
 _kept: dict[str, CodeType] = {}
 _compiled: set[str] = set()  # texts this process compiled (not found kept)
-_unsaved = False  # (one of them not written yet)
 _used: set[str] = set()  # texts this process ran (kept alone past KEEP_TEXTS)
 _path: Path | None = None
 
@@ -78,21 +77,15 @@ def install() -> None:
     dataclasses.exec = _exec  # type: ignore[attr-defined]  # (the module's own name shadows the built-in)
 
 
-def _exec(source: Any, globals: dict[str, Any] | None = None,
-          locals: dict[str, Any] | None = None, /) -> None:  # fmt: skip
-    """``exec`` as ``dataclasses`` calls it, a text compiled at most once."""
-    global _unsaved
-    if globals is None:  # (the caller's namespaces, as the built-in takes them)
-        caller = sys._getframe(1)
-        globals = caller.f_globals
-        locals = caller.f_locals if locals is None else locals
+def _exec(source: Any, globals: dict[str, Any], locals: dict[str, Any], /) -> None:
+    """``exec`` as ``dataclasses`` calls it (its module's namespace, always
+    given, and one of its own), a text compiled at most once."""
     if isinstance(source, str):
         code = _kept.get(source)
         if code is None:
             code = compile(source, "<string>", "exec", dont_inherit=True)
             _kept[source] = code
             _compiled.add(source)
-            _unsaved = True
         _used.add(source)
         source = code
     builtins.exec(source, globals, locals)
@@ -118,15 +111,13 @@ def read(path: Path) -> dict[str, CodeType]:
 
 def keep_compiled() -> None:
     """Keep what this process compiled, for the next (at its end)."""
-    global _unsaved
-    if _path is None or not _unsaved:
+    if _path is None or not _compiled:  # (called once: at the process's end)
         return
     # (copies: a thread may still be making classes)
     kept = dict(_kept) if len(_kept) <= KEEP_TEXTS else {t: _kept[t] for t in list(_used)}
     body = marshal.dumps(kept)
     with contextlib.suppress(OSError, ValueError):
         write_private_file(_path, MAGIC + _digest(body) + body)
-        _unsaved = False
 
 
 def _digest(body: bytes) -> bytes:

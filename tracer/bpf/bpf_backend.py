@@ -361,25 +361,27 @@ class BpfProgram:
             raise _attach_error(uprobe, failure) from None
 
     @contextlib.contextmanager
-    def uprobe_batch(self, first: bool = False) -> Iterator[None]:
+    def uprobe_batch(self) -> Iterator[None]:
         """The uprobes attached inside, attached at its end in as few links
         as can be (one per file, handler, process and kind); one perf event
-        each, at once, where the kernel has no links. ``first``: the trace's
-        first batch, its gate closed until after it: the tail calls asked for
+        each, at once, where the kernel has no links. In the trace's first
+        batch (its gate closed until after it) the tail calls asked for
         inside are set at its end too, after the links, so that the programs
         they call (the unwinder's step, the verifier's longest) finish
         loading while the batch attaches."""
         if self.uprobe_links is None:
             yield
             return
-        deferring = first and self._tail_calls is None
+        deferring = not self._attached and self._tail_calls is None
         if deferring:
             self._tail_calls = []
         try:
             with self.uprobe_links.batch():
                 yield
-            for table, slots in self._tail_calls if deferring and self._tail_calls else []:
-                self._set_tail_calls(table, slots)
+            if deferring:
+                pending, self._tail_calls = self._tail_calls or [], None
+                for table, slots in pending:
+                    self._set_tail_calls(table, slots)
         except uprobe_multi.LinkFailure as exc:
             raise _attach_error(exc.uprobe, exc.failure) from None
         except OSError as exc:
@@ -757,8 +759,7 @@ class BpfProgram:
         self._uprobe_events = []
         if (fds or links) and not detach_in_child(fds, links):
             for fd in [*fds, *links]:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+                bpf_syscalls.close_quietly(fd)
         for name in tracepoints:
             self._bpf.tracepoint_fds.pop(name)
         for program, attachment in self._typed.values():
@@ -771,9 +772,7 @@ class BpfProgram:
             with contextlib.suppress(Exception):  # (the facts only ever save time)
                 loaded = self.uprobe_links
                 if self._attached:
-                    preload.keep_handlers([h for h in loaded.code
-                                           if not bpf_callbacks.is_callback(h)],
-                                          set(loaded.programs), loaded.load_ms)  # fmt: skip
+                    preload.keep_handlers(loaded.handlers, set(loaded.programs), loaded.load_ms)
             self.uprobe_links.close_programs()
         with self._mapping:
             for mapped in self._mapped.values():

@@ -6,9 +6,9 @@
  * 69 maps on a thread of its own while the main thread imports and plans
  * (tracer/bpf/preload.py). Made through ctypes, each map's call let the
  * interpreter lock go and then waited to take it back from the busy main
- * thread: 0.6 ms of kernel work became 1.5 to 2 ms, and the maps took about
- * 80 ms where the kernel needs about 56. In one call, the thread takes the
- * lock back once.
+ * thread: a small map's 0.6 ms became 1.5 to 2 ms, and the maps took about
+ * 80 ms of a start. In one call, the thread takes the lock back once: 42 to
+ * 48 ms.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

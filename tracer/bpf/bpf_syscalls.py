@@ -22,6 +22,7 @@ little on every program run, so mtrace-live enables them only when asked
 from __future__ import annotations
 
 import array
+import contextlib
 import ctypes
 import errno
 import os
@@ -328,8 +329,11 @@ def map_info(map_fd: int) -> MapInfo | None:
 
 def create_map(info: MapInfo) -> int | None:
     """A new map of that definition: its fd, or None (errno set)."""
-    fd = _bpf(BPF_MAP_CREATE, _map_create(info), long=True)  # (a large map's memory: milliseconds)
-    return fd if fd >= 0 else None
+    (fd,) = create_maps([info])
+    if fd < 0:
+        ctypes.set_errno(-fd)
+        return None
+    return fd
 
 
 def create_maps(infos: Sequence[MapInfo]) -> list[int]:
@@ -459,6 +463,12 @@ def attach_raw_tracepoint(prog_fd: int, name: str | None = None) -> int:
 
 def close(fd: int | None) -> None:
     if fd is not None:
+        os.close(fd)
+
+
+def close_quietly(fd: int) -> None:
+    """Close ``fd``, whatever the close says (a descriptor being let go of)."""
+    with contextlib.suppress(OSError):
         os.close(fd)
 
 

@@ -10,6 +10,8 @@ import os
 import sys
 import threading
 
+from mtrace_live.tracer.bpf.bpf_syscalls import close_quietly
+
 DETACHER_NAME = b"mtrace-detach"
 _PR_SET_NAME = 15
 
@@ -46,7 +48,7 @@ def detach_in_child(perf_fds: list[int], apart: list[int] | None = None) -> bool
     if pid:
         try:
             for fd in [*perf_fds, *apart]:
-                _close_quietly(fd)
+                close_quietly(fd)
         finally:
             os.close(released)
             os.close(holding)  # the child reads the end of file: its copies are the last
@@ -79,14 +81,13 @@ def _detach(perf_fds: list[int], apart: list[int], released: int) -> None:
     for entry in os.listdir("/proc/self/fd"):
         fd = int(entry)
         if fd not in keep:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            close_quietly(fd)
     with contextlib.suppress(OSError):
         os.read(released, 1)  # end of file: the parent's copies are closed, or it is gone
     os.close(released)
     closers = _close_apart(apart)
     for fd in perf_fds:
-        _close_quietly(fd)
+        close_quietly(fd)
     for closer in closers:
         closer.join()
 
@@ -115,17 +116,12 @@ def _close_apart(apart: list[int]) -> list[threading.Thread]:
     tables, 80 ms for a trace's 26 links, the CPU of the next start."""
     threads = []
     for fd in apart:
-        closer = threading.Thread(target=_close_quietly, args=(fd,), daemon=True,
+        closer = threading.Thread(target=close_quietly, args=(fd,), daemon=True,
                                   name=DETACHER_NAME.decode())  # fmt: skip
         try:
             closer.start()
         except RuntimeError:  # (no thread could be started)
-            _close_quietly(fd)
+            close_quietly(fd)
             continue
         threads.append(closer)
     return threads
-
-
-def _close_quietly(fd: int) -> None:
-    with contextlib.suppress(OSError):
-        os.close(fd)

@@ -34,7 +34,7 @@ from mtrace_live.tracer.bpf import bpf_cache, uprobe_multi
 # value], ...], "sizes": {map: entries}}, "unused": [handler, ...], "load_ms": {handler:
 # ms}} (given: its run-time values, probes/bpf/runtime.h, and maps' sizes: bpf_cache.Given;
 # unused: the uprobe handlers that start never asked for, loaded by the next only when
-# first asked for; load_ms: how long its LONGEST longest handlers took to load, loaded
+# first asked for; load_ms: how long its LONGEST slowest handlers took to load, loaded
 # first by the next)
 _START = "start"
 

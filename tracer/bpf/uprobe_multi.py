@@ -169,6 +169,11 @@ class UprobeLinks:
         """Each handler's code, as it is loaded (relocated to the trace's maps)."""
         return self._code
 
+    @property
+    def handlers(self) -> list[str]:
+        """The handlers a uprobe can be attached to (their callbacks are not)."""
+        return [h for h in self._code if not bpf_callbacks.is_callback(h)]
+
     def prefetch(self, later: frozenset[str] = frozenset(),
                  times: Mapping[str, float] | None = None) -> None:  # fmt: skip
         """Load every program now but those ``later`` (loaded when first
@@ -179,8 +184,7 @@ class UprobeLinks:
         that the last load ends soonest. (A handler this trace never
         attaches is loaded too, where it is not ``later``: a few small ones.)"""
         took = times or {}
-        handlers = sorted((h for h in self._code
-                           if not bpf_callbacks.is_callback(h) and h not in later),
+        handlers = sorted((h for h in self.handlers if h not in later),
                           key=lambda h: (-took.get(h, 0.0), -len(self._code[h])))  # fmt: skip
         self._loading = {h: _Loading() for h in handlers}
         queue = iter(list(self._loading.items()))  # (shared: next() on a list's iterator is atomic)

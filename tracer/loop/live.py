@@ -284,7 +284,7 @@ class LiveTrace:
             if plan.config.first_tgid and target_pid is not None:
                 self.program.tables.set_first_target(target_pid)
             # in as few links as can be, at its end; the tail calls after them
-            with self.program.uprobe_batch(first=True):
+            with self.program.uprobe_batch():
                 self.unwinders = self._make_unwinders(plan)
                 # (attached meanwhile: before the targets' tables are written;
                 # the gate, closed until the end, lets no event through before)
